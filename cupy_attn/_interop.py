@@ -1,0 +1,182 @@
+"""Interop: torch tensors, CuPy arrays, NumPy arrays and any ``__dlpack__`` object in; the caller's kind back out.
+
+GPU inputs become CuPy views through DLPack, zero-copy. A call runs on the caller's stream: torch's current stream for
+torch tensors (wrapped as a ``cupy.cuda.ExternalStream``, so results are ordered with the caller's torch work and
+nothing synchronizes the device), CuPy's current stream otherwise. Outputs for torch callers are allocated by torch's
+caching allocator on that same stream, then viewed from CuPy.
+
+CPU inputs (NumPy arrays, CPU torch tensors) are the reference path: they are read as NumPy arrays.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import sys
+from typing import Any
+
+import numpy as np
+
+TORCH = "torch"          # torch CUDA tensor
+CUPY = "cupy"            # cupy.ndarray
+DLPACK = "dlpack"        # any other object with __dlpack__ on a CUDA device; results come back as CuPy arrays
+NUMPY = "numpy"          # numpy.ndarray: CPU reference path
+TORCH_CPU = "torch_cpu"  # CPU torch tensor: CPU reference path
+
+CPU_KINDS = (NUMPY, TORCH_CPU)
+
+_KDL_CUDA = 2  # DLDeviceType for CUDA memory in __dlpack_device__()
+
+
+def _torch():
+    """torch if the caller has imported it (we never import it ourselves: a torch tensor implies it is loaded)."""
+    return sys.modules.get("torch")
+
+
+def is_torch_tensor(x: Any) -> bool:
+    torch = _torch()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def kind_of(x: Any, name: str) -> str:
+    """Which kind of array ``x`` is; TypeError naming ``name`` for anything that is not an array."""
+    if is_torch_tensor(x):
+        return TORCH if x.is_cuda else TORCH_CPU
+    if isinstance(x, np.ndarray):
+        return NUMPY
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and isinstance(x, cupy.ndarray):
+        return CUPY
+    if hasattr(x, "__dlpack__") and hasattr(x, "__dlpack_device__"):
+        dev_type, _ = x.__dlpack_device__()
+        if int(dev_type) == _KDL_CUDA:
+            return DLPACK
+        raise TypeError(f"{name}: DLPack device type {int(dev_type)} is not supported (CUDA memory or NumPy only)")
+    raise TypeError(f"{name} must be a torch.Tensor, cupy.ndarray, numpy.ndarray or a CUDA __dlpack__ object, "
+                    f"got {type(x).__name__}")
+
+
+def device_of(x: Any, kind: str) -> int | None:
+    """CUDA device ordinal of a GPU array, None for CPU kinds."""
+    if kind == TORCH:
+        return x.device.index if x.device.index is not None else _torch().cuda.current_device()
+    if kind == CUPY:
+        return x.device.id
+    if kind == DLPACK:
+        return int(x.__dlpack_device__()[1])
+    return None
+
+
+def dtype_of(x: Any, kind: str) -> np.dtype:
+    """The element type as a NumPy dtype (bfloat16 as ml_dtypes.bfloat16) for every kind."""
+    if kind in (TORCH, TORCH_CPU):
+        return np.dtype(_torch_to_numpy_dtype(x.dtype))
+    if kind == DLPACK:
+        return np.dtype(_dlpack_view(x).dtype)
+    return np.dtype(x.dtype)
+
+
+def _torch_to_numpy_dtype(dt) -> Any:
+    torch = _torch()
+    if dt == torch.bfloat16:
+        import ml_dtypes
+        return ml_dtypes.bfloat16
+    if dt == torch.bool:
+        return np.bool_
+    return torch.empty((), dtype=dt).numpy().dtype
+
+
+def _numpy_to_torch_dtype(dt: np.dtype):
+    torch = _torch()
+    if dt.name == "bfloat16":
+        return torch.bfloat16
+    return torch.from_numpy(np.empty((), dtype=dt)).dtype
+
+
+def _dlpack_view(x: Any):
+    import cupy
+    return cupy.from_dlpack(x)
+
+
+@dataclasses.dataclass
+class CallContext:
+    """Where and how one call runs: the caller's kind, device and stream, and how to allocate outputs for it."""
+
+    kind: str
+    device_id: int | None
+    stream: Any = None  # cupy.cuda.Stream / ExternalStream for GPU kinds
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kind not in CPU_KINDS
+
+    @contextlib.contextmanager
+    def activate(self):
+        """Make the call's device and stream current for CuPy (allocations, launches, cuBLAS)."""
+        import cupy
+        with cupy.cuda.Device(self.device_id), self.stream:
+            yield
+
+    def as_cupy(self, x: Any):
+        """Zero-copy CuPy view of a GPU input (torch tensors are detached first: the forward needs no graph)."""
+        import cupy
+        if isinstance(x, cupy.ndarray):
+            return x
+        if is_torch_tensor(x):
+            x = x.detach()
+            torch = _torch()
+            if x.dtype == torch.bool:
+                # DLPack's bool is not accepted everywhere; the bytes are 0/1 either way.
+                return cupy.from_dlpack(x.view(torch.uint8)).view(cupy.bool_)
+        return cupy.from_dlpack(x)
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype):
+        """An uninitialised output on the caller's allocator: returns (native object to hand back, CuPy view)."""
+        import cupy
+        if self.kind == TORCH:
+            torch = _torch()
+            t = torch.empty(shape, dtype=_numpy_to_torch_dtype(np.dtype(dtype)), device=f"cuda:{self.device_id}")
+            return t, self.as_cupy(t)
+        a = cupy.empty(shape, dtype=dtype)
+        return a, a
+
+
+def context_for(x: Any, name: str = "query") -> CallContext:
+    """Context from the first array argument: torch's current stream for torch tensors, CuPy's otherwise."""
+    kind = kind_of(x, name)
+    if kind in CPU_KINDS:
+        return CallContext(kind, None)
+    import cupy
+    device_id = device_of(x, kind)
+    if kind == TORCH:
+        ts = _torch().cuda.current_stream(device_id)
+        stream = cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
+    else:
+        with cupy.cuda.Device(device_id):
+            stream = cupy.cuda.get_current_stream()
+    return CallContext(kind, device_id, stream)
+
+
+def to_numpy(x: Any, kind: str) -> np.ndarray:
+    """A CPU array as NumPy (bf16 torch tensors widen to float32, exactly; no other conversion)."""
+    if kind == TORCH_CPU:
+        x = x.detach()
+        if x.dtype == _torch().bfloat16:
+            return x.float().numpy()
+        return x.numpy()
+    if kind == NUMPY:
+        return x
+    import cupy
+    return cupy.asnumpy(_dlpack_view(x) if kind in (TORCH, DLPACK) else x)
+
+
+def from_numpy(a: np.ndarray, like_kind: str, dtype: np.dtype, device_id: int | None = None):
+    """Return a NumPy result as ``like_kind`` with element type ``dtype``."""
+    if like_kind == NUMPY:
+        return a.astype(dtype, copy=False)
+    if like_kind in (TORCH, TORCH_CPU):
+        torch = _torch()
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)).to(_numpy_to_torch_dtype(np.dtype(dtype)))
+        return t.to(f"cuda:{device_id}") if like_kind == TORCH else t
+    import cupy
+    with cupy.cuda.Device(device_id):
+        return cupy.asarray(a).astype(dtype)
