@@ -89,7 +89,7 @@ class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel variant; the message carries the variant's name and the NVRTC log."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # hashed by identity: one declared object per family
 class KernelFamily:
     """One ``.cu`` file's templates and the declared table of their instantiations.
 

@@ -29,5 +29,7 @@ __device__ __forceinline__ void store4(T* dst, float a, float b, float c, float 
 // log2(e): kernels work in base 2 (exp2f is one MUFU instruction); scales are pre-multiplied by it on the host.
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+// +inf. NVRTC has no <math.h> (no INFINITY) and rejects overflowing constant expressions: build it from its bits.
+__device__ __forceinline__ float inf() { return __int_as_float(0x7f800000); }
 
 }  // namespace cupy_attn

@@ -1,0 +1,73 @@
+"""Timing and reporting helpers shared by the benchmark scripts (run from the repo root or via bench/main.py).
+
+Times are medians of CUDA-event timings from ``cupyx.profiler.benchmark`` after warm-up, on fresh random inputs.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+
+import numpy as np
+
+GEMM_CEILING_TFLOPS = 728.0   # measured fp16 cuBLAS ceiling on the H200 (see bench/RESULTS.md)
+OUT_DIR = os.environ.get("CUPY_ATTN_BENCH_OUT", os.path.join(os.path.dirname(__file__), "out"))
+
+
+def gpu_available() -> bool:
+    try:
+        import cupy
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # no driver / no device / no CuPy
+        return False
+
+
+def median_ms(fn, n_repeat: int = 20, n_warmup: int = 3) -> float:
+    """Median GPU time of fn() in ms (CUDA events on CuPy's current stream, which torch's default stream shares)."""
+    from cupyx.profiler import benchmark
+    res = benchmark(fn, (), n_repeat=n_repeat, n_warmup=n_warmup)
+    return float(np.median(res.gpu_times[0]) * 1e3)
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / (ms * 1e-3) / 1e12 if ms and ms == ms else float("nan")
+
+
+def environment() -> dict:
+    env = {"date": datetime.date.today().isoformat(), "python": platform.python_version()}
+    try:
+        import cupy
+        env["cupy"] = cupy.__version__
+        env["gpu"] = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+        env["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+    except Exception:
+        pass
+    try:
+        import torch
+        env["torch"] = torch.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def fmt(x, spec=".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def print_table(rows: list[dict], columns: list[tuple[str, str, str]], title: str = "") -> str:
+    """columns: (key, header, format spec). Returns the markdown table it printed."""
+    lines = [f"| {' | '.join(h for _, h, _ in columns)} |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(k), s) if s else str(r.get(k, "")) for k, _, s in columns) + " |")
+    text = (f"\n{title}\n" if title else "") + "\n".join(lines)
+    print(text, flush=True)
+    return text
+
+
+def save_json(name: str, payload) -> str:
+    os.makedirs(OUT_DIR, exist_ok=True)
+    path = os.path.join(OUT_DIR, name)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    return path

@@ -1,0 +1,166 @@
+// Masked row softmax for the split attention path: P = softmax(S + mask) with S = scale·log2(e)·Q Kᵀ from cuBLAS.
+//
+// Math: for each score row s (already in base-2 units, the scale and log2(e) folded into the GEMM's alpha),
+//   s'_j = s_j + log2(e)·mask_j (float mask) | -inf where a bool mask is False or j > i + causal_offset,
+//   m = max_j s'_j,  l = Σ_j 2^(s'_j − m),  P_j = 2^(s'_j − m) / l,  lse = ln2·(m + log2 l)  (natural log).
+// Algorithm: the safe (max-subtracted) softmax, one pass over registers (Milakov & Gimelshein 2018 would merge max and
+// sum online; with the row in registers, two reductions over registers are cheaper than the rescaling).
+//
+// Thread mapping: kThreadsPerRow threads own one row; thread t holds float4 v at column 4·(v·kThreadsPerRow + t), so
+// each of the kVecs loads is coalesced across the group. A block is max(kThreadsPerRow, 128) threads, i.e. four rows
+// per block for the 32-thread groups that serve short rows. kVecs == 0 is the looping variant for rows longer than
+// the register tiles (> 16384): three sweeps over global memory (max, sum, write), the row re-read from L1/L2.
+//
+// In place: the scores buffer is fp32 with row pitch `ld` floats (ld % 4 == 0). P is written as OutT over the same
+// row, starting at the row's first byte, so the second GEMM reads it with a pitch of ld·4/sizeof(OutT) elements. A row
+// is read completely (reductions include a barrier) before any of it is written, so no element is overwritten before
+// its owner has read it. The looping variant writes tile by tile, each after a barrier: tile k's fp16 writes cover
+// fp32 columns below the tile's end, all of which were read already.
+//
+// Accumulation: fp32 throughout. Scores stay fp32 in memory on purpose: with |scale·q·k| up to ~50, fp16 scores would
+// carry an absolute error of ~0.02 in the exponent (2% in P) and bf16 ~0.2 (20%); fp32 keeps P within output rounding.
+//
+// Batch indexing: a row r of the launch is (local batch b = r / rows_per_batch, query row i = row0 + r % rows_per_batch).
+// The global batch index batch0 + b decomposes into up to three original axes (outer, middle, inner; sizes n1, n2
+// for the inner two) to find the row's mask and lse addresses, so broadcast masks need no expansion.
+//
+// Versions: v1 this kernel (register-resident rows, in-place P).
+#include "common/types.cuh"
+#include "common/reduce.cuh"
+
+namespace cupy_attn {
+
+enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
+
+struct SoftmaxParams {
+  float* scores;          // in: fp32 scores (rows, ld); out: P as OutT in place
+  float* lse;             // optional (nullptr): fp32 natural-log lse
+  const void* mask;       // optional: element (i, j) of a row's mask at mask_row + i·mask_stride_q + j·mask_stride_k
+  long long rows, rows_per_batch, row0, seqlen_k, ld;
+  long long causal_offset;  // key j is visible to query i iff j <= i + causal_offset (seqlen_k: no causal mask)
+  long long mask_kind;      // MaskKind; every field is 8 bytes so the host's NumPy struct has the same layout
+  long long batch0, n1, n2;                          // global batch index decomposition (outer, middle: n1, inner: n2)
+  long long mask_stride_b0, mask_stride_b1, mask_stride_b2, mask_stride_q, mask_stride_k;
+  long long lse_stride_b0, lse_stride_b1, lse_stride_b2;
+};
+
+__device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
+                                                  long long s0, long long s1, long long s2) {
+  const long long i2 = idx % n2; idx /= n2;
+  const long long i1 = idx % n1; idx /= n1;
+  return idx * s0 + i1 * s1 + i2 * s2;
+}
+
+// The score s_j after masking, in base-2 units: -inf for masked keys.
+__device__ __forceinline__ float apply_mask(float s, long long j, long long limit, const SoftmaxParams& p,
+                                            const char* mask_row) {
+  if (j > limit) return -inf();
+  if (p.mask_kind == kMaskNone) return s;
+  const long long off = j * p.mask_stride_k;
+  switch (p.mask_kind) {
+    case kMaskBool: return reinterpret_cast<const unsigned char*>(mask_row)[off] ? s : -inf();
+    case kMaskHalf: return s + kLog2e * to_float(reinterpret_cast<const __half*>(mask_row)[off]);
+    case kMaskBf16: return s + kLog2e * to_float(reinterpret_cast<const __nv_bfloat16*>(mask_row)[off]);
+    default:        return s + kLog2e * reinterpret_cast<const float*>(mask_row)[off];
+  }
+}
+
+__device__ __forceinline__ int mask_itemsize(int kind) {
+  return kind == kMaskBool ? 1 : (kind == kMaskFloat ? 4 : 2);
+}
+
+template <typename OutT, int kThreadsPerRow, int kVecs>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
+masked_softmax(const SoftmaxParams p) {
+  constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
+  constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
+  __shared__ float scratch[kBlockThreads / 32];
+
+  const long long row = static_cast<long long>(blockIdx.x) * kRowsPerBlock + threadIdx.x / kThreadsPerRow;
+  const int t = threadIdx.x % kThreadsPerRow;
+  // Rows past the end still join the block reductions (barriers) but never touch memory.
+  const bool active = row < p.rows;
+  const long long b = active ? row / p.rows_per_batch : 0;
+  const long long i = p.row0 + (active ? row % p.rows_per_batch : 0);
+  const long long limit = i + p.causal_offset;
+  const long long gbatch = p.batch0 + b;
+  const char* mask_row = nullptr;
+  if (p.mask_kind != kMaskNone) {
+    mask_row = reinterpret_cast<const char*>(p.mask) +
+               (batch_offset(gbatch, p.n1, p.n2, p.mask_stride_b0, p.mask_stride_b1, p.mask_stride_b2) +
+                i * p.mask_stride_q) * mask_itemsize(p.mask_kind);
+  }
+  float* srow = p.scores + (active ? row : 0) * p.ld;
+  OutT* prow = reinterpret_cast<OutT*>(srow);
+  const long long S = p.seqlen_k;
+
+  float m = -inf(), l = 0.f;
+  if constexpr (kVecs > 0) {
+    float x[kVecs][4];
+    #pragma unroll
+    for (int v = 0; v < kVecs; ++v) {
+      const long long c = 4LL * (v * kThreadsPerRow + t);
+      float4 f = make_float4(-inf(), -inf(), -inf(), -inf());
+      if (active && c < S) f = *reinterpret_cast<const float4*>(srow + c);
+      x[v][0] = f.x; x[v][1] = f.y; x[v][2] = f.z; x[v][3] = f.w;
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[v][e] = (active && c + e < S) ? apply_mask(x[v][e], c + e, limit, p, mask_row) : -inf();
+        m = fmaxf(m, x[v][e]);
+      }
+    }
+    m = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    // A fully masked row has m = -inf; subtracting 0 instead keeps every 2^(s - m) at 0 (and NaN stays NaN).
+    const float m_safe = m == -inf() ? 0.f : m;
+    #pragma unroll
+    for (int v = 0; v < kVecs; ++v)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) { x[v][e] = exp2f(x[v][e] - m_safe); l += x[v][e]; }
+    l = group_reduce<kThreadsPerRow>(l, SumOp(), scratch);  // its barrier also ends every read of this row
+    const float inv_l = l == 0.f ? 0.f : 1.f / l;
+    if (active) {
+      #pragma unroll
+      for (int v = 0; v < kVecs; ++v) {
+        const long long c = 4LL * (v * kThreadsPerRow + t);
+        if (c < S) store4<OutT>(prow + c, x[v][0] * inv_l, x[v][1] * inv_l, x[v][2] * inv_l, x[v][3] * inv_l);
+      }
+    }
+  } else {
+    // Looping variant: the row does not fit in registers. Sweep 1: online max and sum (one read).
+    for (long long c = 4LL * t; c < S; c += 4LL * kThreadsPerRow) {
+      const float4 f = active ? *reinterpret_cast<const float4*>(srow + c) : make_float4(0.f, 0.f, 0.f, 0.f);
+      auto online = [&](float x, int e) {
+        const float s = (active && c + e < S) ? apply_mask(x, c + e, limit, p, mask_row) : -inf();
+        if (s > m) { l = l * exp2f(m - s) + 1.f; m = s; }
+        else l += exp2f(s - (m == -inf() ? 0.f : m));
+      };
+      online(f.x, 0); online(f.y, 1); online(f.z, 2); online(f.w, 3);
+    }
+    const float m_row = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    const float m_safe = m_row == -inf() ? 0.f : m_row;
+    l = group_reduce<kThreadsPerRow>(l * exp2f((m == -inf() ? 0.f : m) - m_safe), SumOp(), scratch);
+    const float inv_l = l == 0.f ? 0.f : 1.f / l;
+    // Sweep 2: read a tile, barrier, write it (see the in-place note in the header).
+    for (long long base = 0; base < S; base += 4LL * kThreadsPerRow) {
+      const long long c = base + 4LL * t;
+      float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (active && c < S) {
+        y = *reinterpret_cast<const float4*>(srow + c);
+        auto prob = [&](float s, int e) {
+          return c + e < S ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * inv_l : 0.f;
+        };
+        y = make_float4(prob(y.x, 0), prob(y.y, 1), prob(y.z, 2), prob(y.w, 3));
+      }
+      __syncthreads();
+      if (active && c < S) store4<OutT>(prow + c, y.x, y.y, y.z, y.w);
+    }
+    m = m_row;
+  }
+
+  if (p.lse != nullptr && active && t == 0) {
+    const long long off = batch_offset(gbatch, p.n1, p.n2, p.lse_stride_b0, p.lse_stride_b1, p.lse_stride_b2) + i;
+    p.lse[off] = l == 0.f ? -inf() : kLn2 * ((m == -inf() ? 0.f : m) + log2f(l));
+  }
+}
+
+}  // namespace cupy_attn

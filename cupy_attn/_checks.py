@@ -1,0 +1,207 @@
+"""Argument checks for scaled_dot_product_attention: every error is raised here, before anything is launched.
+
+``check_sdpa`` validates kinds, devices, dtypes, shapes, the mask and the flags, and returns an :class:`SDPAProblem`:
+the call normalized to 4-D views (batch, heads, seqlen, head_dim) with the mask broadcast to (batch, Hq, L, S) by
+strides. Every backend reads that one description.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from . import _interop
+from .reference import CAUSAL_ALIGNMENTS
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+BACKENDS = ("auto", "fused", "split", "reference")
+
+
+@dataclasses.dataclass
+class SDPAProblem:
+    """One attention call, checked and normalized.
+
+    query/key/value: the caller's arrays as CuPy (GPU) or NumPy (CPU) arrays, viewed as (batch, heads, seqlen, dim);
+    batch folds every leading axis before the head axis (size 1 when there is none). mask: None or a view broadcast to
+    (batch, num_heads, seqlen_q, seqlen_k), stride 0 along broadcast axes. ``copies`` says which inputs had to be
+    copied to reach a layout the kernels read (shown by explain()).
+    """
+
+    ctx: _interop.CallContext
+    query: Any
+    key: Any
+    value: Any
+    batch_shape: tuple[int, ...]   # query.shape[:-2]: the output's leading shape
+    batch: int
+    num_heads: int
+    num_kv_heads: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    head_dim_v: int
+    dtype: np.dtype
+    scale: float
+    causal: str | None             # None, "top_left" (torch's is_causal) or "bottom_right"
+    mask: Any = None
+    mask_kind: str = "none"        # "none" | "bool" | "float"
+    copies: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def groups(self) -> int:
+        """Query heads per key/value head (1 without GQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    def flops(self) -> float:
+        """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
+        f = 2.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
+        return f / 2 if self.causal else f
+
+
+def _dtype_name(dtype: np.dtype) -> str:
+    return np.dtype(dtype).name
+
+
+def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend) -> SDPAProblem:
+    """Validate a scaled_dot_product_attention call; raise TypeError/ValueError/NotImplementedError naming the argument."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if dropout_p > 0.0:
+        raise NotImplementedError("dropout_p > 0 is not supported yet: cupy_attn has no dropout (pass dropout_p=0.0)")
+    if is_causal is True:
+        causal = "top_left"
+    elif is_causal is False or is_causal is None:
+        causal = None
+    elif is_causal in CAUSAL_ALIGNMENTS:
+        causal = is_causal
+    else:
+        raise ValueError(f"is_causal must be a bool, 'top_left' or 'bottom_right', got {is_causal!r}")
+    if causal is not None and attn_mask is not None:
+        raise ValueError("attn_mask and is_causal cannot both be set (as in torch): fold the causal mask into attn_mask")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+
+    ctx = _interop.context_for(query, "query")
+    arrays = {"query": query, "key": key, "value": value}
+    if attn_mask is not None:
+        arrays["attn_mask"] = attn_mask
+    for name, x in arrays.items():
+        kind = _interop.kind_of(x, name)
+        if (kind in _interop.CPU_KINDS) != (ctx.kind in _interop.CPU_KINDS):
+            where = "CPU" if kind in _interop.CPU_KINDS else "a CUDA device"
+            raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
+        if ctx.on_gpu and _interop.device_of(x, kind) != ctx.device_id:
+            raise ValueError(f"{name} is on cuda:{_interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+
+    dtypes = {name: _interop.dtype_of(x, _interop.kind_of(x, name)) for name, x in arrays.items()}
+    for name in ("query", "key", "value"):
+        if _dtype_name(dtypes[name]) not in FLOAT_DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]}")
+    for name in ("key", "value"):
+        if dtypes[name] != dtypes["query"]:
+            raise TypeError(f"{name} dtype {dtypes[name]} differs from query dtype {dtypes['query']}")
+
+    q_shape, k_shape, v_shape = (tuple(x.shape) for x in (query, key, value))
+    for name, shape in (("query", q_shape), ("key", k_shape), ("value", v_shape)):
+        if len(shape) < 3:
+            raise ValueError(f"{name} must have shape (..., heads, seqlen, head_dim) with at least 3 axes, "
+                             f"got {len(shape)}-D {shape}")
+    if not len(q_shape) == len(k_shape) == len(v_shape):
+        raise ValueError(f"query, key and value must have the same number of axes, got {len(q_shape)}, "
+                         f"{len(k_shape)} and {len(v_shape)}")
+    nd = len(q_shape)
+    for axis in range(nd - 3):
+        for name, shape in (("key", k_shape), ("value", v_shape)):
+            if shape[axis] != q_shape[axis]:
+                raise ValueError(f"{name} batch axis {axis} has size {shape[axis]}, query's has {q_shape[axis]}")
+    if k_shape[-1] != q_shape[-1]:
+        raise ValueError(f"key head_dim (axis -1) is {k_shape[-1]}, query's is {q_shape[-1]}: they must match")
+    if v_shape[-2] != k_shape[-2]:
+        raise ValueError(f"value seqlen (axis -2) is {v_shape[-2]}, key's is {k_shape[-2]}: they must match")
+    if v_shape[-3] != k_shape[-3]:
+        raise ValueError(f"value heads (axis -3) is {v_shape[-3]}, key's is {k_shape[-3]}: they must match")
+    num_heads, num_kv_heads = q_shape[-3], k_shape[-3]
+    if enable_gqa:
+        if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+            raise ValueError(f"enable_gqa: query heads (axis -3) = {num_heads} must be a multiple of key/value "
+                             f"heads = {num_kv_heads}")
+    elif num_heads != num_kv_heads:
+        raise ValueError(f"key heads (axis -3) is {num_kv_heads}, query's is {num_heads}: they must match "
+                         f"(pass enable_gqa=True for grouped-query attention)")
+    if q_shape[-1] == 0:
+        raise ValueError("query head_dim (axis -1) must be at least 1")
+    seqlen_q, seqlen_k = q_shape[-2], k_shape[-2]
+
+    mask_kind = "none"
+    target = q_shape[:-2] + (seqlen_q, seqlen_k)
+    if attn_mask is not None:
+        mname = _dtype_name(dtypes["attn_mask"])
+        if mname == "bool":
+            mask_kind = "bool"
+        elif mname in FLOAT_DTYPES:
+            mask_kind = "float"
+        else:
+            raise TypeError(f"attn_mask must be bool (True = take part) or float16/bfloat16/float32 (added to the "
+                            f"scores), got {dtypes['attn_mask']}")
+        m_shape = tuple(attn_mask.shape)
+        if len(m_shape) > len(target):
+            raise ValueError(f"attn_mask has {len(m_shape)} axes, more than the scores' {len(target)} {target}")
+        for off in range(1, len(m_shape) + 1):
+            if m_shape[-off] not in (1, target[-off]):
+                raise ValueError(f"attn_mask axis {-off} has size {m_shape[-off]}, not broadcastable to "
+                                 f"{target[-off]} (scores shape {target})")
+
+    head_dim = q_shape[-1]
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+    problem = SDPAProblem(
+        ctx=ctx, query=query, key=key, value=value, batch_shape=q_shape[:-2],
+        batch=int(np.prod(q_shape[:-3], dtype=np.int64)), num_heads=num_heads, num_kv_heads=num_kv_heads,
+        seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=v_shape[-1],
+        dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind)
+    if ctx.on_gpu:
+        _to_gpu_views(problem)
+    return problem
+
+
+def _fold_leading(x, name: str, copies: list[str]):
+    """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy only when they have no common stride."""
+    import cupy
+    shape = x.shape
+    if len(shape) == 3:
+        return x[None]
+    batch = int(np.prod(shape[:-3], dtype=np.int64))
+    lead = [(n, s) for n, s in zip(shape[:-3], x.strides[:-3]) if n != 1]
+    foldable = all(lead[i][1] == lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1))
+    if foldable:
+        stride = lead[-1][1] if lead else 0
+        return cupy.lib.stride_tricks.as_strided(x, (batch,) + shape[-3:], (stride,) + x.strides[-3:])
+    copies.append(f"{name}: leading axes {shape[:-3]} have no common stride; copied to fold them into one batch axis")
+    return cupy.ascontiguousarray(x).reshape((batch,) + shape[-3:])
+
+
+def _unit_last_axis(x, name: str, copies: list[str]):
+    """Kernels and cuBLAS read rows with unit element stride and non-overlapping rows; copy otherwise."""
+    import cupy
+    rows_ok = x.shape[-2] <= 1 or x.strides[-2] >= x.shape[-1] * x.itemsize
+    if (x.strides[-1] == x.itemsize or x.shape[-1] == 1) and rows_ok:
+        return x
+    copies.append(f"{name}: strides {x.strides} (bytes) are not unit along the last axis; copied to contiguous")
+    return cupy.ascontiguousarray(x)
+
+
+def _to_gpu_views(p: SDPAProblem) -> None:
+    import cupy
+    ctx = p.ctx
+    with ctx.activate():
+        for name in ("query", "key", "value"):
+            x = _unit_last_axis(ctx.as_cupy(getattr(p, name)), name, p.copies)
+            setattr(p, name, _fold_leading(x, name, p.copies))
+        if p.mask is not None:
+            m = ctx.as_cupy(p.mask)
+            m = cupy.broadcast_to(m, p.batch_shape + (p.seqlen_q, p.seqlen_k))
+            p.mask = _fold_leading(m, "attn_mask", p.copies)

@@ -1,0 +1,103 @@
+"""Per-call choice of the attention path: fused kernel, split path (cuBLAS + softmax kernel), or float64 reference.
+
+The decision is a pure function of the checked problem and the device's compute capability, so it can be printed
+(``cupy_attn.explain``) and tested on a machine without a GPU. ``CUPY_ATTN_BACKEND`` (fused | split | reference)
+overrides ``backend="auto"`` for debugging.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from . import _split
+
+ENV_BACKEND = "CUPY_ATTN_BACKEND"
+
+
+@dataclasses.dataclass
+class Plan:
+    """What one call will run, and why."""
+
+    backend: str                       # "fused" | "split" | "reference"
+    reason: str
+    details: dict = dataclasses.field(default_factory=dict)
+    copies: list = dataclasses.field(default_factory=list)
+
+    def __str__(self) -> str:
+        lines = [f"backend: {self.backend}", f"why: {self.reason}"]
+        lines += [f"{k}: {v}" for k, v in self.details.items()]
+        lines += [f"copy: {c}" for c in self.copies]
+        return "\n".join(lines)
+
+
+def _flash_module():
+    try:
+        from . import _flash
+    except ImportError:  # the fused family is not part of this build
+        return None
+    return _flash
+
+
+def fused_unsupported_reason(p, arch: int) -> str | None:
+    """None when the fused kernel can run ``p`` on compute capability ``arch``, else why not."""
+    flash = _flash_module()
+    if flash is None:
+        return "the fused kernel is not available in this build"
+    return flash.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch)
+
+
+def device_arch(p) -> int:
+    """Compute capability of the call's device as an int (90 for an H200); 0 on the CPU path."""
+    if not p.ctx.on_gpu:
+        return 0
+    import cupy
+    return int(cupy.cuda.Device(p.ctx.device_id).compute_capability)
+
+
+def prefer_fused(p) -> tuple[bool, str]:
+    """Auto rule between the two GPU paths for a call both can run.
+
+    The split path's cost is its two GEMMs plus one pass over an L×S fp32 score buffer (12 bytes per score: write fp32,
+    read fp32, write P, read P); the fused kernel moves no scores but runs its GEMMs at a lower rate than cuBLAS. With
+    head_dim ≤ 256 the fused kernel never loses for long rows; it is chosen whenever it supports the call.
+    """
+    return True, "fused kernel supports this call (no L×S score buffer)"
+
+
+def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
+    """Choose the path for a checked problem (see _checks.SDPAProblem); ValueError when a forced path cannot run it."""
+    copies = list(p.copies)
+    if not p.ctx.on_gpu:
+        return Plan("reference", f"{p.ctx.kind} inputs run the float64 NumPy reference on the CPU", copies=copies)
+    arch = device_arch(p) if arch is None else arch
+    requested = backend
+    if backend == "auto" and os.environ.get(ENV_BACKEND):
+        backend = os.environ[ENV_BACKEND]
+        if backend not in ("fused", "split", "reference"):
+            raise ValueError(f"{ENV_BACKEND} must be fused, split or reference, got {backend!r}")
+    forced = f"forced by {ENV_BACKEND}" if requested == "auto" and backend != "auto" else "requested"
+    if backend == "reference":
+        return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
+    fused_why_not = fused_unsupported_reason(p, arch)
+    if backend == "fused":
+        if fused_why_not:
+            raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
+        return Plan("fused", f"fused {forced}", copies=copies)
+    if backend == "auto" and fused_why_not is None:
+        use_fused, why = prefer_fused(p)
+        if use_fused:
+            return Plan("fused", why, copies=copies)
+    reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
+    return Plan("split", reason, details=split_details(p), copies=copies)
+
+
+def split_details(p) -> dict:
+    """Chunking of the split path's score buffer, as split_forward will do it."""
+    ld = -(-p.seqlen_k // 8) * 8
+    per_item = p.seqlen_q * ld * 4
+    budget = _split.workspace_bytes_default()
+    return {
+        "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
+        "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
+        "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(p.seqlen_k),),
+    }

@@ -1,0 +1,186 @@
+"""The split attention path: cuBLAS GEMM → fused mask + softmax kernel → cuBLAS GEMM.
+
+    scores = (scale·log2 e) · Q Kᵀ      gemmStridedBatchedEx, fp16/bf16/fp32 in, fp32 compute, fp32 out
+    P      = softmax2(scores + mask)     cuda_src/softmax.cu, in place over the scores buffer (P in the input dtype)
+    out    = P V                          gemmStridedBatchedEx, fp32 compute, out in the input dtype
+
+Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies. The L×S scores
+buffer is the only large temporary: batch·heads (and, for very long rows, query rows) are processed in chunks so that
+it stays under ``workspace_bytes``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from . import _cublas
+from ._compile import KernelFamily
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
+
+# (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
+# first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
+# four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
+# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns.
+SOFTMAX_TILES = ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0))
+
+SOFTMAX = KernelFamily(
+    name="softmax",
+    source="softmax.cu",
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}>",
+    axes={"out_t": tuple(_C_TYPES.values()), "tile": SOFTMAX_TILES},
+)
+
+_MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
+
+# Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
+_PARAMS = np.dtype([(name, np.int64) for name in (
+    "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
+    "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
+    "lse_stride_b0", "lse_stride_b1", "lse_stride_b2")])
+
+DEFAULT_WORKSPACE_BYTES = 1 << 30
+
+
+def softmax_tile(seqlen_k: int) -> tuple[int, int]:
+    """The first SOFTMAX_TILES entry whose register row covers seqlen_k columns (S=1024 → (128, 2))."""
+    for threads, vecs in SOFTMAX_TILES:
+        if vecs == 0 or threads * vecs * 4 >= seqlen_k:
+            return threads, vecs
+    raise AssertionError("SOFTMAX_TILES ends with a looping entry")
+
+
+def workspace_bytes_default() -> int:
+    """Scores-buffer budget: ``CUPY_ATTN_WORKSPACE_BYTES`` or 1 GiB."""
+    return int(os.environ.get("CUPY_ATTN_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES))
+
+
+@dataclasses.dataclass
+class _Axis:
+    """One batch axis of the GEMMs: its size and element strides in each operand (0 = broadcast)."""
+    size: int
+    q: int
+    k: int
+    v: int
+    o: int
+    mask: int
+    lse: int
+
+
+def _batch_axes(p, out, lse) -> list[_Axis]:
+    """(batch, kv head, group) axes; query head h = kv_head · groups + group reads kv head h // groups (GQA)."""
+    g = p.groups
+    st = lambda a, i: a.strides[i] // a.itemsize if a is not None else 0  # noqa: E731
+    q, k, v, m = p.query, p.key, p.value, p.mask
+    return [
+        _Axis(p.batch, st(q, 0), st(k, 0), st(v, 0), st(out, 0), st(m, 0), st(lse, 0)),
+        _Axis(p.num_kv_heads, g * st(q, 1), st(k, 1), st(v, 1), g * st(out, 1), g * st(m, 1), g * st(lse, 1)),
+        _Axis(g, st(q, 1), 0, 0, st(out, 1), st(m, 1), st(lse, 1)),
+    ]
+
+
+def _gemm_batch_groups(axes: list[_Axis]) -> list[list[_Axis]]:
+    """Group adjacent axes that fold into one GEMM batch stride for Q, K, V and out (size-1 axes are dropped).
+
+    Contiguous BHLD with GQA 32/8 over 2 batches: (2, 8, 4) → [[batch, kv head], [group]]: the (batch, kv head) pair
+    folds (query stride 8·4·L·E = 8 · (4·L·E)), the group axis does not (its K stride is 0).
+    """
+    groups: list[list[_Axis]] = []
+    for ax in (a for a in axes if a.size != 1):
+        if groups:
+            last = groups[-1][-1]
+            if all(getattr(last, f) == ax.size * getattr(ax, f) for f in ("q", "k", "v", "o")):
+                groups[-1].append(ax)
+                continue
+        groups.append([ax])
+    return groups
+
+
+def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> None:
+    """Run the split path for a checked problem ``p`` (see _checks.SDPAProblem) on CuPy's current stream.
+
+    out: (batch, Hq, L, Ev) CuPy array, query dtype; lse: None or (batch, Hq, L) float32. Raises MemoryError through
+    CuPy if even one query row of scores exceeds the device's memory.
+    """
+    import cupy
+
+    L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
+    if out.size == 0:
+        return
+    if S == 0:  # every row is fully masked: output 0, lse -inf (as the reference)
+        out.fill(0)
+        if lse is not None:
+            lse.fill(-np.inf)
+        return
+    dtype = p.dtype
+    isz = dtype.itemsize
+    ld = -(-S // 8) * 8                      # fp32 pitch: 32-byte aligned rows for cuBLAS and float4 loads
+    pitch_p = ld * 4 // isz                  # the same rows read as P in the input dtype
+    budget = workspace_bytes or workspace_bytes_default()
+    row_bytes = ld * 4
+    rows_per_chunk = L if L * row_bytes <= budget else max(1, budget // row_bytes)
+
+    groups = _gemm_batch_groups(_batch_axes(p, out, lse))
+    if not groups:
+        groups = [[_Axis(1, 0, 0, 0, 0, 0, 0)]]
+    main = max(range(len(groups)), key=lambda i: np.prod([a.size for a in groups[i]]))
+    batch_group = groups[main]
+    loops = [g for i, g in enumerate(groups) if i != main]
+    n_batch = int(np.prod([a.size for a in batch_group]))
+    inner = batch_group[-1]
+    per_chunk = max(1, min(n_batch, 65535, budget // (rows_per_chunk * row_bytes))) if rows_per_chunk == L else 1
+    # Strides of one step of the folded batch axis, and the mask/lse decomposition of its index (≤ 3 axes).
+    bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
+    dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
+
+    scores = cupy.empty(per_chunk * rows_per_chunk * ld, dtype=cupy.float32)
+    tile = softmax_tile(S)
+    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype.name], tile=tile)
+    rows_per_block = max(1, 128 // tile[0])
+    block = max(tile[0], 128)
+    mask = p.mask
+    mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (mask.dtype.name if mask is not None else None)]
+    mask_isz = mask.itemsize if mask is not None else 1
+    causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
+    alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
+    params = np.zeros((), dtype=_PARAMS)
+    params["scores"] = scores.data.ptr
+    params["lse"] = lse.data.ptr if lse is not None else 0
+    params["seqlen_k"], params["ld"], params["causal_offset"], params["mask_kind"] = S, ld, causal_offset, mask_kind
+    params["n1"], params["n2"] = dec[1].size, dec[2].size
+    for i, ax in enumerate(dec):
+        params[f"mask_stride_b{i}"], params[f"lse_stride_b{i}"] = ax.mask, ax.lse
+    if mask is not None:
+        params["mask_stride_q"], params["mask_stride_k"] = mask.strides[2] // mask_isz, mask.strides[3] // mask_isz
+
+    q0, k0, v0, o0 = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr
+    sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
+    for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
+        off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse")}
+        for idx, g in zip(loop_index, loops):
+            for ax in reversed(g):  # decompose the folded index over the group's axes, innermost first
+                for f in off:
+                    off[f] += (idx % ax.size) * getattr(ax, f)
+                idx //= ax.size
+        params["mask"] = mask.data.ptr + off["mask"] * mask_isz if mask is not None else 0
+        lse_base = off["lse"]
+        for c0 in range(0, n_batch, per_chunk):
+            nb = min(per_chunk, n_batch - c0)
+            for r0 in range(0, L, rows_per_chunk):
+                lc = min(rows_per_chunk, L - r0)
+                _cublas.gemm_strided_batched(
+                    c_ptr=scores.data.ptr, c_dtype=np.float32, ldc=ld, stride_c=lc * ld,
+                    a_ptr=q0 + (off["q"] + c0 * bq + r0 * sq) * isz, a_dtype=dtype, lda=max(sq, E), stride_a=bq,
+                    trans_a=False,
+                    b_ptr=k0 + (off["k"] + c0 * bk) * isz, b_dtype=dtype, ldb=max(sk, E), stride_b=bk, trans_b=True,
+                    m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32)
+                params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
+                params["lse"] = lse.data.ptr + lse_base * 4 if lse is not None else 0
+                kernel((-(-nb * lc // rows_per_block),), (block,), (params,))
+                _cublas.gemm_strided_batched(
+                    c_ptr=o0 + (off["o"] + c0 * bo + r0 * so) * isz, c_dtype=dtype, ldc=max(so, Ev), stride_c=bo,
+                    a_ptr=scores.data.ptr, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p, trans_a=False,
+                    b_ptr=v0 + (off["v"] + c0 * bv) * isz, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv,
+                    trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32)

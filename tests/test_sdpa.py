@@ -1,0 +1,221 @@
+"""scaled_dot_product_attention on the GPU (split path unless a test says otherwise) against the float64 reference."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import reference
+
+from _tolerance import as_f64, assert_close
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+F = torch.nn.functional
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def _rand(shape, dtype, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale).to(DTYPES[dtype])
+
+
+def _run(q, k, v, dtype, backend="split", what="", **kw):
+    """Run cupy_attn (output poisoned first via a warm call pattern) and compare to reference and torch's error."""
+    ref, ref_lse = reference.scaled_dot_product_attention(
+        as_f64(q), as_f64(k), as_f64(v), None if kw.get("attn_mask") is None else as_f64(kw["attn_mask"]) if
+        kw["attn_mask"].dtype != torch.bool else kw["attn_mask"].cpu().numpy(),
+        is_causal=kw.get("is_causal", False), scale=kw.get("scale"), enable_gqa=kw.get("enable_gqa", False),
+        return_lse=True)
+    _poison_next_allocations(q, ref.shape, ref_lse.shape)
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
+    torch_kw = {k_: v_ for k_, v_ in kw.items() if k_ in ("attn_mask", "is_causal", "scale", "enable_gqa")}
+    if isinstance(torch_kw.get("is_causal"), str):
+        torch_kw.pop("is_causal")
+        L, S = q.shape[-2], k.shape[-2]
+        torch_kw["attn_mask"] = torch.ones(L, S, dtype=torch.bool, device="cuda").tril(S - L)
+    torch_out = F.scaled_dot_product_attention(q, k, v, **torch_kw) if q.numel() and k.numel() else None
+    assert_close(out, ref, dtype, torch_out, what)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(as_f64(lse)[finite], ref_lse[finite], rtol=1e-3, atol=1e-3, err_msg=what)
+    assert np.all(as_f64(lse)[~finite & ~np.isnan(ref_lse)] == -np.inf), what
+    return out
+
+
+def _poison_next_allocations(q, out_shape, lse_shape):
+    """Free NaN-filled blocks of exactly the outputs' sizes: torch's caching allocator hands them to the next
+    allocations of those sizes on this stream, so an element the kernels never write stays NaN and fails."""
+    junk = [torch.full(out_shape, float("nan"), device=q.device, dtype=q.dtype),
+            torch.full(lse_shape, float("nan"), device=q.device, dtype=torch.float32)]
+    del junk
+
+
+LS = [(1, 1), (1, 513), (113, 203), (512, 512), (1023, 1024), (2048, 77)]
+EEV = [(8, 8), (40, 40), (64, 64), (80, 80), (128, 128), (200, 200), (256, 256), (1000, 1000), (1024, 1024), (64, 200)]
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("L,S", LS)
+def test_seqlens(dtype, L, S):
+    g = torch.Generator("cuda").manual_seed(L * 7 + S)
+    q, k, v = _rand((1, 3, L, 64), dtype, g), _rand((1, 3, S, 64), dtype, g), _rand((1, 3, S, 64), dtype, g)
+    _run(q, k, v, dtype, what=f"{dtype} L={L} S={S}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("E,Ev", EEV)
+def test_head_dims(dtype, E, Ev):
+    g = torch.Generator("cuda").manual_seed(E + 3 * Ev)
+    q, k, v = _rand((2, 2, 113, E), dtype, g), _rand((2, 2, 203, E), dtype, g), _rand((2, 2, 203, Ev), dtype, g)
+    _run(q, k, v, dtype, what=f"{dtype} E={E} Ev={Ev}")
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_large_magnitude_scores(dtype):
+    """|scale·q·k| up to ~50: the fp32 score buffer keeps the softmax accurate."""
+    g = torch.Generator("cuda").manual_seed(11)
+    q, k, v = _rand((2, 4, 128, 64), dtype, g, 3.0), _rand((2, 4, 256, 64), dtype, g, 3.0), _rand((2, 4, 256, 64),
+                                                                                                 dtype, g)
+    s = (q.float() @ k.float().transpose(-1, -2)) / 8
+    assert s.abs().max() > 30
+    _run(q, k, v, dtype, what=f"{dtype} large scores")
+
+
+MASKS = {
+    "bool_key_padding": lambda B, H, L, S, g: torch.rand(B, 1, 1, S, generator=g, device="cuda") > 0.3,
+    "bool_full": lambda B, H, L, S, g: torch.rand(B, H, L, S, generator=g, device="cuda") > 0.5,
+    "bool_LS": lambda B, H, L, S, g: torch.rand(L, S, generator=g, device="cuda") > 0.5,
+    "float_HLS": lambda B, H, L, S, g: torch.randn(H, L, S, generator=g, device="cuda"),
+    "float_neg_inf": lambda B, H, L, S, g: torch.where(torch.rand(B, 1, L, S, generator=g, device="cuda") > 0.6,
+                                                       0.0, float("-inf")),
+    "float_row_broadcast": lambda B, H, L, S, g: torch.randn(B, H, L, 1, generator=g, device="cuda"),
+}
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("mask_name", list(MASKS))
+def test_masks(dtype, mask_name):
+    g = torch.Generator("cuda").manual_seed(5)
+    B, H, L, S = 2, 3, 67, 131
+    q, k, v = _rand((B, H, L, 80), dtype, g), _rand((B, H, S, 80), dtype, g), _rand((B, H, S, 48), dtype, g)
+    mask = MASKS[mask_name](B, H, L, S, g)
+    if mask.dtype != torch.bool:
+        mask = mask.to(DTYPES[dtype])
+    _run(q, k, v, dtype, attn_mask=mask, what=f"{dtype} {mask_name}")
+
+
+def test_fully_masked_rows_give_zero_not_nan():
+    g = torch.Generator("cuda").manual_seed(6)
+    q, k, v = (_rand((2, 2, 16, 32), "float16", g) for _ in range(3))
+    mask = torch.ones(2, 2, 16, 16, dtype=torch.bool, device="cuda")
+    mask[0, 1, 3] = False
+    mask[1] = False
+    out = _run(q, k, v, "float16", attn_mask=mask, what="fully masked")
+    assert torch.all(out[1] == 0) and torch.all(out[0, 1, 3] == 0)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("alignment", [True, "bottom_right"])
+@pytest.mark.parametrize("L,S", [(100, 300), (256, 256), (300, 100)])
+def test_causal(dtype, alignment, L, S):
+    g = torch.Generator("cuda").manual_seed(L + S)
+    q, k, v = _rand((1, 4, L, 64), dtype, g), _rand((1, 4, S, 64), dtype, g), _rand((1, 4, S, 64), dtype, g)
+    _run(q, k, v, dtype, is_causal=alignment, what=f"{dtype} causal={alignment} L={L} S={S}")
+
+
+@pytest.mark.parametrize("H,Hkv", [(8, 2), (4, 1), (32, 8)])
+def test_gqa(H, Hkv):
+    g = torch.Generator("cuda").manual_seed(H)
+    q, k, v = _rand((2, H, 70, 64), "float16", g), _rand((2, Hkv, 90, 64), "float16", g), _rand((2, Hkv, 90, 32),
+                                                                                                 "float16", g)
+    mask = torch.rand(2, 1, 70, 90, generator=g, device="cuda") > 0.2
+    _run(q, k, v, "float16", enable_gqa=True, attn_mask=mask, what=f"gqa {H}/{Hkv}")
+
+
+def test_bshd_views_read_in_place():
+    g = torch.Generator("cuda").manual_seed(8)
+    B, S, H, D = 2, 96, 4, 64
+    q, k, v = (_rand((B, S, H, D), "float16", g).transpose(1, 2) for _ in range(3))
+    assert not q.is_contiguous()
+    assert not cupy_attn.explain(q, k, v, backend="split").copies
+    _run(q, k, v, "float16", what="BSHD")
+
+
+def test_torch_and_cupy_inputs_agree_and_kinds_round_trip():
+    import cupy
+    g = torch.Generator("cuda").manual_seed(9)
+    q, k, v = (_rand((2, 4, 100, 64), "bfloat16", g) for _ in range(3))
+    out_t = cupy_attn.scaled_dot_product_attention(q, k, v)
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    out_c = cupy_attn.scaled_dot_product_attention(cq, ck, cv)
+    assert isinstance(out_t, torch.Tensor) and out_t.dtype == torch.bfloat16
+    assert isinstance(out_c, cupy.ndarray) and out_c.dtype.name == "bfloat16"
+    assert torch.equal(out_t, torch.from_dlpack(out_c))
+
+
+def test_runs_on_callers_torch_stream():
+    g = torch.Generator("cuda").manual_seed(10)
+    q, k, v = (_rand((4, 8, 256, 128), "float16", g) for _ in range(3))
+    expected = cupy_attn.scaled_dot_product_attention(q, k, v)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        q2 = q * 1  # produced on the side stream: ordering on it is what the test checks
+        out = cupy_attn.scaled_dot_product_attention(q2, k, v)
+        out2 = out.clone()
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(out2, expected)
+
+
+def test_requires_grad_inputs_accepted():
+    g = torch.Generator("cuda").manual_seed(12)
+    q, k, v = (_rand((1, 2, 32, 64), "float32", g).requires_grad_() for _ in range(3))
+    out = cupy_attn.scaled_dot_product_attention(q, k, v)
+    assert not out.requires_grad and out.shape == (1, 2, 32, 64)
+
+
+@pytest.mark.parametrize("workspace", [1 << 20, 64 << 10])
+def test_chunking_by_heads_and_rows_gives_same_result(workspace):
+    g = torch.Generator("cuda").manual_seed(13)
+    q, k, v = _rand((2, 8, 300, 64), "float16", g), _rand((2, 8, 500, 64), "float16", g), _rand((2, 8, 500, 64),
+                                                                                                "float16", g)
+    mask = torch.rand(2, 1, 300, 500, generator=g, device="cuda") > 0.3
+    whole = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    chunked = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, workspace_bytes=workspace)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+
+
+def test_long_rows_use_the_looping_softmax():
+    g = torch.Generator("cuda").manual_seed(14)
+    q, k, v = _rand((1, 2, 5, 32), "float16", g), _rand((1, 2, 20000, 32), "float16", g), _rand((1, 2, 20000, 32),
+                                                                                                "float16", g)
+    mask = torch.rand(1, 1, 5, 20000, generator=g, device="cuda") > 0.5
+    _run(q, k, v, "float16", attn_mask=mask, what="S=20000")
+
+
+def test_nan_propagates_and_empty_shapes():
+    g = torch.Generator("cuda").manual_seed(15)
+    q, k, v = (_rand((1, 2, 8, 16), "float32", g) for _ in range(3))
+    k[0, 1, 3, 0] = float("nan")
+    out = cupy_attn.scaled_dot_product_attention(q, k, v)
+    assert torch.isnan(out[0, 1]).all() and not torch.isnan(out[0, 0]).any()
+    empty_l = cupy_attn.scaled_dot_product_attention(q[:, :, :0], k, v)
+    assert empty_l.shape == (1, 2, 0, 16)
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k[:, :, :0], v[:, :, :0], return_lse=True)
+    assert torch.all(out == 0) and torch.all(lse == float("-inf"))
+
+
+def test_fp32_is_exact_fp32_by_default():
+    """fp32 must not silently use TF32: its error stays near fp32 rounding, far below TF32's ~1e-3."""
+    g = torch.Generator("cuda").manual_seed(16)
+    q, k, v = (_rand((1, 4, 256, 256), "float32", g) for _ in range(3))
+    ref = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v))
+    err = np.abs(as_f64(cupy_attn.scaled_dot_product_attention(q, k, v)) - ref).max()
+    assert err < 1e-5, err
+    err_tf32 = np.abs(as_f64(cupy_attn.scaled_dot_product_attention(q, k, v, allow_tf32=True)) - ref).max()
+    assert err_tf32 < 64 * 2.0 ** -11, err_tf32
+
+
+def test_reference_backend_on_gpu_inputs():
+    g = torch.Generator("cuda").manual_seed(17)
+    q, k, v = (_rand((1, 2, 16, 8), "float16", g) for _ in range(3))
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, backend="reference")
+    assert out.is_cuda and out.dtype == torch.float16
+    assert_close(out, reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v)), "float16")

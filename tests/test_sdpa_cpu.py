@@ -1,0 +1,160 @@
+"""Argument checking, the CPU (reference) path and dispatch decisions: no GPU needed."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import _checks, _dispatch, _interop, reference
+
+SDPA = cupy_attn.scaled_dot_product_attention
+
+
+def _qkv(B=2, H=4, L=5, S=7, E=8, Ev=8, Hkv=None, dtype=np.float32, seed=0):
+    rng = np.random.default_rng(seed)
+    Hkv = H if Hkv is None else Hkv
+    return (rng.standard_normal((B, H, L, E)).astype(dtype), rng.standard_normal((B, Hkv, S, E)).astype(dtype),
+            rng.standard_normal((B, Hkv, S, Ev)).astype(dtype))
+
+
+# --- argument errors: each names the argument (and axis) -----------------------------------------------------------
+
+@pytest.mark.parametrize("change,exc,match", [
+    (lambda q, k, v: (q[0, 0], k, v), ValueError, "query must have shape"),
+    (lambda q, k, v: (q, k[None], v), ValueError, "same number of axes"),
+    (lambda q, k, v: (q, k[:1], v[:1]), ValueError, "key batch axis 0"),
+    (lambda q, k, v: (q, k[:, :2], v[:, :2]), ValueError, "key heads .axis -3."),
+    (lambda q, k, v: (q, k[..., :4], v), ValueError, "key head_dim .axis -1."),
+    (lambda q, k, v: (q, k, v[:, :, :3]), ValueError, "value seqlen .axis -2."),
+    (lambda q, k, v: (q, k, v[:, :2]), ValueError, "value heads .axis -3."),
+    (lambda q, k, v: (q, k.astype(np.float16), v), TypeError, "key dtype"),
+    (lambda q, k, v: (q.astype(np.int32), k, v), TypeError, "query must be float16, bfloat16 or float32"),
+    (lambda q, k, v: (q.astype(np.float64), k.astype(np.float64), v.astype(np.float64)), TypeError, "query must be"),
+    (lambda q, k, v: (q.tolist(), k, v), TypeError, "query must be a torch.Tensor"),
+    (lambda q, k, v: (q, "key", v), TypeError, "key must be a torch.Tensor"),
+    (lambda q, k, v: (q[..., :0], k[..., :0], v), ValueError, "head_dim .axis -1. must be at least 1"),
+])
+def test_shape_and_dtype_errors(change, exc, match):
+    with pytest.raises(exc, match=match):
+        SDPA(*change(*_qkv()))
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [
+    ({"attn_mask": np.ones((5, 6), bool)}, ValueError, "attn_mask axis -1 has size 6"),
+    ({"attn_mask": np.ones((3, 5, 7), bool)}, ValueError, "attn_mask axis -3 has size 3"),
+    ({"attn_mask": np.ones((1, 1, 1, 1, 5, 7), bool)}, ValueError, "attn_mask has 6 axes"),
+    ({"attn_mask": np.ones((5, 7), np.int64)}, TypeError, "attn_mask must be bool"),
+    ({"attn_mask": np.ones((5, 7), bool), "is_causal": True}, ValueError, "attn_mask and is_causal"),
+    ({"is_causal": "diagonal"}, ValueError, "is_causal must be"),
+    ({"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    ({"dropout_p": 1.5}, ValueError, "dropout_p must be in"),
+    ({"scale": "0.1"}, TypeError, "scale must be a float"),
+    ({"backend": "magic"}, ValueError, "backend must be one of"),
+])
+def test_flag_and_mask_errors(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        SDPA(*_qkv(), **kwargs)
+
+
+def test_gqa_errors():
+    q, k, v = _qkv(H=6, Hkv=4)
+    with pytest.raises(ValueError, match="query heads .axis -3. = 6 must be a multiple of key/value heads = 4"):
+        SDPA(q, k, v, enable_gqa=True)
+    q, k, v = _qkv(H=8, Hkv=4)
+    with pytest.raises(ValueError, match="pass enable_gqa=True"):
+        SDPA(q, k, v)
+
+
+def test_device_mismatch_cpu_gpu_is_named():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv()
+
+    class FakeCuda:  # a CUDA __dlpack__ object, without needing a GPU (the check runs before any conversion)
+        shape = k.shape
+
+        def __dlpack__(self, stream=None):
+            raise AssertionError("must not be converted")
+
+        def __dlpack_device__(self):
+            return (2, 0)
+
+    with pytest.raises(ValueError, match="key is on a CUDA device but query is not"):
+        SDPA(torch.from_numpy(q), FakeCuda(), torch.from_numpy(v))
+
+
+# --- the CPU path: NumPy and CPU torch inputs run the float64 reference -------------------------------------------
+
+def test_numpy_path_matches_reference_and_keeps_dtype():
+    q, k, v = _qkv(L=6, S=9, Ev=5)
+    out, lse = SDPA(q, k, v, is_causal=True, return_lse=True)
+    ref, ref_lse = reference.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    assert isinstance(out, np.ndarray) and out.dtype == np.float32 and out.shape == (2, 4, 6, 5)
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6)
+
+
+def test_torch_cpu_path_bf16_and_gqa():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv(H=8, Hkv=2)
+    tq, tk, tv = (torch.from_numpy(x).to(torch.bfloat16).requires_grad_() for x in (q, k, v))
+    out = SDPA(tq, tk, tv, enable_gqa=True)
+    assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.device.type == "cpu"
+    expected = torch.nn.functional.scaled_dot_product_attention(tq.double(), tk.double(), tv.double(),
+                                                                enable_gqa=True)
+    assert (out.double() - expected).abs().max().item() < 2e-2
+
+
+def test_three_axis_inputs_and_many_leading_axes():
+    rng = np.random.default_rng(5)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((3, 4, 8), (3, 6, 8), (3, 6, 2)))
+    np.testing.assert_allclose(SDPA(q, k, v), reference.scaled_dot_product_attention(q, k, v), rtol=1e-6)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3, 2, 4, 8), (2, 3, 2, 6, 8), (2, 3, 2, 6, 8)))
+    np.testing.assert_allclose(SDPA(q, k, v), reference.scaled_dot_product_attention(q, k, v), rtol=1e-6)
+
+
+# --- dispatch decisions ------------------------------------------------------------------------------------------
+
+def _gpu_problem(dtype="float16", E=64, Ev=64, mask_kind="none", L=512, S=1024):
+    import ml_dtypes
+    dt = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+    ctx = _interop.CallContext(_interop.CUPY, 0)
+    return _checks.SDPAProblem(ctx=ctx, query=None, key=None, value=None, batch_shape=(2, 8), batch=2, num_heads=8,
+                               num_kv_heads=8, seqlen_q=L, seqlen_k=S, head_dim=E, head_dim_v=Ev, dtype=dt, scale=0.1,
+                               causal=None, mask_kind=mask_kind)
+
+
+def test_cpu_inputs_plan_reference():
+    plan = cupy_attn.explain(*_qkv())
+    assert plan.backend == "reference" and "CPU" in plan.reason
+
+
+@pytest.mark.parametrize("dtype,E,expected", [
+    ("float32", 64, "split"),      # fp32 is served by the split path (exact fp32 cuBLAS)
+    ("float16", 1024, "split"),    # head dim > 256: the seed workload
+    ("bfloat16", 512, "split"),
+])
+def test_auto_plans_split_outside_fused_range(dtype, E, expected):
+    plan = _dispatch.plan_sdpa(_gpu_problem(dtype, E, E), "auto", arch=90)
+    assert plan.backend == expected, str(plan)
+    assert "scores buffer" in plan.details
+
+
+def test_env_override_and_forced_backends(monkeypatch):
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, "split")
+    assert _dispatch.plan_sdpa(_gpu_problem(), "auto", arch=90).backend == "split"
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, "reference")
+    plan = _dispatch.plan_sdpa(_gpu_problem(), "auto", arch=90)
+    assert plan.backend == "reference" and _dispatch.ENV_BACKEND in plan.reason
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, "bogus")
+    with pytest.raises(ValueError, match=_dispatch.ENV_BACKEND):
+        _dispatch.plan_sdpa(_gpu_problem(), "auto", arch=90)
+    monkeypatch.delenv(_dispatch.ENV_BACKEND)
+    assert _dispatch.plan_sdpa(_gpu_problem(), "split", arch=90).backend == "split"
+    with pytest.raises(ValueError, match="backend='fused' cannot run this call"):
+        _dispatch.plan_sdpa(_gpu_problem("float16", 1024, 1024), "fused", arch=90)
+
+
+def test_softmax_tile_covers_row():
+    from cupy_attn import _split
+    for S in (1, 77, 128, 129, 1000, 1024, 1025, 8192, 16384, 16385, 100000):
+        threads, vecs = _split.softmax_tile(S)
+        assert vecs == 0 or threads * vecs * 4 >= S
+        assert vecs == 0 or threads * vecs * 4 < 4 * S + 4 * 128  # the smallest entry that covers S (within 4x)
