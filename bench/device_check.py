@@ -55,11 +55,60 @@ def sweep_workspace() -> None:
     import cupy_attn
     from common import median_ms
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
-    for mib in (8, 16, 32, 64, 128, 256, 512, 1024, 2048):
+    for mib in (64, 128, 256, 512, 1024, 2048):
         fn = lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend="split",  # noqa: E731
                                                             workspace_bytes=mib << 20)
         fn()
-        print(f"workspace {mib:5d} MiB: {median_ms(fn, n_repeat=10):.3f} ms")
+        print(f"workspace {mib:5d} MiB: {median_ms(fn, n_repeat=20):.3f} ms", flush=True)
+
+
+def profile_split() -> None:
+    """Seed shape fp16: the split path's three steps timed alone, against a GEMM-only floor."""
+    import cupy
+    import numpy as np
+    import torch
+
+    from common import median_ms
+    from cupy_attn import _checks, _cublas, _split
+    q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
+    p = _checks.check_sdpa(q, k, v, None, 0.0, False, None, False, "split")
+    n, L, S, E = 1024, 512, 512, 1024
+    scores = cupy.empty((n, L, S), dtype=cupy.float32)
+    p16 = cupy.empty((n, L, S), dtype=cupy.float16)
+    out = cupy.empty((n, L, E), dtype=cupy.float16)
+    qc, kc, vc = (p.query.reshape(n, L, E), p.key.reshape(n, S, E), p.value.reshape(n, S, E))
+
+    def g1(c, ct):
+        _cublas.gemm_strided_batched(c_ptr=c.data.ptr, c_dtype=ct, ldc=S, stride_c=L * S, a_ptr=qc.data.ptr,
+                                     a_dtype=qc.dtype, lda=E, stride_a=L * E, trans_a=False, b_ptr=kc.data.ptr,
+                                     b_dtype=kc.dtype, ldb=E, stride_b=S * E, trans_b=True, m=L, n=S, k=E, batch=n)
+
+    def g2(pp, pitch):
+        _cublas.gemm_strided_batched(c_ptr=out.data.ptr, c_dtype=out.dtype, ldc=E, stride_c=L * E,
+                                     a_ptr=pp.data.ptr, a_dtype=out.dtype, lda=pitch, stride_a=L * pitch,
+                                     trans_a=False, b_ptr=vc.data.ptr, b_dtype=vc.dtype, ldb=E, stride_b=S * E,
+                                     trans_b=False, m=L, n=E, k=S, batch=n)
+    flops = 2.0 * n * L * S * E
+    with p.ctx.activate():
+        for name, fn in (("gemm1 fp32 out", lambda: g1(scores, np.float32)),
+                         ("gemm1 fp16 out", lambda: g1(p16, np.float16)),
+                         ("gemm2 P fp16 pitch S", lambda: g2(p16, S)),
+                         ("gemm2 P in place (pitch 2S)", lambda: g2(scores, 2 * S)),
+                         ("softmax kernel", lambda: _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S))(
+                             (n * L // 4,), (128,), (_softmax_params(scores, n * L, L, S),)))):
+            fn()
+            t = median_ms(fn, n_repeat=10)
+            print(f"  {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TFLOP/s  {n * L * S * 6 / t / 1e9:.0f} GB/s(6B/score)")
+
+
+def _softmax_params(scores, rows, L, S):
+    import numpy as np
+
+    from cupy_attn import _split
+    prm = np.zeros((), dtype=_split._PARAMS)
+    prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
+    prm["causal_offset"], prm["n1"], prm["n2"] = S, 1, 1
+    return prm
 
 
 def main() -> None:
@@ -67,6 +116,7 @@ def main() -> None:
     parser.add_argument("--tests", nargs="*", default=["tests/test_sdpa.py"])
     parser.add_argument("--bench", default="quick", choices=("quick", "full", "none"))
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-smoke", action="store_true")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
@@ -78,6 +128,8 @@ def main() -> None:
         run_tests(args.tests)
     if args.sweep:
         sweep_workspace()
+    if args.profile:
+        profile_split()
     if args.bench != "none":
         import bench_sdpa
         bench_sdpa.main(["--quick"] if args.bench == "quick" else [])

@@ -69,27 +69,37 @@ def device_of(x: Any, kind: str) -> int | None:
 def dtype_of(x: Any, kind: str) -> np.dtype:
     """The element type as a NumPy dtype (bfloat16 as ml_dtypes.bfloat16) for every kind."""
     if kind in (TORCH, TORCH_CPU):
-        return np.dtype(_torch_to_numpy_dtype(x.dtype))
+        return _torch_to_numpy_dtype(x.dtype)
     if kind == DLPACK:
         return np.dtype(_dlpack_view(x).dtype)
     return np.dtype(x.dtype)
 
 
-def _torch_to_numpy_dtype(dt) -> Any:
-    torch = _torch()
-    if dt == torch.bfloat16:
-        import ml_dtypes
-        return ml_dtypes.bfloat16
-    if dt == torch.bool:
-        return np.bool_
-    return torch.empty((), dtype=dt).numpy().dtype
+_TORCH_DTYPES: dict = {}  # torch.dtype -> NumPy dtype, filled on first use (a dict hit is ~50 ns; a probe ~20 µs)
+
+
+def _torch_to_numpy_dtype(dt) -> np.dtype:
+    if dt not in _TORCH_DTYPES:
+        torch = _torch()
+        if dt == torch.bfloat16:
+            import ml_dtypes
+            _TORCH_DTYPES[dt] = np.dtype(ml_dtypes.bfloat16)
+        elif dt == torch.bool:
+            _TORCH_DTYPES[dt] = np.dtype(np.bool_)
+        else:
+            _TORCH_DTYPES[dt] = np.dtype(torch.empty((), dtype=dt).numpy().dtype)
+    return _TORCH_DTYPES[dt]
 
 
 def _numpy_to_torch_dtype(dt: np.dtype):
+    dt = np.dtype(dt)
+    for t, n in _TORCH_DTYPES.items():
+        if n == dt:
+            return t
     torch = _torch()
-    if dt.name == "bfloat16":
-        return torch.bfloat16
-    return torch.from_numpy(np.empty((), dtype=dt)).dtype
+    t = torch.bfloat16 if dt.name == "bfloat16" else torch.from_numpy(np.empty((), dtype=dt)).dtype
+    _torch_to_numpy_dtype(t)
+    return t
 
 
 def _dlpack_view(x: Any):
@@ -117,16 +127,25 @@ class CallContext:
             yield
 
     def as_cupy(self, x: Any):
-        """Zero-copy CuPy view of a GPU input (torch tensors are detached first: the forward needs no graph)."""
+        """Zero-copy CuPy view of a GPU input.
+
+        torch tensors are viewed through their data pointer and strides, the tensor itself owning the memory: the
+        same zero-copy view DLPack gives, at a tenth of the host time (no capsule, no stream hand-shake; the call
+        already runs on the tensor's current stream). Other objects go through DLPack.
+        """
         import cupy
         if isinstance(x, cupy.ndarray):
             return x
+        if is_torch_tensor(x) and x.numel() > 0:
+            dtype = _torch_to_numpy_dtype(x.dtype)
+            extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
+            mem = cupy.cuda.UnownedMemory(x.data_ptr(), extent * dtype.itemsize, x, self.device_id)
+            return cupy.ndarray(tuple(x.shape), dtype, cupy.cuda.MemoryPointer(mem, 0),
+                                strides=tuple(st * dtype.itemsize for st in x.stride()))
         if is_torch_tensor(x):
             x = x.detach()
-            torch = _torch()
-            if x.dtype == torch.bool:
-                # DLPack's bool is not accepted everywhere; the bytes are 0/1 either way.
-                return cupy.from_dlpack(x.view(torch.uint8)).view(cupy.bool_)
+            if x.dtype == _torch().bool:  # DLPack's bool is not accepted everywhere; the bytes are 0/1 either way
+                return cupy.from_dlpack(x.view(_torch().uint8)).view(cupy.bool_)
         return cupy.from_dlpack(x)
 
     def empty(self, shape: tuple[int, ...], dtype: np.dtype):
@@ -134,10 +153,23 @@ class CallContext:
         import cupy
         if self.kind == TORCH:
             torch = _torch()
-            t = torch.empty(shape, dtype=_numpy_to_torch_dtype(np.dtype(dtype)), device=f"cuda:{self.device_id}")
+            t = torch.empty(shape, dtype=_numpy_to_torch_dtype(dtype), device=f"cuda:{self.device_id}")
             return t, self.as_cupy(t)
         a = cupy.empty(shape, dtype=dtype)
         return a, a
+
+
+_STREAMS: dict = {}  # (device, CUDA stream handle) -> CuPy stream object wrapping it; handles are stable
+
+
+def _external_stream(torch_stream, device_id: int):
+    """A CuPy view of a torch stream: Stream.from_external (CUDA stream protocol) where CuPy has it, else the older
+    ExternalStream (deprecated in CuPy 14)."""
+    import cupy
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(torch_stream, "__cuda_stream__"):
+        return from_external(torch_stream)
+    return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_id)
 
 
 def context_for(x: Any, name: str = "query") -> CallContext:
@@ -149,7 +181,10 @@ def context_for(x: Any, name: str = "query") -> CallContext:
     device_id = device_of(x, kind)
     if kind == TORCH:
         ts = _torch().cuda.current_stream(device_id)
-        stream = cupy.cuda.ExternalStream(ts.cuda_stream, device_id)
+        key = (device_id, ts.cuda_stream)
+        stream = _STREAMS.get(key)
+        if stream is None:
+            stream = _STREAMS[key] = _external_stream(ts, device_id)
     else:
         with cupy.cuda.Device(device_id):
             stream = cupy.cuda.get_current_stream()
@@ -175,7 +210,7 @@ def from_numpy(a: np.ndarray, like_kind: str, dtype: np.dtype, device_id: int | 
         return a.astype(dtype, copy=False)
     if like_kind in (TORCH, TORCH_CPU):
         torch = _torch()
-        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)).to(_numpy_to_torch_dtype(np.dtype(dtype)))
+        t = torch.from_numpy(np.ascontiguousarray(a, dtype=np.float64)).to(_numpy_to_torch_dtype(dtype))
         return t.to(f"cuda:{device_id}") if like_kind == TORCH else t
     import cupy
     with cupy.cuda.Device(device_id):

@@ -135,7 +135,6 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
-    scores = cupy.empty(per_chunk * rows_per_chunk * ld, dtype=cupy.float32)
     tile = softmax_tile(S)
     kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype.name], tile=tile)
     rows_per_block = max(1, 128 // tile[0])
@@ -145,9 +144,9 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     mask_isz = mask.itemsize if mask is not None else 1
     causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
     alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
+    scores = cupy.empty(per_chunk * rows_per_chunk * ld, dtype=cupy.float32)
     params = np.zeros((), dtype=_PARAMS)
     params["scores"] = scores.data.ptr
-    params["lse"] = lse.data.ptr if lse is not None else 0
     params["seqlen_k"], params["ld"], params["causal_offset"], params["mask_kind"] = S, ld, causal_offset, mask_kind
     params["n1"], params["n2"] = dec[1].size, dec[2].size
     for i, ax in enumerate(dec):
@@ -157,6 +156,7 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
 
     q0, k0, v0, o0 = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
+    work = []  # (offsets of the looped axes, first batch, batches, first row, rows): one GEMM-softmax-GEMM chunk each
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse")}
         for idx, g in zip(loop_index, loops):
@@ -164,23 +164,23 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
                 for f in off:
                     off[f] += (idx % ax.size) * getattr(ax, f)
                 idx //= ax.size
-        params["mask"] = mask.data.ptr + off["mask"] * mask_isz if mask is not None else 0
-        lse_base = off["lse"]
         for c0 in range(0, n_batch, per_chunk):
-            nb = min(per_chunk, n_batch - c0)
             for r0 in range(0, L, rows_per_chunk):
-                lc = min(rows_per_chunk, L - r0)
-                _cublas.gemm_strided_batched(
-                    c_ptr=scores.data.ptr, c_dtype=np.float32, ldc=ld, stride_c=lc * ld,
-                    a_ptr=q0 + (off["q"] + c0 * bq + r0 * sq) * isz, a_dtype=dtype, lda=max(sq, E), stride_a=bq,
-                    trans_a=False,
-                    b_ptr=k0 + (off["k"] + c0 * bk) * isz, b_dtype=dtype, ldb=max(sk, E), stride_b=bk, trans_b=True,
-                    m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32)
-                params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-                params["lse"] = lse.data.ptr + lse_base * 4 if lse is not None else 0
-                kernel((-(-nb * lc // rows_per_block),), (block,), (params,))
-                _cublas.gemm_strided_batched(
-                    c_ptr=o0 + (off["o"] + c0 * bo + r0 * so) * isz, c_dtype=dtype, ldc=max(so, Ev), stride_c=bo,
-                    a_ptr=scores.data.ptr, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p, trans_a=False,
-                    b_ptr=v0 + (off["v"] + c0 * bv) * isz, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv,
-                    trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32)
+                work.append((off, c0, min(per_chunk, n_batch - c0), r0, min(rows_per_chunk, L - r0)))
+
+    for off, c0, nb, r0, lc in work:
+        _cublas.gemm_strided_batched(
+            c_ptr=scores.data.ptr, c_dtype=np.float32, ldc=ld, stride_c=lc * ld,
+            a_ptr=q0 + (off["q"] + c0 * bq + r0 * sq) * isz, a_dtype=dtype, lda=max(sq, E), stride_a=bq,
+            trans_a=False,
+            b_ptr=k0 + (off["k"] + c0 * bk) * isz, b_dtype=dtype, ldb=max(sk, E), stride_b=bk, trans_b=True,
+            m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32)
+        params["mask"] = mask.data.ptr + off["mask"] * mask_isz if mask is not None else 0
+        params["lse"] = lse.data.ptr + off["lse"] * 4 if lse is not None else 0
+        params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
+        kernel((-(-nb * lc // rows_per_block),), (block,), (params[()],))
+        _cublas.gemm_strided_batched(
+            c_ptr=o0 + (off["o"] + c0 * bo + r0 * so) * isz, c_dtype=dtype, ldc=max(so, Ev), stride_c=bo,
+            a_ptr=scores.data.ptr, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p, trans_a=False,
+            b_ptr=v0 + (off["v"] + c0 * bv) * isz, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv,
+            trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32)

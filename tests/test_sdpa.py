@@ -27,6 +27,8 @@ def _run(q, k, v, dtype, backend="split", what="", **kw):
     _poison_next_allocations(q, ref.shape, ref_lse.shape)
     out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, return_lse=True, **kw)
     torch_kw = {k_: v_ for k_, v_ in kw.items() if k_ in ("attn_mask", "is_causal", "scale", "enable_gqa")}
+    if torch_kw.get("attn_mask") is not None:  # torch's efficient kernel rejects some broadcast masks: materialize
+        torch_kw["attn_mask"] = torch_kw["attn_mask"].expand(ref.shape[:-1] + (k.shape[-2],)).contiguous()
     if isinstance(torch_kw.get("is_causal"), str):
         torch_kw.pop("is_causal")
         L, S = q.shape[-2], k.shape[-2]
