@@ -1,0 +1,76 @@
+"""The main job: benchmark the seed workloads against torch, or, without a GPU, the CPU checks that still mean something.
+
+    python bench/main.py [--quick]
+
+With a CUDA GPU: SDPA on the headline shape (32, 32, 512, 1024) in fp16/bf16/fp32 plus sweeps, the fused attention
+benchmark, and Linear → BatchNorm1d → scale → softmax on x (1024, 8192); tables printed, JSON and plots in bench/out/.
+Without one: says so, runs the float64 reference on a small problem (checked against torch's CPU float64 SDPA when
+torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90; exits 0 when both pass.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from common import environment, gpu_available, print_table  # noqa: E402
+
+
+def cpu_job() -> int:
+    import numpy as np
+
+    from cupy_attn import compile as compile_cli
+    from cupy_attn import reference
+    print("No CUDA GPU found: the benchmarks need one and are skipped. Running the CPU reference and the NVRTC "
+          "compile check instead.", flush=True)
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((2, 4, 128, 64)) for _ in range(3))
+    t0 = time.perf_counter()
+    out = reference.scaled_dot_product_attention(q, k, v, is_causal=True)
+    print(f"reference SDPA (2, 4, 128, 64) causal, float64: {1e3 * (time.perf_counter() - t0):.1f} ms", flush=True)
+    try:
+        import torch
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            *(torch.from_numpy(x) for x in (q, k, v)), is_causal=True).numpy()
+        err = float(np.abs(out - expected).max())
+        print(f"reference vs torch {torch.__version__} CPU float64: max |diff| = {err:.2e}")
+        if err > 1e-10:
+            return 1
+    except ImportError:
+        print("torch not installed: reference not cross-checked")
+    t0 = time.perf_counter()
+    ok = compile_cli.run(["sm_80", "sm_90"])
+    print(f"NVRTC compile check: {'all variants compile' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)")
+    return 0 if ok else 1
+
+
+def gpu_job(quick: bool) -> int:
+    print(environment(), flush=True)
+    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax"):
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as exc:
+            print(f"{name}: not available ({exc})")
+            continue
+        rows = mod.benchmark(quick=quick)
+        columns = getattr(mod, "COLUMNS", None) or [(k, k, ".3f" if isinstance(v, float) else "")
+                                                     for k, v in rows[0].items()]
+        print_table(rows, columns, title=name)
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="seed workloads only, no sweeps")
+    args = parser.parse_args(argv)
+    return gpu_job(args.quick) if gpu_available() else cpu_job()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
