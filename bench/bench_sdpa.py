@@ -30,7 +30,7 @@ def _torch_backends():
 
 
 def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv=None, backend="auto",
-               check_heads=2, n_repeat=10, skip_math_above_bytes=8 << 30):
+               check_heads=2, n_repeat=10, skip_math_above_bytes=8 << 30, **ours_kw):
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
@@ -44,7 +44,7 @@ def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv
     k = torch.randn(B, H, S, D, device="cuda", dtype=tdt)
     v = torch.randn(B, H, S, Dv, device="cuda", dtype=tdt)
     kw = {"is_causal": causal, "attn_mask": mask}
-    ours = lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)  # noqa: E731
+    ours = lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw, **ours_kw)  # noqa: E731
     plan = cupy_attn.explain(q, k, v, backend=backend, **kw)
     out = ours()
     ms = median_ms(ours, n_repeat=n_repeat)
@@ -86,6 +86,7 @@ def benchmark(quick: bool = False) -> list[dict]:
     """Seed workload in fp16/bf16/fp32, then a head-dim sweep and a sequence-length sweep (fp16)."""
     B, H, L, D = SEED
     rows = [bench_case("seed", B, H, L, L, D, dtype=dt) for dt in ("float16", "bfloat16", "float32")]
+    rows.append(bench_case("seed fp32 tf32 opt-in", B, H, L, L, D, dtype="float32", allow_tf32=True))
     if quick:
         return rows
     for d in (64, 128, 256, 512):

@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import environment, gpu_available, print_table  # noqa: E402
+from common import environment, gpu_available, print_table, save_json  # noqa: E402
 
 
 def cpu_job() -> int:
@@ -50,8 +50,15 @@ def cpu_job() -> int:
     return 0 if ok else 1
 
 
+TITLES = {"bench_sdpa": "scaled_dot_product_attention (seed shape (32, 32, 512, 1024) and sweeps)",
+          "bench_flash": "Fused attention kernel (head dims ≤ 256)",
+          "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192"}
+
+
 def gpu_job(quick: bool) -> int:
-    print(environment(), flush=True)
+    env = environment()
+    print(env, flush=True)
+    sections = []
     for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax"):
         try:
             mod = importlib.import_module(name)
@@ -62,6 +69,9 @@ def gpu_job(quick: bool) -> int:
         columns = getattr(mod, "COLUMNS", None) or [(k, k, ".3f" if isinstance(v, float) else "")
                                                      for k, v in rows[0].items()]
         print_table(rows, columns, title=name)
+        sections.append({"name": name, "title": TITLES[name], "rows": rows, "columns": columns})
+    command = "python bench/main.py" + (" --quick" if quick else "")
+    print("wrote", save_json("main.json", {"env": env, "command": command, "sections": sections}))
     return 0
 
 

@@ -212,7 +212,17 @@ def test_fp32_is_exact_fp32_by_default():
     err = np.abs(as_f64(cupy_attn.scaled_dot_product_attention(q, k, v)) - ref).max()
     assert err < 1e-5, err
     err_tf32 = np.abs(as_f64(cupy_attn.scaled_dot_product_attention(q, k, v, allow_tf32=True)) - ref).max()
-    assert err_tf32 < 64 * 2.0 ** -11, err_tf32
+    assert 1e-5 < err_tf32 < 64 * 2.0 ** -11, err_tf32
+
+
+def test_fp32_strided_gqa_chunked():
+    g = torch.Generator("cuda").manual_seed(18)
+    B, S, D = 2, 150, 40
+    q = _rand((B, 97, 8, D), "float32", g).transpose(1, 2)
+    k, v = (_rand((B, S, 2, D), "float32", g).transpose(1, 2) for _ in range(2))
+    mask = torch.rand(B, 1, 97, S, generator=g, device="cuda") > 0.3
+    _run(q, k, v, "float32", enable_gqa=True, attn_mask=mask, what="fp32 strided gqa")
+    _run(q, k, v, "float32", enable_gqa=True, attn_mask=mask, workspace_bytes=64 << 10, what="fp32 chunked")
 
 
 def test_reference_backend_on_gpu_inputs():

@@ -1,0 +1,61 @@
+"""Render bench/RESULTS.md and the README's results block from the JSON files a GPU run of bench/main.py wrote.
+
+    python bench/update_results.py DIR   # DIR holds main.json (as written under $OUT on the device)
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+from common import GEMM_CEILING_TFLOPS, fmt  # noqa: E402
+
+
+def table(rows: list[dict], columns: list) -> str:
+    lines = [f"| {' | '.join(c[1] for c in columns)} |", "|" + "---|" * len(columns)]
+    for r in rows:
+        lines.append("| " + " | ".join(fmt(r.get(k), s) if s else str(r.get(k, "")) for k, _, s in columns) + " |")
+    return "\n".join(lines)
+
+
+def render(payload: dict) -> tuple[str, str]:
+    env = payload["env"]
+    head = (f"Measured {env.get('date')} on {env.get('gpu')} (CUDA runtime {env.get('cuda_runtime')}), "
+            f"CuPy {env.get('cupy')}, torch {env.get('torch')}, Python {env.get('python')}.\n"
+            f"Command: `{payload['command']}`. Times are medians of CUDA-event timings "
+            f"(`cupyx.profiler.benchmark`) after warm-up, on fresh random data, torch measured in the same process. "
+            f"TFLOP/s count 4·B·H·L·S·D (halved for causal) against a measured fp16 GEMM ceiling of "
+            f"{GEMM_CEILING_TFLOPS:.0f} TFLOP/s. Errors are max |out − ref| against the float64 reference.\n")
+    sections = []
+    for sec in payload["sections"]:
+        sections.append(f"### {sec['title']}\n\n{table(sec['rows'], sec['columns'])}\n")
+    full = "# Benchmark results\n\n" + head + "\n" + "\n".join(sections)
+    seed = [s for s in payload["sections"] if s["name"] == "bench_sdpa"]
+    short = head + "\n" + (f"{table(seed[0]['rows'], seed[0]['columns'])}\n" if seed else "")
+    return full, short
+
+
+def main(argv=None) -> int:
+    src = (argv or sys.argv[1:] or [os.path.join(HERE, "out")])[0]
+    with open(os.path.join(src, "main.json")) as f:
+        payload = json.load(f)
+    full, short = render(payload)
+    with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
+        f.write(full)
+    readme = os.path.join(ROOT, "README.md")
+    text = open(readme).read()
+    text = re.sub(r"<!-- results:start -->.*<!-- results:end -->",
+                  "<!-- results:start -->\n" + short + "<!-- results:end -->", text, flags=re.S)
+    with open(readme, "w") as f:
+        f.write(text)
+    print(f"wrote bench/RESULTS.md and README.md's results block from {src}/main.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
