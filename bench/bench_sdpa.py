@@ -83,17 +83,28 @@ def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv
 
 
 def benchmark(quick: bool = False) -> list[dict]:
-    """Seed workload in fp16/bf16/fp32, then a head-dim sweep and a sequence-length sweep (fp16)."""
+    """Seed workload (fp16, bf16, fp32, fp32 with the TF32 opt-in); then 4x the seed batch (memory budget), causal and
+    key-padding-masked seed, a head-dim sweep (64…1024) and a sequence sweep (256…8192) in fp16/bf16, fp32 spot checks.
+    Head dims ≤ 256 run twice: ``auto`` (the dispatcher's choice) and the split path, to show the crossover."""
+    import torch
     B, H, L, D = SEED
     rows = [bench_case("seed", B, H, L, L, D, dtype=dt) for dt in ("float16", "bfloat16", "float32")]
     rows.append(bench_case("seed fp32 tf32 opt-in", B, H, L, L, D, dtype="float32", allow_tf32=True))
     if quick:
         return rows
-    for d in (64, 128, 256, 512):
-        rows.append(bench_case(f"D={d}", 8, 16, 2048, 2048, d))
-    for n in (256, 1024, 4096, 8192):
-        rows.append(bench_case(f"L=S={n}", max(1, 16384 // n), 16, n, n, 1024 if n <= 1024 else 256))
+    rows.append(bench_case("seed x4 batch", 4 * B, H, L, L, D, check_heads=1, n_repeat=5))
     rows.append(bench_case("seed causal", B, H, L, L, D, causal=True))
+    pad = torch.rand(B, 1, 1, L, device="cuda") > 0.1
+    rows.append(bench_case("seed key-padding mask", B, H, L, L, D, mask=pad))
+    for dt in ("float16", "bfloat16"):
+        for d in (64, 128, 256, 512, 1024):
+            rows.append(bench_case(f"D={d}", 4, 16, 2048, 2048, d, dtype=dt))
+            if d <= 256 and rows[-1]["backend"] != "split":
+                rows.append(bench_case(f"D={d}", 4, 16, 2048, 2048, d, dtype=dt, backend="split"))
+        for n in (256, 1024, 4096, 8192):
+            rows.append(bench_case(f"L=S={n}", max(1, 32768 // n), 16, n, n, 512, dtype=dt))
+    for d in (64, 256, 1024):
+        rows.append(bench_case(f"D={d}", 4, 16, 1024, 1024, d, dtype="float32"))
     return rows
 
 
@@ -104,7 +115,8 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    sweep = [r for r in rows if r["name"].startswith("D=")]
+    sweep = [r for r in rows if r["name"].startswith("D=") and r["dtype"] == "float16" and r["shape"][2] == 2048
+             and r["backend"] != "split"]
     if not sweep:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -114,7 +126,7 @@ def plot(rows, path):
     ax.plot(xs, [f / r["torch_default_ms"] for f, r in zip(flops, sweep)], "s--", label="torch default")
     ax.axhline(GEMM_CEILING_TFLOPS, color="gray", lw=0.8, label="fp16 GEMM ceiling")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("head dim (B=8, H=16, L=S=2048, fp16)")
+    ax.set_xlabel("head dim (B=4, H=16, L=S=2048, fp16)")
     ax.set_ylabel("TFLOP/s")
     ax.legend()
     fig.tight_layout()

@@ -70,6 +70,9 @@ def gpu_job(quick: bool) -> int:
                                                      for k, v in rows[0].items()]
         print_table(rows, columns, title=name)
         sections.append({"name": name, "title": TITLES[name], "rows": rows, "columns": columns})
+        if hasattr(mod, "plot"):
+            mod.plot(rows, os.path.join(os.environ.get("CUPY_ATTN_BENCH_OUT", os.path.join(HERE, "out")),
+                                        f"{name}.png"))
     command = "python bench/main.py" + (" --quick" if quick else "")
     print("wrote", save_json("main.json", {"env": env, "command": command, "sections": sections}))
     return 0

@@ -231,3 +231,23 @@ def test_reference_backend_on_gpu_inputs():
     out = cupy_attn.scaled_dot_product_attention(q, k, v, backend="reference")
     assert out.is_cuda and out.dtype == torch.float16
     assert_close(out, reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v)), "float16")
+
+
+def test_generic_dlpack_objects_come_back_as_cupy():
+    import cupy
+
+    class Capsule:  # any CUDA array exposing only the DLPack protocol (as JAX or TensorFlow arrays do)
+        def __init__(self, t):
+            self.t, self.shape = t, tuple(t.shape)
+
+        def __dlpack__(self, stream=None, **kwargs):
+            return self.t.__dlpack__(stream=stream, **kwargs)
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    g = torch.Generator("cuda").manual_seed(19)
+    q, k, v = (_rand((2, 3, 40, 32), "float16", g) for _ in range(3))
+    out = cupy_attn.scaled_dot_product_attention(Capsule(q), Capsule(k), Capsule(v))
+    assert isinstance(out, cupy.ndarray)
+    assert torch.equal(torch.from_dlpack(out), cupy_attn.scaled_dot_product_attention(q, k, v))
