@@ -1,0 +1,502 @@
+// Fused attention forward: out = softmax(scale · Q Kᵀ + mask) V, and lse = log Σ_j exp(scale · q·k_j + mask_j).
+//
+// Algorithm: FlashAttention-2 forward (Dao 2023, "FlashAttention-2: Faster Attention with Better Parallelism and
+// Work Partitioning", Algorithm 1). One block owns kBlockM query rows of one (batch, head) and streams key/value tiles
+// of kBlockN rows through shared memory; the L×S score matrix never leaves registers. Per key tile:
+//   S   = Q Kᵀ                        mma.sync m16n8k16, fp32 accumulate, A = Q and B = K fed by ldmatrix
+//   S   = S · scale·log2(e) (+ mask·log2(e), -inf where masked)   base 2 from here on: exp2 is one MUFU op
+//   m'  = max(m, rowmax S);  α = 2^(m − m');  P = 2^(S − m');  l = α·l + rowsum P;  O = α·O + P V
+// and at the end out = O / l, lse = (m + log2 l)·ln 2. The running max m and sum l are fp32 registers; the P tile
+// goes from the S accumulator registers straight into A fragments (the m16n8k16 C layout of two adjacent 8-column
+// tiles is the A layout of one 16-column k step), V is read as B with ldmatrix.trans. An empty row (every key masked)
+// keeps m = -inf; it is replaced by 0 inside the exponentials, so P = 0, l = 0, and the epilogue writes out = 0 and
+// lse = -inf instead of NaN.
+//
+// Thread mapping: kNWarps warps; warp w owns query rows [w·16·kMTiles, (w+1)·16·kMTiles) of the block as kMTiles
+// 16-row mma tiles and computes all kBlockN columns of S and all kHeadDim columns of O for them, so the softmax row
+// statistics need only a 4-lane (quad) shuffle and no shared memory. Lane 4g+t holds rows g and g+8 of each tile.
+//
+// Shared memory: Q (kBlockM rows), kStages × (K and V, kBlockN rows each), row pitch kHeadDim + 8 elements. The 16-byte pad makes
+// the pitch an odd number of 16-byte units for every head dim here (all multiples of 16), so the 8 row addresses of
+// an ldmatrix phase fall in 8 distinct bank groups: conflict-free without an XOR swizzle, which would need power-of-two
+// rows (head dims 96 and 160 are not).
+//
+// Pipeline (cp.async), kStages from the tile table. kStages = 2 (Hopper): two K and two V buffers; at the top of
+// iteration j the copies of tile j-1 are issued into the other buffers, while only O is live in registers, and have a
+// whole iteration to land; one barrier per iteration. kStages = 1 (sm_8x, whose 99 KB cannot hold two stages at
+// large head dims): FlashAttention-2's interleave, V[j] in flight during S = Q K[j]ᵀ and K[j-1] during O += P V[j].
+// Key tiles are visited from the last to the first, so the tiles that need element masks (the partial tile at S
+// and, under a causal mask, the diagonal) come first; the others keep raw scores and fold scale·log2(e) into the
+// exponent's FFMA. A bool mask shared by every query row (key padding, row stride 0) is pre-scanned so that trailing
+// key tiles it hides are never visited.
+//
+// Head dims: Q and K are zero-padded in shared memory from E to kHeadDim columns, V from Ev (cp.async zero-fill; the
+// inputs are never copied), so any E, Ev ≤ kHeadDim is exact. Rows past L or S are zero-filled too.
+// Layouts: any element strides for batch, head and row (int64); the last dimension must be contiguous. 16-byte
+// cp.async needs 16-byte aligned rows; otherwise (odd strides, tiny E) the same tile is loaded by plain loads.
+//
+// Tile sizes: TILES in cupy_attn/_flash.py, one entry per (dtype, head dim, arch) with the limit behind it
+// (registers: kMTiles·(kBlockN/2 + kHeadDim/2) fp32 accumulators per thread must stay under 255 without spills;
+// shared memory: (kBlockM + 2·kStages·kBlockN)·(kHeadDim + 8)·2 bytes, two CTAs per SM where it fits).
+//
+// Versions (H200, fp16, TFLOP/s and ratio to torch 2.11's FLASH_ATTENTION backend in the same run; bench/NOTES_flash.md):
+//                                                        (8,16,2048,128)  (4,32,4096,64)  (8,16,1024,256)  keypad mask
+//   v1  FA2 structure, padded smem, 1 stage, explicit scale multiply  280 (0.84×)  239 (0.82×)  245 (0.85×)  111
+//   v2  2-stage K/V (one barrier per iteration), scale folded into
+//       the exp2 FFMA, O rescale skipped when no row max moved,
+//       bool masks as bits, key-padding trailing tiles pre-scanned   313 (0.95×)  257 (0.86×)  230 (0.80×)  297 (0.77× torch's choice)
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
+namespace cupy_attn {
+
+// Every field 8 bytes wide, so NumPy's structured dtype in _flash.py has the same layout.
+struct FlashFwdParams {
+  void* out;                // (B, Hq, L, Ev)
+  float* lse;               // (B, Hq, L) fp32 natural log, or nullptr
+  const void* q;            // (B, Hq, L, E)
+  const void* k;            // (B, Hkv, S, E)
+  const void* v;            // (B, Hkv, S, Ev)
+  const void* mask;         // element (b, h, i, j) of the broadcast mask, or nullptr
+  long long seqlen_q, seqlen_k, head_dim, head_dim_v;
+  long long groups;         // Hq / Hkv: query head h reads key/value head h / groups
+  long long is_causal;      // 1: key j is visible to query i iff j <= i + causal_offset
+  long long causal_offset;  // 0 (top-left, torch's is_causal) or S - L (bottom-right)
+  long long mask_kind;      // 1 bool (True = attend), 2 fp16, 3 bf16, 4 fp32 (added to the scaled scores)
+  long long vec_flags;      // bit 0/1/2: q/k/v rows 16-byte aligned (cp.async); bit 3: out pairs 4-byte aligned
+  double scale_log2;        // scale · log2(e)
+  long long q_stride_b, q_stride_h, q_stride_l;
+  long long k_stride_b, k_stride_h, k_stride_s;
+  long long v_stride_b, v_stride_h, v_stride_s;
+  long long out_stride_b, out_stride_h, out_stride_l;
+  long long lse_stride_b, lse_stride_h, lse_stride_l;
+  long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+};
+
+namespace flash {
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Copy rows [0, kRows) × columns [0, kHeadDim) of a row-major global tile into shared memory (pitch kHeadDim + 8).
+// Rows >= rows_valid and columns >= cols_valid become zeros. vec: rows are 16-byte aligned, so whole 16-byte chunks
+// go by cp.async (asynchronous; the caller commits and waits); otherwise plain 2-byte loads (synchronous).
+// Thread mapping: kColThreads threads share a row (kColThreads = the largest power of two dividing the row's chunk
+// count, so 12- and 20-chunk rows work too); a thread's chunks then sit at fixed columns on rows kRowStep apart, and
+// one pointer bumped by kRowStep rows addresses them all (this loader runs between the two GEMMs, when 192 fp32
+// accumulators are live, so it must not hold a 64-bit address per chunk).
+template <int kRows, int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride, int rows_valid, int cols_valid,
+                                          bool vec) {
+  constexpr int kPitch = kHeadDim + 8;
+  constexpr int kChunksPerRow = kHeadDim / 8;
+  constexpr int kColThreads = kChunksPerRow & -kChunksPerRow;
+  constexpr int kRowStep = kThreads / kColThreads;
+  static_assert(kThreads % kColThreads == 0 && kRows % kRowStep == 0, "every thread copies the same chunks");
+  const int r0 = threadIdx.x / kColThreads, c0 = (threadIdx.x % kColThreads) * 8;
+  if (vec) {
+    #pragma unroll
+    for (int j = 0; j < kChunksPerRow / kColThreads; ++j) {
+      const int col = c0 + j * kColThreads * 8;
+      const int bytes = max(0, min(16, (cols_valid - col) * 2));
+      const T* from = src + r0 * row_stride + col;
+      #pragma unroll
+      for (int i = 0; i < kRows / kRowStep; ++i) {
+        const int r = r0 + i * kRowStep;
+        // A zero-byte copy reads nothing, but its address must still be valid and aligned: use the tile's start.
+        const bool ok = r < rows_valid && bytes > 0;
+        cp_async_16(smem_addr(dst + r * kPitch + col), ok ? from : src, ok ? bytes : 0);
+        from += kRowStep * row_stride;
+      }
+    }
+  } else {
+    const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
+    for (int c = threadIdx.x; c < kRows * kChunksPerRow; c += kThreads) {
+      const int r = c / kChunksPerRow, col = (c % kChunksPerRow) * 8;
+      unsigned short e[8];
+      #pragma unroll
+      for (int x = 0; x < 8; ++x) e[x] = (r < rows_valid && col + x < cols_valid) ? s16[r * row_stride + col + x] : 0;
+      uint4 packed;
+      packed.x = e[0] | (unsigned(e[1]) << 16); packed.y = e[2] | (unsigned(e[3]) << 16);
+      packed.z = e[4] | (unsigned(e[5]) << 16); packed.w = e[6] | (unsigned(e[7]) << 16);
+      *reinterpret_cast<uint4*>(dst + r * kPitch + col) = packed;
+    }
+  }
+}
+
+// One mask element at byte address m (kind: 1 bool, 2 fp16, 3 bf16, 4 fp32) as a log2-unit score offset: bool gives
+// 0 or -inf, floats their value times log2(e). One code path for all four kinds (a switch around four unrolled copies
+// of the tile loop costs ~1 KB of register spills at D=128).
+__device__ __forceinline__ float mask_value(const unsigned char* m, int kind) {
+  if (kind == 1) return *m ? 0.f : neg_inf();
+  if (kind == 4) return *reinterpret_cast<const float*>(m) * kLog2e;
+  const unsigned short bits = *reinterpret_cast<const unsigned short*>(m);
+  const float x = kind == 2 ? __half2float(__ushort_as_half(bits)) : __uint_as_float(unsigned(bits) << 16);
+  return x * kLog2e;
+}
+
+// s (log2 units) += mask at this thread's accumulator positions; rows >= L are left alone (never stored).
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void add_mask(float (&s)[kMTiles][kNTiles][4], const FlashFwdParams& p,
+                                         const unsigned char* mask, int elem_bytes, int row0, int col0) {
+  const int kind = static_cast<int>(p.mask_kind);
+  const long long stride_s = p.mask_stride_s * elem_bytes;
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mi * 16 + half * 8;
+      if (row >= p.seqlen_q) continue;
+      // One running pointer (a 64-bit offset per column would hold 2·kNTiles·2 registers next to the accumulators).
+      const unsigned char* m = mask + row * p.mask_stride_l * elem_bytes + col0 * stride_s;
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          if (col0 + ni * 8 + e < p.seqlen_k) s[mi][ni][2 * half + e] += mask_value(m, kind);
+          m += e == 0 ? stride_s : 7 * stride_s;
+        }
+      }
+    }
+  }
+}
+
+// Bool masks as bits, loaded at the top of an iteration so that their latency hides behind S = Q Kᵀ: bit 2·ni + e
+// of bits[mi][half] is mask[row][col0 + 8·ni + e] (0 past L or S). 2·kNTiles <= 32 bits per row: one register
+// per row instead of kNTiles·2 floats. A key-padding mask (row stride 0) is read once and shared by the rows.
+template <int kMTiles, int kNTiles>
+__device__ __forceinline__ void load_mask_bits(unsigned (&bits)[kMTiles][2], const FlashFwdParams& p,
+                                               const unsigned char* mask, int row0, int col0) {
+  static_assert(kNTiles * 2 <= 32, "one 32-bit word per row");
+  const long long stride_s = p.mask_stride_s;
+  auto row_bits = [&](int row) {
+    const unsigned char* m = mask + row * p.mask_stride_l + col0 * stride_s;
+    unsigned r = 0;
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        if (col0 + ni * 8 + e < p.seqlen_k && *m) r |= 1u << (2 * ni + e);
+        m += e == 0 ? stride_s : 7 * stride_s;
+      }
+    }
+    return r;
+  };
+  const unsigned shared_row = p.mask_stride_l == 0 ? row_bits(0) : 0u;
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + mi * 16 + half * 8;
+      bits[mi][half] = row >= p.seqlen_q ? 0u : p.mask_stride_l == 0 ? shared_row : row_bits(row);
+    }
+  }
+}
+
+}  // namespace flash
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask>
+__global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p) {
+  using namespace flash;
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kMTiles = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp
+  constexpr int kNTiles = kBlockN / 8;               // 8-column tiles of S per row tile
+  constexpr int kDTiles = kHeadDim / 8;              // 8-column tiles of O per row tile
+  constexpr int kPitch = kHeadDim + 8;               // shared-memory row pitch in elements (see header)
+  constexpr int kKVBytes = kBlockN * kPitch * 2;     // one K or V stage
+  static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps, "warps split kBlockM into 16-row tiles");
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "mma k steps are 16 wide");
+  static_assert(kStages == 1 || kStages == 2, "single-buffered (interleaved) or double-buffered K/V");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kBlockM * kPitch;           // kStages K tiles
+  T* sV = sK + kStages * kBlockN * kPitch;  // kStages V tiles
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int hk = h / static_cast<int>(p.groups);
+  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
+  const int m0 = m_block * kBlockM;
+  const int rows_valid = min(kBlockM, L - m0);
+  const int warp_row0 = warp * kMTiles * 16;
+
+  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+  float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
+
+  // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S,
+  // an all-False key-padding mask) writes the empty-row result directly.
+  long long last_key = S - 1;
+  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+  if constexpr (HasMask) {
+    // A bool mask shared by all query rows (row stride 0: key padding) hides trailing keys from the whole block:
+    // find the last key it shows and stop there (those tiles are never loaded). Any other mask is applied per tile.
+    if (p.mask_kind == 1 && p.mask_stride_l == 0 && last_key >= 0) {
+      int* last_shown = reinterpret_cast<int*>(smem_raw);  // Q's space, before Q is loaded
+      if (threadIdx.x == 0) *last_shown = -1;
+      __syncthreads();
+      const unsigned char* mrow = static_cast<const unsigned char*>(p.mask) + b * p.mask_stride_b + h * p.mask_stride_h;
+      int mine = -1;
+      for (int j = threadIdx.x; j <= last_key; j += kThreads)
+        if (mrow[j * p.mask_stride_s]) mine = j;
+      if (mine >= 0) atomicMax(last_shown, mine);
+      __syncthreads();
+      last_key = *last_shown;
+      __syncthreads();  // everyone has read it before Q's copy overwrites it
+    }
+  }
+  if (last_key < 0) {
+    for (int i = threadIdx.x; i < rows_valid * Ev; i += kThreads)
+      out[(m0 + i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
+    if (lse)
+      for (int i = threadIdx.x; i < rows_valid; i += kThreads) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
+    return;
+  }
+  const int n_blocks = static_cast<int>(last_key / kBlockN) + 1;
+
+  const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + m0 * p.q_stride_l;
+  const T* k = static_cast<const T*>(p.k) + b * p.k_stride_b + hk * p.k_stride_h;
+  const T* v = static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h;
+  const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4, vec_out = p.vec_flags & 8;
+  auto load_k = [&](int nb, int stage) {
+    const int n0 = nb * kBlockN;
+    load_tile<kBlockN, kHeadDim, kThreads>(sK + stage * kBlockN * kPitch, k + n0 * p.k_stride_s, p.k_stride_s,
+                                           S - n0, E, vec_k);
+  };
+  auto load_v = [&](int nb, int stage) {
+    const int n0 = nb * kBlockN;
+    load_tile<kBlockN, kHeadDim, kThreads>(sV + stage * kBlockN * kPitch, v + n0 * p.v_stride_s, p.v_stride_s,
+                                           S - n0, Ev, vec_v);
+  };
+
+  load_tile<kBlockM, kHeadDim, kThreads>(sQ, q, p.q_stride_l, rows_valid, E, vec_q);
+  load_k(n_blocks - 1, 0);
+  if constexpr (kStages == 2) load_v(n_blocks - 1, 0);
+  cp_async_commit();
+
+  // Per-lane ldmatrix addresses (see common/mma.cuh for the lane -> matrix-row mapping).
+  const unsigned q_addr = smem_addr(sQ + (warp_row0 + lane % 16) * kPitch + (lane / 16) * 8);
+  const unsigned k_addr = smem_addr(sK + ((lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8);
+  const unsigned v_addr = smem_addr(sV + (((lane / 8) % 2) * 8 + lane % 8) * kPitch + (lane / 16) * 8);
+
+  const float scale_log2 = static_cast<float>(p.scale_log2);
+  const unsigned char* mask = nullptr;
+  int mask_bytes = 0;
+  if constexpr (HasMask) {
+    mask_bytes = p.mask_kind == 1 ? 1 : p.mask_kind == 4 ? 4 : 2;
+    mask = static_cast<const unsigned char*>(p.mask) + (b * p.mask_stride_b + h * p.mask_stride_h) * mask_bytes;
+  }
+
+  float acc_o[kMTiles][kDTiles][4];
+  float m_i[kMTiles][2], l_i[kMTiles][2];  // running max (log2 units) and this lane's partial row sum
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    #pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][dt][e] = 0.f;
+    m_i[mi][0] = m_i[mi][1] = neg_inf();
+    l_i[mi][0] = l_i[mi][1] = 0.f;
+  }
+
+  for (int nb = n_blocks - 1; nb >= 0; --nb) {
+    const int n0 = nb * kBlockN;
+    const int stage = kStages == 2 ? (n_blocks - 1 - nb) & 1 : 0;
+    cp_async_wait<0>();
+    __syncthreads();  // K[nb] (and V[nb] when double-buffered) landed; every warp is done with tile nb+1
+    if constexpr (kStages == 2) {
+      // Tile nb-1 goes into the other stage now, with only O live in registers: it has a whole iteration to land.
+      if (nb > 0) {
+        load_k(nb - 1, stage ^ 1);
+        load_v(nb - 1, stage ^ 1);
+      }
+    } else {
+      load_v(nb, 0);
+    }
+    cp_async_commit();
+
+    unsigned mbits[kMTiles][2];
+    if constexpr (HasMask) {
+      if (p.mask_kind == 1) {
+        load_mask_bits<kMTiles, kNTiles>(mbits, p, mask, m0 + warp_row0 + g, n0 + 2 * t);
+      }
+    }
+
+    float s[kMTiles][kNTiles][4];
+    #pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi)
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+
+    const unsigned k_stage = k_addr + stage * kKVBytes;
+    #pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      unsigned a[kMTiles][4];
+      #pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_x4(a[mi], q_addr + (mi * 16 * kPitch + kk * 16) * 2);
+      #pragma unroll
+      for (int nj = 0; nj < kBlockN / 16; ++nj) {
+        unsigned bk[4];
+        ldmatrix_x4(bk, k_stage + (nj * 16 * kPitch + kk * 16) * 2);
+        #pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_16816<T>(s[mi][2 * nj], a[mi], bk[0], bk[1]);
+          mma_16816<T>(s[mi][2 * nj + 1], a[mi], bk[2], bk[3]);
+        }
+      }
+    }
+
+    // Tiles that need element masks (the partial tile at S, the causal diagonal, any attn_mask) are scaled here and
+    // masked with -inf; the others keep raw scores and fold the scale into the exponent's FFMA (sc below), which
+    // needs scale > 0 so that the raw row max is the scaled one.
+    const bool crosses_diagonal = p.is_causal && n0 + kBlockN - 1 > m0 + p.causal_offset;
+    const bool masked = HasMask || n0 + kBlockN > S || crosses_diagonal || !(scale_log2 > 0.f);
+    const float sc = masked ? 1.f : scale_log2;
+    if (masked) {
+      #pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+        #pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale_log2;
+      if (n0 + kBlockN > S || crosses_diagonal) {
+        #pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = m0 + warp_row0 + mi * 16 + half * 8 + g;
+            long long limit = S - 1;  // last visible key of this row
+            if (p.is_causal) limit = min(limit, row + p.causal_offset);
+            #pragma unroll
+            for (int ni = 0; ni < kNTiles; ++ni)
+              #pragma unroll
+              for (int e = 0; e < 2; ++e)
+                if (n0 + ni * 8 + 2 * t + e > limit) s[mi][ni][2 * half + e] = neg_inf();
+          }
+        }
+      }
+      if constexpr (HasMask) {
+        if (p.mask_kind == 1) {
+          #pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi)
+            #pragma unroll
+            for (int half = 0; half < 2; ++half)
+              #pragma unroll
+              for (int ni = 0; ni < kNTiles; ++ni)
+                #pragma unroll
+                for (int e = 0; e < 2; ++e)
+                  if (!((mbits[mi][half] >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = neg_inf();
+        } else {
+          add_mask(s, p, mask, mask_bytes, m0 + warp_row0 + g, n0 + 2 * t);
+        }
+      }
+    }
+
+    if constexpr (kStages == 1) {
+      cp_async_wait<0>();
+      __syncthreads();  // V[nb] landed; every warp is done with K[nb]
+    }
+
+    // Online softmax; P is packed into A fragments as it is produced.
+    unsigned pa[kMTiles][kBlockN / 16][4];
+    #pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float mx = neg_inf();
+        #pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float m_old = m_i[mi][half];
+        const float m_new = fmaxf(m_old, mx * sc);
+        const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
+        m_i[mi][half] = m_new;
+        float sum = 0.f;
+        #pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) {
+          #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            s[mi][ni][2 * half + e] = exp2_approx(fmaf(s[mi][ni][2 * half + e], sc, -m_use));
+            sum += s[mi][ni][2 * half + e];
+          }
+        }
+        const float alpha = exp2_approx(m_old - m_use);
+        l_i[mi][half] = l_i[mi][half] * alpha + sum;
+        // Once the running max settles it rarely moves: skip the O rescale when no row of the warp's tile changed.
+        if (__any_sync(0xffffffffu, m_new != m_old)) {
+          #pragma unroll
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            acc_o[mi][dt][2 * half] *= alpha;
+            acc_o[mi][dt][2 * half + 1] *= alpha;
+          }
+        }
+      }
+      #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[mi][kk][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+        pa[mi][kk][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+        pa[mi][kk][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+        pa[mi][kk][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+      }
+    }
+
+    if constexpr (kStages == 1) {
+      // K[nb-1] is fetched only now, behind O += P V: issued before the softmax (FlashAttention-2's place) it would
+      // overlap more, but its addresses would be live next to the 64 S accumulators and spill (measured: 60 B).
+      if (nb > 0) load_k(nb - 1, 0);
+      cp_async_commit();
+    }
+
+    const unsigned v_stage = v_addr + stage * kKVBytes;
+    #pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      #pragma unroll
+      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+        unsigned bv[4];
+        ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
+        #pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi) {
+          mma_16816<T>(acc_o[mi][2 * dn], pa[mi][kk], bv[0], bv[1]);
+          mma_16816<T>(acc_o[mi][2 * dn + 1], pa[mi][kk], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // Epilogue: the four lanes of a quad hold parts of the same rows; sum their partial l, then out = O / l.
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = l_i[mi][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int r = warp_row0 + mi * 16 + half * 8 + g;
+      if (r >= rows_valid) continue;
+      T* orow = out + (m0 + r) * p.out_stride_l;
+      #pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        const int col = dt * 8 + 2 * t;
+        if (col >= Ev) continue;
+        const float o0 = acc_o[mi][dt][2 * half] * inv, o1 = acc_o[mi][dt][2 * half + 1] * inv;
+        if (vec_out && col + 1 < Ev) {
+          *reinterpret_cast<unsigned*>(orow + col) = pack2<T>(o0, o1);
+        } else {
+          orow[col] = from_float<T>(o0);
+          if (col + 1 < Ev) orow[col + 1] = from_float<T>(o1);
+        }
+      }
+      if (lse && t == 0)
+        lse[(m0 + r) * p.lse_stride_l] = l > 0.f ? (m_i[mi][half] + __log2f(l)) * kLn2 : neg_inf();
+    }
+  }
+}
+
+}  // namespace cupy_attn

@@ -1,0 +1,216 @@
+"""The fused attention path: FlashAttention-2 forward on tensor cores (cuda_src/flash_fwd.cu).
+
+One kernel family, ``FLASH_FWD``, instantiated over element type × head-dim bucket × tile × has-mask. Head dims E
+and Ev are served by the smallest instantiated bucket ≥ max(E, Ev); the kernel zero-pads the missing columns in
+shared memory, so the inputs are read in place. Causal alignment, mask element type and layout (strides, alignment)
+are run-time arguments, which keeps the table at 52 instantiations (2 dtypes × 13 (head dim, tile) pairs × mask).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ._compile import KernelFamily
+
+HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """Launch shape of one instantiation: query rows per block, key rows per step, warps, K/V pipeline stages
+    (1: one K and one V buffer, loads interleaved with the two GEMMs; 2: double-buffered, tile j+1 loads during j)."""
+    block_m: int
+    block_n: int
+    warps: int
+    stages: int = 2
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Q tile + stages × (K tile + V tile), rows padded by 8 elements (see the kernel header)."""
+        return (self.block_m + 2 * self.stages * self.block_n) * (head_dim + 8) * itemsize
+
+    def accumulators(self, head_dim: int) -> int:
+        """fp32 accumulator registers per thread: S (16·kBlockN/32 per m tile) + O (16·kHeadDim/32 per m tile)."""
+        m_tiles = self.block_m // (16 * self.warps)
+        return m_tiles * (self.block_n + head_dim) // 2
+
+
+# The tile table: (dtype, head-dim bucket, arch major) -> Tile. Arch 9 is Hopper (H100/H200: 227 KB shared memory
+# per block, 228 KB per SM, 64 K registers per SM); arch 8 must fit every sm_8x part, whose smallest (sm_86/sm_89)
+# allow 99 KB (101376 B) per block, so arch 8 keeps one K/V stage (untimed: no sm_8x device was measured). Both
+# dtypes use the same tiles (same width, same mma rate). Registers: Tile.accumulators() fp32 values per thread plus
+# ~50 of addresses and fragments must stay <= 255 with no spill (tests/test_flash.py checks every instantiation).
+# Measurements: H200, fp16, bench_flash.py --sweep (TFLOP/s); see bench/NOTES_flash.md.
+_BY_HEAD_DIM = {
+    # D=32: 128×128, 4 warps: 2 × (64 + 16) = 160 accumulators; 2 stages 51 KB (2+ CTAs/SM). Untimed.
+    (32, 9): Tile(128, 128, 4, 2), (32, 8): Tile(128, 128, 4, 1),
+    # D=64: 128×64, 4 warps: 2 × (32 + 32) = 128 accumulators, 2 stages 55 KB. 128×128 measured faster (289 vs 258
+    # TFLOP/s at (4,32,4096,64)) but spills 208 B (S alone is 128 accumulators); 128×128 with 8 warps: 194.
+    (64, 9): Tile(128, 64, 4, 2), (64, 8): Tile(128, 64, 4, 1),
+    # D=96: 128×64, 4 warps: 2 × (32 + 48) = 160 accumulators; 2 stages 80 KB (2 CTAs/SM). Untimed.
+    (96, 9): Tile(128, 64, 4, 2), (96, 8): Tile(128, 64, 4, 1),
+    # D=128: 128×64, 4 warps: 2 × (32 + 64) = 192 accumulators (251 registers), the limit; 2 stages 104 KB, 2 CTAs/SM.
+    # 322 TFLOP/s vs 273 for 1 stage and 228 for 128×128 with 8 warps.
+    (128, 9): Tile(128, 64, 4, 2), (128, 8): Tile(128, 64, 4, 1),
+    # D=160: 64×64, 4 warps: 32 + 80 = 112 accumulators; 2 stages 108 KB (2 CTAs/SM on Hopper). 128×32 (192
+    # accumulators) spills 16-88 B with a mask at either stage count. Arch 8: 64×32 with 2 stages, 65 KB. Untimed.
+    (160, 9): Tile(64, 64, 4, 2), (160, 8): Tile(64, 32, 4, 2),
+    # D=192: 128×64, 8 warps of 16 rows: 32 + 96 = 128 accumulators; 2 stages 154 KB (1 CTA/SM) on Hopper; arch 8:
+    # 64×64 with 4 warps and one stage, 75 KB. Untimed.
+    (192, 9): Tile(128, 64, 8, 2), (192, 8): Tile(64, 64, 4, 1),
+    # D=256: 64×64, 4 warps: 16 + 128 = 144 accumulators; one stage is 101376 B, exactly sm_86's limit, and 2 CTAs/SM
+    # on Hopper: 227-245 TFLOP/s at (8,16,1024,256), vs 190-196 for 128×64/8 warps (1 CTA/SM, either stage count)
+    # and 172 for 64×64 with 2 stages (169 KB: 1 CTA/SM).
+    (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
+}
+TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in _C_TYPES}
+
+FLASH_FWD = KernelFamily(
+    name="flash_fwd",
+    source="flash_fwd.cu",
+    template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              "{has_mask}>"),
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": HEAD_DIMS,
+        "tile": tuple(sorted(set(_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
+        "has_mask": ("false", "true"),
+    },
+    where=lambda row: any(t == row["tile"] for (d, _), t in _BY_HEAD_DIM.items() if d == row["head_dim"]),
+)
+
+_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
+
+# FlashFwdParams in flash_fwd.cu: every field 8 bytes wide, so this dtype's layout is the C struct's.
+_PARAM_FIELDS = (
+    "out", "lse", "q", "k", "v", "mask", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "groups", "is_causal",
+    "causal_offset", "mask_kind", "vec_flags", "scale_log2",
+    "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
+    "v_stride_b", "v_stride_h", "v_stride_s", "out_stride_b", "out_stride_h", "out_stride_l",
+    "lse_stride_b", "lse_stride_h", "lse_stride_l",
+    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s")
+_PARAMS = np.dtype([(n, np.float64 if n == "scale_log2" else np.int64) for n in _PARAM_FIELDS])
+
+_LOG2E = 1.4426950408889634
+
+
+def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
+    """The smallest instantiated head dim ≥ max(E, Ev) (E=40, Ev=40 → 64; E=192, Ev=128 → 192), None past 256."""
+    need = max(head_dim, head_dim_v)
+    return next((d for d in HEAD_DIMS if d >= need), None)
+
+
+def _arch_major(arch: int) -> int:
+    """Tile-table arch key: 9 for Hopper, 8 for sm_8x and anything newer (sm_100/sm_120 run mma.sync too; the
+    arch-8 tiles fit the 99 KB shared memory of the smallest of them)."""
+    return 9 if arch // 10 == 9 else 8
+
+
+def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int) -> str | None:
+    """None when the fused kernel runs this call, else a short reason for explain().
+
+    >>> unsupported_reason(np.dtype("float32"), 64, 64, "none", 90)
+    'fp32 is served by the split path'
+    """
+    name = np.dtype(dtype).name
+    if name == "float32":
+        return "fp32 is served by the split path"
+    if name not in _C_TYPES:
+        return f"dtype {name} has no fused kernel (fp16 and bf16 only)"
+    if arch < 80:
+        return f"sm_{arch} lacks the sm_80 tensor-core instructions (mma.sync m16n8k16 bf16, cp.async)"
+    if head_dim < 1 or head_dim_v < 1:
+        return "head dims must be at least 1"
+    if head_dim_bucket(head_dim, head_dim_v) is None:
+        return f"head dims E={head_dim}, Ev={head_dim_v}: the fused kernel is instantiated up to 256"
+    if mask_kind not in ("none", "bool", "float"):
+        return f"mask kind {mask_kind!r} is not one of none/bool/float"
+    return None
+
+
+def _estrides(a) -> list[int]:
+    return [s // a.itemsize for s in a.strides]
+
+
+def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None) -> None:
+    """out (and lse) = attention(q, k, v) by the fused kernel, on CuPy's current stream and device.
+
+    q: (B, Hq, L, E); k: (B, Hkv, S, E); v: (B, Hkv, S, Ev); fp16 or bf16, last-dim stride 1, any other strides
+    (read in place). Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq // Hkv)). out: (B, Hq, L, Ev), q's dtype,
+    last-dim stride 1. lse: None or (B, Hq, L) float32 (natural log). mask: None or a view broadcast to (B, Hq, L, S)
+    (bool: True = attend; fp16/bf16/fp32: added to the scaled scores). causal: None, "top_left" or "bottom_right".
+    L, S >= 1. Raises ValueError for calls the kernel cannot run.
+    """
+    import cupy
+
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    dtype = q.dtype
+    arch = int(cupy.cuda.Device().compute_capability)
+    mask_kind = "none" if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+    reason = unsupported_reason(dtype, E, Ev, mask_kind, arch)
+    if reason:
+        raise ValueError(f"fused attention: {reason}")
+    if k.shape != (B, Hkv, S, E) or out.shape != (B, Hq, L, Ev) or Hq % Hkv:
+        raise ValueError(f"fused attention: shapes q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape} disagree")
+    if any(a.dtype != dtype for a in (k, v, out)):
+        raise ValueError("fused attention: q, k, v and out must share one dtype")
+    if any(a.strides[-1] != a.itemsize for a in (q, k, v, out)):
+        raise ValueError("fused attention: the last dimension of q, k, v and out must be contiguous")
+    if L < 1 or S < 1:
+        raise ValueError("fused attention: L and S must be at least 1 (the caller handles empty sequences)")
+    if causal not in (None, "top_left", "bottom_right"):
+        raise ValueError(f"fused attention: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    if mask is not None:
+        if mask.shape != (B, Hq, L, S):
+            raise ValueError(f"fused attention: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
+        if mask.dtype.name not in _MASK_KIND:
+            raise ValueError(f"fused attention: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
+    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
+        raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
+
+    head_dim = head_dim_bucket(E, Ev)
+    tile = TILES[(dtype.name, head_dim, _arch_major(arch))]
+    kernel = FLASH_FWD.kernel(dtype=_C_TYPES[dtype.name], head_dim=head_dim, tile=tile,
+                              has_mask="false" if mask is None else "true")
+    launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+
+
+def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> None:
+    """Fill FlashFwdParams and launch one instantiation (flash_forward's last step; benchmarks call it directly to
+    sweep tiles outside the table). Arguments as flash_forward's, already checked."""
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    if Hq > 65535 or B > 65535:
+        raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
+    smem = tile.smem_bytes(head_dim)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+
+    def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+
+    p = np.zeros((), dtype=_PARAMS)
+    p["out"], p["q"], p["k"], p["v"] = out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr
+    p["lse"] = 0 if lse is None else lse.data.ptr
+    p["mask"] = 0 if mask is None else mask.data.ptr
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["mask_kind"] = 0 if mask is None else _MASK_KIND[mask.dtype.name]
+    out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
+    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
+    p["scale_log2"] = float(scale) * _LOG2E
+    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
+        for axis, stride in zip(axes, _estrides(arr)):
+            p[f"{name}_stride_{axis}"] = stride
+    if lse is not None:
+        for axis, stride in zip("bhl", _estrides(lse)):
+            p[f"lse_stride_{axis}"] = stride
+    if mask is not None:
+        for axis, stride in zip("bhls", _estrides(mask)):
+            p[f"mask_stride_{axis}"] = stride
+    kernel((math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), (p,), shared_mem=smem)
