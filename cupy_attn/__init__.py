@@ -60,7 +60,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if return_lse:
             lse_native, lse = ctx.empty(p.batch_shape + (L,), np.dtype(np.float32))
             lse3 = lse.reshape(B, H, L)
-        if plan.backend == "fused":
+        if out4.size == 0:
+            pass
+        elif p.seqlen_k == 0:  # every row is fully masked: output 0 and lse -inf, as the reference
+            out4.fill(0)
+            if lse3 is not None:
+                lse3.fill(-np.inf)
+        elif plan.backend == "fused":
             from . import _flash
             _flash.flash_forward(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask)
         else:

@@ -82,13 +82,22 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
     if backend == "fused":
         if fused_why_not:
             raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
-        return Plan("fused", f"fused {forced}", copies=copies)
+        return Plan("fused", f"fused {forced}", details=fused_details(p, arch), copies=copies)
     if backend == "auto" and fused_why_not is None:
         use_fused, why = prefer_fused(p)
         if use_fused:
-            return Plan("fused", why, copies=copies)
+            return Plan("fused", why, details=fused_details(p, arch), copies=copies)
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
     return Plan("split", reason, details=split_details(p), copies=copies)
+
+
+def fused_details(p, arch: int) -> dict:
+    """The instantiation the fused kernel will use."""
+    flash = _flash_module()
+    head_dim = flash.head_dim_bucket(p.head_dim, p.head_dim_v)
+    tile = flash.TILES[(p.dtype.name, head_dim, flash._arch_major(arch))]
+    return {"head-dim bucket": head_dim, "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, "
+                                                    f"{tile.stages} K/V stage(s)"}
 
 
 def split_details(p) -> dict:

@@ -101,19 +101,14 @@ def _gemm_batch_groups(axes: list[_Axis]) -> list[list[_Axis]]:
 def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> None:
     """Run the split path for a checked problem ``p`` (see _checks.SDPAProblem) on CuPy's current stream.
 
-    out: (batch, Hq, L, Ev) CuPy array, query dtype; lse: None or (batch, Hq, L) float32. Raises MemoryError through
-    CuPy if even one query row of scores exceeds the device's memory.
+    out: (batch, Hq, L, Ev) CuPy array, query dtype, non-empty; lse: None or (batch, Hq, L) float32; S ≥ 1. Raises
+    MemoryError through CuPy if even one query row of scores exceeds the device's memory.
     """
     import cupy
 
     L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
-    if out.size == 0:
-        return
-    if S == 0:  # every row is fully masked: output 0, lse -inf (as the reference)
-        out.fill(0)
-        if lse is not None:
-            lse.fill(-np.inf)
-        return
+    if out.size == 0 or S == 0:
+        raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
     dtype = p.dtype
     isz = dtype.itemsize
     ld = -(-S // 8) * 8                      # fp32 pitch: 32-byte aligned rows for cuBLAS and float4 loads

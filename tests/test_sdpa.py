@@ -192,9 +192,10 @@ def test_long_rows_use_the_looping_softmax():
     _run(q, k, v, "float16", attn_mask=mask, what="S=20000")
 
 
-def test_nan_propagates_and_empty_shapes():
+@pytest.mark.parametrize("dtype", ["float32", "float16"])  # float16: the auto path is the fused kernel
+def test_nan_propagates_and_empty_shapes(dtype):
     g = torch.Generator("cuda").manual_seed(15)
-    q, k, v = (_rand((1, 2, 8, 16), "float32", g) for _ in range(3))
+    q, k, v = (_rand((1, 2, 8, 16), dtype, g) for _ in range(3))
     k[0, 1, 3, 0] = float("nan")
     out = cupy_attn.scaled_dot_product_attention(q, k, v)
     assert torch.isnan(out[0, 1]).all() and not torch.isnan(out[0, 0]).any()

@@ -158,3 +158,27 @@ def test_softmax_tile_covers_row():
         threads, vecs = _split.softmax_tile(S)
         assert vecs == 0 or threads * vecs * 4 >= S
         assert vecs == 0 or threads * vecs * 4 < 4 * S + 4 * 128  # the smallest entry that covers S (within 4x)
+
+
+@pytest.mark.parametrize("dtype,E,Ev,mask,arch,expected,why", [
+    ("float16", 64, 64, "none", 90, "fused", "no L×S score buffer"),
+    ("bfloat16", 128, 128, "bool", 90, "fused", "no L×S score buffer"),
+    ("float16", 40, 200, "float", 80, "fused", "no L×S score buffer"),    # padded to the 256 bucket
+    ("float16", 256, 256, "none", 86, "fused", "no L×S score buffer"),
+    ("float16", 320, 320, "none", 90, "split", "instantiated up to 256"),
+    ("float16", 64, 300, "none", 90, "split", "instantiated up to 256"),
+    ("float32", 64, 64, "none", 90, "split", "fp32 is served by the split path"),
+    ("float16", 64, 64, "none", 75, "split", "sm_75"),
+])
+def test_fused_dispatch_table(dtype, E, Ev, mask, arch, expected, why):
+    plan = _dispatch.plan_sdpa(_gpu_problem(dtype, E, Ev, mask_kind=mask), "auto", arch=arch)
+    assert plan.backend == expected and why in plan.reason, str(plan)
+    if expected == "fused":
+        assert "tile" in plan.details
+
+
+def test_forced_fused_reports_tile_and_refuses_fp32():
+    plan = _dispatch.plan_sdpa(_gpu_problem("float16", 128, 128), "fused", arch=90)
+    assert plan.backend == "fused" and plan.details["head-dim bucket"] == 128
+    with pytest.raises(ValueError, match="fp32 is served by the split path"):
+        _dispatch.plan_sdpa(_gpu_problem("float32", 64, 64), "fused", arch=90)
