@@ -3,15 +3,18 @@
 Public API:
     scaled_dot_product_attention  torch.nn.functional.scaled_dot_product_attention's semantics, fused or split path
     explain                       which path a call takes, and why
+    linear_batchnorm_softmax      softmax(scale · BatchNorm1d(x Wᵀ + b), dim=1) as one operation
+    cupy_attn.torch               nn.Module wrappers (imported on demand: it needs torch)
 """
 from __future__ import annotations
 
 import numpy as np
 
 from . import _checks, _dispatch, _interop, reference
+from ._linear_bn_softmax import linear_batchnorm_softmax
 
 __version__ = "0.1.0"
-__all__ = ["scaled_dot_product_attention", "explain", "reference", "__version__"]
+__all__ = ["scaled_dot_product_attention", "explain", "linear_batchnorm_softmax", "reference", "__version__"]
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
-FAMILY_MODULES = ("cupy_attn._split", "cupy_attn._flash")
+FAMILY_MODULES = ("cupy_attn._split", "cupy_attn._flash", "cupy_attn._linear_bn_softmax")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")

@@ -57,3 +57,55 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
         out = np.where(denom == 0, 0.0, (p @ v) / denom)
         lse = (m_safe + np.log(denom))[..., 0]
     return (out, lse) if return_lse else out
+
+
+def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
+                             momentum=0.1, eps=1e-5, num_batches_tracked=None):
+    """``softmax(scale · BatchNorm1d(x · weightᵀ + bias), dim=1)`` in float64, with torch's train/eval semantics.
+
+    Shapes: x (N, K), weight (F, K), bias (F,) or None, running_mean/running_var (F,) or both None, bn_weight/bn_bias
+    (F,) or None, scale (1,), () or (F,); num_batches_tracked an int or None.
+    Batch statistics (mean, biased variance over axis 0) normalize when ``training`` or when there are no running
+    stats; otherwise the running stats do. Pure: nothing is modified.
+
+    Returns (out (N, F), running_mean, running_var, num_batches_tracked): the output and the updated running stats
+    (unchanged inputs when not updated). In training with running stats: running_mean ← (1−m)·rm + m·mean,
+    running_var ← (1−m)·rv + m·var·N/(N−1), num_batches_tracked + 1, m = momentum or 1/(num_batches_tracked + 1) when
+    momentum is None. An empty batch only counts (torch leaves the stats alone). Raises ValueError for N == 1 with
+    batch statistics, like torch.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    w = np.asarray(weight, dtype=np.float64)
+    y = x @ w.T
+    if bias is not None:
+        y = y + np.asarray(bias, dtype=np.float64)
+    n, f = y.shape
+    rm = None if running_mean is None else np.asarray(running_mean, dtype=np.float64)
+    rv = None if running_var is None else np.asarray(running_var, dtype=np.float64)
+    nbt = num_batches_tracked
+    use_batch = training or rm is None
+    if use_batch and n == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {(n, f)}")
+    if training and rm is not None:
+        if nbt is not None:
+            nbt = int(nbt) + 1
+    if use_batch:
+        if n == 0:
+            return np.zeros((0, f)), rm, rv, nbt
+        mean = y.mean(axis=0)
+        var = y.var(axis=0)
+        if training and rm is not None:
+            m = momentum if momentum is not None else 1.0 / nbt
+            rm = (1 - m) * rm + m * mean
+            rv = (1 - m) * rv + m * var * n / (n - 1)
+    else:
+        mean, var = rm, rv
+    z = (y - mean) / np.sqrt(var + eps)
+    if bn_weight is not None:
+        z = z * np.asarray(bn_weight, dtype=np.float64)
+    if bn_bias is not None:
+        z = z + np.asarray(bn_bias, dtype=np.float64)
+    s = np.asarray(scale, dtype=np.float64).reshape(-1) * z
+    s = s - s.max(axis=1, keepdims=True)
+    p = np.exp(s)
+    return p / p.sum(axis=1, keepdims=True), rm, rv, nbt

@@ -1,0 +1,473 @@
+// Fused Linear -> BatchNorm1d -> scale -> softmax, the part after the GEMM.
+//
+// Math (y = x·Wᵀ of shape (N, F), computed by cuBLAS *without* the Linear bias, see below):
+//   training:  mu_f = mean_n y[n, f],  var_f = mean_n (y[n, f] - mu_f)²   (biased, as BatchNorm normalizes with)
+//   eval:      mu_f = running_mean_f - bias_f,  var_f = running_var_f
+//   a_f = gamma_f · scale_f / sqrt(var_f + eps),   d_f = beta_f · scale_f
+//   out[n, :] = softmax_f(a_f · (y[n, f] - mu_f) + d_f)
+// (y - mu) is kept as a subtraction: the one-FMA form a·y + (d - a·mu) cancels catastrophically when |mu| >> std
+// (small batches, large offsets): 4.7x torch's fp32 error on a 3-row batch at F = 20000; the subtraction form
+// stays within 2x there.
+// The Linear bias never enters the GEMM: in training BatchNorm subtracts the batch mean, which absorbs any per-feature
+// constant exactly, so bias only shifts the running_mean update (mean of y + bias); in eval it folds into mu_f.
+// Running stats (training): running_mean = (1-m)·running_mean + m·(mu + bias); running_var = (1-m)·running_var +
+// m·var·N/(N-1) (unbiased), m = momentum, or 1/(num_batches_tracked + 1) for momentum=None (cumulative average);
+// num_batches_tracked += 1.
+//
+// Algorithm: two kernels after the GEMM, each one pass over the (N, F) activations, which sit in L2 right after the
+// GEMM (1024 × 8192 fp16 = 16 MB of the H200's 50 MB L2).
+//   column_stats:  (training) per-feature mean / M2 in fp32. Each thread runs Welford over a strided subset of rows
+//                  (one shared 1/count per row for its kVec columns), then partial (count, mean, M2) triples merge
+//                  with Chan et al.'s pairwise formula: first across lanes of a warp (shuffles), then across warps
+//                  (shared memory). Stable for any |mean|/std ratio, unlike sum/sum-of-squares. The same block folds
+//                  the statistics into Affine (mu, a, d), a and d pre-multiplied by log2(e), and updates the running
+//                  stats in place.
+//   fold_running_stats: (eval) the same fold from the running stats, one thread per feature; reads no activations.
+//   softmax_rows:  the thread's Affine entries loaded once into registers, then a grid-stride loop over kRows rows
+//                  at a time: s = a·(y - mu) + d (base-2 units), block max, exp2, block sum, scale, store. A row
+//                  is read completely into registers before it is written, so the kernel runs in place on the GEMM
+//                  output (no second (N, F) buffer, one 16 MB footprint in L2).
+//   softmax_rows_streaming: rows too long for registers (F > 8192): online (max, sum) in a first pass, then a
+//                  second pass writes; both passes read y from L2/HBM.
+// Accumulation: fp32 throughout (statistics, affine, exp, sums); storage in the input dtype T.
+//
+// Thread mapping and tile sizes (the launcher reads the same table, cupy_attn/_linear_bn_softmax.py):
+//   column_stats<T, kVec, kColThreads>: 256 threads = kColThreads threads across a strip of kVec·kColThreads = 32
+//     columns × (256 / kColThreads) rows at a time. kVec = 4 gives 8-byte (fp16/bf16) or 16-byte (fp32) loads and
+//     8 rows of 64/128 contiguous bytes per warp; 32-column strips give 256 blocks at F = 8192 (about 2 per SM on
+//     132 SMs) with no cross-block reduction, so the block that owns a strip also finalizes it.
+//   softmax_rows<T, kThreads, kVec, kChunks, kRows>: kThreads threads per row, each owning kChunks vectors of kVec
+//     elements (16-byte vectors: kVec = 8 for 16-bit types, 4 for fp32; kVec = 1 when F is not a multiple).
+//     F = 8192 picks 512 threads × 16 elements: y (2 rows × 16) + mu, a, d (3 × 16) fit the 128 registers a
+//     512-thread block may use at one block per SM, and the Affine is read once per block (not per row:
+//     re-reading it per row would be 96 KB of L2 traffic per 16 KB row). kRows = 2 halves the barriers per row
+//     and keeps two rows' loads in flight.
+//
+// Version ladder (H200, (1024, 8192) -> 8192 fp16, kernels after the GEMM; bench/NOTES_linear_bn_softmax.md):
+//   v1  eval fold inside softmax_rows through __noinline__ dtype-switch loads: 80 serialized L2 round trips per
+//       thread before the first row; the row kernel took 52 µs (sweep), whole op 1.49x the GEMM.
+//   v2  fold in its own one-thread-per-feature kernel, inlined loads; Affine (mu, a, d) instead of (a, b) for fp32
+//       accuracy (see above), stored as float4 per feature: row kernel 18 µs, of which ~7 µs the prologue (a warp's
+//       float4 loads 128 B apart: 34 MB of sectors per wave of 132 blocks).
+//   v3  Affine as structure of arrays (3, F): coalesced 32-byte vector loads, 96 KB per block; 1/sqrtf.
+//       Row kernel 18.2 -> 14.7 µs (1.24x); all kernels after the GEMM: 22 µs training, 18 µs eval (device time).
+#include "common/types.cuh"
+#include "common/reduce.cuh"
+
+namespace cupy_attn {
+namespace lbs {
+
+// Element-type codes of the small per-feature vectors (they may be fp32 while x is fp16: mixed-precision modules).
+enum DtypeCode : int { kAbsent = 0, kF32 = 1, kF16 = 2, kBF16 = 3 };
+enum Flag : int {
+  kUpdateRunning = 1,   // training with running stats: update running_mean / running_var in place
+  kCumulative = 2,      // momentum=None: factor 1 / (num_batches_tracked + 1)
+  kCountBatch = 4,      // increment num_batches_tracked (done by softmax_rows, after column_stats has read it)
+};
+
+// One launch's arguments, passed by value (the launcher builds the same layout as a NumPy structured scalar).
+struct Params {
+  void* out;                        // (N, F) T, row-major, contiguous: the GEMM result y on entry, softmax on exit
+  float* affine;                    // (3, F) rows mu, a·log2e, d·log2e (structure of arrays), written by
+                                    // column_stats / fold_running_stats, read by the row kernels
+  const void* bias;                 // (F,) Linear bias or null
+  const void* gamma;                // (F,) BatchNorm weight or null (affine=False)
+  const void* beta;                 // (F,) BatchNorm bias or null
+  const void* scale;                // (1,) or (F,): element f at f · scale_stride
+  void* running_mean;               // (F,) or null (track_running_stats=False)
+  void* running_var;                // (F,) or null
+  long long* num_batches_tracked;   // (1,) int64 or null
+  long long n_rows, n_cols;         // N, F
+  long long scale_stride;           // 0 for a (1,) scale, 1 for (F,)
+  int bias_t, gamma_t, beta_t, scale_t, stats_t;  // DtypeCode of each vector (stats_t: running_mean and running_var)
+  int flags;                        // Flag bits
+  float eps, momentum;
+};
+static_assert(sizeof(Params) == 128, "Params layout must match _PARAMS_DTYPE in _linear_bn_softmax.py");
+
+// -inf from its bits: NVRTC has no <math.h> INFINITY.
+__device__ __forceinline__ float minus_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
+
+template <typename T, int kN>
+struct alignas(kN * sizeof(T)) VecN { T v[kN]; };
+
+// Used only where one thread handles one feature (column_stats' finalize, fold_running_stats): inside the unrolled
+// register loops of softmax_rows NVRTC unswitched the five runtime dtype switches, 4^5 = 1024 copies of the loop body
+// (80 s compile, 330k lines of PTX per variant), and __noinline__ serialized the loads (v1 above).
+// kN consecutive elements through fp32 registers as raw 32-bit words: no copies of __nv_bfloat16 class objects,
+// which ptxas for sm_80 put on the stack (32 bytes spilled in softmax_rows_streaming<bf16, 512, 8>).
+template <typename T> __device__ __forceinline__ float bits_to_float(unsigned short b);
+template <> __device__ __forceinline__ float bits_to_float<__half>(unsigned short b) {
+  return __half2float(__ushort_as_half(b));
+}
+template <> __device__ __forceinline__ float bits_to_float<__nv_bfloat16>(unsigned short b) {
+  return __uint_as_float(static_cast<unsigned>(b) << 16);
+}
+template <typename T> __device__ __forceinline__ unsigned short float_to_bits(float x);
+template <> __device__ __forceinline__ unsigned short float_to_bits<__half>(float x) {
+  return __half_as_ushort(__float2half_rn(x));
+}
+template <> __device__ __forceinline__ unsigned short float_to_bits<__nv_bfloat16>(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void load_vec(const T* src, float (&x)[kN]) {
+  if constexpr (kN == 1) {
+    x[0] = to_float(*src);
+  } else if constexpr (sizeof(T) == 4) {
+    const VecN<float, kN> u = *reinterpret_cast<const VecN<float, kN>*>(src);
+    #pragma unroll
+    for (int v = 0; v < kN; ++v) x[v] = u.v[v];
+  } else {
+    const VecN<unsigned, kN / 2> u = *reinterpret_cast<const VecN<unsigned, kN / 2>*>(src);
+    #pragma unroll
+    for (int v = 0; v < kN / 2; ++v) {
+      x[2 * v] = bits_to_float<T>(static_cast<unsigned short>(u.v[v] & 0xffffu));
+      x[2 * v + 1] = bits_to_float<T>(static_cast<unsigned short>(u.v[v] >> 16));
+    }
+  }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void store_vec(T* dst, const float (&x)[kN]) {
+  if constexpr (kN == 1) {
+    *dst = from_float<T>(x[0]);
+  } else if constexpr (sizeof(T) == 4) {
+    VecN<float, kN> u;
+    #pragma unroll
+    for (int v = 0; v < kN; ++v) u.v[v] = x[v];
+    *reinterpret_cast<VecN<float, kN>*>(dst) = u;
+  } else {
+    VecN<unsigned, kN / 2> u;
+    #pragma unroll
+    for (int v = 0; v < kN / 2; ++v) {
+      u.v[v] = static_cast<unsigned>(float_to_bits<T>(x[2 * v])) |
+               (static_cast<unsigned>(float_to_bits<T>(x[2 * v + 1])) << 16);
+    }
+    *reinterpret_cast<VecN<unsigned, kN / 2>*>(dst) = u;
+  }
+}
+
+__device__ __forceinline__ float load_param(const void* p, int code, long long i, float absent) {
+  switch (code) {
+    case kF32: return static_cast<const float*>(p)[i];
+    case kF16: return __half2float(static_cast<const __half*>(p)[i]);
+    case kBF16: return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
+    default: return absent;
+  }
+}
+
+__device__ __forceinline__ void store_param(void* p, int code, long long i, float v) {
+  switch (code) {
+    case kF32: static_cast<float*>(p)[i] = v; break;
+    case kF16: static_cast<__half*>(p)[i] = __float2half_rn(v); break;
+    case kBF16: static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v); break;
+    default: break;
+  }
+}
+
+// Affine (mu, a, d) of feature f in log2 units, from the bias-free mean and the variance BatchNorm normalizes with.
+// 1/sqrtf, not rsqrtf: rsqrt.approx's 2-ulp error scales a whole column's logits (measured 4.5x torch's fp32 error
+// at |logit| ~ 3000); correctly rounded, as torch computes invstd.
+__device__ __forceinline__ void fold_affine(const Params& p, long long f, float mu, float var) {
+  const float invstd = 1.f / sqrtf(var + p.eps);
+  const float s = load_param(p.scale, p.scale_t, f * p.scale_stride, 1.f) * kLog2e;
+  const long long F = p.n_cols;
+  p.affine[f] = mu;
+  p.affine[F + f] = load_param(p.gamma, p.gamma_t, f, 1.f) * invstd * s;
+  p.affine[2 * F + f] = load_param(p.beta, p.beta_t, f, 0.f) * s;
+}
+
+__device__ __forceinline__ float affine_apply(const Params& p, long long f, float y) {
+  return fmaf(p.affine[p.n_cols + f], y - p.affine[f], p.affine[2 * p.n_cols + f]);
+}
+
+// Chan et al.: merge (nb, mb, m2b) into (n, mean, m2) for kVec columns that share one row count.
+template <int kVec>
+__device__ __forceinline__ void chan_merge(float& n, float (&mean)[kVec], float (&m2)[kVec], float nb,
+                                           const float (&mb)[kVec], const float (&m2b)[kVec]) {
+  const float nab = n + nb;
+  if (nab == 0.f) return;
+  const float wb = nb / nab;
+  #pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+    const float d = mb[v] - mean[v];
+    mean[v] += d * wb;
+    m2[v] += m2b[v] + d * d * n * wb;
+  }
+  n = nab;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Per-feature batch statistics -> (a, b) and the running-stat update. Grid: ceil(F / (kVec·kColThreads)) blocks.
+template <typename T, int kVec, int kColThreads>
+__global__ void __launch_bounds__(256) column_stats(const Params p) {
+  constexpr int kThreads = 256;
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kStrip = kVec * kColThreads;
+  constexpr int kRowGroups = kThreads / kColThreads;
+  constexpr int kUnroll = 8;  // loads in flight per thread before the dependent Welford updates
+  static_assert(32 % kColThreads == 0, "a row segment must not straddle warps");
+  __shared__ float s_n[kWarps];
+  __shared__ float s_mean[kWarps][kStrip];
+  __shared__ float s_m2[kWarps][kStrip];
+
+  const T* y = static_cast<const T*>(p.out);
+  const long long N = p.n_rows, F = p.n_cols;
+  const int ct = threadIdx.x % kColThreads;
+  const int rg = threadIdx.x / kColThreads;
+  const long long col0 = static_cast<long long>(blockIdx.x) * kStrip + ct * kVec;
+
+  float n = 0.f, mean[kVec], m2[kVec];
+  #pragma unroll
+  for (int v = 0; v < kVec; ++v) mean[v] = m2[v] = 0.f;
+
+  auto welford = [&](const VecN<T, kVec>& r) {
+    n += 1.f;
+    const float inv = 1.f / n;
+    #pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const float yv = to_float(r.v[v]);
+      const float d = yv - mean[v];
+      mean[v] += d * inv;
+      m2[v] += d * (yv - mean[v]);
+    }
+  };
+  if (col0 < F) {  // F % kVec == 0 on the vector path: a vector is entirely inside or outside
+    long long row = rg;
+    for (; row + (kUnroll - 1) * kRowGroups < N; row += kUnroll * kRowGroups) {
+      VecN<T, kVec> buf[kUnroll];
+      #pragma unroll
+      for (int u = 0; u < kUnroll; ++u)
+        buf[u] = *reinterpret_cast<const VecN<T, kVec>*>(y + (row + u * kRowGroups) * F + col0);
+      #pragma unroll
+      for (int u = 0; u < kUnroll; ++u) welford(buf[u]);
+    }
+    for (; row < N; row += kRowGroups) welford(*reinterpret_cast<const VecN<T, kVec>*>(y + row * F + col0));
+  }
+
+  // Lanes kColThreads apart hold the same columns (other rows): merge them with shuffles.
+  #pragma unroll
+  for (int off = kColThreads; off < 32; off *= 2) {
+    float mb[kVec], m2b[kVec];
+    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
+    #pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      mb[v] = __shfl_xor_sync(0xffffffffu, mean[v], off);
+      m2b[v] = __shfl_xor_sync(0xffffffffu, m2[v], off);
+    }
+    chan_merge<kVec>(n, mean, m2, nb, mb, m2b);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane < kColThreads) {
+    if (lane == 0) s_n[warp] = n;
+    #pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      s_mean[warp][ct * kVec + v] = mean[v];
+      s_m2[warp][ct * kVec + v] = m2[v];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= kStrip) return;
+  const long long f = static_cast<long long>(blockIdx.x) * kStrip + threadIdx.x;
+  if (f >= F) return;
+
+  // One thread per column merges the kWarps partials (serially: 8 Chan steps) and finalizes the feature.
+  float tn = s_n[0], tmean[1] = {s_mean[0][threadIdx.x]}, tm2[1] = {s_m2[0][threadIdx.x]};
+  #pragma unroll
+  for (int w = 1; w < kWarps; ++w) {
+    const float mb[1] = {s_mean[w][threadIdx.x]}, m2b[1] = {s_m2[w][threadIdx.x]};
+    chan_merge<1>(tn, tmean, tm2, s_n[w], mb, m2b);
+  }
+  const float mu = tmean[0];
+  const float var = tm2[0] / static_cast<float>(N);
+  fold_affine(p, f, mu, var);
+
+  if (p.flags & kUpdateRunning) {
+    const float m = (p.flags & kCumulative) ? 1.f / static_cast<float>(*p.num_batches_tracked + 1) : p.momentum;
+    const float mean_y = mu + load_param(p.bias, p.bias_t, f, 0.f);
+    const float var_unbiased = tm2[0] / static_cast<float>(N - 1);
+    const float rm = load_param(p.running_mean, p.stats_t, f, 0.f);
+    const float rv = load_param(p.running_var, p.stats_t, f, 1.f);
+    store_param(p.running_mean, p.stats_t, f, (1.f - m) * rm + m * mean_y);
+    store_param(p.running_var, p.stats_t, f, (1.f - m) * rv + m * var_unbiased);
+  }
+}
+
+// Eval: Affine from the running stats (shifted by the bias the GEMM left out). One thread per feature.
+template <int kThreads>
+__global__ void __launch_bounds__(kThreads) fold_running_stats(const Params p) {
+  const long long f = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
+  if (f >= p.n_cols) return;
+  const float mu = load_param(p.running_mean, p.stats_t, f, 0.f) - load_param(p.bias, p.bias_t, f, 0.f);
+  fold_affine(p, f, mu, load_param(p.running_var, p.stats_t, f, 1.f));
+}
+
+// kRows values reduced across the block at once; every thread gets the results. One barrier per call: callers
+// alternate between two scratch buffers, so the buffer written here was last read two reductions ago, with a
+// barrier in between.
+template <int kThreads, int kRows, typename Op>
+__device__ __forceinline__ void block_reduce_rows(float (&x)[kRows], Op op, float* scratch) {
+  constexpr int kWarps = kThreads / 32;
+  #pragma unroll
+  for (int r = 0; r < kRows; ++r) x[r] = warp_reduce<32>(x[r], op);
+  if constexpr (kWarps > 1) {
+    const int warp = threadIdx.x / 32;
+    if (threadIdx.x % 32 == 0) {
+      #pragma unroll
+      for (int r = 0; r < kRows; ++r) scratch[warp * kRows + r] = x[r];
+    }
+    __syncthreads();
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float acc = scratch[r];
+      #pragma unroll
+      for (int w = 1; w < kWarps; ++w) acc = op(acc, scratch[w * kRows + r]);
+      x[r] = acc;
+    }
+  }
+}
+
+__device__ __forceinline__ void count_batch(const Params& p) {
+  if ((p.flags & kCountBatch) && blockIdx.x == 0 && threadIdx.x == 0) *p.num_batches_tracked += 1;
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Affine + row softmax, registers only. Requires F <= kThreads·kVec·kChunks and F % kVec == 0. In place on p.out.
+template <typename T, int kThreads, int kVec, int kChunks, int kRows>
+__global__ void __launch_bounds__(kThreads) softmax_rows(const Params p) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float s_max[kWarps * kRows];
+  __shared__ float s_sum[kWarps * kRows];
+  T* out = static_cast<T*>(p.out);
+  const long long N = p.n_rows, F = p.n_cols;
+
+  // Columns of chunk c: [(c·kThreads + tid)·kVec, +kVec): consecutive threads read consecutive 16-byte vectors.
+  float mu[kChunks][kVec], a[kChunks][kVec], d[kChunks][kVec];
+  #pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
+    if (col0 < F) {  // structure of arrays: a warp reads 32 consecutive kVec-float vectors of each row
+      load_vec<float, kVec>(p.affine + col0, mu[c]);
+      load_vec<float, kVec>(p.affine + F + col0, a[c]);
+      load_vec<float, kVec>(p.affine + 2 * F + col0, d[c]);
+    } else {  // padding columns: s = -inf contributes exp2(-inf) = 0 and never wins the max
+      #pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        mu[c][v] = 0.f;
+        a[c][v] = 0.f;
+        d[c][v] = minus_inf();
+      }
+    }
+  }
+  count_batch(p);
+
+  for (long long row0 = static_cast<long long>(blockIdx.x) * kRows; row0 < N;
+       row0 += static_cast<long long>(gridDim.x) * kRows) {
+    float s[kRows][kChunks][kVec];
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
+        float yv[kVec];
+        if (row0 + r < N && col0 < F) {
+          load_vec<T, kVec>(out + (row0 + r) * F + col0, yv);
+        } else {
+          #pragma unroll
+          for (int v = 0; v < kVec; ++v) yv[v] = 0.f;
+        }
+        #pragma unroll
+        for (int v = 0; v < kVec; ++v) s[r][c][v] = fmaf(a[c][v], yv[v] - mu[c][v], d[c][v]);
+      }
+    }
+    float m[kRows];
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      m[r] = minus_inf();
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        #pragma unroll
+        for (int v = 0; v < kVec; ++v) m[r] = fmaxf(m[r], s[r][c][v]);
+      }
+    }
+    block_reduce_rows<kThreads, kRows>(m, MaxOp{}, s_max);
+    float l[kRows];
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      l[r] = 0.f;
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        #pragma unroll
+        for (int v = 0; v < kVec; ++v) {
+          s[r][c][v] = exp2f(s[r][c][v] - m[r]);  // a row of -inf (or NaN) gives NaN, as torch.softmax does
+          l[r] += s[r][c][v];
+        }
+      }
+    }
+    block_reduce_rows<kThreads, kRows>(l, SumOp{}, s_sum);
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      if (row0 + r >= N) continue;
+      const float inv = 1.f / l[r];
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
+        if (col0 >= F) continue;
+        float o[kVec];
+        #pragma unroll
+        for (int v = 0; v < kVec; ++v) o[v] = s[r][c][v] * inv;
+        store_vec<T, kVec>(out + (row0 + r) * F + col0, o);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Affine + row softmax for rows of any length: pass 1 keeps an online (max, sum) per thread, pass 2 writes.
+// One row per block iteration (grid-stride); Affine read per element (L1/L2 hits). In place on p.out.
+template <typename T, int kThreads, int kVec>
+__global__ void __launch_bounds__(kThreads) softmax_rows_streaming(const Params p) {
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float s_max[kWarps];
+  __shared__ float s_sum[kWarps];
+  T* out = static_cast<T*>(p.out);
+  const long long N = p.n_rows, F = p.n_cols;
+  count_batch(p);
+
+  for (long long row = blockIdx.x; row < N; row += gridDim.x) {
+    T* y = out + row * F;
+    float m = minus_inf(), l = 0.f;
+    for (long long col0 = static_cast<long long>(threadIdx.x) * kVec; col0 < F; col0 += kThreads * kVec) {
+      float yv[kVec];
+      load_vec<T, kVec>(y + col0, yv);
+      #pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        const float s = affine_apply(p, col0 + v, yv[v]);
+        if (s > m) {
+          l = l * exp2f(m - s) + 1.f;
+          m = s;
+        } else if (!(s == minus_inf())) {  // -inf adds nothing (and -inf - -inf would be NaN); NaN propagates
+          l += exp2f(s - m);
+        }
+      }
+    }
+    // Merge the threads' (m, l): M = max m_i, L = sum l_i · 2^(m_i - M); an empty thread (m_i = -inf) adds 0.
+    float mm[1] = {m};
+    block_reduce_rows<kThreads, 1>(mm, MaxOp{}, s_max);
+    float ll[1] = {m == minus_inf() ? 0.f : l * exp2f(m - mm[0])};
+    block_reduce_rows<kThreads, 1>(ll, SumOp{}, s_sum);
+    const float inv = 1.f / ll[0];
+    for (long long col0 = static_cast<long long>(threadIdx.x) * kVec; col0 < F; col0 += kThreads * kVec) {
+      float e[kVec];
+      load_vec<T, kVec>(y + col0, e);
+      #pragma unroll
+      for (int v = 0; v < kVec; ++v) e[v] = exp2f(affine_apply(p, col0 + v, e[v]) - mm[0]) * inv;
+      store_vec<T, kVec>(y + col0, e);
+    }
+  }
+}
+
+}  // namespace lbs
+}  // namespace cupy_attn

@@ -1,0 +1,570 @@
+"""Fused Linear → BatchNorm1d → scale → softmax: ``softmax(scale · BatchNorm1d(x·Wᵀ + bias), dim=1)``.
+
+    y        = x · Wᵀ                      cuBLAS gemmEx, fp32 compute, straight into the output buffer (no bias)
+    mu, a, d = fold(statistics, γ, β, bias, scale)     training: column_stats kernel (one pass over y, batch stats)
+                                                       eval: fold_running_stats kernel (F threads, no pass over y)
+    out      = softmax(a ⊙ (y − mu) + d)   softmax_rows kernel, in place over y
+
+Why the bias is not in the GEMM: in training BatchNorm subtracts the per-feature batch mean, so a per-feature constant
+cancels exactly and only shifts the running_mean update (the kernel adds it there); in eval it folds into b. Either way
+the GEMM runs with beta = 0 and no bias copy or epilogue is needed.
+
+Passes over the (N, F) activations after the GEMM: training two (statistics, then normalize + softmax), eval one.
+Host time before the GEMM is enqueued is kept small (fast torch-tensor checks, cached stream contexts and launch
+plans; everything else is prepared while the GEMM runs): in a synchronized timing loop it is idle GPU time.
+Kernels: cuda_src/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import _cublas, _interop, reference
+from ._compile import KernelFamily
+
+_C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
+_DTYPE_CODE = {"float32": 1, "float16": 2, "bfloat16": 3}   # DtypeCode in the .cu; 0 = absent
+# Keyed by dtype object: np.dtype.name costs ~3 µs a call, and the checks run on every call before the GEMM.
+_CODE_OF = {np.dtype(np.float32): 1, np.dtype(np.float16): 2}
+try:
+    import ml_dtypes  # NumPy's name for bfloat16 (a project dependency; without it bf16 arrays cannot occur)
+    _BF16 = np.dtype(ml_dtypes.bfloat16)
+    _CODE_OF[_BF16] = 3
+except ImportError:  # pragma: no cover
+    _BF16 = None
+_WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
+_FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Kernel tables. The launcher picks rows from these same tuples.
+
+# column_stats<T, kVec, kColThreads>: a 32-column strip per 256-thread block. (4, 8): 8-/16-byte loads, 8 threads
+# across 64/128 contiguous bytes, 32 rows at a time (F % 4 == 0). (1, 32): scalar loads for any F.
+STATS_TILES = ((4, 8), (1, 32))
+STATS_STRIP = 32
+
+# softmax_rows<T, kThreads, kVec, kChunks, kRows>: a row lives in registers as kThreads × (kVec·kChunks) elements.
+# Elements per thread E = kVec·kChunks ∈ {4, 8, 16}: 16 keeps y (2 rows) + mu, a, d at 80 live floats per thread,
+# under the 128 registers a 512-thread block may use at 1 block/SM (ptxas: 124-128); thread counts 128 (F ≤ 2048)
+# and 512 (≤ 8192). 1024 threads leave 64 registers a thread and spilled even at E = 8 (ptxas, sm_90), and were no
+# faster in the v1 sweep. kRows = 2 rows per block iteration (two rows' loads in flight, half the barriers per row).
+ROW_THREADS = (128, 512)
+ROW_ELEMS = (4, 8, 16)
+ROW_ROWS = 2
+ROW_MAX_REGISTER_ROW = 8192  # 512 × 16; longer rows take the streaming kernel
+# softmax_rows_streaming<T, kThreads, kVec>: rows longer than ROW_MAX_REGISTER_ROW columns.
+STREAM_THREADS = 512
+# fold_running_stats<kThreads>: one thread per feature.
+FOLD_THREADS = 256
+
+
+def _row_where(row: dict) -> bool:
+    wide = _WIDE[_dtype_name_of_c(row["dtype"])]
+    elems = row["vec"] * row["chunks"]
+    return row["vec"] in (1, wide) and elems in ROW_ELEMS
+
+
+def _dtype_name_of_c(c_type: str) -> str:
+    return {v: k for k, v in _C_TYPES.items()}[c_type]
+
+
+COLUMN_STATS = KernelFamily(
+    name="lbs_column_stats",
+    source="linear_bn_softmax.cu",
+    template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "tile": STATS_TILES},
+)
+
+SOFTMAX_ROWS = KernelFamily(
+    name="lbs_softmax_rows",
+    source="linear_bn_softmax.cu",
+    template="cupy_attn::lbs::softmax_rows<{dtype}, {threads}, {vec}, {chunks}, {rows}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "threads": ROW_THREADS, "vec": (1, 4, 8), "chunks": (1, 2, 4, 8, 16),
+          "rows": (ROW_ROWS,)},
+    where=_row_where,
+)
+
+FOLD_RUNNING_STATS = KernelFamily(
+    name="lbs_fold_running_stats",
+    source="linear_bn_softmax.cu",
+    template="cupy_attn::lbs::fold_running_stats<{threads}>",
+    axes={"threads": (FOLD_THREADS,)},
+)
+
+SOFTMAX_ROWS_STREAMING = KernelFamily(
+    name="lbs_softmax_rows_streaming",
+    source="linear_bn_softmax.cu",
+    template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
+    where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+)
+
+# Params in linear_bn_softmax.cu: nine pointers and three int64 (8 bytes), six int32, two float32: 128 bytes, no padding.
+_PARAMS = np.dtype(
+    [(name, np.uint64) for name in ("out", "affine", "bias", "gamma", "beta", "scale", "running_mean", "running_var",
+                                    "num_batches_tracked")]
+    + [(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
+    + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
+    + [("eps", np.float32), ("momentum", np.float32)])
+assert _PARAMS.itemsize == 128
+
+
+@dataclasses.dataclass(frozen=True)
+class RowPlan:
+    """Which softmax kernel runs a row of F features: the register kernel's tile, or the streaming kernel."""
+
+    kernel: str         # "softmax_rows" | "softmax_rows_streaming"
+    threads: int
+    vec: int
+    chunks: int = 0     # 0 for streaming
+
+
+def row_plan(n_cols: int, dtype) -> RowPlan:
+    """Smallest register tile that holds a row: first thread count, then elements per thread.
+
+    Example: F = 8192 fp16 (16-byte vectors of 8): 128 × 16 = 2048 < 8192, 512 × 8 = 4096 < 8192, 512 × 16 = 8192
+    fits → softmax_rows<__half, 512, 8, 2, 2>. F = 1000 fp16: 128 × 8 = 1024 → <__half, 128, 8, 1, 2>. F = 3:
+    not a multiple of 8, scalar loads, 128 × 4 → <__half, 128, 1, 4, 2>. F = 8200: no tile → streaming kernel.
+    """
+    name = np.dtype(dtype).name
+    vec = _WIDE[name] if n_cols % _WIDE[name] == 0 else 1
+    for threads in ROW_THREADS:
+        for elems in ROW_ELEMS:
+            if elems % vec == 0 and n_cols <= threads * elems <= ROW_MAX_REGISTER_ROW:
+                return RowPlan("softmax_rows", threads, vec, elems // vec)
+    return RowPlan("softmax_rows_streaming", STREAM_THREADS, vec)
+
+
+def stats_tile(n_cols: int) -> tuple[int, int]:
+    """(kVec, kColThreads) of column_stats: 4-wide loads when F % 4 == 0, scalar otherwise."""
+    return STATS_TILES[0] if n_cols % STATS_TILES[0][0] == 0 else STATS_TILES[1]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device_id: int) -> int:
+    import cupy
+    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
+
+
+def _blocks_per_sm(kernel, threads: int) -> int:
+    """Resident blocks per SM from the kernel's register count (65536 registers, 2048 threads, 32 blocks per SM;
+    registers are allocated per warp in units of 256)."""
+    regs_per_warp = -(-max(kernel.num_regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // (regs_per_warp * (threads // 32))
+    return max(1, min(by_regs, 2048 // threads, 32))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checks: every error before any launch. Kept cheap (no DLPack conversions, no device work): for torch callers the
+# host time until the GEMM is enqueued shows up as idle GPU time in a synchronized timing loop.
+
+@dataclasses.dataclass
+class _Arg:
+    """One array argument: the object, its kind, NumPy dtype and shape."""
+
+    obj: Any
+    kind: str
+    dtype: np.dtype
+    shape: tuple
+
+    def ptr(self) -> int:
+        if self.kind == _interop.TORCH:
+            return self.obj.data_ptr()
+        if self.kind == _interop.CUPY:
+            return self.obj.data.ptr
+        return _interop._dlpack_view(self.obj).data.ptr
+
+    def strides(self) -> tuple:
+        """Strides in elements."""
+        if self.kind == _interop.TORCH:
+            return tuple(self.obj.stride())
+        a = self.obj if self.kind == _interop.CUPY else _interop._dlpack_view(self.obj)
+        return tuple(st // a.itemsize for st in a.strides)
+
+
+@dataclasses.dataclass
+class _Call:
+    ctx: _interop.CallContext
+    dtype: np.dtype
+    n: int
+    k: int
+    f: int
+    use_batch_stats: bool
+    update_running: bool
+    args: dict            # name -> _Arg or None
+
+
+@functools.lru_cache(maxsize=None)
+def _torch_dtypes() -> dict:
+    """torch dtype -> NumPy dtype for the dtypes this op meets (a dict lookup instead of interop's generic path)."""
+    torch = sys.modules["torch"]
+    out = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.int64: np.dtype(np.int64)}
+    out.update({dt: np_dt for dt, np_dt in ((torch.bfloat16, _BF16),) if np_dt is not None})
+    return out
+
+
+def _arg(v: Any, name: str, ctx: _interop.CallContext) -> _Arg:
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(v, torch.Tensor) and v.dtype in _torch_dtypes():
+        # Fast path: a handful of attribute reads (~0.5 µs) instead of interop's generic kind/device/dtype helpers.
+        dev = v.get_device()  # -1 on the CPU
+        if (dev >= 0) != ctx.on_gpu:
+            raise ValueError(f"{name} is on {'a GPU' if dev >= 0 else 'the CPU'} but x is not")
+        if dev >= 0 and dev != ctx.device_id:
+            raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
+        return _Arg(v, _interop.TORCH if dev >= 0 else _interop.TORCH_CPU, _torch_dtypes()[v.dtype], tuple(v.shape))
+    kind = _interop.kind_of(v, name)
+    if (kind in _interop.CPU_KINDS) != (not ctx.on_gpu):
+        raise ValueError(f"{name} is on {'the CPU' if kind in _interop.CPU_KINDS else 'a GPU'} but x is not")
+    if ctx.on_gpu:
+        dev = _interop.device_of(v, kind)
+        if dev != ctx.device_id:
+            raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
+    return _Arg(v, kind, _interop.dtype_of(v, kind), tuple(int(d) for d in v.shape))
+
+
+def _vector(v: Any, name: str, f: int, ctx: _interop.CallContext, *, allow_scalar: bool = False) -> _Arg | None:
+    """A per-feature vector: shape (F,) (or (1,)/() when allow_scalar), float32/float16/bfloat16, x's device."""
+    if v is None:
+        return None
+    a = _arg(v, name, ctx)
+    if a.dtype not in _CODE_OF:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {a.dtype.name}")
+    if not (a.shape == (f,) or (allow_scalar and a.shape in ((1,), ()))):
+        want = f"({f},), (1,) or ()" if allow_scalar else f"({f},)"
+        raise ValueError(f"{name} must have shape {want} (axis 0 = out_features), got {a.shape}")
+    return a
+
+
+_CONTEXTS: dict = {}
+
+
+def _current_torch_stream(torch, dev: int) -> int:
+    """torch's current stream handle on ``dev``: the raw getter inductor uses (~0.3 µs), else the public API (builds
+    a Stream object, a few µs)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
+
+
+def _context(x) -> _interop.CallContext:
+    """interop.context_for, with torch callers' contexts cached per (device, stream): building the ExternalStream
+    costs a few µs per call, on the critical path before the GEMM."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(x, torch.Tensor) and x.is_cuda:
+        dev = x.get_device()
+        key = (dev, _current_torch_stream(torch, dev))
+        ctx = _CONTEXTS.get(key)
+        if ctx is None:
+            ctx = _CONTEXTS[key] = _interop.context_for(x, "x")
+        return ctx
+    return _interop.context_for(x, "x")
+
+
+def _check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+           num_batches_tracked) -> _Call:
+    ctx = _context(x)
+    xa = _arg(x, "x", ctx)
+    if xa.dtype not in _CODE_OF:
+        raise TypeError(f"x must be float32, float16 or bfloat16, got {xa.dtype.name}")
+    if len(xa.shape) != 2:
+        raise ValueError(f"x must be 2-D (batch, in_features), got shape {xa.shape}")
+    n, k = xa.shape
+    wa = _arg(weight, "weight", ctx)
+    if wa.dtype != xa.dtype:
+        raise TypeError(f"weight dtype {wa.dtype.name} differs from x dtype {xa.dtype.name}")
+    if len(wa.shape) != 2:
+        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {wa.shape}")
+    if wa.shape[1] != k:
+        raise ValueError(f"weight axis 1 (in_features) is {wa.shape[1]} but x axis 1 is {k}")
+    f = wa.shape[0]
+    args = {"x": xa, "weight": wa}
+    args["bias"] = _vector(bias, "bias", f, ctx)
+    if args["bias"] is not None and args["bias"].dtype != xa.dtype:
+        raise TypeError(f"bias dtype must equal x dtype {xa.dtype.name}, got {args['bias'].dtype.name}")
+    args["gamma"] = _vector(bn_weight, "bn_weight", f, ctx)
+    args["beta"] = _vector(bn_bias, "bn_bias", f, ctx)
+    if scale is None:
+        raise TypeError("scale must be an array of shape (1,) or (out_features,), got None")
+    args["scale"] = _vector(scale, "scale", f, ctx, allow_scalar=True)
+    if (running_mean is None) != (running_var is None):
+        raise ValueError("running_mean and running_var must both be given or both be None")
+    args["running_mean"] = _vector(running_mean, "running_mean", f, ctx)
+    args["running_var"] = _vector(running_var, "running_var", f, ctx)
+    if running_mean is not None:
+        if args["running_mean"].dtype != args["running_var"].dtype:
+            raise TypeError("running_mean and running_var must have the same dtype")
+        if ctx.on_gpu and f > 1 and (args["running_mean"].strides()[0] != 1 or args["running_var"].strides()[0] != 1):
+            raise ValueError("running_mean and running_var must be contiguous: they are updated in place")
+    if not isinstance(training, (bool, np.bool_)):
+        raise TypeError(f"training must be a bool, got {type(training).__name__}")
+    if momentum is not None and not isinstance(momentum, (int, float)):
+        raise TypeError(f"momentum must be a float or None, got {type(momentum).__name__}")
+    if not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    use_batch_stats = bool(training) or running_mean is None
+    update_running = bool(training) and running_mean is not None
+    if update_running and momentum is None and num_batches_tracked is None:
+        raise ValueError("momentum=None (cumulative moving average) needs num_batches_tracked")
+    args["num_batches_tracked"] = None
+    if num_batches_tracked is not None:
+        a = _arg(num_batches_tracked, "num_batches_tracked", ctx)
+        if a.dtype != np.int64 or math.prod(a.shape) != 1:
+            raise TypeError("num_batches_tracked must be a one-element int64 array")
+        args["num_batches_tracked"] = a
+    if use_batch_stats and n == 1:
+        raise ValueError(f"Expected more than 1 value per channel when training, got input size {(n, f)}")
+    return _Call(ctx, xa.dtype, n, k, f, use_batch_stats, update_running, args)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+
+def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
+                             momentum=0.1, eps=1e-5, num_batches_tracked=None, allow_tf32=None):
+    """``softmax(scale · batch_norm(x · weightᵀ + bias), dim=1)``: torch's Linear → BatchNorm1d → ·scale → softmax.
+
+    Shapes: x (N, K); weight (F, K); bias (F,) or None; running_mean, running_var (F,), or both None
+    (track_running_stats=False); bn_weight, bn_bias (F,) or None (affine=False); scale (1,), () or (F,);
+    num_batches_tracked: one-element int64 array or None.
+    dtypes: x, weight and bias float32, float16 or bfloat16, all equal; the per-feature vectors may each be float32,
+    float16 or bfloat16 (e.g. fp32 BatchNorm parameters with fp16 activations). Statistics, the affine and the softmax
+    are computed in fp32; the output has x's dtype.
+
+    training=True: normalize with the batch mean and biased batch variance of x·Wᵀ + bias; when running stats are
+    given, update them **in place** like torch: running_mean ← (1−m)·running_mean + m·mean, running_var ← (1−m)·
+    running_var + m·var·N/(N−1), m = momentum, or 1/(num_batches_tracked+1) when momentum is None (cumulative
+    average); num_batches_tracked (if given) += 1. training=False: normalize with the running stats (batch stats when
+    they are None, as torch does). eps is added to the variance.
+
+    allow_tf32: fp32 GEMM on TF32 tensor cores. None = torch.backends.cuda.matmul.allow_tf32 for torch inputs, False
+    otherwise (exact fp32). Ignored for fp16/bf16.
+
+    Inputs: torch CUDA tensors / CuPy arrays (zero-copy, result of the same kind on the caller's stream; torch inputs
+    run on torch's current stream), or NumPy arrays / CPU torch tensors, which run the float64 reference
+    (:func:`cupy_attn.reference.linear_batchnorm_softmax`) and update their running stats in place too. x and weight
+    are copied only when their last axis is not unit-stride, the small per-feature vectors only when not contiguous.
+    No autograd: tensors that require grad are read detached (``cupy_attn.torch.LinearBatchNormSoftmax`` falls back
+    to torch ops when gradients are needed).
+
+    Algorithm: cuBLAS y = x·Wᵀ (fp32 compute, bias left out: it cancels in the batch-normalized output and is added
+    to the running mean; in eval it folds into the shift mu), written into the output buffer. Training: one kernel
+    for per-feature Welford/Chan statistics folded into (mu, a, d) plus the running-stat update; eval: one
+    thread-per-feature kernel folding the running stats. Then one kernel for a·(y − mu) + d and the row softmax, in
+    place (a row held in registers for F ≤ 8192, two passes beyond). Empty batches return an empty result (training
+    still counts num_batches_tracked).
+
+    Returns: (N, F) array of x's kind and dtype.
+    Raises: TypeError for non-arrays and unsupported dtypes; ValueError for shapes (naming argument and axis), devices,
+    running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
+    batch statistics are used ("Expected more than 1 value per channel when training").
+    """
+    call = _check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+                  num_batches_tracked)
+    if not call.ctx.on_gpu:
+        return _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                              training, momentum, eps, num_batches_tracked)
+    ctx = call.ctx
+    if allow_tf32 is None:
+        allow_tf32 = bool(ctx.kind == _interop.TORCH and sys.modules["torch"].backends.cuda.matmul.allow_tf32)
+    n, k, f = call.n, call.k, call.f
+    with ctx.activate():
+        out_native, out_ptr = _empty(ctx, (n, f), call.dtype, like=x)
+        if n * f == 0:
+            nbt = call.args["num_batches_tracked"]
+            if call.update_running and nbt is not None:
+                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
+            return out_native
+        if k == 0:
+            _cupy_view(_Arg(out_native, ctx.kind, call.dtype, (n, f))).fill(0)
+        else:
+            xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
+            # y = x·Wᵀ into the output buffer (bias left out, see the module docstring); any row stride is read.
+            _gemm_xwt(out_ptr, xa.ptr(), xa.strides()[0], wa.ptr(), wa.strides()[0], n, f, k, call.dtype,
+                      bool(allow_tf32))
+        _launch_after_gemm(out_ptr, call, momentum, eps)
+    return out_native
+
+
+_SCALARS: list = []
+
+
+@functools.lru_cache(maxsize=None)
+def _gemm_constants(dtype: np.dtype, allow_tf32: bool) -> tuple:
+    """(cudaDataType, computeType, alpha, beta) for _gemm_xwt, computed once: _cublas's generic helpers look dtypes up
+    by name (~3 µs each), on the critical path before the GEMM."""
+    # alpha/beta live in host memory (the handle's default pointer mode); the arrays stay alive in this cache.
+    alpha, beta = np.array(1.0, dtype=np.float32), np.array(0.0, dtype=np.float32)
+    _SCALARS.extend((alpha, beta))
+    return _cublas.cuda_dtype(dtype), _cublas.compute_type(dtype, allow_tf32), alpha.ctypes.data, beta.ctypes.data
+
+
+def _gemm_xwt(c_ptr: int, x_ptr: int, ldx: int, w_ptr: int, ldw: int, m: int, n: int, k: int, dtype: np.dtype,
+              allow_tf32: bool) -> None:
+    """C (m, n) = X (m, k) · Wᵀ, W (n, k), row-major, on CuPy's current stream: _cublas.gemm_strided_batched's call
+    (column-major Cᵀ = W·Xᵀ, batch 1) with its per-call constants cached."""
+    import cupy
+    from cupy.cuda import cublas, device
+    dt, compute, alpha, beta = _gemm_constants(dtype, allow_tf32)
+    handle = device.get_cublas_handle()
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
+    cublas.gemmStridedBatchedEx(handle, _cublas._OP_T, _cublas._OP_N, n, m, k, alpha, w_ptr, dt, ldw, 0,
+                                x_ptr, dt, ldx, 0, beta, c_ptr, dt, n, 0, 1, compute, _cublas._ALGO_DEFAULT)
+
+
+def _empty(ctx: _interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
+    """(native output, device pointer); torch outputs come from torch's allocator without a DLPack round trip."""
+    if ctx.kind == _interop.TORCH and like is not None:
+        t = like.new_empty(shape)  # x's dtype and device, torch's allocator and current stream
+        return t, t.data_ptr()
+    native, view = ctx.empty(shape, dtype)
+    return native, view.data.ptr
+
+
+_NAME_OF = {dt: name for name, dt in zip(("float32", "float16", "bfloat16"), _CODE_OF)}
+
+
+def _cupy_view(a: _Arg):
+    import cupy
+    if a.kind == _interop.CUPY:
+        return a.obj
+    if a.kind == _interop.TORCH:
+        return cupy.from_dlpack(a.obj.detach())
+    return cupy.from_dlpack(a.obj)
+
+
+def _unit_last_stride(a: _Arg) -> _Arg:
+    """cuBLAS reads any row stride but needs unit stride along the last axis: copy (CuPy) only when it is not."""
+    st = a.strides()
+    if st[1] == 1 and st[0] >= a.shape[1]:
+        return a
+    import cupy
+    return _Arg(cupy.ascontiguousarray(_cupy_view(a)), _interop.CUPY, a.dtype, a.shape)
+
+
+def _vector_ptr(a: _Arg, keep: list) -> int:
+    """Pointer to a contiguous copy of a per-feature vector (the array itself when already contiguous)."""
+    if a.shape == () or a.shape == (1,) or a.strides()[0] == 1:
+        return a.ptr()
+    import cupy
+    c = cupy.ascontiguousarray(_cupy_view(a))
+    keep.append(c)  # alive until the launches are enqueued (CuPy's pool is stream-ordered)
+    return c.data.ptr
+
+
+@dataclasses.dataclass(frozen=True)
+class _LaunchPlan:
+    """The kernels after the GEMM for one (device, dtype, N, F, batch-stats) and their grids."""
+
+    first: Any            # column_stats (batch statistics) or fold_running_stats (eval)
+    first_grid: int
+    first_block: int
+    rows: Any             # softmax_rows or softmax_rows_streaming
+    rows_grid: int
+    rows_block: int
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stats: bool) -> _LaunchPlan:
+    ctype = _C_TYPES[_NAME_OF[dtype]]
+    if use_batch_stats:
+        first = COLUMN_STATS.kernel(dtype=ctype, tile=stats_tile(f))
+        first_grid, first_block = -(-f // STATS_STRIP), 256
+    else:
+        first = FOLD_RUNNING_STATS.kernel(threads=FOLD_THREADS)
+        first_grid, first_block = -(-f // FOLD_THREADS), FOLD_THREADS
+    plan = row_plan(f, dtype)
+    if plan.kernel == "softmax_rows":
+        rows = SOFTMAX_ROWS.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec, chunks=plan.chunks, rows=ROW_ROWS)
+        groups = -(-n // ROW_ROWS)
+    else:
+        rows = SOFTMAX_ROWS_STREAMING.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec)
+        groups = n
+    rows_grid = min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads))
+    return _LaunchPlan(first, first_grid, first_block, rows, rows_grid, plan.threads)
+
+
+_WORKSPACES: dict = {}
+
+
+def _affine_workspace(device_id: int, stream_ptr: int, f: int):
+    """(3, F) float32 Affine rows (mu, a, d), one buffer per (device, stream, F): calls on one stream are ordered, so
+    reuse is safe."""
+    import cupy
+    key = (device_id, stream_ptr, f)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        ws = _WORKSPACES[key] = cupy.empty((3, f), dtype=np.float32)
+    return ws
+
+
+def _post_launches(out_ptr: int, call: _Call, momentum, eps) -> list:
+    """The launches after the GEMM as (kernel, grid, block, params) tuples, on the current device and stream."""
+    import cupy
+    n, f = call.n, call.f
+    args = call.args
+    keep: list = []
+    vec = {}
+    for name in ("bias", "gamma", "beta", "scale"):
+        a = args[name]
+        vec[name] = (0, 0) if a is None else (_vector_ptr(a, keep), _CODE_OF[a.dtype])
+    rm, rv, nbt = args["running_mean"], args["running_var"], args["num_batches_tracked"]
+    flags = 0
+    if call.update_running:
+        flags |= _FLAG_UPDATE_RUNNING
+        if momentum is None:
+            flags |= _FLAG_CUMULATIVE
+        if nbt is not None:
+            flags |= _FLAG_COUNT_BATCH
+    stream = cupy.cuda.get_current_stream()
+    affine = _affine_workspace(call.ctx.device_id, stream.ptr, f)
+    # One structured scalar in Params' field order (building it field by field costs ~1 µs a field).
+    params = np.array((
+        out_ptr, affine.data.ptr, vec["bias"][0], vec["gamma"][0], vec["beta"][0], vec["scale"][0],
+        0 if rm is None else rm.ptr(), 0 if rv is None else rv.ptr(), 0 if nbt is None else nbt.ptr(),
+        n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0,
+        vec["bias"][1], vec["gamma"][1], vec["beta"][1], vec["scale"][1], 0 if rm is None else _CODE_OF[rm.dtype],
+        flags, eps, 0.0 if momentum is None else momentum), dtype=_PARAMS)
+    plan = _launch_plan(call.ctx.device_id, call.dtype, n, f, call.use_batch_stats)
+    return [(plan.first, plan.first_grid, plan.first_block, params),
+            (plan.rows, plan.rows_grid, plan.rows_block, params), keep]
+
+
+def _launch_after_gemm(out_ptr: int, call: _Call, momentum, eps) -> None:
+    """Fold (statistics or running stats) and the affine + softmax kernel over the GEMM result at ``out_ptr``."""
+    *launches, _keep = _post_launches(out_ptr, call, momentum, eps)
+    for kernel, grid, block, params in launches:
+        kernel((grid,), (block,), (params,))
+
+
+def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+                   momentum, eps, num_batches_tracked):
+    """CPU inputs: the float64 reference; running stats and num_batches_tracked updated in place."""
+    def host(v):
+        return None if v is None else np.asarray(_interop.to_numpy(v, _interop.kind_of(v, "argument")),
+                                                 dtype=np.float64)
+    nbt = None
+    if num_batches_tracked is not None:
+        kind = _interop.kind_of(num_batches_tracked, "num_batches_tracked")
+        nbt = int(np.asarray(_interop.to_numpy(num_batches_tracked, kind)).ravel()[0])
+    out, rm, rv, nbt_new = reference.linear_batchnorm_softmax(
+        host(x), host(weight), host(bias), host(running_mean), host(running_var), host(bn_weight), host(bn_bias),
+        host(scale), training=bool(training), momentum=momentum, eps=eps, num_batches_tracked=nbt)
+    for dst, new in ((running_mean, rm), (running_var, rv)):
+        if dst is not None and new is not None:
+            _write_in_place(dst, new)
+    if num_batches_tracked is not None and nbt_new is not None:
+        _write_in_place(num_batches_tracked, np.full(num_batches_tracked.shape, nbt_new, dtype=np.int64))
+    return _interop.from_numpy(out, call.ctx.kind, call.dtype)
+
+
+def _write_in_place(dst, new: np.ndarray) -> None:
+    if _interop.is_torch_tensor(dst):
+        import torch
+        with torch.no_grad():
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(new)).to(dst.dtype))
+    else:
+        dst[...] = new.astype(dst.dtype)
