@@ -1,0 +1,427 @@
+"""Fused Linear → BatchNorm1d → scale → softmax (issue 4): reference, argument errors, module, kernels.
+
+CPU tests pin the float64 reference to torch's own float64 CPU module (both modes, running stats over several steps)
+and check errors and the module's state_dict. GPU tests compare the fused op with the reference and with torch's
+module in the same precision: our max error may be at most 2× torch's plus one output ulp.
+"""
+from __future__ import annotations
+
+import zlib
+
+import numpy as np
+import pytest
+
+from cupy_attn import _compile, reference
+from cupy_attn import _linear_bn_softmax as lbs
+from cupy_attn._linear_bn_softmax import linear_batchnorm_softmax
+
+torch = pytest.importorskip("torch")
+from torch import nn  # noqa: E402
+
+from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
+
+
+class Model(nn.Module):
+    """The plain model of the workload (issue 4)."""
+
+    def __init__(self, in_features, out_features, **bn_kw):
+        super().__init__()
+        self.gemm = nn.Linear(in_features, out_features)
+        self.bn = nn.BatchNorm1d(out_features, **bn_kw)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return torch.softmax(self.scale * self.bn(self.gemm(x)), dim=1)
+
+
+def _randomize(model, gen, scale_value=None):
+    """Non-trivial parameters and running stats (never zeros / ones), deterministic from ``gen``."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * 0.5
+                    + (1.0 if name in ("bn.weight", "scale") else 0.0))
+        if scale_value is not None:
+            model.scale.fill_(scale_value)
+        bn = model.bn
+        if bn.running_mean is not None:
+            bn.running_mean.copy_(torch.randn(bn.running_mean.shape, generator=gen, dtype=torch.float64) * 0.3)
+            bn.running_var.copy_(torch.rand(bn.running_var.shape, generator=gen, dtype=torch.float64) * 2 + 0.5)
+    return model
+
+
+def _state(model):
+    """Everything the functional op takes, from a (plain or fused) model."""
+    bn = model.bn
+    return dict(weight=model.gemm.weight, bias=model.gemm.bias, running_mean=bn.running_mean,
+                running_var=bn.running_var, bn_weight=bn.weight, bn_bias=bn.bias, scale=model.scale)
+
+
+def _np(t):
+    return None if t is None else t.detach().cpu().double().numpy()
+
+
+def _reference_step(model, x):
+    """The float64 reference on the model's current values (nothing modified)."""
+    s = _state(model)
+    bn = model.bn
+    nbt = int(bn.num_batches_tracked) if bn.num_batches_tracked is not None else None
+    return reference.linear_batchnorm_softmax(
+        _np(x), _np(s["weight"]), _np(s["bias"]), _np(s["running_mean"]), _np(s["running_var"]),
+        _np(s["bn_weight"]), _np(s["bn_bias"]), _np(s["scale"]), training=bn.training, momentum=bn.momentum,
+        eps=bn.eps, num_batches_tracked=nbt)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: reference vs torch float64
+
+BN_CONFIGS = [
+    dict(),
+    dict(momentum=None),
+    dict(affine=False),
+    dict(track_running_stats=False),
+    dict(momentum=0.3, eps=1e-3),
+]
+
+
+@pytest.mark.parametrize("bn_kw", BN_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+@pytest.mark.parametrize("shape", [(2, 5, 3), (7, 33, 10), (64, 16, 100)])
+def test_reference_matches_torch_float64_over_steps(shape, bn_kw):
+    n, k, f = shape
+    gen = torch.Generator().manual_seed(n * 1000 + f)
+    model = _randomize(Model(k, f, **bn_kw).double(), gen)
+    for step in range(5):
+        x = torch.randn(n, k, generator=gen, dtype=torch.float64) * 2
+        model.train(step != 3)  # one eval step in the middle
+        out, rm, rv, nbt = _reference_step(model, x)
+        with torch.no_grad():
+            expect = model(x)
+        np.testing.assert_allclose(out, expect.numpy(), rtol=1e-12, atol=1e-15)
+        if model.bn.running_mean is not None:
+            np.testing.assert_allclose(rm, model.bn.running_mean.numpy(), rtol=1e-12, atol=1e-15)
+            np.testing.assert_allclose(rv, model.bn.running_var.numpy(), rtol=1e-12, atol=1e-15)
+            assert nbt == int(model.bn.num_batches_tracked)
+
+
+def test_reference_scale_per_feature_and_large_logits():
+    gen = torch.Generator().manual_seed(7)
+    model = _randomize(Model(16, 40).double(), gen)
+    model.scale = nn.Parameter(torch.rand(40, generator=gen, dtype=torch.float64) * 2000 - 1000)  # |logit| ~ 1e3
+    x = torch.randn(9, 16, generator=gen, dtype=torch.float64)
+    out, *_ = _reference_step(model, x)
+    with torch.no_grad():
+        expect = model(x)
+    assert np.isfinite(out).all()
+    np.testing.assert_allclose(out, expect.numpy(), rtol=1e-10, atol=1e-300)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch_cpu"])
+@pytest.mark.parametrize("training", [True, False])
+def test_public_cpu_path_updates_in_place(kind, training):
+    gen = torch.Generator().manual_seed(3)
+    plain = _randomize(Model(12, 20, momentum=None), gen)
+    plain.train(training)
+    x = torch.randn(6, 12, generator=gen)
+    args = {k: (v.detach().clone() if v is not None else None) for k, v in _state(plain).items()}
+    nbt = plain.bn.num_batches_tracked.detach().clone().reshape(1)
+    if kind == "numpy":
+        args = {k: v.numpy() for k, v in args.items()}
+        x_in, nbt = x.numpy(), nbt.numpy()
+    else:
+        x_in = x
+    out = linear_batchnorm_softmax(x_in, training=training, momentum=None, eps=plain.bn.eps, num_batches_tracked=nbt,
+                                   **args)
+    with torch.no_grad():
+        expect = plain(x)
+    assert type(out) is type(x_in) and tuple(out.shape) == (6, 20) and out.dtype == x_in.dtype
+    np.testing.assert_allclose(np.asarray(out), expect.numpy(), rtol=2e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(args["running_mean"]), plain.bn.running_mean.numpy(), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(args["running_var"]), plain.bn.running_var.numpy(), rtol=1e-5, atol=1e-7)
+    assert int(np.asarray(nbt).ravel()[0]) == int(plain.bn.num_batches_tracked)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: argument errors, raised before any launch (same checks for GPU inputs)
+
+def _args(n=4, k=6, f=5, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    return dict(x=rng.standard_normal((n, k)).astype(dtype), weight=rng.standard_normal((f, k)).astype(dtype),
+                bias=rng.standard_normal(f).astype(dtype), running_mean=np.zeros(f, np.float32),
+                running_var=np.ones(f, np.float32), bn_weight=np.ones(f, np.float32),
+                bn_bias=np.zeros(f, np.float32), scale=np.ones(1, np.float32))
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(x=np.ones((4, 6, 1), np.float32)), ValueError, "x must be 2-D"),
+    (dict(weight=np.ones((5, 7), np.float32)), ValueError, "weight axis 1"),
+    (dict(weight=np.ones(5, np.float32)), ValueError, "weight must be 2-D"),
+    (dict(weight=np.ones((5, 6), np.float64)), TypeError, "weight dtype"),
+    (dict(x=np.ones((4, 6), np.float64), weight=np.ones((5, 6), np.float64)), TypeError, "x must be float32"),
+    (dict(bias=np.ones(4, np.float32)), ValueError, r"bias must have shape \(5,\)"),
+    (dict(bias=np.ones(5, np.float16)), TypeError, "bias dtype"),
+    (dict(scale=np.ones(2, np.float32)), ValueError, "scale must have shape"),
+    (dict(scale=np.ones((1, 5), np.float32)), ValueError, "scale must have shape"),
+    (dict(scale=None), TypeError, "scale"),
+    (dict(bn_weight=np.ones(6, np.float32)), ValueError, "bn_weight must have shape"),
+    (dict(running_var=None), ValueError, "both be given"),
+    (dict(running_mean=np.zeros(5, np.float64)), TypeError, "running_mean must be float32"),
+    (dict(running_mean=np.zeros(5, np.float16)), TypeError, "same dtype"),
+    (dict(x=[[1.0]]), TypeError, "x must be"),
+])
+def test_argument_errors(change, exc, match):
+    args = _args()
+    args.update(change)
+    with pytest.raises(exc, match=match):
+        linear_batchnorm_softmax(**args, training=True)
+
+
+def test_batch_of_one_in_training_raises_like_torch():
+    args = _args(n=1)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel when training"):
+        linear_batchnorm_softmax(**args, training=True)
+    linear_batchnorm_softmax(**args, training=False)  # eval with running stats: fine
+    args.update(running_mean=None, running_var=None)
+    with pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        linear_batchnorm_softmax(**args, training=False)  # no running stats: batch stats, as torch
+
+
+def test_momentum_none_needs_num_batches_tracked():
+    with pytest.raises(ValueError, match="num_batches_tracked"):
+        linear_batchnorm_softmax(**_args(), training=True, momentum=None)
+    with pytest.raises(TypeError, match="int64"):
+        linear_batchnorm_softmax(**_args(), training=True, momentum=None,
+                                 num_batches_tracked=np.zeros(1, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: the module
+
+@pytest.mark.parametrize("bn_kw", BN_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_module_state_dict_matches_plain_and_loads_both_ways(bn_kw):
+    plain = _randomize(Model(8, 6, **bn_kw), torch.Generator().manual_seed(1))
+    fused = LinearBatchNormSoftmax(8, 6, **bn_kw)
+    sd_p, sd_f = plain.state_dict(), fused.state_dict()
+    assert list(sd_p) == list(sd_f)
+    assert all(sd_p[k].shape == sd_f[k].shape and sd_p[k].dtype == sd_f[k].dtype for k in sd_p)
+    fused.load_state_dict(sd_p)
+    Model(8, 6, **bn_kw).load_state_dict(fused.state_dict())
+    copy = LinearBatchNormSoftmax.from_module(plain)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(copy.state_dict()[k], v)
+        assert copy.state_dict()[k].data_ptr() != v.data_ptr()  # copied, not shared
+    x = torch.randn(5, 8)
+    plain.eval(), copy.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(copy(x), plain(x))
+
+
+def test_module_from_module_keeps_mode_and_grad_fallback():
+    plain = _randomize(Model(8, 6), torch.Generator().manual_seed(2)).eval()
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    assert not fused.training and not fused.bn.training
+    x = torch.randn(4, 8)
+    out = fused(x)  # CPU + grad mode: the torch ops, differentiable
+    out[:, 0].sum().backward()
+    assert fused.gemm.weight.grad is not None
+
+
+def test_module_scale_shape_check():
+    with pytest.raises(ValueError, match="scale_shape"):
+        LinearBatchNormSoftmax(4, 3, scale_shape=(2,))
+    with pytest.raises(TypeError, match="has no attribute"):
+        LinearBatchNormSoftmax.from_module(nn.Linear(3, 3))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: kernels compile; the launcher only asks for declared variants
+
+FAMILIES = [lbs.COLUMN_STATS, lbs.FOLD_RUNNING_STATS, lbs.SOFTMAX_ROWS, lbs.SOFTMAX_ROWS_STREAMING]
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
+@pytest.mark.parametrize("arch", _compile.DEFAULT_ARCHS)
+def test_every_variant_compiles(family, arch):
+    reports = _compile.compile_family(family, arch)
+    assert len(reports) == len(family.name_expressions()) > 0
+    assert not [r.name_expression for r in reports if r.spill_bytes], "register spills"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_plans_are_declared_variants(dtype):
+    c = lbs._C_TYPES[dtype]
+    rows = set(lbs.SOFTMAX_ROWS.name_expressions())
+    streams = set(lbs.SOFTMAX_ROWS_STREAMING.name_expressions())
+    for f in [1, 2, 3, 7, 8, 31, 32, 100, 1000, 1001, 2048, 2050, 4096, 8192, 8193, 16384, 16392, 20000, 20001]:
+        plan = lbs.row_plan(f, np.dtype(dtype) if dtype != "bfloat16" else lbs._interop.dtype_of(
+            torch.empty(1, dtype=torch.bfloat16), "torch_cpu"))
+        if plan.kernel == "softmax_rows":
+            assert plan.threads * plan.vec * plan.chunks >= f and f % plan.vec == 0
+            expr = lbs.SOFTMAX_ROWS.name_expression(dtype=c, threads=plan.threads, vec=plan.vec, chunks=plan.chunks,
+                                                    rows=lbs.ROW_ROWS)
+            assert expr in rows
+        else:
+            assert f > lbs.ROW_MAX_REGISTER_ROW and f % plan.vec == 0
+            assert lbs.SOFTMAX_ROWS_STREAMING.name_expression(dtype=c, threads=plan.threads, vec=plan.vec) in streams
+    assert lbs.row_plan(8192, np.float16) == lbs.RowPlan("softmax_rows", 512, 8, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+ULP = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
+def _check_close(name, ours, torch_out, ref, dtype):
+    """ours must be finite and within 2× torch's max error vs the float64 reference, plus one ulp of the largest
+    output (rounding noise of the output dtype)."""
+    ours = ours.detach().double().cpu().numpy() if hasattr(ours, "detach") else np.asarray(ours, np.float64)
+    tor = torch_out.detach().double().cpu().numpy()
+    assert not np.isnan(ours).any(), f"{name}: NaN at {np.argwhere(np.isnan(ours))[:5].tolist()}"
+    err = np.abs(ours - ref)
+    err_t = np.abs(tor - ref).max()
+    bound = 2 * err_t + ULP[dtype] * np.abs(ref).max()
+    if err.max() > bound:
+        bad = np.argwhere(err > bound)[:5].tolist()
+        pytest.fail(f"{name}: max err {err.max():.3e} (mean {err.mean():.3e}) > bound {bound:.3e} "
+                    f"(torch {err_t:.3e}); first mismatches {bad}")
+
+
+def _poison_allocators(shape, dtype):
+    """Fill the blocks the next allocations of this size will get with NaN (torch's caching allocator and CuPy's
+    pool), so elements a kernel forgets to write show up."""
+    import cupy
+    t = torch.full(shape, float("nan"), dtype=dtype, device="cuda")
+    del t
+    c = cupy.full(shape, np.nan, dtype=np.float32 if dtype == torch.float32 else np.float16)
+    del c
+
+
+GPU_SHAPES = [(2, 5, 3), (7, 64, 1000), (33, 17, 129), (5, 40, 31), (300, 96, 2050), (64, 128, 8192),
+              (3, 24, 8200), (3, 24, 20000), (4, 16, 20001)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("scale_shape", ["1", "F"])
+def test_gpu_matches_reference_and_torch(dtype, shape, training, scale_shape):
+    n, k, f = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, dtype, training, scale_shape)).encode()))
+    plain = _randomize(Model(k, f), gen)
+    if scale_shape == "F":
+        plain.scale = nn.Parameter(torch.rand(f, generator=gen) * 3 + 0.2)
+    plain = plain.to("cuda", DTYPES[dtype]).train(training)
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    x = (torch.randn(n, k, generator=gen) * 2).to("cuda", DTYPES[dtype])
+    ref, rm, rv, nbt = _reference_step(plain, x)
+    _poison_allocators((n, f), DTYPES[dtype])
+    with torch.no_grad():
+        expect = plain(x)
+        ours = fused(x)
+    assert ours.dtype == x.dtype and ours.shape == (n, f) and ours.is_cuda
+    _check_close("out", ours, expect, ref, dtype)
+    if training:
+        _check_close("running_mean", fused.bn.running_mean, plain.bn.running_mean, rm, dtype)
+        _check_close("running_var", fused.bn.running_var, plain.bn.running_var, rv, dtype)
+        assert int(fused.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == nbt
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("bn_kw", BN_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_gpu_five_training_steps_track_running_stats(dtype, bn_kw):
+    n, k, f = 48, 96, 264
+    gen = torch.Generator().manual_seed(11)
+    plain = _randomize(Model(k, f, **bn_kw), gen).to("cuda", DTYPES[dtype])
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    ref_model = _randomize(Model(k, f, **bn_kw), gen).double()   # float64 chain on the same starting values
+    ref_model.load_state_dict({key: v.double() if v.is_floating_point() else v
+                               for key, v in plain.state_dict().items()})
+    for step in range(5):
+        x = (torch.randn(n, k, generator=gen) + 0.5 * step).to("cuda", DTYPES[dtype])
+        with torch.no_grad():
+            ref = ref_model(x.double().cpu()).numpy()
+            expect = plain(x)
+            ours = fused(x)
+        _check_close(f"out step {step}", ours, expect, ref, dtype)
+    if plain.bn.running_mean is not None:
+        _check_close("running_mean", fused.bn.running_mean, plain.bn.running_mean,
+                     ref_model.bn.running_mean.numpy(), dtype)
+        _check_close("running_var", fused.bn.running_var, plain.bn.running_var, ref_model.bn.running_var.numpy(),
+                     dtype)
+        assert int(fused.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 5
+    fused.eval(), plain.eval(), ref_model.eval()
+    x = torch.randn(n, k, generator=gen).to("cuda", DTYPES[dtype])
+    with torch.no_grad():
+        _check_close("eval after training", fused(x), plain(x), ref_model(x.double().cpu()).numpy(), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gpu_seed_shape(dtype, training):
+    """(1024, 8192) → 8192, the benchmark shape; float64 ground truth computed by torch on the GPU."""
+    n, k, f = 1024, 8192, 8192
+    torch.manual_seed(5)
+    plain = _randomize(Model(k, f), torch.Generator().manual_seed(5)).cuda().to(DTYPES[dtype]).train(training)
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    x = torch.randn(n, k, device="cuda").to(DTYPES[dtype])
+    ref_model = Model(k, f).cuda().double().train(training)
+    ref_model.load_state_dict({key: v.double() if v.is_floating_point() else v
+                               for key, v in plain.state_dict().items()})
+    _poison_allocators((n, f), DTYPES[dtype])
+    with torch.no_grad():
+        ref = ref_model(x.double()).cpu().numpy()
+        expect = plain(x)
+        ours = fused(x)
+    _check_close("out", ours, expect, ref, dtype)
+    if training:
+        _check_close("running_var", fused.bn.running_var, plain.bn.running_var,
+                     ref_model.bn.running_var.cpu().numpy(), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_gpu_large_logits_and_mixed_parameter_dtypes(dtype):
+    """scale ~ 1e3 (logits that overflow a naive exp); fp32 BatchNorm parameters with low-precision x; CuPy inputs."""
+    import cupy
+    n, k, f = 40, 64, 300
+    rng = np.random.default_rng(9)
+    host = dict(x=rng.standard_normal((n, k)), weight=rng.standard_normal((f, k)) / 8,
+                bias=rng.standard_normal(f), running_mean=rng.standard_normal(f) * 0.1,
+                running_var=rng.random(f) + 0.5, bn_weight=rng.random(f) + 0.5, bn_bias=rng.standard_normal(f),
+                scale=np.array([1000.0]))
+    npdt = lbs._interop.dtype_of(torch.empty(1, dtype=DTYPES[dtype]), "torch")
+    low = {key: (v.astype(npdt) if key in ("x", "weight", "bias") else v.astype(np.float32)) for key, v in host.items()}
+    for training in (True, False):
+        ref, rm, rv, _ = reference.linear_batchnorm_softmax(
+            **{key: v.astype(np.float64) for key, v in low.items()}, training=training)
+        dev = {key: cupy.asarray(v) for key, v in low.items()}
+        out = linear_batchnorm_softmax(**dev, training=training)
+        assert isinstance(out, cupy.ndarray) and out.dtype == npdt
+        # torch in the same precision (fp32 BN parameters, as autocast-style mixed modules hold them)
+        # torch.as_tensor has no ml_dtypes.bfloat16: go through float32 (exact) and cast back.
+        t = {key: torch.as_tensor(v.astype(np.float32)).to(DTYPES[dtype] if key in ("x", "weight", "bias")
+                                                          else torch.float32).cuda() for key, v in low.items()}
+        with torch.no_grad():
+            y = torch.nn.functional.linear(t["x"], t["weight"], t["bias"])
+            rm_t, rv_t = t["running_mean"].clone(), t["running_var"].clone()
+            z = torch.nn.functional.batch_norm(y, rm_t, rv_t, t["bn_weight"], t["bn_bias"], training=training)
+            expect = torch.softmax(t["scale"] * z, dim=1).to(t["x"].dtype)  # fp32 math, stored like ours
+        _check_close(f"out training={training}", torch.as_tensor(cupy.asnumpy(out).astype(np.float32)), expect,
+                     ref, dtype)
+        if training:
+            _check_close("running_mean", torch.as_tensor(cupy.asnumpy(dev["running_mean"])), rm_t, rm, dtype)
+            _check_close("running_var", torch.as_tensor(cupy.asnumpy(dev["running_var"])), rv_t, rv, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_errors_before_launch_and_batch_of_one():
+    plain = Model(8, 6).cuda()
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    with torch.no_grad(), pytest.raises(ValueError, match="Expected more than 1 value per channel"):
+        fused(torch.randn(1, 8, device="cuda"))
+    assert int(fused.bn.num_batches_tracked) == 0
+    with torch.no_grad(), pytest.raises(ValueError, match="weight axis 1"):
+        linear_batchnorm_softmax(torch.randn(4, 7, device="cuda"), **_state(fused), training=False)
