@@ -1,0 +1,297 @@
+"""Benchmark: fused Linear → BatchNorm1d → scale → softmax vs torch, seed workload x (1024, 8192), 8192 → 8192.
+
+Every row, same process, same data: ``ms`` (our op, torch inputs, whole call incl. Python), ``gemm_ms`` (our cuBLAS
+GEMM alone, the floor), ``post_us`` (device time of our kernels after the GEMM alone, replayed from a CUDA graph;
+``first_us`` the statistics / fold kernel of those), ``torch_ms`` (the plain torch module under no_grad),
+``torch_gemm_ms`` (torch's Linear alone), ``speedup`` = torch_ms / ms, ``host_us`` / ``torch_host_us`` (host time of
+one call, ours / torch's), ``max_err`` / ``torch_err`` (max abs error of our / torch's output vs a float64
+computation, torch float64 on the GPU, from the same inputs).
+Timing: cupyx.profiler.benchmark, median of GPU-event times after warm-up; x rotates over 3 fresh random buffers
+(16 MB each in fp16, so L2 does not hold the next call's input from the previous one).
+
+    PYTHONPATH=. python3 bench/bench_linear_bn_softmax.py [--quick] [--sweep]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+
+import numpy as np
+
+N, K, F = 1024, 8192, 8192
+
+
+def flops(n: int = N, k: int = K, f: int = F) -> float:
+    """2·N·K·F for the GEMM; the rest (~15 flops per output) is negligible."""
+    return 2.0 * n * k * f
+
+
+def _median_ms(fn, repeat: int, warmup: int, host: bool = False):
+    """Median GPU-event time in ms (and the median host time of one call in µs when ``host``)."""
+    from cupyx.profiler import benchmark
+    res = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
+    ms = float(np.median(res.gpu_times[0]) * 1e3)
+    return (ms, float(np.median(res.cpu_times) * 1e6)) if host else ms
+
+
+def _graph_us(launch, reps: int = 20, samples: int = 15) -> float:
+    """Device time of ``launch()`` in µs without host launch gaps: ``reps`` launches captured in a CUDA graph, replayed
+    ``samples`` times between events; median per launch."""
+    import cupy
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        launch()
+        s.synchronize()
+        s.begin_capture()
+        for _ in range(reps):
+            launch()
+        graph = s.end_capture()
+        e1, e2 = cupy.cuda.Event(), cupy.cuda.Event()
+        times = []
+        for _ in range(samples):
+            e1.record(s)
+            graph.launch(s)
+            e2.record(s)
+            e2.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(e1, e2) * 1e3 / reps)
+    return float(np.median(times))
+
+
+def _model(dtype, seed=0):
+    import torch
+    from torch import nn
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gemm = nn.Linear(K, F)
+            self.bn = nn.BatchNorm1d(F)
+            self.scale = nn.Parameter(torch.ones(1))
+
+        def forward(self, x):
+            return torch.softmax(self.scale * self.bn(self.gemm(x)), dim=1)
+
+    torch.manual_seed(seed)
+    m = Model()
+    with torch.no_grad():
+        m.bn.weight.uniform_(0.5, 1.5)
+        m.bn.bias.normal_(0, 0.5)
+        m.bn.running_mean.normal_(0, 0.2)
+        m.bn.running_var.uniform_(0.5, 2.0)
+        m.scale.fill_(1.7)
+    return m.cuda().to(dtype)
+
+
+def _errors(plain, fused_call, x, training: bool):
+    """(our max err, torch max err) vs torch float64 on the GPU, all from the same parameters and running stats."""
+    import copy
+
+    import torch
+    ref_model = copy.deepcopy(plain).double().train(training)
+    torch_model = copy.deepcopy(plain).train(training)
+    with torch.no_grad():
+        ref = ref_model(x.double())
+        t = torch_model(x).double()
+        ours = fused_call(x).double()
+    assert not torch.isnan(ours).any(), "NaN in our output"
+    return float((ours - ref).abs().max()), float((t - ref).abs().max())
+
+
+def benchmark(quick: bool = False) -> list[dict]:
+    """Rows for fp16, bf16, fp32 (exact) and fp32 with TF32, each in training and eval mode."""
+    import cupy
+    import torch
+
+    from cupy_attn import _cublas
+    from cupy_attn import _linear_bn_softmax as lbs
+    from cupy_attn._linear_bn_softmax import linear_batchnorm_softmax
+
+    repeat, warmup = (20, 5) if quick else (100, 20)
+    configs = [("float16", False), ("bfloat16", False)]
+    if not quick:
+        configs += [("float32", False), ("float32", True)]
+    rows = []
+    old_tf32 = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for dname, tf32 in configs:
+            dt = getattr(torch, dname)
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            plain = _model(dt)
+            bn = plain.bn
+            xs = [torch.randn(N, K, device="cuda").to(dt) for _ in range(3)]
+            cyc = itertools.cycle(xs)
+            w_c = cupy.from_dlpack(plain.gemm.weight.detach())
+            xs_c = [cupy.from_dlpack(x) for x in xs]
+            cyc_c = itertools.cycle(xs_c)
+            y_c = cupy.empty((N, F), dtype=w_c.dtype)
+
+            def gemm_only():
+                _cublas.gemm(y_c, next(cyc_c), w_c, trans_b=True, allow_tf32=tf32)
+
+            def torch_gemm():
+                with torch.no_grad():
+                    torch.nn.functional.linear(next(cyc), plain.gemm.weight, plain.gemm.bias)
+
+            gemm_ms = _median_ms(gemm_only, repeat, warmup)
+            torch_gemm_ms = _median_ms(torch_gemm, repeat, warmup)
+            initial = {k: v.clone() for k, v in plain.state_dict().items()}
+            for mode in ("training", "eval"):
+                training = mode == "training"
+                plain.load_state_dict(initial)  # eval must not see stats left by the training rows
+                plain.train(training)
+
+                def ours(x=None, _training=training):
+                    return linear_batchnorm_softmax(
+                        next(cyc) if x is None else x, plain.gemm.weight, plain.gemm.bias, bn.running_mean,
+                        bn.running_var, bn.weight, bn.bias, plain.scale, training=_training, momentum=bn.momentum,
+                        eps=bn.eps, num_batches_tracked=bn.num_batches_tracked, allow_tf32=tf32)
+
+                def torch_fwd():
+                    with torch.no_grad():
+                        plain(next(cyc))
+
+                err, torch_err = _errors(plain, lambda x: ours(x), xs[0], training)
+                ms, host_us = _median_ms(ours, repeat, warmup, host=True)
+                torch_ms, torch_host_us = _median_ms(torch_fwd, repeat, warmup, host=True)
+
+                # Our kernels after the GEMM alone, device time only (CUDA graph), on a GEMM result (in place:
+                # later repeats see probabilities, same cost); the running stats are restored afterwards.
+                saved = {k: v.clone() for k, v in plain.state_dict().items()}
+                call = lbs._check(xs[0], plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var,
+                                  bn.weight, bn.bias, plain.scale, training, bn.momentum, bn.eps,
+                                  bn.num_batches_tracked)
+                gemm_only()
+                *launches, _keep = lbs._post_launches(y_c.data.ptr, call, bn.momentum, bn.eps)
+
+                def post():
+                    for kern, grid, block, params in launches:
+                        kern((grid,), (block,), (params,))
+                try:
+                    post_us = _graph_us(post)
+                    first_us = _graph_us(lambda: post_first(launches))
+                except Exception as exc:  # graph capture unavailable: report, don't guess
+                    print(f"graph timing failed: {exc!r}")
+                    post_us = first_us = float("nan")
+                plain.load_state_dict(saved)
+                name = "linear_bn_softmax" + ("+tf32" if tf32 else "")
+                rows.append(dict(name=name, dtype=dname, mode=mode, ms=ms, gemm_ms=gemm_ms, post_us=post_us,
+                                 torch_ms=torch_ms, torch_gemm_ms=torch_gemm_ms, speedup=torch_ms / ms,
+                                 ratio_to_gemm=ms / gemm_ms, tflops=flops() / ms * 1e-9, max_err=err,
+                                 torch_err=torch_err, host_us=host_us, torch_host_us=torch_host_us,
+                                 first_us=first_us))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    return rows
+
+
+def post_first(launches) -> None:
+    """Only the first post-GEMM kernel (column_stats or fold_running_stats)."""
+    kern, grid, block, params = launches[0]
+    kern((grid,), (block,), (params,))
+
+
+def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
+    """Device time of every declared softmax_rows variant that holds F = 8192, at 1, 2 and 4 resident waves of
+    blocks (tile choice data; fp16, Affine from the eval fold)."""
+    import cupy
+    import torch
+
+    from cupy_attn import _linear_bn_softmax as lbs
+    dt = getattr(torch, dname)
+    plain = _model(dt).eval()
+    bn = plain.bn
+    w = cupy.from_dlpack(plain.gemm.weight.detach())
+    y = cupy.random.standard_normal((N, F), dtype=np.float32).astype(w.dtype)
+    x = torch.randn(N, K, device="cuda").to(dt)
+    call = lbs._check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                      plain.scale, False, bn.momentum, bn.eps, None)
+    launches = lbs._post_launches(y.data.ptr, call, bn.momentum, bn.eps)
+    post_first(launches)  # the Affine workspace the row kernels read
+    params = launches[0][3]
+    out = []
+    ctype = lbs._C_TYPES[dname]
+    for row in lbs.SOFTMAX_ROWS.variants():
+        if row["dtype"] != ctype or row["threads"] * row["vec"] * row["chunks"] < F:
+            continue
+        kernel = lbs.SOFTMAX_ROWS.kernel(**row)
+        resident = lbs._sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
+        for grid in sorted({min(N // lbs.ROW_ROWS, resident * m) for m in (1, 2, 4)}):
+            us = _graph_us(lambda: kernel((grid,), (row["threads"],), (params,)))
+            out.append(dict(variant=lbs.SOFTMAX_ROWS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
+    return out
+
+
+def _enter_exit(ctx) -> None:
+    with ctx.activate():
+        pass
+
+
+def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
+    """Median host µs of each step of one training call before and after the GEMM is enqueued (torch inputs)."""
+    import time
+
+    import torch
+
+    from cupy_attn import _linear_bn_softmax as lbs
+    plain = _model(getattr(torch, dname)).train()
+    bn = plain.bn
+    x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
+    args = (x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, plain.scale,
+            True, bn.momentum, bn.eps, bn.num_batches_tracked)
+    call = lbs._check(*args)
+    ctx = call.ctx
+    steps = {
+        "context": lambda: lbs._context(x),
+        "check (incl. context)": lambda: lbs._check(*args),
+        "activate (enter+exit)": lambda: _enter_exit(ctx),
+        "empty": lambda: lbs._empty(ctx, (N, F), call.dtype, like=x),
+        "gemm enqueue": lambda: lbs._gemm_xwt(y.data_ptr(), x.data_ptr(), K, plain.gemm.weight.data_ptr(), K, N, F, K,
+                                              call.dtype, False),
+        "post launches": lambda: lbs._launch_after_gemm(y.data_ptr(), call, bn.momentum, bn.eps),
+        "whole call": lambda: lbs.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
+                                                           num_batches_tracked=bn.num_batches_tracked),
+    }
+    y = torch.empty(N, F, device="cuda", dtype=x.dtype)
+    out = {}
+    for name, fn in steps.items():
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            if name in ("gemm enqueue", "post launches", "whole call"):
+                torch.cuda.synchronize()
+        out[name] = float(np.median(ts) * 1e6)
+    return out
+
+
+def _print_table(rows: list[dict]) -> None:
+    cols = ["name", "dtype", "mode", "ms", "gemm_ms", "post_us", "torch_ms", "torch_gemm_ms", "speedup",
+            "ratio_to_gemm", "tflops", "max_err", "torch_err", "host_us", "torch_host_us", "first_us"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        cells = []
+        for c in cols:
+            v = r[c]
+            cells.append(f"{v:.3e}" if c.endswith("err") else f"{v:.4f}" if isinstance(v, float) else str(v))
+        print("| " + " | ".join(cells) + " |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--sweep", action="store_true", help="also time every row-kernel tile at F=8192 (fp16, eval)")
+    args = ap.parse_args()
+    import torch
+    print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    _print_table(benchmark(args.quick))
+    print("host µs per step (fp16 training, torch inputs):",
+          ", ".join(f"{k} {v:.1f}" for k, v in host_breakdown().items()))
+    if args.sweep:
+        for r in sweep_row_kernels():
+            print(f"{r['variant']:60s} regs={r['regs']:4d} grid={r['grid']:5d} {r['us']:8.2f} us")
+
+
+if __name__ == "__main__":
+    main()
