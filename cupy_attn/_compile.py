@@ -85,6 +85,17 @@ def base_options() -> tuple[str, ...]:
     )
 
 
+def struct_arg(params):
+    """A by-value struct kernel argument from a NumPy structured array (0-d), passed by address.
+
+    CuPy converts a structured NumPy scalar argument field by field through ``__array_interface__`` (~15 µs for a
+    36-field struct, every launch); a ``CPointer`` to the array's bytes is taken as is, and cuLaunchKernel copies the
+    bytes at launch. ``params`` must stay alive until the launch call returns (the caller holds it).
+    """
+    from cupy.cuda.function import CPointer
+    return CPointer(params.ctypes.data)
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel variant; the message carries the variant's name and the NVRTC log."""
 

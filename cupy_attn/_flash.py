@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ._compile import KernelFamily
+from ._compile import KernelFamily, struct_arg
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
 
@@ -213,4 +213,4 @@ def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causa
     if mask is not None:
         for axis, stride in zip("bhls", _estrides(mask)):
             p[f"mask_stride_{axis}"] = stride
-    kernel((math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), (p,), shared_mem=smem)
+    kernel((math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), (struct_arg(p),), shared_mem=smem)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _cublas, _interop, reference
-from ._compile import KernelFamily
+from ._compile import KernelFamily, struct_arg
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _DTYPE_CODE = {"float32": 1, "float16": 2, "bfloat16": 3}   # DtypeCode in the .cu; 0 = absent
@@ -537,7 +537,7 @@ def _launch_after_gemm(out_ptr: int, call: _Call, momentum, eps) -> None:
     """Fold (statistics or running stats) and the affine + softmax kernel over the GEMM result at ``out_ptr``."""
     *launches, _keep = _post_launches(out_ptr, call, momentum, eps)
     for kernel, grid, block, params in launches:
-        kernel((grid,), (block,), (params,))
+        kernel((grid,), (block,), (struct_arg(params),))
 
 
 def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,

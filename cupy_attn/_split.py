@@ -16,7 +16,7 @@ import os
 import numpy as np
 
 from . import _cublas
-from ._compile import KernelFamily
+from ._compile import KernelFamily, struct_arg
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -173,7 +173,7 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
         params["mask"] = mask.data.ptr + off["mask"] * mask_isz if mask is not None else 0
         params["lse"] = lse.data.ptr + off["lse"] * 4 if lse is not None else 0
         params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-        kernel((-(-nb * lc // rows_per_block),), (block,), (params[()],))
+        kernel((-(-nb * lc // rows_per_block),), (block,), (struct_arg(params),))
         _cublas.gemm_strided_batched(
             c_ptr=o0 + (off["o"] + c0 * bo + r0 * so) * isz, c_dtype=dtype, ldc=max(so, Ev), stride_c=bo,
             a_ptr=scores.data.ptr, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p, trans_a=False,
