@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._interop import dtype_name
+
 _CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F
 _OP_N, _OP_T = 0, 1
 _ALGO_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
 
 
 def cuda_dtype(dtype) -> int:
-    return _CUDA_R[np.dtype(dtype).name]
+    return _CUDA_R[dtype_name(dtype)]
 
 
 def compute_type(dtype, allow_tf32: bool = False) -> int:
     """fp32 accumulation always. fp32 inputs stay exact fp32 unless the caller opts into TF32 tensor cores."""
     from cupy.cuda import cublas
-    if np.dtype(dtype) == np.float32:
+    if dtype == np.float32:
         return cublas.CUBLAS_COMPUTE_32F_FAST_TF32 if allow_tf32 else cublas.CUBLAS_COMPUTE_32F_PEDANTIC
     return cublas.CUBLAS_COMPUTE_32F
 

@@ -13,6 +13,7 @@ import math
 import numpy as np
 
 from ._compile import KernelFamily, struct_arg
+from ._interop import dtype_name
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
 
@@ -115,7 +116,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     >>> unsupported_reason(np.dtype("float32"), 64, 64, "none", 90)
     'fp32 is served by the split path'
     """
-    name = np.dtype(dtype).name
+    name = dtype_name(dtype)
     if name == "float32":
         return "fp32 is served by the split path"
     if name not in _C_TYPES:
@@ -167,14 +168,14 @@ def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = 
     if mask is not None:
         if mask.shape != (B, Hq, L, S):
             raise ValueError(f"fused attention: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
-        if mask.dtype.name not in _MASK_KIND:
+        if dtype_name(mask.dtype) not in _MASK_KIND:
             raise ValueError(f"fused attention: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
     head_dim = head_dim_bucket(E, Ev)
-    tile = TILES[(dtype.name, head_dim, _arch_major(arch))]
-    kernel = FLASH_FWD.kernel(dtype=_C_TYPES[dtype.name], head_dim=head_dim, tile=tile,
+    tile = TILES[(dtype_name(dtype), head_dim, _arch_major(arch))]
+    kernel = FLASH_FWD.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
                               has_mask="false" if mask is None else "true")
     launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
 
@@ -200,7 +201,7 @@ def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causa
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["mask_kind"] = 0 if mask is None else _MASK_KIND[mask.dtype.name]
+    p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
     out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
     p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
     p["scale_log2"] = float(scale) * _LOG2E

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import _cublas
 from ._compile import KernelFamily, struct_arg
+from ._interop import dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -131,11 +132,11 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
     tile = softmax_tile(S)
-    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype.name], tile=tile)
+    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile)
     rows_per_block = max(1, 128 // tile[0])
     block = max(tile[0], 128)
     mask = p.mask
-    mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (mask.dtype.name if mask is not None else None)]
+    mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
     mask_isz = mask.itemsize if mask is not None else 1
     causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
     alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
