@@ -117,8 +117,11 @@ def plot(rows, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    sweep = [r for r in rows if r["name"].startswith("D=") and r["dtype"] == "float16" and r["shape"][2] == 2048
-             and r["backend"] != "split"]
+    sweep, seen = [], set()
+    for r in rows:  # the auto row of each head dim (a forced-split row follows it where auto chose fused)
+        if r["name"].startswith("D=") and r["dtype"] == "float16" and r["shape"][2] == 2048 and r["name"] not in seen:
+            seen.add(r["name"])
+            sweep.append(r)
     if not sweep:
         return None
     fig, ax = plt.subplots(figsize=(6, 4))

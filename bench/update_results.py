@@ -34,9 +34,14 @@ def render(payload: dict) -> tuple[str, str]:
     sections = []
     for sec in payload["sections"]:
         sections.append(f"### {sec['title']}\n\n{table(sec['rows'], sec['columns'])}\n")
-    full = "# Benchmark results\n\n" + head + "\n" + "\n".join(sections)
-    seed = [s for s in payload["sections"] if s["name"] == "bench_sdpa"]
-    short = head + "\n" + (f"{table(seed[0]['rows'], seed[0]['columns'])}\n" if seed else "")
+    full = ("# Benchmark results\n\n" + head + "\n![head-dim sweep](bench_sdpa.png)\n\n" + "\n".join(sections))
+    short = head + "\nFull tables, sweeps and the fused-kernel comparison: [bench/RESULTS.md](bench/RESULTS.md).\n"
+    for sec in payload["sections"]:
+        if sec["name"] == "bench_sdpa":
+            rows = [r for r in sec["rows"] if r["name"].startswith("seed")]
+            short += f"\n{sec['title']}:\n\n{table(rows, sec['columns'])}\n"
+        elif sec["name"] == "bench_linear_bn_softmax":
+            short += f"\n{sec['title']}:\n\n{table(sec['rows'], sec['columns'])}\n"
     return full, short
 
 
