@@ -18,6 +18,8 @@ import itertools
 
 import numpy as np
 
+from cupy_attn._compile import struct_arg
+
 N, K, F = 1024, 8192, 8192
 
 
@@ -165,7 +167,7 @@ def benchmark(quick: bool = False) -> list[dict]:
 
                 def post():
                     for kern, grid, block, params in launches:
-                        kern((grid,), (block,), (params,))
+                        kern((grid,), (block,), (struct_arg(params),))
                 try:
                     post_us = _graph_us(post)
                     first_us = _graph_us(lambda: post_first(launches))
@@ -187,7 +189,7 @@ def benchmark(quick: bool = False) -> list[dict]:
 def post_first(launches) -> None:
     """Only the first post-GEMM kernel (column_stats or fold_running_stats)."""
     kern, grid, block, params = launches[0]
-    kern((grid,), (block,), (params,))
+    kern((grid,), (block,), (struct_arg(params),))
 
 
 def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
@@ -216,7 +218,7 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
         kernel = lbs.SOFTMAX_ROWS.kernel(**row)
         resident = lbs._sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
         for grid in sorted({min(N // lbs.ROW_ROWS, resident * m) for m in (1, 2, 4)}):
-            us = _graph_us(lambda: kernel((grid,), (row["threads"],), (params,)))
+            us = _graph_us(lambda: kernel((grid,), (row["threads"],), (struct_arg(params),)))
             out.append(dict(variant=lbs.SOFTMAX_ROWS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
     return out
 

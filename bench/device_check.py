@@ -70,6 +70,7 @@ def profile_split() -> None:
 
     from common import median_ms
     from cupy_attn import _checks, _cublas, _split
+    from cupy_attn._compile import struct_arg
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
     p = _checks.check_sdpa(q, k, v, None, 0.0, False, None, False, "split")
     n, L, S, E = 1024, 512, 512, 1024
@@ -89,16 +90,17 @@ def profile_split() -> None:
                                      trans_a=False, b_ptr=vc.data.ptr, b_dtype=vc.dtype, ldb=E, stride_b=S * E,
                                      trans_b=False, m=L, n=E, k=S, batch=n)
     flops = 2.0 * n * L * S * E
+    prm = _softmax_params(scores, n * L, L, S)
     with p.ctx.activate():
         for name, fn in (("gemm1 fp32 out", lambda: g1(scores, np.float32)),
                          ("gemm1 fp16 out", lambda: g1(p16, np.float16)),
                          ("gemm2 P fp16 pitch S", lambda: g2(p16, S)),
                          ("gemm2 P in place (pitch 2S)", lambda: g2(scores, 2 * S)),
                          ("softmax kernel", lambda: _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S))(
-                             (n * L // 4,), (128,), (_softmax_params(scores, n * L, L, S),)))):
+                             (n * L // 4,), (128,), (struct_arg(prm),)))):
             fn()
             t = median_ms(fn, n_repeat=10)
-            print(f"  {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TFLOP/s  {n * L * S * 6 / t / 1e9:.0f} GB/s(6B/score)")
+            print(f"  {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TFLOP/s  {n * L * S * 6 / t / 1e6:.0f} GB/s (6 B/score)")
 
 
 def _softmax_params(scores, rows, L, S):
