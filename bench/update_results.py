@@ -1,6 +1,7 @@
 """Render bench/RESULTS.md and the README's results block from the JSON files a GPU run of bench/main.py wrote.
 
-    python bench/update_results.py DIR   # DIR holds main.json (as written under $OUT on the device)
+    python bench/update_results.py DIR [NOTE]   # DIR holds main.json (as written under $OUT on the device); NOTE is
+                                                # a line placed under the header (run-to-run spread, caveats)
 """
 from __future__ import annotations
 
@@ -23,14 +24,15 @@ def table(rows: list[dict], columns: list) -> str:
     return "\n".join(lines)
 
 
-def render(payload: dict) -> tuple[str, str]:
+def render(payload: dict, note: str = "") -> tuple[str, str]:
     env = payload["env"]
     head = (f"Measured {env.get('date')} on {env.get('gpu')} (CUDA runtime {env.get('cuda_runtime')}), "
             f"CuPy {env.get('cupy')}, torch {env.get('torch')}, Python {env.get('python')}.\n"
             f"Command: `{payload['command']}`. Times are medians of CUDA-event timings "
             f"(`cupyx.profiler.benchmark`) after warm-up, on fresh random data, torch measured in the same process. "
             f"TFLOP/s count 4·B·H·L·S·D (halved for causal) against a measured fp16 GEMM ceiling of "
-            f"{GEMM_CEILING_TFLOPS:.0f} TFLOP/s. Errors are max |out − ref| against the float64 reference.\n")
+            f"{GEMM_CEILING_TFLOPS:.0f} TFLOP/s. Errors are max |out − ref| against the float64 reference.\n"
+            + (f"\n{note}\n" if note else ""))
     sections = []
     for sec in payload["sections"]:
         sections.append(f"### {sec['title']}\n\n{table(sec['rows'], sec['columns'])}\n")
@@ -46,10 +48,11 @@ def render(payload: dict) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    src = (argv or sys.argv[1:] or [os.path.join(HERE, "out")])[0]
+    args = argv or sys.argv[1:] or [os.path.join(HERE, "out")]
+    src, note = args[0], " ".join(args[1:])
     with open(os.path.join(src, "main.json")) as f:
         payload = json.load(f)
-    full, short = render(payload)
+    full, short = render(payload, note)
     with open(os.path.join(HERE, "RESULTS.md"), "w") as f:
         f.write(full)
     readme = os.path.join(ROOT, "README.md")
