@@ -1,4 +1,4 @@
-"""Host-side cost of one SDPA call (seed shape): wall time to enqueue vs GPU time, per input kind and stream wrapper."""
+"""Host-side cost of one SDPA call: wall time to enqueue vs GPU time, per input kind (cProfile: host_profile.py)."""
 import os
 import sys
 import time
@@ -36,15 +36,6 @@ def main():
     }
     for name, fn in cases.items():
         print(f"{name:14s} host {host_us(fn):8.0f} us/call   gpu {median_ms(fn, n_repeat=10):.3f} ms", flush=True)
-    import cProfile
-    import pstats
-    pr = cProfile.Profile()
-    pr.enable()
-    for _ in range(200):
-        cases["torch small"]()
-    pr.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(pr).sort_stats("cumulative").print_stats(35)
 
 
 if __name__ == "__main__":

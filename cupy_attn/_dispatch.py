@@ -7,7 +7,9 @@ overrides ``backend="auto"`` for debugging.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+from typing import Callable
 
 from . import _split
 
@@ -16,12 +18,16 @@ ENV_BACKEND = "CUPY_ATTN_BACKEND"
 
 @dataclasses.dataclass
 class Plan:
-    """What one call will run, and why."""
+    """What one call will run, and why. ``details`` is computed when read (explain), not on every call."""
 
     backend: str                       # "fused" | "split" | "reference"
     reason: str
-    details: dict = dataclasses.field(default_factory=dict)
+    describe: Callable[[], dict] | None = dataclasses.field(default=None, repr=False)
     copies: list = dataclasses.field(default_factory=list)
+
+    @property
+    def details(self) -> dict:
+        return self.describe() if self.describe is not None else {}
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"why: {self.reason}"]
@@ -85,13 +91,13 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
     if backend == "fused":
         if fused_why_not:
             raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
-        return Plan("fused", f"fused {forced}", details=fused_details(p, arch), copies=copies)
+        return Plan("fused", f"fused {forced}", describe=functools.partial(fused_details, p, arch), copies=copies)
     if backend == "auto" and fused_why_not is None:
         use_fused, why = prefer_fused(p)
         if use_fused:
-            return Plan("fused", why, details=fused_details(p, arch), copies=copies)
+            return Plan("fused", why, describe=functools.partial(fused_details, p, arch), copies=copies)
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
-    return Plan("split", reason, details=split_details(p), copies=copies)
+    return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies)
 
 
 def fused_details(p, arch: int) -> dict:
