@@ -1,16 +1,23 @@
-"""cuBLAS GEMMs through ``cupy.cuda.cublas``, row-major in, fp32 compute.
+"""cuBLAS GEMMs, row-major in, fp32 compute: cuBLASLt (``_cublaslt``) when it loads, else ``cupy.cuda.cublas``.
 
 ``cupy.matmul`` on batched fp16 upcasts to fp32 (~30 TFLOP/s on an H200); calling ``gemmStridedBatchedEx`` directly
-with fp16/bf16 storage and fp32 compute reaches the tensor-core rate (~660 TFLOP/s measured on the SDPA seed shape).
+with fp16/bf16 storage and fp32 compute reaches the tensor-core rate (~620–660 TFLOP/s measured on the SDPA seed
+shape). cuBLASLt with a per-shape cached algorithm and a 32 MiB workspace is what torch calls; ``CUPY_ATTN_CUBLASLT=0``
+forces the classic API (for comparison and as a fallback).
 
 All matrices here are row-major with unit stride along the last axis. cuBLAS is column-major, so C = A·B (row-major) is
 issued as Cᵀ = Bᵀ·Aᵀ: the operands swap places and each row-major matrix is read as its column-major transpose.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 
+from . import _cublaslt
 from ._interop import dtype_name
+
+USE_CUBLASLT = os.environ.get("CUPY_ATTN_CUBLASLT", "1") != "0"
 
 _CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F
 _OP_N, _OP_T = 0, 1
@@ -48,10 +55,20 @@ def gemm_strided_batched(*, c_ptr: int, c_dtype, ldc: int, stride_c: int,
     ``ld*`` are row strides in elements, ``stride_*`` batch strides in elements (0 broadcasts one matrix).
     Inputs may be fp16/bf16/fp32; C may differ in type from A and B (e.g. fp16 in, fp32 scores out).
     """
+    import cupy
     from cupy.cuda import cublas
     # alpha/beta live in host memory (the handle's default pointer mode); cuBLAS reads them before returning.
     alpha_h = np.array(alpha, dtype=np.float32)
     beta_h = np.array(beta, dtype=np.float32)
+    if USE_CUBLASLT and _cublaslt.available():
+        batched = batch > 1
+        key = _cublaslt.GemmKey(cupy.cuda.device.get_device_id(), cuda_dtype(a_dtype), cuda_dtype(b_dtype),
+                                cuda_dtype(c_dtype), compute_type(a_dtype, allow_tf32), m, n, k, batch,
+                                trans_a, trans_b, lda, ldb, ldc, stride_a * batched, stride_b * batched,
+                                stride_c * batched)
+        _cublaslt.matmul(key, c_ptr, a_ptr, b_ptr, alpha_h.ctypes.data, beta, beta_h.ctypes.data,
+                         cupy.cuda.get_current_stream())
+        return
     # Row-major C = op(A)·op(B)  <=>  column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, with m and n exchanged.
     cublas.gemmStridedBatchedEx(
         _handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k,
