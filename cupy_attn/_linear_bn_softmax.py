@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cublas, _interop, reference
+from . import _cublas, _cublaslt, _interop, reference
 from ._compile import KernelFamily, struct_arg
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -383,8 +383,8 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
         else:
             xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
             # y = x·Wᵀ into the output buffer (bias left out, see the module docstring); any row stride is read.
-            _gemm_xwt(out_ptr, xa.ptr(), xa.strides()[0], wa.ptr(), wa.strides()[0], n, f, k, call.dtype,
-                      bool(allow_tf32))
+            _gemm_xwt(ctx.device_id, out_ptr, xa.ptr(), xa.strides()[0], wa.ptr(), wa.strides()[0], n, f, k,
+                      call.dtype, bool(allow_tf32))
         _launch_after_gemm(out_ptr, call, momentum, eps)
     return out_native
 
@@ -402,13 +402,26 @@ def _gemm_constants(dtype: np.dtype, allow_tf32: bool) -> tuple:
     return _cublas.cuda_dtype(dtype), _cublas.compute_type(dtype, allow_tf32), alpha.ctypes.data, beta.ctypes.data
 
 
-def _gemm_xwt(c_ptr: int, x_ptr: int, ldx: int, w_ptr: int, ldw: int, m: int, n: int, k: int, dtype: np.dtype,
-              allow_tf32: bool) -> None:
+@functools.lru_cache(maxsize=256)
+def _gemm_key(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: int, k: int, ldx: int,
+              ldw: int) -> _cublaslt.GemmKey:
+    dt = _cublas.cuda_dtype(dtype)
+    return _cublaslt.GemmKey(device_id, dt, dt, dt, _cublas.compute_type(dtype, allow_tf32), m, n, k, 1,
+                             False, True, ldx, ldw, n, 0, 0, 0)
+
+
+def _gemm_xwt(device_id: int, c_ptr: int, x_ptr: int, ldx: int, w_ptr: int, ldw: int, m: int, n: int, k: int,
+              dtype: np.dtype, allow_tf32: bool) -> None:
     """C (m, n) = X (m, k) · Wᵀ, W (n, k), row-major, on CuPy's current stream: _cublas.gemm_strided_batched's call
-    (column-major Cᵀ = W·Xᵀ, batch 1) with its per-call constants cached."""
+    (cuBLASLt with a cached, tuned plan; else column-major Cᵀ = W·Xᵀ through gemmStridedBatchedEx, batch 1) with its
+    per-call constants cached."""
     import cupy
     from cupy.cuda import cublas, device
     dt, compute, alpha, beta = _gemm_constants(dtype, allow_tf32)
+    if _cublas.USE_CUBLASLT and _cublaslt.available():
+        _cublaslt.matmul(_gemm_key(device_id, dtype, allow_tf32, m, n, k, ldx, ldw), c_ptr, x_ptr, w_ptr, alpha,
+                         0.0, beta, cupy.cuda.get_current_stream())
+        return
     handle = device.get_cublas_handle()
     cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     cublas.gemmStridedBatchedEx(handle, _cublas._OP_T, _cublas._OP_N, n, m, k, alpha, w_ptr, dt, ldw, 0,
