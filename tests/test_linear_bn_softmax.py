@@ -2,7 +2,9 @@
 
 CPU tests pin the float64 reference to torch's own float64 CPU module (both modes, running stats over several steps)
 and check errors and the module's state_dict. GPU tests compare the fused op with the reference and with torch's
-module in the same precision: our max error may be at most 2× torch's plus one output ulp.
+module in the same precision: our error may be at most 2× torch's max error plus rounding noise: one output ulp, and
+the error that the GEMM's fp32 accumulation alone may cause in each element (``_gemm_rounding_noise``), which
+dominates where large logits nearly tie.
 """
 from __future__ import annotations
 
@@ -271,19 +273,49 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 ULP = {"float32": 2.0 ** -23, "float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
 
 
-def _check_close(name, ours, torch_out, ref, dtype):
-    """ours must be finite and within 2× torch's max error vs the float64 reference, plus one ulp of the largest
-    output (rounding noise of the output dtype)."""
+FP32_UNIT = 2.0 ** -24
+
+
+def _gemm_rounding_noise(x, weight, bn_weight, var, eps, scale, p):
+    """Per-element output error (float64, (N, F)) that the GEMM's fp32 accumulation alone may cause.
+
+    Every dtype accumulates the K products of y = x·Wᵀ in fp32, so y carries an error of about
+    u·sqrt(K)·Σ_k |x_ik||w_jk| (u = 2⁻²⁴, rounding errors adding like a random walk). BatchNorm and scale multiply it
+    by the slope scale_j·γ_j / sqrt(var_j + eps) into a logit error δz, and softmax turns that into
+    dP_ij = P_ij·(δz_ij − Σ_l P_il δz_il), at most P_ij·(|δz_ij| + Σ_l P_il |δz_il|). Where logits are large (slope
+    ~1e3) and two of a row nearly tie, this is far above an output ulp, and torch's error and ours are two samples of
+    the same rounding noise (two GEMM kernels summing in different orders), not properties of the kernels after the
+    GEMM; elsewhere it is far below an ulp and the bound stays as tight as before.
+    """
+    k = x.shape[1]
+    gamma = np.ones(weight.shape[0]) if bn_weight is None else np.abs(bn_weight)
+    slope = np.abs(np.broadcast_to(scale, gamma.shape)) * gamma / np.sqrt(var + eps)
+    dz = slope[None, :] * (FP32_UNIT * np.sqrt(k)) * (np.abs(x) @ np.abs(weight).T)
+    return p * (dz + (p * dz).sum(axis=1, keepdims=True))
+
+
+def _model_noise(model, x, p, use_batch_stats):
+    """_gemm_rounding_noise for ``model`` (plain or fused, any dtype) on input x, with reference output p."""
+    s = {key: _np(v) for key, v in _state(model).items()}
+    x64 = _np(x)
+    var = (x64 @ s["weight"].T).var(axis=0) if use_batch_stats else s["running_var"]
+    return _gemm_rounding_noise(x64, s["weight"], s["bn_weight"], var, model.bn.eps, s["scale"], p)
+
+
+def _check_close(name, ours, torch_out, ref, dtype, noise=None):
+    """ours must be finite and within 2× torch's max error vs the float64 reference, plus rounding noise: one ulp of
+    the largest output (the output dtype) and, per element, ``noise`` (the GEMM's, see _gemm_rounding_noise)."""
     ours = ours.detach().double().cpu().numpy() if hasattr(ours, "detach") else np.asarray(ours, np.float64)
     tor = torch_out.detach().double().cpu().numpy()
     assert not np.isnan(ours).any(), f"{name}: NaN at {np.argwhere(np.isnan(ours))[:5].tolist()}"
     err = np.abs(ours - ref)
     err_t = np.abs(tor - ref).max()
-    bound = 2 * err_t + ULP[dtype] * np.abs(ref).max()
-    if err.max() > bound:
+    bound = 2 * err_t + ULP[dtype] * np.abs(ref).max() + (0.0 if noise is None else noise)
+    if (err > bound).any():
         bad = np.argwhere(err > bound)[:5].tolist()
-        pytest.fail(f"{name}: max err {err.max():.3e} (mean {err.mean():.3e}) > bound {bound:.3e} "
-                    f"(torch {err_t:.3e}); first mismatches {bad}")
+        i = np.unravel_index(np.argmax(err - bound), err.shape)
+        pytest.fail(f"{name}: max err {err.max():.3e} (mean {err.mean():.3e}); at {list(i)} err {err[i]:.3e} > bound "
+                    f"{np.broadcast_to(bound, err.shape)[i]:.3e} (torch max err {err_t:.3e}); first mismatches {bad}")
 
 
 def _poison_allocators(shape, dtype):
@@ -320,7 +352,7 @@ def test_gpu_matches_reference_and_torch(dtype, shape, training, scale_shape):
         expect = plain(x)
         ours = fused(x)
     assert ours.dtype == x.dtype and ours.shape == (n, f) and ours.is_cuda
-    _check_close("out", ours, expect, ref, dtype)
+    _check_close("out", ours, expect, ref, dtype, _model_noise(plain, x, ref, training))
     if training:
         _check_close("running_mean", fused.bn.running_mean, plain.bn.running_mean, rm, dtype)
         _check_close("running_var", fused.bn.running_var, plain.bn.running_var, rv, dtype)
@@ -344,7 +376,8 @@ def test_gpu_five_training_steps_track_running_stats(dtype, bn_kw):
             ref = ref_model(x.double().cpu()).numpy()
             expect = plain(x)
             ours = fused(x)
-        _check_close(f"out step {step}", ours, expect, ref, dtype)
+        _check_close(f"out step {step}", ours, expect, ref, dtype,
+                     _model_noise(ref_model, x, ref, use_batch_stats=True))
     if plain.bn.running_mean is not None:
         _check_close("running_mean", fused.bn.running_mean, plain.bn.running_mean,
                      ref_model.bn.running_mean.numpy(), dtype)
@@ -354,7 +387,9 @@ def test_gpu_five_training_steps_track_running_stats(dtype, bn_kw):
     fused.eval(), plain.eval(), ref_model.eval()
     x = torch.randn(n, k, generator=gen).to("cuda", DTYPES[dtype])
     with torch.no_grad():
-        _check_close("eval after training", fused(x), plain(x), ref_model(x.double().cpu()).numpy(), dtype)
+        ref = ref_model(x.double().cpu()).numpy()
+        _check_close("eval after training", fused(x), plain(x), ref, dtype,
+                     _model_noise(ref_model, x, ref, use_batch_stats=ref_model.bn.running_mean is None))
 
 
 @pytest.mark.gpu
@@ -375,7 +410,7 @@ def test_gpu_seed_shape(dtype, training):
         ref = ref_model(x.double()).cpu().numpy()
         expect = plain(x)
         ours = fused(x)
-    _check_close("out", ours, expect, ref, dtype)
+    _check_close("out", ours, expect, ref, dtype, _model_noise(ref_model, x, ref, training))
     if training:
         _check_close("running_var", fused.bn.running_var, plain.bn.running_var,
                      ref_model.bn.running_var.cpu().numpy(), dtype)
@@ -409,8 +444,11 @@ def test_gpu_large_logits_and_mixed_parameter_dtypes(dtype):
             rm_t, rv_t = t["running_mean"].clone(), t["running_var"].clone()
             z = torch.nn.functional.batch_norm(y, rm_t, rv_t, t["bn_weight"], t["bn_bias"], training=training)
             expect = torch.softmax(t["scale"] * z, dim=1).to(t["x"].dtype)  # fp32 math, stored like ours
+        h64 = {key: v.astype(np.float64) for key, v in low.items()}
+        var = (h64["x"] @ h64["weight"].T).var(axis=0) if training else h64["running_var"]
+        noise = _gemm_rounding_noise(h64["x"], h64["weight"], h64["bn_weight"], var, 1e-5, h64["scale"], ref)
         _check_close(f"out training={training}", torch.as_tensor(cupy.asnumpy(out).astype(np.float32)), expect,
-                     ref, dtype)
+                     ref, dtype, noise)
         if training:
             _check_close("running_mean", torch.as_tensor(cupy.asnumpy(dev["running_mean"])), rm_t, rm, dtype)
             _check_close("running_var", torch.as_tensor(cupy.asnumpy(dev["running_var"])), rv_t, rv, dtype)
