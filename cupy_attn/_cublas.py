@@ -36,46 +36,56 @@ def compute_type(dtype, allow_tf32: bool = False) -> int:
     return cublas.CUBLAS_COMPUTE_32F
 
 
-def _handle():
-    import cupy
-    from cupy.cuda import cublas, device
-    handle = device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    return handle
-
-
-def gemm_strided_batched(*, c_ptr: int, c_dtype, ldc: int, stride_c: int,
-                         a_ptr: int, a_dtype, lda: int, stride_a: int, trans_a: bool,
-                         b_ptr: int, b_dtype, ldb: int, stride_b: int, trans_b: bool,
-                         m: int, n: int, k: int, batch: int, alpha: float = 1.0, beta: float = 0.0,
-                         allow_tf32: bool = False) -> None:
-    """C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i] for i < batch, row-major, on CuPy's current stream.
+class StridedGemm:
+    """C[i] = alpha · op(A[i]) · op(B[i]) + beta · C[i] for i < batch, row-major: one problem, prepared once, called
+    with pointers on CuPy's current stream (the split path and Linear-BN-softmax keep these per shape, so a call
+    costs the library's own enqueue and not the argument translation).
 
     Shapes (row-major): op(A) is (m, k), op(B) is (k, n), C is (m, n). ``trans_a`` means A is stored (k, m).
     ``ld*`` are row strides in elements, ``stride_*`` batch strides in elements (0 broadcasts one matrix).
     Inputs may be fp16/bf16/fp32; C may differ in type from A and B (e.g. fp16 in, fp32 scores out).
     """
-    import cupy
-    from cupy.cuda import cublas
-    # alpha/beta live in host memory (the handle's default pointer mode); cuBLAS reads them before returning.
-    alpha_h = np.array(alpha, dtype=np.float32)
-    beta_h = np.array(beta, dtype=np.float32)
-    if USE_CUBLASLT and _cublaslt.available():
-        batched = batch > 1
-        key = _cublaslt.GemmKey(cupy.cuda.device.get_device_id(), cuda_dtype(a_dtype), cuda_dtype(b_dtype),
-                                cuda_dtype(c_dtype), compute_type(a_dtype, allow_tf32), m, n, k, batch,
-                                trans_a, trans_b, lda, ldb, ldc, stride_a * batched, stride_b * batched,
-                                stride_c * batched)
-        _cublaslt.matmul(key, c_ptr, a_ptr, b_ptr, alpha_h.ctypes.data, beta, beta_h.ctypes.data,
-                         cupy.cuda.get_current_stream())
-        return
-    # Row-major C = op(A)·op(B)  <=>  column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, with m and n exchanged.
-    cublas.gemmStridedBatchedEx(
-        _handle(), _OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k,
-        alpha_h.ctypes.data, b_ptr, cuda_dtype(b_dtype), ldb, stride_b,
-        a_ptr, cuda_dtype(a_dtype), lda, stride_a,
-        beta_h.ctypes.data, c_ptr, cuda_dtype(c_dtype), ldc, stride_c,
-        batch, compute_type(a_dtype, allow_tf32), _ALGO_DEFAULT)
+
+    def __init__(self, *, c_dtype, ldc: int, stride_c: int, a_dtype, lda: int, stride_a: int, trans_a: bool,
+                 b_dtype, ldb: int, stride_b: int, trans_b: bool, m: int, n: int, k: int, batch: int,
+                 alpha: float = 1.0, beta: float = 0.0, allow_tf32: bool = False):
+        import cupy
+        # alpha/beta live in host memory (the handle's default pointer mode); cuBLAS reads them before returning.
+        self._alpha = np.array(alpha, dtype=np.float32)
+        self._beta = np.array(beta, dtype=np.float32)
+        self._alpha_ptr, self._beta_ptr, self._beta_value = self._alpha.ctypes.data, self._beta.ctypes.data, beta
+        compute = compute_type(a_dtype, allow_tf32)
+        self._lt_key = None
+        if USE_CUBLASLT and _cublaslt.available():
+            batched = batch > 1
+            self._lt_key = _cublaslt.GemmKey(
+                cupy.cuda.device.get_device_id(), cuda_dtype(a_dtype), cuda_dtype(b_dtype), cuda_dtype(c_dtype),
+                compute, m, n, k, batch, trans_a, trans_b, lda, ldb, ldc, stride_a * batched, stride_b * batched,
+                stride_c * batched)
+        # Classic API: row-major C = op(A)·op(B)  <=>  column-major Cᵀ = op(B)ᵀ·op(A)ᵀ, with m and n exchanged.
+        self._ops = (_OP_T if trans_b else _OP_N, _OP_T if trans_a else _OP_N, n, m, k)
+        self._b = (cuda_dtype(b_dtype), ldb, stride_b)
+        self._a = (cuda_dtype(a_dtype), lda, stride_a)
+        self._c = (cuda_dtype(c_dtype), ldc, stride_c)
+        self._tail = (batch, compute, _ALGO_DEFAULT)
+
+    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int) -> None:
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if self._lt_key is not None:
+            _cublaslt.matmul(self._lt_key, c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_value, self._beta_ptr,
+                             stream)
+            return
+        from cupy.cuda import cublas, device
+        handle = device.get_cublas_handle()
+        cublas.setStream(handle, stream.ptr)
+        cublas.gemmStridedBatchedEx(handle, *self._ops, self._alpha_ptr, b_ptr, *self._b, a_ptr, *self._a,
+                                    self._beta_ptr, c_ptr, *self._c, *self._tail)
+
+
+def gemm_strided_batched(*, c_ptr: int, a_ptr: int, b_ptr: int, **problem) -> None:
+    """One-off :class:`StridedGemm` call: ``problem`` takes StridedGemm's keyword arguments."""
+    StridedGemm(**problem)(c_ptr, a_ptr, b_ptr)
 
 
 def gemm(c, a, b, *, trans_b: bool = False, alpha: float = 1.0, beta: float = 0.0, allow_tf32: bool = False) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cublas, _cublaslt, _interop, reference
+from . import _cublas, _interop, reference
 from ._compile import KernelFamily, struct_arg
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -389,43 +389,20 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     return out_native
 
 
-_SCALARS: list = []
-
-
-@functools.lru_cache(maxsize=None)
-def _gemm_constants(dtype: np.dtype, allow_tf32: bool) -> tuple:
-    """(cudaDataType, computeType, alpha, beta) for _gemm_xwt, computed once: _cublas's generic helpers look dtypes up
-    by name (~3 µs each), on the critical path before the GEMM."""
-    # alpha/beta live in host memory (the handle's default pointer mode); the arrays stay alive in this cache.
-    alpha, beta = np.array(1.0, dtype=np.float32), np.array(0.0, dtype=np.float32)
-    _SCALARS.extend((alpha, beta))
-    return _cublas.cuda_dtype(dtype), _cublas.compute_type(dtype, allow_tf32), alpha.ctypes.data, beta.ctypes.data
-
-
 @functools.lru_cache(maxsize=256)
-def _gemm_key(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: int, k: int, ldx: int,
-              ldw: int) -> _cublaslt.GemmKey:
-    dt = _cublas.cuda_dtype(dtype)
-    return _cublaslt.GemmKey(device_id, dt, dt, dt, _cublas.compute_type(dtype, allow_tf32), m, n, k, 1,
-                             False, True, ldx, ldw, n, 0, 0, 0)
+def _gemm_xwt_op(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: int, k: int, ldx: int,
+                 ldw: int) -> _cublas.StridedGemm:
+    """C (m, n) = X (m, k) · Wᵀ with W (n, k), row-major, batch 1: prepared once per shape (device_id keys the
+    cache: a cuBLASLt plan belongs to one device)."""
+    return _cublas.StridedGemm(c_dtype=dtype, ldc=n, stride_c=0, a_dtype=dtype, lda=ldx, stride_a=0, trans_a=False,
+                               b_dtype=dtype, ldb=ldw, stride_b=0, trans_b=True, m=m, n=n, k=k, batch=1,
+                               allow_tf32=allow_tf32)
 
 
 def _gemm_xwt(device_id: int, c_ptr: int, x_ptr: int, ldx: int, w_ptr: int, ldw: int, m: int, n: int, k: int,
               dtype: np.dtype, allow_tf32: bool) -> None:
-    """C (m, n) = X (m, k) · Wᵀ, W (n, k), row-major, on CuPy's current stream: _cublas.gemm_strided_batched's call
-    (cuBLASLt with a cached, tuned plan; else column-major Cᵀ = W·Xᵀ through gemmStridedBatchedEx, batch 1) with its
-    per-call constants cached."""
-    import cupy
-    from cupy.cuda import cublas, device
-    dt, compute, alpha, beta = _gemm_constants(dtype, allow_tf32)
-    if _cublas.USE_CUBLASLT and _cublaslt.available():
-        _cublaslt.matmul(_gemm_key(device_id, dtype, allow_tf32, m, n, k, ldx, ldw), c_ptr, x_ptr, w_ptr, alpha,
-                         0.0, beta, cupy.cuda.get_current_stream())
-        return
-    handle = device.get_cublas_handle()
-    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
-    cublas.gemmStridedBatchedEx(handle, _cublas._OP_T, _cublas._OP_N, n, m, k, alpha, w_ptr, dt, ldw, 0,
-                                x_ptr, dt, ldx, 0, beta, c_ptr, dt, n, 0, 1, compute, _cublas._ALGO_DEFAULT)
+    """y = x·Wᵀ into ``c_ptr`` (m, n) on CuPy's current stream."""
+    _gemm_xwt_op(device_id, dtype, allow_tf32, m, n, k, ldx, ldw)(c_ptr, x_ptr, w_ptr)
 
 
 def _empty(ctx: _interop.CallContext, shape: tuple, dtype: np.dtype, like=None):

@@ -99,22 +99,82 @@ def _gemm_batch_groups(axes: list[_Axis]) -> list[list[_Axis]]:
     return groups
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One GEMM → softmax → GEMM step over a block of batch·heads (and query rows): byte offsets from the operands'
+    base pointers, the softmax kernel's parameters with every field but the pointers filled, its grid, the GEMMs."""
+
+    q: int
+    k: int
+    v: int
+    o: int
+    mask: int
+    lse: int
+    params: np.ndarray
+    grid: int
+    gemm_qk: _cublas.StridedGemm
+    gemm_pv: _cublas.StridedGemm
+
+
+@dataclasses.dataclass
+class _Schedule:
+    scores_elems: int
+    kernel: object
+    block: int
+    chunks: list
+
+
+_SCHEDULES: dict = {}
+_MAX_SCHEDULES = 256
+
+
+def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
+    """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget; not pointers."""
+    m = p.mask
+    return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32,
+            *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
+            None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
+
+
 def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> None:
     """Run the split path for a checked problem ``p`` (see _checks.SDPAProblem) on CuPy's current stream.
 
     out: (batch, Hq, L, Ev) CuPy array, query dtype, non-empty; lse: None or (batch, Hq, L) float32; S ≥ 1. Raises
-    MemoryError through CuPy if even one query row of scores exceeds the device's memory.
+    MemoryError through CuPy if even one query row of scores exceeds the device's memory. The launch schedule
+    (chunks, GEMM plans, kernel parameters) is built once per layout (see _schedule_key) and reused.
     """
     import cupy
 
-    L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
-    if out.size == 0 or S == 0:
+    if out.size == 0 or p.seqlen_k == 0:
         raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
+    budget = workspace_bytes or workspace_bytes_default()
+    key = _schedule_key(p, out, lse, budget, allow_tf32)
+    sched = _SCHEDULES.get(key)
+    if sched is None:
+        if len(_SCHEDULES) >= _MAX_SCHEDULES:
+            _SCHEDULES.clear()
+        sched = _SCHEDULES[key] = _build_schedule(p, out, lse, budget, allow_tf32)
+    scores = cupy.empty(sched.scores_elems, dtype=cupy.float32)
+    s0 = scores.data.ptr
+    q0, k0, v0, o0 = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr
+    m0 = p.mask.data.ptr if p.mask is not None else 0
+    l0 = lse.data.ptr if lse is not None else 0
+    for c in sched.chunks:
+        c.gemm_qk(s0, q0 + c.q, k0 + c.k)
+        params = c.params.copy()
+        params["scores"] = s0
+        params["mask"] = m0 + c.mask if m0 else 0
+        params["lse"] = l0 + c.lse if l0 else 0
+        sched.kernel((c.grid,), (sched.block,), (struct_arg(params),))
+        c.gemm_pv(o0 + c.o, s0, v0 + c.v)
+
+
+def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
+    L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     dtype = p.dtype
     isz = dtype.itemsize
     ld = -(-S // 8) * 8                      # fp32 pitch: 32-byte aligned rows for cuBLAS and float4 loads
     pitch_p = ld * 4 // isz                  # the same rows read as P in the input dtype
-    budget = workspace_bytes or workspace_bytes_default()
     row_bytes = ld * 4
     rows_per_chunk = L if L * row_bytes <= budget else max(1, budget // row_bytes)
 
@@ -134,25 +194,35 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     tile = softmax_tile(S)
     kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile)
     rows_per_block = max(1, 128 // tile[0])
-    block = max(tile[0], 128)
     mask = p.mask
     mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
     mask_isz = mask.itemsize if mask is not None else 1
     causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
     alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
-    scores = cupy.empty(per_chunk * rows_per_chunk * ld, dtype=cupy.float32)
-    params = np.zeros((), dtype=_PARAMS)
-    params["scores"] = scores.data.ptr
-    params["seqlen_k"], params["ld"], params["causal_offset"], params["mask_kind"] = S, ld, causal_offset, mask_kind
-    params["n1"], params["n2"] = dec[1].size, dec[2].size
+    base = np.zeros((), dtype=_PARAMS)
+    base["seqlen_k"], base["ld"], base["causal_offset"], base["mask_kind"] = S, ld, causal_offset, mask_kind
+    base["n1"], base["n2"] = dec[1].size, dec[2].size
     for i, ax in enumerate(dec):
-        params[f"mask_stride_b{i}"], params[f"lse_stride_b{i}"] = ax.mask, ax.lse
+        base[f"mask_stride_b{i}"], base[f"lse_stride_b{i}"] = ax.mask, ax.lse
     if mask is not None:
-        params["mask_stride_q"], params["mask_stride_k"] = mask.strides[2] // mask_isz, mask.strides[3] // mask_isz
+        base["mask_stride_q"], base["mask_stride_k"] = mask.strides[2] // mask_isz, mask.strides[3] // mask_isz
 
-    q0, k0, v0, o0 = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
-    work = []  # (offsets of the looped axes, first batch, batches, first row, rows): one GEMM-softmax-GEMM chunk each
+    gemms: dict = {}
+
+    def gemm_pair(nb: int, lc: int):
+        """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
+        if (nb, lc) not in gemms:
+            gemms[nb, lc] = (
+                _cublas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
+                                    stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
+                                    trans_b=True, m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
+                _cublas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
+                                    stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
+                                    stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32))
+        return gemms[nb, lc]
+
+    chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse")}
         for idx, g in zip(loop_index, loops):
@@ -161,22 +231,15 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
                     off[f] += (idx % ax.size) * getattr(ax, f)
                 idx //= ax.size
         for c0 in range(0, n_batch, per_chunk):
+            nb = min(per_chunk, n_batch - c0)
             for r0 in range(0, L, rows_per_chunk):
-                work.append((off, c0, min(per_chunk, n_batch - c0), r0, min(rows_per_chunk, L - r0)))
-
-    for off, c0, nb, r0, lc in work:
-        _cublas.gemm_strided_batched(
-            c_ptr=scores.data.ptr, c_dtype=np.float32, ldc=ld, stride_c=lc * ld,
-            a_ptr=q0 + (off["q"] + c0 * bq + r0 * sq) * isz, a_dtype=dtype, lda=max(sq, E), stride_a=bq,
-            trans_a=False,
-            b_ptr=k0 + (off["k"] + c0 * bk) * isz, b_dtype=dtype, ldb=max(sk, E), stride_b=bk, trans_b=True,
-            m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32)
-        params["mask"] = mask.data.ptr + off["mask"] * mask_isz if mask is not None else 0
-        params["lse"] = lse.data.ptr + off["lse"] * 4 if lse is not None else 0
-        params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-        kernel((-(-nb * lc // rows_per_block),), (block,), (struct_arg(params),))
-        _cublas.gemm_strided_batched(
-            c_ptr=o0 + (off["o"] + c0 * bo + r0 * so) * isz, c_dtype=dtype, ldc=max(so, Ev), stride_c=bo,
-            a_ptr=scores.data.ptr, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p, trans_a=False,
-            b_ptr=v0 + (off["v"] + c0 * bv) * isz, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv,
-            trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32)
+                lc = min(rows_per_chunk, L - r0)
+                params = base.copy()
+                params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
+                chunks.append(_Chunk(
+                    q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
+                    v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
+                    mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
+                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc)[0], gemm_pv=gemm_pair(nb, lc)[1]))
+    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, kernel=kernel, block=max(tile[0], 128),
+                     chunks=chunks)

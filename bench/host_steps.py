@@ -1,0 +1,70 @@
+"""Host µs of each step of one SDPA call (seed shape, torch inputs, split path), median over many calls.
+
+    PYTHONPATH=. python3 bench/host_steps.py
+"""
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import cupy_attn  # noqa: E402
+from cupy_attn import _checks, _cublas, _dispatch, _interop, _split  # noqa: E402
+
+
+def med_us(fn, reps=200, sync=False):
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+        if sync:
+            torch.cuda.synchronize()
+    return float(np.median(ts) * 1e6)
+
+
+def _enter_exit(ctx):
+    with ctx.activate():
+        pass
+
+
+def main():
+    for shape in ((32, 32, 512, 1024), (1, 2, 64, 64)):
+        q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.float16) for _ in range(3))
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split")
+        args = (q, k, v, None, 0.0, False, None, False, "split")
+        p = _checks.check_sdpa(*args)
+        ctx = p.ctx
+        B, H, L, E = shape
+        with ctx.activate():
+            _, out = ctx.empty(shape, p.dtype)
+        S = L
+        scores = torch.empty(B * H * L * S, device="cuda")
+        steps = {
+            "context_for": lambda: _interop.context_for(q),
+            "kind/device/dtype x3": lambda: [(_interop.device_of(x, _interop.kind_of(x, "q")),
+                                              _interop.dtype_of(x, "torch")) for x in (q, k, v)],
+            "as_cupy x1": lambda: ctx.as_cupy(q),
+            "check_sdpa": lambda: _checks.check_sdpa(*args),
+            "plan_sdpa": lambda: _dispatch.plan_sdpa(p, "split"),
+            "activate (enter+exit)": lambda: _enter_exit(ctx),
+            "ctx.empty": lambda: ctx.empty(shape, p.dtype),
+            "gemm1 enqueue": lambda: _cublas.gemm_strided_batched(
+                c_ptr=scores.data_ptr(), c_dtype=np.float32, ldc=S, stride_c=L * S, a_ptr=q.data_ptr(),
+                a_dtype=p.dtype, lda=E, stride_a=L * E, trans_a=False, b_ptr=k.data_ptr(), b_dtype=p.dtype,
+                ldb=E, stride_b=S * E, trans_b=True, m=L, n=S, k=E, batch=B * H),
+            "split_forward": lambda: _split.split_forward(p, out),
+            "whole call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend="split"),
+        }
+        print(f"shape {shape}:", flush=True)
+        with ctx.activate():
+            for name, fn in steps.items():
+                print(f"  {name:22s} {med_us(fn, sync=name in ('gemm1 enqueue', 'split_forward', 'whole call')):7.1f} us",
+                      flush=True)
+
+
+if __name__ == "__main__":
+    main()
