@@ -145,20 +145,22 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def sweep_tiles(dtype_name: str = "float16") -> list[dict]:
+def sweep_tiles(dtype_names: tuple = ("float16",)) -> list[dict]:
     """Tile candidates per head dim on the target shapes (the measurements behind _flash.TILES)."""
     from cupy_attn._flash import Tile
 
     candidates = {
-        "d64": [Tile(128, 64, 4, 2), Tile(128, 128, 4, 2), Tile(128, 64, 4, 1)],
-        "d128": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1), Tile(128, 128, 8, 2)],
-        "d256": [Tile(64, 64, 4, 1), Tile(128, 64, 8, 2), Tile(64, 64, 4, 2), Tile(128, 64, 8, 1)],
+        "d64": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1), Tile(128, 128, 4, 2), Tile(128, 128, 4, 1)],
+        "d128": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1), Tile(128, 32, 4, 2)],
+        "d128 causal": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1)],
+        "d256": [Tile(64, 64, 4, 1), Tile(64, 32, 4, 1), Tile(64, 32, 4, 2), Tile(128, 64, 8, 1)],
     }
     rows = []
-    for name, shape, causal, mask_kind in CASES:
-        for tile in candidates.get(name, []):
-            rows.append(run_case(name, shape, causal, mask_kind, dtype_name, tile=tile))
-            print(rows[-1]["tile"], f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
+    for dtype_name in dtype_names:
+        for name, shape, causal, mask_kind in CASES:
+            for tile in candidates.get(name, []):
+                rows.append(run_case(name, shape, causal, mask_kind, dtype_name, tile=tile))
+                print(name, dtype_name, rows[-1]["tile"], f"{rows[-1]['tflops']:.1f} TFLOP/s", flush=True)
     return rows
 
 
@@ -201,4 +203,4 @@ if __name__ == "__main__":
     if args.sanitize:
         print(f"{sanitize_run()} launches")
     else:
-        print(format_table(sweep_tiles() if args.sweep else benchmark(quick=args.quick)))
+        print(format_table(sweep_tiles(("float16", "bfloat16")) if args.sweep else benchmark(quick=args.quick)))

@@ -45,6 +45,11 @@
 //   v2  2-stage K/V (one barrier per iteration), scale folded into
 //       the exp2 FFMA, O rescale skipped when no row max moved,
 //       bool masks as bits, key-padding trailing tiles pre-scanned   313 (0.95×)  257 (0.86×)  230 (0.80×)  297 (0.77× torch's choice)
+//   v3  causal / partial-tile limit tested per lane as a small int
+//       (64-bit column compares kept 2·kNTiles indices live next to
+//       S: 208-688 B of spills at 128×128, D=64), P packed to 16 bits
+//       per row half, masked kernels recompute the K/V base pointers;
+//       D=64 moves to 128×128 (now spill-free)                         (0.98×)      (1.02×)      (0.88×)     same-machine A/B
 #include "common/types.cuh"
 #include "common/mma.cuh"
 
@@ -192,6 +197,19 @@ __device__ __forceinline__ void load_mask_bits(unsigned (&bits)[kMTiles][2], con
   }
 }
 
+// blockIdx.y / blockIdx.z read afresh at each call (volatile, so the compiler cannot reuse an earlier read): a
+// pointer derived from them is then recomputed where it is used instead of being held in registers across the loop.
+__device__ __forceinline__ int fresh_block_idx_y() {
+  int r;
+  asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ int fresh_block_idx_z() {
+  int r;
+  asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(r));
+  return r;
+}
+
 }  // namespace flash
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask>
@@ -216,8 +234,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   const int g = lane / 4, t = lane % 4;
   // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
   const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int hk = h / static_cast<int>(p.groups);
+  const int h = blockIdx.y, b = blockIdx.z;  // query head h reads key/value head h / groups
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
   const int m0 = m_block * kBlockM;
@@ -258,18 +275,30 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   const int n_blocks = static_cast<int>(last_key / kBlockN) + 1;
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + m0 * p.q_stride_l;
-  const T* k = static_cast<const T*>(p.k) + b * p.k_stride_b + hk * p.k_stride_h;
-  const T* v = static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h;
   const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4, vec_out = p.vec_flags & 8;
+  // The (batch, kv head) base of K or V. Masked kernels also hold the mask's pointer and strides across the loop;
+  // holding these two pointers as well made ptxas spill 32-52 B at D=32 and 96, so masked kernels recompute them from
+  // a fresh block index at each load (an integer division, outside the GEMMs). Unmasked kernels hold them: the
+  // recomputation measured 6% slower at D=128 (same-machine A/B, bench/NOTES_flash.md).
+  auto kv_base = [&](const void* base, long long stride_b, long long stride_h) {
+    int bz = b, hy = h;
+    if constexpr (HasMask) {
+      bz = fresh_block_idx_z();
+      hy = fresh_block_idx_y();
+    }
+    return static_cast<const T*>(base) + bz * stride_b + (hy / static_cast<int>(p.groups)) * stride_h;
+  };
   auto load_k = [&](int nb, int stage) {
     const int n0 = nb * kBlockN;
-    load_tile<kBlockN, kHeadDim, kThreads>(sK + stage * kBlockN * kPitch, k + n0 * p.k_stride_s, p.k_stride_s,
-                                           S - n0, E, vec_k);
+    load_tile<kBlockN, kHeadDim, kThreads>(sK + stage * kBlockN * kPitch,
+                                           kv_base(p.k, p.k_stride_b, p.k_stride_h) + n0 * p.k_stride_s,
+                                           p.k_stride_s, S - n0, E, vec_k);
   };
   auto load_v = [&](int nb, int stage) {
     const int n0 = nb * kBlockN;
-    load_tile<kBlockN, kHeadDim, kThreads>(sV + stage * kBlockN * kPitch, v + n0 * p.v_stride_s, p.v_stride_s,
-                                           S - n0, Ev, vec_v);
+    load_tile<kBlockN, kHeadDim, kThreads>(sV + stage * kBlockN * kPitch,
+                                           kv_base(p.v, p.v_stride_b, p.v_stride_h) + n0 * p.v_stride_s,
+                                           p.v_stride_s, S - n0, Ev, vec_v);
   };
 
   load_tile<kBlockM, kHeadDim, kThreads>(sQ, q, p.q_stride_l, rows_valid, E, vec_q);
@@ -372,11 +401,16 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
             const int row = m0 + warp_row0 + mi * 16 + half * 8 + g;
             long long limit = S - 1;  // last visible key of this row
             if (p.is_causal) limit = min(limit, row + p.causal_offset);
+            // The same test as n0 + 8·ni + 2t + e > limit, made relative to this lane's first column and clamped to
+            // [-1, kBlockN] so that it fits an int: the left side becomes a constant per element. Comparing the
+            // absolute 64-bit columns made ptxas keep the 2·kNTiles column indices live next to the S accumulators
+            // (at 128×128, D=64: 208-688 B of spills; with this form, none).
+            const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kBlockN), limit - n0 - 2 * t)));
             #pragma unroll
             for (int ni = 0; ni < kNTiles; ++ni)
               #pragma unroll
               for (int e = 0; e < 2; ++e)
-                if (n0 + ni * 8 + 2 * t + e > limit) s[mi][ni][2 * half + e] = neg_inf();
+                if (ni * 8 + e > lim) s[mi][ni][2 * half + e] = neg_inf();
           }
         }
       }
@@ -426,6 +460,13 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
             sum += s[mi][ni][2 * half + e];
           }
         }
+        // This half's P goes to 16 bits at once (A layout: registers 0/2 hold row g, 1/3 row g+8), so its fp32
+        // scores are dead before the other half is exponentiated.
+        #pragma unroll
+        for (int kk = 0; kk < kBlockN / 16; ++kk) {
+          pa[mi][kk][half] = pack2<T>(s[mi][2 * kk][2 * half], s[mi][2 * kk][2 * half + 1]);
+          pa[mi][kk][2 + half] = pack2<T>(s[mi][2 * kk + 1][2 * half], s[mi][2 * kk + 1][2 * half + 1]);
+        }
         const float alpha = exp2_approx(m_old - m_use);
         l_i[mi][half] = l_i[mi][half] * alpha + sum;
         // Once the running max settles it rarely moves: skip the O rescale when no row of the warp's tile changed.
@@ -436,13 +477,6 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
             acc_o[mi][dt][2 * half + 1] *= alpha;
           }
         }
-      }
-      #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[mi][kk][0] = pack2<T>(s[mi][2 * kk][0], s[mi][2 * kk][1]);
-        pa[mi][kk][1] = pack2<T>(s[mi][2 * kk][2], s[mi][2 * kk][3]);
-        pa[mi][kk][2] = pack2<T>(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
-        pa[mi][kk][3] = pack2<T>(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
       }
     }
 

@@ -48,13 +48,15 @@ class Tile:
 _BY_HEAD_DIM = {
     # D=32: 128×128, 4 warps: 2 × (64 + 16) = 160 accumulators; 2 stages 51 KB (2+ CTAs/SM). Untimed.
     (32, 9): Tile(128, 128, 4, 2), (32, 8): Tile(128, 128, 4, 1),
-    # D=64: 128×64, 4 warps: 2 × (32 + 32) = 128 accumulators, 2 stages 55 KB. 128×128 measured faster (289 vs 258
-    # TFLOP/s at (4,32,4096,64)) but spills 208 B (S alone is 128 accumulators); 128×128 with 8 warps: 194.
-    (64, 9): Tile(128, 64, 4, 2), (64, 8): Tile(128, 64, 4, 1),
+    # D=64: 128×128, 4 warps: 2 × (64 + 32) = 192 accumulators, 2 stages 92 KB (2 CTAs/SM); arch 8: one stage, 55 KB.
+    # v3 (spill-free since the per-lane causal limit): 1.796-1.811 ms at (4,32,4096,64) vs 1.84-1.85 for 128×64 with
+    # 1 or 2 stages, 1.87-1.89 for 128×128 with 1 stage (same run; torch FA2 1.84-1.85). v2 spilled 208 B here.
+    (64, 9): Tile(128, 128, 4, 2), (64, 8): Tile(128, 128, 4, 1),
     # D=96: 128×64, 4 warps: 2 × (32 + 48) = 160 accumulators; 2 stages 80 KB (2 CTAs/SM). Untimed.
     (96, 9): Tile(128, 64, 4, 2), (96, 8): Tile(128, 64, 4, 1),
-    # D=128: 128×64, 4 warps: 2 × (32 + 64) = 192 accumulators (251 registers), the limit; 2 stages 104 KB, 2 CTAs/SM.
-    # 322 TFLOP/s vs 273 for 1 stage and 228 for 128×128 with 8 warps.
+    # D=128: 128×64, 4 warps: 2 × (32 + 64) = 192 accumulators (251-255 registers), the limit; 2 stages 104 KB, 2
+    # CTAs/SM. v3 at (8,16,2048,128): 0.844-0.849 ms vs 0.886-0.894 for 1 stage and 1.02 for 128×32 (torch FA2
+    # 0.83); v2: 128×128 with 8 warps 228 TFLOP/s vs 322.
     (128, 9): Tile(128, 64, 4, 2), (128, 8): Tile(128, 64, 4, 1),
     # D=160: 64×64, 4 warps: 32 + 80 = 112 accumulators; 2 stages 108 KB (2 CTAs/SM on Hopper). 128×32 (192
     # accumulators) spills 16-88 B with a mask at either stage count. Arch 8: 64×32 with 2 stages, 65 KB. Untimed.
@@ -63,8 +65,8 @@ _BY_HEAD_DIM = {
     # 64×64 with 4 warps and one stage, 75 KB. Untimed.
     (192, 9): Tile(128, 64, 8, 2), (192, 8): Tile(64, 64, 4, 1),
     # D=256: 64×64, 4 warps: 16 + 128 = 144 accumulators; one stage is 101376 B, exactly sm_86's limit, and 2 CTAs/SM
-    # on Hopper: 227-245 TFLOP/s at (8,16,1024,256), vs 190-196 for 128×64/8 warps (1 CTA/SM, either stage count)
-    # and 172 for 64×64 with 2 stages (169 KB: 1 CTA/SM).
+    # on Hopper. v3 at (8,16,1024,256): 0.547-0.554 ms vs 0.61 for 64×32, 0.65 for 128×64 with 8 warps (1 CTA/SM),
+    # 0.69 for 64×32 with 2 stages (torch FA2 0.48); v2: 172 TFLOP/s for 64×64 with 2 stages (169 KB: 1 CTA/SM).
     (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
 }
 TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in _C_TYPES}
