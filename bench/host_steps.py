@@ -43,6 +43,10 @@ def main():
             _, out = ctx.empty(shape, p.dtype)
         S = L
         scores = torch.empty(B * H * L * S, device="cuda")
+        # Prepared like the split path's (StridedGemm keeps its plan), so only the enqueue is timed.
+        gemm1 = _cublas.StridedGemm(c_dtype=np.float32, ldc=S, stride_c=L * S, a_dtype=p.dtype, lda=E,
+                                    stride_a=L * E, trans_a=False, b_dtype=p.dtype, ldb=E, stride_b=S * E,
+                                    trans_b=True, m=L, n=S, k=E, batch=B * H)
         steps = {
             "context_for": lambda: _interop.context_for(q),
             "kind/device/dtype x3": lambda: [(_interop.device_of(x, _interop.kind_of(x, "q")),
@@ -52,10 +56,7 @@ def main():
             "plan_sdpa": lambda: _dispatch.plan_sdpa(p, "split"),
             "activate (enter+exit)": lambda: _enter_exit(ctx),
             "ctx.empty": lambda: ctx.empty(shape, p.dtype),
-            "gemm1 enqueue": lambda: _cublas.gemm_strided_batched(
-                c_ptr=scores.data_ptr(), c_dtype=np.float32, ldc=S, stride_c=L * S, a_ptr=q.data_ptr(),
-                a_dtype=p.dtype, lda=E, stride_a=L * E, trans_a=False, b_ptr=k.data_ptr(), b_dtype=p.dtype,
-                ldb=E, stride_b=S * E, trans_b=True, m=L, n=S, k=E, batch=B * H),
+            "gemm1 enqueue": lambda: gemm1(scores.data_ptr(), q.data_ptr(), k.data_ptr()),
             "split_forward": lambda: _split.split_forward(p, out),
             "whole call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend="split"),
         }

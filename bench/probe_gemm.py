@@ -66,29 +66,18 @@ def main() -> None:
         a_dtype = np.dtype(dt) if dt != "bfloat16" else __import__("ml_dtypes").bfloat16
         c_dtype = np.dtype(kw["c_dtype"]) if kw["c_dtype"] != "bfloat16" else a_dtype
 
-        def classic():
-            _cublas.USE_CUBLASLT = False
-            try:
-                call()
-            finally:
-                _cublas.USE_CUBLASLT = True
-
-        def call():
-            _cublas.gemm_strided_batched(
-                c_ptr=ptr["c"], c_dtype=c_dtype, ldc=kw["ldc"], stride_c=kw["stride_c"],
-                a_ptr=ptr["a"], a_dtype=a_dtype, lda=kw["lda"], stride_a=kw["stride_a"], trans_a=kw["trans_a"],
-                b_ptr=ptr["b"], b_dtype=a_dtype, ldb=kw["ldb"], stride_b=kw["stride_b"], trans_b=kw["trans_b"],
-                m=kw["m"], n=kw["n"], k=kw["k"], batch=kw["batch"], allow_tf32=tf32)
+        problem = dict(c_dtype=c_dtype, a_dtype=a_dtype, b_dtype=a_dtype, allow_tf32=tf32,
+                       **{f: kw[f] for f in ("ldc", "stride_c", "lda", "stride_a", "trans_a", "ldb", "stride_b",
+                                             "trans_b", "m", "n", "k", "batch")})
+        lt = _cublas.StridedGemm(**problem)   # what the paths call: cached plan, tuned on its first call
+        _cublas.USE_CUBLASLT = False
+        classic = _cublas.StridedGemm(**problem)
+        _cublas.USE_CUBLASLT = True
 
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        times = {"classic": common.median_ms(classic, args.repeat), "lt": common.median_ms(call, args.repeat)}
-        key = _cublaslt.GemmKey(cp.cuda.device.get_device_id(), _cublas.cuda_dtype(a_dtype),
-                                _cublas.cuda_dtype(a_dtype), _cublas.cuda_dtype(c_dtype),
-                                _cublas.compute_type(a_dtype, tf32), kw["m"], kw["n"], kw["k"], kw["batch"],
-                                kw["trans_a"], kw["trans_b"], kw["lda"], kw["ldb"], kw["ldc"],
-                                kw["stride_a"] if kw["batch"] > 1 else 0, kw["stride_b"] if kw["batch"] > 1 else 0,
-                                kw["stride_c"] if kw["batch"] > 1 else 0)
-        plan = _cublaslt.Plan(key, candidates=args.candidates)
+        times = {"classic": common.median_ms(lambda: classic(ptr["c"], ptr["a"], ptr["b"]), args.repeat),
+                 "lt": common.median_ms(lambda: lt(ptr["c"], ptr["a"], ptr["b"]), args.repeat)}
+        plan = _cublaslt.Plan(lt._lt_key, candidates=args.candidates)
         one = np.array(1.0, np.float32)
         zero = np.array(0.0, np.float32)
         cand = []

@@ -241,8 +241,9 @@ TUNE = os.environ.get("CUPY_ATTN_GEMM_TUNE", "1") != "0"
 
 
 def matmul(key: GemmKey, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta: float, beta_ptr: int,
-           stream) -> None:
-    """D = C = alpha·op(A)·op(B) + beta·C for ``key`` on CuPy stream ``stream``, with the plan cached per key.
+           stream) -> Plan:
+    """D = C = alpha·op(A)·op(B) + beta·C for ``key`` on CuPy stream ``stream``, with the plan cached per key;
+    returns the plan, so that a caller that keeps it can call ``Plan.run`` next time without the key lookup.
 
     The first call of a large problem (≥ TUNE_MIN_FLOPS) with beta = 0 times the candidate algorithms on the real
     operands (C is overwritten, then written once more) and synchronizes ``stream``; not while the stream is being
@@ -257,19 +258,12 @@ def matmul(key: GemmKey, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, bet
             p.tune(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream)
         _PLANS[key] = p
     p.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr)
+    return p
 
 
 def _capturing(stream) -> bool:
     from cupy.cuda import runtime
     return stream.ptr != 0 and runtime.streamIsCapturing(stream.ptr) != 0
-
-
-def plan(key: GemmKey) -> Plan:
-    """The cached plan of ``key`` (cuBLASLt's first choice if it was never run through :func:`matmul`)."""
-    p = _PLANS.get(key)
-    if p is None:
-        p = _PLANS[key] = Plan(key)
-    return p
 
 
 def _workspace(device_id: int, stream_ptr: int, size: int) -> tuple[int, int]:
