@@ -83,7 +83,8 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
         ours = lambda: _flash.flash_forward(cq, ck, cv, out, scale=scale, causal=causal, mask=cmask)  # noqa: E731
     else:  # tile sweep: a one-row family outside the table, launched by the same code
         hd = _flash.head_dim_bucket(D, D)
-        fam = dataclasses.replace(_flash.FLASH_FWD, axes=dict(_flash.FLASH_FWD.axes, tile=(tile,)), where=None)
+        base = _flash.FLASH_FWD_SM90A if tile.wgmma else _flash.FLASH_FWD
+        fam = dataclasses.replace(base, axes=dict(base.axes, tile=(tile,)), where=None)
         kern = fam.kernel(dtype=_flash._C_TYPES[dtype_name], head_dim=hd, tile=tile,
                           has_mask="false" if cmask is None else "true")
         ours = lambda: _flash.launch(kern, tile, hd, cq, ck, cv, out, None, scale=scale, causal=causal,  # noqa: E731
@@ -149,11 +150,13 @@ def sweep_tiles(dtype_names: tuple = ("float16",)) -> list[dict]:
     """Tile candidates per head dim on the target shapes (the measurements behind _flash.TILES)."""
     from cupy_attn._flash import Tile
 
-    candidates = {
-        "d64": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1), Tile(128, 128, 4, 2), Tile(128, 128, 4, 1)],
-        "d128": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1), Tile(128, 32, 4, 2)],
-        "d128 causal": [Tile(128, 64, 4, 2), Tile(128, 64, 4, 1)],
-        "d256": [Tile(64, 64, 4, 1), Tile(64, 32, 4, 1), Tile(64, 32, 4, 2), Tile(128, 64, 8, 1)],
+    candidates = {  # mma.sync (the table's sm_90 entries), then sm_90a wgmma shapes
+        "d64": [Tile(128, 128, 4, 2), Tile(128, 128, 8, 2, True), Tile(128, 64, 8, 2, True),
+                Tile(64, 128, 4, 2, True)],
+        "d128": [Tile(128, 64, 4, 2), Tile(128, 128, 8, 2, True), Tile(128, 64, 8, 2, True),
+                 Tile(64, 128, 4, 2, True)],
+        "d128 causal": [Tile(128, 64, 4, 2), Tile(128, 128, 8, 2, True), Tile(128, 64, 8, 2, True)],
+        "d256": [Tile(64, 64, 4, 1), Tile(128, 64, 8, 2, True)],
     }
     rows = []
     for dtype_name in dtype_names:
@@ -173,7 +176,8 @@ def sanitize_run() -> int:
 
     rng = np.random.default_rng(0)
     n = 0
-    for row in _flash.FLASH_FWD.variants():
+    families = [_flash.FLASH_FWD] + ([_flash.FLASH_FWD_SM90A] if cupy.cuda.Device().compute_capability == "90" else [])
+    for family, row in ((f, r) for f in families for r in f.variants()):
         tile, d = row["tile"], row["head_dim"]
         dt = "float16" if row["dtype"] == "__half" else "bfloat16"
         B, H, L, S, E = 1, 2, 2 * tile.block_m + 3, 3 * tile.block_n + 5, d - 3
@@ -187,7 +191,7 @@ def sanitize_run() -> int:
             cupy.broadcast_to(cupy.asarray(rng.standard_normal((L, S)), dtype=cupy.float32), (B, H, L, S))]
         for mask in masks:
             for causal in (None, "bottom_right"):
-                _flash.launch(_flash.FLASH_FWD.kernel(**row), tile, d, q, k, v, out, lse, scale=E ** -0.5,
+                _flash.launch(family.kernel(**row), tile, d, q, k, v, out, lse, scale=E ** -0.5,
                               causal=causal, mask=mask)
                 n += 1
     cupy.cuda.Device().synchronize()

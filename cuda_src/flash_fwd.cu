@@ -35,7 +35,16 @@
 // Layouts: any element strides for batch, head and row (int64); the last dimension must be contiguous. 16-byte
 // cp.async needs 16-byte aligned rows; otherwise (odd strides, tiny E) the same tile is loaded by plain loads.
 //
-// Tile sizes: TILES in cupy_attn/_flash.py, one entry per (dtype, head dim, arch) with the limit behind it
+// Hopper (kWgmma, compiled for sm_90a): the same loop with warpgroup MMAs. Each warpgroup of 4 warps owns 64 query
+// rows; S = Q Kᵀ is wgmma.m64n{kBlockN}k16 with Q and K read from shared memory by descriptor, O += P V is
+// wgmma.m64n{kHeadDim}k16 with P from registers (the accumulator layout of S is, per warp, the mma.sync one, so the
+// softmax and P packing above are shared) and V read MN-major. Tiles are stored in 128-byte-swizzled atoms
+// (load_tile's kSwizzle128) instead of padded rows; cp.async writes are made visible to the tensor cores' async proxy
+// by fence.proxy.async before the barrier. With two warpgroups the S GEMMs are issued in turn (named barriers), so one
+// warpgroup's softmax overlaps the other's GEMM (FlashAttention-3's ping-pong, Shah et al. 2024, without its
+// producer warp, TMA or intra-warpgroup overlap). Head-dim buckets that are multiples of 64 only.
+//
+// Tile sizes: TILES and WGMMA_TILES in cupy_attn/_flash.py, one entry per (dtype, head dim, arch) with the limit behind it
 // (registers: kMTiles·(kBlockN/2 + kHeadDim/2) fp32 accumulators per thread must stay under 255 without spills;
 // shared memory: (kBlockM + 2·kStages·kBlockN)·(kHeadDim + 8)·2 bytes, two CTAs per SM where it fits).
 //
@@ -50,8 +59,12 @@
 //       S: 208-688 B of spills at 128×128, D=64), P packed to 16 bits
 //       per row half, masked kernels recompute the K/V base pointers;
 //       D=64 moves to 128×128 (now spill-free)                         (0.98×)      (1.02×)      (0.88×)     same-machine A/B
+//   v4  key-padding masks that are a prefix become a shorter S (no per-tile mask work); sm_90a wgmma variant with
+//       ping-pong warpgroups for head dims 64/128/192/256                 373 (1.11×)  343 (1.15×)  353 (1.23×)  392 (1.03×
+//                                                                                                     cuDNN, torch's choice)
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/wgmma.cuh"
 
 namespace cupy_attn {
 
@@ -89,14 +102,28 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 // count, so 12- and 20-chunk rows work too); a thread's chunks then sit at fixed columns on rows kRowStep apart, and
 // one pointer bumped by kRowStep rows addresses them all (this loader runs between the two GEMMs, when 192 fp32
 // accumulators are live, so it must not hold a 64-bit address per chunk).
-template <int kRows, int kHeadDim, int kThreads, typename T>
+//
+// kSwizzle128 (the wgmma kernels): instead of padded rows, the tile is stored as kHeadDim/64 column blocks of kRows ×
+// 128 bytes, and 16-byte chunk c of row r sits at chunk c ^ (r % 8) of its row: the canonical 128-byte-swizzled
+// K-major layout of a wgmma shared-memory operand (PTX ISA, "Shared Memory Matrix Layout"), whose 8-row atoms must
+// start 1024-byte aligned. A thread's rows are kRowStep apart, a multiple of 8, so its XOR term is one constant.
+template <int kRows, int kHeadDim, bool kSwizzle128>
+__device__ __forceinline__ int tile_offset(int r, int col) {
+  if constexpr (kSwizzle128) {
+    return (col / 64) * (kRows * 64) + r * 64 + ((((col % 64) / 8) ^ (r % 8)) * 8);
+  } else {
+    return r * (kHeadDim + 8) + col;
+  }
+}
+
+template <int kRows, int kHeadDim, int kThreads, bool kSwizzle128 = false, typename T>
 __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_stride, int rows_valid, int cols_valid,
                                           bool vec) {
-  constexpr int kPitch = kHeadDim + 8;
   constexpr int kChunksPerRow = kHeadDim / 8;
   constexpr int kColThreads = kChunksPerRow & -kChunksPerRow;
   constexpr int kRowStep = kThreads / kColThreads;
   static_assert(kThreads % kColThreads == 0 && kRows % kRowStep == 0, "every thread copies the same chunks");
+  static_assert(!kSwizzle128 || (kHeadDim % 64 == 0 && kRowStep % 8 == 0), "128-byte swizzle atoms: 64 x 8 rows");
   const int r0 = threadIdx.x / kColThreads, c0 = (threadIdx.x % kColThreads) * 8;
   if (vec) {
     #pragma unroll
@@ -109,7 +136,8 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
         const int r = r0 + i * kRowStep;
         // A zero-byte copy reads nothing, but its address must still be valid and aligned: use the tile's start.
         const bool ok = r < rows_valid && bytes > 0;
-        cp_async_16(smem_addr(dst + r * kPitch + col), ok ? from : src, ok ? bytes : 0);
+        const int at = tile_offset<kRows, kHeadDim, kSwizzle128>(r, col);
+        cp_async_16(smem_addr(dst + at), ok ? from : src, ok ? bytes : 0);
         from += kRowStep * row_stride;
       }
     }
@@ -123,7 +151,7 @@ __device__ __forceinline__ void load_tile(T* dst, const T* src, long long row_st
       uint4 packed;
       packed.x = e[0] | (unsigned(e[1]) << 16); packed.y = e[2] | (unsigned(e[3]) << 16);
       packed.z = e[4] | (unsigned(e[5]) << 16); packed.w = e[6] | (unsigned(e[7]) << 16);
-      *reinterpret_cast<uint4*>(dst + r * kPitch + col) = packed;
+      *reinterpret_cast<uint4*>(dst + tile_offset<kRows, kHeadDim, kSwizzle128>(r, col)) = packed;
     }
   }
 }
@@ -204,6 +232,13 @@ __device__ __forceinline__ int fresh_block_idx_y() {
   asm volatile("mov.u32 %0, %%ctaid.y;" : "=r"(r));
   return r;
 }
+// Named barriers 1..15 (0 is __syncthreads): arrive does not wait; sync waits until `threads` have arrived or synced.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 __device__ __forceinline__ int fresh_block_idx_z() {
   int r;
   asm volatile("mov.u32 %0, %%ctaid.z;" : "=r"(r));
@@ -212,21 +247,26 @@ __device__ __forceinline__ int fresh_block_idx_z() {
 
 }  // namespace flash
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask, bool kWgmma>
 __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p) {
   using namespace flash;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kMTiles = kBlockM / (16 * kNWarps);  // 16-row mma tiles per warp
   constexpr int kNTiles = kBlockN / 8;               // 8-column tiles of S per row tile
   constexpr int kDTiles = kHeadDim / 8;              // 8-column tiles of O per row tile
-  constexpr int kPitch = kHeadDim + 8;               // shared-memory row pitch in elements (see header)
+  // Shared-memory row pitch in elements: padded for ldmatrix (see header), packed in 128-byte swizzle atoms for wgmma.
+  constexpr int kPitch = kWgmma ? kHeadDim : kHeadDim + 8;
   constexpr int kKVBytes = kBlockN * kPitch * 2;     // one K or V stage
   static_assert(kMTiles >= 1 && kBlockM == kMTiles * 16 * kNWarps, "warps split kBlockM into 16-row tiles");
   static_assert(kBlockN % 16 == 0 && kHeadDim % 16 == 0, "mma k steps are 16 wide");
   static_assert(kStages == 1 || kStages == 2, "single-buffered (interleaved) or double-buffered K/V");
+  // wgmma: each warpgroup (4 warps) owns 64 query rows, one m64 instruction; K/V double-buffered.
+  static_assert(!kWgmma || (kMTiles == 1 && kNWarps % 4 == 0 && kStages == 2), "wgmma: 16 rows per warp, 2 stages");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
+  // wgmma's swizzle atoms need 1024-byte alignment; the launcher adds 1 KB of slack (Tile.smem_bytes).
+  unsigned char* smem = kWgmma ? smem_raw + ((1024 - smem_addr(smem_raw) % 1024) % 1024) : smem_raw;
+  T* sQ = reinterpret_cast<T*>(smem);
   T* sK = sQ + kBlockM * kPitch;           // kStages K tiles
   T* sV = sK + kStages * kBlockN * kPitch;  // kStages V tiles
 
@@ -235,7 +275,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
   const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
   const int h = blockIdx.y, b = blockIdx.z;  // query head h reads key/value head h / groups
-  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const int L = static_cast<int>(p.seqlen_q);
+  int S = static_cast<int>(p.seqlen_k);  // lowered below when a key-padding mask is a prefix
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
   const int m0 = m_block * kBlockM;
   const int rows_valid = min(kBlockM, L - m0);
@@ -248,21 +289,35 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   // an all-False key-padding mask) writes the empty-row result directly.
   long long last_key = S - 1;
   if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+  bool mask_on = HasMask;  // false once a key-padding mask turns out to be a prefix (below)
   if constexpr (HasMask) {
     // A bool mask shared by all query rows (row stride 0: key padding) hides trailing keys from the whole block:
-    // find the last key it shows and stop there (those tiles are never loaded). Any other mask is applied per tile.
+    // find the last key it shows and stop there (those tiles are never loaded). When it also shows every key before
+    // that one (the usual padding mask: a prefix of each sequence), it equals a shorter S for this block, and the
+    // per-tile mask loads and tests are skipped. Any other mask is applied per tile.
     if (p.mask_kind == 1 && p.mask_stride_l == 0 && last_key >= 0) {
       int* last_shown = reinterpret_cast<int*>(smem_raw);  // Q's space, before Q is loaded
-      if (threadIdx.x == 0) *last_shown = -1;
+      int* first_hidden = last_shown + 1;
+      if (threadIdx.x == 0) {
+        *last_shown = -1;
+        *first_hidden = 0x7fffffff;
+      }
       __syncthreads();
       const unsigned char* mrow = static_cast<const unsigned char*>(p.mask) + b * p.mask_stride_b + h * p.mask_stride_h;
-      int mine = -1;
-      for (int j = threadIdx.x; j <= last_key; j += kThreads)
-        if (mrow[j * p.mask_stride_s]) mine = j;
-      if (mine >= 0) atomicMax(last_shown, mine);
+      int shown = -1, hidden = 0x7fffffff;
+      for (int j = threadIdx.x; j <= last_key; j += kThreads) {
+        if (mrow[j * p.mask_stride_s]) shown = j;
+        else hidden = min(hidden, j);
+      }
+      if (shown >= 0) atomicMax(last_shown, shown);
+      if (hidden != 0x7fffffff) atomicMin(first_hidden, hidden);
       __syncthreads();
       last_key = *last_shown;
-      __syncthreads();  // everyone has read it before Q's copy overwrites it
+      if (*first_hidden > last_key) {
+        mask_on = false;
+        S = static_cast<int>(last_key) + 1;
+      }
+      __syncthreads();  // everyone has read them before Q's copy overwrites them
     }
   }
   if (last_key < 0) {
@@ -290,18 +345,18 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   };
   auto load_k = [&](int nb, int stage) {
     const int n0 = nb * kBlockN;
-    load_tile<kBlockN, kHeadDim, kThreads>(sK + stage * kBlockN * kPitch,
+    load_tile<kBlockN, kHeadDim, kThreads, kWgmma>(sK + stage * kBlockN * kPitch,
                                            kv_base(p.k, p.k_stride_b, p.k_stride_h) + n0 * p.k_stride_s,
                                            p.k_stride_s, S - n0, E, vec_k);
   };
   auto load_v = [&](int nb, int stage) {
     const int n0 = nb * kBlockN;
-    load_tile<kBlockN, kHeadDim, kThreads>(sV + stage * kBlockN * kPitch,
+    load_tile<kBlockN, kHeadDim, kThreads, kWgmma>(sV + stage * kBlockN * kPitch,
                                            kv_base(p.v, p.v_stride_b, p.v_stride_h) + n0 * p.v_stride_s,
                                            p.v_stride_s, S - n0, Ev, vec_v);
   };
 
-  load_tile<kBlockM, kHeadDim, kThreads>(sQ, q, p.q_stride_l, rows_valid, E, vec_q);
+  load_tile<kBlockM, kHeadDim, kThreads, kWgmma>(sQ, q, p.q_stride_l, rows_valid, E, vec_q);
   load_k(n_blocks - 1, 0);
   if constexpr (kStages == 2) load_v(n_blocks - 1, 0);
   cp_async_commit();
@@ -335,6 +390,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
     const int n0 = nb * kBlockN;
     const int stage = kStages == 2 ? (n_blocks - 1 - nb) & 1 : 0;
     cp_async_wait<0>();
+    // cp.async and plain stores write through the generic proxy, wgmma reads through the async proxy: each writer
+    // fences before the barrier (PTX ISA, "Proxies").
+    if constexpr (kWgmma) asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
     __syncthreads();  // K[nb] (and V[nb] when double-buffered) landed; every warp is done with tile nb+1
     if constexpr (kStages == 2) {
       // Tile nb-1 goes into the other stage now, with only O live in registers: it has a whole iteration to land.
@@ -349,7 +407,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
 
     unsigned mbits[kMTiles][2];
     if constexpr (HasMask) {
-      if (p.mask_kind == 1) {
+      if (mask_on && p.mask_kind == 1) {
         load_mask_bits<kMTiles, kNTiles>(mbits, p, mask, m0 + warp_row0 + g, n0 + 2 * t);
       }
     }
@@ -362,20 +420,46 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
         #pragma unroll
         for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
 
-    const unsigned k_stage = k_addr + stage * kKVBytes;
-    #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      unsigned a[kMTiles][4];
+    if constexpr (kWgmma) {
+      // S (64 rows of this warpgroup × kBlockN) = Q Kᵀ: kHeadDim/16 wgmma k steps, both operands K-major in shared
+      // memory. A k step of 16 elements is 32 bytes inside a 128-byte swizzle row (the hardware applies the XOR to
+      // the computed address), every 4 steps the next 64-column block; 8-row groups are 1024 bytes apart (SBO).
+      const unsigned q_wg = smem_addr(sQ) + (warp / 4) * 64 * 128;
+      const unsigned k_st = smem_addr(sK) + stage * kKVBytes;
+      // Warpgroups issue their S GEMMs in turn (named barrier wg: warpgroup wg-1 arrives once it has issued), so
+      // the tensor cores finish them one after the other and warpgroup 0's softmax runs while warpgroup 1's GEMM
+      // does (FlashAttention-3's ping-pong schedule, within one iteration here: the block barrier above realigns).
+      constexpr int kWarpGroups = kNWarps / 4;
+      const int wg = warp / 4;
+      if (kWarpGroups > 1 && wg > 0) named_barrier_sync(wg, 256);
+      wgmma::fence();
       #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_x4(a[mi], q_addr + (mi * 16 * kPitch + kk * 16) * 2);
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const unsigned a = q_wg + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+        const unsigned bk = k_st + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+        wgmma::Mma<T, kBlockN>::ss(reinterpret_cast<float(&)[kNTiles * 4]>(s[0]), wgmma::desc_sw128(a, 16, 1024),
+                                   wgmma::desc_sw128(bk, 16, 1024), kk > 0);
+      }
+      wgmma::commit();
+      if (kWarpGroups > 1 && wg + 1 < kWarpGroups) named_barrier_arrive(wg + 1, 256);
+      wgmma::wait<0>();
+      wgmma::fence_operands(reinterpret_cast<float(&)[kNTiles * 4]>(s[0]));
+    } else {
+      const unsigned k_stage = k_addr + stage * kKVBytes;
       #pragma unroll
-      for (int nj = 0; nj < kBlockN / 16; ++nj) {
-        unsigned bk[4];
-        ldmatrix_x4(bk, k_stage + (nj * 16 * kPitch + kk * 16) * 2);
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        unsigned a[kMTiles][4];
         #pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          mma_16816<T>(s[mi][2 * nj], a[mi], bk[0], bk[1]);
-          mma_16816<T>(s[mi][2 * nj + 1], a[mi], bk[2], bk[3]);
+        for (int mi = 0; mi < kMTiles; ++mi) ldmatrix_x4(a[mi], q_addr + (mi * 16 * kPitch + kk * 16) * 2);
+        #pragma unroll
+        for (int nj = 0; nj < kBlockN / 16; ++nj) {
+          unsigned bk[4];
+          ldmatrix_x4(bk, k_stage + (nj * 16 * kPitch + kk * 16) * 2);
+          #pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi) {
+            mma_16816<T>(s[mi][2 * nj], a[mi], bk[0], bk[1]);
+            mma_16816<T>(s[mi][2 * nj + 1], a[mi], bk[2], bk[3]);
+          }
         }
       }
     }
@@ -384,7 +468,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
     // masked with -inf; the others keep raw scores and fold the scale into the exponent's FFMA (sc below), which
     // needs scale > 0 so that the raw row max is the scaled one.
     const bool crosses_diagonal = p.is_causal && n0 + kBlockN - 1 > m0 + p.causal_offset;
-    const bool masked = HasMask || n0 + kBlockN > S || crosses_diagonal || !(scale_log2 > 0.f);
+    const bool masked = mask_on || n0 + kBlockN > S || crosses_diagonal || !(scale_log2 > 0.f);
     const float sc = masked ? 1.f : scale_log2;
     if (masked) {
       #pragma unroll
@@ -415,7 +499,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
         }
       }
       if constexpr (HasMask) {
-        if (p.mask_kind == 1) {
+        if (mask_on && p.mask_kind == 1) {  // (mask_on is false for a prefix key-padding mask: applied as S)
           #pragma unroll
           for (int mi = 0; mi < kMTiles; ++mi)
             #pragma unroll
@@ -425,7 +509,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
                 #pragma unroll
                 for (int e = 0; e < 2; ++e)
                   if (!((mbits[mi][half] >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = neg_inf();
-        } else {
+        } else if (mask_on) {
           add_mask(s, p, mask, mask_bytes, m0 + warp_row0 + g, n0 + 2 * t);
         }
       }
@@ -487,17 +571,31 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
       cp_async_commit();
     }
 
-    const unsigned v_stage = v_addr + stage * kKVBytes;
-    #pragma unroll
-    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    if constexpr (kWgmma) {
+      // O (64 × kHeadDim) += P V: P from registers (already in the A-fragment layout), V as an MN-major B operand
+      // (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
+      const unsigned v_st = smem_addr(sV) + stage * kKVBytes;
+      wgmma::fence();
       #pragma unroll
-      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
-        unsigned bv[4];
-        ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        wgmma::Mma<T, kHeadDim>::rs(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]), pa[0][kk],
+                                    wgmma::desc_sw128(v_st + kk * 16 * 128, kBlockN * 128, 1024), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]));
+    } else {
+      const unsigned v_stage = v_addr + stage * kKVBytes;
+      #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
         #pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          mma_16816<T>(acc_o[mi][2 * dn], pa[mi][kk], bv[0], bv[1]);
-          mma_16816<T>(acc_o[mi][2 * dn + 1], pa[mi][kk], bv[2], bv[3]);
+        for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+          unsigned bv[4];
+          ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
+          #pragma unroll
+          for (int mi = 0; mi < kMTiles; ++mi) {
+            mma_16816<T>(acc_o[mi][2 * dn], pa[mi][kk], bv[0], bv[1]);
+            mma_16816<T>(acc_o[mi][2 * dn + 1], pa[mi][kk], bv[2], bv[3]);
+          }
         }
       }
     }

@@ -112,6 +112,9 @@ class KernelFamily:
     where:     ...unless this predicate on the row returns False.
     archs:     architectures the compile check covers for this family.
     options:   extra NVRTC options for this family.
+    arch:      None: ``cupy.RawModule`` compiles for the device (its own ``-arch``). An explicit target such as
+               ``"sm_90a"`` (wgmma, which CuPy's ``-arch=sm_90`` cannot assemble) is compiled here with NVRTC to a
+               cubin and loaded from CuPy's cache directory (see _load_cubin).
     """
 
     name: str
@@ -121,6 +124,7 @@ class KernelFamily:
     where: Callable[[dict], bool] | None = None
     archs: tuple[str, ...] = DEFAULT_ARCHS
     options: tuple[str, ...] = ()
+    arch: str | None = None
 
     def variants(self) -> Iterator[dict]:
         keys = list(self.axes)
@@ -157,12 +161,56 @@ def _declared(family: KernelFamily) -> frozenset:
 def _load(family: KernelFamily, expr: str, device_id: int):
     import cupy
 
+    if family.arch is not None:
+        return _load_cubin(family, expr)
     options = base_options() + family.options
     module = cupy.RawModule(code=family.code(), options=options, name_expressions=(expr,))
     try:
         return module.get_function(expr)
     except cupy.cuda.compiler.CompileException as exc:
         raise KernelCompileError(f"compiling {family.source}: {expr} failed:\n{exc}") from exc
+
+
+def _load_cubin(family: KernelFamily, expr: str):
+    """Compile one instantiation for ``family.arch`` with NVRTC, cache the cubin on disk, load it with RawModule.
+
+    Cache file: ``$CUPY_CACHE_DIR`` (default ``~/.cupy/kernel_cache``) / ``cupy_attn_<sha256>.cubin``, the hash taken
+    over the name expression, arch, options (which carry the ``cuda_src/`` hash), the source and the NVRTC version;
+    the lowered (mangled) kernel name is stored next to it.
+    """
+    import cupy
+    from cupy.cuda import nvrtc
+
+    options = list(base_options() + family.options) + [f"-arch={family.arch}"]
+    code = family.code()
+    key = hashlib.sha256("\0".join([expr, code, *options, str(nvrtc.getVersion())]).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
+    cubin_path, name_path = cache / f"cupy_attn_{key}.cubin", cache / f"cupy_attn_{key}.name"
+    if not (cubin_path.exists() and name_path.exists()):
+        prog = nvrtc.createProgram(code, family.source, (), ())
+        try:
+            nvrtc.addNameExpression(prog, expr)
+            try:
+                nvrtc.compileProgram(prog, options)
+            except nvrtc.NVRTCError as exc:
+                raise KernelCompileError(
+                    f"compiling {family.source}: {expr} for {family.arch} failed ({exc}):\n{nvrtc.getProgramLog(prog)}"
+                ) from exc
+            cubin, lowered = nvrtc.getCUBIN(prog), nvrtc.getLoweredName(prog, expr)
+        finally:
+            nvrtc.destroyProgram(prog)
+        cache.mkdir(parents=True, exist_ok=True)
+        tmp = cubin_path.with_suffix(f".{os.getpid()}.tmp")  # rename is atomic: concurrent processes never read half
+        tmp.write_bytes(cubin)
+        os.replace(tmp, cubin_path)
+        tmp.write_text(lowered)
+        os.replace(tmp, name_path)
+    module = cupy.RawModule(path=str(cubin_path))
+    _CUBIN_MODULES.append(module)  # the module owns the loaded cubin: keep it as long as its kernels may run
+    return module.get_function(name_path.read_text())
+
+
+_CUBIN_MODULES: list = []
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -104,9 +104,10 @@ def fused_details(p, arch: int) -> dict:
     """The instantiation the fused kernel will use."""
     flash = _flash_module()
     head_dim = flash.head_dim_bucket(p.head_dim, p.head_dim_v)
-    tile = flash.TILES[(p.dtype.name, head_dim, flash._arch_major(arch))]
-    return {"head-dim bucket": head_dim, "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, "
-                                                    f"{tile.stages} K/V stage(s)"}
+    family, tile = flash.select(p.dtype, head_dim, arch)
+    return {"head-dim bucket": head_dim, "kernel": family.name,
+            "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
+                    + (", wgmma" if tile.wgmma else ", mma.sync")}
 
 
 def split_details(p) -> dict:

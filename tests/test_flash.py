@@ -4,6 +4,8 @@ GPU tests poison out and lse with NaN, run flash_forward on CuPy views of torch 
 and accept an error of at most twice torch's own SDPA error in the same precision plus output rounding noise
 (tests/_tolerance.py). CPU tests: every instantiation compiles for sm_80 and sm_90 without spills, the tile table is
 consistent with the declared family and with each arch's shared-memory limit, and unsupported_reason's answers.
+Every GPU test runs twice, once per kernel on Hopper (``flash_kernel``: the sm_90a wgmma kernel, then the mma.sync one
+forced by CUPY_ATTN_WGMMA=0), so both stay correct for every head-dim bucket they serve.
 """
 import numpy as np
 import pytest
@@ -11,6 +13,22 @@ import pytest
 from cupy_attn import _compile, _flash, reference
 
 from _tolerance import as_f64, assert_close
+
+
+def pytest_generate_tests(metafunc):
+    if metafunc.definition.get_closest_marker("gpu"):
+        metafunc.parametrize("flash_kernel", ["wgmma", "mma.sync"], indirect=True)
+
+
+@pytest.fixture(autouse=True)
+def flash_kernel(request, monkeypatch):
+    """GPU tests: which kernel serves the wgmma buckets (64, 128, 192, 256) on Hopper; CPU tests: unparametrized."""
+    kind = getattr(request, "param", None)
+    if kind == "mma.sync":
+        monkeypatch.setenv(_flash.ENV_WGMMA, "0")
+    elif kind == "wgmma":
+        monkeypatch.delenv(_flash.ENV_WGMMA, raising=False)
+    return kind
 
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU
@@ -23,6 +41,49 @@ def test_every_instantiation_compiles_without_spills(arch):
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
     spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]
     assert not spilled, f"register spills: {spilled}"
+
+
+def test_sm90a_instantiations_compile_without_spills():
+    reports = _compile.compile_family(_flash.FLASH_FWD_SM90A, "sm_90a")
+    assert len(reports) == len(list(_flash.FLASH_FWD_SM90A.variants())) == 2 * 2 * len(_flash.WGMMA_TILES)
+    assert all(r.registers is not None and r.registers <= 255 for r in reports)
+    spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]
+    assert not spilled, f"register spills: {spilled}"
+
+
+def test_wgmma_header_is_generated():
+    from cupy_attn import _wgmma_gen
+    assert _wgmma_gen.header_path().read_text() == _wgmma_gen.generate(), \
+        "cuda_src/common/wgmma.cuh is stale: run python -m cupy_attn._wgmma_gen"
+
+
+def test_wgmma_tiles():
+    declared = set(_flash.FLASH_FWD_SM90A.name_expressions())
+    for d, tile in _flash.WGMMA_TILES.items():
+        assert tile.wgmma and d % 64 == 0 and d in _flash.HEAD_DIMS
+        assert tile.block_m == 16 * tile.warps and tile.warps % 4 == 0 and tile.stages == 2
+        assert d in _wgmma_n("RS_N") and tile.block_n in _wgmma_n("SS_N")
+        assert tile.smem_bytes(d) <= _SMEM_LIMIT[9], (d, tile)
+        for dtype in _flash._C_TYPES.values():
+            for has_mask in ("false", "true"):
+                assert _flash.FLASH_FWD_SM90A.name_expression(dtype=dtype, head_dim=d, tile=tile,
+                                                              has_mask=has_mask) in declared
+
+
+def _wgmma_n(name):
+    from cupy_attn import _wgmma_gen
+    return getattr(_wgmma_gen, name)
+
+
+@pytest.mark.parametrize("arch,bucket,family", [(90, 128, "flash_fwd_sm90a"), (90, 96, "flash_fwd"),
+                                                (80, 128, "flash_fwd"), (100, 64, "flash_fwd")])
+def test_select(arch, bucket, family):
+    assert _flash.select(F16, bucket, arch)[0].name == family
+
+
+def test_select_env_off(monkeypatch):
+    monkeypatch.setenv(_flash.ENV_WGMMA, "0")
+    assert _flash.select(F16, 128, 90)[0].name == "flash_fwd"
 
 
 # Largest dynamic shared memory per block: sm_86/sm_89 (the smallest sm_8x) and sm_90.
@@ -186,6 +247,11 @@ def test_causal(dtype, causal, L, S, E):
 def _masks(torch):
     return {
         "bool_key_padding": lambda B, H, L, S, g: torch.rand(B, 1, 1, S, generator=g, device="cuda") > 0.3,
+        # The usual padding mask, a prefix of each sequence (the kernel turns it into a shorter S); lengths 0, 1, a
+        # tile boundary ± 1 and S.
+        "bool_key_padding_prefix": lambda B, H, L, S, g: (
+            torch.arange(S, device="cuda") < torch.tensor([65, 0, 1, 64, S, 63, S // 2, 129], device="cuda")[:B, None]
+        )[:, None, None, :],
         "bool_full": lambda B, H, L, S, g: torch.rand(B, H, L, S, generator=g, device="cuda") > 0.5,
         "bool_LS_with_empty_rows": lambda B, H, L, S, g: (torch.rand(L, S, generator=g, device="cuda") > 0.5)
         & (torch.arange(L, device="cuda") % 7 != 3)[:, None],
@@ -196,7 +262,7 @@ def _masks(torch):
     }
 
 
-MASK_NAMES = ["bool_key_padding", "bool_full", "bool_LS_with_empty_rows", "float_HLS", "float_neg_inf",
+MASK_NAMES = ["bool_key_padding", "bool_key_padding_prefix", "bool_full", "bool_LS_with_empty_rows", "float_HLS", "float_neg_inf",
               "float_row_broadcast"]
 
 
@@ -204,14 +270,16 @@ MASK_NAMES = ["bool_key_padding", "bool_full", "bool_LS_with_empty_rows", "float
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 @pytest.mark.parametrize("mask_dtype", [None, "float32"])
-def test_masks(dtype, mask_name, mask_dtype):
-    """Broadcast masks by strides; float masks in the input dtype and in fp32."""
+@pytest.mark.parametrize("E", [80, 128])
+def test_masks(dtype, mask_name, mask_dtype, E):
+    """Broadcast masks by strides; float masks in the input dtype and in fp32. E=80 (bucket 96): mma.sync only;
+    E=128: the wgmma kernel on Hopper."""
     torch = _torch()
     if mask_dtype and mask_name.startswith("bool"):
         pytest.skip("bool masks have one dtype")
     g = torch.Generator("cuda").manual_seed(5)
     B, H, L, S = 2, 3, 167, 131
-    q, k, v = _rand((B, H, L, 80), dtype, g), _rand((B, H, S, 80), dtype, g), _rand((B, H, S, 48), dtype, g)
+    q, k, v = _rand((B, H, L, E), dtype, g), _rand((B, H, S, E), dtype, g), _rand((B, H, S, 48), dtype, g)
     mask = _masks(torch)[mask_name](B, H, L, S, g)
     if mask.dtype != torch.bool:
         mask = mask.to(getattr(torch, mask_dtype or dtype))
