@@ -5,7 +5,7 @@
 With a CUDA GPU: SDPA on the headline shape (32, 32, 512, 1024) in fp16/bf16/fp32 plus sweeps, the fused attention
 benchmark, and Linear → BatchNorm1d → scale → softmax on x (1024, 8192); tables printed, JSON and plots in bench/out/.
 Without one: says so, runs the float64 reference on a small problem (checked against torch's CPU float64 SDPA when
-torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90; exits 0 when both pass.
+torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90 (and sm_90a for the wgmma kernel); exits 0 when both pass.
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def cpu_job() -> int:
     except ImportError:
         print("torch not installed: reference not cross-checked")
     t0 = time.perf_counter()
-    ok = compile_cli.run(["sm_80", "sm_90"])
+    ok = compile_cli.run(["sm_80", "sm_90", "sm_90a"])
     print(f"NVRTC compile check: {'all variants compile' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)")
     return 0 if ok else 1
 

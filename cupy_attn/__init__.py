@@ -8,9 +8,11 @@ Public API:
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from . import _checks, _dispatch, _interop, reference
+from . import _callcache, _checks, _dispatch, _interop, reference
 from ._linear_bn_softmax import linear_batchnorm_softmax
 
 __version__ = "0.1.0"
@@ -44,12 +46,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     buffer is processed in chunks of batch·heads under ``workspace_bytes``, default 1 GiB or
     CUPY_ATTN_WORKSPACE_BYTES), or "reference".
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
+    Repeated calls with torch CUDA tensors of the same layout, flags and stream replay the first call's prepared launch
+    (checks and planning skipped: ~28 µs of host time instead of ~127 for a small fused call on an H200 host).
 
     Returns: out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
     Raises: TypeError for non-array inputs or unsupported dtypes; ValueError for shape, device, mask or flag errors
     (naming the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run
     the call.
     """
+    call_key = _callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+                              return_lse, allow_tf32, workspace_bytes)
+    if call_key is not None:
+        entry = _callcache.get(call_key)
+        if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
+            return entry(query, key, value, attn_mask)
     p = _checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     plan = _dispatch.plan_sdpa(p, backend)
     if plan.backend == "reference":
@@ -69,13 +79,27 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             out4.fill(0)
             if lse3 is not None:
                 lse3.fill(-np.inf)
-        elif plan.backend == "fused":
-            from . import _flash
-            _flash.flash_forward(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask)
         else:
-            from . import _split
-            _split.split_forward(p, out4, lse3, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+            if plan.backend == "fused":
+                from . import _flash
+                run = _flash.prepare(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask)
+            else:
+                from . import _split
+                run = functools.partial(_split.run, _split.schedule(p, out4, lse3, workspace_bytes=workspace_bytes,
+                                                                   allow_tf32=allow_tf32))
+            run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
+                0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
+            if call_key is not None and _replayable(p, query, key, value, attn_mask):
+                _callcache.put(call_key, _callcache.Entry(ctx, tuple(out_native.shape),
+                                                          None if lse_native is None else tuple(lse_native.shape),
+                                                          run))
     return (out_native, lse_native) if return_lse else out_native
+
+
+def _replayable(p, query, key, value, attn_mask) -> bool:
+    """The launch read the caller's tensors in place (no copies), so it can be replayed on their data pointers."""
+    return not p.copies and p.query.data.ptr == query.data_ptr() and p.key.data.ptr == key.data_ptr() and \
+        p.value.data.ptr == value.data_ptr() and (attn_mask is None or p.mask.data.ptr == attn_mask.data_ptr())
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,

@@ -194,11 +194,23 @@ def _estrides(a) -> list[int]:
 def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None) -> None:
     """out (and lse) = attention(q, k, v) by the fused kernel, on CuPy's current stream and device.
 
+    Arguments as :func:`prepare`'s; this is ``prepare(...)`` launched on the arrays' own pointers.
+    """
+    prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask)(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+        0 if mask is None else mask.data.ptr)
+
+
+def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None) -> "FlashLaunch":
+    """Check a fused-kernel call and build its launch: kernel, grid and parameters, all but the pointers.
+
     q: (B, Hq, L, E); k: (B, Hkv, S, E); v: (B, Hkv, S, Ev); fp16 or bf16, last-dim stride 1, any other strides
     (read in place). Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq // Hkv)). out: (B, Hq, L, Ev), q's dtype,
     last-dim stride 1. lse: None or (B, Hq, L) float32 (natural log). mask: None or a view broadcast to (B, Hq, L, S)
     (bool: True = attend; fp16/bf16/fp32: added to the scaled scores). causal: None, "top_left" or "bottom_right".
-    L, S >= 1. Raises ValueError for calls the kernel cannot run.
+    L, S >= 1. Raises ValueError for calls the kernel cannot run. The launch depends on the arrays' shapes, strides,
+    dtypes and pointer alignment (16 bytes for q/k/v rows, 4 for out), not on their addresses: it may be replayed on
+    other arrays of the same layout (the public API's call cache does).
     """
     import cupy
 
@@ -232,41 +244,62 @@ def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = 
     family, tile = select(dtype, head_dim, arch)
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
-    launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+    return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
 
 
 def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> None:
-    """Fill FlashFwdParams and launch one instantiation (flash_forward's last step; benchmarks call it directly to
-    sweep tiles outside the table). Arguments as flash_forward's, already checked."""
-    B, Hq, L, E = q.shape
-    _, Hkv, S, Ev = v.shape
-    if Hq > 65535 or B > 65535:
-        raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
-    smem = tile.smem_bytes(head_dim)
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
+    """Launch one instantiation on these arrays (benchmarks call it directly to sweep tiles outside the table).
+    Arguments as flash_forward's, already checked."""
+    FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+        0 if mask is None else mask.data.ptr)
 
-    def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
-        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
 
-    p = np.zeros((), dtype=_PARAMS)
-    p["out"], p["q"], p["k"], p["v"] = out.data.ptr, q.data.ptr, k.data.ptr, v.data.ptr
-    p["lse"] = 0 if lse is None else lse.data.ptr
-    p["mask"] = 0 if mask is None else mask.data.ptr
-    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
-    out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
-    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
-    p["scale_log2"] = float(scale) * _LOG2E
-    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-        for axis, stride in zip(axes, _estrides(arr)):
-            p[f"{name}_stride_{axis}"] = stride
-    if lse is not None:
-        for axis, stride in zip("bhl", _estrides(lse)):
-            p[f"lse_stride_{axis}"] = stride
-    if mask is not None:
-        for axis, stride in zip("bhls", _estrides(mask)):
-            p[f"mask_stride_{axis}"] = stride
-    kernel((math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), (struct_arg(p),), shared_mem=smem)
+@dataclasses.dataclass
+class FlashLaunch:
+    """One prepared launch: FlashFwdParams with every field but the six pointers, grid, block, shared memory."""
+
+    kernel: object
+    params: np.ndarray
+    grid: tuple
+    block: tuple
+    smem: int
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
+        p = self.params.copy()
+        p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
+        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+
+    @classmethod
+    def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> "FlashLaunch":
+        """Parameters from the arrays' shapes, strides and alignment (flash_forward's arguments, already checked)."""
+        B, Hq, L, E = q.shape
+        _, Hkv, S, Ev = v.shape
+        if Hq > 65535 or B > 65535:
+            raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
+        smem = tile.smem_bytes(head_dim)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+
+        def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
+            return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+
+        p = np.zeros((), dtype=_PARAMS)
+        p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
+        p["is_causal"] = causal is not None
+        p["causal_offset"] = S - L if causal == "bottom_right" else 0
+        p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
+        out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
+        p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
+        p["scale_log2"] = float(scale) * _LOG2E
+        for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
+            for axis, stride in zip(axes, _estrides(arr)):
+                p[f"{name}_stride_{axis}"] = stride
+        if lse is not None:
+            for axis, stride in zip("bhl", _estrides(lse)):
+                p[f"lse_stride_{axis}"] = stride
+        if mask is not None:
+            for axis, stride in zip("bhls", _estrides(mask)):
+                p[f"mask_stride_{axis}"] = stride
+        return cls(kernel, p, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)

@@ -143,8 +143,14 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     MemoryError through CuPy if even one query row of scores exceeds the device's memory. The launch schedule
     (chunks, GEMM plans, kernel parameters) is built once per layout (see _schedule_key) and reused.
     """
-    import cupy
+    sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    run(sched, p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
+        0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
 
+
+def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> "_Schedule":
+    """The launch schedule of split_forward for this layout (cached; see _schedule_key). It holds no pointers: run()
+    replays it on any arrays of the same layout."""
     if out.size == 0 or p.seqlen_k == 0:
         raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
     budget = workspace_bytes or workspace_bytes_default()
@@ -154,11 +160,16 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
         if len(_SCHEDULES) >= _MAX_SCHEDULES:
             _SCHEDULES.clear()
         sched = _SCHEDULES[key] = _build_schedule(p, out, lse, budget, allow_tf32)
+    return sched
+
+
+def run(sched: "_Schedule", q0: int, k0: int, v0: int, o0: int, l0: int = 0, m0: int = 0) -> None:
+    """Enqueue a schedule on CuPy's current stream: per chunk, GEMM → softmax → GEMM over a scores buffer from CuPy's
+    pool (freed to the pool, stream-ordered, when this returns). Pointers: q, k, v, out, lse (0: none), mask (0)."""
+    import cupy
+
     scores = cupy.empty(sched.scores_elems, dtype=cupy.float32)
     s0 = scores.data.ptr
-    q0, k0, v0, o0 = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr
-    m0 = p.mask.data.ptr if p.mask is not None else 0
-    l0 = lse.data.ptr if lse is not None else 0
     for c in sched.chunks:
         c.gemm_qk(s0, q0 + c.q, k0 + c.k)
         params = c.params.copy()

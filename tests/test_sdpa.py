@@ -252,3 +252,49 @@ def test_generic_dlpack_objects_come_back_as_cupy():
     out = cupy_attn.scaled_dot_product_attention(Capsule(q), Capsule(k), Capsule(v))
     assert isinstance(out, cupy.ndarray)
     assert torch.equal(torch.from_dlpack(out), cupy_attn.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("backend,E", [("auto", 64), ("split", 64), ("auto", 1000)])
+def test_call_cache_replays_on_new_data(backend, E):
+    """A repeated call (same layout, flags, stream) replays the prepared launch; it must equal a full-path call."""
+    from cupy_attn import _callcache
+    g = torch.Generator("cuda").manual_seed(21)
+    mask = torch.rand(2, 1, 1, 77, generator=g, device="cuda") > 0.2
+    for kw in ({}, {"attn_mask": mask, "return_lse": True}, {"is_causal": True, "scale": 0.3}):
+        _callcache.clear()
+        q, k, v = _rand((2, 4, 100, E), "float16", g), _rand((2, 4, 77, E), "float16", g), _rand((2, 4, 77, E),
+                                                                                                  "float16", g)
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)  # full path: fills the cache
+        assert len(_callcache._CACHE) == 1
+        q2, k2, v2 = (x.clone().normal_(generator=g) for x in (q, k, v))
+        replayed = cupy_attn.scaled_dot_product_attention(q2, k2, v2, backend=backend, **kw)
+        assert len(_callcache._CACHE) == 1
+        _callcache.clear()
+        fresh = cupy_attn.scaled_dot_product_attention(q2, k2, v2, backend=backend, **kw)
+        for a, b in zip(*((r,) if isinstance(r, torch.Tensor) else r for r in (replayed, fresh))):
+            assert torch.equal(a, b), kw
+        _run(q2, k2, v2, "float16", backend=backend, what=f"replayed {kw}",
+             **{k_: v_ for k_, v_ in kw.items() if k_ != "return_lse"})
+
+
+def test_call_cache_keys_on_layout_stream_and_environment(monkeypatch):
+    from cupy_attn import _callcache
+    _callcache.clear()
+    g = torch.Generator("cuda").manual_seed(22)
+    q, k, v = (_rand((1, 2, 64, 64), "float16", g) for _ in range(3))
+    cupy_attn.scaled_dot_product_attention(q, k, v)
+    cupy_attn.scaled_dot_product_attention(q[:, :1], k[:, :1], v[:, :1])   # another shape
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        cupy_attn.scaled_dot_product_attention(q, k, v)                     # another stream
+    torch.cuda.synchronize()
+    monkeypatch.setenv("CUPY_ATTN_BACKEND", "split")
+    assert cupy_attn.explain(q, k, v).backend == "split"
+    cupy_attn.scaled_dot_product_attention(q, k, v)                         # another plan
+    assert len(_callcache._CACHE) == 4
+    # A call that had to copy an input (last axis not unit-stride) is never cached: its launch read the copy.
+    _callcache.clear()
+    qt = q.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out = cupy_attn.scaled_dot_product_attention(qt, k, v)
+    assert not _callcache._CACHE
+    assert torch.equal(out, cupy_attn.scaled_dot_product_attention(q, k, v))

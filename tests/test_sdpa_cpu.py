@@ -182,3 +182,13 @@ def test_forced_fused_reports_tile_and_refuses_fp32():
     assert plan.backend == "fused" and plan.details["head-dim bucket"] == 128
     with pytest.raises(ValueError, match="fp32 is served by the split path"):
         _dispatch.plan_sdpa(_gpu_problem("float32", 64, 64), "fused", arch=90)
+
+
+def test_call_cache_takes_only_torch_cuda_tensors():
+    from cupy_attn import _callcache
+    q, k, v = _qkv()
+    args = (None, 0.0, False, None, False, "auto", False, False, None)
+    assert _callcache.key(q, k, v, *args) is None
+    torch = pytest.importorskip("torch")
+    tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
+    assert _callcache.key(tq, tk, tv, *args) is None   # CPU tensors: the reference path, never cached

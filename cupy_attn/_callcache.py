@@ -1,0 +1,90 @@
+"""Call cache of the public SDPA entry point for torch CUDA tensors: a repeated call skips the checks and the plan.
+
+A call's checks, path choice, kernel choice and launch parameters depend on the inputs' shapes, strides, dtypes,
+devices and pointer alignment, on the flags, on torch's current stream and on the environment overrides, but not on
+the data or the addresses. ``key`` reads exactly those (about 20 attribute reads, ~5 µs, against ~120 µs for the full
+checks, plan and parameter set-up of a small fused call), and a hit replays the prepared launch on the new pointers:
+allocate the output with torch (current stream), enter the stream, launch. Entries are made only for calls that ran
+without copying an input, so every pointer the launch reads is the caller's own tensor's ``data_ptr()``.
+
+Only exact ``torch.Tensor`` inputs on a CUDA device are cached; everything else takes the full path every time.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Callable
+
+# Environment variables that change a call's plan (read per call by the full path, so part of the key).
+ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_WORKSPACE_BYTES")
+MAX_ENTRIES = 512
+
+_CACHE: dict = {}
+
+
+def _sig(t) -> tuple:
+    return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
+def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
+        workspace_bytes) -> tuple | None:
+    """The cache key of a call, or None when the call is not cacheable (not all exact torch CUDA tensors)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    tensor = torch.Tensor
+    if type(query) is not tensor or type(key_) is not tensor or type(value) is not tensor:
+        return None
+    device = query.get_device()
+    if device < 0:
+        return None
+    if attn_mask is None:
+        mask = None
+    elif type(attn_mask) is tensor:
+        mask = _sig(attn_mask)
+    else:
+        return None
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    stream = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+    env = os.environ
+    # Scalars with their types: True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others.
+    flags = tuple((type(x), x) for x in (dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
+                                         workspace_bytes))
+    return (_sig(query), _sig(key_), _sig(value), mask, flags, stream, *(env.get(k) for k in ENV_KEYS))
+
+
+@dataclasses.dataclass
+class Entry:
+    """A prepared call: its context (device, stream), output shapes and the launch, replayed on new pointers.
+
+    run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr) enqueues the work on CuPy's current stream.
+    """
+
+    ctx: Any
+    out_shape: tuple
+    lse_shape: tuple | None
+    run: Callable[..., None]
+
+    def __call__(self, query, key_, value, attn_mask):
+        torch = sys.modules["torch"]
+        out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
+        lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)
+        with self.ctx.activate():
+            self.run(query.data_ptr(), key_.data_ptr(), value.data_ptr(), out.data_ptr(),
+                     0 if lse is None else lse.data_ptr(), 0 if attn_mask is None else attn_mask.data_ptr())
+        return out if lse is None else (out, lse)
+
+
+def get(call_key: tuple) -> Entry | None:
+    return _CACHE.get(call_key)
+
+
+def put(call_key: tuple, entry: Entry) -> None:
+    if len(_CACHE) >= MAX_ENTRIES:
+        _CACHE.clear()
+    _CACHE[call_key] = entry
+
+
+def clear() -> None:
+    _CACHE.clear()
