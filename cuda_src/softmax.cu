@@ -24,7 +24,8 @@
 // The global batch index batch0 + b decomposes into up to three original axes (outer, middle, inner; sizes n1, n2
 // for the inner two) to find the row's mask and lse addresses, so broadcast masks need no expansion.
 //
-// Versions: v1 this kernel (register-resident rows, in-place P).
+// Versions: v1 register-resident rows, in-place P. v2 unmasked rows skip the per-element mask test: seed 0.454 ->
+// 0.442 ms (3.6 TB/s of the 4.2 copy ceiling).
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 
@@ -95,6 +96,9 @@ masked_softmax(const SoftmaxParams p) {
   const long long S = p.seqlen_k;
 
   float m = -inf(), l = 0.f;
+  // No mask and no causal limit inside the row: skip apply_mask's per-element 64-bit compare and kind switch
+  // (seed shape, fp16: 0.454 -> 0.442 ms, bench/probe_softmax.py).
+  const bool plain = p.mask_kind == kMaskNone && limit >= S - 1;
   if constexpr (kVecs > 0) {
     float x[kVecs][4];
     #pragma unroll
@@ -105,7 +109,7 @@ masked_softmax(const SoftmaxParams p) {
       x[v][0] = f.x; x[v][1] = f.y; x[v][2] = f.z; x[v][3] = f.w;
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        x[v][e] = (active && c + e < S) ? apply_mask(x[v][e], c + e, limit, p, mask_row) : -inf();
+        x[v][e] = !(active && c + e < S) ? -inf() : plain ? x[v][e] : apply_mask(x[v][e], c + e, limit, p, mask_row);
         m = fmaxf(m, x[v][e]);
       }
     }

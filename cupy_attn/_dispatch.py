@@ -65,10 +65,11 @@ def prefer_fused(p) -> tuple[bool, str]:
 
     The split path's cost is its two GEMMs plus one pass over an L×S fp32 score buffer (12 bytes per score: write fp32,
     read fp32, write P, read P); the fused kernel moves no scores but runs its GEMMs below cuBLAS's rate. Measured on
-    an H200 (bench/RESULTS.md, 2026-11-21), B=4, H=16, L=S=2048, fused vs split in ms:
-    fp16 D=64 0.50 vs 1.12, D=128 0.56 vs 1.15, D=256 1.14 vs 1.24; bf16 D=64 0.53 vs 1.11, D=128 0.55 vs 1.14,
-    D=256 1.14 vs 1.21. The closest case, D=256, is still 8% in favour of the fused kernel, so auto takes it whenever
-    it supports the call; the split path serves fp32 and head dims above 256.
+    an H200 (bench/RESULTS.md, 2026-11-21, session 3: sm_90a wgmma kernel, call cache), B=4, H=16, L=S=2048, whole
+    calls fused vs split in ms: fp16 D=64 0.27 vs 0.92, D=128 0.39 vs 0.95, D=256 0.68 vs 1.03; bf16 D=64 0.30 vs
+    0.92, D=128 0.39 vs 0.95, D=256 0.68 vs 1.01. The closest case, D=256, is 1.5x in favour of the fused kernel (the
+    mma.sync kernel alone, the sm_8x path, measured 1.14 vs 1.24 ms in session 2: still 8% ahead), so auto takes it
+    whenever it supports the call; the split path serves fp32 and head dims above 256.
     """
     return True, "fused kernel supports this call (no L×S score buffer; faster than split at every measured head dim)"
 

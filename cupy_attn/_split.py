@@ -24,8 +24,9 @@ _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
 # four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
-# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns.
-SOFTMAX_TILES = ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0))
+# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. S = 512 (the seed): 64 threads × 2
+# vectors 0.438 ms vs 0.449-0.455 for 32 × 4, 0.49 for 16 × 8, 0.58 for 128 × 1 (bench/probe_softmax.py, H200).
+SOFTMAX_TILES = ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0))
 
 SOFTMAX = KernelFamily(
     name="softmax",

@@ -1,0 +1,84 @@
+"""A/B of split-path softmax kernel variants on the seed's score buffer (1024·512 rows × 512, fp32 in, fp16 P out).
+
+Variants are text edits of cuda_src/softmax.cu compiled next to each other in one process, timed alone (median of
+CUDA events), interleaved over rounds; each checks its P against the unedited kernel's on fresh random scores first.
+
+    PYTHONPATH=. python3 bench/probe_softmax.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import cupy  # noqa: E402
+import numpy as np  # noqa: E402
+from cupyx.profiler import benchmark  # noqa: E402
+
+from cupy_attn import _compile, _split  # noqa: E402
+from cupy_attn._compile import struct_arg  # noqa: E402
+
+EX2 = """
+__device__ __forceinline__ float probe_ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
+template <typename T> __device__ __forceinline__ void store4_cs(T* dst, float a, float b, float c, float d) {
+  Vec4<T> o; o.v[0] = from_float<T>(a); o.v[1] = from_float<T>(b); o.v[2] = from_float<T>(c); o.v[3] = from_float<T>(d);
+  __stcs(reinterpret_cast<uint2*>(dst), *reinterpret_cast<uint2*>(&o));
+}
+"""
+EXP = ("x[v][e] = exp2f(x[v][e] - m_safe);", "x[v][e] = probe_ex2(x[v][e] - m_safe);")
+LDCS = ("if (active && c < S) f = *reinterpret_cast<const float4*>(srow + c);",
+        "if (active && c < S) f = __ldcs(reinterpret_cast<const float4*>(srow + c));")
+STCS = ("if (c < S) store4<OutT>(prow + c,", "if (c < S) store4_cs<OutT>(prow + c,")
+# name -> (edits, (threads per row, float4 per thread)). Session 3, first round (before v2): baseline 0.454 ms,
+# ex2.approx 0.455, + skipping the mask test on unmasked rows 0.442 (kept as v2), + __ldcs 0.456, + __stcs 0.451.
+VARIANTS = {
+    "v2 (32 thr x 4 vec)": ([], (32, 4)),
+    "16 thr x 8 vec": ([], (16, 8)),
+    "64 thr x 2 vec": ([], (64, 2)),
+    "128 thr x 1 vec": ([], (128, 1)),
+    "v2 + ex2.approx": ([EXP], (32, 4)),
+}
+
+
+def kernel(edits, tile):
+    code = _split.SOFTMAX.code().replace("namespace cupy_attn {\n", "namespace cupy_attn {\n" + EX2, 1)
+    for old, new in edits:
+        assert old in code, old
+        code = code.replace(old, new)
+    expr = f"cupy_attn::masked_softmax<__half, {tile[0]}, {tile[1]}>"
+    mod = cupy.RawModule(code=code, options=_compile.base_options(), name_expressions=(expr,))
+    return mod.get_function(expr)
+
+
+def main():
+    n, L, S = 1024, 512, 512
+    rows = n * L
+    scores = cupy.empty((rows, S), dtype=cupy.float32)
+    prm = np.zeros((), dtype=_split._PARAMS)
+    prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
+    prm["causal_offset"], prm["n1"], prm["n2"] = S, 1, 1
+    kernels = {name: kernel(*v) for name, v in VARIANTS.items()}
+    grids = {name: rows // max(1, 128 // v[1][0]) for name, v in VARIANTS.items()}
+    blocks = {name: max(128, v[1][0]) for name, v in VARIANTS.items()}
+    fill = lambda: scores.__setitem__(slice(None), cupy.random.standard_normal((rows, S), dtype=cupy.float32) * 8)  # noqa
+    ref = None
+    for name, k in kernels.items():
+        cupy.random.seed(0)
+        fill()
+        k((grids[name],), (blocks[name],), (struct_arg(prm),))
+        got = scores.view(cupy.float16)[:, :S].astype(cupy.float32)
+        if ref is None:
+            ref = got.copy()
+        print(f"{name:28s} max |P - P_baseline| = {float(cupy.abs(got - ref).max()):.2e}")
+    times = {name: [] for name in kernels}
+    for _ in range(3):
+        for name, k in kernels.items():
+            fill()
+            r = benchmark(lambda: k((grids[name],), (blocks[name],), (struct_arg(prm),)), n_repeat=20, n_warmup=3)
+            times[name].append(float(np.median(r.gpu_times[0])) * 1e3)
+    gb = rows * S * 6 / 1e9
+    for name, ts in times.items():
+        print(f"{name:28s} {min(ts):.3f}-{max(ts):.3f} ms  {gb / np.median(ts) * 1e3:.0f} GB/s")
+
+
+if __name__ == "__main__":
+    main()
