@@ -30,6 +30,21 @@ def median_ms(fn, n_repeat: int = 20, n_warmup: int = 3) -> float:
     return float(np.median(res.gpu_times[0]) * 1e3)
 
 
+def host_us(fn, n: int = 20) -> float:
+    """Median host µs of fn(), the GPU synchronized before each call (so every call starts from an idle GPU)."""
+    import time
+
+    import cupy
+    ts = []
+    for _ in range(n):
+        cupy.cuda.Device().synchronize()
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    cupy.cuda.Device().synchronize()
+    return float(np.median(ts) * 1e6)
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and ms == ms else float("nan")
 

@@ -9,7 +9,6 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -19,17 +18,7 @@ from cupyx.profiler import benchmark  # noqa: E402
 
 import cupy_attn  # noqa: E402
 from cupy_attn import _checks, _dispatch, _flash  # noqa: E402
-
-
-def med_us(fn, reps=200):
-    ts = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    torch.cuda.synchronize()
-    return float(np.median(ts) * 1e6)
+from common import host_us  # noqa: E402
 
 
 def main():
@@ -55,7 +44,7 @@ def main():
         "torch default": tc,
     }
     for name, fn in steps.items():
-        print(f"host {name:16s} {med_us(fn):7.1f} µs")
+        print(f"host {name:16s} {host_us(fn, 200):7.1f} µs")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(300):

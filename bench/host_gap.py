@@ -12,7 +12,6 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -22,7 +21,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from common import median_ms  # noqa: E402
+from common import host_us, median_ms  # noqa: E402
 
 _SPIN = cupy.RawKernel(r'''
 extern "C" __global__ void spin(long long cycles) {
@@ -43,17 +42,6 @@ def device_ms(fn, reps: int = 10) -> float:
         e1.synchronize()
         times.append(cupy.cuda.get_elapsed_time(e0, e1))
     return float(np.median(times))
-
-
-def host_us(fn, n: int = 20) -> float:
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-        torch.cuda.synchronize()
-    return float(np.median(ts) * 1e6)
 
 
 def main():

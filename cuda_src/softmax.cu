@@ -24,8 +24,8 @@
 // The global batch index batch0 + b decomposes into up to three original axes (outer, middle, inner; sizes n1, n2
 // for the inner two) to find the row's mask and lse addresses, so broadcast masks need no expansion.
 //
-// Versions: v1 register-resident rows, in-place P. v2 unmasked rows skip the per-element mask test: seed 0.454 ->
-// 0.442 ms (3.6 TB/s of the 4.2 copy ceiling).
+// Versions: v1 register-resident rows, in-place P. v2 kMasked = false instances for calls without mask or causal
+// limit: seed 0.454 -> 0.442 ms; 64 threads x 2 float4 for S <= 512: 0.438 ms (3.7 TB/s of the 4.2 copy ceiling).
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 
@@ -70,7 +70,10 @@ __device__ __forceinline__ int mask_itemsize(int kind) {
   return kind == kMaskBool ? 1 : (kind == kMaskFloat ? 4 : 2);
 }
 
-template <typename OutT, int kThreadsPerRow, int kVecs>
+// kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
+// per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
+// bench/probe_softmax.py).
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked>
 __global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
 masked_softmax(const SoftmaxParams p) {
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
@@ -96,9 +99,6 @@ masked_softmax(const SoftmaxParams p) {
   const long long S = p.seqlen_k;
 
   float m = -inf(), l = 0.f;
-  // No mask and no causal limit inside the row: skip apply_mask's per-element 64-bit compare and kind switch
-  // (seed shape, fp16: 0.454 -> 0.442 ms, bench/probe_softmax.py).
-  const bool plain = p.mask_kind == kMaskNone && limit >= S - 1;
   if constexpr (kVecs > 0) {
     float x[kVecs][4];
     #pragma unroll
@@ -109,7 +109,11 @@ masked_softmax(const SoftmaxParams p) {
       x[v][0] = f.x; x[v][1] = f.y; x[v][2] = f.z; x[v][3] = f.w;
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        x[v][e] = !(active && c + e < S) ? -inf() : plain ? x[v][e] : apply_mask(x[v][e], c + e, limit, p, mask_row);
+        if constexpr (kMasked) {
+          x[v][e] = (active && c + e < S) ? apply_mask(x[v][e], c + e, limit, p, mask_row) : -inf();
+        } else {
+          x[v][e] = (active && c + e < S) ? x[v][e] : -inf();
+        }
         m = fmaxf(m, x[v][e]);
       }
     }
@@ -130,7 +134,9 @@ masked_softmax(const SoftmaxParams p) {
       }
     }
   } else {
-    // Looping variant: the row does not fit in registers. Sweep 1: online max and sum (one read).
+    // Looping variant: the row does not fit in registers (S > 16384). It applies the mask test whatever kMasked (an
+    // unmasked call has mask_kind none and causal_offset = S, so nothing is masked): specialising it made ptxas
+    // spill, and three sweeps over global memory dwarf the test. Sweep 1: online max and sum (one read).
     for (long long c = 4LL * t; c < S; c += 4LL * kThreadsPerRow) {
       const float4 f = active ? *reinterpret_cast<const float4*>(srow + c) : make_float4(0.f, 0.f, 0.f, 0.f);
       auto online = [&](float x, int e) {

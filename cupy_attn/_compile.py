@@ -12,6 +12,7 @@ table of template values (a product of named axes, optionally filtered). That on
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import glob
@@ -187,18 +188,8 @@ def _load_cubin(family: KernelFamily, expr: str):
     cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
     cubin_path, name_path = cache / f"cupy_attn_{key}.cubin", cache / f"cupy_attn_{key}.name"
     if not (cubin_path.exists() and name_path.exists()):
-        prog = nvrtc.createProgram(code, family.source, (), ())
-        try:
-            nvrtc.addNameExpression(prog, expr)
-            try:
-                nvrtc.compileProgram(prog, options)
-            except nvrtc.NVRTCError as exc:
-                raise KernelCompileError(
-                    f"compiling {family.source}: {expr} for {family.arch} failed ({exc}):\n{nvrtc.getProgramLog(prog)}"
-                ) from exc
+        with _nvrtc_program(code, family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
             cubin, lowered = nvrtc.getCUBIN(prog), nvrtc.getLoweredName(prog, expr)
-        finally:
-            nvrtc.destroyProgram(prog)
         cache.mkdir(parents=True, exist_ok=True)
         tmp = cubin_path.with_suffix(f".{os.getpid()}.tmp")  # rename is atomic: concurrent processes never read half
         tmp.write_bytes(cubin)
@@ -255,17 +246,8 @@ def compile_family(family: KernelFamily, arch: str) -> list[VariantReport]:
     from cupy.cuda import nvrtc
 
     exprs = family.name_expressions()
-    prog = nvrtc.createProgram(family.code(), family.source, (), ())
-    try:
-        for expr in exprs:
-            nvrtc.addNameExpression(prog, expr)
-        options = list(base_options() + family.options) + [f"-arch={arch}", "-Xptxas=-v"]
-        try:
-            nvrtc.compileProgram(prog, options)
-        except nvrtc.NVRTCError as exc:
-            raise KernelCompileError(
-                f"{family.source} for {arch} failed ({exc}):\n{nvrtc.getProgramLog(prog)}"
-            ) from exc
+    options = list(base_options() + family.options) + [f"-arch={arch}", "-Xptxas=-v"]
+    with _nvrtc_program(family.code(), family.source, exprs, options, family.source) as prog:
         info = _parse_ptxas(nvrtc.getProgramLog(prog))
         nvrtc.getCUBIN(prog)  # the cubin must be produced, not only PTX
         reports = []
@@ -274,6 +256,24 @@ def compile_family(family: KernelFamily, arch: str) -> list[VariantReport]:
             reports.append(VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"),
                                          stats.get("stack"), stats.get("smem")))
         return reports
+
+
+@contextlib.contextmanager
+def _nvrtc_program(code: str, source: str, exprs, options, what: str):
+    """An NVRTC program with ``exprs`` compiled under ``options`` (``-arch`` included), destroyed on exit; raises
+    KernelCompileError with the NVRTC log (``what`` names the variant or file)."""
+    from cupy.cuda import nvrtc
+
+    prog = nvrtc.createProgram(code, source, (), ())
+    try:
+        for expr in exprs:
+            nvrtc.addNameExpression(prog, expr)
+        try:
+            nvrtc.compileProgram(prog, list(options))
+        except nvrtc.NVRTCError as exc:
+            arch = next((o for o in options if o.startswith("-arch=")), "-arch=?")[6:]
+            raise KernelCompileError(f"{what} for {arch} failed ({exc}):\n{nvrtc.getProgramLog(prog)}") from exc
+        yield prog
     finally:
         nvrtc.destroyProgram(prog)
 

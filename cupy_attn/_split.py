@@ -31,8 +31,8 @@ SOFTMAX_TILES = ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 
 SOFTMAX = KernelFamily(
     name="softmax",
     source="softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}>",
-    axes={"out_t": tuple(_C_TYPES.values()), "tile": SOFTMAX_TILES},
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
+    axes={"out_t": tuple(_C_TYPES.values()), "tile": SOFTMAX_TILES, "masked": ("false", "true")},
 )
 
 _MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
@@ -204,7 +204,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
     tile = softmax_tile(S)
-    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile)
+    masked = "true" if p.mask is not None or p.causal is not None else "false"
+    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile, masked=masked)
     rows_per_block = max(1, 128 // tile[0])
     mask = p.mask
     mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
