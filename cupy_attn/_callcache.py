@@ -1,13 +1,16 @@
-"""Call cache of the public SDPA entry point for torch CUDA tensors: a repeated call skips the checks and the plan.
+"""Call cache of the public SDPA entry point for torch CUDA tensors and CuPy arrays: a repeated call skips the checks
+and the plan.
 
 A call's checks, path choice, kernel choice and launch parameters depend on the inputs' shapes, strides, dtypes,
-devices and pointer alignment, on the flags, on torch's current stream and on the environment overrides, but not on
-the data or the addresses. ``key`` reads exactly those (about 20 attribute reads, ~5 µs, against ~120 µs for the full
+devices and pointer alignment, on the flags, on the current stream and on the environment overrides, but not on the
+data or the addresses. ``key`` reads exactly those (about 20 attribute reads, ~5 µs, against ~120 µs for the full
 checks, plan and parameter set-up of a small fused call), and a hit replays the prepared launch on the new pointers:
-allocate the output with torch (current stream), enter the stream, launch. Entries are made only for calls that ran
-without copying an input, so every pointer the launch reads is the caller's own tensor's ``data_ptr()``.
+allocate the output (torch's allocator on torch's current stream, or CuPy's pool on CuPy's current stream), enter the
+stream, launch. Entries are made only for calls that ran without copying an input, so every pointer the launch reads
+is the caller's own array's.
 
-Only exact ``torch.Tensor`` inputs on a CUDA device are cached; everything else takes the full path every time.
+Only exact ``torch.Tensor`` inputs on a CUDA device, or exact ``cupy.ndarray`` inputs, all of one kind, are cached;
+everything else (NumPy, CPU tensors, other DLPack objects, subclasses, mixed kinds) takes the full path every time.
 """
 from __future__ import annotations
 
@@ -23,35 +26,47 @@ MAX_ENTRIES = 512
 _CACHE: dict = {}
 
 
-def _sig(t) -> tuple:
+def _sig_torch(t) -> tuple:
     return t.shape, t.stride(), t.dtype, t.get_device(), t.data_ptr() & 15
+
+
+def _sig_cupy(a) -> tuple:
+    return a.shape, a.strides, a.dtype, a.device.id, a.data.ptr & 15
+
+
+def _arrays(query, key_, value, attn_mask) -> tuple | None:
+    """(kind, signatures, stream handle) when every array is an exact torch CUDA tensor or an exact cupy.ndarray."""
+    arrays = (query, key_, value) if attn_mask is None else (query, key_, value, attn_mask)
+    kind = type(query)
+    if any(type(a) is not kind for a in arrays):
+        return None
+    torch = sys.modules.get("torch")
+    if torch is not None and kind is torch.Tensor:
+        device = query.get_device()
+        if device < 0:
+            return None
+        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        stream = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
+        return "torch", tuple(_sig_torch(a) for a in arrays), stream
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and kind is cupy.ndarray:
+        with query.device:
+            stream = cupy.cuda.get_current_stream().ptr
+        return "cupy", tuple(_sig_cupy(a) for a in arrays), stream
+    return None
 
 
 def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
         workspace_bytes) -> tuple | None:
-    """The cache key of a call, or None when the call is not cacheable (not all exact torch CUDA tensors)."""
-    torch = sys.modules.get("torch")
-    if torch is None:
+    """The cache key of a call, or None when the call is not cacheable (see the module docstring)."""
+    arrays = _arrays(query, key_, value, attn_mask)
+    if arrays is None:
         return None
-    tensor = torch.Tensor
-    if type(query) is not tensor or type(key_) is not tensor or type(value) is not tensor:
-        return None
-    device = query.get_device()
-    if device < 0:
-        return None
-    if attn_mask is None:
-        mask = None
-    elif type(attn_mask) is tensor:
-        mask = _sig(attn_mask)
-    else:
-        return None
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    stream = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
     env = os.environ
     # Scalars with their types: True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others.
     flags = tuple((type(x), x) for x in (dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
                                          workspace_bytes))
-    return (_sig(query), _sig(key_), _sig(value), mask, flags, stream, *(env.get(k) for k in ENV_KEYS))
+    return (*arrays, flags, *(env.get(k) for k in ENV_KEYS))
 
 
 @dataclasses.dataclass
@@ -67,12 +82,20 @@ class Entry:
     run: Callable[..., None]
 
     def __call__(self, query, key_, value, attn_mask):
-        torch = sys.modules["torch"]
-        out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
-        lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)
-        with self.ctx.activate():
-            self.run(query.data_ptr(), key_.data_ptr(), value.data_ptr(), out.data_ptr(),
-                     0 if lse is None else lse.data_ptr(), 0 if attn_mask is None else attn_mask.data_ptr())
+        if self.ctx.kind == "torch":
+            torch = sys.modules["torch"]
+            out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
+            lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)
+            with self.ctx.activate():
+                self.run(query.data_ptr(), key_.data_ptr(), value.data_ptr(), out.data_ptr(),
+                         0 if lse is None else lse.data_ptr(), 0 if attn_mask is None else attn_mask.data_ptr())
+        else:
+            import cupy
+            with self.ctx.activate():
+                out = cupy.empty(self.out_shape, dtype=query.dtype)
+                lse = None if self.lse_shape is None else cupy.empty(self.lse_shape, dtype=cupy.float32)
+                self.run(query.data.ptr, key_.data.ptr, value.data.ptr, out.data.ptr,
+                         0 if lse is None else lse.data.ptr, 0 if attn_mask is None else attn_mask.data.ptr)
         return out if lse is None else (out, lse)
 
 

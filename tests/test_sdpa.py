@@ -298,3 +298,25 @@ def test_call_cache_keys_on_layout_stream_and_environment(monkeypatch):
     out = cupy_attn.scaled_dot_product_attention(qt, k, v)
     assert not _callcache._CACHE
     assert torch.equal(out, cupy_attn.scaled_dot_product_attention(q, k, v))
+
+
+@pytest.mark.parametrize("backend", ["auto", "split"])
+def test_call_cache_cupy_inputs(backend):
+    """CuPy callers are cached too (CuPy's current stream, outputs from CuPy's pool); replays equal full-path calls."""
+    import cupy
+    from cupy_attn import _callcache
+    rng = cupy.random.default_rng(23)
+    mask = rng.random((2, 1, 1, 77)) > 0.2
+    for kw in ({}, {"attn_mask": mask, "return_lse": True}):
+        _callcache.clear()
+        shapes = ((2, 4, 100, 64), (2, 4, 77, 64), (2, 4, 77, 64))
+        cupy_attn.scaled_dot_product_attention(*(rng.standard_normal(s, dtype=cupy.float32).astype(cupy.float16)
+                                                 for s in shapes), backend=backend, **kw)
+        assert len(_callcache._CACHE) == 1
+        q, k, v = (rng.standard_normal(s, dtype=cupy.float32).astype(cupy.float16) for s in shapes)
+        replayed = cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        assert len(_callcache._CACHE) == 1
+        _callcache.clear()
+        fresh = cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
+        for a, b in zip(*((r,) if isinstance(r, cupy.ndarray) else r for r in (replayed, fresh))):
+            assert isinstance(a, cupy.ndarray) and bool(cupy.array_equal(a, b)), kw

@@ -192,3 +192,11 @@ def test_call_cache_takes_only_torch_cuda_tensors():
     torch = pytest.importorskip("torch")
     tq, tk, tv = (torch.from_numpy(x) for x in (q, k, v))
     assert _callcache.key(tq, tk, tv, *args) is None   # CPU tensors: the reference path, never cached
+
+
+def test_call_cache_refuses_mixed_kinds():
+    from cupy_attn import _callcache
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv()
+    args = (None, 0.0, False, None, False, "auto", False, False, None)
+    assert _callcache.key(torch.from_numpy(q), k, v, *args) is None
