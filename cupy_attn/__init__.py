@@ -42,7 +42,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are read in place.
 
     backend: "auto" (``explain`` says what it picks; env CUPY_ATTN_BACKEND overrides), "fused" (FlashAttention-2
-    kernel, Dao 2023), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused mask+softmax kernel, cuBLAS P·V; the
+    kernel, Dao 2023; on Hopper, head dims 64/128/192/256 use warpgroup MMAs with FlashAttention-3's ping-pong of two
+    warpgroups, Shah et al. 2024; CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused mask+softmax kernel, cuBLAS P·V; the
     buffer is processed in chunks of batch·heads under ``workspace_bytes``, default 1 GiB or
     CUPY_ATTN_WORKSPACE_BYTES), or "reference".
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
