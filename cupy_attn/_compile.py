@@ -216,9 +216,11 @@ class VariantReport:
     spill_bytes: int | None = None   # spill stores + spill loads
     stack_bytes: int | None = None
     smem_bytes: int | None = None
+    perf_warnings: tuple[str, ...] = ()  # ptxas "Potential Performance Loss" codes, e.g. C7514 (serialized wgmma)
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(\w+)'")
+_PERF = re.compile(r"\((C\d+)\) Potential Performance Loss:.*in the function '(\S+)'")
 _FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _REGS = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
@@ -235,6 +237,9 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
         elif current is not None and (m := _REGS.search(line)):
             current["registers"] = int(m.group(1))
             current["smem"] = int(m.group(2) or 0)
+        if m := _PERF.search(line):
+            entry = out.setdefault(m.group(2), {})
+            entry["perf"] = entry.get("perf", ()) + (m.group(1),)
     return out
 
 
@@ -254,7 +259,7 @@ def compile_family(family: KernelFamily, arch: str) -> list[VariantReport]:
         for expr in exprs:
             stats = info.get(nvrtc.getLoweredName(prog, expr), {})
             reports.append(VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"),
-                                         stats.get("stack"), stats.get("smem")))
+                                         stats.get("stack"), stats.get("smem"), stats.get("perf", ())))
         return reports
 
 

@@ -25,6 +25,10 @@ def run(archs, families=None, verbose=False, out=sys.stdout) -> bool:
                 print(f"FAIL {family.name} {arch}\n{exc}", file=out)
                 continue
             spills = [r for r in reports if r.spill_bytes]
+            for r in reports:
+                if r.perf_warnings:
+                    print(f"warn {family.name} {arch} {r.name_expression}: ptxas {', '.join(r.perf_warnings)}",
+                          file=out)
             print(f"ok   {family.name:18s} {arch:7s} {len(reports):3d} variants, "
                   f"max {max((r.registers or 0) for r in reports)} registers, {len(spills)} with spills", file=out)
             if verbose:

@@ -49,6 +49,10 @@ def test_sm90a_instantiations_compile_without_spills():
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
     spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]
     assert not spilled, f"register spills: {spilled}"
+    # C7514: ptxas serialized the wgmmas (e.g. a barrier or an accumulator read between a wgmma and its wait),
+    # which silently removes the overlap the kernel is built around.
+    serialized = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
+    assert not serialized, f"ptxas performance warnings: {serialized}"
 
 
 def test_wgmma_header_is_generated():
