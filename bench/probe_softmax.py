@@ -5,6 +5,7 @@ CUDA events), interleaved over rounds; each checks its P against the unedited ke
 
     PYTHONPATH=. python3 bench/probe_softmax.py
 """
+import dataclasses
 import os
 import sys
 
@@ -50,6 +51,31 @@ def kernel(edits, tile):
     return mod.get_function(expr)
 
 
+def masked_tiles(rows, L, S, scores, rounds=3):
+    """kMasked = true instances (key-padding bool mask, then causal) for the tiles that cover S = 512."""
+    mask = cupy.random.random((rows // L, S)) > 0.1           # one key-padding row per (batch, head)
+    for kind, tiles in (("keypad", ((32, 4), (64, 2))), ("causal", ((32, 4), (64, 2)))):
+        prm = np.zeros((), dtype=_split._PARAMS)
+        prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
+        prm["n1"], prm["n2"] = 1, 1
+        if kind == "keypad":
+            prm["causal_offset"], prm["mask"], prm["mask_kind"] = S, mask.data.ptr, 1
+            prm["mask_stride_b0"], prm["mask_stride_q"], prm["mask_stride_k"] = S, 0, 1
+        else:
+            prm["causal_offset"] = 0
+        fams = {t: dataclasses.replace(_split.SOFTMAX, axes=dict(_split.SOFTMAX.axes, tile=(t,)), where=None)
+                for t in tiles}
+        ks = {t: fams[t].kernel(out_t="__half", tile=t, masked="true") for t in tiles}
+        times = {t: [] for t in tiles}
+        for _ in range(rounds):
+            for t, k in ks.items():
+                r = benchmark(lambda: k((rows // max(1, 128 // t[0]),), (max(128, t[0]),), (struct_arg(prm),)),
+                              n_repeat=20, n_warmup=3)
+                times[t].append(float(np.median(r.gpu_times[0])) * 1e3)
+        for t, ts in times.items():
+            print(f"masked ({kind}) {t}: {min(ts):.3f}-{max(ts):.3f} ms")
+
+
 def main():
     n, L, S = 1024, 512, 512
     rows = n * L
@@ -79,6 +105,7 @@ def main():
     gb = rows * S * 6 / 1e9
     for name, ts in times.items():
         print(f"{name:28s} {min(ts):.3f}-{max(ts):.3f} ms  {gb / np.median(ts) * 1e3:.0f} GB/s")
+    masked_tiles(rows, L, S, scores)
 
 
 if __name__ == "__main__":

@@ -24,15 +24,21 @@ _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
 # four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
-# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. S = 512 (the seed): 64 threads × 2
-# vectors 0.438 ms vs 0.449-0.455 for 32 × 4, 0.49 for 16 × 8, 0.58 for 128 × 1 (bench/probe_softmax.py, H200).
-SOFTMAX_TILES = ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0))
+# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. The two lists differ at S ≤ 512
+# (bench/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
+# 0.388, 128 × 1 0.532); rows with a key-padding mask 32 × 4 0.568 vs 64 × 2 0.685, causal rows 0.454 vs 0.461.
+SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
+    "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
+    "true": ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
+}
 
 SOFTMAX = KernelFamily(
     name="softmax",
     source="softmax.cu",
     template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
-    axes={"out_t": tuple(_C_TYPES.values()), "tile": SOFTMAX_TILES, "masked": ("false", "true")},
+    axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
+          "masked": tuple(SOFTMAX_TILES)},
+    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]],
 )
 
 _MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
@@ -46,9 +52,10 @@ _PARAMS = np.dtype([(name, np.int64) for name in (
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 
 
-def softmax_tile(seqlen_k: int) -> tuple[int, int]:
-    """The first SOFTMAX_TILES entry whose register row covers seqlen_k columns (S=1024 → (128, 2))."""
-    for threads, vecs in SOFTMAX_TILES:
+def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
+    """The first SOFTMAX_TILES entry (masked or unmasked list) whose register row covers seqlen_k columns
+    (S=1024 → (128, 2); S=512 → (32, 4) masked, (64, 2) unmasked)."""
+    for threads, vecs in SOFTMAX_TILES["true" if masked else "false"]:
         if vecs == 0 or threads * vecs * 4 >= seqlen_k:
             return threads, vecs
     raise AssertionError("SOFTMAX_TILES ends with a looping entry")
@@ -203,8 +210,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
-    tile = softmax_tile(S)
     masked = "true" if p.mask is not None or p.causal is not None else "false"
+    tile = softmax_tile(S, masked == "true")
     kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile, masked=masked)
     rows_per_block = max(1, 128 // tile[0])
     mask = p.mask
