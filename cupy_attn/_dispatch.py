@@ -104,8 +104,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
 def fused_details(p, arch: int) -> dict:
     """The instantiation the fused kernel will use."""
     flash = _flash_module()
-    head_dim = flash.head_dim_bucket(p.head_dim, p.head_dim_v)
-    family, tile = flash.select(p.dtype, head_dim, arch)
+    family, tile, head_dim = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
     return {"head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}

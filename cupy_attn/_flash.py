@@ -149,16 +149,25 @@ def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
 ENV_WGMMA = "CUPY_ATTN_WGMMA"
 
 
-def select(dtype, head_dim: int, arch: int) -> tuple[KernelFamily, Tile]:
-    """The kernel family and tile for a head-dim bucket: the sm_90a wgmma kernel on compute capability 9.0 when the
-    bucket has a WGMMA_TILES entry (64, 128, 192, 256) and ``CUPY_ATTN_WGMMA`` is not ``0``, else mma.sync.
+# Hopper: buckets served faster by the wgmma kernel at a larger (zero-padded) head dim. (8,16,1024,160) fp16: mma.sync
+# at 160 0.419 ms, wgmma at 192 0.318 ms. Not taken: 96 → 128 (0.737 vs 0.731 ms at (8,16,2048,96): a tie) and
+# 32 → 64 (1.398 vs 1.565 ms at (4,32,4096,32): slower). bench/NOTES_flash.md, session 3.
+WGMMA_PADDED = {160: 192}
 
-    >>> select(np.dtype("float16"), 128, 80)[1]
-    Tile(block_m=128, block_n=64, warps=4, stages=1, wgmma=False)
+
+def select(dtype, head_dim: int, arch: int) -> tuple[KernelFamily, Tile, int]:
+    """The kernel family, tile and instantiated head dim for a head-dim bucket: the sm_90a wgmma kernel on compute
+    capability 9.0 when the bucket has a WGMMA_TILES entry (64, 128, 192, 256) or pads to one (WGMMA_PADDED: 160 →
+    192) and ``CUPY_ATTN_WGMMA`` is not ``0``; else mma.sync at the bucket itself.
+
+    >>> select(np.dtype("float16"), 128, 80)[1:]
+    (Tile(block_m=128, block_n=64, warps=4, stages=1, wgmma=False), 128)
     """
-    if arch == 90 and head_dim in WGMMA_TILES and os.environ.get(ENV_WGMMA, "1") != "0":
-        return FLASH_FWD_SM90A, WGMMA_TILES[head_dim]
-    return FLASH_FWD, TILES[(dtype_name(dtype), head_dim, _arch_major(arch))]
+    if arch == 90 and os.environ.get(ENV_WGMMA, "1") != "0":
+        padded = WGMMA_PADDED.get(head_dim, head_dim)
+        if padded in WGMMA_TILES:
+            return FLASH_FWD_SM90A, WGMMA_TILES[padded], padded
+    return FLASH_FWD, TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
 
 
 def _arch_major(arch: int) -> int:
@@ -242,8 +251,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
-    head_dim = head_dim_bucket(E, Ev)
-    family, tile = select(dtype, head_dim, arch)
+    family, tile, head_dim = select(dtype, head_dim_bucket(E, Ev), arch)
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
     return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)

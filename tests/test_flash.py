@@ -79,10 +79,12 @@ def _wgmma_n(name):
     return getattr(_wgmma_gen, name)
 
 
-@pytest.mark.parametrize("arch,bucket,family", [(90, 128, "flash_fwd_sm90a"), (90, 96, "flash_fwd"),
-                                                (80, 128, "flash_fwd"), (100, 64, "flash_fwd")])
-def test_select(arch, bucket, family):
-    assert _flash.select(F16, bucket, arch)[0].name == family
+@pytest.mark.parametrize("arch,bucket,family,head_dim", [
+    (90, 128, "flash_fwd_sm90a", 128), (90, 96, "flash_fwd", 96), (90, 160, "flash_fwd_sm90a", 192),
+    (90, 32, "flash_fwd", 32), (80, 128, "flash_fwd", 128), (80, 160, "flash_fwd", 160), (100, 64, "flash_fwd", 64)])
+def test_select(arch, bucket, family, head_dim):
+    got = _flash.select(F16, bucket, arch)
+    assert (got[0].name, got[2]) == (family, head_dim)
 
 
 def test_select_env_off(monkeypatch):
