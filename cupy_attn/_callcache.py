@@ -19,6 +19,8 @@ import os
 import sys
 from typing import Any, Callable
 
+from . import _interop
+
 # Environment variables that change a call's plan (read per call by the full path, so part of the key).
 ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_WORKSPACE_BYTES")
 MAX_ENTRIES = 512
@@ -45,9 +47,7 @@ def _arrays(query, key_, value, attn_mask) -> tuple | None:
         device = query.get_device()
         if device < 0:
             return None
-        raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-        stream = raw_stream(device) if raw_stream is not None else torch.cuda.current_stream(device).cuda_stream
-        return "torch", tuple(_sig_torch(a) for a in arrays), stream
+        return "torch", tuple(_sig_torch(a) for a in arrays), _interop.current_torch_stream(device)
     cupy = sys.modules.get("cupy")
     if cupy is not None and kind is cupy.ndarray:
         with query.device:
@@ -82,7 +82,7 @@ class Entry:
     run: Callable[..., None]
 
     def __call__(self, query, key_, value, attn_mask):
-        if self.ctx.kind == "torch":
+        if self.ctx.kind == _interop.TORCH:
             torch = sys.modules["torch"]
             out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
             lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)

@@ -173,6 +173,14 @@ class CallContext:
 _STREAMS: dict = {}  # (device, CUDA stream handle) -> CuPy stream object wrapping it; handles are stable
 
 
+def current_torch_stream(device_id: int) -> int:
+    """torch's current CUDA stream handle on ``device_id``: the raw getter inductor uses (~0.3 µs), else the public
+    API (which builds a torch Stream object, a few µs)."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device_id) if raw is not None else torch.cuda.current_stream(device_id).cuda_stream
+
+
 def _external_stream(torch_stream, device_id: int):
     """A CuPy view of a torch stream: Stream.from_external (CUDA stream protocol) where CuPy has it, else the older
     ExternalStream (deprecated in CuPy 14)."""
@@ -191,11 +199,10 @@ def context_for(x: Any, name: str = "query") -> CallContext:
     import cupy
     device_id = device_of(x, kind)
     if kind == TORCH:
-        ts = _torch().cuda.current_stream(device_id)
-        key = (device_id, ts.cuda_stream)
+        key = (device_id, current_torch_stream(device_id))
         stream = _STREAMS.get(key)
-        if stream is None:
-            stream = _STREAMS[key] = _external_stream(ts, device_id)
+        if stream is None:  # only now the torch Stream object, for the CuPy wrapper
+            stream = _STREAMS[key] = _external_stream(_torch().cuda.current_stream(device_id), device_id)
     else:
         with cupy.cuda.Device(device_id):
             stream = cupy.cuda.get_current_stream()

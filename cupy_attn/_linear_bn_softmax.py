@@ -244,20 +244,13 @@ def _vector(v: Any, name: str, f: int, ctx: _interop.CallContext, *, allow_scala
 _CONTEXTS: dict = {}
 
 
-def _current_torch_stream(torch, dev: int) -> int:
-    """torch's current stream handle on ``dev``: the raw getter inductor uses (~0.3 µs), else the public API (builds
-    a Stream object, a few µs)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(dev) if raw is not None else torch.cuda.current_stream(dev).cuda_stream
-
-
 def _context(x) -> _interop.CallContext:
-    """interop.context_for, with torch callers' contexts cached per (device, stream): building the ExternalStream
-    costs a few µs per call, on the critical path before the GEMM."""
+    """interop.context_for, with torch callers' contexts cached per (device, stream): skips its kind and device
+    look-ups (a few µs per call, on the critical path before the GEMM)."""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(x, torch.Tensor) and x.is_cuda:
         dev = x.get_device()
-        key = (dev, _current_torch_stream(torch, dev))
+        key = (dev, _interop.current_torch_stream(dev))
         ctx = _CONTEXTS.get(key)
         if ctx is None:
             ctx = _CONTEXTS[key] = _interop.context_for(x, "x")
