@@ -1,7 +1,9 @@
 """Benchmark: fused Linear → BatchNorm1d → scale → softmax vs torch, seed workload x (1024, 8192), 8192 → 8192.
 
-Every row, same process, same data: ``ms`` (our op, torch inputs, whole call incl. Python), ``gemm_ms`` (our cuBLAS
-GEMM alone, the floor), ``post_us`` (device time of our kernels after the GEMM alone, replayed from a CUDA graph;
+Every row, same process, same data: ``ms`` (our op, torch inputs, whole call incl. Python), ``device_ms`` (the same
+call's device time alone: enqueued behind a spin kernel, so host time before the GEMM is hidden), ``gemm_ms`` /
+``gemm_device_ms`` (our cuBLASLt GEMM alone, prepared plan enqueued with pointers: the floor), ``ratio_to_gemm`` = ms /
+min(gemm_ms, torch_gemm_ms), ``post_us`` (device time of our kernels after the GEMM alone, replayed from a CUDA graph;
 ``first_us`` the statistics / fold kernel of those), ``torch_ms`` (the plain torch module under no_grad),
 ``torch_gemm_ms`` (torch's Linear alone), ``speedup`` = torch_ms / ms, ``host_us`` / ``torch_host_us`` (host time of
 one call, ours / torch's), ``max_err`` / ``torch_err`` (max abs error of our / torch's output vs a float64
@@ -18,6 +20,7 @@ import itertools
 
 import numpy as np
 
+from common import device_ms
 from cupy_attn._compile import struct_arg
 
 N, K, F = 1024, 8192, 8192
@@ -126,15 +129,19 @@ def benchmark(quick: bool = False) -> list[dict]:
             xs_c = [cupy.from_dlpack(x) for x in xs]
             cyc_c = itertools.cycle(xs_c)
             y_c = cupy.empty((N, F), dtype=w_c.dtype)
+            # Our GEMM alone as the op runs it: the prepared cuBLASLt plan, enqueued with pointers (least host time).
+            gemm_op = lbs._gemm_xwt_op(0, w_c.dtype, tf32, N, F, K, K, K)
+            _cublas.gemm(y_c, xs_c[0], w_c, trans_b=True, allow_tf32=tf32)  # plans and tunes, once
 
             def gemm_only():
-                _cublas.gemm(y_c, next(cyc_c), w_c, trans_b=True, allow_tf32=tf32)
+                gemm_op(y_c.data.ptr, next(cyc_c).data.ptr, w_c.data.ptr)
 
             def torch_gemm():
                 with torch.no_grad():
                     torch.nn.functional.linear(next(cyc), plain.gemm.weight, plain.gemm.bias)
 
             gemm_ms = _median_ms(gemm_only, repeat, warmup)
+            gemm_device_ms = device_ms(gemm_only)
             torch_gemm_ms = _median_ms(torch_gemm, repeat, warmup)
             initial = {k: v.clone() for k, v in plain.state_dict().items()}
             for mode in ("training", "eval"):
@@ -154,6 +161,7 @@ def benchmark(quick: bool = False) -> list[dict]:
 
                 err, torch_err = _errors(plain, lambda x: ours(x), xs[0], training)
                 ms, host_us = _median_ms(ours, repeat, warmup, host=True)
+                dev_ms = device_ms(ours)
                 torch_ms, torch_host_us = _median_ms(torch_fwd, repeat, warmup, host=True)
 
                 # Our kernels after the GEMM alone, device time only (CUDA graph), on a GEMM result (in place:
@@ -163,22 +171,19 @@ def benchmark(quick: bool = False) -> list[dict]:
                                   bn.weight, bn.bias, plain.scale, training, bn.momentum, bn.eps,
                                   bn.num_batches_tracked)
                 gemm_only()
-                *launches, _keep = lbs._post_launches(y_c.data.ptr, call, bn.momentum, bn.eps)
-
-                def post():
-                    for kern, grid, block, params in launches:
-                        kern((grid,), (block,), (struct_arg(params),))
+                launches = _post_launches(lbs, call, y_c.data.ptr, bn.momentum, bn.eps)
                 try:
-                    post_us = _graph_us(post)
+                    post_us = _graph_us(lambda: run_launches(launches))
                     first_us = _graph_us(lambda: post_first(launches))
                 except Exception as exc:  # graph capture unavailable: report, don't guess
                     print(f"graph timing failed: {exc!r}")
                     post_us = first_us = float("nan")
                 plain.load_state_dict(saved)
                 name = "linear_bn_softmax" + ("+tf32" if tf32 else "")
-                rows.append(dict(name=name, dtype=dname, mode=mode, ms=ms, gemm_ms=gemm_ms, post_us=post_us,
-                                 torch_ms=torch_ms, torch_gemm_ms=torch_gemm_ms, speedup=torch_ms / ms,
-                                 ratio_to_gemm=ms / gemm_ms, tflops=flops() / ms * 1e-9, max_err=err,
+                rows.append(dict(name=name, dtype=dname, mode=mode, ms=ms, device_ms=dev_ms, gemm_ms=gemm_ms,
+                                 gemm_device_ms=gemm_device_ms, post_us=post_us, torch_ms=torch_ms,
+                                 torch_gemm_ms=torch_gemm_ms, speedup=torch_ms / ms,
+                                 ratio_to_gemm=ms / min(gemm_ms, torch_gemm_ms), tflops=flops() / ms * 1e-9, max_err=err,
                                  torch_err=torch_err, host_us=host_us, torch_host_us=torch_host_us,
                                  first_us=first_us))
     finally:
@@ -186,10 +191,23 @@ def benchmark(quick: bool = False) -> list[dict]:
     return rows
 
 
+def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
+    """The kernels after the GEMM, in place on ``out_ptr``, as (Function, grid, block, params), on CuPy's current
+    stream when run."""
+    prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
+    vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
+    params = prepared.params(out_ptr, out_ptr, vectors)
+    return [(fn, grid, block, params) for fn, grid, block in prepared.launches]
+
+
+def run_launches(launches) -> None:
+    for fn, grid, block, params in launches:
+        fn(grid, block, (struct_arg(params),))
+
+
 def post_first(launches) -> None:
-    """Only the first post-GEMM kernel (column_stats or fold_running_stats)."""
-    kern, grid, block, params = launches[0]
-    kern((grid,), (block,), (struct_arg(params),))
+    """Only the first launch after the GEMM (column_stats or fold_running_stats)."""
+    run_launches(launches[:1])
 
 
 def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
@@ -207,9 +225,9 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
     x = torch.randn(N, K, device="cuda").to(dt)
     call = lbs._check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
                       plain.scale, False, bn.momentum, bn.eps, None)
-    launches = lbs._post_launches(y.data.ptr, call, bn.momentum, bn.eps)
+    launches = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)
     post_first(launches)  # the Affine workspace the row kernels read
-    params = launches[0][3]
+    params = launches[0][-1]
     out = []
     ctype = lbs._C_TYPES[dname]
     for row in lbs.SOFTMAX_ROWS.variants():
@@ -223,37 +241,67 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
     return out
 
 
-def _enter_exit(ctx) -> None:
-    with ctx.activate():
-        pass
+def sweep_stats_kernels(dname: str = "float16") -> list[dict]:
+    """Device time of every declared column_stats tile for this dtype at F = 8192 (training call's Params; the
+    running stats it updates are a throwaway model's)."""
+    import cupy
+    import torch
+
+    from cupy_attn import _linear_bn_softmax as lbs
+    plain = _model(getattr(torch, dname)).train()
+    bn = plain.bn
+    y = cupy.random.standard_normal((N, F), dtype=np.float32).astype(cupy.from_dlpack(plain.gemm.weight.detach()).dtype)
+    x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
+    call = lbs._check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                      plain.scale, True, bn.momentum, bn.eps, bn.num_batches_tracked)
+    params = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)[0][-1]
+    out = []
+    for row in lbs.COLUMN_STATS.variants():
+        if row["dtype"] != lbs._C_TYPES[dname] or row["tile"][0] == 1:
+            continue
+        kernel = lbs.COLUMN_STATS.kernel(**row)
+        vec, col_threads, threads = row["tile"]
+        grid = -(-F // (vec * col_threads))
+        us = _graph_us(lambda: kernel((grid,), (threads,), (struct_arg(params),)))
+        out.append(dict(variant=lbs.COLUMN_STATS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
+    return out
 
 
 def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
-    """Median host µs of each step of one training call before and after the GEMM is enqueued (torch inputs)."""
+    """Median host µs of the steps of one training call (torch inputs): a call-cache hit (key, allocation, GEMM
+    enqueue, Params and the two launches) and, for comparison, the full path's checks and preparation."""
     import time
 
     import torch
 
+    from cupy_attn import _callcache
     from cupy_attn import _linear_bn_softmax as lbs
     plain = _model(getattr(torch, dname)).train()
     bn = plain.bn
     x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
     args = (x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, plain.scale,
             True, bn.momentum, bn.eps, bn.num_batches_tracked)
+    arrays = (x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias, plain.scale,
+              bn.num_batches_tracked)
+
+    def whole():
+        return lbs.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
+                                            num_batches_tracked=bn.num_batches_tracked)
+    whole()
+    whole()  # the second call binds the cuBLASLt call
     call = lbs._check(*args)
-    ctx = call.ctx
-    steps = {
-        "context": lambda: lbs._context(x),
-        "check (incl. context)": lambda: lbs._check(*args),
-        "activate (enter+exit)": lambda: _enter_exit(ctx),
-        "empty": lambda: lbs._empty(ctx, (N, F), call.dtype, like=x),
-        "gemm enqueue": lambda: lbs._gemm_xwt(ctx.device_id, y.data_ptr(), x.data_ptr(), K,
-                                              plain.gemm.weight.data_ptr(), K, N, F, K, call.dtype, False),
-        "post launches": lambda: lbs._launch_after_gemm(y.data_ptr(), call, bn.momentum, bn.eps),
-        "whole call": lambda: lbs.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
-                                                           num_batches_tracked=bn.num_batches_tracked),
-    }
+    prepared = _callcache.get(lbs._call_key(arrays, True, bn.momentum, bn.eps, None)).prepared
+    vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs._VECTOR_ARGS)
     y = torch.empty(N, F, device="cuda", dtype=x.dtype)
+    steps = {
+        "cache key": lambda: lbs._call_key(arrays, True, bn.momentum, bn.eps, None),
+        "new_empty": lambda: x.new_empty((N, F)),
+        "gemm enqueue": lambda: prepared._matmul(y.data_ptr(), x.data_ptr(), plain.gemm.weight.data_ptr()),
+        "params": lambda: prepared.params(y.data_ptr(), y.data_ptr(), vectors),
+        "whole call (hit)": whole,
+        "checks (miss)": lambda: lbs._check(*args),
+        "prepare (miss)": lambda: lbs._Prepared(call, bn.momentum, bn.eps, False, K, K),
+    }
     out = {}
     for name, fn in steps.items():
         ts = []
@@ -261,14 +309,26 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-            if name in ("gemm enqueue", "post launches", "whole call"):
+            if name in ("gemm enqueue", "whole call (hit)"):
                 torch.cuda.synchronize()
         out[name] = float(np.median(ts) * 1e6)
+    # What the GPU sees: idle-start times (µs) of growing prefixes of a cache hit, each ending with the GEMM.
+    matmul = prepared._matmul
+    w = plain.gemm.weight
+    prefixes = {
+        "visible: gemm": lambda: matmul(y.data_ptr(), x.data_ptr(), w.data_ptr()),
+        "visible: new_empty+gemm": lambda: matmul(x.new_empty((N, F)).data_ptr(), x.data_ptr(), w.data_ptr()),
+        "visible: key+new_empty+gemm": lambda: (lbs._call_key(arrays, True, bn.momentum, bn.eps, None),
+                                                matmul(x.new_empty((N, F)).data_ptr(), x.data_ptr(), w.data_ptr())),
+        "visible: whole call": whole,
+    }
+    for name, fn in prefixes.items():
+        out[name] = 1e3 * _median_ms(fn, 100, 20)
     return out
 
 
 def _print_table(rows: list[dict]) -> None:
-    cols = ["name", "dtype", "mode", "ms", "gemm_ms", "post_us", "torch_ms", "torch_gemm_ms", "speedup",
+    cols = ["name", "dtype", "mode", "ms", "device_ms", "gemm_ms", "gemm_device_ms", "post_us", "torch_ms", "torch_gemm_ms", "speedup",
             "ratio_to_gemm", "tflops", "max_err", "torch_err", "host_us", "torch_host_us", "first_us"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
@@ -291,8 +351,9 @@ def main() -> None:
     print("host µs per step (fp16 training, torch inputs):",
           ", ".join(f"{k} {v:.1f}" for k, v in host_breakdown().items()))
     if args.sweep:
-        for r in sweep_row_kernels():
-            print(f"{r['variant']:60s} regs={r['regs']:4d} grid={r['grid']:5d} {r['us']:8.2f} us")
+        for dname in ("float16", "bfloat16"):
+            for r in sweep_stats_kernels(dname) + sweep_row_kernels(dname):
+                print(f"{r['variant']:60s} regs={r['regs']:4d} grid={r['grid']:5d} {r['us']:8.2f} us")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,32 @@ def host_us(fn, n: int = 20) -> float:
     return float(np.median(ts) * 1e6)
 
 
+_SPIN_SOURCE = r'''
+extern "C" __global__ void spin(long long cycles) {
+    long long t0 = clock64();
+    while (clock64() - t0 < cycles) { }
+}'''
+
+
+def device_ms(fn, reps: int = 15) -> float:
+    """Median device time of fn() in ms, the host time excluded: each call is enqueued behind a ~3 ms spin kernel,
+    so the host runs ahead and the events around the call time only device work and gaps the device cannot hide.
+    The difference to median_ms (an idle GPU at the start) is host time the GPU waits for."""
+    import cupy
+    spin = cupy.RawKernel(_SPIN_SOURCE, "spin")
+    stream = cupy.cuda.get_current_stream()
+    times = []
+    for _ in range(reps):
+        spin((1,), (1,), (np.int64(6_000_000),))
+        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
+        e0.record(stream)
+        fn()
+        e1.record(stream)
+        e1.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(e0, e1))
+    return float(np.median(times))
+
+
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and ms == ms else float("nan")
 

@@ -16,33 +16,10 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import cupy  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from common import host_us, median_ms  # noqa: E402
-
-_SPIN = cupy.RawKernel(r'''
-extern "C" __global__ void spin(long long cycles) {
-    long long t0 = clock64();
-    while (clock64() - t0 < cycles) { }
-}''', "spin")
-
-
-def device_ms(fn, reps: int = 10) -> float:
-    stream = cupy.cuda.get_current_stream()
-    times = []
-    for _ in range(reps):
-        _SPIN((1,), (1,), (np.int64(6_000_000),))  # ~3 ms at ~2 GHz: the host enqueues the call meanwhile
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record(stream)
-        fn()
-        e1.record(stream)
-        e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1))
-    return float(np.median(times))
-
+from common import device_ms, host_us, median_ms  # noqa: E402
 
 def main():
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))

@@ -67,8 +67,9 @@ enum Flag : int {
 
 // One launch's arguments, passed by value (the launcher builds the same layout as a NumPy structured scalar).
 struct Params {
-  void* out;                        // (N, F) T, row-major, contiguous: the GEMM result y on entry, softmax on exit
-  float* affine;                    // (3, F) rows mu, a·log2e, d·log2e (structure of arrays), written by
+  void* out;                        // (N, F) T, row-major, contiguous: the softmax output
+  const void* y;                    // (N, F) T, the GEMM result (a workspace, or out itself: the kernels work in place)
+  float* affine;                    // (4, F) rows mu, a·log2e, d·log2e, b = d - a·mu (structure of arrays), written by
                                     // column_stats / fold_running_stats, read by the row kernels
   const void* bias;                 // (F,) Linear bias or null
   const void* gamma;                // (F,) BatchNorm weight or null (affine=False)
@@ -83,7 +84,7 @@ struct Params {
   int flags;                        // Flag bits
   float eps, momentum;
 };
-static_assert(sizeof(Params) == 128, "Params layout must match _PARAMS_DTYPE in _linear_bn_softmax.py");
+static_assert(sizeof(Params) == 136, "Params layout must match _PARAMS in _linear_bn_softmax.py");
 
 // -inf from its bits: NVRTC has no <math.h> INFINITY.
 __device__ __forceinline__ float minus_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }
@@ -111,22 +112,50 @@ template <> __device__ __forceinline__ unsigned short float_to_bits<__nv_bfloat1
   return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
+// kN consecutive elements as loaded from memory, before conversion: 32-bit words holding two 16-bit elements each
+// (kept packed while a load is in flight: 8 elements = 4 registers, half of their fp32 form), floats for fp32,
+// a single 16-bit element for kN = 1.
+template <typename T, int kN> struct RawOf { using type = VecN<unsigned, kN / 2>; };
+template <typename T> struct RawOf<T, 1> { using type = VecN<unsigned short, 1>; };
+template <int kN> struct RawOf<float, kN> { using type = VecN<float, kN>; };
+template <> struct RawOf<float, 1> { using type = VecN<float, 1>; };
+template <typename T, int kN> using Raw = typename RawOf<T, kN>::type;
+
+// Two 16-bit elements of one word to fp32: bf16 by shifts alone, fp16 by the paired conversion.
+template <typename T> __device__ __forceinline__ float2 word_to_float2(unsigned w);
+template <> __device__ __forceinline__ float2 word_to_float2<__half>(unsigned w) {
+  return __half22float2(__halves2half2(__ushort_as_half(static_cast<unsigned short>(w & 0xffffu)),
+                                       __ushort_as_half(static_cast<unsigned short>(w >> 16))));
+}
+template <> __device__ __forceinline__ float2 word_to_float2<__nv_bfloat16>(unsigned w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 template <typename T, int kN>
-__device__ __forceinline__ void load_vec(const T* src, float (&x)[kN]) {
-  if constexpr (kN == 1) {
-    x[0] = to_float(*src);
-  } else if constexpr (sizeof(T) == 4) {
-    const VecN<float, kN> u = *reinterpret_cast<const VecN<float, kN>*>(src);
+__device__ __forceinline__ Raw<T, kN> load_raw(const T* src) {
+  return *reinterpret_cast<const Raw<T, kN>*>(src);
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void unpack(const Raw<T, kN>& u, float (&x)[kN]) {
+  if constexpr (sizeof(T) == 4) {
     #pragma unroll
     for (int v = 0; v < kN; ++v) x[v] = u.v[v];
+  } else if constexpr (kN == 1) {
+    x[0] = bits_to_float<T>(u.v[0]);
   } else {
-    const VecN<unsigned, kN / 2> u = *reinterpret_cast<const VecN<unsigned, kN / 2>*>(src);
     #pragma unroll
     for (int v = 0; v < kN / 2; ++v) {
-      x[2 * v] = bits_to_float<T>(static_cast<unsigned short>(u.v[v] & 0xffffu));
-      x[2 * v + 1] = bits_to_float<T>(static_cast<unsigned short>(u.v[v] >> 16));
+      const float2 f = word_to_float2<T>(u.v[v]);
+      x[2 * v] = f.x;
+      x[2 * v + 1] = f.y;
     }
   }
+}
+
+template <typename T, int kN>
+__device__ __forceinline__ void load_vec(const T* src, float (&x)[kN]) {
+  unpack<T, kN>(load_raw<T, kN>(src), x);
 }
 
 template <typename T, int kN>
@@ -167,16 +196,46 @@ __device__ __forceinline__ void store_param(void* p, int code, long long i, floa
   }
 }
 
-// Affine (mu, a, d) of feature f in log2 units, from the bias-free mean and the variance BatchNorm normalizes with.
+// The per-feature parameters one feature's fold and running-stat update read, loaded together: column_stats issues
+// these loads before its main loop, so their L2/HBM latency hides behind it instead of adding two dependent round
+// trips at the end (the fold's, then the running stats').
+struct Feature {
+  float gamma, beta, scale, bias, running_mean, running_var;
+};
+
+__device__ __forceinline__ Feature load_feature(const Params& p, long long f) {
+  Feature x;
+  x.gamma = load_param(p.gamma, p.gamma_t, f, 1.f);
+  x.beta = load_param(p.beta, p.beta_t, f, 0.f);
+  x.scale = load_param(p.scale, p.scale_t, f * p.scale_stride, 1.f);
+  x.bias = load_param(p.bias, p.bias_t, f, 0.f);
+  x.running_mean = load_param(p.running_mean, p.stats_t, f, 0.f);
+  x.running_var = load_param(p.running_var, p.stats_t, f, 1.f);
+  return x;
+}
+
+// Affine (mu, a, d, b) of feature f in log2 units, from the bias-free mean and the variance BatchNorm normalizes with.
 // 1/sqrtf, not rsqrtf: rsqrt.approx's 2-ulp error scales a whole column's logits (measured 4.5x torch's fp32 error
 // at |logit| ~ 3000); correctly rounded, as torch computes invstd.
-__device__ __forceinline__ void fold_affine(const Params& p, long long f, float mu, float var) {
+__device__ __forceinline__ void fold_affine(const Params& p, long long f, float mu, float var, const Feature& x) {
   const float invstd = 1.f / sqrtf(var + p.eps);
-  const float s = load_param(p.scale, p.scale_t, f * p.scale_stride, 1.f) * kLog2e;
+  const float s = x.scale * kLog2e;
   const long long F = p.n_cols;
+  const float a = x.gamma * invstd * s;
+  const float d = x.beta * s;
   p.affine[f] = mu;
-  p.affine[F + f] = load_param(p.gamma, p.gamma_t, f, 1.f) * invstd * s;
-  p.affine[2 * F + f] = load_param(p.beta, p.beta_t, f, 0.f) * s;
+  p.affine[F + f] = a;
+  p.affine[2 * F + f] = d;
+  p.affine[3 * F + f] = fmaf(-a, mu, d);  // b of the one-FMA form a·y + b, read by the 16-bit row kernels only
+}
+
+// 2^x with subnormal results flushed to zero: one MUFU.EX2, where exp2f (ex2.approx.f32) adds a scaling around it
+// for subnormal results. Probabilities below 2^-126 of a row's maximum are zero in fp16 anyway and, in bf16/fp32,
+// an absolute error under 1.2e-38.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
 }
 
 __device__ __forceinline__ float affine_apply(const Params& p, long long f, float y) {
@@ -200,51 +259,68 @@ __device__ __forceinline__ void chan_merge(float& n, float (&mean)[kVec], float 
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Per-feature batch statistics -> (a, b) and the running-stat update. Grid: ceil(F / (kVec·kColThreads)) blocks.
-template <typename T, int kVec, int kColThreads>
-__global__ void __launch_bounds__(256) column_stats(const Params p) {
-  constexpr int kThreads = 256;
+// Per-feature batch statistics -> Affine and the running-stat update. Grid: ceil(F / (kVec·kColThreads)) blocks.
+// Each thread takes kUnroll rows at a time (all loads in flight together), reduces them to a batch mean and M2 in
+// registers (two passes over registers: exact within the batch), and Chan-merges that batch into its running
+// (n, mean, M2): one division per kUnroll rows instead of one per row (v3's per-row Welford was instruction-bound).
+template <typename T, int kVec, int kColThreads, int kThreads>
+__global__ void __launch_bounds__(kThreads, 1) column_stats(const Params p) {
   constexpr int kWarps = kThreads / 32;
   constexpr int kStrip = kVec * kColThreads;
   constexpr int kRowGroups = kThreads / kColThreads;
-  constexpr int kUnroll = 8;  // loads in flight per thread before the dependent Welford updates
+  constexpr int kUnroll = 8;  // loads in flight per thread before the dependent reduction
   static_assert(32 % kColThreads == 0, "a row segment must not straddle warps");
   __shared__ float s_n[kWarps];
   __shared__ float s_mean[kWarps][kStrip];
   __shared__ float s_m2[kWarps][kStrip];
 
-  const T* y = static_cast<const T*>(p.out);
+  const T* y = static_cast<const T*>(p.y);
   const long long N = p.n_rows, F = p.n_cols;
   const int ct = threadIdx.x % kColThreads;
   const int rg = threadIdx.x / kColThreads;
   const long long col0 = static_cast<long long>(blockIdx.x) * kStrip + ct * kVec;
+  // Thread t < kStrip finalizes feature f: its parameters are loaded now (see Feature).
+  const long long f = static_cast<long long>(blockIdx.x) * kStrip + threadIdx.x;
+  const bool finalizes = threadIdx.x < kStrip && f < F;
+  Feature feat{};
+  float batches = 1.f;  // num_batches_tracked + 1, for momentum=None
+  if (finalizes) {
+    feat = load_feature(p, f);
+    if (p.flags & kCumulative) batches = static_cast<float>(*p.num_batches_tracked + 1);
+  }
 
   float n = 0.f, mean[kVec], m2[kVec];
   #pragma unroll
   for (int v = 0; v < kVec; ++v) mean[v] = m2[v] = 0.f;
 
-  auto welford = [&](const VecN<T, kVec>& r) {
-    n += 1.f;
-    const float inv = 1.f / n;
-    #pragma unroll
-    for (int v = 0; v < kVec; ++v) {
-      const float yv = to_float(r.v[v]);
-      const float d = yv - mean[v];
-      mean[v] += d * inv;
-      m2[v] += d * (yv - mean[v]);
-    }
-  };
   if (col0 < F) {  // F % kVec == 0 on the vector path: a vector is entirely inside or outside
     long long row = rg;
     for (; row + (kUnroll - 1) * kRowGroups < N; row += kUnroll * kRowGroups) {
-      VecN<T, kVec> buf[kUnroll];
+      Raw<T, kVec> buf[kUnroll];
       #pragma unroll
-      for (int u = 0; u < kUnroll; ++u)
-        buf[u] = *reinterpret_cast<const VecN<T, kVec>*>(y + (row + u * kRowGroups) * F + col0);
+      for (int u = 0; u < kUnroll; ++u) buf[u] = load_raw<T, kVec>(y + (row + u * kRowGroups) * F + col0);
+      float bm[kVec], bq[kVec], yv[kUnroll][kVec];
       #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) welford(buf[u]);
+      for (int u = 0; u < kUnroll; ++u) unpack<T, kVec>(buf[u], yv[u]);
+      #pragma unroll
+      for (int v = 0; v < kVec; ++v) {
+        float sum = 0.f;
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) sum += yv[u][v];
+        bm[v] = sum * (1.f / kUnroll);
+        bq[v] = 0.f;
+        #pragma unroll
+        for (int u = 0; u < kUnroll; ++u) bq[v] = fmaf(yv[u][v] - bm[v], yv[u][v] - bm[v], bq[v]);
+      }
+      chan_merge<kVec>(n, mean, m2, static_cast<float>(kUnroll), bm, bq);
     }
-    for (; row < N; row += kRowGroups) welford(*reinterpret_cast<const VecN<T, kVec>*>(y + row * F + col0));
+    for (; row < N; row += kRowGroups) {  // the last < kUnroll rows: one-row batches
+      float yv[kVec], zero[kVec];
+      load_vec<T, kVec>(y + row * F + col0, yv);
+      #pragma unroll
+      for (int v = 0; v < kVec; ++v) zero[v] = 0.f;
+      chan_merge<kVec>(n, mean, m2, 1.f, yv, zero);
+    }
   }
 
   // Lanes kColThreads apart hold the same columns (other rows): merge them with shuffles.
@@ -269,11 +345,9 @@ __global__ void __launch_bounds__(256) column_stats(const Params p) {
     }
   }
   __syncthreads();
-  if (threadIdx.x >= kStrip) return;
-  const long long f = static_cast<long long>(blockIdx.x) * kStrip + threadIdx.x;
-  if (f >= F) return;
+  if (!finalizes) return;
 
-  // One thread per column merges the kWarps partials (serially: 8 Chan steps) and finalizes the feature.
+  // One thread per column merges the kWarps partials (serially) and finalizes the feature.
   float tn = s_n[0], tmean[1] = {s_mean[0][threadIdx.x]}, tm2[1] = {s_m2[0][threadIdx.x]};
   #pragma unroll
   for (int w = 1; w < kWarps; ++w) {
@@ -282,16 +356,14 @@ __global__ void __launch_bounds__(256) column_stats(const Params p) {
   }
   const float mu = tmean[0];
   const float var = tm2[0] / static_cast<float>(N);
-  fold_affine(p, f, mu, var);
+  fold_affine(p, f, mu, var, feat);
 
   if (p.flags & kUpdateRunning) {
-    const float m = (p.flags & kCumulative) ? 1.f / static_cast<float>(*p.num_batches_tracked + 1) : p.momentum;
-    const float mean_y = mu + load_param(p.bias, p.bias_t, f, 0.f);
+    const float m = (p.flags & kCumulative) ? 1.f / batches : p.momentum;
+    const float mean_y = mu + feat.bias;
     const float var_unbiased = tm2[0] / static_cast<float>(N - 1);
-    const float rm = load_param(p.running_mean, p.stats_t, f, 0.f);
-    const float rv = load_param(p.running_var, p.stats_t, f, 1.f);
-    store_param(p.running_mean, p.stats_t, f, (1.f - m) * rm + m * mean_y);
-    store_param(p.running_var, p.stats_t, f, (1.f - m) * rv + m * var_unbiased);
+    store_param(p.running_mean, p.stats_t, f, (1.f - m) * feat.running_mean + m * mean_y);
+    store_param(p.running_var, p.stats_t, f, (1.f - m) * feat.running_var + m * var_unbiased);
   }
 }
 
@@ -300,8 +372,8 @@ template <int kThreads>
 __global__ void __launch_bounds__(kThreads) fold_running_stats(const Params p) {
   const long long f = static_cast<long long>(blockIdx.x) * kThreads + threadIdx.x;
   if (f >= p.n_cols) return;
-  const float mu = load_param(p.running_mean, p.stats_t, f, 0.f) - load_param(p.bias, p.bias_t, f, 0.f);
-  fold_affine(p, f, mu, load_param(p.running_var, p.stats_t, f, 1.f));
+  const Feature feat = load_feature(p, f);
+  fold_affine(p, f, feat.running_mean - feat.bias, feat.running_var, feat);
 }
 
 // kRows values reduced across the block at once; every thread gets the results. One barrier per call: callers
@@ -335,36 +407,64 @@ __device__ __forceinline__ void count_batch(const Params& p) {
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Affine + row softmax, registers only. Requires F <= kThreads·kVec·kChunks and F % kVec == 0. In place on p.out.
+// 16-bit T: s = a·y + b (Affine rows 1 and 3), and the next kRows rows are loaded, still packed, while the current
+// ones are reduced and written (software pipelining; the packed rows cost kRows·kChunks·kVec/2 registers).
+// fp32: s = a·(y − mu) + d (rows 0–2), no prefetch. Why the forms differ: the one-FMA form loses |a·mu|·2⁻²⁴ to
+// cancellation when |mu| >> std, which is far below a 16-bit y's own rounding (|y|·2⁻¹¹ with |y| ≈ |mu|) but
+// measured 4.7x torch's error for fp32 inputs (see the header).
 template <typename T, int kThreads, int kVec, int kChunks, int kRows>
 __global__ void __launch_bounds__(kThreads) softmax_rows(const Params p) {
+  constexpr bool kOneFma = sizeof(T) == 2;
+  constexpr bool kPrefetch = sizeof(T) == 2 && kVec > 1;  // scalar loads (odd F) would need a register each
+  constexpr int kMu = kOneFma ? 1 : kChunks;  // mu is not kept in the one-FMA form
   constexpr int kWarps = kThreads / 32;
   __shared__ float s_max[kWarps * kRows];
   __shared__ float s_sum[kWarps * kRows];
   T* out = static_cast<T*>(p.out);
+  const T* y = static_cast<const T*>(p.y);
   const long long N = p.n_rows, F = p.n_cols;
+  const long long row_stride = static_cast<long long>(gridDim.x) * kRows;
 
   // Columns of chunk c: [(c·kThreads + tid)·kVec, +kVec): consecutive threads read consecutive 16-byte vectors.
-  float mu[kChunks][kVec], a[kChunks][kVec], d[kChunks][kVec];
+  float mu[kMu][kVec], a[kChunks][kVec], b[kChunks][kVec];
   #pragma unroll
   for (int c = 0; c < kChunks; ++c) {
     const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
     if (col0 < F) {  // structure of arrays: a warp reads 32 consecutive kVec-float vectors of each row
-      load_vec<float, kVec>(p.affine + col0, mu[c]);
       load_vec<float, kVec>(p.affine + F + col0, a[c]);
-      load_vec<float, kVec>(p.affine + 2 * F + col0, d[c]);
+      if constexpr (kOneFma) {
+        load_vec<float, kVec>(p.affine + 3 * F + col0, b[c]);
+      } else {
+        load_vec<float, kVec>(p.affine + col0, mu[c]);
+        load_vec<float, kVec>(p.affine + 2 * F + col0, b[c]);
+      }
     } else {  // padding columns: s = -inf contributes exp2(-inf) = 0 and never wins the max
       #pragma unroll
       for (int v = 0; v < kVec; ++v) {
-        mu[c][v] = 0.f;
         a[c][v] = 0.f;
-        d[c][v] = minus_inf();
+        b[c][v] = minus_inf();
+        if constexpr (!kOneFma) mu[c][v] = 0.f;
       }
     }
   }
   count_batch(p);
 
-  for (long long row0 = static_cast<long long>(blockIdx.x) * kRows; row0 < N;
-       row0 += static_cast<long long>(gridDim.x) * kRows) {
+  Raw<T, kVec> raw[kRows][kChunks];
+  auto load_rows = [&](long long r0) {
+    #pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      #pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
+        // Assigned on every path: a conditional assignment would keep the previous rows' registers live.
+        raw[r][c] = (r0 + r < N && col0 < F) ? load_raw<T, kVec>(y + (r0 + r) * F + col0) : Raw<T, kVec>{};
+      }
+    }
+  };
+  long long row0 = static_cast<long long>(blockIdx.x) * kRows;
+  if (kPrefetch && row0 < N) load_rows(row0);
+  for (; row0 < N; row0 += row_stride) {
+    if (!kPrefetch) load_rows(row0);
     float s[kRows][kChunks][kVec];
     #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -373,15 +473,22 @@ __global__ void __launch_bounds__(kThreads) softmax_rows(const Params p) {
         const long long col0 = static_cast<long long>(c * kThreads + threadIdx.x) * kVec;
         float yv[kVec];
         if (row0 + r < N && col0 < F) {
-          load_vec<T, kVec>(out + (row0 + r) * F + col0, yv);
+          unpack<T, kVec>(raw[r][c], yv);
         } else {
           #pragma unroll
           for (int v = 0; v < kVec; ++v) yv[v] = 0.f;
         }
         #pragma unroll
-        for (int v = 0; v < kVec; ++v) s[r][c][v] = fmaf(a[c][v], yv[v] - mu[c][v], d[c][v]);
+        for (int v = 0; v < kVec; ++v) {
+          if constexpr (kOneFma) {
+            s[r][c][v] = fmaf(a[c][v], yv[v], b[c][v]);
+          } else {
+            s[r][c][v] = fmaf(a[c][v], yv[v] - mu[c][v], b[c][v]);
+          }
+        }
       }
     }
+    if (kPrefetch && row0 + row_stride < N) load_rows(row0 + row_stride);  // raw is free again: next rows in flight
     float m[kRows];
     #pragma unroll
     for (int r = 0; r < kRows; ++r) {
@@ -401,7 +508,7 @@ __global__ void __launch_bounds__(kThreads) softmax_rows(const Params p) {
       for (int c = 0; c < kChunks; ++c) {
         #pragma unroll
         for (int v = 0; v < kVec; ++v) {
-          s[r][c][v] = exp2f(s[r][c][v] - m[r]);  // a row of -inf (or NaN) gives NaN, as torch.softmax does
+          s[r][c][v] = exp2_ftz(s[r][c][v] - m[r]);  // a row of -inf (or NaN) gives NaN, as torch.softmax does
           l[r] += s[r][c][v];
         }
       }
@@ -432,12 +539,12 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_streaming(const Params 
   constexpr int kWarps = kThreads / 32;
   __shared__ float s_max[kWarps];
   __shared__ float s_sum[kWarps];
-  T* out = static_cast<T*>(p.out);
   const long long N = p.n_rows, F = p.n_cols;
   count_batch(p);
 
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
-    T* y = out + row * F;
+    const T* y = static_cast<const T*>(p.y) + row * F;
+    T* out = static_cast<T*>(p.out) + row * F;
     float m = minus_inf(), l = 0.f;
     for (long long col0 = static_cast<long long>(threadIdx.x) * kVec; col0 < F; col0 += kThreads * kVec) {
       float yv[kVec];
@@ -464,7 +571,7 @@ __global__ void __launch_bounds__(kThreads) softmax_rows_streaming(const Params 
       load_vec<T, kVec>(y + col0, e);
       #pragma unroll
       for (int v = 0; v < kVec; ++v) e[v] = exp2f(affine_apply(p, col0 + v, e[v]) - mm[0]) * inv;
-      store_vec<T, kVec>(y + col0, e);
+      store_vec<T, kVec>(out + col0, e);
     }
   }
 }

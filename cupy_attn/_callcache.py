@@ -1,5 +1,5 @@
-"""Call cache of the public SDPA entry point for torch CUDA tensors and CuPy arrays: a repeated call skips the checks
-and the plan.
+"""Call cache of the public entry points (SDPA here; Linear-BN-softmax keys through :func:`signatures` too) for torch
+CUDA tensors and CuPy arrays: a repeated call skips the checks and the plan.
 
 A call's checks, path choice, kernel choice and launch parameters depend on the inputs' shapes, strides, dtypes,
 devices and pointer alignment, on the flags, on the current stream and on the environment overrides, but not on the
@@ -36,36 +36,45 @@ def _sig_cupy(a) -> tuple:
     return a.shape, a.strides, a.dtype, a.device.id, a.data.ptr & 15
 
 
-def _arrays(query, key_, value, attn_mask) -> tuple | None:
-    """(kind, signatures, stream handle) when every array is an exact torch CUDA tensor or an exact cupy.ndarray."""
-    arrays = (query, key_, value) if attn_mask is None else (query, key_, value, attn_mask)
-    kind = type(query)
-    if any(type(a) is not kind for a in arrays):
-        return None
+def signatures(arrays: tuple) -> tuple | None:
+    """(kind, per-array signatures, stream handle) when every array that is not None is an exact torch CUDA tensor (or
+    nn.Parameter, a module's weights) or an exact cupy.ndarray, all of the first array's kind; None otherwise (the
+    call is not cacheable). A None array
+    signs as None. The stream is torch's current stream on the first array's device, or CuPy's current stream."""
+    first = arrays[0]
+    kind = type(first)
     torch = sys.modules.get("torch")
     if torch is not None and kind is torch.Tensor:
-        device = query.get_device()
+        if any(a is not None and type(a) is not kind and type(a) is not torch.nn.Parameter for a in arrays):
+            return None
+        device = first.get_device()
         if device < 0:
             return None
-        return "torch", tuple(_sig_torch(a) for a in arrays), _interop.current_torch_stream(device)
+        return ("torch", tuple(None if a is None else _sig_torch(a) for a in arrays),
+                _interop.current_torch_stream(device))
+    if any(a is not None and type(a) is not kind for a in arrays):
+        return None
     cupy = sys.modules.get("cupy")
     if cupy is not None and kind is cupy.ndarray:
-        with query.device:
+        with first.device:
             stream = cupy.cuda.get_current_stream().ptr
-        return "cupy", tuple(_sig_cupy(a) for a in arrays), stream
+        return "cupy", tuple(None if a is None else _sig_cupy(a) for a in arrays), stream
     return None
+
+
+def typed(*values) -> tuple:
+    """Scalars with their types: True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others."""
+    return tuple((type(x), x) for x in values)
 
 
 def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
         workspace_bytes) -> tuple | None:
     """The cache key of a call, or None when the call is not cacheable (see the module docstring)."""
-    arrays = _arrays(query, key_, value, attn_mask)
+    arrays = signatures((query, key_, value, attn_mask))
     if arrays is None:
         return None
     env = os.environ
-    # Scalars with their types: True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others.
-    flags = tuple((type(x), x) for x in (dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
-                                         workspace_bytes))
+    flags = typed(dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32, workspace_bytes)
     return (*arrays, flags, *(env.get(k) for k in ENV_KEYS))
 
 

@@ -69,21 +69,35 @@ class StridedGemm:
         self._c = (cuda_dtype(c_dtype), ldc, stride_c)
         self._tail = (batch, compute, _ALGO_DEFAULT)
 
-    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int) -> None:
+    def bind(self, stream_ptr: int):
+        """``fn(c_ptr, a_ptr, b_ptr)`` enqueuing this GEMM on ``stream_ptr`` with the least host work (cuBLASLt's
+        bound call), or None before the first call has chosen the cuBLASLt algorithm (or without cuBLASLt)."""
+        return None if self._lt_plan is None else self._lt_plan.bind(self._alpha_ptr, self._beta_ptr, stream_ptr)
+
+    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None) -> None:
+        """Enqueue on ``stream_ptr`` (a raw stream handle), or on CuPy's current stream when None. The first call of
+        a large problem may tune the cuBLASLt algorithm on the current stream, which must then be ``stream_ptr``'s."""
+        if self._lt_plan is not None:  # hashing the 17-field key on every call costs a few µs of host time
+            if stream_ptr is None:
+                stream_ptr = _current_stream_ptr()
+            self._lt_plan.run(c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_ptr, stream_ptr)
+            return
         import cupy
         stream = cupy.cuda.get_current_stream()
-        if self._lt_plan is not None:  # hashing the 17-field key on every call costs a few µs of host time
-            self._lt_plan.run(c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_ptr, stream.ptr)
-            return
         if self._lt_key is not None:
             self._lt_plan = _cublaslt.matmul(self._lt_key, c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_value,
                                              self._beta_ptr, stream)
             return
         from cupy.cuda import cublas, device
         handle = device.get_cublas_handle()
-        cublas.setStream(handle, stream.ptr)
+        cublas.setStream(handle, stream.ptr if stream_ptr is None else stream_ptr)
         cublas.gemmStridedBatchedEx(handle, *self._ops, self._alpha_ptr, b_ptr, *self._b, a_ptr, *self._a,
                                     self._beta_ptr, c_ptr, *self._c, *self._tail)
+
+
+def _current_stream_ptr() -> int:
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
 
 
 def gemm_strided_batched(*, c_ptr: int, a_ptr: int, b_ptr: int, **problem) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _cublas, _interop, reference
+from . import _callcache, _cublas, _interop, reference
 from ._compile import KernelFamily, struct_arg
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -43,16 +43,22 @@ _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel tables. The launcher picks rows from these same tuples.
 
-# column_stats<T, kVec, kColThreads>: a 32-column strip per 256-thread block. (4, 8): 8-/16-byte loads, 8 threads
-# across 64/128 contiguous bytes, 32 rows at a time (F % 4 == 0). (1, 32): scalar loads for any F.
-STATS_TILES = ((4, 8), (1, 32))
-STATS_STRIP = 32
+# column_stats<T, kVec, kColThreads, kThreads>: a strip of kVec·kColThreads columns per block, its kThreads threads
+# kColThreads across the strip and kThreads / kColThreads rows deep, 8 rows of 16-byte loads in flight per thread.
+# Tiles (kVec, kColThreads, kThreads): 16-byte vectors when F allows (8 elements for 16-bit types, 4 for fp32),
+# scalar loads otherwise. The first tile of each width is the one the launcher takes; the others are declared for
+# the tile sweep (bench/bench_linear_bn_softmax.py --sweep).
+#   (8, 4, 256): 32 columns × 64 B rows, 256 blocks at F = 8192, 32 rows per thread: 5.95 µs at the seed shape
+#   (fp16), against 6.59 for (8, 8, 512) (128 blocks, one per SM) and 10.1 for (8, 4, 512) (sweep, H200).
+#   (4, 8, 256): fp32, 32 columns × 128 B rows, 256 blocks of 256 threads (several resident per SM; 512 threads
+#   at 71 registers fit one block per SM: two waves, 13 µs against 8 µs, measured).
+STATS_TILES = {8: ((8, 4, 256), (8, 8, 512), (8, 4, 512)), 4: ((4, 8, 256), (4, 8, 512)), 1: ((1, 32, 256),)}
 
 # softmax_rows<T, kThreads, kVec, kChunks, kRows>: a row lives in registers as kThreads × (kVec·kChunks) elements.
 # Elements per thread E = kVec·kChunks ∈ {4, 8, 16}: 16 keeps y (2 rows) + mu, a, d at 80 live floats per thread,
 # under the 128 registers a 512-thread block may use at 1 block/SM (ptxas: 124-128); thread counts 128 (F ≤ 2048)
-# and 512 (≤ 8192). 1024 threads leave 64 registers a thread and spilled even at E = 8 (ptxas, sm_90), and were no
-# faster in the v1 sweep. kRows = 2 rows per block iteration (two rows' loads in flight, half the barriers per row).
+# and 512 (≤ 8192). 1024 threads leave 64 registers a thread: at E = 8 they spilled (v1, and sm_80 in v4), and
+# <__half, 1024, 8, 1, 2> was slower than 512 × 16 (14.3 vs 10.4 µs, v4 sweep). kRows = 2 rows per block iteration (two rows' loads in flight, half the barriers per row).
 ROW_THREADS = (128, 512)
 ROW_ELEMS = (4, 8, 16)
 ROW_ROWS = 2
@@ -76,8 +82,9 @@ def _dtype_name_of_c(c_type: str) -> str:
 COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
     source="linear_bn_softmax.cu",
-    template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": STATS_TILES},
+    template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
+    where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
 )
 
 SOFTMAX_ROWS = KernelFamily(
@@ -104,14 +111,19 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
     where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
 )
 
-# Params in linear_bn_softmax.cu: nine pointers and three int64 (8 bytes), six int32, two float32: 128 bytes, no padding.
+# Params in linear_bn_softmax.cu: ten pointers and three int64 (8 bytes), six int32, two float32: 136 bytes, no padding.
 _PARAMS = np.dtype(
-    [(name, np.uint64) for name in ("out", "affine", "bias", "gamma", "beta", "scale", "running_mean", "running_var",
-                                    "num_batches_tracked")]
+    [(name, np.uint64) for name in ("out", "y", "affine", "bias", "gamma", "beta", "scale", "running_mean",
+                                    "running_var", "num_batches_tracked")]
     + [(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
     + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
     + [("eps", np.float32), ("momentum", np.float32)])
-assert _PARAMS.itemsize == 128
+assert _PARAMS.itemsize == 136
+
+# The GEMM writes into a per-stream workspace when y is at most this large, so that the output is allocated after the
+# GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
+# computed in place in the output.
+Y_WORKSPACE_MAX_BYTES = 64 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +152,12 @@ def row_plan(n_cols: int, dtype) -> RowPlan:
     return RowPlan("softmax_rows_streaming", STREAM_THREADS, vec)
 
 
-def stats_tile(n_cols: int) -> tuple[int, int]:
-    """(kVec, kColThreads) of column_stats: 4-wide loads when F % 4 == 0, scalar otherwise."""
-    return STATS_TILES[0] if n_cols % STATS_TILES[0][0] == 0 else STATS_TILES[1]
+def stats_tile(n_cols: int, dtype) -> tuple[int, int, int]:
+    """(kVec, kColThreads, kThreads) of column_stats: 16-byte loads when F is a multiple of the vector width, scalar
+    otherwise. Example: F = 8192 fp16 → (8, 4, 256), grid 8192 / 32 = 256 blocks; F = 1000 fp16 → (8, 4, 256),
+    32 blocks; F = 8192 fp32 → (4, 8, 256), 256 blocks; F = 3 → (1, 32, 256), one block."""
+    wide = _WIDE[np.dtype(dtype).name]
+    return STATS_TILES[wide if n_cols % wide == 0 else 1][0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -355,6 +370,12 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
     batch statistics are used ("Expected more than 1 value per channel when training").
     """
+    arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
+    call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
+    if call_key is not None:
+        entry = _callcache.get(call_key)
+        if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see _Prepared)
+            return entry(arrays)
     call = _check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
                   num_batches_tracked)
     if not call.ctx.on_gpu:
@@ -363,23 +384,161 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     ctx = call.ctx
     if allow_tf32 is None:
         allow_tf32 = bool(ctx.kind == _interop.TORCH and sys.modules["torch"].backends.cuda.matmul.allow_tf32)
-    n, k, f = call.n, call.k, call.f
+    n, f = call.n, call.f
     with ctx.activate():
-        out_native, out_ptr = _empty(ctx, (n, f), call.dtype, like=x)
         if n * f == 0:
             nbt = call.args["num_batches_tracked"]
             if call.update_running and nbt is not None:
                 _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
-            return out_native
-        if k == 0:
-            _cupy_view(_Arg(out_native, ctx.kind, call.dtype, (n, f))).fill(0)
-        else:
-            xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
-            # y = x·Wᵀ into the output buffer (bias left out, see the module docstring); any row stride is read.
-            _gemm_xwt(ctx.device_id, out_ptr, xa.ptr(), xa.strides()[0], wa.ptr(), wa.strides()[0], n, f, k,
-                      call.dtype, bool(allow_tf32))
-        _launch_after_gemm(out_ptr, call, momentum, eps)
+            return _empty(ctx, (n, f), call.dtype, like=x)[0]
+        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
+        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
+        keep: list = []  # contiguous copies of strided vectors, alive until the launches are enqueued
+        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
+        out_native = prepared.execute(lambda: _empty(ctx, (n, f), call.dtype, like=x), xa.ptr(), wa.ptr(), vectors)
+        if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
+            _callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
     return out_native
+
+
+def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | None:
+    """Call-cache key (see cupy_attn._callcache): the arrays' shapes, strides, dtypes, devices and alignment, the
+    stream, the flags, and the TF32 setting that applies (torch's global flag when allow_tf32 is None)."""
+    sigs = _callcache.signatures(arrays)
+    if sigs is None:
+        return None
+    if allow_tf32 is None and sigs[0] == "torch":
+        allow_tf32 = bool(sys.modules["torch"].backends.cuda.matmul.allow_tf32)
+    return ("linear_batchnorm_softmax", *sigs, _callcache.typed(training, momentum, eps, allow_tf32))
+
+
+# Per-feature vectors in Params' pointer order (after out and affine), and their positions in the public argument
+# order (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked).
+_VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
+_VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
+
+
+class _Prepared:
+    """Everything a GPU call needs that depends on shapes, dtypes, flags, device and stream but not on addresses: the
+    GEMM (cuBLASLt plan), the kernels after it with their grids, the workspaces and the constant fields of Params.
+    The call cache replays it (the checks that built it hold for any arrays with the same signatures).
+
+    Order of work: y = x·Wᵀ into the y workspace (or into the output when y is large), then the output allocation
+    (after the GEMM is enqueued, so it costs no idle GPU time), then the launches after the GEMM.
+    """
+
+    def __init__(self, call: _Call, momentum, eps, allow_tf32: bool, ldx: int, ldw: int):
+        n, k, f = call.n, call.k, call.f
+        args = call.args
+        self.ctx = call.ctx
+        self.device_id = call.ctx.device_id
+        self.stream_ptr = call.ctx.stream.ptr
+        self.gemm = None if k == 0 else _gemm_xwt_op(self.device_id, call.dtype, allow_tf32, n, f, k, ldx, ldw)
+        self._matmul = None
+        self.y_bytes = n * f * call.dtype.itemsize
+        self.in_place = self.gemm is None or self.y_bytes > Y_WORKSPACE_MAX_BYTES
+        launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
+        # Function objects, launched with an explicit stream (no CuPy current-stream switch on the replay path).
+        self.launches = tuple((ln.kernel.kernel, (ln.grid,), (ln.block,)) for ln in launches)
+        self.affine = _workspace(self.device_id, self.stream_ptr, "affine", 4 * 4 * f)  # (4, F) float32
+        flags = 0
+        if call.update_running:
+            flags |= _FLAG_UPDATE_RUNNING
+            if momentum is None:
+                flags |= _FLAG_CUMULATIVE
+            if args["num_batches_tracked"] is not None:
+                flags |= _FLAG_COUNT_BATCH
+        codes = [0 if args[name] is None else _CODE_OF[args[name].dtype] for name in ("bias", "gamma", "beta", "scale")]
+        rm = args["running_mean"]
+        # Params' fields after the pointers, in order.
+        self.tail = (n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
+                     0 if rm is None else _CODE_OF[rm.dtype], flags, eps, 0.0 if momentum is None else momentum)
+
+    def params(self, out_ptr: int, y_ptr: int, vectors: tuple) -> np.ndarray:
+        """Params (one structured scalar in field order: building it field by field costs ~1 µs a field)."""
+        return np.array((out_ptr, y_ptr, self.affine.data.ptr, *vectors, *self.tail), dtype=_PARAMS)
+
+    def y_ptr(self) -> int:
+        """The y workspace (looked up per call: it may have grown for another shape on this stream)."""
+        return _workspace(self.device_id, self.stream_ptr, "y", self.y_bytes).data.ptr
+
+    def execute(self, alloc, x_ptr: int, w_ptr: int, vectors):
+        """Enqueue the call on the prepared stream (the prepared device current) and return the output.
+
+        ``alloc()`` -> (output array, its pointer), called after the GEMM is enqueued unless y is computed in place;
+        ``vectors``: pointers in _VECTORS order (0 for absent ones), or a function returning them, called after the
+        GEMM is enqueued.
+        """
+        if self.in_place:
+            out, out_ptr = alloc()
+            y_ptr = out_ptr
+            if self.gemm is None:  # K = 0: y = 0
+                import cupy
+                cupy.cuda.runtime.memsetAsync(y_ptr, 0, self.y_bytes, self.stream_ptr)
+            self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
+        else:
+            y_ptr = self.y_ptr()
+            self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
+            out, out_ptr = alloc()
+        self.enqueue_post(out_ptr, y_ptr, vectors() if callable(vectors) else vectors)
+        return out
+
+    def enqueue_gemm(self, y_ptr: int, x_ptr: int, w_ptr: int) -> None:
+        if self.gemm is None:
+            return
+        if self._matmul is not None:
+            self._matmul(y_ptr, x_ptr, w_ptr)
+            return
+        self.gemm(y_ptr, x_ptr, w_ptr, self.stream_ptr)  # the first call may tune the cuBLASLt algorithm
+        self._matmul = self.gemm.bind(self.stream_ptr)    # later calls: the bound C call (None: classic cuBLAS)
+
+    def enqueue_post(self, out_ptr: int, y_ptr: int, vectors: tuple) -> None:
+        """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
+        params = self.params(out_ptr, y_ptr, vectors)
+        arg = (struct_arg(params),)
+        stream = self.ctx.stream
+        for fn, grid, block in self.launches:
+            fn(grid, block, arg, 0, stream)
+
+
+class _Entry:
+    """A call-cache entry: allocate the output for the new arrays and replay the prepared launches on their
+    pointers. Host time before the GEMM is enqueued: the cache key, the allocation and cuBLASLt's enqueue."""
+
+    def __init__(self, prepared: _Prepared, ctx: _interop.CallContext, out_shape: tuple):
+        import cupy
+        self.prepared, self.ctx, self.out_shape = prepared, ctx, out_shape
+        self._get_device = cupy.cuda.runtime.getDevice
+        self._ptr = _torch_ptr if ctx.kind == _interop.TORCH else _cupy_ptr
+
+    def __call__(self, arrays: tuple):
+        if self._get_device() != self.prepared.device_id:
+            with self.ctx.activate():
+                return self._run(arrays)
+        return self._run(arrays)
+
+    def _run(self, arrays: tuple):
+        x, ptr = arrays[0], self._ptr
+        if self.ctx.kind == _interop.TORCH:
+            def alloc():  # x's dtype and device, torch's allocator on the current stream
+                out = x.new_empty(self.out_shape)
+                return out, out.data_ptr()
+        else:
+            def alloc():
+                import cupy
+                with self.ctx.stream:  # CuPy's pool orders the allocation on the current stream
+                    out = cupy.empty(self.out_shape, dtype=x.dtype)
+                return out, out.data.ptr
+        return self.prepared.execute(alloc, ptr(x), ptr(arrays[1]),
+                                     lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+
+
+def _torch_ptr(a) -> int:
+    return 0 if a is None else a.data_ptr()
+
+
+def _cupy_ptr(a) -> int:
+    return 0 if a is None else a.data.ptr
 
 
 @functools.lru_cache(maxsize=256)
@@ -390,12 +549,6 @@ def _gemm_xwt_op(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: i
     return _cublas.StridedGemm(c_dtype=dtype, ldc=n, stride_c=0, a_dtype=dtype, lda=ldx, stride_a=0, trans_a=False,
                                b_dtype=dtype, ldb=ldw, stride_b=0, trans_b=True, m=m, n=n, k=k, batch=1,
                                allow_tf32=allow_tf32)
-
-
-def _gemm_xwt(device_id: int, c_ptr: int, x_ptr: int, ldx: int, w_ptr: int, ldw: int, m: int, n: int, k: int,
-              dtype: np.dtype, allow_tf32: bool) -> None:
-    """y = x·Wᵀ into ``c_ptr`` (m, n) on CuPy's current stream."""
-    _gemm_xwt_op(device_id, dtype, allow_tf32, m, n, k, ldx, ldw)(c_ptr, x_ptr, w_ptr)
 
 
 def _empty(ctx: _interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
@@ -439,26 +592,29 @@ def _vector_ptr(a: _Arg, keep: list) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _LaunchPlan:
-    """The kernels after the GEMM for one (device, dtype, N, F, batch-stats) and their grids."""
+class _Launch:
+    """One kernel launch after the GEMM."""
 
-    first: Any            # column_stats (batch statistics) or fold_running_stats (eval)
-    first_grid: int
-    first_block: int
-    rows: Any             # softmax_rows or softmax_rows_streaming
-    rows_grid: int
-    rows_block: int
+    kernel: Any           # cupy.RawKernel
+    grid: int
+    block: int
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stats: bool) -> _LaunchPlan:
+def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stats: bool) -> tuple[_Launch, _Launch]:
+    """The two launches after the GEMM for one (device, dtype, N, F, batch-stats): column_stats (training) or
+    fold_running_stats (eval), then softmax_rows or the streaming kernel.
+
+    One cooperative kernel for both (statistics, grid barrier, rows) was tried: 1.5 µs slower in a CUDA graph at the
+    seed shape (the barrier costs more than the launch it saves) and ~7 µs slower on a stream, where a cooperative
+    launch waits for the GEMM to drain (bench/NOTES_linear_bn_softmax.md).
+    """
     ctype = _C_TYPES[_NAME_OF[dtype]]
     if use_batch_stats:
-        first = COLUMN_STATS.kernel(dtype=ctype, tile=stats_tile(f))
-        first_grid, first_block = -(-f // STATS_STRIP), 256
+        tile = stats_tile(f, dtype)
+        first = _Launch(COLUMN_STATS.kernel(dtype=ctype, tile=tile), -(-f // (tile[0] * tile[1])), tile[2])
     else:
-        first = FOLD_RUNNING_STATS.kernel(threads=FOLD_THREADS)
-        first_grid, first_block = -(-f // FOLD_THREADS), FOLD_THREADS
+        first = _Launch(FOLD_RUNNING_STATS.kernel(threads=FOLD_THREADS), -(-f // FOLD_THREADS), FOLD_THREADS)
     plan = row_plan(f, dtype)
     if plan.kernel == "softmax_rows":
         rows = SOFTMAX_ROWS.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec, chunks=plan.chunks, rows=ROW_ROWS)
@@ -466,61 +622,21 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     else:
         rows = SOFTMAX_ROWS_STREAMING.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec)
         groups = n
-    rows_grid = min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads))
-    return _LaunchPlan(first, first_grid, first_block, rows, rows_grid, plan.threads)
+    return first, _Launch(rows, min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
 
 
 _WORKSPACES: dict = {}
 
 
-def _affine_workspace(device_id: int, stream_ptr: int, f: int):
-    """(3, F) float32 Affine rows (mu, a, d), one buffer per (device, stream, F): calls on one stream are ordered, so
-    reuse is safe."""
-    import cupy
-    key = (device_id, stream_ptr, f)
+def _workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
+    """A uint8 CuPy buffer of at least ``nbytes`` per (device, stream, name), grown on demand: calls on one stream are
+    ordered, so they may share it (a replaced buffer goes back to CuPy's stream-ordered pool)."""
+    key = (device_id, stream_ptr, name)
     ws = _WORKSPACES.get(key)
-    if ws is None:
-        ws = _WORKSPACES[key] = cupy.empty((3, f), dtype=np.float32)
+    if ws is None or ws.nbytes < nbytes:
+        import cupy
+        ws = _WORKSPACES[key] = cupy.empty(max(nbytes, 1), dtype=np.uint8)
     return ws
-
-
-def _post_launches(out_ptr: int, call: _Call, momentum, eps) -> list:
-    """The launches after the GEMM as (kernel, grid, block, params) tuples, on the current device and stream."""
-    import cupy
-    n, f = call.n, call.f
-    args = call.args
-    keep: list = []
-    vec = {}
-    for name in ("bias", "gamma", "beta", "scale"):
-        a = args[name]
-        vec[name] = (0, 0) if a is None else (_vector_ptr(a, keep), _CODE_OF[a.dtype])
-    rm, rv, nbt = args["running_mean"], args["running_var"], args["num_batches_tracked"]
-    flags = 0
-    if call.update_running:
-        flags |= _FLAG_UPDATE_RUNNING
-        if momentum is None:
-            flags |= _FLAG_CUMULATIVE
-        if nbt is not None:
-            flags |= _FLAG_COUNT_BATCH
-    stream = cupy.cuda.get_current_stream()
-    affine = _affine_workspace(call.ctx.device_id, stream.ptr, f)
-    # One structured scalar in Params' field order (building it field by field costs ~1 µs a field).
-    params = np.array((
-        out_ptr, affine.data.ptr, vec["bias"][0], vec["gamma"][0], vec["beta"][0], vec["scale"][0],
-        0 if rm is None else rm.ptr(), 0 if rv is None else rv.ptr(), 0 if nbt is None else nbt.ptr(),
-        n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0,
-        vec["bias"][1], vec["gamma"][1], vec["beta"][1], vec["scale"][1], 0 if rm is None else _CODE_OF[rm.dtype],
-        flags, eps, 0.0 if momentum is None else momentum), dtype=_PARAMS)
-    plan = _launch_plan(call.ctx.device_id, call.dtype, n, f, call.use_batch_stats)
-    return [(plan.first, plan.first_grid, plan.first_block, params),
-            (plan.rows, plan.rows_grid, plan.rows_block, params), keep]
-
-
-def _launch_after_gemm(out_ptr: int, call: _Call, momentum, eps) -> None:
-    """Fold (statistics or running stats) and the affine + softmax kernel over the GEMM result at ``out_ptr``."""
-    *launches, _keep = _post_launches(out_ptr, call, momentum, eps)
-    for kernel, grid, block, params in launches:
-        kernel((grid,), (block,), (struct_arg(params),))
 
 
 def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from cupy_attn import _compile, reference
+from cupy_attn import _callcache, _compile, reference
 from cupy_attn import _linear_bn_softmax as lbs
 from cupy_attn._linear_bn_softmax import linear_batchnorm_softmax
 
@@ -192,6 +192,17 @@ def test_momentum_none_needs_num_batches_tracked():
     with pytest.raises(TypeError, match="int64"):
         linear_batchnorm_softmax(**_args(), training=True, momentum=None,
                                  num_batches_tracked=np.zeros(1, np.float32))
+
+
+def test_call_cache_key_only_for_device_arrays_of_one_kind():
+    """NumPy and CPU torch inputs always take the full path (the reference); flags are keyed with their types."""
+    args = _args()
+    arrays = (args["x"], args["weight"], args["bias"], args["running_mean"], args["running_var"], args["bn_weight"],
+              args["bn_bias"], args["scale"], None)
+    assert lbs._call_key(arrays, True, 0.1, 1e-5, None) is None
+    cpu = tuple(None if a is None else torch.from_numpy(a) for a in arrays)
+    assert lbs._call_key(cpu, True, 0.1, 1e-5, None) is None
+    assert _callcache.typed(True, 0.1) != _callcache.typed(1, 0.1)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -452,6 +463,56 @@ def test_gpu_large_logits_and_mixed_parameter_dtypes(dtype):
         if training:
             _check_close("running_mean", torch.as_tensor(cupy.asnumpy(dev["running_mean"])), rm_t, rm, dtype)
             _check_close("running_var", torch.as_tensor(cupy.asnumpy(dev["running_var"])), rv_t, rv, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_gpu_call_cache_replay_equals_full_path(kind, monkeypatch):
+    """A repeated call replays the prepared launches (no checks): output and running stats are bit-identical to the
+    full path's on the same values, for new x and parameter buffers, and a call on another stream gets its own
+    entry."""
+    import cupy
+    n, k, f = 48, 96, 1000
+    gen = torch.Generator().manual_seed(21)
+    plain = _randomize(Model(k, f), gen).cuda().half().train()
+    conv = (lambda t: t) if kind == "torch" else (lambda t: None if t is None else cupy.from_dlpack(t.detach()))
+
+    def fresh_state():
+        st = {key: conv(None if v is None else v.detach().clone()) for key, v in _state(plain).items()}
+        st["num_batches_tracked"] = conv(plain.bn.num_batches_tracked.clone())
+        return st
+
+    def call(x, st):
+        return linear_batchnorm_softmax(conv(x), **st, training=True, momentum=0.1, eps=1e-5)
+
+    def host(v):
+        return v.detach().cpu().numpy() if kind == "torch" else cupy.asnumpy(v)
+
+    _callcache.clear()
+    full, replay = fresh_state(), fresh_state()
+    for step in range(3):
+        x = torch.randn(n, k, generator=gen).half().cuda()
+        with monkeypatch.context() as m:
+            m.setattr(_callcache, "get", lambda key: None)  # full path: checks, plan, launches
+            expect = call(x, full)
+        if step == 0:
+            call(x.clone(), fresh_state())  # makes the entry
+        with monkeypatch.context() as m:
+            m.setattr(lbs, "_check", lambda *a, **kw: pytest.fail("replay must not run the checks"))
+            got = call(x, replay)
+        np.testing.assert_array_equal(host(got), host(expect))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):
+            np.testing.assert_array_equal(host(replay[name]), host(full[name]))
+    side = torch.cuda.Stream() if kind == "torch" else cupy.cuda.Stream()
+    torch.cuda.synchronize()
+    with (torch.cuda.stream(side) if kind == "torch" else side), monkeypatch.context() as m:
+        calls = []
+        real = lbs._check
+        m.setattr(lbs, "_check", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        got = call(x, fresh_state())
+        side.synchronize()
+    assert calls, "another stream must not replay the first stream's entry"
+    np.testing.assert_array_equal(host(got), host(call(x, fresh_state())))
 
 
 @pytest.mark.gpu
