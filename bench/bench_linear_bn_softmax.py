@@ -235,7 +235,7 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
             continue
         kernel = lbs.SOFTMAX_ROWS.kernel(**row)
         resident = lbs._sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
-        for grid in sorted({min(N // lbs.ROW_ROWS, resident * m) for m in (1, 2, 4)}):
+        for grid in sorted({min(N // row["rows"], resident * m) for m in (1, 2, 4)}):
             us = _graph_us(lambda: kernel((grid,), (row["threads"],), (struct_arg(params),)))
             out.append(dict(variant=lbs.SOFTMAX_ROWS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
     return out

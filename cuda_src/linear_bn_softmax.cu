@@ -5,43 +5,46 @@
 //   eval:      mu_f = running_mean_f - bias_f,  var_f = running_var_f
 //   a_f = gamma_f · scale_f / sqrt(var_f + eps),   d_f = beta_f · scale_f
 //   out[n, :] = softmax_f(a_f · (y[n, f] - mu_f) + d_f)
-// (y - mu) is kept as a subtraction: the one-FMA form a·y + (d - a·mu) cancels catastrophically when |mu| >> std
-// (small batches, large offsets): 4.7x torch's fp32 error on a 3-row batch at F = 20000; the subtraction form
-// stays within 2x there.
+// For fp32, (y - mu) is kept as a subtraction: the one-FMA form a·y + b, b = d - a·mu, cancels when |mu| >> std
+// (small batches, large offsets): 4.7x torch's fp32 error on a 3-row batch at F = 20000. For fp16/bf16 the row
+// kernel uses the one-FMA form: its cancellation error |a·mu|·2⁻²⁴ is far below y's own rounding |y|·2⁻¹¹ (|y| ≈
+// |mu| there), and it keeps two values per column in registers instead of three.
 // The Linear bias never enters the GEMM: in training BatchNorm subtracts the batch mean, which absorbs any per-feature
 // constant exactly, so bias only shifts the running_mean update (mean of y + bias); in eval it folds into mu_f.
 // Running stats (training): running_mean = (1-m)·running_mean + m·(mu + bias); running_var = (1-m)·running_var +
 // m·var·N/(N-1) (unbiased), m = momentum, or 1/(num_batches_tracked + 1) for momentum=None (cumulative average);
 // num_batches_tracked += 1.
 //
-// Algorithm: two kernels after the GEMM, each one pass over the (N, F) activations, which sit in L2 right after the
-// GEMM (1024 × 8192 fp16 = 16 MB of the H200's 50 MB L2).
-//   column_stats:  (training) per-feature mean / M2 in fp32. Each thread runs Welford over a strided subset of rows
-//                  (one shared 1/count per row for its kVec columns), then partial (count, mean, M2) triples merge
-//                  with Chan et al.'s pairwise formula: first across lanes of a warp (shuffles), then across warps
-//                  (shared memory). Stable for any |mean|/std ratio, unlike sum/sum-of-squares. The same block folds
-//                  the statistics into Affine (mu, a, d), a and d pre-multiplied by log2(e), and updates the running
-//                  stats in place.
+// Algorithm: two kernels after the GEMM, each one pass over the (N, F) activations y, which sit mostly in L2 right
+// after the GEMM (1024 × 8192 fp16 = 16 MB of the H200's 50 MB L2). y is a per-stream workspace (or the output
+// itself, for large y): the row kernel reads y and writes out, in place when they alias.
+//   column_stats:  (training) per-feature mean / M2 in fp32. Each thread takes 8 rows at a time (all loads in
+//                  flight), reduces them to a batch mean and M2 in registers and merges that into its running
+//                  (count, mean, M2) with Chan et al.'s pairwise formula; the partials then merge across lanes
+//                  (shuffles) and warps (shared memory) the same way. Stable for any |mean|/std ratio, unlike
+//                  sum/sum-of-squares. The same block folds the statistics into Affine (mu, a, d, b), a, d and b
+//                  pre-multiplied by log2(e), and updates the running stats in place; the per-feature parameters
+//                  it needs are loaded before the main loop.
 //   fold_running_stats: (eval) the same fold from the running stats, one thread per feature; reads no activations.
 //   softmax_rows:  the thread's Affine entries loaded once into registers, then a grid-stride loop over kRows rows
-//                  at a time: s = a·(y - mu) + d (base-2 units), block max, exp2, block sum, scale, store. A row
-//                  is read completely into registers before it is written, so the kernel runs in place on the GEMM
-//                  output (no second (N, F) buffer, one 16 MB footprint in L2).
+//                  at a time: s = a·y + b (16-bit) or a·(y - mu) + d (fp32), in base-2 units, block max, exp2,
+//                  block sum, scale, store. 16-bit types load the next kRows rows (packed) while the current ones
+//                  are reduced and written.
 //   softmax_rows_streaming: rows too long for registers (F > 8192): online (max, sum) in a first pass, then a
 //                  second pass writes; both passes read y from L2/HBM.
 // Accumulation: fp32 throughout (statistics, affine, exp, sums); storage in the input dtype T.
 //
-// Thread mapping and tile sizes (the launcher reads the same table, cupy_attn/_linear_bn_softmax.py):
-//   column_stats<T, kVec, kColThreads>: 256 threads = kColThreads threads across a strip of kVec·kColThreads = 32
-//     columns × (256 / kColThreads) rows at a time. kVec = 4 gives 8-byte (fp16/bf16) or 16-byte (fp32) loads and
-//     8 rows of 64/128 contiguous bytes per warp; 32-column strips give 256 blocks at F = 8192 (about 2 per SM on
-//     132 SMs) with no cross-block reduction, so the block that owns a strip also finalizes it.
+// Thread mapping and tile sizes (the launcher reads the same tables, cupy_attn/_linear_bn_softmax.py):
+//   column_stats<T, kVec, kColThreads, kThreads>: kColThreads threads across a strip of kVec·kColThreads columns,
+//     kThreads / kColThreads rows deep. 16-byte loads (kVec = 8 for 16-bit types, 4 for fp32); F = 8192 fp16 takes
+//     (8, 4, 256): 32-column strips of 64-byte row segments, 256 blocks, several resident per SM, no cross-block
+//     reduction, so the block that owns a strip also finalizes it.
 //   softmax_rows<T, kThreads, kVec, kChunks, kRows>: kThreads threads per row, each owning kChunks vectors of kVec
-//     elements (16-byte vectors: kVec = 8 for 16-bit types, 4 for fp32; kVec = 1 when F is not a multiple).
-//     F = 8192 picks 512 threads × 16 elements: y (2 rows × 16) + mu, a, d (3 × 16) fit the 128 registers a
-//     512-thread block may use at one block per SM, and the Affine is read once per block (not per row:
-//     re-reading it per row would be 96 KB of L2 traffic per 16 KB row). kRows = 2 halves the barriers per row
-//     and keeps two rows' loads in flight.
+//     elements (kVec = 1 when F is not a multiple of the vector width). F = 8192 fp16/bf16 takes 256 threads × 32
+//     elements, one row per iteration: a, b (64 floats), the row (32) and the next row packed (16) fit 128
+//     registers, so two blocks share an SM and one block's loads overlap the other's reductions. fp32 takes 512 ×
+//     16 elements, two rows per iteration (mu, a, d and two rows: 80 floats). The Affine is read once per block,
+//     not per row (96 KB of L2 traffic per 16 KB row otherwise).
 //
 // Version ladder (H200, (1024, 8192) -> 8192 fp16, kernels after the GEMM; bench/NOTES_linear_bn_softmax.md):
 //   v1  eval fold inside softmax_rows through __noinline__ dtype-switch loads: 80 serialized L2 round trips per
@@ -51,6 +54,10 @@
 //       float4 loads 128 B apart: 34 MB of sectors per wave of 132 blocks).
 //   v3  Affine as structure of arrays (3, F): coalesced 32-byte vector loads, 96 KB per block; 1/sqrtf.
 //       Row kernel 18.2 -> 14.7 µs (1.24x); all kernels after the GEMM: 22 µs training, 18 µs eval (device time).
+//   v4  statistics in batches of 8 rows (one division per batch, not per row) with the parameters prefetched,
+//       16-byte loads: 7.5 -> 6.1 µs; 16-bit rows in the one-FMA form with the next rows in flight, ex2.approx.ftz:
+//       row kernel 14.7 -> 10.4 µs; then 256 threads × 32 elements, two blocks per SM: 10.4 -> 7.9 µs. All kernels
+//       after the GEMM: 22.7 -> 14.0 µs training, 17.8 -> 9.7 µs eval.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 
@@ -406,7 +413,8 @@ __device__ __forceinline__ void count_batch(const Params& p) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
-// Affine + row softmax, registers only. Requires F <= kThreads·kVec·kChunks and F % kVec == 0. In place on p.out.
+// Affine + row softmax, registers only. Requires F <= kThreads·kVec·kChunks and F % kVec == 0. Reads p.y, writes
+// p.out (they may alias).
 // 16-bit T: s = a·y + b (Affine rows 1 and 3), and the next kRows rows are loaded, still packed, while the current
 // ones are reduced and written (software pipelining; the packed rows cost kRows·kChunks·kVec/2 registers).
 // fp32: s = a·(y − mu) + d (rows 0–2), no prefetch. Why the forms differ: the one-FMA form loses |a·mu|·2⁻²⁴ to
@@ -533,7 +541,7 @@ __global__ void __launch_bounds__(kThreads) softmax_rows(const Params p) {
 
 // ---------------------------------------------------------------------------------------------------------------------
 // Affine + row softmax for rows of any length: pass 1 keeps an online (max, sum) per thread, pass 2 writes.
-// One row per block iteration (grid-stride); Affine read per element (L1/L2 hits). In place on p.out.
+// One row per block iteration (grid-stride); Affine read per element (L1/L2 hits). Reads p.y, writes p.out (may alias).
 template <typename T, int kThreads, int kVec>
 __global__ void __launch_bounds__(kThreads) softmax_rows_streaming(const Params p) {
   constexpr int kWarps = kThreads / 32;

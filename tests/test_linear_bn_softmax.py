@@ -269,12 +269,14 @@ def test_plans_are_declared_variants(dtype):
         if plan.kernel == "softmax_rows":
             assert plan.threads * plan.vec * plan.chunks >= f and f % plan.vec == 0
             expr = lbs.SOFTMAX_ROWS.name_expression(dtype=c, threads=plan.threads, vec=plan.vec, chunks=plan.chunks,
-                                                    rows=lbs.ROW_ROWS)
+                                                    rows=plan.rows)
             assert expr in rows
         else:
             assert f > lbs.ROW_MAX_REGISTER_ROW and f % plan.vec == 0
             assert lbs.SOFTMAX_ROWS_STREAMING.name_expression(dtype=c, threads=plan.threads, vec=plan.vec) in streams
-    assert lbs.row_plan(8192, np.float16) == lbs.RowPlan("softmax_rows", 512, 8, 2)
+    assert lbs.row_plan(8192, np.float16) == lbs.RowPlan("softmax_rows", 256, 8, 4, 1)
+    assert lbs.row_plan(8192, np.float32) == lbs.RowPlan("softmax_rows", 512, 4, 4, 2)
+    assert lbs.row_plan(4096, np.float16) == lbs.RowPlan("softmax_rows", 512, 8, 1, 2)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -339,7 +341,7 @@ def _poison_allocators(shape, dtype):
     del c
 
 
-GPU_SHAPES = [(2, 5, 3), (7, 64, 1000), (33, 17, 129), (5, 40, 31), (300, 96, 2050), (64, 128, 8192),
+GPU_SHAPES = [(2, 5, 3), (7, 64, 1000), (33, 17, 129), (5, 40, 31), (300, 96, 2050), (9, 24, 6000), (64, 128, 8192),
               (3, 24, 8200), (3, 24, 20000), (4, 16, 20001)]
 
 
