@@ -5,6 +5,7 @@ Times are medians of CUDA-event timings from ``cupyx.profiler.benchmark`` after 
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import platform
@@ -52,12 +53,18 @@ extern "C" __global__ void spin(long long cycles) {
 }'''
 
 
+@functools.lru_cache(maxsize=None)
+def _spin_kernel():
+    import cupy
+    return cupy.RawKernel(_SPIN_SOURCE, "spin")
+
+
 def device_ms(fn, reps: int = 15) -> float:
     """Median device time of fn() in ms, the host time excluded: each call is enqueued behind a ~3 ms spin kernel,
     so the host runs ahead and the events around the call time only device work and gaps the device cannot hide.
     The difference to median_ms (an idle GPU at the start) is host time the GPU waits for."""
     import cupy
-    spin = cupy.RawKernel(_SPIN_SOURCE, "spin")
+    spin = _spin_kernel()
     stream = cupy.cuda.get_current_stream()
     times = []
     for _ in range(reps):

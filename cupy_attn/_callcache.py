@@ -39,8 +39,8 @@ def _sig_cupy(a) -> tuple:
 def signatures(arrays: tuple) -> tuple | None:
     """(kind, per-array signatures, stream handle) when every array that is not None is an exact torch CUDA tensor (or
     nn.Parameter, a module's weights) or an exact cupy.ndarray, all of the first array's kind; None otherwise (the
-    call is not cacheable). A None array
-    signs as None. The stream is torch's current stream on the first array's device, or CuPy's current stream."""
+    call is not cacheable). A None array signs as None. The stream is torch's current stream on the first array's
+    device, or CuPy's current stream."""
     first = arrays[0]
     kind = type(first)
     torch = sys.modules.get("torch")

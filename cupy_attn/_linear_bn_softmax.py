@@ -60,7 +60,8 @@ STATS_TILES = {8: ((8, 4, 256), (8, 8, 512), (8, 4, 512)), 4: ((4, 8, 256), (4, 
 # Elements per thread E = kVec·kChunks ∈ {4, 8, 16}: 16 keeps y (2 rows) + mu, a, d at 80 live floats per thread,
 # under the 128 registers a 512-thread block may use at 1 block/SM (ptxas: 124-128); thread counts 128 (F ≤ 2048)
 # and 512 (≤ 8192). 1024 threads leave 64 registers a thread: at E = 8 they spilled (v1, and sm_80 in v4), and
-# <__half, 1024, 8, 1, 2> was slower than 512 × 16 (14.3 vs 10.4 µs, v4 sweep). kRows = 2 rows per block iteration (two rows' loads in flight, half the barriers per row).
+# <__half, 1024, 8, 1, 2> was slower than 512 × 16 (14.3 vs 10.4 µs, v4 sweep). kRows = 2 rows per block iteration
+# (two rows' loads in flight, half the barriers per row).
 ROW_THREADS = (128, 512)
 ROW_ELEMS = (4, 8, 16)
 ROW_ROWS = 2
