@@ -1,4 +1,4 @@
-"""Benchmark of the fused attention kernel (cupy_attn._flash) against torch's SDPA backends, in one process.
+"""Benchmark of the fused attention kernel (cupy_attn.attention.fused) against torch's SDPA backends, in one process.
 
 Each row: our public API forced to the fused kernel (torch tensors in, as users call it; host time included, as
 torch's), torch's FLASH_ATTENTION backend and torch's default choice (cuDNN on Hopper; with a mask, the backend
@@ -65,7 +65,7 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cupy_attn
-    from cupy_attn import _flash
+    from cupy_attn.attention import fused as _flash
 
     B, H, L, D = shape
     S = L
@@ -154,7 +154,7 @@ def format_table(rows: list[dict]) -> str:
 
 def sweep_tiles(dtype_names: tuple = ("float16",)) -> list[dict]:
     """Tile candidates per head dim on the target shapes (the measurements behind _flash.TILES)."""
-    from cupy_attn._flash import Tile
+    from cupy_attn.attention.fused import Tile
 
     candidates = {  # mma.sync (the table's sm_90 entries), then sm_90a wgmma shapes
         "d64": [Tile(128, 128, 4, 2), Tile(128, 128, 8, 2, True), Tile(128, 64, 8, 2, True),
@@ -178,7 +178,7 @@ def sanitize_run() -> int:
     for compute-sanitizer memcheck/racecheck. Returns the number of launches."""
     import cupy
 
-    from cupy_attn import _flash
+    from cupy_attn.attention import fused as _flash
 
     rng = np.random.default_rng(0)
     n = 0

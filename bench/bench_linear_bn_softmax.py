@@ -21,7 +21,7 @@ import itertools
 import numpy as np
 
 from common import device_ms
-from cupy_attn._compile import struct_arg
+from cupy_attn.runtime.compile import struct_arg
 
 N, K, F = 1024, 8192, 8192
 
@@ -107,9 +107,9 @@ def benchmark(quick: bool = False) -> list[dict]:
     import cupy
     import torch
 
-    from cupy_attn import _cublas
-    from cupy_attn import _linear_bn_softmax as lbs
-    from cupy_attn._linear_bn_softmax import linear_batchnorm_softmax
+    from cupy_attn.runtime import blas as _cublas
+    from cupy_attn.linear_bn_softmax import checks as lbs_checks, launch as lbs
+    from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 
     repeat, warmup = (20, 5) if quick else (100, 20)
     configs = [("float16", False), ("bfloat16", False)]
@@ -167,7 +167,7 @@ def benchmark(quick: bool = False) -> list[dict]:
                 # Our kernels after the GEMM alone, device time only (CUDA graph), on a GEMM result (in place:
                 # later repeats see probabilities, same cost); the running stats are restored afterwards.
                 saved = {k: v.clone() for k, v in plain.state_dict().items()}
-                call = lbs._check(xs[0], plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var,
+                call = lbs_checks.check(xs[0], plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var,
                                   bn.weight, bn.bias, plain.scale, training, bn.momentum, bn.eps,
                                   bn.num_batches_tracked)
                 gemm_only()
@@ -216,14 +216,14 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
     import cupy
     import torch
 
-    from cupy_attn import _linear_bn_softmax as lbs
+    from cupy_attn.linear_bn_softmax import checks as lbs_checks, launch as lbs
     dt = getattr(torch, dname)
     plain = _model(dt).eval()
     bn = plain.bn
     w = cupy.from_dlpack(plain.gemm.weight.detach())
     y = cupy.random.standard_normal((N, F), dtype=np.float32).astype(w.dtype)
     x = torch.randn(N, K, device="cuda").to(dt)
-    call = lbs._check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+    call = lbs_checks.check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
                       plain.scale, False, bn.momentum, bn.eps, None)
     launches = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)
     post_first(launches)  # the Affine workspace the row kernels read
@@ -247,12 +247,12 @@ def sweep_stats_kernels(dname: str = "float16") -> list[dict]:
     import cupy
     import torch
 
-    from cupy_attn import _linear_bn_softmax as lbs
+    from cupy_attn.linear_bn_softmax import checks as lbs_checks, launch as lbs
     plain = _model(getattr(torch, dname)).train()
     bn = plain.bn
     y = cupy.random.standard_normal((N, F), dtype=np.float32).astype(cupy.from_dlpack(plain.gemm.weight.detach()).dtype)
     x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
-    call = lbs._check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+    call = lbs_checks.check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
                       plain.scale, True, bn.momentum, bn.eps, bn.num_batches_tracked)
     params = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)[0][-1]
     out = []
@@ -274,8 +274,9 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
 
     import torch
 
-    from cupy_attn import _callcache
-    from cupy_attn import _linear_bn_softmax as lbs
+    from cupy_attn.linear_bn_softmax import api as lbs_api
+    from cupy_attn.runtime import callcache as _callcache
+    from cupy_attn.linear_bn_softmax import checks as lbs_checks, launch as lbs
     plain = _model(getattr(torch, dname)).train()
     bn = plain.bn
     x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
@@ -289,17 +290,17 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
                                             num_batches_tracked=bn.num_batches_tracked)
     whole()
     whole()  # the second call binds the cuBLASLt call
-    call = lbs._check(*args)
-    prepared = _callcache.get(lbs._call_key(arrays, True, bn.momentum, bn.eps, None)).prepared
+    call = lbs_checks.check(*args)
+    prepared = _callcache.get(lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None)).prepared
     vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs._VECTOR_ARGS)
     y = torch.empty(N, F, device="cuda", dtype=x.dtype)
     steps = {
-        "cache key": lambda: lbs._call_key(arrays, True, bn.momentum, bn.eps, None),
+        "cache key": lambda: lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None),
         "new_empty": lambda: x.new_empty((N, F)),
         "gemm enqueue": lambda: prepared._matmul(y.data_ptr(), x.data_ptr(), plain.gemm.weight.data_ptr()),
         "params": lambda: prepared.params(y.data_ptr(), y.data_ptr(), vectors),
         "whole call (hit)": whole,
-        "checks (miss)": lambda: lbs._check(*args),
+        "checks (miss)": lambda: lbs_checks.check(*args),
         "prepare (miss)": lambda: lbs._Prepared(call, bn.momentum, bn.eps, False, K, K),
     }
     out = {}
@@ -318,7 +319,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
     prefixes = {
         "visible: gemm": lambda: matmul(y.data_ptr(), x.data_ptr(), w.data_ptr()),
         "visible: new_empty+gemm": lambda: matmul(x.new_empty((N, F)).data_ptr(), x.data_ptr(), w.data_ptr()),
-        "visible: key+new_empty+gemm": lambda: (lbs._call_key(arrays, True, bn.momentum, bn.eps, None),
+        "visible: key+new_empty+gemm": lambda: (lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None),
                                                 matmul(x.new_empty((N, F)).data_ptr(), x.data_ptr(), w.data_ptr())),
         "visible: whole call": whole,
     }

@@ -69,8 +69,9 @@ def profile_split() -> None:
     import torch
 
     from common import median_ms
-    from cupy_attn import _checks, _cublas, _split
-    from cupy_attn._compile import struct_arg
+    from cupy_attn.attention import checks as _checks, split as _split
+    from cupy_attn.runtime import blas as _cublas
+    from cupy_attn.runtime.compile import struct_arg
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
     p = _checks.check_sdpa(q, k, v, None, 0.0, False, None, False, "split")
     n, L, S, E = 1024, 512, 512, 1024
@@ -106,7 +107,7 @@ def profile_split() -> None:
 def _softmax_params(scores, rows, L, S):
     import numpy as np
 
-    from cupy_attn import _split
+    from cupy_attn.attention import split as _split
     prm = np.zeros((), dtype=_split._PARAMS)
     prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
     prm["causal_offset"], prm["n1"], prm["n2"] = S, 1, 1

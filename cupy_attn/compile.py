@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _compile
+from .runtime import compile as _compile
 
 
 def run(archs, families=None, verbose=False, out=sys.stdout) -> bool:

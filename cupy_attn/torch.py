@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._linear_bn_softmax import linear_batchnorm_softmax
+from .linear_bn_softmax import linear_batchnorm_softmax
 
 __all__ = ["LinearBatchNormSoftmax"]
 

@@ -4,7 +4,8 @@ import io
 
 import pytest
 
-from cupy_attn import _compile, compile as compile_cli
+from cupy_attn import compile as compile_cli
+from cupy_attn.runtime import compile as _compile
 
 FAMILIES = _compile.all_families()
 

@@ -1,4 +1,4 @@
-"""The fused FlashAttention-2 kernel (cupy_attn._flash) called through its launcher, against the float64 reference.
+"""The fused FlashAttention-2 kernel (cupy_attn.attention.fused) called through its launcher, against the float64 reference.
 
 GPU tests poison out and lse with NaN, run flash_forward on CuPy views of torch tensors (zero-copy, strides kept),
 and accept an error of at most twice torch's own SDPA error in the same precision plus output rounding noise
@@ -10,7 +10,9 @@ forced by CUPY_ATTN_WGMMA=0), so both stay correct for every head-dim bucket the
 import numpy as np
 import pytest
 
-from cupy_attn import _compile, _flash, reference
+from cupy_attn import reference
+from cupy_attn.attention import fused as _flash
+from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
 
@@ -56,9 +58,9 @@ def test_sm90a_instantiations_compile_without_spills():
 
 
 def test_wgmma_header_is_generated():
-    from cupy_attn import _wgmma_gen
+    from cupy_attn.attention import wgmma_gen as _wgmma_gen
     assert _wgmma_gen.header_path().read_text() == _wgmma_gen.generate(), \
-        "cuda_src/common/wgmma.cuh is stale: run python -m cupy_attn._wgmma_gen"
+        "cuda_src/common/wgmma.cuh is stale: run python -m cupy_attn.attention.wgmma_gen"
 
 
 def test_wgmma_tiles():
@@ -75,7 +77,7 @@ def test_wgmma_tiles():
 
 
 def _wgmma_n(name):
-    from cupy_attn import _wgmma_gen
+    from cupy_attn.attention import wgmma_gen as _wgmma_gen
     return getattr(_wgmma_gen, name)
 
 

@@ -13,9 +13,10 @@ import zlib
 import numpy as np
 import pytest
 
-from cupy_attn import _callcache, _compile, reference
-from cupy_attn import _linear_bn_softmax as lbs
-from cupy_attn._linear_bn_softmax import linear_batchnorm_softmax
+from cupy_attn import reference
+from cupy_attn.linear_bn_softmax import api as lbs_api, checks as lbs_checks, launch as lbs
+from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
+from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -199,9 +200,9 @@ def test_call_cache_key_only_for_device_arrays_of_one_kind():
     args = _args()
     arrays = (args["x"], args["weight"], args["bias"], args["running_mean"], args["running_var"], args["bn_weight"],
               args["bn_bias"], args["scale"], None)
-    assert lbs._call_key(arrays, True, 0.1, 1e-5, None) is None
+    assert lbs_api._call_key(arrays, True, 0.1, 1e-5, None) is None
     cpu = tuple(None if a is None else torch.from_numpy(a) for a in arrays)
-    assert lbs._call_key(cpu, True, 0.1, 1e-5, None) is None
+    assert lbs_api._call_key(cpu, True, 0.1, 1e-5, None) is None
     assert _callcache.typed(True, 0.1) != _callcache.typed(1, 0.1)
 
 
@@ -264,7 +265,7 @@ def test_plans_are_declared_variants(dtype):
     rows = set(lbs.SOFTMAX_ROWS.name_expressions())
     streams = set(lbs.SOFTMAX_ROWS_STREAMING.name_expressions())
     for f in [1, 2, 3, 7, 8, 31, 32, 100, 1000, 1001, 2048, 2050, 4096, 8192, 8193, 16384, 16392, 20000, 20001]:
-        plan = lbs.row_plan(f, np.dtype(dtype) if dtype != "bfloat16" else lbs._interop.dtype_of(
+        plan = lbs.row_plan(f, np.dtype(dtype) if dtype != "bfloat16" else interop.dtype_of(
             torch.empty(1, dtype=torch.bfloat16), "torch_cpu"))
         if plan.kernel == "softmax_rows":
             assert plan.threads * plan.vec * plan.chunks >= f and f % plan.vec == 0
@@ -440,7 +441,7 @@ def test_gpu_large_logits_and_mixed_parameter_dtypes(dtype):
                 bias=rng.standard_normal(f), running_mean=rng.standard_normal(f) * 0.1,
                 running_var=rng.random(f) + 0.5, bn_weight=rng.random(f) + 0.5, bn_bias=rng.standard_normal(f),
                 scale=np.array([1000.0]))
-    npdt = lbs._interop.dtype_of(torch.empty(1, dtype=DTYPES[dtype]), "torch")
+    npdt = interop.dtype_of(torch.empty(1, dtype=DTYPES[dtype]), "torch")
     low = {key: (v.astype(npdt) if key in ("x", "weight", "bias") else v.astype(np.float32)) for key, v in host.items()}
     for training in (True, False):
         ref, rm, rv, _ = reference.linear_batchnorm_softmax(
@@ -500,7 +501,7 @@ def test_gpu_call_cache_replay_equals_full_path(kind, monkeypatch):
         if step == 0:
             call(x.clone(), fresh_state())  # makes the entry
         with monkeypatch.context() as m:
-            m.setattr(lbs, "_check", lambda *a, **kw: pytest.fail("replay must not run the checks"))
+            m.setattr(lbs_api, "check", lambda *a, **kw: pytest.fail("replay must not run the checks"))
             got = call(x, replay)
         np.testing.assert_array_equal(host(got), host(expect))
         for name in ("running_mean", "running_var", "num_batches_tracked"):
@@ -509,8 +510,8 @@ def test_gpu_call_cache_replay_equals_full_path(kind, monkeypatch):
     torch.cuda.synchronize()
     with (torch.cuda.stream(side) if kind == "torch" else side), monkeypatch.context() as m:
         calls = []
-        real = lbs._check
-        m.setattr(lbs, "_check", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+        real = lbs_api.check
+        m.setattr(lbs_api, "check", lambda *a, **kw: calls.append(1) or real(*a, **kw))
         got = call(x, fresh_state())
         side.synchronize()
     assert calls, "another stream must not replay the first stream's entry"

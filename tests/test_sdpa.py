@@ -257,7 +257,7 @@ def test_generic_dlpack_objects_come_back_as_cupy():
 @pytest.mark.parametrize("backend,E", [("auto", 64), ("split", 64), ("auto", 1000)])
 def test_call_cache_replays_on_new_data(backend, E):
     """A repeated call (same layout, flags, stream) replays the prepared launch; it must equal a full-path call."""
-    from cupy_attn import _callcache
+    from cupy_attn.runtime import callcache as _callcache
     g = torch.Generator("cuda").manual_seed(21)
     mask = torch.rand(2, 1, 1, 77, generator=g, device="cuda") > 0.2
     for kw in ({}, {"attn_mask": mask, "return_lse": True}, {"is_causal": True, "scale": 0.3}):
@@ -278,7 +278,7 @@ def test_call_cache_replays_on_new_data(backend, E):
 
 
 def test_call_cache_keys_on_layout_stream_and_environment(monkeypatch):
-    from cupy_attn import _callcache
+    from cupy_attn.runtime import callcache as _callcache
     _callcache.clear()
     g = torch.Generator("cuda").manual_seed(22)
     q, k, v = (_rand((1, 2, 64, 64), "float16", g) for _ in range(3))
@@ -304,7 +304,7 @@ def test_call_cache_keys_on_layout_stream_and_environment(monkeypatch):
 def test_call_cache_cupy_inputs(backend):
     """CuPy callers are cached too (CuPy's current stream, outputs from CuPy's pool); replays equal full-path calls."""
     import cupy
-    from cupy_attn import _callcache
+    from cupy_attn.runtime import callcache as _callcache
     rng = cupy.random.default_rng(23)
     mask = rng.random((2, 1, 1, 77)) > 0.2
     for kw in ({}, {"attn_mask": mask, "return_lse": True}):

@@ -3,7 +3,9 @@ import numpy as np
 import pytest
 
 import cupy_attn
-from cupy_attn import _checks, _dispatch, _interop, reference
+from cupy_attn import reference
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch
+from cupy_attn.runtime import interop as _interop
 
 SDPA = cupy_attn.scaled_dot_product_attention
 
@@ -153,7 +155,7 @@ def test_env_override_and_forced_backends(monkeypatch):
 
 
 def test_softmax_tile_covers_row():
-    from cupy_attn import _split
+    from cupy_attn.attention import split as _split
     for masked in (False, True):
         for S in (1, 77, 128, 129, 512, 1000, 1024, 1025, 8192, 16384, 16385, 100000):
             threads, vecs = _split.softmax_tile(S, masked)
@@ -188,7 +190,7 @@ def test_forced_fused_reports_tile_and_refuses_fp32():
 
 
 def test_call_cache_takes_only_torch_cuda_tensors():
-    from cupy_attn import _callcache
+    from cupy_attn.runtime import callcache as _callcache
     q, k, v = _qkv()
     args = (None, 0.0, False, None, False, "auto", False, False, None)
     assert _callcache.key(q, k, v, *args) is None
@@ -198,7 +200,7 @@ def test_call_cache_takes_only_torch_cuda_tensors():
 
 
 def test_call_cache_refuses_mixed_kinds():
-    from cupy_attn import _callcache
+    from cupy_attn.runtime import callcache as _callcache
     torch = pytest.importorskip("torch")
     q, k, v = _qkv()
     args = (None, 0.0, False, None, False, "auto", False, False, None)

@@ -3,20 +3,21 @@
 Variants are text edits of cuda_src/softmax.cu compiled next to each other in one process, timed alone (median of
 CUDA events), interleaved over rounds; each checks its P against the unedited kernel's on fresh random scores first.
 
-    PYTHONPATH=. python3 bench/probe_softmax.py
+    PYTHONPATH=. python3 bench/experiments/probe_softmax.py
 """
 import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 from cupyx.profiler import benchmark  # noqa: E402
 
-from cupy_attn import _compile, _split  # noqa: E402
-from cupy_attn._compile import struct_arg  # noqa: E402
+from cupy_attn.attention import split as _split  # noqa: E402
+from cupy_attn.runtime import compile as _compile  # noqa: E402
+from cupy_attn.runtime.compile import struct_arg  # noqa: E402
 
 EX2 = """
 __device__ __forceinline__ float probe_ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }

@@ -19,7 +19,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import _interop
+from . import interop
 
 # Environment variables that change a call's plan (read per call by the full path, so part of the key).
 ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_WORKSPACE_BYTES")
@@ -51,7 +51,7 @@ def signatures(arrays: tuple) -> tuple | None:
         if device < 0:
             return None
         return ("torch", tuple(None if a is None else _sig_torch(a) for a in arrays),
-                _interop.current_torch_stream(device))
+                interop.current_torch_stream(device))
     if any(a is not None and type(a) is not kind for a in arrays):
         return None
     cupy = sys.modules.get("cupy")
@@ -91,7 +91,7 @@ class Entry:
     run: Callable[..., None]
 
     def __call__(self, query, key_, value, attn_mask):
-        if self.ctx.kind == _interop.TORCH:
+        if self.ctx.kind == interop.TORCH:
             torch = sys.modules["torch"]
             out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
             lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)

@@ -1,4 +1,4 @@
-"""The fused attention path: FlashAttention-2 forward on tensor cores (cuda_src/flash_fwd.cu).
+"""The fused attention path: FlashAttention-2 forward on tensor cores (cuda_src/attention/flash_fwd.cu).
 
 One kernel family, ``FLASH_FWD``, instantiated over element type × head-dim bucket × tile × has-mask. Head dims E
 and Ev are served by the smallest instantiated bucket ≥ max(E, Ev); the kernel zero-pads the missing columns in
@@ -13,8 +13,8 @@ import os
 
 import numpy as np
 
-from ._compile import KernelFamily, struct_arg
-from ._interop import dtype_name
+from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.interop import dtype_name
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
 
@@ -96,7 +96,7 @@ WGMMA_TILES = {
 
 FLASH_FWD = KernelFamily(
     name="flash_fwd",
-    source="flash_fwd.cu",
+    source="attention/flash_fwd.cu",
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, false>"),
     axes={
@@ -111,7 +111,7 @@ FLASH_FWD = KernelFamily(
 # The same kernel with kWgmma = true: Hopper only (compute capability 9.0 exactly), compiled to an sm_90a cubin.
 FLASH_FWD_SM90A = KernelFamily(
     name="flash_fwd_sm90a",
-    source="flash_fwd.cu",
+    source="attention/flash_fwd.cu",
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, true>"),
     axes={

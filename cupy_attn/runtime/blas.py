@@ -14,8 +14,8 @@ import os
 
 import numpy as np
 
-from . import _cublaslt
-from ._interop import dtype_name
+from . import cublaslt
+from .interop import dtype_name
 
 USE_CUBLASLT = os.environ.get("CUPY_ATTN_CUBLASLT", "1") != "0"
 
@@ -56,9 +56,9 @@ class StridedGemm:
         self._alpha_ptr, self._beta_ptr, self._beta_value = self._alpha.ctypes.data, self._beta.ctypes.data, beta
         compute = compute_type(a_dtype, allow_tf32)
         self._lt_key = self._lt_plan = None
-        if USE_CUBLASLT and _cublaslt.available():
+        if USE_CUBLASLT and cublaslt.available():
             batched = batch > 1
-            self._lt_key = _cublaslt.GemmKey(
+            self._lt_key = cublaslt.GemmKey(
                 cupy.cuda.device.get_device_id(), cuda_dtype(a_dtype), cuda_dtype(b_dtype), cuda_dtype(c_dtype),
                 compute, m, n, k, batch, trans_a, trans_b, lda, ldb, ldc, stride_a * batched, stride_b * batched,
                 stride_c * batched)
@@ -85,7 +85,7 @@ class StridedGemm:
         import cupy
         stream = cupy.cuda.get_current_stream()
         if self._lt_key is not None:
-            self._lt_plan = _cublaslt.matmul(self._lt_key, c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_value,
+            self._lt_plan = cublaslt.matmul(self._lt_key, c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_value,
                                              self._beta_ptr, stream)
             return
         from cupy.cuda import cublas, device

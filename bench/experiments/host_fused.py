@@ -3,21 +3,21 @@
 Prints, for one shape: the call timed from an idle GPU (cupyx.profiler.benchmark) through the public API and through
 _flash.flash_forward, the host µs of each step (median, GPU synchronized between calls), and the top of a cProfile.
 
-    PYTHONPATH=. python3 bench/host_fused.py [B H L D]
+    PYTHONPATH=. python3 bench/experiments/host_fused.py [B H L D]
 """
 import cProfile
 import os
 import pstats
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from cupyx.profiler import benchmark  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from cupy_attn import _checks, _dispatch, _flash  # noqa: E402
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch, fused as _flash  # noqa: E402
 from common import host_us  # noqa: E402
 
 

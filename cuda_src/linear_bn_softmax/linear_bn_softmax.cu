@@ -34,7 +34,7 @@
 //                  second pass writes; both passes read y from L2/HBM.
 // Accumulation: fp32 throughout (statistics, affine, exp, sums); storage in the input dtype T.
 //
-// Thread mapping and tile sizes (the launcher reads the same tables, cupy_attn/_linear_bn_softmax.py):
+// Thread mapping and tile sizes (the launcher reads the same tables, cupy_attn/linear_bn_softmax/launch.py):
 //   column_stats<T, kVec, kColThreads, kThreads>: kColThreads threads across a strip of kVec·kColThreads columns,
 //     kThreads / kColThreads rows deep. 16-byte loads (kVec = 8 for 16-bit types, 4 for fp32); F = 8192 fp16 takes
 //     (8, 4, 256): 32-column strips of 64-byte row segments, 256 blocks, several resident per SM, no cross-block
@@ -91,7 +91,7 @@ struct Params {
   int flags;                        // Flag bits
   float eps, momentum;
 };
-static_assert(sizeof(Params) == 136, "Params layout must match _PARAMS in _linear_bn_softmax.py");
+static_assert(sizeof(Params) == 136, "Params layout must match _PARAMS in linear_bn_softmax/launch.py");
 
 // -inf from its bits: NVRTC has no <math.h> INFINITY.
 __device__ __forceinline__ float minus_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }

@@ -2,14 +2,14 @@
 
     PYTHONPATH=. ncu --clock-control none -k regex:flash_fwd --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \\
-        python3 bench/ncu_flash.py [B H L D]
+        python3 bench/experiments/ncu_flash.py [B H L D]
 """
 import sys
 
 import cupy
 import numpy as np
 
-from cupy_attn import _flash
+from cupy_attn.attention import fused as _flash
 
 B, H, L, D = (int(a) for a in sys.argv[1:5]) if len(sys.argv) > 4 else (8, 16, 2048, 128)
 rng = np.random.default_rng(0)

@@ -11,7 +11,7 @@ import functools
 import os
 from typing import Callable
 
-from . import _split
+from . import split as _split
 
 ENV_BACKEND = "CUPY_ATTN_BACKEND"
 
@@ -38,7 +38,7 @@ class Plan:
 
 def _flash_module():
     try:
-        from . import _flash
+        from . import fused as _flash
     except ImportError:  # the fused family is not part of this build
         return None
     return _flash

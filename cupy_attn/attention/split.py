@@ -1,7 +1,7 @@
 """The split attention path: cuBLAS GEMM → fused mask + softmax kernel → cuBLAS GEMM.
 
     scores = (scale·log2 e) · Q Kᵀ      gemmStridedBatchedEx, fp16/bf16/fp32 in, fp32 compute, fp32 out
-    P      = softmax2(scores + mask)     cuda_src/softmax.cu, in place over the scores buffer (P in the input dtype)
+    P      = softmax2(scores + mask)     cuda_src/attention/softmax.cu, in place over the scores buffer (P in the input dtype)
     out    = P V                          gemmStridedBatchedEx, fp32 compute, out in the input dtype
 
 Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies. The L×S scores
@@ -15,9 +15,9 @@ import os
 
 import numpy as np
 
-from . import _cublas
-from ._compile import KernelFamily, struct_arg
-from ._interop import dtype_name
+from ..runtime import blas
+from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.interop import dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -25,7 +25,7 @@ _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
 # four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
 # budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. The two lists differ at S ≤ 512
-# (bench/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
+# (bench/experiments/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
 # 0.388, 128 × 1 0.532); rows with a key-padding mask 32 × 4 0.568 vs 64 × 2 0.685, causal rows 0.454 vs 0.461.
 SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
     "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
@@ -34,7 +34,7 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
 
 SOFTMAX = KernelFamily(
     name="softmax",
-    source="softmax.cu",
+    source="attention/softmax.cu",
     template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
     axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
           "masked": tuple(SOFTMAX_TILES)},
@@ -120,8 +120,8 @@ class _Chunk:
     lse: int
     params: np.ndarray
     grid: int
-    gemm_qk: _cublas.StridedGemm
-    gemm_pv: _cublas.StridedGemm
+    gemm_qk: blas.StridedGemm
+    gemm_pv: blas.StridedGemm
 
 
 @dataclasses.dataclass
@@ -234,10 +234,10 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
         if (nb, lc) not in gemms:
             gemms[nb, lc] = (
-                _cublas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
+                blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
                                     stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
                                     trans_b=True, m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
-                _cublas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
+                blas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
                                     stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
                                     stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32))
         return gemms[nb, lc]

@@ -44,7 +44,7 @@
 // warpgroup's softmax overlaps the other's GEMM (FlashAttention-3's ping-pong, Shah et al. 2024, without its
 // producer warp, TMA or intra-warpgroup overlap). Head-dim buckets that are multiples of 64 only.
 //
-// Tile sizes: TILES and WGMMA_TILES in cupy_attn/_flash.py, one entry per (dtype, head dim, arch) with the limit behind it
+// Tile sizes: TILES and WGMMA_TILES in cupy_attn/attention/fused.py, one entry per (dtype, head dim, arch) with the limit behind it
 // (registers: kMTiles·(kBlockN/2 + kHeadDim/2) fp32 accumulators per thread must stay under 255 without spills;
 // shared memory: (kBlockM + 2·kStages·kBlockN)·(kHeadDim + 8)·2 bytes, two CTAs per SM where it fits).
 //
@@ -68,7 +68,7 @@
 
 namespace cupy_attn {
 
-// Every field 8 bytes wide, so NumPy's structured dtype in _flash.py has the same layout.
+// Every field 8 bytes wide, so NumPy's structured dtype in cupy_attn/attention/fused.py has the same layout.
 struct FlashFwdParams {
   void* out;                // (B, Hq, L, Ev)
   float* lse;               // (B, Hq, L) fp32 natural log, or nullptr

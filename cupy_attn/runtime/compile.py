@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
-FAMILY_MODULES = ("cupy_attn._split", "cupy_attn._flash", "cupy_attn._linear_bn_softmax")
+FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.linear_bn_softmax.launch")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")
@@ -35,11 +35,11 @@ DEFAULT_ARCHS = ("sm_80", "sm_90")
 
 def source_dir() -> Path:
     """The kernel sources: ``cupy_attn/cuda_src`` when installed, ``<repo>/cuda_src`` in a source tree."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "cuda_src", here.parent / "cuda_src"):
+    package = Path(__file__).resolve().parent.parent
+    for candidate in (package / "cuda_src", package.parent / "cuda_src"):
         if candidate.is_dir():
             return candidate
-    raise FileNotFoundError(f"cupy_attn: kernel sources not found next to {here}")
+    raise FileNotFoundError(f"cupy_attn: kernel sources not found next to {package}")
 
 
 @functools.lru_cache(maxsize=None)

@@ -72,7 +72,7 @@ __device__ __forceinline__ int mask_itemsize(int kind) {
 
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
 // per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
-// bench/probe_softmax.py).
+// bench/experiments/probe_softmax.py).
 template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked>
 __global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
 masked_softmax(const SoftmaxParams p) {

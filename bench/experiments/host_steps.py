@@ -1,18 +1,19 @@
 """Host µs of each step of one SDPA call (seed shape, torch inputs, split path), median over many calls.
 
-    PYTHONPATH=. python3 bench/host_steps.py
+    PYTHONPATH=. python3 bench/experiments/host_steps.py
 """
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from cupy_attn import _checks, _cublas, _dispatch, _interop, _split  # noqa: E402
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch, split as _split  # noqa: E402
+from cupy_attn.runtime import blas as _cublas, interop as _interop  # noqa: E402
 
 
 def med_us(fn, reps=200, sync=False):

@@ -6,15 +6,15 @@ around it on the stream, so the host runs ahead and only device work (and gaps t
 The difference is host time the GPU waits for. ``host us``: wall time of one call's enqueue. Then a cProfile of the
 slowest cases, by own time.
 
-    PYTHONPATH=. python3 bench/host_gap.py
+    PYTHONPATH=. python3 bench/experiments/host_gap.py
 """
 import cProfile
 import os
 import pstats
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 

@@ -4,7 +4,7 @@ Both are compiled side by side and timed interleaved over rounds on the issue's 
 each version with the tree's WGMMA_TILES and launch parameters), and their outputs compared.
 
     git show HEAD~3:cuda_src/flash_fwd.cu > cuda_src/_ab_old.cu     # any version; do not commit it
-    PYTHONPATH=. python3 bench/ab_flash.py [_ab_old.cu]
+    PYTHONPATH=. python3 bench/experiments/ab_flash.py [_ab_old.cu]
 """
 import dataclasses
 import sys
@@ -13,7 +13,7 @@ import cupy
 import numpy as np
 from cupyx.profiler import benchmark
 
-from cupy_attn import _flash
+from cupy_attn.attention import fused as _flash
 
 CASES = (("d128", (8, 16, 2048, 128), None), ("d128 causal", (2, 16, 8192, 128), "top_left"),
          ("d256", (8, 16, 1024, 256), None), ("d64", (4, 32, 4096, 64), None))

@@ -14,31 +14,21 @@ Passes over the (N, F) activations after the GEMM: training two (statistics, the
 Host time before the GEMM is enqueued is kept small, because in a synchronized loop it is idle GPU time: a repeated
 call with the same layout, flags and stream is a call-cache hit (the key, then cuBLASLt's bound enqueue); the output
 is allocated and the launches after the GEMM are prepared while the GEMM runs.
-Kernels: cuda_src/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
+Kernels: cuda_src/linear_bn_softmax/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import sys
 from typing import Any
 
 import numpy as np
 
-from . import _callcache, _cublas, _interop, reference
-from ._compile import KernelFamily, struct_arg
+from ..runtime import blas, interop
+from ..runtime.compile import KernelFamily, struct_arg
+from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-_DTYPE_CODE = {"float32": 1, "float16": 2, "bfloat16": 3}   # DtypeCode in the .cu; 0 = absent
-# Keyed by dtype object: np.dtype.name costs ~3 µs a call, and the checks run on every call before the GEMM.
-_CODE_OF = {np.dtype(np.float32): 1, np.dtype(np.float16): 2}
-try:
-    import ml_dtypes  # NumPy's name for bfloat16 (a project dependency; without it bf16 arrays cannot occur)
-    _BF16 = np.dtype(ml_dtypes.bfloat16)
-    _CODE_OF[_BF16] = 3
-except ImportError:  # pragma: no cover
-    _BF16 = None
 _WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
 
@@ -90,7 +80,7 @@ def _dtype_name_of_c(c_type: str) -> str:
 
 COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
-    source="linear_bn_softmax.cu",
+    source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
     axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
     where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
@@ -98,7 +88,7 @@ COLUMN_STATS = KernelFamily(
 
 SOFTMAX_ROWS = KernelFamily(
     name="lbs_softmax_rows",
-    source="linear_bn_softmax.cu",
+    source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows<{dtype}, {threads}, {vec}, {chunks}, {rows}>",
     axes={"dtype": tuple(_C_TYPES.values()), "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
           "chunks": (1, 2, 4, 8, 16), "rows": (1, ROW_ROWS)},
@@ -107,14 +97,14 @@ SOFTMAX_ROWS = KernelFamily(
 
 FOLD_RUNNING_STATS = KernelFamily(
     name="lbs_fold_running_stats",
-    source="linear_bn_softmax.cu",
+    source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::fold_running_stats<{threads}>",
     axes={"threads": (FOLD_THREADS,)},
 )
 
 SOFTMAX_ROWS_STREAMING = KernelFamily(
     name="lbs_softmax_rows_streaming",
-    source="linear_bn_softmax.cu",
+    source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
     axes={"dtype": tuple(_C_TYPES.values()), "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
     where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
@@ -189,284 +179,7 @@ def _blocks_per_sm(kernel, threads: int) -> int:
     return max(1, min(by_regs, 2048 // threads, 32))
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# Checks: every error before any launch. Kept cheap (no DLPack conversions, no device work): for torch callers the
-# host time until the GEMM is enqueued shows up as idle GPU time in a synchronized timing loop.
 
-@dataclasses.dataclass
-class _Arg:
-    """One array argument: the object, its kind, NumPy dtype and shape."""
-
-    obj: Any
-    kind: str
-    dtype: np.dtype
-    shape: tuple
-
-    def ptr(self) -> int:
-        if self.kind == _interop.TORCH:
-            return self.obj.data_ptr()
-        if self.kind == _interop.CUPY:
-            return self.obj.data.ptr
-        return _interop._dlpack_view(self.obj).data.ptr
-
-    def strides(self) -> tuple:
-        """Strides in elements."""
-        if self.kind == _interop.TORCH:
-            return tuple(self.obj.stride())
-        a = self.obj if self.kind == _interop.CUPY else _interop._dlpack_view(self.obj)
-        return tuple(st // a.itemsize for st in a.strides)
-
-
-@dataclasses.dataclass
-class _Call:
-    ctx: _interop.CallContext
-    dtype: np.dtype
-    n: int
-    k: int
-    f: int
-    use_batch_stats: bool
-    update_running: bool
-    args: dict            # name -> _Arg or None
-
-
-@functools.lru_cache(maxsize=None)
-def _torch_dtypes() -> dict:
-    """torch dtype -> NumPy dtype for the dtypes this op meets (a dict lookup instead of interop's generic path)."""
-    torch = sys.modules["torch"]
-    out = {torch.float32: np.dtype(np.float32), torch.float16: np.dtype(np.float16), torch.int64: np.dtype(np.int64)}
-    out.update({dt: np_dt for dt, np_dt in ((torch.bfloat16, _BF16),) if np_dt is not None})
-    return out
-
-
-def _arg(v: Any, name: str, ctx: _interop.CallContext) -> _Arg:
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(v, torch.Tensor) and v.dtype in _torch_dtypes():
-        # Fast path: a handful of attribute reads (~0.5 µs) instead of interop's generic kind/device/dtype helpers.
-        dev = v.get_device()  # -1 on the CPU
-        if (dev >= 0) != ctx.on_gpu:
-            raise ValueError(f"{name} is on {'a GPU' if dev >= 0 else 'the CPU'} but x is not")
-        if dev >= 0 and dev != ctx.device_id:
-            raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
-        return _Arg(v, _interop.TORCH if dev >= 0 else _interop.TORCH_CPU, _torch_dtypes()[v.dtype], tuple(v.shape))
-    kind = _interop.kind_of(v, name)
-    if (kind in _interop.CPU_KINDS) != (not ctx.on_gpu):
-        raise ValueError(f"{name} is on {'the CPU' if kind in _interop.CPU_KINDS else 'a GPU'} but x is not")
-    if ctx.on_gpu:
-        dev = _interop.device_of(v, kind)
-        if dev != ctx.device_id:
-            raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
-    return _Arg(v, kind, _interop.dtype_of(v, kind), tuple(int(d) for d in v.shape))
-
-
-def _vector(v: Any, name: str, f: int, ctx: _interop.CallContext, *, allow_scalar: bool = False) -> _Arg | None:
-    """A per-feature vector: shape (F,) (or (1,)/() when allow_scalar), float32/float16/bfloat16, x's device."""
-    if v is None:
-        return None
-    a = _arg(v, name, ctx)
-    if a.dtype not in _CODE_OF:
-        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {a.dtype.name}")
-    if not (a.shape == (f,) or (allow_scalar and a.shape in ((1,), ()))):
-        want = f"({f},), (1,) or ()" if allow_scalar else f"({f},)"
-        raise ValueError(f"{name} must have shape {want} (axis 0 = out_features), got {a.shape}")
-    return a
-
-
-_CONTEXTS: dict = {}
-
-
-def _context(x) -> _interop.CallContext:
-    """interop.context_for, with torch callers' contexts cached per (device, stream): skips its kind and device
-    look-ups (a few µs per call, on the critical path before the GEMM)."""
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor) and x.is_cuda:
-        dev = x.get_device()
-        key = (dev, _interop.current_torch_stream(dev))
-        ctx = _CONTEXTS.get(key)
-        if ctx is None:
-            ctx = _CONTEXTS[key] = _interop.context_for(x, "x")
-        return ctx
-    return _interop.context_for(x, "x")
-
-
-def _check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
-           num_batches_tracked) -> _Call:
-    ctx = _context(x)
-    xa = _arg(x, "x", ctx)
-    if xa.dtype not in _CODE_OF:
-        raise TypeError(f"x must be float32, float16 or bfloat16, got {xa.dtype.name}")
-    if len(xa.shape) != 2:
-        raise ValueError(f"x must be 2-D (batch, in_features), got shape {xa.shape}")
-    n, k = xa.shape
-    wa = _arg(weight, "weight", ctx)
-    if wa.dtype != xa.dtype:
-        raise TypeError(f"weight dtype {wa.dtype.name} differs from x dtype {xa.dtype.name}")
-    if len(wa.shape) != 2:
-        raise ValueError(f"weight must be 2-D (out_features, in_features), got shape {wa.shape}")
-    if wa.shape[1] != k:
-        raise ValueError(f"weight axis 1 (in_features) is {wa.shape[1]} but x axis 1 is {k}")
-    f = wa.shape[0]
-    args = {"x": xa, "weight": wa}
-    args["bias"] = _vector(bias, "bias", f, ctx)
-    if args["bias"] is not None and args["bias"].dtype != xa.dtype:
-        raise TypeError(f"bias dtype must equal x dtype {xa.dtype.name}, got {args['bias'].dtype.name}")
-    args["gamma"] = _vector(bn_weight, "bn_weight", f, ctx)
-    args["beta"] = _vector(bn_bias, "bn_bias", f, ctx)
-    if scale is None:
-        raise TypeError("scale must be an array of shape (1,) or (out_features,), got None")
-    args["scale"] = _vector(scale, "scale", f, ctx, allow_scalar=True)
-    if (running_mean is None) != (running_var is None):
-        raise ValueError("running_mean and running_var must both be given or both be None")
-    args["running_mean"] = _vector(running_mean, "running_mean", f, ctx)
-    args["running_var"] = _vector(running_var, "running_var", f, ctx)
-    if running_mean is not None:
-        if args["running_mean"].dtype != args["running_var"].dtype:
-            raise TypeError("running_mean and running_var must have the same dtype")
-        if ctx.on_gpu and f > 1 and (args["running_mean"].strides()[0] != 1 or args["running_var"].strides()[0] != 1):
-            raise ValueError("running_mean and running_var must be contiguous: they are updated in place")
-    if not isinstance(training, (bool, np.bool_)):
-        raise TypeError(f"training must be a bool, got {type(training).__name__}")
-    if momentum is not None and not isinstance(momentum, (int, float)):
-        raise TypeError(f"momentum must be a float or None, got {type(momentum).__name__}")
-    if not isinstance(eps, (int, float)) or not eps >= 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
-    use_batch_stats = bool(training) or running_mean is None
-    update_running = bool(training) and running_mean is not None
-    if update_running and momentum is None and num_batches_tracked is None:
-        raise ValueError("momentum=None (cumulative moving average) needs num_batches_tracked")
-    args["num_batches_tracked"] = None
-    if num_batches_tracked is not None:
-        a = _arg(num_batches_tracked, "num_batches_tracked", ctx)
-        if a.dtype != np.int64 or math.prod(a.shape) != 1:
-            raise TypeError("num_batches_tracked must be a one-element int64 array")
-        args["num_batches_tracked"] = a
-    if use_batch_stats and n == 1:
-        raise ValueError(f"Expected more than 1 value per channel when training, got input size {(n, f)}")
-    return _Call(ctx, xa.dtype, n, k, f, use_batch_stats, update_running, args)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-
-def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
-                             momentum=0.1, eps=1e-5, num_batches_tracked=None, allow_tf32=None):
-    """``softmax(scale · batch_norm(x · weightᵀ + bias), dim=1)``: torch's Linear → BatchNorm1d → ·scale → softmax.
-
-    Shapes: x (N, K); weight (F, K); bias (F,) or None; running_mean, running_var (F,), or both None
-    (track_running_stats=False); bn_weight, bn_bias (F,) or None (affine=False); scale (1,), () or (F,);
-    num_batches_tracked: one-element int64 array or None.
-    dtypes: x, weight and bias float32, float16 or bfloat16, all equal; the per-feature vectors may each be float32,
-    float16 or bfloat16 (e.g. fp32 BatchNorm parameters with fp16 activations). Statistics, the affine and the softmax
-    are computed in fp32; the output has x's dtype.
-
-    training=True: normalize with the batch mean and biased batch variance of x·Wᵀ + bias; when running stats are
-    given, update them **in place** like torch: running_mean ← (1−m)·running_mean + m·mean, running_var ← (1−m)·
-    running_var + m·var·N/(N−1), m = momentum, or 1/(num_batches_tracked+1) when momentum is None (cumulative
-    average); num_batches_tracked (if given) += 1. training=False: normalize with the running stats (batch stats when
-    they are None, as torch does). eps is added to the variance.
-
-    allow_tf32: fp32 GEMM on TF32 tensor cores. None = torch.backends.cuda.matmul.allow_tf32 for torch inputs, False
-    otherwise (exact fp32). Ignored for fp16/bf16.
-
-    Inputs: torch CUDA tensors / CuPy arrays (zero-copy, result of the same kind on the caller's stream; torch inputs
-    run on torch's current stream), or NumPy arrays / CPU torch tensors, which run the float64 reference
-    (:func:`cupy_attn.reference.linear_batchnorm_softmax`) and update their running stats in place too. x and weight
-    are copied only when their last axis is not unit-stride, the small per-feature vectors only when not contiguous.
-    No autograd: tensors that require grad are read detached (``cupy_attn.torch.LinearBatchNormSoftmax`` falls back
-    to torch ops when gradients are needed).
-
-    Algorithm: cuBLASLt y = x·Wᵀ (fp32 compute, bias left out: it cancels in the batch-normalized output and is added
-    to the running mean; in eval it folds into the shift mu), into a per-stream workspace (up to
-    Y_WORKSPACE_MAX_BYTES = 64 MiB; larger y goes into the output buffer). Training: one kernel for per-feature
-    batched-Welford/Chan statistics (Chan, Golub & LeVeque 1979) folded into (mu, a, d) plus the running-stat update;
-    eval: one thread-per-feature kernel folding the running stats. Then one kernel for a·(y − mu) + d and the row
-    softmax (a row held in registers for F ≤ 8192, two passes beyond). Empty batches return an empty result (training
-    still counts num_batches_tracked). Repeated calls with torch CUDA tensors (nn.Parameters included) or CuPy arrays
-    of the same layout, flags and stream replay the first call's prepared launches (cupy_attn._callcache).
-
-    Returns: (N, F) array of x's kind and dtype.
-    Raises: TypeError for non-arrays and unsupported dtypes; ValueError for shapes (naming argument and axis), devices,
-    running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
-    batch statistics are used ("Expected more than 1 value per channel when training").
-    """
-    arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
-    call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
-    if call_key is not None:
-        entry = _callcache.get(call_key)
-        if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see _Prepared)
-            return entry(arrays)
-    call = _check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
-                  num_batches_tracked)
-    if not call.ctx.on_gpu:
-        return _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
-                              training, momentum, eps, num_batches_tracked)
-    ctx = call.ctx
-    if allow_tf32 is None:
-        allow_tf32 = bool(ctx.kind == _interop.TORCH and sys.modules["torch"].backends.cuda.matmul.allow_tf32)
-    n, f = call.n, call.f
-    with ctx.activate():
-        if n * f == 0:
-            nbt = call.args["num_batches_tracked"]
-            if call.update_running and nbt is not None:
-                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
-            return _empty(ctx, (n, f), call.dtype, like=x)[0]
-        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
-        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
-        keep: list = []  # contiguous copies of strided vectors, alive until the launches are enqueued
-        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
-        out_native = prepared.execute(lambda: _empty(ctx, (n, f), call.dtype, like=x), xa.ptr(), wa.ptr(), vectors)
-        if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
-            _callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
-    return out_native
-
-
-def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | None:
-    """Call-cache key (see cupy_attn._callcache): the arrays' shapes, strides, dtypes, devices and alignment, the
-    stream, the flags, and the TF32 setting that applies (torch's global flag when allow_tf32 is None).
-
-    torch inputs take an inlined copy of _callcache.signatures: this runs before the GEMM on every call, and after an
-    idle wait (a synchronized loop) each µs of host work here showed as ~2–3 µs of idle GPU (bench host_breakdown).
-    """
-    refs = _torch_refs()
-    if refs is not None and type(arrays[0]) is refs[0]:
-        tensor, parameter, current_stream, matmul = refs
-        sigs = []
-        for a in arrays:
-            if a is None:
-                sigs.append(None)
-                continue
-            kind = type(a)
-            if kind is not tensor and kind is not parameter:
-                return None
-            sigs.append((a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15))
-        device = sigs[0][3]
-        if device < 0:
-            return None
-        if allow_tf32 is None:
-            allow_tf32 = matmul.allow_tf32
-        return ("linear_batchnorm_softmax", "torch", tuple(sigs), current_stream(device), type(training), training,
-                type(momentum), momentum, type(eps), eps, type(allow_tf32), allow_tf32)
-    sigs = _callcache.signatures(arrays)
-    if sigs is None:
-        return None
-    return ("linear_batchnorm_softmax", *sigs, _callcache.typed(training, momentum, eps, allow_tf32))
-
-
-_TORCH_REFS: list = []
-
-
-def _torch_refs() -> tuple | None:
-    """(torch.Tensor, nn.Parameter, current raw stream getter, torch.backends.cuda.matmul), once torch is imported."""
-    if _TORCH_REFS:
-        return _TORCH_REFS[0]
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    _TORCH_REFS.append((torch.Tensor, torch.nn.Parameter,
-                        getattr(torch._C, "_cuda_getCurrentRawStream", None) or _interop.current_torch_stream,
-                        torch.backends.cuda.matmul))
-    return _TORCH_REFS[0]
-
-
-# Per-feature vectors in Params' pointer order (after out and affine), and their positions in the public argument
 # order (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked).
 _VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
 _VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
@@ -559,11 +272,11 @@ class _Entry:
     """A call-cache entry: allocate the output for the new arrays and replay the prepared launches on their
     pointers. Host time before the GEMM is enqueued: the cache key, the allocation and cuBLASLt's enqueue."""
 
-    def __init__(self, prepared: _Prepared, ctx: _interop.CallContext, out_shape: tuple):
+    def __init__(self, prepared: _Prepared, ctx: interop.CallContext, out_shape: tuple):
         import cupy
         self.prepared, self.ctx, self.out_shape = prepared, ctx, out_shape
         self._get_device = cupy.cuda.runtime.getDevice
-        self._ptr = _torch_ptr if ctx.kind == _interop.TORCH else _cupy_ptr
+        self._ptr = _torch_ptr if ctx.kind == interop.TORCH else _cupy_ptr
 
     def __call__(self, arrays: tuple):
         if self._get_device() != self.prepared.device_id:
@@ -573,7 +286,7 @@ class _Entry:
 
     def _run(self, arrays: tuple):
         x, ptr = arrays[0], self._ptr
-        if self.ctx.kind == _interop.TORCH:
+        if self.ctx.kind == interop.TORCH:
             def alloc():  # x's dtype and device, torch's allocator on the current stream
                 out = x.new_empty(self.out_shape)
                 return out, out.data_ptr()
@@ -597,17 +310,17 @@ def _cupy_ptr(a) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _gemm_xwt_op(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: int, k: int, ldx: int,
-                 ldw: int) -> _cublas.StridedGemm:
+                 ldw: int) -> blas.StridedGemm:
     """C (m, n) = X (m, k) · Wᵀ with W (n, k), row-major, batch 1: prepared once per shape (device_id keys the
     cache: a cuBLASLt plan belongs to one device)."""
-    return _cublas.StridedGemm(c_dtype=dtype, ldc=n, stride_c=0, a_dtype=dtype, lda=ldx, stride_a=0, trans_a=False,
+    return blas.StridedGemm(c_dtype=dtype, ldc=n, stride_c=0, a_dtype=dtype, lda=ldx, stride_a=0, trans_a=False,
                                b_dtype=dtype, ldb=ldw, stride_b=0, trans_b=True, m=m, n=n, k=k, batch=1,
                                allow_tf32=allow_tf32)
 
 
-def _empty(ctx: _interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
+def _empty(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
     """(native output, device pointer); torch outputs come from torch's allocator without a DLPack round trip."""
-    if ctx.kind == _interop.TORCH and like is not None:
+    if ctx.kind == interop.TORCH and like is not None:
         t = like.new_empty(shape)  # x's dtype and device, torch's allocator and current stream
         return t, t.data_ptr()
     native, view = ctx.empty(shape, dtype)
@@ -619,9 +332,9 @@ _NAME_OF = {dt: name for name, dt in zip(("float32", "float16", "bfloat16"), _CO
 
 def _cupy_view(a: _Arg):
     import cupy
-    if a.kind == _interop.CUPY:
+    if a.kind == interop.CUPY:
         return a.obj
-    if a.kind == _interop.TORCH:
+    if a.kind == interop.TORCH:
         return cupy.from_dlpack(a.obj.detach())
     return cupy.from_dlpack(a.obj)
 
@@ -632,7 +345,7 @@ def _unit_last_stride(a: _Arg) -> _Arg:
     if st[1] == 1 and st[0] >= a.shape[1]:
         return a
     import cupy
-    return _Arg(cupy.ascontiguousarray(_cupy_view(a)), _interop.CUPY, a.dtype, a.shape)
+    return _Arg(cupy.ascontiguousarray(_cupy_view(a)), interop.CUPY, a.dtype, a.shape)
 
 
 def _vector_ptr(a: _Arg, keep: list) -> int:
@@ -693,31 +406,3 @@ def _workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
     return ws
 
 
-def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
-                   momentum, eps, num_batches_tracked):
-    """CPU inputs: the float64 reference; running stats and num_batches_tracked updated in place."""
-    def host(v):
-        return None if v is None else np.asarray(_interop.to_numpy(v, _interop.kind_of(v, "argument")),
-                                                 dtype=np.float64)
-    nbt = None
-    if num_batches_tracked is not None:
-        kind = _interop.kind_of(num_batches_tracked, "num_batches_tracked")
-        nbt = int(np.asarray(_interop.to_numpy(num_batches_tracked, kind)).ravel()[0])
-    out, rm, rv, nbt_new = reference.linear_batchnorm_softmax(
-        host(x), host(weight), host(bias), host(running_mean), host(running_var), host(bn_weight), host(bn_bias),
-        host(scale), training=bool(training), momentum=momentum, eps=eps, num_batches_tracked=nbt)
-    for dst, new in ((running_mean, rm), (running_var, rv)):
-        if dst is not None and new is not None:
-            _write_in_place(dst, new)
-    if num_batches_tracked is not None and nbt_new is not None:
-        _write_in_place(num_batches_tracked, np.full(num_batches_tracked.shape, nbt_new, dtype=np.int64))
-    return _interop.from_numpy(out, call.ctx.kind, call.dtype)
-
-
-def _write_in_place(dst, new: np.ndarray) -> None:
-    if _interop.is_torch_tensor(dst):
-        import torch
-        with torch.no_grad():
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(new)).to(dst.dtype))
-    else:
-        dst[...] = new.astype(dst.dtype)

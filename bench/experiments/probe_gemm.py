@@ -3,7 +3,7 @@
 For each problem: the classic API (CuPy's binding, what the paths used before), cuBLASLt's heuristic choice, each of
 its next candidates, and torch's nearest call. Device time medians (cupyx.profiler.benchmark), fresh random inputs.
 
-    PYTHONPATH=. python3 bench/probe_gemm.py [--candidates 8]
+    PYTHONPATH=. python3 bench/experiments/probe_gemm.py [--candidates 8]
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy as cp
     import torch
-    from cupy_attn import _cublas, _cublaslt
+    from cupy_attn.runtime import blas as _cublas, cublaslt as _cublaslt
     print("cuBLASLt version", _cublaslt.version(), "lib", _cublaslt._lib()._name, flush=True)
     rows = []
     for name, dt, tf32, flops, kw, torch_calls in problems(cp, torch):

@@ -13,8 +13,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from . import _interop
-from .reference import CAUSAL_ALIGNMENTS
+from ..reference import CAUSAL_ALIGNMENTS
+from ..runtime import interop
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 # NumPy dtype objects of FLOAT_DTYPES: a set hit is ~20x cheaper than reading dtype.name on the hot path.
@@ -32,7 +32,7 @@ class SDPAProblem:
     copied to reach a layout the kernels read (shown by explain()).
     """
 
-    ctx: _interop.CallContext
+    ctx: interop.CallContext
     query: Any
     key: Any
     value: Any
@@ -89,19 +89,19 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
 
-    ctx = _interop.context_for(query, "query")
+    ctx = interop.context_for(query, "query")
     arrays = {"query": query, "key": key, "value": value}
     if attn_mask is not None:
         arrays["attn_mask"] = attn_mask
     for name, x in arrays.items():
-        kind = _interop.kind_of(x, name)
-        if (kind in _interop.CPU_KINDS) != (ctx.kind in _interop.CPU_KINDS):
-            where = "CPU" if kind in _interop.CPU_KINDS else "a CUDA device"
+        kind = interop.kind_of(x, name)
+        if (kind in interop.CPU_KINDS) != (ctx.kind in interop.CPU_KINDS):
+            where = "CPU" if kind in interop.CPU_KINDS else "a CUDA device"
             raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
-        if ctx.on_gpu and _interop.device_of(x, kind) != ctx.device_id:
-            raise ValueError(f"{name} is on cuda:{_interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+        if ctx.on_gpu and interop.device_of(x, kind) != ctx.device_id:
+            raise ValueError(f"{name} is on cuda:{interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
 
-    dtypes = {name: _interop.dtype_of(x, _interop.kind_of(x, name)) for name, x in arrays.items()}
+    dtypes = {name: interop.dtype_of(x, interop.kind_of(x, name)) for name, x in arrays.items()}
     for name in ("query", "key", "value"):
         if not _is_float(dtypes[name]):
             raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]}")

@@ -254,7 +254,7 @@ _WORKSPACES: dict = {}
 
 # Problems of at least this many FLOPs are timed once over the heuristic's first TUNE_CANDIDATES algorithms, and the
 # fastest is kept. On an H200 the heuristic's first choice was 8–11% slower than its third on the SDPA seed GEMMs
-# (QKᵀ fp32-out 1.068 vs 0.992 ms, PV 0.957 vs 0.864 ms; bench/probe_gemm.py, 2026-11-21); one tuning costs
+# (QKᵀ fp32-out 1.068 vs 0.992 ms, PV 0.957 vs 0.864 ms; bench/experiments/probe_gemm.py, 2026-11-21); one tuning costs
 # ~TUNE_CANDIDATES × (TUNE_REPEATS + 1) GEMMs and a stream synchronization, once per shape and process.
 TUNE_MIN_FLOPS = 2e9
 TUNE_CANDIDATES = 8

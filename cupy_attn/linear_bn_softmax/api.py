@@ -1,0 +1,167 @@
+"""Public entry point of Linear → BatchNorm1d → scale → softmax: the call cache, the checks, the CPU reference path,
+then the prepared launch (see launch.py for the kernels and their order).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import reference
+from ..runtime import callcache, interop
+from .checks import _Call, check
+from .launch import (Y_WORKSPACE_MAX_BYTES, _Entry, _Prepared, _VECTORS, _cupy_view, _empty, _unit_last_stride,  # noqa: F401
+                     _vector_ptr)
+
+
+def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
+                             momentum=0.1, eps=1e-5, num_batches_tracked=None, allow_tf32=None):
+    """``softmax(scale · batch_norm(x · weightᵀ + bias), dim=1)``: torch's Linear → BatchNorm1d → ·scale → softmax.
+
+    Shapes: x (N, K); weight (F, K); bias (F,) or None; running_mean, running_var (F,), or both None
+    (track_running_stats=False); bn_weight, bn_bias (F,) or None (affine=False); scale (1,), () or (F,);
+    num_batches_tracked: one-element int64 array or None.
+    dtypes: x, weight and bias float32, float16 or bfloat16, all equal; the per-feature vectors may each be float32,
+    float16 or bfloat16 (e.g. fp32 BatchNorm parameters with fp16 activations). Statistics, the affine and the softmax
+    are computed in fp32; the output has x's dtype.
+
+    training=True: normalize with the batch mean and biased batch variance of x·Wᵀ + bias; when running stats are
+    given, update them **in place** like torch: running_mean ← (1−m)·running_mean + m·mean, running_var ← (1−m)·
+    running_var + m·var·N/(N−1), m = momentum, or 1/(num_batches_tracked+1) when momentum is None (cumulative
+    average); num_batches_tracked (if given) += 1. training=False: normalize with the running stats (batch stats when
+    they are None, as torch does). eps is added to the variance.
+
+    allow_tf32: fp32 GEMM on TF32 tensor cores. None = torch.backends.cuda.matmul.allow_tf32 for torch inputs, False
+    otherwise (exact fp32). Ignored for fp16/bf16.
+
+    Inputs: torch CUDA tensors / CuPy arrays (zero-copy, result of the same kind on the caller's stream; torch inputs
+    run on torch's current stream), or NumPy arrays / CPU torch tensors, which run the float64 reference
+    (:func:`cupy_attn.reference.linear_batchnorm_softmax`) and update their running stats in place too. x and weight
+    are copied only when their last axis is not unit-stride, the small per-feature vectors only when not contiguous.
+    No autograd: tensors that require grad are read detached (``cupy_attn.torch.LinearBatchNormSoftmax`` falls back
+    to torch ops when gradients are needed).
+
+    Algorithm: cuBLASLt y = x·Wᵀ (fp32 compute, bias left out: it cancels in the batch-normalized output and is added
+    to the running mean; in eval it folds into the shift mu), into a per-stream workspace (up to
+    Y_WORKSPACE_MAX_BYTES = 64 MiB; larger y goes into the output buffer). Training: one kernel for per-feature
+    batched-Welford/Chan statistics (Chan, Golub & LeVeque 1979) folded into (mu, a, d) plus the running-stat update;
+    eval: one thread-per-feature kernel folding the running stats. Then one kernel for a·(y − mu) + d and the row
+    softmax (a row held in registers for F ≤ 8192, two passes beyond). Empty batches return an empty result (training
+    still counts num_batches_tracked). Repeated calls with torch CUDA tensors (nn.Parameters included) or CuPy arrays
+    of the same layout, flags and stream replay the first call's prepared launches (cupy_attn.runtime.callcache).
+
+    Returns: (N, F) array of x's kind and dtype.
+    Raises: TypeError for non-arrays and unsupported dtypes; ValueError for shapes (naming argument and axis), devices,
+    running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
+    batch statistics are used ("Expected more than 1 value per channel when training").
+    """
+    arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
+    call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
+    if call_key is not None:
+        entry = callcache.get(call_key)
+        if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see _Prepared)
+            return entry(arrays)
+    call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+                  num_batches_tracked)
+    if not call.ctx.on_gpu:
+        return _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                              training, momentum, eps, num_batches_tracked)
+    ctx = call.ctx
+    if allow_tf32 is None:
+        allow_tf32 = bool(ctx.kind == interop.TORCH and sys.modules["torch"].backends.cuda.matmul.allow_tf32)
+    n, f = call.n, call.f
+    with ctx.activate():
+        if n * f == 0:
+            nbt = call.args["num_batches_tracked"]
+            if call.update_running and nbt is not None:
+                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
+            return _empty(ctx, (n, f), call.dtype, like=x)[0]
+        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
+        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
+        keep: list = []  # contiguous copies of strided vectors, alive until the launches are enqueued
+        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
+        out_native = prepared.execute(lambda: _empty(ctx, (n, f), call.dtype, like=x), xa.ptr(), wa.ptr(), vectors)
+        if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
+            callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
+    return out_native
+
+
+
+def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | None:
+    """Call-cache key (see cupy_attn.runtime.callcache): the arrays' shapes, strides, dtypes, devices and alignment, the
+    stream, the flags, and the TF32 setting that applies (torch's global flag when allow_tf32 is None).
+
+    torch inputs take an inlined copy of callcache.signatures: this runs before the GEMM on every call, and after an
+    idle wait (a synchronized loop) each µs of host work here showed as ~2–3 µs of idle GPU (bench host_breakdown).
+    """
+    refs = _torch_refs()
+    if refs is not None and type(arrays[0]) is refs[0]:
+        tensor, parameter, current_stream, matmul = refs
+        sigs = []
+        for a in arrays:
+            if a is None:
+                sigs.append(None)
+                continue
+            kind = type(a)
+            if kind is not tensor and kind is not parameter:
+                return None
+            sigs.append((a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15))
+        device = sigs[0][3]
+        if device < 0:
+            return None
+        if allow_tf32 is None:
+            allow_tf32 = matmul.allow_tf32
+        return ("linear_batchnorm_softmax", "torch", tuple(sigs), current_stream(device), type(training), training,
+                type(momentum), momentum, type(eps), eps, type(allow_tf32), allow_tf32)
+    sigs = callcache.signatures(arrays)
+    if sigs is None:
+        return None
+    return ("linear_batchnorm_softmax", *sigs, callcache.typed(training, momentum, eps, allow_tf32))
+
+
+_TORCH_REFS: list = []
+
+
+def _torch_refs() -> tuple | None:
+    """(torch.Tensor, nn.Parameter, current raw stream getter, torch.backends.cuda.matmul), once torch is imported."""
+    if _TORCH_REFS:
+        return _TORCH_REFS[0]
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    _TORCH_REFS.append((torch.Tensor, torch.nn.Parameter,
+                        getattr(torch._C, "_cuda_getCurrentRawStream", None) or interop.current_torch_stream,
+                        torch.backends.cuda.matmul))
+    return _TORCH_REFS[0]
+
+
+# Per-feature vectors in Params' pointer order (after out and affine), and their positions in the public argument
+
+def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+                   momentum, eps, num_batches_tracked):
+    """CPU inputs: the float64 reference; running stats and num_batches_tracked updated in place."""
+    def host(v):
+        return None if v is None else np.asarray(interop.to_numpy(v, interop.kind_of(v, "argument")),
+                                                 dtype=np.float64)
+    nbt = None
+    if num_batches_tracked is not None:
+        kind = interop.kind_of(num_batches_tracked, "num_batches_tracked")
+        nbt = int(np.asarray(interop.to_numpy(num_batches_tracked, kind)).ravel()[0])
+    out, rm, rv, nbt_new = reference.linear_batchnorm_softmax(
+        host(x), host(weight), host(bias), host(running_mean), host(running_var), host(bn_weight), host(bn_bias),
+        host(scale), training=bool(training), momentum=momentum, eps=eps, num_batches_tracked=nbt)
+    for dst, new in ((running_mean, rm), (running_var, rv)):
+        if dst is not None and new is not None:
+            _write_in_place(dst, new)
+    if num_batches_tracked is not None and nbt_new is not None:
+        _write_in_place(num_batches_tracked, np.full(num_batches_tracked.shape, nbt_new, dtype=np.int64))
+    return interop.from_numpy(out, call.ctx.kind, call.dtype)
+
+
+def _write_in_place(dst, new: np.ndarray) -> None:
+    if interop.is_torch_tensor(dst):
+        import torch
+        with torch.no_grad():
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(new)).to(dst.dtype))
+    else:
+        dst[...] = new.astype(dst.dtype)
