@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from cupy_attn import reference
-from cupy_attn.linear_bn_softmax import api as lbs_api, checks as lbs_checks, launch as lbs
+from cupy_attn.linear_bn_softmax import api as lbs_api, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
 
