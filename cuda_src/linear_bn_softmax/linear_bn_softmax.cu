@@ -91,7 +91,7 @@ struct Params {
   int flags;                        // Flag bits
   float eps, momentum;
 };
-static_assert(sizeof(Params) == 136, "Params layout must match _PARAMS in linear_bn_softmax/launch.py");
+// Layout asserted against _PARAMS in cupy_attn/linear_bn_softmax/launch.py when compiled (KernelFamily.structs).
 
 // -inf from its bits: NVRTC has no <math.h> INFINITY.
 __device__ __forceinline__ float minus_inf() { return __int_as_float(static_cast<int>(0xff800000u)); }

@@ -24,6 +24,9 @@ class Plan:
     reason: str
     describe: Callable[[], dict] | None = dataclasses.field(default=None, repr=False)
     copies: list = dataclasses.field(default_factory=list)
+    # prepare(out, lse) -> run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr): the launch this plan chose, built on
+    # the checked problem without checking or deciding anything again (None for the reference path).
+    prepare: Callable | None = dataclasses.field(default=None, repr=False)
 
     @property
     def details(self) -> dict:
@@ -74,8 +77,10 @@ def prefer_fused(p) -> tuple[bool, str]:
     return True, "fused kernel supports this call (no L×S score buffer; faster than split at every measured head dim)"
 
 
-def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
-    """Choose the path for a checked problem (see _checks.SDPAProblem); ValueError when a forced path cannot run it."""
+def plan_sdpa(p, backend: str, arch: int | None = None, *, workspace_bytes: int | None = None,
+              allow_tf32: bool = False) -> Plan:
+    """Choose the path for a checked problem (see checks.SDPAProblem); ValueError when a forced path cannot run it.
+    ``workspace_bytes`` and ``allow_tf32`` configure the split path's launch (``Plan.prepare``)."""
     copies = list(p.copies)
     if not p.ctx.on_gpu:
         return Plan("reference", f"{p.ctx.kind} inputs run the float64 NumPy reference on the CPU", copies=copies)
@@ -92,19 +97,27 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
     if backend == "fused":
         if fused_why_not:
             raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
-        return Plan("fused", f"fused {forced}", describe=functools.partial(fused_details, p, arch), copies=copies)
+        return _fused_plan(p, arch, f"fused {forced}", copies)
     if backend == "auto" and fused_why_not is None:
         use_fused, why = prefer_fused(p)
         if use_fused:
-            return Plan("fused", why, describe=functools.partial(fused_details, p, arch), copies=copies)
+            return _fused_plan(p, arch, why, copies)
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
-    return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies)
+    return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies,
+                prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
 
 
-def fused_details(p, arch: int) -> dict:
-    """The instantiation the fused kernel will use."""
+def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
+    """The fused plan with its kernel choice (family, tile, instantiated head dim) made once, here."""
     flash = _flash_module()
-    family, tile, head_dim = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
+    choice = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
+    return Plan("fused", why, describe=functools.partial(fused_details, choice), copies=copies,
+                prepare=functools.partial(flash.prepare_problem, p, choice))
+
+
+def fused_details(choice) -> dict:
+    """The instantiation the fused kernel will use: (family, tile, head dim) from fused.select."""
+    family, tile, head_dim = choice
     return {"head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}

@@ -8,6 +8,7 @@ are run-time arguments, which keeps the table at 52 instantiations (2 dtypes × 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 
@@ -94,6 +95,18 @@ WGMMA_TILES = {
     256: Tile(128, 64, 8, 2, True),
 }
 
+_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
+
+# FlashFwdParams in flash_fwd.cu: every field 8 bytes wide, so this dtype's layout is the C struct's.
+_PARAM_FIELDS = (
+    "out", "lse", "q", "k", "v", "mask", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "groups", "is_causal",
+    "causal_offset", "mask_kind", "vec_flags", "scale_log2",
+    "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
+    "v_stride_b", "v_stride_h", "v_stride_s", "out_stride_b", "out_stride_h", "out_stride_l",
+    "lse_stride_b", "lse_stride_h", "lse_stride_l",
+    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s")
+_PARAMS = np.dtype([(n, np.float64 if n == "scale_log2" else np.int64) for n in _PARAM_FIELDS])
+
 FLASH_FWD = KernelFamily(
     name="flash_fwd",
     source="attention/flash_fwd.cu",
@@ -106,6 +119,7 @@ FLASH_FWD = KernelFamily(
         "has_mask": ("false", "true"),
     },
     where=lambda row: any(t == row["tile"] for (d, _), t in _BY_HEAD_DIM.items() if d == row["head_dim"]),
+    structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
 )
 
 # The same kernel with kWgmma = true: Hopper only (compute capability 9.0 exactly), compiled to an sm_90a cubin.
@@ -123,19 +137,9 @@ FLASH_FWD_SM90A = KernelFamily(
     where=lambda row: WGMMA_TILES[row["head_dim"]] == row["tile"],
     archs=("sm_90a",),
     arch="sm_90a",
+    structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
 )
 
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-
-# FlashFwdParams in flash_fwd.cu: every field 8 bytes wide, so this dtype's layout is the C struct's.
-_PARAM_FIELDS = (
-    "out", "lse", "q", "k", "v", "mask", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "groups", "is_causal",
-    "causal_offset", "mask_kind", "vec_flags", "scale_log2",
-    "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
-    "v_stride_b", "v_stride_h", "v_stride_s", "out_stride_b", "out_stride_h", "out_stride_l",
-    "lse_stride_b", "lse_stride_h", "lse_stride_l",
-    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s")
-_PARAMS = np.dtype([(n, np.float64 if n == "scale_log2" else np.int64) for n in _PARAM_FIELDS])
 
 _LOG2E = 1.4426950408889634
 
@@ -251,8 +255,20 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
-    family, tile, head_dim = select(dtype, head_dim_bucket(E, Ev), arch)
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
+    return _build(select(dtype, head_dim_bucket(E, Ev), arch), q, k, v, out, lse, scale=scale, causal=causal,
+                  mask=mask)
+
+
+def prepare_problem(p, choice, out, lse):
+    """The launch for a checked problem (checks.SDPAProblem) and the choice dispatch made (``select``'s result),
+    bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)``. Nothing is re-checked."""
+    return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
+                  mask=p.mask).bind(p.ctx.stream)
+
+
+def _build(choice, q, k, v, out, lse, *, scale, causal, mask) -> "FlashLaunch":
+    family, tile, head_dim = choice
+    kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
     return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
 
@@ -275,11 +291,24 @@ class FlashLaunch:
     block: tuple
     smem: int
 
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
-        p = self.params.copy()
-        p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
-        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0,
+                 stream=None) -> None:
+        """Launch on ``stream`` (a CuPy stream; None: CuPy's current stream), on the device the launch was built for,
+        which must be current. The parameters are copied first, so concurrent callers do not race; the six pointers
+        are the first six 8-byte words of FlashFwdParams (out, lse, q, k, v, mask), set in one slice assignment."""
+        words = self.words.copy()
+        words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
+        self.fn(self.grid, self.block, (struct_arg(words),), self.smem, stream)
+
+    def bind(self, stream):
+        """``run(q, k, v, out, lse, mask)`` launching on ``stream``: what the call cache replays."""
+        return functools.partial(self.__call__, stream=stream)
+
+    def __post_init__(self):
+        # Resolved once, on the device the launch is built for: the 8-byte words of FlashFwdParams (every field is
+        # 8 bytes wide) and the kernel's cupy.cuda.Function (launching it skips RawKernel's per-device lookup).
+        self.words = self.params.reshape(1).view(np.uint64)
+        self.fn = self.kernel.kernel
 
     @classmethod
     def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> "FlashLaunch":

@@ -6,13 +6,11 @@ A repeated call with the same layout, flags and stream skips everything before t
 """
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import checks, dispatch, fused, split
+from . import checks, dispatch
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -59,7 +57,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    plan = dispatch.plan_sdpa(p, backend)
+    plan = dispatch.plan_sdpa(p, backend, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     if plan.backend == "reference":
         return _run_reference(p, return_lse)
     ctx = p.ctx
@@ -78,11 +76,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             if lse3 is not None:
                 lse3.fill(-np.inf)
         else:
-            if plan.backend == "fused":
-                run = fused.prepare(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask)
-            else:
-                run = functools.partial(split.run, split.schedule(p, out4, lse3, workspace_bytes=workspace_bytes,
-                                                                   allow_tf32=allow_tf32))
+            run = plan.prepare(out4, lse3)
             run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
                 0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
             if call_key is not None and _replayable(p, query, key, value, attn_mask):

@@ -11,11 +11,12 @@ it stays under ``workspace_bytes``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 
 import numpy as np
 
-from ..runtime import blas
+from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
 
@@ -32,15 +33,6 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
     "true": ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
 }
 
-SOFTMAX = KernelFamily(
-    name="softmax",
-    source="attention/softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
-    axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
-          "masked": tuple(SOFTMAX_TILES)},
-    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]],
-)
-
 _MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
@@ -48,6 +40,17 @@ _PARAMS = np.dtype([(name, np.int64) for name in (
     "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
     "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
     "lse_stride_b0", "lse_stride_b1", "lse_stride_b2")])
+
+SOFTMAX = KernelFamily(
+    name="softmax",
+    source="attention/softmax.cu",
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
+    axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
+          "masked": tuple(SOFTMAX_TILES)},
+    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]],
+    structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
+)
+
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 
@@ -152,8 +155,14 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     (chunks, GEMM plans, kernel parameters) is built once per layout (see _schedule_key) and reused.
     """
     sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
-    run(sched, p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
+    run(sched, p.ctx, p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
         0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
+
+
+def prepare(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False):
+    """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` for a checked problem: its schedule bound to the
+    call's context (what dispatch's plan returns and the call cache replays)."""
+    return functools.partial(run, schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32), p.ctx)
 
 
 def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> "_Schedule":
@@ -171,21 +180,24 @@ def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32
     return sched
 
 
-def run(sched: "_Schedule", q0: int, k0: int, v0: int, o0: int, l0: int = 0, m0: int = 0) -> None:
-    """Enqueue a schedule on CuPy's current stream: per chunk, GEMM → softmax → GEMM over a scores buffer from CuPy's
-    pool (freed to the pool, stream-ordered, when this returns). Pointers: q, k, v, out, lse (0: none), mask (0)."""
-    import cupy
-
-    scores = cupy.empty(sched.scores_elems, dtype=cupy.float32)
-    s0 = scores.data.ptr
-    for c in sched.chunks:
-        c.gemm_qk(s0, q0 + c.q, k0 + c.k)
-        params = c.params.copy()
-        params["scores"] = s0
-        params["mask"] = m0 + c.mask if m0 else 0
-        params["lse"] = l0 + c.lse if l0 else 0
-        sched.kernel((c.grid,), (sched.block,), (struct_arg(params),))
-        c.gemm_pv(o0 + c.o, s0, v0 + c.v)
+def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0, m0: int = 0) -> None:
+    """Enqueue a schedule on the call's device and stream (``ctx``, an interop.CallContext): per chunk, GEMM →
+    softmax → GEMM over a scores buffer from the caller's allocator (runtime.workspace.scratch: torch's caching
+    allocator for torch callers, graph-capture safe; CuPy's pool otherwise), released, stream-ordered, on return.
+    Pointers: q, k, v, out, lse (0: none), mask (0: none). Nothing here allocates outside the caller's allocator or
+    synchronizes, so the call can be captured into a CUDA graph (after a first call outside capture has tuned the
+    GEMMs: cuBLASLt's tuning times candidates and synchronizes, so under capture the heuristic's first choice runs)."""
+    with ctx.activate():
+        scores, s0 = workspace.scratch(ctx, sched.scores_elems * 4)
+        for c in sched.chunks:
+            c.gemm_qk(s0, q0 + c.q, k0 + c.k)
+            params = c.params.copy()
+            params["scores"] = s0
+            params["mask"] = m0 + c.mask if m0 else 0
+            params["lse"] = l0 + c.lse if l0 else 0
+            sched.kernel((c.grid,), (sched.block,), (struct_arg(params),))
+            c.gemm_pv(o0 + c.o, s0, v0 + c.v)
+        del scores  # back to its allocator, ordered after the work above on this stream
 
 
 def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..runtime import blas, interop
+from ..runtime import blas, interop, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 
@@ -78,12 +78,22 @@ def _dtype_name_of_c(c_type: str) -> str:
     return {v: k for k, v in _C_TYPES.items()}[c_type]
 
 
+# Params in linear_bn_softmax.cu: ten pointers and three int64 (8 bytes), six int32, two float32: 136 bytes, no padding.
+_PARAMS = np.dtype(
+    [(name, np.uint64) for name in ("out", "y", "affine", "bias", "gamma", "beta", "scale", "running_mean",
+                                    "running_var", "num_batches_tracked")]
+    + [(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
+    + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
+    + [("eps", np.float32), ("momentum", np.float32)])
+assert _PARAMS.itemsize == 136
+
 COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
     axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
     where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
 SOFTMAX_ROWS = KernelFamily(
@@ -93,6 +103,7 @@ SOFTMAX_ROWS = KernelFamily(
     axes={"dtype": tuple(_C_TYPES.values()), "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
           "chunks": (1, 2, 4, 8, 16), "rows": (1, ROW_ROWS)},
     where=_row_where,
+    structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
 FOLD_RUNNING_STATS = KernelFamily(
@@ -100,6 +111,7 @@ FOLD_RUNNING_STATS = KernelFamily(
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::fold_running_stats<{threads}>",
     axes={"threads": (FOLD_THREADS,)},
+    structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
 SOFTMAX_ROWS_STREAMING = KernelFamily(
@@ -108,16 +120,9 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
     template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
     axes={"dtype": tuple(_C_TYPES.values()), "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
     where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
-# Params in linear_bn_softmax.cu: ten pointers and three int64 (8 bytes), six int32, two float32: 136 bytes, no padding.
-_PARAMS = np.dtype(
-    [(name, np.uint64) for name in ("out", "y", "affine", "bias", "gamma", "beta", "scale", "running_mean",
-                                    "running_var", "num_batches_tracked")]
-    + [(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
-    + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
-    + [("eps", np.float32), ("momentum", np.float32)])
-assert _PARAMS.itemsize == 136
 
 # The GEMM writes into a per-stream workspace when y is at most this large, so that the output is allocated after the
 # GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
@@ -223,11 +228,11 @@ class _Prepared:
 
     def params(self, out_ptr: int, y_ptr: int, vectors: tuple) -> np.ndarray:
         """Params (one structured scalar in field order: building it field by field costs ~1 µs a field)."""
-        return np.array((out_ptr, y_ptr, self.affine.data.ptr, *vectors, *self.tail), dtype=_PARAMS)
+        return np.array((out_ptr, y_ptr, workspace.pointer(self.affine), *vectors, *self.tail), dtype=_PARAMS)
 
     def y_ptr(self) -> int:
         """The y workspace (looked up per call: it may have grown for another shape on this stream)."""
-        return _workspace(self.device_id, self.stream_ptr, "y", self.y_bytes).data.ptr
+        return workspace.pointer(_workspace(self.device_id, self.stream_ptr, "y", self.y_bytes))
 
     def execute(self, alloc, x_ptr: int, w_ptr: int, vectors):
         """Enqueue the call on the prepared stream (the prepared device current) and return the output.
@@ -392,17 +397,9 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     return first, _Launch(rows, min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
 
 
-_WORKSPACES: dict = {}
-
-
 def _workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
-    """A uint8 CuPy buffer of at least ``nbytes`` per (device, stream, name), grown on demand: calls on one stream are
-    ordered, so they may share it (a replaced buffer goes back to CuPy's stream-ordered pool)."""
-    key = (device_id, stream_ptr, name)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws.nbytes < nbytes:
-        import cupy
-        ws = _WORKSPACES[key] = cupy.empty(max(nbytes, 1), dtype=np.uint8)
-    return ws
+    """The stream's persistent buffer ``name`` (runtime.workspace: from the stream owner's allocator, grown on demand;
+    calls on one stream are ordered, so they may share it)."""
+    return workspace.persistent(device_id, stream_ptr, f"lbs_{name}", nbytes)
 
 

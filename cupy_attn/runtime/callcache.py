@@ -14,7 +14,6 @@ everything else (NumPy, CPU tensors, other DLPack objects, subclasses, mixed kin
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from typing import Any, Callable
@@ -78,34 +77,46 @@ def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
     return (*arrays, flags, *(env.get(k) for k in ENV_KEYS))
 
 
-@dataclasses.dataclass
 class Entry:
     """A prepared call: its context (device, stream), output shapes and the launch, replayed on new pointers.
 
-    run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr) enqueues the work on CuPy's current stream.
+    run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr) enqueues the work on the context's stream by itself (the
+    fused launch is bound to the stream; the split path enters it), so a hit only allocates the outputs (torch's
+    allocator on torch's current stream, or CuPy's pool on the context's stream) and launches; the context is entered
+    only when another device is current.
     """
 
-    ctx: Any
-    out_shape: tuple
-    lse_shape: tuple | None
-    run: Callable[..., None]
+    __slots__ = ("ctx", "out_shape", "lse_shape", "run", "_get_device")
+
+    def __init__(self, ctx: Any, out_shape: tuple, lse_shape: tuple | None, run: Callable[..., None]):
+        from cupy.cuda import runtime
+        self.ctx, self.out_shape, self.lse_shape, self.run = ctx, out_shape, lse_shape, run
+        self._get_device = runtime.getDevice
 
     def __call__(self, query, key_, value, attn_mask):
-        if self.ctx.kind == interop.TORCH:
-            torch = sys.modules["torch"]
-            out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
-            lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=torch.float32)
+        if self._get_device() != self.ctx.device_id:
             with self.ctx.activate():
-                self.run(query.data_ptr(), key_.data_ptr(), value.data_ptr(), out.data_ptr(),
-                         0 if lse is None else lse.data_ptr(), 0 if attn_mask is None else attn_mask.data_ptr())
+                return self._replay(query, key_, value, attn_mask)
+        return self._replay(query, key_, value, attn_mask)
+
+    def _replay(self, query, key_, value, attn_mask):
+        if self.ctx.kind == interop.TORCH:
+            out = query.new_empty(self.out_shape)  # query's dtype and device, torch's allocator on the current stream
+            lse = None if self.lse_shape is None else query.new_empty(self.lse_shape, dtype=_torch_float32())
+            self.run(query.data_ptr(), key_.data_ptr(), value.data_ptr(), out.data_ptr(),
+                     0 if lse is None else lse.data_ptr(), 0 if attn_mask is None else attn_mask.data_ptr())
         else:
             import cupy
-            with self.ctx.activate():
+            with self.ctx.stream:  # CuPy's pool orders the allocation on the call's stream
                 out = cupy.empty(self.out_shape, dtype=query.dtype)
                 lse = None if self.lse_shape is None else cupy.empty(self.lse_shape, dtype=cupy.float32)
-                self.run(query.data.ptr, key_.data.ptr, value.data.ptr, out.data.ptr,
-                         0 if lse is None else lse.data.ptr, 0 if attn_mask is None else attn_mask.data.ptr)
+            self.run(query.data.ptr, key_.data.ptr, value.data.ptr, out.data.ptr,
+                     0 if lse is None else lse.data.ptr, 0 if attn_mask is None else attn_mask.data.ptr)
         return out if lse is None else (out, lse)
+
+
+def _torch_float32():
+    return sys.modules["torch"].float32
 
 
 def get(call_key: tuple) -> Entry | None:

@@ -113,6 +113,7 @@ class KernelFamily:
     where:     ...unless this predicate on the row returns False.
     archs:     architectures the compile check covers for this family.
     options:   extra NVRTC options for this family.
+    structs:   the kernel parameter structs and their NumPy declarations, checked against each other when compiled.
     arch:      None: ``cupy.RawModule`` compiles for the device (its own ``-arch``). An explicit target such as
                ``"sm_90a"`` (wgmma, which CuPy's ``-arch=sm_90`` cannot assemble) is compiled here with NVRTC to a
                cubin and loaded from CuPy's cache directory (see _load_cubin).
@@ -126,6 +127,7 @@ class KernelFamily:
     archs: tuple[str, ...] = DEFAULT_ARCHS
     options: tuple[str, ...] = ()
     arch: str | None = None
+    structs: tuple = ()  # (C++ struct name, NumPy structured dtype): layouts asserted at compile time (runtime.structs)
 
     def variants(self) -> Iterator[dict]:
         keys = list(self.axes)
@@ -141,7 +143,10 @@ class KernelFamily:
         return [self.name_expression(**row) for row in self.variants()]
 
     def code(self) -> str:
-        return (source_dir() / self.source).read_text()
+        """The source, with static_asserts that each declared parameter struct matches its NumPy declaration."""
+        from .structs import layout_asserts
+        asserts = "".join(f"\n{layout_asserts(ctype, dtype)}\n" for ctype, dtype in self.structs)
+        return (source_dir() / self.source).read_text() + asserts
 
     def kernel(self, **row: Any):
         """The compiled ``cupy.RawKernel`` for one row of the table, on the current device (memoized)."""

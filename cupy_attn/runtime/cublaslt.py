@@ -24,6 +24,8 @@ import sys
 
 import numpy as np
 
+from . import workspace
+
 # cublasLt.h enums (stable across CUDA 11–13).
 _DESC_TRANSA, _DESC_TRANSB = 3, 4                  # cublasLtMatmulDescAttributes_t
 _LAYOUT_BATCH_COUNT, _LAYOUT_BATCH_STRIDE = 5, 6   # cublasLtMatrixLayoutAttribute_t (int32, int64)
@@ -212,7 +214,7 @@ class Plan:
         per call instead of ~2–3 on an H200 host)."""
         algo = self.algos[self.choice]
         ws_array = _workspace_array(self.key.device_id, stream_ptr, algo.workspace_size)
-        ws_ptr, ws_size = (0, 0) if ws_array is None else (ws_array.data.ptr, ws_array.nbytes)
+        ws_ptr, ws_size = (0, 0) if ws_array is None else (workspace.pointer(ws_array), ws_array.nbytes)
         vp = ctypes.c_void_p
         fixed = (vp(_handle(self.key.device_id)), self.desc, vp(alpha_ptr), vp(beta_ptr), vp(ws_ptr),
                  ctypes.c_size_t(ws_size), vp(stream_ptr))
@@ -250,7 +252,6 @@ class Plan:
 
 
 _PLANS: dict = {}
-_WORKSPACES: dict = {}
 
 # Problems of at least this many FLOPs are timed once over the heuristic's first TUNE_CANDIDATES algorithms, and the
 # fastest is kept. On an H200 the heuristic's first choice was 8–11% slower than its third on the SDPA seed GEMMs
@@ -292,16 +293,12 @@ def _workspace(device_id: int, stream_ptr: int, size: int) -> tuple[int, int]:
     """(pointer, bytes) of a workspace of at least ``size`` bytes, one per (device, stream): calls on one stream are
     ordered, so they may share it."""
     ws = _workspace_array(device_id, stream_ptr, size)
-    return (0, 0) if ws is None else (ws.data.ptr, ws.nbytes)
+    return (0, 0) if ws is None else (workspace.pointer(ws), ws.nbytes)
 
 
 def _workspace_array(device_id: int, stream_ptr: int, size: int):
-    """The CuPy array behind ``_workspace`` (None for size 0); a holder keeps it alive after a larger one replaces it."""
+    """The buffer behind ``_workspace`` (None for size 0): the stream's persistent "cublaslt" buffer from the stream
+    owner's allocator (runtime.workspace); a holder keeps it alive after a larger one replaces it."""
     if size == 0:
         return None
-    key = (device_id, stream_ptr)
-    ws = _WORKSPACES.get(key)
-    if ws is None or ws.nbytes < size:
-        import cupy
-        ws = _WORKSPACES[key] = cupy.empty(max(size, WORKSPACE_BYTES), dtype=np.uint8)
-    return ws
+    return workspace.persistent(device_id, stream_ptr, "cublaslt", max(size, WORKSPACE_BYTES))

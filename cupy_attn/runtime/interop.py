@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from . import workspace
+
 TORCH = "torch"          # torch CUDA tensor
 CUPY = "cupy"            # cupy.ndarray
 DLPACK = "dlpack"        # any other object with __dlpack__ on a CUDA device; results come back as CuPy arrays
@@ -203,6 +205,7 @@ def context_for(x: Any, name: str = "query") -> CallContext:
         stream = _STREAMS.get(key)
         if stream is None:  # only now the torch Stream object, for the CuPy wrapper
             stream = _STREAMS[key] = _external_stream(_torch().cuda.current_stream(device_id), device_id)
+            workspace.own_stream(device_id, key[1], TORCH)  # this stream's cached buffers come from torch
     else:
         with cupy.cuda.Device(device_id):
             stream = cupy.cuda.get_current_stream()

@@ -1,0 +1,94 @@
+"""Device memory a call needs besides its outputs, always from the caller's allocator.
+
+Two kinds, and nothing else is held between calls:
+
+* ``scratch(ctx, nbytes)``: one call's temporary (the split path's score buffer, up to ``workspace_bytes``). torch
+  callers get it from torch's caching allocator on their current stream: visible to ``torch.cuda.memory_allocated``,
+  reusable by torch afterwards, and graph-capture aware (inside ``torch.cuda.graph`` it comes from the graph's private
+  pool, so a replay never writes memory torch gave to someone else). CuPy callers get it from CuPy's pool on CuPy's
+  current stream. The holder frees it, stream-ordered, when the call drops it.
+* ``persistent(device_id, stream_ptr, name, nbytes)``: the small per-stream cache: cuBLASLt's workspace (32 MiB) and
+  Linear-BN-softmax's y (at most 64 MiB) and affine (16·F bytes) buffers, reused by every call on that stream (calls on
+  one stream are ordered, so they may share them). Allocated by the allocator of the kind that owns the stream (a torch
+  stream's buffers are torch tensors). ``release()`` drops them all.
+
+CuPy stream capture has no private pool: a scratch buffer freed after a captured call could be handed to other work
+while the graph still writes it at every replay. Scratch taken while a CuPy stream is capturing is therefore kept alive
+until ``release()`` (documented in ``cupy_attn.scaled_dot_product_attention``).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+TORCH = "torch"
+CUPY = "cupy"
+
+_OWNER: dict = {}        # (device, stream handle) -> TORCH | CUPY: which allocator serves that stream's buffers
+_PERSISTENT: dict = {}   # (device, stream handle, name) -> buffer (torch.Tensor or cupy.ndarray, uint8)
+_CAPTURED: list = []     # scratch taken during CuPy stream capture, alive until release()
+
+
+def own_stream(device_id: int, stream_ptr: int, kind: str) -> None:
+    """Record that ``kind``'s allocator serves buffers of this stream (torch streams: torch; others: CuPy)."""
+    _OWNER[device_id, stream_ptr] = TORCH if kind == TORCH else CUPY
+
+
+def _alloc(kind: str, device_id: int, nbytes: int):
+    """(buffer, device pointer) of ``nbytes`` uint8 from ``kind``'s allocator on that allocator's current stream."""
+    if kind == TORCH:
+        torch = sys.modules["torch"]
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=torch.device("cuda", device_id))
+        return t, t.data_ptr()
+    import cupy
+    with cupy.cuda.Device(device_id):
+        a = cupy.empty(max(nbytes, 1), dtype=np.uint8)
+    return a, a.data.ptr
+
+
+def capturing(stream_ptr: int) -> bool:
+    """True while ``stream_ptr`` is being captured into a CUDA graph (the legacy default stream never is)."""
+    if stream_ptr == 0:
+        return False
+    from cupy.cuda import runtime
+    return runtime.streamIsCapturing(stream_ptr) != 0
+
+
+def scratch(ctx, nbytes: int):
+    """(holder, pointer) of a per-call temporary of ``nbytes`` on ``ctx``'s device, from the caller's allocator on
+    the caller's stream (``ctx`` is an interop.CallContext). Keep the holder until the work is enqueued."""
+    kind = TORCH if ctx.kind == TORCH else CUPY
+    if kind == TORCH:
+        return _alloc(TORCH, ctx.device_id, nbytes)  # torch's current stream is the call's stream
+    import cupy
+    with cupy.cuda.Device(ctx.device_id), ctx.stream:
+        a = cupy.empty(max(nbytes, 1), dtype=np.uint8)
+    if capturing(ctx.stream.ptr):
+        _CAPTURED.append(a)
+    return a, a.data.ptr
+
+
+def persistent(device_id: int, stream_ptr: int, name: str, nbytes: int):
+    """The per-stream buffer ``name`` of at least ``nbytes`` (grown on demand; a replaced buffer goes back to its
+    allocator, stream-ordered). Returns the buffer; ``pointer(buf)`` gives its address."""
+    key = (device_id, stream_ptr, name)
+    buf = _PERSISTENT.get(key)
+    if buf is None or _nbytes(buf) < nbytes:
+        buf = _PERSISTENT[key] = _alloc(_OWNER.get((device_id, stream_ptr), CUPY), device_id, nbytes)[0]
+    return buf
+
+
+def pointer(buf) -> int:
+    return buf.data_ptr() if hasattr(buf, "data_ptr") else buf.data.ptr
+
+
+def _nbytes(buf) -> int:
+    return buf.nbytes  # torch.Tensor and cupy.ndarray alike (uint8: one byte an element)
+
+
+def release() -> None:
+    """Drop every persistent buffer and the scratch kept for captured CuPy graphs (call after destroying the graphs
+    that use them); each goes back to the allocator it came from."""
+    _PERSISTENT.clear()
+    _CAPTURED.clear()
