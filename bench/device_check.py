@@ -33,6 +33,17 @@ def run_tests(files: list[str]) -> None:
         print("  " + ln[:300])
 
 
+def run_script(path: str) -> None:
+    """Run one bench script in its own process; its whole output goes to $OUT/<name>.log and is echoed here."""
+    log = os.path.join(OUT, os.path.basename(path).replace(".py", ".log"))
+    t0 = time.time()
+    with open(log, "w") as f:
+        rc = subprocess.call([sys.executable, path], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
+                             env={**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"})
+    print(f"--- {path}: rc={rc} in {time.time() - t0:.0f}s", flush=True)
+    print(open(log).read()[-6000:], flush=True)
+
+
 def smoke() -> None:
     """One small call per path/dtype against the reference, so a broken launch shows up before the long steps."""
     import numpy as np
@@ -121,6 +132,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--skip-smoke", action="store_true")
+    parser.add_argument("--scripts", nargs="*", default=[],
+                        help="bench scripts run in their own process before the table (e.g. bench/host_time.py)")
     args = parser.parse_args()
     os.makedirs(OUT, exist_ok=True)
     from common import environment
@@ -133,6 +146,8 @@ def main() -> None:
         sweep_workspace()
     if args.profile:
         profile_split()
+    for script in args.scripts:
+        run_script(script)
     if args.bench != "none":
         import bench_sdpa
         bench_sdpa.main(["--quick"] if args.bench == "quick" else [])
