@@ -84,13 +84,16 @@ def test_torch_cuda_graph_capture_and_replay(name, shape, dtype, kw):
 
 @pytest.mark.parametrize("name,shape,dtype,kw", PATHS, ids=[p[0] for p in PATHS])
 def test_first_call_inside_capture(name, shape, dtype, kw):
-    """A call whose layout was never seen (call cache and split schedules cleared) made first inside capture works:
-    nothing on the path allocates outside torch's allocator or synchronizes."""
+    """A call whose layout was never seen made first inside capture works (call cache, split schedules, cuBLASLt plans
+    and loaded kernel modules cleared): nothing on the path allocates outside torch's allocator or synchronizes."""
     from cupy_attn.attention import split
+    from cupy_attn.runtime import compile as _compile, cublaslt
     g = torch.Generator("cuda").manual_seed(7)
     q, k, v, kw = _inputs(shape, dtype, kw, g)
     callcache.clear()
     split._SCHEDULES.clear()
+    cublaslt._PLANS.clear()
+    _compile._load.cache_clear()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

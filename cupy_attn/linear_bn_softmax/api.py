@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from .checks import _Call, check
+from .checks import check
 from .launch import (Y_WORKSPACE_MAX_BYTES, _Entry, _Prepared, _VECTORS, _cupy_view, _empty, _unit_last_stride,  # noqa: F401
                      _vector_ptr)
 
@@ -88,56 +88,18 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
 
 
 def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | None:
-    """Call-cache key (see cupy_attn.runtime.callcache): the arrays' shapes, strides, dtypes, devices and alignment, the
-    stream, the flags, and the TF32 setting that applies (torch's global flag when allow_tf32 is None).
-
-    torch inputs take an inlined copy of callcache.signatures: this runs before the GEMM on every call, and after an
-    idle wait (a synchronized loop) each µs of host work here showed as ~2–3 µs of idle GPU (bench host_breakdown).
-    """
-    refs = _torch_refs()
-    if refs is not None and type(arrays[0]) is refs[0]:
-        tensor, parameter, current_stream, matmul = refs
-        sigs = []
-        for a in arrays:
-            if a is None:
-                sigs.append(None)
-                continue
-            kind = type(a)
-            if kind is not tensor and kind is not parameter:
-                return None
-            sigs.append((a.shape, a.stride(), a.dtype, a.get_device(), a.data_ptr() & 15))
-        device = sigs[0][3]
-        if device < 0:
-            return None
-        if allow_tf32 is None:
-            allow_tf32 = matmul.allow_tf32
-        return ("linear_batchnorm_softmax", "torch", tuple(sigs), current_stream(device), type(training), training,
-                type(momentum), momentum, type(eps), eps, type(allow_tf32), allow_tf32)
+    """Call-cache key (see cupy_attn.runtime.callcache): the arrays' signatures and stream (callcache.signatures),
+    the flags with their types, and the TF32 setting that applies (torch's global flag when allow_tf32 is None)."""
     sigs = callcache.signatures(arrays)
     if sigs is None:
         return None
-    return ("linear_batchnorm_softmax", *sigs, callcache.typed(training, momentum, eps, allow_tf32))
+    if allow_tf32 is None and sigs[0] == interop.TORCH:
+        allow_tf32 = sys.modules["torch"].backends.cuda.matmul.allow_tf32
+    return ("linear_batchnorm_softmax", *sigs, type(training), training, type(momentum), momentum, type(eps), eps,
+            type(allow_tf32), allow_tf32)
 
 
-_TORCH_REFS: list = []
-
-
-def _torch_refs() -> tuple | None:
-    """(torch.Tensor, nn.Parameter, current raw stream getter, torch.backends.cuda.matmul), once torch is imported."""
-    if _TORCH_REFS:
-        return _TORCH_REFS[0]
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    _TORCH_REFS.append((torch.Tensor, torch.nn.Parameter,
-                        getattr(torch._C, "_cuda_getCurrentRawStream", None) or interop.current_torch_stream,
-                        torch.backends.cuda.matmul))
-    return _TORCH_REFS[0]
-
-
-# Per-feature vectors in Params' pointer order (after out and affine), and their positions in the public argument
-
-def _run_reference(call: _Call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+def _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
                    momentum, eps, num_batches_tracked):
     """CPU inputs: the float64 reference; running stats and num_batches_tracked updated in place."""
     def host(v):

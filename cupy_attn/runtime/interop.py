@@ -71,7 +71,7 @@ def device_of(x: Any, kind: str) -> int | None:
 def dtype_of(x: Any, kind: str) -> np.dtype:
     """The element type as a NumPy dtype (bfloat16 as ml_dtypes.bfloat16) for every kind."""
     if kind in (TORCH, TORCH_CPU):
-        return _torch_to_numpy_dtype(x.dtype)
+        return torch_to_numpy_dtype(x.dtype)
     if kind == DLPACK:
         return np.dtype(_dlpack_view(x).dtype)
     return np.dtype(x.dtype)
@@ -91,16 +91,19 @@ def dtype_name(dtype) -> str:
 _TORCH_DTYPES: dict = {}  # torch.dtype -> NumPy dtype, filled on first use (a dict hit is ~50 ns; a probe ~20 µs)
 
 
-def _torch_to_numpy_dtype(dt) -> np.dtype:
-    if dt not in _TORCH_DTYPES:
-        torch = _torch()
-        if dt == torch.bfloat16:
-            import ml_dtypes
-            _TORCH_DTYPES[dt] = np.dtype(ml_dtypes.bfloat16)
-        elif dt == torch.bool:
-            _TORCH_DTYPES[dt] = np.dtype(np.bool_)
-        else:
-            _TORCH_DTYPES[dt] = np.dtype(torch.empty((), dtype=dt).numpy().dtype)
+def torch_to_numpy_dtype(dt) -> np.dtype:
+    """torch.dtype -> NumPy dtype (bfloat16 as ml_dtypes.bfloat16), memoized."""
+    hit = _TORCH_DTYPES.get(dt)
+    if hit is not None:
+        return hit
+    torch = _torch()
+    if dt == torch.bfloat16:
+        import ml_dtypes
+        _TORCH_DTYPES[dt] = np.dtype(ml_dtypes.bfloat16)
+    elif dt == torch.bool:
+        _TORCH_DTYPES[dt] = np.dtype(np.bool_)
+    else:
+        _TORCH_DTYPES[dt] = np.dtype(torch.empty((), dtype=dt).numpy().dtype)
     return _TORCH_DTYPES[dt]
 
 
@@ -111,7 +114,7 @@ def _numpy_to_torch_dtype(dt: np.dtype):
             return t
     torch = _torch()
     t = torch.bfloat16 if dt.name == "bfloat16" else torch.from_numpy(np.empty((), dtype=dt)).dtype
-    _torch_to_numpy_dtype(t)
+    torch_to_numpy_dtype(t)
     return t
 
 
@@ -150,7 +153,7 @@ class CallContext:
         if isinstance(x, cupy.ndarray):
             return x
         if is_torch_tensor(x) and x.numel() > 0:
-            dtype = _torch_to_numpy_dtype(x.dtype)
+            dtype = torch_to_numpy_dtype(x.dtype)
             extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride()))
             mem = cupy.cuda.UnownedMemory(x.data_ptr(), extent * dtype.itemsize, x, self.device_id)
             return cupy.ndarray(tuple(x.shape), dtype, cupy.cuda.MemoryPointer(mem, 0),
@@ -193,23 +196,34 @@ def _external_stream(torch_stream, device_id: int):
     return cupy.cuda.ExternalStream(torch_stream.cuda_stream, device_id)
 
 
+_CONTEXTS: dict = {}  # (kind, device, stream handle) -> CallContext: one object per caller stream, reused
+
+
 def context_for(x: Any, name: str = "query") -> CallContext:
-    """Context from the first array argument: torch's current stream for torch tensors, CuPy's otherwise."""
+    """Context from the first array argument: torch's current stream for torch tensors, CuPy's otherwise. Contexts
+    are cached per (kind, device, stream), so a call costs the stream look-up, not the CuPy stream wrapper."""
     kind = kind_of(x, name)
     if kind in CPU_KINDS:
         return CallContext(kind, None)
     import cupy
     device_id = device_of(x, kind)
     if kind == TORCH:
-        key = (device_id, current_torch_stream(device_id))
-        stream = _STREAMS.get(key)
-        if stream is None:  # only now the torch Stream object, for the CuPy wrapper
-            stream = _STREAMS[key] = _external_stream(_torch().cuda.current_stream(device_id), device_id)
-            workspace.own_stream(device_id, key[1], TORCH)  # this stream's cached buffers come from torch
-    else:
-        with cupy.cuda.Device(device_id):
-            stream = cupy.cuda.get_current_stream()
-    return CallContext(kind, device_id, stream)
+        handle = current_torch_stream(device_id)
+        ctx = _CONTEXTS.get((kind, device_id, handle))
+        if ctx is None:  # only now the torch Stream object, for the CuPy wrapper
+            stream = _STREAMS.get((device_id, handle))
+            if stream is None:
+                stream = _STREAMS[device_id, handle] = _external_stream(_torch().cuda.current_stream(device_id),
+                                                                        device_id)
+            workspace.own_stream(device_id, handle, TORCH)  # this stream's cached buffers come from torch
+            ctx = _CONTEXTS[kind, device_id, handle] = CallContext(kind, device_id, stream)
+        return ctx
+    with cupy.cuda.Device(device_id):
+        stream = cupy.cuda.get_current_stream()
+    ctx = _CONTEXTS.get((kind, device_id, stream.ptr))
+    if ctx is None or ctx.stream is not stream:
+        ctx = _CONTEXTS[kind, device_id, stream.ptr] = CallContext(kind, device_id, stream)
+    return ctx
 
 
 def to_numpy(x: Any, kind: str) -> np.ndarray:
