@@ -1,0 +1,35 @@
+"""Causal against non-causal time on the split path (head dims > 256), same process: issue 14's "causal ≤ 0.6×".
+
+    PYTHONPATH=. python3 bench/experiments/causal_split.py
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+import cupy_attn  # noqa: E402
+from common import median_ms  # noqa: E402
+
+
+def main():
+    F = torch.nn.functional
+    for (B, H, L, S, D), dt in (((32, 32, 512, 512, 1024), torch.float16), ((32, 32, 512, 512, 1024), torch.bfloat16),
+                                ((2, 8, 4096, 4096, 512), torch.bfloat16), ((4, 16, 2048, 2048, 512), torch.float16)):
+        q = torch.randn(B, H, L, D, device="cuda", dtype=dt)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        full = median_ms(lambda: cupy_attn.scaled_dot_product_attention(q, k, v))
+        causal = median_ms(lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True))
+        br = median_ms(lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right"))
+        tc = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), n_repeat=5)
+        fl = 4.0 * B * H * L * S * D
+        print(f"{(B, H, L, S, D)} {str(dt)[6:]}: full {full:.3f} ms ({fl / full / 1e9:.0f} TFLOP/s), causal "
+              f"{causal:.3f} ms ({fl / 2 / causal / 1e9:.0f}), ratio {causal / full:.3f}; bottom-right {br:.3f}; "
+              f"torch causal {tc:.3f} ms (x{tc / causal:.2f})", flush=True)
+        del q, k, v
+
+
+if __name__ == "__main__":
+    main()
