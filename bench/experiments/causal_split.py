@@ -28,7 +28,6 @@ def main():
         print(f"{(B, H, L, S, D)} {str(dt)[6:]}: full {full:.3f} ms ({fl / full / 1e9:.0f} TFLOP/s), causal "
               f"{causal:.3f} ms ({fl / 2 / causal / 1e9:.0f}), ratio {causal / full:.3f}; bottom-right {br:.3f}; "
               f"torch causal {tc:.3f} ms (x{tc / causal:.2f})", flush=True)
-        del q, k, v
 
 
 if __name__ == "__main__":
