@@ -205,14 +205,3 @@ def test_call_cache_refuses_mixed_kinds():
     q, k, v = _qkv()
     args = (None, 0.0, False, None, False, "auto", False, False, None)
     assert _callcache.key(torch.from_numpy(q), k, v, *args) is None
-
-
-@pytest.mark.parametrize("L,rows_per_chunk", [(1, 1), (127, 127), (512, 512), (4096, 4096), (1000, 300), (5, 2)])
-def test_causal_row_blocks_cover_every_row_once(L, rows_per_chunk):
-    from cupy_attn.attention import split as _split
-    for causal in (False, True):
-        blocks = _split._row_blocks(L, rows_per_chunk, causal)
-        rows = [r for r0, n in blocks for r in range(r0, r0 + n)]
-        assert rows == list(range(L)) and all(n >= 1 for _, n in blocks)
-        assert all(n <= rows_per_chunk for _, n in blocks)
-    assert len(_split._row_blocks(4096, 4096, True)) == 8 and len(_split._row_blocks(512, 512, True)) == 4

@@ -132,6 +132,4 @@ def split_details(p) -> dict:
         "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
         "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(p.seqlen_k, p.mask is not None or p.causal is not None),),
-        **({"causal row blocks": f"{_split.causal_row_blocks(p.seqlen_q)} (each block's GEMMs stop at its last "
-                                 "visible key)"} if p.causal else {}),
     }

@@ -200,28 +200,6 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
         del scores  # back to its allocator, ordered after the work above on this stream
 
 
-def causal_row_blocks(seqlen_q: int) -> int:
-    """How many query-row blocks a causal call is cut into, so that block i's GEMMs stop at its last visible key.
-
-    With n equal blocks of a square causal problem the GEMMs do (n + 1) / (2n) of the full work (n = 4: 62.5%,
-    n = 8: 56%), in GEMMs of L/n rows; blocks of fewer than 128 rows fill cuBLAS's tiles poorly. So n = L // 128,
-    at most 8: the seed's causal variant (L = 512) takes 4 blocks of 128 rows, L = 4096 takes 8 of 512.
-    """
-    return max(1, min(8, seqlen_q // 128))
-
-
-def _row_blocks(L: int, rows_per_chunk: int, causal: bool) -> list[tuple[int, int]]:
-    """(first row, rows) of each query-row block: chunks of rows_per_chunk (the workspace budget), each cut into
-    causal_row_blocks pieces when causal."""
-    blocks = []
-    for r0 in range(0, L, rows_per_chunk):
-        lc = min(rows_per_chunk, L - r0)
-        n = causal_row_blocks(lc) if causal else 1
-        step = -(-lc // n)
-        blocks += [(r, min(step, r0 + lc - r)) for r in range(r0, r0 + lc, step)]
-    return blocks
-
-
 def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     dtype = p.dtype
@@ -264,19 +242,18 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
     gemms: dict = {}
 
-    def gemm_pair(nb: int, lc: int, sc: int):
-        """(QKᵀ, PV) for nb batches of lc query rows against the first sc keys; chunks of equal size share them."""
-        if (nb, lc, sc) not in gemms:
-            gemms[nb, lc, sc] = (
+    def gemm_pair(nb: int, lc: int):
+        """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
+        if (nb, lc) not in gemms:
+            gemms[nb, lc] = (
                 blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
-                                 stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
-                                 trans_b=True, m=lc, n=sc, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
+                                    stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
+                                    trans_b=True, m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
                 blas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
-                                 stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
-                                 stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc, batch=nb, allow_tf32=allow_tf32))
-        return gemms[nb, lc, sc]
+                                    stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
+                                    stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32))
+        return gemms[nb, lc]
 
-    row_blocks = _row_blocks(L, rows_per_chunk, p.causal is not None)
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse")}
@@ -287,18 +264,14 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 idx //= ax.size
         for c0 in range(0, n_batch, per_chunk):
             nb = min(per_chunk, n_batch - c0)
-            for r0, lc in row_blocks:
-                # Causal: rows r0..r0+lc-1 see keys j <= r0 + lc - 1 + causal_offset at most, so both GEMMs and the
-                # softmax stop at sc keys (at least 1: rows that see none come out 0, lse -inf, through the mask).
-                sc = S if p.causal is None else max(1, min(S, r0 + lc + causal_offset))
+            for r0 in range(0, L, rows_per_chunk):
+                lc = min(rows_per_chunk, L - r0)
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-                params["seqlen_k"] = sc
-                qk, pv = gemm_pair(nb, lc, sc)
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // rows_per_block), gemm_qk=qk, gemm_pv=pv))
+                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc)[0], gemm_pv=gemm_pair(nb, lc)[1]))
     return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, kernel=kernel, block=max(tile[0], 128),
                      chunks=chunks)
