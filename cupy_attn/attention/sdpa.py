@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import checks, dispatch
+from . import autograd, checks, dispatch
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -50,8 +50,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (naming the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run
     the call.
     """
+    if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
+        checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+        return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                              return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                              return_lse, allow_tf32, workspace_bytes)
+                             return_lse, allow_tf32, workspace_bytes)
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
@@ -84,6 +88,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                                           None if lse_native is None else tuple(lse_native.shape),
                                                           run))
     return (out_native, lse_native) if return_lse else out_native
+
+
+def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32):
+    """(out, lse) of the forward on detached inputs, for autograd (lse float32, natural log)."""
+    return scaled_dot_product_attention(query.detach(), key.detach(), value.detach(),
+                                        None if attn_mask is None else attn_mask.detach(), 0.0, is_causal, scale,
+                                        enable_gqa, return_lse=True, workspace_bytes=workspace_bytes,
+                                        allow_tf32=allow_tf32)
 
 
 def _replayable(p, query, key, value, attn_mask) -> bool:

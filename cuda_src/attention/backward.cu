@@ -1,0 +1,131 @@
+// Attention backward, split path: the elementwise steps between cuBLAS GEMMs.
+//
+// Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, with P recomputed from the saved lse instead of stored):
+//   S = scale·Q Kᵀ (+ mask),  P = exp(S − lse),  dV = Pᵀ dO,  dP = dO Vᵀ,
+//   D_i = Σ_c dO_ic · O_ic  (= Σ_j P_ij dP_ij),  dS = P ∘ (dP − D),  dQ = scale · dS K,  dK = scale · dSᵀ Q,
+//   and d(mask) = dS for a float mask (summed over its broadcast axes by the host).
+// The host runs the five GEMMs (cuBLAS, fp32 accumulate); these kernels do the rest:
+//   attn_bwd_delta<T>:        D for every row (one warp per row, fp32).
+//   attn_bwd_rows<T, false>:  P = 2^(s − lse·log2 e) with the mask and causal limit applied, written as T for dV's GEMM.
+//   attn_bwd_rows<T, true>:   dS = P ∘ (dP − D) with P recomputed the same way, written as T for dQ's and dK's GEMMs
+//                             (and as fp32 into dmask when the float mask needs a gradient).
+//   attn_bwd_group_sum<T>:    dK, dV from their fp32 per-query-head accumulators: the sum over each GQA group
+//                             (g = 1 without GQA), rounded once to T.
+// s arrives in base-2 units: the host folds scale·log2(e) into the first GEMM's alpha, as the forward does.
+// A row whose keys are all masked has lse = −inf (forward convention): its P and dS are 0.
+//
+// Thread mapping: attn_bwd_rows: one 128-thread block per score row, thread t at columns 4t + 512k: float4 loads of
+// the fp32 rows (pitch ld, a multiple of 8 floats) and 4-element stores of T into rows of the same pitch.
+// attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim.
+// Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
+//
+// Versions: v1 (this) split backward for every dtype and head dim; a fused backward kernel is the next step.
+#include "common/types.cuh"
+
+namespace cupy_attn {
+
+struct BwdParams {
+  const float* scores;   // (rows, ld) fp32 base-2 scores of this chunk
+  const float* dp;       // (rows, ld) fp32 dP (rows kernel with kGrad)
+  void* out;             // (rows, ld) T: P, or dS with kGrad
+  float* dmask;          // optional (rows, seqlen_k) fp32 dS for a float mask's gradient (kGrad only)
+  const float* lse;      // (heads, seqlen_q) natural-log lse, contiguous
+  float* delta;          // (heads, seqlen_q) D: written by attn_bwd_delta, read by attn_bwd_rows<T, true>
+  const void* mask;      // optional mask element (b, h, i, j) at b·sb + h·sh + i·sl + j·ss elements
+  const void* dout;      // attn_bwd_delta: dO (rows of head_dim_v, pitch head_dim_v), T
+  const void* o;         // attn_bwd_delta: O, same layout
+  long long rows;        // rows of this launch: chunk heads × chunk query rows
+  long long rows_per_head, row0;  // query rows per head in the chunk, and the chunk's first query row
+  long long seqlen_q, seqlen_k, ld, head_dim_v;
+  long long head0, num_heads;     // first (batch·head) index of the chunk; heads per batch (splits b and h)
+  long long causal_offset;        // key j is visible to query i iff j <= i + causal_offset (seqlen_k: no limit)
+  long long mask_kind;            // 0 none, 1 bool, 2 fp16, 3 bf16, 4 fp32
+  long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+};
+
+namespace bwd {
+
+// A mask element as a base-2 score offset: bool gives 0 or −inf, floats their value times log2(e).
+__device__ __forceinline__ float mask_log2(const unsigned char* m, long long kind) {
+  if (kind == 1) return *m ? 0.f : -inf();
+  if (kind == 2) return kLog2e * to_float(*reinterpret_cast<const __half*>(m));
+  if (kind == 3) return kLog2e * to_float(*reinterpret_cast<const __nv_bfloat16*>(m));
+  return kLog2e * *reinterpret_cast<const float*>(m);
+}
+
+__device__ __forceinline__ int mask_itemsize(long long kind) { return kind == 1 ? 1 : (kind == 4 ? 4 : 2); }
+
+}  // namespace bwd
+
+template <typename T>
+__global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
+  const long long row = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  const T* dout = static_cast<const T*>(p.dout) + row * p.head_dim_v;
+  const T* o = static_cast<const T*>(p.o) + row * p.head_dim_v;
+  float acc = 0.f;
+  for (long long c = lane; c < p.head_dim_v; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) p.delta[row] = acc;
+}
+
+// dst[o] = Σ_{j<g} src[(o / inner · g + j) · inner + o % inner] for o < rows (= output elements), as T.
+// Reuses BwdParams: scores = src (fp32), out = dst, rows = output elements, ld = inner, num_heads = g.
+template <typename T>
+__global__ void __launch_bounds__(256) attn_bwd_group_sum(const BwdParams p) {
+  const long long o = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (o >= p.rows) return;
+  const long long inner = p.ld, g = p.num_heads;
+  const float* src = p.scores + (o / inner) * g * inner + o % inner;
+  float acc = 0.f;
+  for (long long j = 0; j < g; ++j) acc += src[j * inner];
+  static_cast<T*>(p.out)[o] = from_float<T>(acc);
+}
+
+template <typename T, bool kGrad>
+__global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
+  const long long row = blockIdx.x;
+  if (row >= p.rows) return;
+  const long long head = p.head0 + row / p.rows_per_head;  // global (batch·head) index
+  const long long i = p.row0 + row % p.rows_per_head;      // query row
+  const long long S = p.seqlen_k;
+  const float lse = p.lse[head * p.seqlen_q + i];
+  const bool empty = lse == -inf();
+  const float lse2 = lse * kLog2e;
+  const float d = kGrad ? p.delta[head * p.seqlen_q + i] : 0.f;
+  const long long limit = i + p.causal_offset;
+  const unsigned char* mrow = nullptr;
+  long long mstride = 0;
+  if (p.mask_kind != 0) {
+    const long long b = head / p.num_heads, h = head % p.num_heads;
+    const int isz = bwd::mask_itemsize(p.mask_kind);
+    mrow = static_cast<const unsigned char*>(p.mask) +
+           (b * p.mask_stride_b + h * p.mask_stride_h + i * p.mask_stride_l) * isz;
+    mstride = p.mask_stride_s * isz;
+  }
+  const float* srow = p.scores + row * p.ld;
+  const float* dprow = kGrad ? p.dp + row * p.ld : nullptr;
+  T* orow = static_cast<T*>(p.out) + row * p.ld;
+  for (long long c = 4LL * threadIdx.x; c < S; c += 4LL * blockDim.x) {
+    const float4 s4 = *reinterpret_cast<const float4*>(srow + c);
+    float4 dp4 = make_float4(0.f, 0.f, 0.f, 0.f);
+    if constexpr (kGrad) dp4 = *reinterpret_cast<const float4*>(dprow + c);
+    const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, dpv[4] = {dp4.x, dp4.y, dp4.z, dp4.w};
+    float r[4];
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const long long j = c + e;
+      float s = sv[e];
+      if (j >= S || j > limit) s = -inf();
+      else if (mrow) s += bwd::mask_log2(mrow + j * mstride, p.mask_kind);
+      const float prob = (empty || s == -inf()) ? 0.f : exp2f(s - lse2);
+      r[e] = kGrad ? prob * (dpv[e] - d) : prob;
+      if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r[e];
+    }
+    store4<T>(orow + c, r[0], r[1], r[2], r[3]);  // columns up to c + 3 < ld: inside the row's pitch
+  }
+}
+
+}  // namespace cupy_attn

@@ -1,0 +1,102 @@
+"""Autograd for scaled_dot_product_attention on torch tensors: the forward saves out and lse (not the scores), the
+backward is backward.sdpa_backward (FlashAttention-2's backward on the split path, P recomputed from lse).
+
+Used by the public function when autograd would record the call (grad mode on and query, key, value or a float
+attn_mask requiring grad); calls under ``torch.no_grad()``/``inference_mode`` or on tensors that need no grad keep the
+forward-only path and its speed. ``grad_inputs`` is the backward itself, shared with the torch.library registration.
+"""
+from __future__ import annotations
+
+import sys
+
+
+def needs_grad(query, key, value, attn_mask) -> bool:
+    """True when autograd would record this call: torch CUDA tensors, grad mode on, an input requiring grad. (CPU
+    tensors run the float64 reference, which records nothing.)"""
+    # requires_grad first: it is False on the hot path (inference), and CuPy arrays have no such attribute.
+    if not (getattr(query, "requires_grad", False) or getattr(key, "requires_grad", False)
+            or getattr(value, "requires_grad", False) or getattr(attn_mask, "requires_grad", False)):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(query, torch.Tensor) and query.is_cuda and torch.is_grad_enabled()
+
+
+def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, scale, enable_gqa,
+                need_mask_grad: bool, workspace_bytes=None, allow_tf32=False):
+    """(dq, dk, dv, dmask) for torch CUDA tensors: dq/dk/dv in the inputs' shapes and dtype, dmask (or None) in
+    attn_mask's shape and dtype (the gradient summed over the mask's broadcast axes). Raises as the forward's checks.
+    """
+    from . import backward, checks
+
+    torch = sys.modules["torch"]
+    p = checks.check_sdpa(query.detach(), key.detach(), value.detach(),
+                          None if attn_mask is None else attn_mask.detach(), 0.0, is_causal, scale, enable_gqa, "auto")
+    dq = torch.empty_like(query, memory_format=torch.contiguous_format)
+    dk = torch.empty_like(key, memory_format=torch.contiguous_format)
+    dv = torch.empty_like(value, memory_format=torch.contiguous_format)
+    B, Hq, Hkv, L, S = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k
+    E, Ev = p.head_dim, p.head_dim_v
+    if dq.numel() == 0 or dk.numel() == 0 or dv.numel() == 0 or grad_out.numel() == 0:
+        dmask = None if not need_mask_grad else torch.zeros_like(attn_mask)
+        return dq.zero_(), dk.zero_(), dv.zero_(), dmask
+    dmask_full = None
+    if need_mask_grad:
+        dmask_full = torch.empty(query.shape[:-2] + (L, S), device=query.device, dtype=torch.float32)
+    ctx = p.ctx
+    views = [ctx.as_cupy(t) for t in (out.detach(), lse.detach(), grad_out.detach(), dq, dk, dv)]
+    o4, lse3, do4, dq4, dk4, dv4 = (
+        v.reshape(shape) for v, shape in zip(views, ((B, Hq, L, Ev), (B, Hq, L), (B, Hq, L, Ev), (B, Hq, L, E),
+                                                     (B, Hkv, S, E), (B, Hkv, S, Ev))))
+    dm4 = None if dmask_full is None else ctx.as_cupy(dmask_full).reshape(B, Hq, L, S)
+    backward.sdpa_backward(p, o4, lse3, do4, dq4, dk4, dv4, dm4, workspace_bytes=workspace_bytes,
+                           allow_tf32=allow_tf32)
+    dmask = None
+    if dmask_full is not None:
+        dmask = dmask_full.sum_to_size(attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask
+
+
+def _function():
+    """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself)."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    torch = sys.modules["torch"]
+
+    class ScaledDotProductAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32):
+            from .sdpa import forward
+            out, lse = forward(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
+                               enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+            fctx.save_for_backward(query, key, value, attn_mask, out, lse)
+            fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32)
+            fctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(fctx, grad_out, _grad_lse):
+            query, key, value, attn_mask, out, lse = fctx.saved_tensors
+            is_causal, scale, enable_gqa, workspace_bytes, allow_tf32 = fctx.flags
+            need_mask = attn_mask is not None and fctx.needs_input_grad[3]
+            dq, dk, dv, dmask = grad_inputs(query, key, value, attn_mask, out, lse, grad_out.contiguous(),
+                                            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                            need_mask_grad=need_mask, workspace_bytes=workspace_bytes,
+                                            allow_tf32=allow_tf32)
+            return dq, dk, dv, dmask, None, None, None, None, None
+
+    _FUNCTION = ScaledDotProductAttention
+    return _FUNCTION
+
+
+_FUNCTION = None
+
+
+def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32):
+    """The recorded call: (out, lse) through the autograd Function; lse carries no gradient."""
+    if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
+        raise TypeError("attn_mask: a bool mask cannot require grad")
+    out, lse = _function().apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes,
+                                 allow_tf32)
+    return (out, lse) if return_lse else out
+
