@@ -41,6 +41,9 @@ def _grads(fn, inputs, dout):
 
 CASES = [
     # (name, B, Hq, Hkv, L, S, E, Ev, causal, mask)
+    ("tiny", 1, 1, 1, 1, 1, 8, 8, False, None),
+    ("odd", 1, 2, 2, 129, 65, 96, 96, True, None),
+    ("long", 1, 2, 1, 1000, 700, 64, 64, "bottom_right", None),
     ("basic", 2, 3, 3, 77, 113, 64, 64, False, None),
     ("d128 causal", 1, 2, 2, 128, 128, 128, 128, True, None),
     ("bottom-right", 1, 2, 2, 33, 90, 64, 64, "bottom_right", None),
@@ -52,10 +55,14 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("bwd", ["auto", "split"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_gradients(dtype, case):
+def test_gradients(dtype, case, bwd, monkeypatch):
+    """bwd="auto": the fused backward where it applies (fp16/bf16, no mask, head dims ≤ 128), else split."""
     name, B, Hq, Hkv, L, S, E, Ev, causal, mask_kind = case
+    if bwd == "split":
+        monkeypatch.setenv("CUPY_ATTN_BWD", "split")
     g = torch.Generator("cuda").manual_seed(hash(name) % 997)
     dt = DTYPES[dtype]
     q = torch.randn(B, Hq, L, E, generator=g, device="cuda").to(dt).requires_grad_()

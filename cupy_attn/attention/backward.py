@@ -59,6 +59,43 @@ BACKWARD_DELTA = KernelFamily(
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 
+# The fused backward (cuda_src/attention/flash_bwd.cu): head-dim bucket -> (warps, kBlockM); kBlockN = 16 · warps.
+# Both buckets: 4 warps, 64 keys × 64 queries per step; at D = 128 dK and dV take 128 accumulators per thread and the
+# kernel sits at 255 registers with no spills (the dQ loop over keys is not unrolled, the Sᵀ loop by 2: fully
+# unrolled they spilled 8 bytes). Head dims above 128 take the split backward.
+FLASH_BWD_TILES = {64: (4, 64), 128: (4, 64)}
+ENV_BWD = "CUPY_ATTN_BWD"  # "split" forces the split backward (tests, comparisons)
+
+_FLASH_PARAMS = np.dtype([(n, np.float64 if n in ("scale", "scale_log2") else np.int64) for n in (
+    "dk", "dv", "dq_accum", "q", "k", "v", "dout", "lse", "delta", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
+    "num_heads", "groups", "is_causal", "causal_offset", "vec_flags", "scale", "scale_log2",
+    "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
+    "v_stride_b", "v_stride_h", "v_stride_s", "do_stride_b", "do_stride_h", "do_stride_l")])
+
+FLASH_BWD = KernelFamily(
+    name="flash_bwd",
+    source="attention/flash_bwd.cu",
+    template="cupy_attn::flash_bwd<{dtype}, {head_dim}, {tile[0]}, {tile[1]}>",
+    axes={"dtype": ("__half", "__nv_bfloat16"), "head_dim": tuple(FLASH_BWD_TILES),
+          "tile": tuple(sorted(set(FLASH_BWD_TILES.values())))},
+    where=lambda row: FLASH_BWD_TILES[row["head_dim"]] == row["tile"],
+    structs=(("cupy_attn::FlashBwdParams", _FLASH_PARAMS),),
+)
+
+
+def fused_bucket(p) -> int | None:
+    """The fused backward's head-dim bucket for a checked problem, or None when it takes the split backward:
+    fp16/bf16, no attn_mask, max(E, Ev) ≤ 128, compute capability ≥ 8.0 (``CUPY_ATTN_BWD=split`` forces split)."""
+    import os
+    if os.environ.get(ENV_BWD) == "split" or p.mask is not None or dtype_name(p.dtype) not in ("float16", "bfloat16"):
+        return None
+    import cupy
+    if int(cupy.cuda.Device(p.ctx.device_id).compute_capability) < 80:
+        return None
+    need = max(p.head_dim, p.head_dim_v)
+    return next((d for d in FLASH_BWD_TILES if d >= need), None)
+
+
 DEFAULT_WORKSPACE_BYTES = 1 << 30
 # Bytes of chunk buffers per score: S and dP in fp32 (pitch ld), P/dS in the input dtype (pitch ld), dmask fp32.
 _BYTES_PER_SCORE = 4 + 4 + 4
@@ -88,6 +125,63 @@ def _contiguous(ctx, x, keep: list):
     return y
 
 
+def _rows16(a) -> bool:
+    """Every row start 16-byte aligned (cp.async may copy 16 bytes at a time)."""
+    return a.data.ptr % 16 == 0 and all(st % 16 == 0 for st in a.strides[:-1])
+
+
+def flash_backward(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
+    """The fused backward (flash_bwd.cu) for a checked problem that ``fused_bucket`` accepted; arguments as
+    sdpa_backward's. Memory: D (B·Hq·L fp32) and the fp32 dQ accumulator (B·Hq·L·E) from the caller's allocator."""
+    import cupy
+
+    ctx = p.ctx
+    B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
+    ctype = _C_TYPES[dtype_name(p.dtype)]
+    keep: list = []
+    with ctx.activate():
+        o, do, lse = (_contiguous(ctx, x, keep) for x in (out, dout, lse))
+        holder, delta = _scratch(ctx, (B, Hq, L), np.float32)
+        keep.append(holder)
+        holder, dq32 = _scratch(ctx, (B, Hq, L, E), np.float32)
+        keep.append(holder)
+        cupy.cuda.runtime.memsetAsync(dq32.data.ptr, 0, dq32.nbytes, ctx.stream.ptr)
+        base = np.zeros((), dtype=_PARAMS)
+        base["rows"], base["dout"], base["o"], base["delta"], base["head_dim_v"] = B * Hq * L, do.data.ptr, \
+            o.data.ptr, delta.data.ptr, Ev
+        BACKWARD_DELTA.kernel(dtype=ctype)((-(-B * Hq * L // 8),), (256,), (struct_arg(base),))
+
+        warps, block_m = FLASH_BWD_TILES[bucket]
+        prm = np.zeros((), dtype=_FLASH_PARAMS)
+        prm["dk"], prm["dv"], prm["dq_accum"] = dk.data.ptr, dv.data.ptr, dq32.data.ptr
+        prm["q"], prm["k"], prm["v"], prm["dout"] = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, do.data.ptr
+        prm["lse"], prm["delta"] = lse.data.ptr, delta.data.ptr
+        prm["seqlen_q"], prm["seqlen_k"], prm["head_dim"], prm["head_dim_v"] = L, S, E, Ev
+        prm["num_heads"], prm["groups"] = Hq, p.groups
+        prm["is_causal"] = p.causal is not None
+        prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
+        prm["vec_flags"] = (_rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2 | _rows16(do) << 3)
+        prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        for name, arr, axes in (("q", p.query, "bhl"), ("k", p.key, "bhs"), ("v", p.value, "bhs"),
+                                ("do", do, "bhl")):
+            for axis, stride in zip(axes, arr.strides):
+                prm[f"{name}_stride_{axis}"] = stride // arr.itemsize
+        kernel = FLASH_BWD.kernel(dtype=ctype, head_dim=bucket, tile=(warps, block_m))
+        block_n = 16 * warps
+        smem = ((2 * block_n + 2 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        if Hkv > 65535 or B > 65535:
+            raise ValueError(f"fused backward: grid limit: heads {Hkv} and batch {B} must each be <= 65535")
+        kernel((-(-S // block_n), Hkv, B), (warps * 32,), (struct_arg(prm),), shared_mem=smem)
+
+        cast = base.copy()  # dq = dq32 rounded to the input dtype (the group sum with one member)
+        cast["scores"], cast["out"], cast["rows"], cast["ld"], cast["num_heads"] = dq32.data.ptr, dq.data.ptr, \
+            dq.size, dq.size, 1
+        BACKWARD_GROUP_SUM.kernel(dtype=ctype)((-(-dq.size // 256),), (256,), (struct_arg(cast),))
+        del keep
+
+
 def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes: int | None = None,
                   allow_tf32: bool = False) -> None:
     """Gradients of scaled_dot_product_attention for a checked problem ``p`` (checks.SDPAProblem, GPU).
@@ -99,6 +193,11 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
     the call's stream (``p.ctx``); S ≥ 1, L ≥ 1.
     """
 
+    if dmask is None and all(a.flags.c_contiguous for a in (dq, dk, dv)):
+        bucket = fused_bucket(p)
+        if bucket is not None:
+            flash_backward(p, out, lse, dout, dq, dk, dv, bucket)
+            return
     ctx = p.ctx
     B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     g, n_heads = p.groups, p.batch * p.num_heads
