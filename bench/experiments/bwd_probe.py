@@ -44,16 +44,20 @@ def main():
         flops = 2.5 * 4.0 * B * H * L * L * D
         print(f"({B},{H},{L},{D}) fp16: forward {fwd:.3f} ms", flush=True)
         for name, fam in variants.items():
-            saved = backward.FLASH_BWD
+            saved, saved_tile = backward.FLASH_BWD, backward.FLASH_BWD_TILES[D]
             backward.FLASH_BWD = fam
             try:
-                fn = lambda: backward.flash_backward(p, *views, D)  # noqa: E731
-                ms = median_ms(fn, n_repeat=10)
-                print(f"  fused backward {name:14s} {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s", flush=True)
+                for tile in backward.FLASH_BWD_TILE_CHOICES:
+                    backward.FLASH_BWD_TILES[D] = tile
+                    fn = lambda: backward.flash_backward(p, *views, D)  # noqa: E731
+                    ms = median_ms(fn, n_repeat=10)
+                    print(f"  fused backward {name:14s} {tile} {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s",
+                          flush=True)
             except Exception as exc:
                 print(f"  {name}: {type(exc).__name__}: {exc}", flush=True)
             finally:
                 backward.FLASH_BWD = saved
+                backward.FLASH_BWD_TILES[D] = saved_tile
         os.environ["CUPY_ATTN_BWD"] = "split"
         ms = median_ms(lambda: backward.sdpa_backward(p, *views), n_repeat=5)
         del os.environ["CUPY_ATTN_BWD"]

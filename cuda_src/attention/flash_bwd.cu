@@ -16,13 +16,18 @@
 // memory. Masking: keys past S, queries past L (their lse is +inf in shared memory, so P = 0) and, when causal, key
 // j > query i + causal_offset. Rows whose lse is −inf (every key masked in the forward) give P = 0 and no gradient.
 //
-// Shared memory: K, V (kBlockN rows), Q, dO (kBlockM rows), pitch kHeadDim + 8 (conflict-free ldmatrix, see
-// common/tile.cuh); dSᵀ (kBlockN × kBlockM + 8); lse·log2(e) and D for the query block. Single-buffered (v1).
-// Tiles: kBlockN = 16·kNWarps keys (64 with 4 warps); kBlockM queries per step: 64 at head dim 64, 32 at 128, where
-// dK and dV hold 2 × 64 accumulators per thread next to Sᵀ and dPᵀ (kBlockM / 2 each; 64 spilled 8 bytes). D = 256
-// would need 256 accumulators and is left to the split backward. Accumulation fp32; P and dS are rounded to T only as MMA operands, as FlashAttention-2 does.
+// Shared memory: K, V (kBlockN rows), two stages of Q and dO (kBlockM rows; the next query block's copies are in flight
+// while one is computed), pitch kHeadDim + 8 (conflict-free ldmatrix, see common/tile.cuh); dSᵀ (kBlockN ×
+// kBlockM + 8); lse·log2(e) and D for the query block. 123 KB at D = 128 with double-buffered Q/dO: 158 KB.
+// Tiles: kBlockN = 16·kNWarps keys, kBlockM queries per step; FLASH_BWD_TILES in cupy_attn/attention/backward.py
+// (8 warps: 128 keys × 64 queries). dK and dV hold kHeadDim accumulators per thread (128 at D = 128) next to Sᵀ and
+// dPᵀ (kBlockM / 2 each). D = 256 would need 256 accumulators and is left to the split backward. Accumulation fp32; P and dS are rounded to T only as MMA operands, as FlashAttention-2 does.
 //
-// Versions: v1 (this) mma.sync, single-buffered, no attn_mask (masked calls take the split backward).
+// Versions (H200, fp16 backward alone, bench/experiments/bwd_probe.py; (8,16,2048,128) | (4,32,4096,64)):
+//   v1 mma.sync, 4 warps (64 keys), single-buffered, scalar dQ atomics          5.46 ms 126 TFLOP/s | 11.49 ms 120
+//   v2 red.global.add.v2.f32 dQ atomics (sm_90), 8 warps (128 keys)             3.74 ms 184        |  8.27 ms 166
+//   v3 Q/dO double-buffered (next query block in flight)                        (this)
+// No attn_mask yet (masked calls take the split backward).
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tile.cuh"
@@ -48,6 +53,17 @@ struct FlashBwdParams {
   long long do_stride_b, do_stride_h, do_stride_l;
 };
 
+// dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm_90 (red.global.add.v2.f32, PTX 8.1),
+// two scalar atomics before. Halves the atomic operations of the dQ accumulation.
+__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
 template <typename T, int kHeadDim, int kNWarps, int kBlockM>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p) {
   using namespace flash;
@@ -66,9 +82,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sK = reinterpret_cast<T*>(smem_raw);
   T* sV = sK + kBlockN * kPitch;
-  T* sQ = sV + kBlockN * kPitch;
-  T* sdO = sQ + kBlockM * kPitch;
-  T* sdS = sdO + kBlockM * kPitch;
+  T* sQ = sV + kBlockN * kPitch;       // two stages: the next query block lands while this one is computed
+  T* sdO = sQ + 2 * kBlockM * kPitch;  // two stages
+  T* sdS = sdO + 2 * kBlockM * kPitch;
   float* slse = reinterpret_cast<float*>(sdS + kBlockN * kSPitch);  // lse·log2(e); +inf for rows without keys
   float* sdelta = slse + kBlockM;
 
@@ -111,121 +127,138 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
   const int m_blocks = (L + kBlockM - 1) / kBlockM;
   const int key_row0 = n0 + warp * 16 + g;  // this lane's keys: key_row0 and key_row0 + 8
 
-  for (int hq = hkv * static_cast<int>(p.groups); hq < (hkv + 1) * static_cast<int>(p.groups); ++hq) {
-    const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + hq * p.q_stride_h;
-    const T* do_head = static_cast<const T*>(p.dout) + b * p.do_stride_b + hq * p.do_stride_h;
+  // One iteration per (query head of the group, query block), flattened so that the next one's Q and dO tiles can be
+  // in flight (cp.async into the other stage) while this one is computed.
+  const int m_count = m_blocks - m_first;
+  const int iters = m_count > 0 ? static_cast<int>(p.groups) * m_count : 0;
+  auto load_q_do = [&](int it, int stage) {
+    const int hq = hkv * static_cast<int>(p.groups) + it / m_count, m0 = (m_first + it % m_count) * kBlockM;
+    load_tile<kBlockM, kHeadDim, kThreads>(sQ + stage * kBlockM * kPitch, static_cast<const T*>(p.q) +
+                                           b * p.q_stride_b + hq * p.q_stride_h + m0 * p.q_stride_l,
+                                           p.q_stride_l, L - m0, E, vec_q);
+    load_tile<kBlockM, kHeadDim, kThreads>(sdO + stage * kBlockM * kPitch, static_cast<const T*>(p.dout) +
+                                           b * p.do_stride_b + hq * p.do_stride_h + m0 * p.do_stride_l,
+                                           p.do_stride_l, L - m0, Ev, vec_do);
+  };
+  if (iters > 0) load_q_do(0, 0);
+  cp_async_commit();
+  for (int it = 0; it < iters; ++it) {
+    const int stage = it & 1;
+    const int hq = hkv * static_cast<int>(p.groups) + it / m_count;
+    const int m0 = (m_first + it % m_count) * kBlockM;
     const long long row_base = (static_cast<long long>(b) * p.num_heads + hq) * L;  // lse, delta, dq_accum rows
-    for (int m_block = m_first; m_block < m_blocks; ++m_block) {
-      const int m0 = m_block * kBlockM;
-      __syncthreads();  // the previous block's reads of sQ, sdO, sdS, slse, sdelta are done
-      load_tile<kBlockM, kHeadDim, kThreads>(sQ, q_head + m0 * p.q_stride_l, p.q_stride_l, L - m0, E, vec_q);
-      load_tile<kBlockM, kHeadDim, kThreads>(sdO, do_head + m0 * p.do_stride_l, p.do_stride_l, L - m0, Ev, vec_do);
-      cp_async_commit();
-      for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
-        const int row = m0 + i;
-        const float lse = row < L ? p.lse[row_base + row] : -inf();
-        slse[i] = lse == -inf() ? inf() : lse * kLog2e;  // +inf: P = 2^(s - inf) = 0 for empty or absent rows
-        sdelta[i] = row < L ? p.delta[row_base + row] : 0.f;
-      }
-      cp_async_wait<0>();
-      __syncthreads();
+    __syncthreads();  // iteration it - 1 is done with the other stage, sdS, slse and sdelta
+    if (it + 1 < iters) load_q_do(it + 1, stage ^ 1);
+    cp_async_commit();
+    for (int i = threadIdx.x; i < kBlockM; i += kThreads) {
+      const int row = m0 + i;
+      const float lse = row < L ? p.lse[row_base + row] : -inf();
+      slse[i] = lse == -inf() ? inf() : lse * kLog2e;  // +inf: P = 2^(s - inf) = 0 for empty or absent rows
+      sdelta[i] = row < L ? p.delta[row_base + row] : 0.f;
+    }
+    cp_async_wait<1>();  // this iteration's group (and K, V) landed; the next one may still be in flight
+    __syncthreads();
+    const unsigned st = stage * kBlockM * kPitch * 2;  // byte offset of this stage in sQ and sdO
 
-      // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 16 keys × kBlockM queries per warp.
-      float s[kMTiles][4], dp[kMTiles][4];
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ: 16 keys × kBlockM queries per warp.
+    float s[kMTiles][4], dp[kMTiles][4];
+    #pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
       #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
+      for (int e = 0; e < 4; ++e) s[mt][e] = dp[mt][e] = 0.f;
+    #pragma unroll 2
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      unsigned a[4], av[4];
+      ldmatrix_x4(a, k_as_a + kk * 16 * 2);
+      ldmatrix_x4(av, v_as_a + kk * 16 * 2);
+      #pragma unroll
+      for (int nj = 0; nj < kBlockM / 16; ++nj) {
+        unsigned bq[4], bo[4];
+        ldmatrix_x4(bq, q_as_b + st + (nj * 16 * kPitch + kk * 16) * 2);
+        ldmatrix_x4(bo, do_as_b + st + (nj * 16 * kPitch + kk * 16) * 2);
+        mma_16816<T>(s[2 * nj], a, bq[0], bq[1]);
+        mma_16816<T>(s[2 * nj + 1], a, bq[2], bq[3]);
+        mma_16816<T>(dp[2 * nj], av, bo[0], bo[1]);
+        mma_16816<T>(dp[2 * nj + 1], av, bo[2], bo[3]);
+      }
+    }
+
+    // Pᵀ and dSᵀ in registers, packed straight into A fragments (query = k dimension of the next GEMMs).
+    unsigned pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+    #pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = key_row0 + half * 8;
+        float pr[2], ds[2];
         #pragma unroll
-        for (int e = 0; e < 4; ++e) s[mt][e] = dp[mt][e] = 0.f;
-      #pragma unroll 2
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        unsigned a[4], av[4];
-        ldmatrix_x4(a, k_as_a + kk * 16 * 2);
-        ldmatrix_x4(av, v_as_a + kk * 16 * 2);
+        for (int e = 0; e < 2; ++e) {
+          const int col = mt * 8 + 2 * t + e;  // query index inside the block
+          const int query = m0 + col;
+          const bool visible = key < S && query < L && key <= query + off;
+          pr[e] = visible ? exp2f(s[mt][2 * half + e] * scale_log2 - slse[col]) : 0.f;
+          ds[e] = pr[e] * (dp[mt][2 * half + e] - sdelta[col]);
+        }
+        const int kk = mt / 2, hi = (mt % 2) * 2;
+        pa[kk][hi + half] = pack2<T>(pr[0], pr[1]);
+        dsa[kk][hi + half] = pack2<T>(ds[0], ds[1]);
+        // dSᵀ row (key) warp*16 + g + 8·half, columns mt·8 + 2t, +1, for the dQ phase.
+        *reinterpret_cast<unsigned*>(sdS + (warp * 16 + g + half * 8) * kSPitch + mt * 8 + 2 * t) =
+            dsa[kk][hi + half];
+      }
+    }
+
+    // dV += Pᵀ dO and dK += dSᵀ Q (scale applied at the end).
+    #pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) {
+      #pragma unroll
+      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+        unsigned bo[4], bq[4];
+        ldmatrix_x4_trans(bo, do_as_bt + st + (kk * 16 * kPitch + dn * 16) * 2);
+        ldmatrix_x4_trans(bq, q_as_bt + st + (kk * 16 * kPitch + dn * 16) * 2);
+        mma_16816<T>(acc_dv[2 * dn], pa[kk], bo[0], bo[1]);
+        mma_16816<T>(acc_dv[2 * dn + 1], pa[kk], bo[2], bo[3]);
+        mma_16816<T>(acc_dk[2 * dn], dsa[kk], bq[0], bq[1]);
+        mma_16816<T>(acc_dk[2 * dn + 1], dsa[kk], bq[2], bq[3]);
+      }
+    }
+    __syncthreads();  // every warp's dSᵀ rows are in shared memory
+
+    // dQ rows [16·qt, 16·qt + 16), columns [c_first, c_first + kWarpCols) of this query block += scale · dS K, in
+    // chunks of at most 64 columns, then fp32 atomics.
+    const int q_row = m0 + qt * 16 + g;
+    float* dq_row = p.dq_accum + (row_base + q_row) * E;
+    #pragma unroll
+    for (int c0 = c_first; c0 < c_first + kWarpCols; c0 += 64) {
+      constexpr int kChunk = kWarpCols < 64 ? kWarpCols : 64;
+      float dq[kChunk / 8][4];
+      #pragma unroll
+      for (int dt = 0; dt < kChunk / 8; ++dt)
         #pragma unroll
-        for (int nj = 0; nj < kBlockM / 16; ++nj) {
-          unsigned bq[4], bo[4];
-          ldmatrix_x4(bq, q_as_b + (nj * 16 * kPitch + kk * 16) * 2);
-          ldmatrix_x4(bo, do_as_b + (nj * 16 * kPitch + kk * 16) * 2);
-          mma_16816<T>(s[2 * nj], a, bq[0], bq[1]);
-          mma_16816<T>(s[2 * nj + 1], a, bq[2], bq[3]);
-          mma_16816<T>(dp[2 * nj], av, bo[0], bo[1]);
-          mma_16816<T>(dp[2 * nj + 1], av, bo[2], bo[3]);
+        for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
+      #pragma unroll 1
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        unsigned a[4];
+        ldmatrix_x4_trans(a, ds_as_at + kk * 16 * kSPitch * 2);
+        #pragma unroll
+        for (int dn = 0; dn < kChunk / 16; ++dn) {
+          unsigned bk[4];
+          ldmatrix_x4_trans(bk, k_as_bt + (kk * 16 * kPitch + c0 + dn * 16) * 2);
+          mma_16816<T>(dq[2 * dn], a, bk[0], bk[1]);
+          mma_16816<T>(dq[2 * dn + 1], a, bk[2], bk[3]);
         }
       }
-
-      // Pᵀ and dSᵀ in registers, packed straight into A fragments (query = k dimension of the next GEMMs).
-      unsigned pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+      const float sc = static_cast<float>(p.scale);
       #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int dt = 0; dt < kChunk / 8; ++dt) {
+        const int col = c0 + dt * 8 + 2 * t;
         #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int key = key_row0 + half * 8;
-          float pr[2], ds[2];
-          #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = mt * 8 + 2 * t + e;  // query index inside the block
-            const int query = m0 + col;
-            const bool visible = key < S && query < L && key <= query + off;
-            pr[e] = visible ? exp2f(s[mt][2 * half + e] * scale_log2 - slse[col]) : 0.f;
-            ds[e] = pr[e] * (dp[mt][2 * half + e] - sdelta[col]);
-          }
-          const int kk = mt / 2, hi = (mt % 2) * 2;
-          pa[kk][hi + half] = pack2<T>(pr[0], pr[1]);
-          dsa[kk][hi + half] = pack2<T>(ds[0], ds[1]);
-          // dSᵀ row (key) warp*16 + g + 8·half, columns mt·8 + 2t, +1, for the dQ phase.
-          *reinterpret_cast<unsigned*>(sdS + (warp * 16 + g + half * 8) * kSPitch + mt * 8 + 2 * t) =
-              dsa[kk][hi + half];
-        }
-      }
-
-      // dV += Pᵀ dO and dK += dSᵀ Q (scale applied at the end).
-      #pragma unroll
-      for (int kk = 0; kk < kBlockM / 16; ++kk) {
-        #pragma unroll
-        for (int dn = 0; dn < kHeadDim / 16; ++dn) {
-          unsigned bo[4], bq[4];
-          ldmatrix_x4_trans(bo, do_as_bt + (kk * 16 * kPitch + dn * 16) * 2);
-          ldmatrix_x4_trans(bq, q_as_bt + (kk * 16 * kPitch + dn * 16) * 2);
-          mma_16816<T>(acc_dv[2 * dn], pa[kk], bo[0], bo[1]);
-          mma_16816<T>(acc_dv[2 * dn + 1], pa[kk], bo[2], bo[3]);
-          mma_16816<T>(acc_dk[2 * dn], dsa[kk], bq[0], bq[1]);
-          mma_16816<T>(acc_dk[2 * dn + 1], dsa[kk], bq[2], bq[3]);
-        }
-      }
-      __syncthreads();  // every warp's dSᵀ rows are in shared memory
-
-      // dQ rows [16·qt, 16·qt + 16), columns [c_first, c_first + kWarpCols) of this query block += scale · dS K, in
-      // chunks of at most 64 columns, then fp32 atomics.
-      const int q_row = m0 + qt * 16 + g;
-      float* dq_row = p.dq_accum + (row_base + q_row) * E;
-      #pragma unroll
-      for (int c0 = c_first; c0 < c_first + kWarpCols; c0 += 64) {
-        constexpr int kChunk = kWarpCols < 64 ? kWarpCols : 64;
-        float dq[kChunk / 8][4];
-        #pragma unroll
-        for (int dt = 0; dt < kChunk / 8; ++dt)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) dq[dt][e] = 0.f;
-        #pragma unroll 1
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          unsigned a[4];
-          ldmatrix_x4_trans(a, ds_as_at + kk * 16 * kSPitch * 2);
-          #pragma unroll
-          for (int dn = 0; dn < kChunk / 16; ++dn) {
-            unsigned bk[4];
-            ldmatrix_x4_trans(bk, k_as_bt + (kk * 16 * kPitch + c0 + dn * 16) * 2);
-            mma_16816<T>(dq[2 * dn], a, bk[0], bk[1]);
-            mma_16816<T>(dq[2 * dn + 1], a, bk[2], bk[3]);
-          }
-        }
-        const float sc = static_cast<float>(p.scale);
-        #pragma unroll
-        for (int dt = 0; dt < kChunk / 8; ++dt) {
-          const int col = c0 + dt * 8 + 2 * t;
-          #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            if (q_row + half * 8 >= L) continue;
-            float* dst = dq_row + half * 8 * E + col;
+          if (q_row + half * 8 >= L) continue;
+          float* dst = dq_row + half * 8 * E + col;
+          if (col + 1 < E && E % 2 == 0) {  // even E: rows and pairs are 8-byte aligned
+            red_add2(dst, sc * dq[dt][2 * half], sc * dq[dt][2 * half + 1]);
+          } else {
             if (col < E) atomicAdd(dst, sc * dq[dt][2 * half]);
             if (col + 1 < E) atomicAdd(dst + 1, sc * dq[dt][2 * half + 1]);
           }

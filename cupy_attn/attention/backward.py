@@ -63,7 +63,8 @@ BACKWARD_DELTA = KernelFamily(
 # Both buckets: 4 warps, 64 keys × 64 queries per step; at D = 128 dK and dV take 128 accumulators per thread and the
 # kernel sits at 255 registers with no spills (the dQ loop over keys is not unrolled, the Sᵀ loop by 2: fully
 # unrolled they spilled 8 bytes). Head dims above 128 take the split backward.
-FLASH_BWD_TILES = {64: (4, 64), 128: (4, 64)}
+FLASH_BWD_TILES = {64: (8, 64), 128: (8, 64)}
+FLASH_BWD_TILE_CHOICES = ((8, 64),)
 ENV_BWD = "CUPY_ATTN_BWD"  # "split" forces the split backward (tests, comparisons)
 
 _FLASH_PARAMS = np.dtype([(n, np.float64 if n in ("scale", "scale_log2") else np.int64) for n in (
@@ -77,8 +78,7 @@ FLASH_BWD = KernelFamily(
     source="attention/flash_bwd.cu",
     template="cupy_attn::flash_bwd<{dtype}, {head_dim}, {tile[0]}, {tile[1]}>",
     axes={"dtype": ("__half", "__nv_bfloat16"), "head_dim": tuple(FLASH_BWD_TILES),
-          "tile": tuple(sorted(set(FLASH_BWD_TILES.values())))},
-    where=lambda row: FLASH_BWD_TILES[row["head_dim"]] == row["tile"],
+          "tile": FLASH_BWD_TILE_CHOICES},
     structs=(("cupy_attn::FlashBwdParams", _FLASH_PARAMS),),
 )
 
@@ -168,7 +168,7 @@ def flash_backward(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
                 prm[f"{name}_stride_{axis}"] = stride // arr.itemsize
         kernel = FLASH_BWD.kernel(dtype=ctype, head_dim=bucket, tile=(warps, block_m))
         block_n = 16 * warps
-        smem = ((2 * block_n + 2 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
+        smem = ((2 * block_n + 4 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
         if kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
         if Hkv > 65535 or B > 65535:
