@@ -104,10 +104,26 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
 def fused_details(p, arch: int) -> dict:
     """The instantiation the fused kernel will use."""
     flash = _flash_module()
+    if os.environ.get(flash.ENV_FA3) == "1" and p.mask is None:
+        # out=None: the call's output comes from the allocator, contiguous and aligned.
+        why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
+        if why_not is None:
+            tile = _fa3_tile(p.head_dim)
+            return {"head-dim bucket": p.head_dim, "kernel": "flash_fwd_sm90_tma (CUPY_ATTN_FA3=1)",
+                    "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
+                            "stages, TMA + wgmma"}
+        fa3 = {"FA3 kernel": f"not used: {why_not}"}
+    else:
+        fa3 = {}
     family, tile, head_dim = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
-    return {"head-dim bucket": head_dim, "kernel": family.name,
+    return {**fa3, "head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}
+
+
+def _fa3_tile(head_dim: int):
+    from . import fused_sm90
+    return fused_sm90.SM90_TILES[head_dim]
 
 
 def split_details(p) -> dict:

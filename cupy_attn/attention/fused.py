@@ -170,6 +170,17 @@ def select(dtype, head_dim: int, arch: int) -> tuple[KernelFamily, Tile, int]:
     return FLASH_FWD, TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
 
 
+ENV_FA3 = "CUPY_ATTN_FA3"
+
+
+def fa3_reason(q, k, v, out, *, scale: float, arch: int, mask_kind: str = "none") -> str | None:
+    """None when the opt-in FA3-design kernel (cupy_attn/attention/fused_sm90.py) runs this call under
+    ``CUPY_ATTN_FA3=1``, else why prepare() keeps flash_fwd.cu (shown by explain())."""
+    from . import fused_sm90
+    return (fused_sm90.unsupported_reason(q.dtype, q.shape[-1], v.shape[-1], mask_kind, arch, scale)
+            or fused_sm90.layout_reason(q, k, v, out))
+
+
 def _arch_major(arch: int) -> int:
     """Tile-table arch key: 9 for Hopper, 8 for sm_8x and anything newer (sm_100/sm_120 run mma.sync too; the
     arch-8 tiles fit the 99 KB shared memory of the smallest of them)."""
@@ -251,6 +262,10 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
+    if mask is None and os.environ.get(ENV_FA3) == "1":  # opt-in: the FA3-design kernel (fused_sm90.py)
+        from . import fused_sm90
+        if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
+            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal)
     family, tile, head_dim = select(dtype, head_dim_bucket(E, Ev), arch)
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")

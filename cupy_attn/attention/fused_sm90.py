@@ -13,14 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
-
-ENV_FA3 = "CUPY_ATTN_FA3"
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
@@ -93,10 +90,6 @@ FLASH_FWD_SM90_TMA = KernelFamily(
 )
 
 
-def enabled() -> bool:
-    return os.environ.get(ENV_FA3, "0") == "1"
-
-
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
     """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
 
@@ -126,14 +119,15 @@ def _estrides(a) -> list[int]:
 
 def layout_reason(q, k, v, out) -> str | None:
     """None when TMA can read q, k, v in place and the epilogue can store out: 16-byte aligned bases, batch / head /
-    row strides multiples of 16 bytes (any order: BHSD and BSHD), element pairs of out 4-byte aligned."""
+    row strides multiples of 16 bytes (any order: BHSD and BSHD), element pairs of out 4-byte aligned (out=None:
+    not checked)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
         if a.data.ptr % 16:
             return f"{name} is not 16-byte aligned (TMA)"
         for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
             if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
                 return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
-    if out.data.ptr % 4 or any(s % 2 for s in _estrides(out)[:-1]):
+    if out is not None and (out.data.ptr % 4 or any(s % 2 for s in _estrides(out)[:-1])):
         return "out element pairs are not 4-byte aligned"
     if q.shape[1] > 65535 or q.shape[0] > 65535:
         return "grid limit: heads and batch must each be <= 65535"
