@@ -152,6 +152,8 @@ def test_tensor_map_layouts():
     # Axes of size 1 get a valid stride whatever the view says.
     spec = _sm90._MapSpec.of(_FakeArray((1, 1, 17, 64), (0, 0, 128, 2)), 128)
     assert spec.strides == (128, 128 * 17, 128 * 17)
+    spec = _sm90._MapSpec.of(_FakeArray((2, 3, 1, 64), (3 * 1000 * 2, 1000 * 2, 3, 2)), 128)  # S = 1: any row stride
+    assert spec.strides == (128, 1000 * 2, 3 * 1000 * 2)
 
 
 def test_layout_reason():

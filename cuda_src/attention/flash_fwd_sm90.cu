@@ -54,7 +54,8 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
 
-  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
 
   // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.

@@ -170,11 +170,14 @@ class _MapSpec:
     @classmethod
     def of(cls, a, rows: int) -> "_MapSpec":
         b, h, s, e = a.shape
-        st_b, st_h, st_s = a.strides[:3]
-        # A stride along an axis of size 1 is never used, but the driver checks it: give it a valid one.
-        st_h = st_h if h > 1 else st_s * s
-        st_b = st_b if b > 1 else st_h * h
-        return cls(dtype_name(a.dtype), (e, s, h, b), (st_s, st_h, st_b), rows)
+        # A stride along an axis of size 1 is never used, but the driver checks it (a multiple of 16): give such an
+        # axis the packed stride, rounded up to 16 bytes. layout_reason checked the others.
+        strides, extent = [], e * a.itemsize
+        for n, st in ((s, a.strides[2]), (h, a.strides[1]), (b, a.strides[0])):
+            st = st if n > 1 else -(-extent // 16) * 16
+            strides.append(st)
+            extent = st * n
+        return cls(dtype_name(a.dtype), (e, s, h, b), tuple(strides), rows)
 
     def encode(self, ptr: int) -> np.ndarray:
         """The 128-byte CUtensorMap for this layout at base address ptr."""
