@@ -180,6 +180,32 @@ def test_encode_tensor_map_without_a_driver_raises_cleanly():
         assert m.shape == (128,) and m.dtype == np.uint8
 
 
+def test_launch_params(monkeypatch):
+    """The bytes the kernel gets: three maps (encoded once per pointer triple), pointers, sizes, strides."""
+    calls = []
+
+    def fake_encode(spec, ptr):
+        calls.append(ptr)
+        return np.full(128, ptr % 251, np.uint8)
+
+    monkeypatch.setattr(_sm90._MapSpec, "encode", fake_encode)
+    q, k = _bhsd(2, 8, 100, 128), _bhsd(2, 2, 70, 128)
+    p = np.zeros((), _sm90._PARAMS)
+    p["seqlen_q"], p["groups"] = 100, 4
+    maps = tuple(_sm90._MapSpec.of(a, 128) for a in (q, k, k))
+    launch = _sm90.Sm90Launch(None, p, maps, (1, 8, 2), (384,), 1000)
+    got = launch.params_for(1000, 2000, 3000, 4000, 5000)
+    assert calls == [1000, 2000, 3000]
+    assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
+    assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
+    raw = got.tobytes()
+    assert len(raw) == 512 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
+    launch.params_for(1000, 2000, 3000, 4001)
+    assert len(calls) == 3, "same q/k/v pointers: maps reused"
+    launch.params_for(1016, 2000, 3000, 4001)
+    assert len(calls) == 6
+
+
 def _gpu():
     from conftest import gpu_available
     return gpu_available()

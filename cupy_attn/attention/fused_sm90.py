@@ -12,6 +12,7 @@ BSHD views are read in place; TMA requires a 16-byte aligned base and strides th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -184,12 +185,21 @@ class _MapSpec:
         return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (64, self.box_rows, 1, 1))
 
 
+@functools.lru_cache(maxsize=None)
+def _driver_init() -> None:
+    """cuInit through cuda.bindings, once (CuPy has initialized the driver already; this is for cuda.bindings' own
+    entry points, as the CuTe GEMM example does)."""
+    from cuda.bindings import driver as cu
+    cu.cuInit(0)
+
+
 def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
     """cuTensorMapEncodeTiled for a 16-bit tensor: 128-byte swizzle (box inner dim 64 elements = 128 bytes), zero
     fill out of bounds, L2 promotion of 256 bytes. Returns the map's 128 bytes."""
     import ctypes
     from cuda.bindings import driver as cu
 
+    _driver_init()
     data_type = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if dtype == "float16"
                  else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
     err, tmap = cu.cuTensorMapEncodeTiled(
@@ -219,8 +229,14 @@ class Sm90Launch:
     _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their three maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
         if mask_ptr:
             raise ValueError("the FA3 kernel takes no attn_mask")
+        p = self.params_for(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr)
+        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+
+    def params_for(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0) -> np.ndarray:
+        """The complete FlashFwdSm90Params for these pointers (tensor maps encoded, or reused for the last ones)."""
         ptrs, encoded = self._encoded
         if ptrs != (q_ptr, k_ptr, v_ptr):
             encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr, v_ptr)))
@@ -228,4 +244,4 @@ class Sm90Launch:
         p = self.params.copy()
         p["tma_q"], p["tma_k"], p["tma_v"] = encoded
         p["out"], p["lse"] = out_ptr, lse_ptr
-        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+        return p
