@@ -29,7 +29,7 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.SM90_TILES)
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.SM90_TILES)  # dtypes × overlap
     # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
     assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
     spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
@@ -96,11 +96,13 @@ def test_params_dtype_is_the_c_struct():
 
 def test_tiles():
     declared = set(FAMILY.name_expressions())
-    for d, tile in _sm90.SM90_TILES.items():
-        assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2
-        assert tile.smem_bytes(d) <= 232448, (d, tile)
-        for dtype in _sm90._C_TYPES.values():
-            assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
+    for table, overlap in ((_sm90.SM90_TILES, False), (_sm90.SM90_OVERLAP_TILES, True)):
+        assert set(table) == {64, 128, 256}
+        for d, tile in table.items():
+            assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2 and tile.overlap == overlap
+            assert tile.smem_bytes(d) <= 232448, (d, tile)
+            for dtype in _sm90._C_TYPES.values():
+                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
 
 
 F16 = np.dtype("float16")
@@ -217,9 +219,11 @@ def _gpu():
 DTYPES = ("float16", "bfloat16")
 
 
-@pytest.fixture
-def fa3(monkeypatch):
-    monkeypatch.setenv(_flash.ENV_FA3, "1")
+@pytest.fixture(params=["1", "2"], ids=["fa3", "fa3-overlap"])
+def fa3(request, monkeypatch):
+    """CUPY_ATTN_FA3=1 (the kernel) and =2 (its intra-warpgroup-overlap variant)."""
+    monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    return request.param
 
 
 def _torch():
@@ -240,6 +244,10 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     out = cupy.empty((B, Hq, L, v.shape[-1]), dtype=_cp(q).dtype)
     launch = _flash.prepare(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
+    if expect_fa3:
+        overlap = os.environ[_flash.ENV_FA3] == "2"
+        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=E, tile=(
+            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[E]), f"{what}: wrong variant"
     return _check(q, k, v, dtype, causal=causal, what=what)
 
 

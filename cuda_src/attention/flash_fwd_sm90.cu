@@ -45,7 +45,7 @@ namespace cupy_attn {
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap>
 __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -100,7 +100,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
     if (threadIdx.x == 0) produce(p, ss, m0, h, b, n_blocks);
   } else {
     tma::setmaxnreg_inc<kConsumerRegs>();
-    consume(p, ss, m0, h, b, n_blocks, threadIdx.x - 128);
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128);
   }
 }
 

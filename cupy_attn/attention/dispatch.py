@@ -104,14 +104,16 @@ def plan_sdpa(p, backend: str, arch: int | None = None) -> Plan:
 def fused_details(p, arch: int) -> dict:
     """The instantiation the fused kernel will use."""
     flash = _flash_module()
-    if os.environ.get(flash.ENV_FA3) == "1" and p.mask is None:
+    if os.environ.get(flash.ENV_FA3) in ("1", "2") and p.mask is None:
         # out=None: the call's output comes from the allocator, contiguous and aligned.
         why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
         if why_not is None:
             tile = _fa3_tile(p.head_dim)
-            return {"head-dim bucket": p.head_dim, "kernel": "flash_fwd_sm90_tma (CUPY_ATTN_FA3=1)",
+            overlap = os.environ[flash.ENV_FA3] == "2"
+            return {"head-dim bucket": p.head_dim,
+                    "kernel": f"flash_fwd_sm90_tma (CUPY_ATTN_FA3={os.environ[flash.ENV_FA3]})",
                     "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
-                            "stages, TMA + wgmma"}
+                            "stages, TMA + wgmma" + (", intra-warpgroup overlap" if overlap else "")}
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
         fa3 = {}

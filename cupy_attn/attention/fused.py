@@ -175,7 +175,7 @@ ENV_FA3 = "CUPY_ATTN_FA3"
 
 def fa3_reason(q, k, v, out, *, scale: float, arch: int, mask_kind: str = "none") -> str | None:
     """None when the opt-in FA3-design kernel (cupy_attn/attention/fused_sm90.py) runs this call under
-    ``CUPY_ATTN_FA3=1``, else why prepare() keeps flash_fwd.cu (shown by explain())."""
+    ``CUPY_ATTN_FA3=1`` (or ``2``: with intra-warpgroup overlap), else why prepare() keeps flash_fwd.cu (explain())."""
     from . import fused_sm90
     return (fused_sm90.unsupported_reason(q.dtype, q.shape[-1], v.shape[-1], mask_kind, arch, scale)
             or fused_sm90.layout_reason(q, k, v, out))
@@ -262,10 +262,11 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
-    if mask is None and os.environ.get(ENV_FA3) == "1":  # opt-in: the FA3-design kernel (fused_sm90.py)
+    if mask is None and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: the FA3-design kernel (fused_sm90.py)
         from . import fused_sm90
         if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
-            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal)
+            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal,
+                                      overlap=os.environ[ENV_FA3] == "2")
     family, tile, head_dim = select(dtype, head_dim_bucket(E, Ev), arch)
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")

@@ -2,7 +2,8 @@
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
 bf16, E = Ev in {64, 128, 256}, no attn_mask, causal or not, GQA, on compute capability 9.0, and only when
-``CUPY_ATTN_FA3=1``: everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` first).
+``CUPY_ATTN_FA3=1`` (``=2``: the variant with FA3's intra-warpgroup overlap): everything else keeps flash_fwd.cu
+(``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
 Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
 addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying a call on
@@ -31,6 +32,11 @@ class Sm90Tile:
     block_m: int
     block_n: int
     stages: int = 2
+    overlap: bool = False  # FA3's intra-warpgroup overlap (softmax of S_i during P_{i-1} V_{i-1}; mainloop.cuh)
+
+    @property
+    def overlap_flag(self) -> str:
+        return "true" if self.overlap else "false"
 
     def smem_bytes(self, head_dim: int) -> int:
         """Q + stages × (K + V) tiles, 8 bytes per mbarrier (1 + 4·stages), 1 KB of slack for the 1024-byte alignment
@@ -48,6 +54,9 @@ SM90_TILES = {
     # 128×64: 32 S + 128 O + 16 P; 193 KB (kBlockN = 128 would need 321 KB for two stages).
     256: Sm90Tile(128, 64, 2),
 }
+# The same tiles with the intra-warpgroup overlap (CUPY_ATTN_FA3=2): the same registers (S stays fp32 while the
+# previous P·V runs, P is packed after it) and shared memory.
+SM90_OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in SM90_TILES.items()}
 
 
 def _c_struct(fields) -> np.dtype:
@@ -78,13 +87,14 @@ _LAYOUT_OPTIONS = (f"-DFA3_PARAMS_SIZE={_PARAMS.itemsize}", f"-DFA3_NUM_FIELDS={
 FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
-    template="cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
+    template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
+              "{tile.overlap_flag}>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
-        "tile": tuple(sorted(set(SM90_TILES.values()), key=dataclasses.astuple)),
+        "tile": tuple(sorted(set(SM90_TILES.values()) | set(SM90_OVERLAP_TILES.values()), key=dataclasses.astuple)),
     },
-    where=lambda row: SM90_TILES[row["head_dim"]] == row["tile"],
+    where=lambda row: row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]]),
     archs=("sm_90a",),
     options=_LAYOUT_OPTIONS,
     arch="sm_90a",
@@ -135,12 +145,12 @@ def layout_reason(q, k, v, out) -> str | None:
     return None
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None) -> "Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: bool = False) -> "Sm90Launch":
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
-    layout_reason."""
+    layout_reason; overlap: the intra-warpgroup-overlap variant (SM90_OVERLAP_TILES)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    tile = SM90_TILES[E]
+    tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[E]
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=E, tile=tile)
     smem = tile.smem_bytes(E)
     if kernel.max_dynamic_shared_size_bytes < smem:

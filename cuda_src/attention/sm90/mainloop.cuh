@@ -92,12 +92,19 @@ constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
 // rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0, then the epilogue.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+//
+// kOverlap = false: per block i, S_i = Q K_iᵀ (in the ping-pong turn), softmax, O += P_i V_i, each GEMM waited for.
+// kOverlap = true (FlashAttention-3's intra-warpgroup overlap, §3.2): the turn issues S_i and then O += P_{i-1}
+// V_{i-1}; wgmma.wait_group 1 returns once S_i is done (groups complete in order), so the softmax of S_i can run while
+// the P·V GEMM of block i-1 still occupies the tensor cores. P_{i-1}'s registers are read by that GEMM until
+// wait_group 0, so S_i stays fp32 until then; only after it are O rescaled and P_i packed (fence_operands on S after
+// the wait keeps the compiler from hoisting the packing above it). One S and one P register set, as without overlap.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, int m0, int h, int b, int n_blocks, int tid) {
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int wg_row0 = m0 + wg * 64;        // first query row of this warpgroup
+  const int wg_row0 = m0 + wg * 64;          // first query row of this warpgroup
   const int row0 = wg_row0 + warp * 16 + g;  // this lane's rows: row0 and row0 + 8
   const int S = static_cast<int>(p.seqlen_k);
   const bool causal = p.is_causal != 0;
@@ -109,26 +116,22 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   float o[kHeadDim / 2];
   #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) o[i] = 0.f;
+  float acc_s[kBlockN / 2];
+  unsigned pa[kBlockN / 16][4];
 
   // Descriptor addresses: this warpgroup's 64 rows of Q inside each 128-row column block; K and V per stage.
   const unsigned q_wg = tma::smem_u32(ss.q) + wg * 64 * 128;
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
 
-  if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
-  tma::mbar_wait(ss.q_full, 0);
-
-  for (int i = 0; i < n_blocks; ++i) {
-    const int s = i % kStages, n0 = (n_blocks - 1 - i) * kBlockN;
-    const unsigned parity = (i / kStages) & 1;
-    float acc_s[kBlockN / 2];
+  // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDim/16 k steps of 16 elements = 32 bytes
+  // inside a 128-byte swizzled row (the hardware applies the XOR to the computed address); every 4 steps the next
+  // 64-column block.
+  auto issue_s = [&](int i) {
+    const int s = i % kStages;
+    tma::mbar_wait(&ss.k_full[s], (i / kStages) & 1);
     #pragma unroll
     for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] = 0.f;
-
-    tma::mbar_wait(&ss.k_full[s], parity);
-    tma::named_barrier_sync(kPingPongBarrier + wg, 256);
-    // S (64 × kBlockN) = Q Kᵀ: kHeadDim/16 k steps of 16 elements = 32 bytes inside a 128-byte swizzled row (the
-    // hardware applies the XOR to the computed address); every 4 steps the next 64-column block.
     const unsigned k_st = k_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
@@ -138,32 +141,91 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       wgmma::Mma<T, kBlockN>::ss(acc_s, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bk, 16, 1024), kk > 0);
     }
     wgmma::commit();
-    if (wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
-    wgmma::wait<0>();
-    wgmma::fence_operands(acc_s);
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.k_empty[s]);
-
-    // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
-    if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, row0, n0, t, p.seqlen_k, causal, causal_offset);
-
-    unsigned pa[kBlockN / 16][4];
-    softmax.template step<T>(acc_s, pa, o, sc);
-
-    // O (64 × kHeadDim) += P V: P from registers (A-fragment layout), V as an MN-major B operand (transpose-B): its
-    // 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
-    tma::mbar_wait(&ss.v_full[s], parity);
+  };
+  // O (64 × kHeadDim) += P V_i, issued and committed: P from registers (A-fragment layout), V as an MN-major B operand
+  // (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
+  auto issue_pv = [&](int i) {
+    const int s = i % kStages;
+    tma::mbar_wait(&ss.v_full[s], (i / kStages) & 1);
     const unsigned v_st = v_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
       wgmma::Mma<T, kHeadDim>::rs(o, pa[kk], wgmma::desc_sw128(v_st + kk * 16 * 128, kBlockN * 128, 1024), 1);
     wgmma::commit();
+  };
+  // The stage's K or V may be overwritten once all 8 consumer warps have waited for the wgmma reading it.
+  auto release = [&](unsigned long long* empty, int i) {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(&empty[i % kStages]);
+  };
+  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
+  auto mask = [&](int i) {
+    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
+      mask_tile<kBlockN>(acc_s, row0, n0, t, p.seqlen_k, causal, causal_offset);
+  };
+  // End of ping-pong turn i: warpgroup 1 skips its last arrive (see kPingPongBarrier).
+  auto pass_turn = [&](int i) {
+    if (wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
+  };
+
+  if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
+  tma::mbar_wait(ss.q_full, 0);
+
+  if constexpr (!kOverlap) {
+    for (int i = 0; i < n_blocks; ++i) {
+      tma::named_barrier_sync(kPingPongBarrier + wg, 256);
+      issue_s(i);
+      pass_turn(i);
+      wgmma::wait<0>();
+      wgmma::fence_operands(acc_s);
+      release(ss.k_empty, i);
+      mask(i);
+      softmax.template step<T>(acc_s, pa, o, sc);
+      issue_pv(i);
+      wgmma::wait<0>();
+      wgmma::fence_operands(o);
+      release(ss.v_empty, i);
+    }
+  } else {
+    // Block 0: S_0 and its softmax (O is still 0: nothing to rescale).
+    tma::named_barrier_sync(kPingPongBarrier + wg, 256);
+    issue_s(0);
+    pass_turn(0);
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc_s);
+    release(ss.k_empty, 0);
+    mask(0);
+    softmax.template step<T>(acc_s, pa, o, sc);
+    for (int i = 1; i < n_blocks; ++i) {
+      tma::named_barrier_sync(kPingPongBarrier + wg, 256);
+      issue_s(i);
+      issue_pv(i - 1);
+      pass_turn(i);
+      wgmma::wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
+      wgmma::fence_operands(acc_s);
+      release(ss.k_empty, i);
+      mask(i);
+      float alpha[2];
+      bool moved[2];
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) alpha[half] = softmax.update_half(acc_s, half, sc, moved[half]);
+      wgmma::fence_operands(acc_s);
+      wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
+      wgmma::fence_operands(o);
+      wgmma::fence_operands(acc_s);
+      release(ss.v_empty, i - 1);
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        if (moved[half]) softmax.rescale_half(o, half, alpha[half]);
+        softmax.template pack_half<T>(acc_s, pa, half);
+      }
+    }
+    issue_pv(n_blocks - 1);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.v_empty[s]);
+    release(ss.v_empty, n_blocks - 1);
   }
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;

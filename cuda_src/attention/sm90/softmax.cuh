@@ -46,47 +46,65 @@ struct OnlineSoftmax {
     l[0] = l[1] = 0.f;
   }
 
-  // s -> P = 2^(s·sc - m_new), packed into the A fragments of the P·V wgmma (k step kk: registers 0/2 row g,
-  // 1/3 row g+8, columns 16kk + 2t (+8)); O *= 2^(m_old - m_new).
+  // Rows g + 8·half: row max, s -> 2^(s·sc − m_new) in place (fp32), m and l updated. Returns α = 2^(m_old − m_new);
+  // *moved: whether any row of the warp's 16 changed its max (else the O rescale may be skipped: once the running
+  // max settles it rarely moves).
+  __device__ __forceinline__ float update_half(float (&s)[kBlockN / 2], int half, float sc, bool& moved) {
+    float mx = neg_inf();
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_old = m[half];
+    const float m_new = fmaxf(m_old, mx * sc);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    m[half] = m_new;
+    float sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * j + 2 * half + e] = exp2_approx(fmaf(s[4 * j + 2 * half + e], sc, -m_use));
+        sum += s[4 * j + 2 * half + e];
+      }
+    }
+    const float alpha = exp2_approx(m_old - m_use);
+    l[half] = l[half] * alpha + sum;
+    moved = __any_sync(0xffffffffu, m_new != m_old);
+    return alpha;
+  }
+
+  // P of rows g + 8·half into the A fragments of the P·V wgmma (k step kk: registers 0/2 row g, 1/3 row g+8,
+  // columns 16kk + 2t (+8)).
+  template <typename T>
+  __device__ __forceinline__ static void pack_half(const float (&s)[kBlockN / 2], unsigned (&pa)[kBlockN / 16][4],
+                                                   int half) {
+    #pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][half] = pack2<T>(s[8 * kk + 2 * half], s[8 * kk + 2 * half + 1]);
+      pa[kk][2 + half] = pack2<T>(s[8 * kk + 4 + 2 * half], s[8 * kk + 4 + 2 * half + 1]);
+    }
+  }
+
+  __device__ __forceinline__ static void rescale_half(float (&o)[kHeadDim / 2], int half, float alpha) {
+    #pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      o[4 * d + 2 * half] *= alpha;
+      o[4 * d + 2 * half + 1] *= alpha;
+    }
+  }
+
+  // All of a step at once (no P·V wgmma in flight): each half's P goes to 16 bits right after its exponentials, so
+  // its fp32 scores are dead before the other half's.
   template <typename T>
   __device__ __forceinline__ void step(float (&s)[kBlockN / 2], unsigned (&pa)[kBlockN / 16][4],
                                        float (&o)[kHeadDim / 2], float sc) {
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float mx = neg_inf();
-      #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = m[half];
-      const float m_new = fmaxf(m_old, mx * sc);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;
-      m[half] = m_new;
-      float sum = 0.f;
-      #pragma unroll
-      for (int j = 0; j < kBlockN / 8; ++j) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[4 * j + 2 * half + e] = exp2_approx(fmaf(s[4 * j + 2 * half + e], sc, -m_use));
-          sum += s[4 * j + 2 * half + e];
-        }
-      }
-      // This half's P goes to 16 bits at once, so its fp32 scores are dead before the other half's exponentials.
-      #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[kk][half] = pack2<T>(s[8 * kk + 2 * half], s[8 * kk + 2 * half + 1]);
-        pa[kk][2 + half] = pack2<T>(s[8 * kk + 4 + 2 * half], s[8 * kk + 4 + 2 * half + 1]);
-      }
-      const float alpha = exp2_approx(m_old - m_use);
-      l[half] = l[half] * alpha + sum;
-      // Once the running max settles it rarely moves: skip the O rescale when no row of the warp's 16 changed.
-      if (__any_sync(0xffffffffu, m_new != m_old)) {
-        #pragma unroll
-        for (int d = 0; d < kHeadDim / 8; ++d) {
-          o[4 * d + 2 * half] *= alpha;
-          o[4 * d + 2 * half + 1] *= alpha;
-        }
-      }
+      bool moved;
+      const float alpha = update_half(s, half, sc, moved);
+      pack_half<T>(s, pa, half);
+      if (moved) rescale_half(o, half, alpha);
     }
   }
 };
