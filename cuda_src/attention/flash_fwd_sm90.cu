@@ -10,10 +10,12 @@
 //     consumers (setmaxnreg.inc to 240) and only compute;
 //   * a kStages-deep K/V ring with full/empty mbarriers per stage (sm90/mainloop.cuh): loads of the next tiles run
 //     while the consumers compute, with no __syncthreads in the loop;
-//   * ping-pong: the two consumer warpgroups issue their S GEMMs in turn (named barriers), so one's softmax runs
-//     while the other's GEMMs occupy the tensor cores.
-// Not (yet) here: FA3's intra-warpgroup overlap (softmax of block j during the S GEMM of block j+1), TMA stores of O,
-// a persistent tile scheduler, attn_mask, head dims other than 64/128/256 (flash_fwd.cu serves those calls).
+//   * ping-pong: the two consumer warpgroups issue their S GEMMs (with kOverlap: both GEMMs) in turn (named
+//     barriers), so one's softmax runs while the other's GEMMs occupy the tensor cores;
+//   * kOverlap (the variant under CUPY_ATTN_FA3=2): intra-warpgroup overlap, the turn issues S_i = Q K_iᵀ and then
+//     O += P_{i-1} V_{i-1}, and the softmax of S_i may run while the second is in flight (sm90/mainloop.cuh).
+// Not (yet) here: TMA stores of O, a persistent tile scheduler, clusters, attn_mask, head dims other than 64/128/256
+// (flash_fwd.cu serves those calls).
 //
 // Thread mapping: 384 threads. Warpgroup w = 1, 2 owns query rows m0 + 64(w−1) ... + 63 of the block: S and O are
 // wgmma m64 accumulators, whose per-warp layout is mma.sync's (lane 4g+t: rows g, g+8; columns 8j+2t, +1), so the
@@ -30,7 +32,8 @@
 // of a head are outside the map and arrive as zeros, so they never read the next head's rows.
 //
 // Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers          untimed (compiled and checked on CPU)
+//   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
+//                                                                               untimed (compiled and checked on CPU)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"

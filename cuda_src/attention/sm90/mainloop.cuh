@@ -85,9 +85,10 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
   }
 }
 
-// Named barriers 1 and 2: the S GEMMs of the two consumer warpgroups are issued in turn (FlashAttention-3's
-// ping-pong): warpgroup w waits on barrier 1 + w, issues, then arrives on the other's. Warpgroup 1 gives warpgroup 0
-// the first turn and skips its last arrive, so each barrier sees exactly as many arrives as syncs.
+// Named barriers 1 and 2: the two consumer warpgroups issue their GEMMs in turns (FlashAttention-3's ping-pong; a
+// turn is S_i, or with kOverlap S_i and P_{i-1} V_{i-1}): warpgroup w waits on barrier 1 + w, issues, then arrives
+// on the other's. Warpgroup 1 gives warpgroup 0 the first turn and skips its last arrive, so each barrier sees
+// exactly as many arrives as syncs (n_blocks turns each; a named barrier left half-arrived at exit is avoided).
 constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
