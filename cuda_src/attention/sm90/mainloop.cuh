@@ -125,12 +125,13 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
 
+  // K_i has landed (waited for before taking the ping-pong turn: the turn is not held while TMA is pending).
+  auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[i % kStages], (i / kStages) & 1); };
   // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDim/16 k steps of 16 elements = 32 bytes
   // inside a 128-byte swizzled row (the hardware applies the XOR to the computed address); every 4 steps the next
   // 64-column block.
   auto issue_s = [&](int i) {
     const int s = i % kStages;
-    tma::mbar_wait(&ss.k_full[s], (i / kStages) & 1);
     #pragma unroll
     for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] = 0.f;
     const unsigned k_st = k_base + s * kKVBytes;
@@ -176,6 +177,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 
   if constexpr (!kOverlap) {
     for (int i = 0; i < n_blocks; ++i) {
+      wait_k(i);
       tma::named_barrier_sync(kPingPongBarrier + wg, 256);
       issue_s(i);
       pass_turn(i);
@@ -191,6 +193,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     }
   } else {
     // Block 0: S_0 and its softmax (O is still 0: nothing to rescale).
+    wait_k(0);
     tma::named_barrier_sync(kPingPongBarrier + wg, 256);
     issue_s(0);
     pass_turn(0);
@@ -200,6 +203,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     mask(0);
     softmax.template step<T>(acc_s, pa, o, sc);
     for (int i = 1; i < n_blocks; ++i) {
+      wait_k(i);
       tma::named_barrier_sync(kPingPongBarrier + wg, 256);
       issue_s(i);
       issue_pv(i - 1);
