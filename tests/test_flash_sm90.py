@@ -332,3 +332,22 @@ def test_public_api_and_replay(fa3):
                                                               is_causal=True, return_lse=True)
         assert_close(out, ref, "float16", what=f"public call {seed}")
         np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=2e-3)
+
+
+def test_explain_details(monkeypatch):
+    """dispatch.fused_details (explain()) names the FA3 kernel under CUPY_ATTN_FA3, or says why not."""
+    import types
+    from cupy_attn.attention import dispatch
+    if _sm90.unsupported_reason(F16, 128, 128, "none", 90, 0.1):
+        pytest.skip("cuda-bindings missing")
+    q = _bhsd(2, 8, 100, 128)
+    p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128)
+    monkeypatch.delenv(_flash.ENV_FA3, raising=False)
+    assert dispatch.fused_details(p, 90)["kernel"] == "flash_fwd_sm90a"
+    for mode, overlap in (("1", False), ("2", True)):
+        monkeypatch.setenv(_flash.ENV_FA3, mode)
+        got = dispatch.fused_details(p, 90)
+        assert got["kernel"].startswith("flash_fwd_sm90_tma") and ("overlap" in got["tile"]) == overlap
+    p.key = _bhsd(2, 8, 100, 128, ptr=(1 << 20) + 8)
+    got = dispatch.fused_details(p, 90)
+    assert got["kernel"] == "flash_fwd_sm90a" and "16-byte" in got["FA3 kernel"]
