@@ -110,17 +110,41 @@ def plan_sdpa(p, backend: str, arch: int | None = None, *, workspace_bytes: int 
 def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
     """The fused plan with its kernel choice (family, tile, instantiated head dim) made once, here."""
     flash = _flash_module()
+    if os.environ.get(flash.ENV_FA3) in ("1", "2") and p.mask is None:
+        # out=None: the call's output comes from the allocator, contiguous and aligned.
+        why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
+        if why_not is None:
+            return Plan("fused", why, describe=functools.partial(fa3_details, p.head_dim), copies=copies,
+                        prepare=functools.partial(flash.prepare_problem, p, "fa3"))
+        fa3 = {"FA3 kernel": f"not used: {why_not}"}
+    else:
+        fa3 = {}
     choice = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
-    return Plan("fused", why, describe=functools.partial(fused_details, choice), copies=copies,
+    return Plan("fused", why, describe=functools.partial(fused_details, choice, fa3), copies=copies,
                 prepare=functools.partial(flash.prepare_problem, p, choice))
 
 
-def fused_details(choice) -> dict:
+def fa3_details(head_dim: int) -> dict:
+    """The opt-in FA3-design kernel's configuration (CUPY_ATTN_FA3=1 or 2)."""
+    tile = _fa3_tile(head_dim)
+    overlap = os.environ.get("CUPY_ATTN_FA3") == "2"
+    return {"head-dim bucket": head_dim,
+            "kernel": f"flash_fwd_sm90_tma (CUPY_ATTN_FA3={os.environ.get('CUPY_ATTN_FA3')})",
+            "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
+                    "stages, TMA + wgmma" + (", intra-warpgroup overlap" if overlap else "")}
+
+
+def fused_details(choice, extra: dict | None = None) -> dict:
     """The instantiation the fused kernel will use: (family, tile, head dim) from fused.select."""
     family, tile, head_dim = choice
-    return {"head-dim bucket": head_dim, "kernel": family.name,
+    return {**(extra or {}), "head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}
+
+
+def _fa3_tile(head_dim: int):
+    from . import fused_sm90
+    return fused_sm90.SM90_TILES[head_dim]
 
 
 def split_details(p) -> dict:

@@ -179,6 +179,17 @@ def select(dtype, head_dim: int, arch: int) -> tuple[KernelFamily, Tile, int]:
     return FLASH_FWD, TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
 
 
+ENV_FA3 = "CUPY_ATTN_FA3"
+
+
+def fa3_reason(q, k, v, out, *, scale: float, arch: int, mask_kind: str = "none") -> str | None:
+    """None when the opt-in FA3-design kernel (cupy_attn/attention/fused_sm90.py) runs this call under
+    ``CUPY_ATTN_FA3=1`` (or ``2``: with intra-warpgroup overlap), else why prepare() keeps flash_fwd.cu (explain())."""
+    from . import fused_sm90
+    return (fused_sm90.unsupported_reason(q.dtype, q.shape[-1], v.shape[-1], mask_kind, arch, scale)
+            or fused_sm90.layout_reason(q, k, v, out))
+
+
 def _arch_major(arch: int) -> int:
     """Tile-table arch key: 9 for Hopper, 8 for sm_8x and anything newer (sm_100/sm_120 run mma.sync too; the
     arch-8 tiles fit the 99 KB shared memory of the smallest of them)."""
@@ -260,13 +271,29 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
+    if mask is None and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: the FA3-design kernel (fused_sm90.py)
+        from . import fused_sm90
+        if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
+            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal,
+                                      overlap=os.environ[ENV_FA3] == "2")
     return _build(select(dtype, head_dim_bucket(E, Ev), arch), q, k, v, out, lse, scale=scale, causal=causal,
                   mask=mask)
 
 
 def prepare_problem(p, choice, out, lse):
-    """The launch for a checked problem (checks.SDPAProblem) and the choice dispatch made (``select``'s result),
-    bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)``. Nothing is re-checked."""
+    """The launch for a checked problem (checks.SDPAProblem) and the choice dispatch made (``select``'s result, or
+    "fa3" for the opt-in FA3-design kernel), bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr,
+    lse_ptr, mask_ptr)``. Nothing is re-checked."""
+    if choice == "fa3":
+        from . import fused_sm90
+        launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
+                                    overlap=os.environ.get(ENV_FA3) == "2")
+        stream = p.ctx.stream
+
+        def run(*ptrs):
+            with stream:
+                launch(*ptrs)
+        return run
     return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
                   mask=p.mask).bind(p.ctx.stream)
 

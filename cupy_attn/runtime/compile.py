@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
-FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.backward",
+FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.fused_sm90",
+                  "cupy_attn.attention.backward",
                   "cupy_attn.linear_bn_softmax.launch")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
@@ -267,6 +268,28 @@ def compile_family(family: KernelFamily, arch: str) -> list[VariantReport]:
             reports.append(VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"),
                                          stats.get("stack"), stats.get("smem"), stats.get("perf", ())))
         return reports
+
+
+def family_cubin(family: KernelFamily, arch: str) -> bytes:
+    """Every instantiation of ``family`` compiled for ``arch`` into one cubin, whole: for disassembly
+    (``cuobjdump -sass``), which rejects CuPy 14's ``getCUBIN`` result (see :func:`whole_cubin`)."""
+    options = list(base_options() + family.options) + [f"-arch={arch}"]
+    with _nvrtc_program(family.code(), family.source, family.name_expressions(), options, family.source) as prog:
+        from cupy.cuda import nvrtc
+        return whole_cubin(nvrtc.getCUBIN(prog))
+
+
+def whole_cubin(cubin: bytes) -> bytes:
+    """CuPy 14's ``nvrtc.getCUBIN`` drops the last byte (it strips a trailing NUL, as for PTX): pad the ELF image back
+    to the size its headers give (the end of the section or program header table, whichever is last). The driver
+    loads either; cuobjdump/nvdisasm need the whole file."""
+    import struct
+    if len(cubin) < 64 or cubin[:4] != b"\x7fELF":
+        return cubin
+    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
+    size = max(len(cubin), phoff + phentsize * phnum, shoff + shentsize * shnum)
+    return cubin + b"\0" * (size - len(cubin))
 
 
 @contextlib.contextmanager

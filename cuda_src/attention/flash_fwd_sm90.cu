@@ -1,0 +1,110 @@
+// Fused attention forward for Hopper (sm_90a), FlashAttention-3 design: out = softmax(scale · Q Kᵀ) V and
+// lse = log Σ_j exp(scale · q·k_j), with an optional causal mask (top-left or bottom-right).
+//
+// Algorithm: FlashAttention-3 (Shah et al. 2024, "FlashAttention-3: Fast and Accurate Attention with Asynchrony and
+// Low-precision", §3.1-3.2), on top of FlashAttention-2's online softmax (the same math as flash_fwd.cu, in base 2:
+// S = Q Kᵀ; m' = max(m, rowmax S·c); P = 2^(S·c − m'); l = 2^(m−m')·l + rowsum P; O = 2^(m−m')·O + P V with
+// c = scale·log2(e); out = O / l, lse = (m + log2 l)·ln 2). What FA3 adds and this kernel keeps:
+//   * warp specialization: warpgroup 0 is the producer: after setmaxnreg.dec to 24 registers, one thread issues every
+//     TMA load (cp.async.bulk.tensor with 128-byte swizzle, completing on mbarriers); warpgroups 1 and 2 are the
+//     consumers (setmaxnreg.inc to 240) and only compute;
+//   * a kStages-deep K/V ring with full/empty mbarriers per stage (sm90/mainloop.cuh): loads of the next tiles run
+//     while the consumers compute, with no __syncthreads in the loop;
+//   * ping-pong: the two consumer warpgroups issue their S GEMMs (with kOverlap: both GEMMs) in turn (named
+//     barriers), so one's softmax runs while the other's GEMMs occupy the tensor cores;
+//   * kOverlap (the variant under CUPY_ATTN_FA3=2): intra-warpgroup overlap, the turn issues S_i = Q K_iᵀ and then
+//     O += P_{i-1} V_{i-1}, and the softmax of S_i may run while the second is in flight (sm90/mainloop.cuh).
+// Not (yet) here: TMA stores of O, a persistent tile scheduler, clusters, attn_mask, head dims other than 64/128/256
+// (flash_fwd.cu serves those calls).
+//
+// Thread mapping: 384 threads. Warpgroup w = 1, 2 owns query rows m0 + 64(w−1) ... + 63 of the block: S and O are
+// wgmma m64 accumulators, whose per-warp layout is mma.sync's (lane 4g+t: rows g, g+8; columns 8j+2t, +1), so the
+// softmax row statistics need a quad shuffle only (sm90/softmax.cuh). P goes from the S registers into the A
+// fragments of O += P V (wgmma with A from registers).
+//
+// Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64 and 128,
+// 64 at D = 256; 2 stages. Shared memory (kBlockM + 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of alignment
+// slack: 81 KB (D=64), 161 KB (D=128), 193 KB (D=256) of the 227 KB per block. Registers per consumer thread: S
+// (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. fp32 accumulation throughout.
+//
+// Inputs are read in place through 4-D tensor maps (E, seqlen, heads, batch) made by the launcher, which needs
+// 16-byte aligned bases and strides that are multiples of 16 bytes (BHSD and BSHD both qualify); rows past L or S
+// of a head are outside the map and arrive as zeros, so they never read the next head's rows.
+//
+// Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
+//   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
+//                                                                               untimed (compiled and checked on CPU)
+#include "common/types.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
+#include "attention/sm90/params.cuh"
+#include "attention/sm90/mainloop.cuh"
+
+namespace cupy_attn {
+
+// Register split (FlashAttention-3's for two consumer warpgroups): 128·24 + 256·240 = 64512 <= 65536 per SM, the
+// launch-time allocation (168 per thread at 384 threads, 1 block per SM) being 64512 as well.
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap>
+__global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+  using namespace sm90;
+  using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows each");
+  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0 && kBlockN <= 256, "64-column swizzle atoms, TMA box <= 256");
+  static_assert(kStages >= 2, "a K/V ring of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+
+  // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+
+  // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z;
+  const int m0 = m_block * kBlockM;
+  const int L = static_cast<int>(p.seqlen_q);
+  const int rows_valid = min(kBlockM, L - m0);
+
+  // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
+  // writes the empty-row result (out 0, lse -inf) directly.
+  long long last_key = p.seqlen_k - 1;
+  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+  if (last_key < 0) {
+    T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
+    const int Ev = static_cast<int>(p.head_dim_v);
+    for (int i = threadIdx.x; i < rows_valid * Ev; i += blockDim.x)
+      out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
+    if (p.lse) {
+      float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
+      for (int i = threadIdx.x; i < rows_valid; i += blockDim.x) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
+    }
+    return;
+  }
+  const int n_blocks = static_cast<int>(last_key / kBlockN) + 1;
+
+  if (threadIdx.x == 0) {
+    tma::mbar_init(ss.q_full, 1);
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&ss.k_full[s], 1);
+      tma::mbar_init(&ss.v_full[s], 1);
+      tma::mbar_init(&ss.k_empty[s], 8);  // lane 0 of each of the 8 consumer warps
+      tma::mbar_init(&ss.v_empty[s], 8);
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    tma::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0) produce(p, ss, m0, h, b, n_blocks);
+  } else {
+    tma::setmaxnreg_inc<kConsumerRegs>();
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128);
+  }
+}
+
+}  // namespace cupy_attn

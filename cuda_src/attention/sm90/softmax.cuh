@@ -1,0 +1,113 @@
+// Online softmax of one warpgroup's score tile for flash_fwd_sm90.cu: the causal / sequence-end mask, the running row
+// max m and sum l (base 2), P packed into wgmma A fragments, and the rescale of O. Owns the per-row statistics.
+//
+// Register layout (wgmma m64nN accumulators, per warp of the warpgroup = the mma.sync C layout): lane 4g+t holds rows
+// g and g+8 of its warp's 16; s[4j + 2·half + e] is row g + 8·half, column 8j + 2t + e.
+#pragma once
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
+namespace cupy_attn {
+namespace sm90 {
+
+__device__ __forceinline__ float neg_inf() { return -inf(); }
+
+// Scores past the last visible key of each row become -inf: key j is visible to row r iff j < S and, under a causal
+// mask, j <= r + causal_offset. row: this lane's first row (g); n0 and t: the tile's and lane's first column.
+// The limit is made relative to the lane's first column and clamped to [-1, kBlockN] so that each compare is against
+// a per-element constant in an int (flash_fwd.cu v3: 64-bit column compares kept indices live and spilled).
+template <int kBlockN>
+__device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row, int n0, int t, long long seqlen_k,
+                                          bool causal, long long causal_offset) {
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    long long limit = seqlen_k - 1;
+    if (causal) limit = min(limit, row + 8 * half + causal_offset);
+    const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kBlockN), limit - n0 - 2 * t)));
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (j * 8 + e > lim) s[4 * j + 2 * half + e] = neg_inf();
+  }
+}
+
+// Running statistics of this lane's two rows. Scores stay raw (unscaled) in s; scale·log2(e) = sc > 0 is folded into
+// the exponent's FFMA, so max(raw)·sc is the scaled max (the launcher only selects this kernel for scale > 0).
+// An empty row so far keeps m = -inf; 0 replaces it inside the exponentials, so P = 0, α = 0 and l = 0, and the
+// epilogue writes out = 0, lse = -inf (not NaN).
+template <int kBlockN, int kHeadDim>
+struct OnlineSoftmax {
+  float m[2];  // running max of the scaled scores, log2 units
+  float l[2];  // this lane's partial row sum (the quad's four partials are summed in the epilogue)
+
+  __device__ __forceinline__ void init() {
+    m[0] = m[1] = neg_inf();
+    l[0] = l[1] = 0.f;
+  }
+
+  // Rows g + 8·half: row max, s -> 2^(s·sc − m_new) in place (fp32), m and l updated. Returns α = 2^(m_old − m_new);
+  // *moved: whether any row of the warp's 16 changed its max (else the O rescale may be skipped: once the running
+  // max settles it rarely moves).
+  __device__ __forceinline__ float update_half(float (&s)[kBlockN / 2], int half, float sc, bool& moved) {
+    float mx = neg_inf();
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) mx = fmaxf(mx, fmaxf(s[4 * j + 2 * half], s[4 * j + 2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_old = m[half];
+    const float m_new = fmaxf(m_old, mx * sc);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;
+    m[half] = m_new;
+    float sum = 0.f;
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[4 * j + 2 * half + e] = exp2_approx(fmaf(s[4 * j + 2 * half + e], sc, -m_use));
+        sum += s[4 * j + 2 * half + e];
+      }
+    }
+    const float alpha = exp2_approx(m_old - m_use);
+    l[half] = l[half] * alpha + sum;
+    moved = __any_sync(0xffffffffu, m_new != m_old);
+    return alpha;
+  }
+
+  // P of rows g + 8·half into the A fragments of the P·V wgmma (k step kk: registers 0/2 row g, 1/3 row g+8,
+  // columns 16kk + 2t (+8)).
+  template <typename T>
+  __device__ __forceinline__ static void pack_half(const float (&s)[kBlockN / 2], unsigned (&pa)[kBlockN / 16][4],
+                                                   int half) {
+    #pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][half] = pack2<T>(s[8 * kk + 2 * half], s[8 * kk + 2 * half + 1]);
+      pa[kk][2 + half] = pack2<T>(s[8 * kk + 4 + 2 * half], s[8 * kk + 4 + 2 * half + 1]);
+    }
+  }
+
+  __device__ __forceinline__ static void rescale_half(float (&o)[kHeadDim / 2], int half, float alpha) {
+    #pragma unroll
+    for (int d = 0; d < kHeadDim / 8; ++d) {
+      o[4 * d + 2 * half] *= alpha;
+      o[4 * d + 2 * half + 1] *= alpha;
+    }
+  }
+
+  // All of a step at once (no P·V wgmma in flight): each half's P goes to 16 bits right after its exponentials, so
+  // its fp32 scores are dead before the other half's.
+  template <typename T>
+  __device__ __forceinline__ void step(float (&s)[kBlockN / 2], unsigned (&pa)[kBlockN / 16][4],
+                                       float (&o)[kHeadDim / 2], float sc) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      bool moved;
+      const float alpha = update_half(s, half, sc, moved);
+      pack_half<T>(s, pa, half);
+      if (moved) rescale_half(o, half, alpha);
+    }
+  }
+};
+
+}  // namespace sm90
+}  // namespace cupy_attn

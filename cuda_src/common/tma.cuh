@@ -1,0 +1,117 @@
+// Hopper (sm_90a) asynchronous-copy vocabulary: tensor maps, TMA loads, mbarriers, proxy fences, register
+// reallocation and named barriers. Thin PTX wrappers (PTX ISA 8.0+), one instruction each, so that a kernel reads as
+// its algorithm and compiles in seconds (no CUTLASS/CuTe headers).
+//
+// The pattern they serve (FlashAttention-3's producer/consumer pipeline):
+//   producer thread:  mbar_wait(empty[s], phase ^ 1); mbar_arrive_expect_tx(full[s], bytes); load_4d(..., full[s])
+//   consumer threads: mbar_wait(full[s], phase); ...read stage s (wgmma)...; mbar_arrive(empty[s])
+// An mbarrier completes a phase when its pending arrival count reaches zero and the transaction bytes announced by
+// expect_tx have all landed; try_wait.parity(P) returns true once the phase of parity P has completed. A freshly
+// initialized barrier is in phase 0, so a wait on parity 1 returns at once: the producer's first pass over the stages
+// does not wait for releases that never happened.
+#pragma once
+
+namespace cupy_attn {
+namespace tma {
+
+// CUtensorMap (cuda.h: 128 opaque bytes, 64-byte aligned), encoded on the host by cuTensorMapEncodeTiled and passed
+// in a __grid_constant__ kernel parameter: TMA reads it from the parameter space by its generic address. NVRTC has
+// no cuda.h, so the type is declared here with the same size and alignment.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+static_assert(sizeof(TensorMap) == 128, "CUtensorMap is 128 bytes");
+
+__device__ __forceinline__ unsigned smem_u32(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// ---- mbarriers (8 bytes of shared memory each) ----
+
+// Expected arrivals per phase: `count` threads call mbar_arrive (or arrive_expect_tx) before the phase can complete.
+__device__ __forceinline__ void mbar_init(unsigned long long* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(count) : "memory");
+}
+
+// Makes the initializations visible to the async proxy (TMA's complete_tx) and, after a __syncthreads, to all
+// threads. The only form PTX has is .release.cluster; a CTA launched without clusters is a cluster of one.
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival, and `bytes` more transaction bytes the current phase must see land (the TMA loads to follow).
+__device__ __forceinline__ void mbar_arrive_expect_tx(unsigned long long* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
+}
+
+// One arrival (release semantics: this thread's earlier reads and writes happen before the phase completes).
+__device__ __forceinline__ void mbar_arrive(unsigned long long* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_u32(bar)) : "memory");
+}
+
+// Spin until the phase of parity `parity` has completed (acquire semantics). try_wait suspends the thread for a
+// hardware-chosen time before it reports false, so the loop is not a hot spin.
+__device__ __forceinline__ void mbar_wait(unsigned long long* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "LAB_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra DONE;\n"
+      "bra LAB_WAIT;\n"
+      "DONE:\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// ---- TMA ----
+
+// Fetch the tensor map into the descriptor cache ahead of its first use.
+__device__ __forceinline__ void prefetch_map(const TensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<unsigned long long>(map)) : "memory");
+}
+
+// Copy the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map into shared memory at dst, completing
+// box-bytes transactions on `bar` (elements outside the tensor's bounds arrive as zeros and still count). dst must be
+// 128-byte aligned, and 1024-byte aligned for the 128-byte swizzle pattern to line up with wgmma's (base offset 0).
+// Issued by one thread.
+__device__ __forceinline__ void load_4d(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1,
+                                        int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later async-proxy accesses
+// (wgmma operand reads, TMA stores). TMA writes read by wgmma need no fence: both are async proxy, and the mbarrier
+// wait orders them.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- warp-group register reallocation (executed by all 128 threads of a warpgroup) ----
+
+// Give registers back to the SM's pool (producer) or take them (consumers), per thread, a multiple of 8 in
+// [24, 256]. `inc` blocks until the pool holds enough, i.e. until the producer's `dec` has run.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---- named barriers 1..15 (0 is __syncthreads) ----
+
+// sync waits until `threads` threads have arrived at barrier `id` (counting itself); arrive counts without waiting.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace tma
+}  // namespace cupy_attn

@@ -1,0 +1,257 @@
+"""The FlashAttention-3-design forward kernel for Hopper (cuda_src/attention/flash_fwd_sm90.cu), opt-in.
+
+TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
+bf16, E = Ev in {64, 128, 256}, no attn_mask, causal or not, GQA, on compute capability 9.0, and only when
+``CUPY_ATTN_FA3=1`` (``=2``: the variant with FA3's intra-warpgroup overlap): everything else keeps flash_fwd.cu
+(``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
+
+Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
+addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying a call on
+the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides, so BHSD and
+BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16 bytes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import numpy as np
+
+from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.interop import dtype_name
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_LOG2E = 1.4426950408889634
+THREADS = 384  # a producer warpgroup and two consumer warpgroups
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Tile:
+    """Query rows per block (two consumer warpgroups of 64), key rows per K/V stage, stages in the ring."""
+    block_m: int
+    block_n: int
+    stages: int = 2
+    overlap: bool = False  # FA3's intra-warpgroup overlap (softmax of S_i during P_{i-1} V_{i-1}; mainloop.cuh)
+
+    @property
+    def overlap_flag(self) -> str:
+        return "true" if self.overlap else "false"
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (1 + 4·stages), 1 KB of slack for the 1024-byte alignment
+        of the swizzle atoms: SharedStorage::kBytes in cuda_src/attention/sm90/mainloop.cuh."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (1 + 4 * self.stages) + 1024
+
+
+# (head dim) -> tile; both dtypes alike. Registers per consumer thread: S block_n/2 + O head_dim/2 fp32 + P block_n/4,
+# under setmaxnreg's 240. Shared memory: Sm90Tile.smem_bytes of the 227 KB (232448 B) per block.
+SM90_TILES = {
+    # 128×128: 64 S + 32 O + 32 P registers; 81 KB.
+    64: Sm90Tile(128, 128, 2),
+    # 128×128: 64 S + 64 O + 32 P; 161 KB.
+    128: Sm90Tile(128, 128, 2),
+    # 128×64: 32 S + 128 O + 16 P; 193 KB (kBlockN = 128 would need 321 KB for two stages).
+    256: Sm90Tile(128, 64, 2),
+}
+# The same tiles with the intra-warpgroup overlap (CUPY_ATTN_FA3=2): the same registers (S stays fp32 while the
+# previous P·V runs, P is packed after it) and shared memory.
+SM90_OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in SM90_TILES.items()}
+
+
+def _c_struct(fields) -> np.dtype:
+    """A NumPy dtype laid out as the C struct with these (name, dtype, alignment) members, in order."""
+    offsets, off, align = [], 0, 1
+    for _, dt, a in fields:
+        off = -(-off // a) * a
+        offsets.append(off)
+        off += dt.itemsize
+        align = max(align, a)
+    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields], "offsets": offsets,
+                     "itemsize": -(-off // align) * align})
+
+
+_MAP = np.dtype((np.uint8, 128))
+_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
+# FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: the kernel checks its size, field
+# count and field sizes against the options below at compile time (params.cuh says why not offsets).
+_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64)]
+                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
+                        "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
+                        "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
+                        "lse_stride_b", "lse_stride_h", "lse_stride_l")])
+_LAYOUT_OPTIONS = (f"-DFA3_PARAMS_SIZE={_PARAMS.itemsize}", f"-DFA3_NUM_FIELDS={len(_PARAMS.names)}",
+                   f"-DFA3_FIELD_BYTES={sum(_PARAMS.fields[n][0].itemsize for n in _PARAMS.names)}",
+                   *(f"-DFA3_SIZE_{n}={_PARAMS.fields[n][0].itemsize}" for n in _PARAMS.names))
+
+FLASH_FWD_SM90_TMA = KernelFamily(
+    name="flash_fwd_sm90_tma",
+    source="attention/flash_fwd_sm90.cu",
+    template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
+              "{tile.overlap_flag}>"),
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": tuple(SM90_TILES),
+        "tile": tuple(sorted(set(SM90_TILES.values()) | set(SM90_OVERLAP_TILES.values()), key=dataclasses.astuple)),
+    },
+    where=lambda row: row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]]),
+    archs=("sm_90a",),
+    options=_LAYOUT_OPTIONS,
+    arch="sm_90a",
+)
+
+
+def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
+    """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
+
+    >>> unsupported_reason(np.dtype("float16"), 96, 96, "none", 90, 0.1)
+    'head dims E=96, Ev=96: the FA3 kernel serves E = Ev in (64, 128, 256)'
+    """
+    if arch != 90:
+        return f"sm_{arch}: the FA3 kernel needs sm_90a (H100/H200)"
+    if dtype_name(dtype) not in _C_TYPES:
+        return f"dtype {dtype_name(dtype)}: the FA3 kernel serves fp16 and bf16"
+    if head_dim != head_dim_v or head_dim not in SM90_TILES:
+        return f"head dims E={head_dim}, Ev={head_dim_v}: the FA3 kernel serves E = Ev in {tuple(SM90_TILES)}"
+    if mask_kind != "none":
+        return "attn_mask: the FA3 kernel has no mask input (causal only)"
+    if not scale > 0:
+        return f"scale {scale}: the FA3 kernel folds the scale into exp2 and needs scale > 0"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+    return None
+
+
+def _estrides(a) -> list[int]:
+    return [s // a.itemsize for s in a.strides]
+
+
+def layout_reason(q, k, v, out) -> str | None:
+    """None when TMA can read q, k, v in place and the epilogue can store out: 16-byte aligned bases, batch / head /
+    row strides multiples of 16 bytes (any order: BHSD and BSHD), element pairs of out 4-byte aligned (out=None:
+    not checked)."""
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        if a.data.ptr % 16:
+            return f"{name} is not 16-byte aligned (TMA)"
+        for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
+            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
+                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    if out is not None and (out.data.ptr % 4 or any(s % 2 for s in _estrides(out)[:-1])):
+        return "out element pairs are not 4-byte aligned"
+    if q.shape[1] > 65535 or q.shape[0] > 65535:
+        return "grid limit: heads and batch must each be <= 65535"
+    return None
+
+
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: bool = False) -> "Sm90Launch":
+    """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
+    layout_reason; overlap: the intra-warpgroup-overlap variant (SM90_OVERLAP_TILES)."""
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[E]
+    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=E, tile=tile)
+    smem = tile.smem_bytes(E)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    p = np.zeros((), dtype=_PARAMS)
+    p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["scale_log2"] = float(scale) * _LOG2E
+    for axis, stride in zip("bhl", _estrides(out)):
+        p[f"out_stride_{axis}"] = stride
+    if lse is not None:
+        for axis, stride in zip("bhl", _estrides(lse)):
+            p[f"lse_stride_{axis}"] = stride
+    maps = tuple(_MapSpec.of(a, rows) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
+    return Sm90Launch(kernel, p, maps, (math.ceil(L / tile.block_m), Hq, B), (THREADS,), smem)
+
+
+@dataclasses.dataclass(frozen=True)
+class _MapSpec:
+    """Everything of one tensor map but its base address: element type, dims (E, seqlen, heads, batch), byte strides
+    of the last three, box (64, rows, 1, 1)."""
+    dtype: str
+    dims: tuple
+    strides: tuple
+    box_rows: int
+
+    @classmethod
+    def of(cls, a, rows: int) -> "_MapSpec":
+        b, h, s, e = a.shape
+        # A stride along an axis of size 1 is never used, but the driver checks it (a multiple of 16): give such an
+        # axis the packed stride, rounded up to 16 bytes. layout_reason checked the others.
+        strides, extent = [], e * a.itemsize
+        for n, st in ((s, a.strides[2]), (h, a.strides[1]), (b, a.strides[0])):
+            st = st if n > 1 else -(-extent // 16) * 16
+            strides.append(st)
+            extent = st * n
+        return cls(dtype_name(a.dtype), (e, s, h, b), tuple(strides), rows)
+
+    def encode(self, ptr: int) -> np.ndarray:
+        """The 128-byte CUtensorMap for this layout at base address ptr."""
+        return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (64, self.box_rows, 1, 1))
+
+
+@functools.lru_cache(maxsize=None)
+def _driver_init() -> None:
+    """cuInit through cuda.bindings, once (CuPy has initialized the driver already; this is for cuda.bindings' own
+    entry points, as the CuTe GEMM example does)."""
+    from cuda.bindings import driver as cu
+    cu.cuInit(0)
+
+
+def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
+    """cuTensorMapEncodeTiled for a 16-bit tensor: 128-byte swizzle (box inner dim 64 elements = 128 bytes), zero
+    fill out of bounds, L2 promotion of 256 bytes. Returns the map's 128 bytes."""
+    import ctypes
+    from cuda.bindings import driver as cu
+
+    _driver_init()
+    data_type = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if dtype == "float16"
+                 else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        data_type, len(dims), ptr,
+        [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
+        [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * len(dims),
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}): dims {dims}, byte strides {strides}, box {box}")
+    return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8)
+
+
+@dataclasses.dataclass
+class Sm90Launch:
+    """One prepared launch: the parameters but the pointers and tensor maps, the map layouts, grid, block, smem.
+    Called like fused.FlashLaunch (mask_ptr must be 0)."""
+
+    kernel: object
+    params: np.ndarray
+    maps: tuple
+    grid: tuple
+    block: tuple
+    smem: int
+    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their three maps)
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
+        if mask_ptr:
+            raise ValueError("the FA3 kernel takes no attn_mask")
+        p = self.params_for(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr)
+        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+
+    def params_for(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0) -> np.ndarray:
+        """The complete FlashFwdSm90Params for these pointers (tensor maps encoded, or reused for the last ones)."""
+        ptrs, encoded = self._encoded
+        if ptrs != (q_ptr, k_ptr, v_ptr):
+            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr, v_ptr)))
+            self._encoded = ((q_ptr, k_ptr, v_ptr), encoded)  # one tuple: a concurrent caller sees old or new
+        p = self.params.copy()
+        p["tma_q"], p["tma_k"], p["tma_v"] = encoded
+        p["out"], p["lse"] = out_ptr, lse_ptr
+        return p

@@ -1,0 +1,356 @@
+"""The opt-in FA3-design kernel (cupy_attn.attention.fused_sm90, cuda_src/attention/flash_fwd_sm90.cu).
+
+CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA, TMA
+loads (UTMALDG), mbarrier operations (SYNCS), setmaxnreg (USETMAXREG) and no local memory (skipped without
+cuobjdump: ``pip install nvidia-cuda-cuobjdump``); the params dtype matches the C struct's declaration; tile table and
+eligibility rules. GPU (``gpu`` marker, CUPY_ATTN_FA3=1): outputs and lse against the float64 reference with the
+tolerance rule of tests/_tolerance.py (NaN-poisoned outputs; tests/test_flash.py's _check), after asserting that
+fused.prepare really chose this kernel.
+"""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from cupy_attn.attention import fused as _flash
+from cupy_attn.attention import fused_sm90 as _sm90
+from cupy_attn.runtime import compile as _compile
+
+FAMILY = _sm90.FLASH_FWD_SM90_TMA
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU
+
+
+def test_every_instantiation_compiles_without_spills():
+    reports = _compile.compile_family(FAMILY, "sm_90a")
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.SM90_TILES)  # dtypes × overlap
+    # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
+    assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
+    spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
+    assert not spilled, f"register spills / stack: {spilled}"
+    warned = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
+    assert not warned, f"ptxas performance warnings: {warned}"
+
+
+def _cuobjdump():
+    found = shutil.which("cuobjdump")
+    if found:
+        return found
+    for root in sys.path:
+        for hit in glob.glob(os.path.join(root, "nvidia", "*", "bin", "cuobjdump")):
+            return hit
+    return None
+
+
+def sass_summary(cubin: bytes) -> dict:
+    """{kernel name: {opcode: count}} from ``cuobjdump -sass`` of a cubin."""
+    tool = _cuobjdump()
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    out = {}
+    for block in re.split(r"\n\s*Function : ", text)[1:]:
+        name = block.split("\n", 1)[0].strip()
+        ops = {}
+        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", block):
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+        out[name] = ops
+    return out
+
+
+def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    kernels = sass_summary(_compile.family_cubin(FAMILY, "sm_90a"))
+    assert len(kernels) == len(FAMILY.name_expressions())
+    for name, ops in kernels.items():
+        for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"):
+            assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
+        assert ops["USETMAXREG"] >= 2, f"{name}: producer and consumers both reallocate registers"
+        for op in ("LDL", "STL"):
+            assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
+
+
+def test_params_dtype_is_the_c_struct():
+    text = (_compile.source_dir() / "attention" / "sm90" / "params.cuh").read_text()
+    body = text[text.index("struct FlashFwdSm90Params {"):]
+    body = body[:body.index("};")]
+    names = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            names += [re.findall(r"\w+", part)[-1] for part in decl.split(",")]  # "long long a, b"
+    assert tuple(names) == _sm90._PARAMS.names
+    offsets = [_sm90._PARAMS.fields[n][1] for n in names]
+    assert offsets[:4] == [0, 128, 256, 384] and offsets == sorted(offsets)
+    assert _sm90._PARAMS.itemsize == 512
+
+
+def test_tiles():
+    declared = set(FAMILY.name_expressions())
+    for table, overlap in ((_sm90.SM90_TILES, False), (_sm90.SM90_OVERLAP_TILES, True)):
+        assert set(table) == {64, 128, 256}
+        for d, tile in table.items():
+            assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2 and tile.overlap == overlap
+            assert tile.smem_bytes(d) <= 232448, (d, tile)
+            for dtype in _sm90._C_TYPES.values():
+                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
+
+
+F16 = np.dtype("float16")
+
+
+@pytest.mark.parametrize("args,expect", [
+    ((F16, 128, 128, "none", 90, 0.1), None),
+    ((F16, 64, 64, "none", 90, 1.0), None),
+    ((F16, 256, 256, "none", 90, 0.06), None),
+    ((F16, 128, 128, "none", 80, 0.1), "sm_90a"),
+    ((F16, 96, 96, "none", 90, 0.1), "E = Ev in"),
+    ((F16, 128, 64, "none", 90, 0.1), "E = Ev in"),
+    ((F16, 128, 128, "bool", 90, 0.1), "attn_mask"),
+    ((F16, 128, 128, "none", 90, 0.0), "scale > 0"),
+    ((np.dtype("float32"), 128, 128, "none", 90, 0.1), "fp16 and bf16"),
+])
+def test_unsupported_reason(args, expect):
+    got = _sm90.unsupported_reason(*args)
+    if got is not None and "cuda-bindings" in got:
+        pytest.skip(got)
+    assert got is None if expect is None else expect in got
+
+
+class _FakeArray:
+    """Shape, byte strides, dtype and base address, as layout_reason and _MapSpec read them."""
+
+    class _Data:
+        def __init__(self, ptr):
+            self.ptr = ptr
+
+    def __init__(self, shape, strides, ptr=1 << 20, dtype=F16):
+        self.shape, self.strides, self.dtype, self.itemsize = shape, strides, dtype, dtype.itemsize
+        self.data = self._Data(ptr)
+
+
+def _bhsd(B, H, S, D, ptr=1 << 20):
+    return _FakeArray((B, H, S, D), (H * S * D * 2, S * D * 2, D * 2, 2), ptr)
+
+
+def _bshd(B, H, S, D, ptr=1 << 20):
+    return _FakeArray((B, H, S, D), (S * H * D * 2, D * 2, H * D * 2, 2), ptr)
+
+
+def test_tensor_map_layouts():
+    spec = _sm90._MapSpec.of(_bhsd(2, 3, 100, 128), 128)
+    assert spec.dims == (128, 100, 3, 2) and spec.strides == (256, 100 * 256, 300 * 256) and spec.box_rows == 128
+    spec = _sm90._MapSpec.of(_bshd(2, 3, 100, 64), 128)
+    assert spec.dims == (64, 100, 3, 2) and spec.strides == (3 * 128, 128, 300 * 128)
+    # Axes of size 1 get a valid stride whatever the view says.
+    spec = _sm90._MapSpec.of(_FakeArray((1, 1, 17, 64), (0, 0, 128, 2)), 128)
+    assert spec.strides == (128, 128 * 17, 128 * 17)
+    spec = _sm90._MapSpec.of(_FakeArray((2, 3, 1, 64), (3 * 1000 * 2, 1000 * 2, 3, 2)), 128)  # S = 1: any row stride
+    assert spec.strides == (128, 1000 * 2, 3 * 1000 * 2)
+
+
+def test_layout_reason():
+    q = _bhsd(2, 8, 100, 128)
+    out = _bhsd(2, 8, 100, 128)
+    assert _sm90.layout_reason(q, q, q, out) is None
+    assert _sm90.layout_reason(_bshd(2, 8, 100, 128), q, q, out) is None
+    assert "16-byte" in _sm90.layout_reason(_bhsd(2, 8, 100, 128, ptr=(1 << 20) + 2), q, q, out)
+    odd_rows = _FakeArray((2, 8, 100, 64), (8 * 100 * 72 * 2, 100 * 72 * 2, 72 * 2 + 2, 2))
+    assert "multiple of 16" in _sm90.layout_reason(q, odd_rows, q, out)
+    assert "4-byte" in _sm90.layout_reason(q, q, q, _bhsd(2, 8, 100, 128, ptr=(1 << 20) + 2))
+
+
+def test_encode_tensor_map_without_a_driver_raises_cleanly():
+    """On a machine without libcuda the encode path is exercised up to the driver call."""
+    pytest.importorskip("cuda.bindings.driver")
+    try:
+        m = _sm90._MapSpec.of(_bhsd(2, 3, 100, 128), 128).encode(1 << 20)
+    except (RuntimeError, OSError) as exc:
+        if _gpu():
+            raise
+        pytest.skip(f"no driver: {exc}")
+    else:
+        assert m.shape == (128,) and m.dtype == np.uint8
+
+
+def test_launch_params(monkeypatch):
+    """The bytes the kernel gets: three maps (encoded once per pointer triple), pointers, sizes, strides."""
+    calls = []
+
+    def fake_encode(spec, ptr):
+        calls.append(ptr)
+        return np.full(128, ptr % 251, np.uint8)
+
+    monkeypatch.setattr(_sm90._MapSpec, "encode", fake_encode)
+    q, k = _bhsd(2, 8, 100, 128), _bhsd(2, 2, 70, 128)
+    p = np.zeros((), _sm90._PARAMS)
+    p["seqlen_q"], p["groups"] = 100, 4
+    maps = tuple(_sm90._MapSpec.of(a, 128) for a in (q, k, k))
+    launch = _sm90.Sm90Launch(None, p, maps, (1, 8, 2), (384,), 1000)
+    got = launch.params_for(1000, 2000, 3000, 4000, 5000)
+    assert calls == [1000, 2000, 3000]
+    assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
+    assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
+    raw = got.tobytes()
+    assert len(raw) == 512 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
+    launch.params_for(1000, 2000, 3000, 4001)
+    assert len(calls) == 3, "same q/k/v pointers: maps reused"
+    launch.params_for(1016, 2000, 3000, 4001)
+    assert len(calls) == 6
+
+
+def _gpu():
+    from conftest import gpu_available
+    return gpu_available()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+
+DTYPES = ("float16", "bfloat16")
+
+
+@pytest.fixture(params=["1", "2"], ids=["fa3", "fa3-overlap"])
+def fa3(request, monkeypatch):
+    """CUPY_ATTN_FA3=1 (the kernel) and =2 (its intra-warpgroup-overlap variant)."""
+    monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    return request.param
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _rand(shape, dtype, gen):
+    torch = _torch()
+    return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(getattr(torch, dtype))
+
+
+def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
+    """tests/test_flash.py's _check (NaN-poisoned out and lse, float64 reference, torch's same-precision error),
+    after checking which launch fused.prepare builds for these arrays."""
+    import cupy
+    from test_flash import _check, _cp
+    B, Hq, L, E = q.shape
+    out = cupy.empty((B, Hq, L, v.shape[-1]), dtype=_cp(q).dtype)
+    launch = _flash.prepare(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
+    assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
+    if expect_fa3:
+        overlap = os.environ[_flash.ENV_FA3] == "2"
+        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=E, tile=(
+            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[E]), f"{what}: wrong variant"
+    return _check(q, k, v, dtype, causal=causal, what=what)
+
+
+LS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (1, 1000), (1000, 17), (17, 129), (129, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("L,S", LS)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_shapes(fa3, dtype, E, L, S, causal):
+    g = _torch().Generator("cuda").manual_seed(L * 31 + S + E)
+    q, k, v = _rand((2, 2, L, E), dtype, g), _rand((2, 2, S, E), dtype, g), _rand((2, 2, S, E), dtype, g)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} E={E} L={L} S={S} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_gqa(fa3, dtype, E, causal):
+    """8 query heads on 2 key/value heads: query head h reads kv head h // 4."""
+    g = _torch().Generator("cuda").manual_seed(E + 8)
+    q, k, v = _rand((2, 8, 300, E), dtype, g), _rand((2, 2, 333, E), dtype, g), _rand((2, 2, 333, E), dtype, g)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} GQA 8/2 E={E} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_bshd_views(fa3, dtype, E, causal):
+    """(B, S, H, D) storage viewed as (B, H, S, D): head stride D, row stride H·D, read in place by the 4-D maps."""
+    g = _torch().Generator("cuda").manual_seed(E + 1)
+    q = _rand((2, 257, 4, E), dtype, g).transpose(1, 2)
+    k = _rand((2, 190, 4, E), dtype, g).transpose(1, 2)
+    v = _rand((2, 190, 4, E), dtype, g).transpose(1, 2)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} BSHD E={E} causal={causal}")
+
+
+@pytest.mark.gpu
+def test_long_causal(fa3):
+    g = _torch().Generator("cuda").manual_seed(4224)
+    q, k, v = (_rand((1, 2, 4224, 128), "float16", g) for _ in range(3))
+    _check_fa3(q, k, v, "float16", causal="top_left", what="4224² causal")
+
+
+@pytest.mark.gpu
+def test_falls_back(fa3):
+    """Calls the kernel does not take keep flash_fwd.cu: rows not 16-byte aligned (q a slice of wider rows), E=96."""
+    g = _torch().Generator("cuda").manual_seed(5)
+    wide = _rand((1, 2, 100, 72), "float16", g)
+    q = wide[..., :64]  # row stride 144 bytes
+    k, v = _rand((1, 2, 100, 64), "float16", g), _rand((1, 2, 100, 64), "float16", g)
+    _check_fa3(q, k, v, "float16", what="row stride 144 B", expect_fa3=False)
+    q, k, v = (_rand((1, 2, 100, 96), "float16", g) for _ in range(3))
+    _check_fa3(q, k, v, "float16", what="E=96", expect_fa3=False)
+
+
+@pytest.mark.gpu
+def test_off_by_default(monkeypatch):
+    import cupy
+    monkeypatch.delenv(_flash.ENV_FA3, raising=False)
+    q = cupy.zeros((1, 1, 8, 128), cupy.float16)
+    assert isinstance(_flash.prepare(q, q, q, cupy.empty_like(q), None, scale=0.1), _flash.FlashLaunch)
+
+
+@pytest.mark.gpu
+def test_public_api_and_replay(fa3):
+    """Through cupy_attn.scaled_dot_product_attention twice (the second call replays the cached launch, re-encoding
+    the tensor maps for the new arrays)."""
+    import cupy
+    import cupy_attn
+    from cupy_attn import reference
+    from _tolerance import assert_close
+    rs = cupy.random.RandomState(0)
+    for seed in range(2):
+        q, k, v = (rs.standard_normal((2, 4, 333, 128), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+        ref, ref_lse = reference.scaled_dot_product_attention(*(cupy.asnumpy(x).astype(np.float64) for x in (q, k, v)),
+                                                              is_causal=True, return_lse=True)
+        assert_close(out, ref, "float16", what=f"public call {seed}")
+        np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=2e-3)
+
+
+def test_explain_details(monkeypatch):
+    """The fused plan's details (explain()) name the FA3 kernel under CUPY_ATTN_FA3, or say why not."""
+    import types
+    from cupy_attn.attention import dispatch
+    if _sm90.unsupported_reason(F16, 128, 128, "none", 90, 0.1):
+        pytest.skip("cuda-bindings missing")
+    q = _bhsd(2, 8, 100, 128)
+    p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128)
+    def details():
+        return dispatch._fused_plan(p, 90, "test", []).details
+
+    monkeypatch.delenv(_flash.ENV_FA3, raising=False)
+    assert details()["kernel"] == "flash_fwd_sm90a"
+    for mode, overlap in (("1", False), ("2", True)):
+        monkeypatch.setenv(_flash.ENV_FA3, mode)
+        got = details()
+        assert got["kernel"].startswith("flash_fwd_sm90_tma") and ("overlap" in got["tile"]) == overlap
+    p.key = _bhsd(2, 8, 100, 128, ptr=(1 << 20) + 8)
+    got = details()
+    assert got["kernel"] == "flash_fwd_sm90a" and "16-byte" in got["FA3 kernel"]
