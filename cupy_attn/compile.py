@@ -96,7 +96,8 @@ def run(archs, families=None, verbose=False, out=sys.stdout, jobs=None, progress
                       f"stack={r.stack_bytes} smem={r.smem_bytes}", file=out)
     compiled = [r for r in results if r.source == "compiled" and r.error is None]
     print(f"{len(compiled)} compiled ({sum(r.seconds for r in compiled):.0f} s of NVRTC), "
-          f"{len(results) - len(compiled)} from the cache or failed", file=out, flush=True)
+          f"{sum(1 for r in results if r.source == 'cache')} from the cache, "
+          f"{sum(1 for r in results if r.error is not None)} failed", file=out, flush=True)
     return ok
 
 
