@@ -114,7 +114,7 @@ class _Progress:
                 return
             self.bar = tqdm(total=total, unit="variant", dynamic_ncols=True)
 
-    def update(self, r: "_compile.CompileResult") -> None:
+    def update(self, r: _compile.CompileResult) -> None:
         self.done += 1
         if self.bar is not None:
             self.bar.set_postfix_str(f"{r.family.name} {r.arch}", refresh=False)

@@ -200,7 +200,7 @@ def _load(family: KernelFamily, expr: str, device_id: int):
     return _load_variant(compile_variant(family, expr, target_arch(family, device_id)))
 
 
-def _load_variant(variant: "CachedVariant"):
+def _load_variant(variant: CachedVariant):
     """Load a cached cubin (or PTX) on the current device and return its kernel."""
     import cupy
 
