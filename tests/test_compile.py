@@ -125,6 +125,57 @@ def test_failing_variant_fails_the_check(empty_cache):
     assert "1 failed" in out.getvalue() and not list(root.iterdir()), "failures are not cached"
 
 
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """family.kernel's path without a GPU: a device of compute capability 9.0 and a RawModule that records what it
+    loads; the per-device memo is emptied before and after."""
+    import cupy
+
+    class Device:
+        compute_capability = "90"
+
+        def __init__(self, device_id=None):
+            self.id = device_id or 0
+
+    loaded = []
+
+    class RawModule:
+        def __init__(self, path):
+            loaded.append(Path(path))
+
+        def get_function(self, name):
+            return ("kernel", name)
+
+    monkeypatch.setattr(cupy.cuda, "Device", Device)
+    monkeypatch.setattr(cupy, "RawModule", RawModule)
+    _compile._load.cache_clear()
+    yield Device, loaded
+    _compile._load.cache_clear()
+
+
+def test_first_call_shares_the_compile_check_cache(empty_cache, fake_gpu):
+    root, calls = empty_cache
+    _, loaded = fake_gpu
+    family = lbs.FOLD_RUNNING_STATS
+    row = next(family.variants())
+    kernel = family.kernel(**row)
+    assert len(calls) == 1 and "-arch=sm_90" in calls[0], "compiled for the device's sm_XY"
+    assert loaded == [p for p in root.iterdir() if p.suffix == ".cubin"]
+    assert kernel[1].startswith("_ZN9cupy_attn3lbs18fold_running_stats"), "looked up by its lowered name"
+    assert family.kernel(**row) is kernel and len(loaded) == 1, "memoized per device"
+    (result,) = _compile.compile_all([(family, family.name_expression(**row), "sm_90")])
+    assert result.source == "cache" and len(calls) == 1, "the compile check reads what the first call compiled"
+
+
+def test_device_arch(fake_gpu):
+    Device, _ = fake_gpu
+    assert _compile.device_arch() == "sm_90"
+    assert _compile.target_arch(FAMILIES[0]) == "sm_90"
+    assert _compile.target_arch(next(f for f in FAMILIES if f.arch == "sm_90a")) == "sm_90a"
+    Device.compute_capability = "990"  # newer than this NVRTC: PTX for its newest arch, compiled by the driver
+    assert _compile.device_arch() == f"compute_{max(_compile.nvrtc_archs())}"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # The CLI: --arch validation, the GPU default, no CuPy
 

@@ -1,13 +1,12 @@
 """Run-time compilation of the kernels in ``cuda_src/``, through one persistent compile cache.
 
 Every kernel family is declared once, as a :class:`KernelFamily`: the source file, a name-expression template, and the
-table of template values (a product of named axes, optionally filtered). That one table drives three things:
+table of template values (a product of named axes, optionally filtered). That one table drives two things:
 
 * the launchers, which ask ``family.kernel(**values)`` for the instantiation they need: compiled for the device's
   arch (or the family's explicit ``arch``, e.g. sm_90a), loaded with ``cupy.RawModule(path=...)``, memoized per device;
 * the CPU compile check (``python -m cupy_attn.compile``), which compiles **every** instantiation for the asked archs
-  in parallel processes (:func:`compile_all`);
-* the cache key.
+  in parallel processes (:func:`compile_all`).
 
 Both go through :func:`compile_variant`: one NVRTC program per variant (one name expression, one arch) compiled with
 ``cupy.cuda.nvrtc`` directly (it needs no GPU and no driver, unlike CuPy's own compile helpers), stored as a cubin plus
