@@ -62,8 +62,8 @@ def gpu_archs() -> list[str]:
 
 def run(archs, families=None, verbose=False, out=sys.stdout, jobs=None, progress=True) -> bool:
     """Compile every variant of ``families`` (default: all) for each arch a family covers into the cache; print the
-    summary; True when all compile. ``progress``: a bar per variant (tqdm, on stderr) or, without tqdm, one line per
-    compiled variant on ``out``. ``verbose``: one line per variant in the summary."""
+    summary; True when all compile. ``progress``: a bar per variant (tqdm, on stderr) or, without tqdm or a terminal,
+    one line per compiled variant on ``out``. ``verbose``: one line per variant in the summary."""
     families = families or _compile.all_families()
     variants = [(f, expr, arch) for f in families for arch in archs if f.covers(arch) for expr in f.name_expressions()]
     print(f"{len(variants)} variants for {', '.join(archs)}; cache {_compile.cache_dir()}", file=out, flush=True)
@@ -102,12 +102,13 @@ def run(archs, families=None, verbose=False, out=sys.stdout, jobs=None, progress
 
 
 class _Progress:
-    """tqdm's bar when tqdm is installed (imported here, lazily: it is optional), else one printed line per variant
-    that NVRTC compiled (cache hits are instant and only counted)."""
+    """tqdm's bar on a terminal when tqdm is installed (imported here, lazily: it is optional), else one printed line
+    per variant that NVRTC compiled (cache hits are instant and only counted). Not a terminal (a CI log): lines too,
+    as a bar's carriage-return redraws would pile up into one long line."""
 
     def __init__(self, total: int, out, enabled: bool = True):
         self.total, self.out, self.enabled, self.done, self.bar = total, out, enabled, 0, None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             try:
                 from tqdm import tqdm
             except ImportError:
