@@ -144,15 +144,15 @@ def main(argv=None) -> int:
     if not _compile.have_cupy():
         print(_compile.NEEDS_CUPY, file=sys.stderr)
         return 1
-    if args.arch is None:
-        archs = gpu_archs()
-        if not archs:
+    text = args.arch
+    if text is None:
+        found = gpu_archs()
+        if not found:
             parser.error("no CUDA GPU found: pass the targets to compile for, e.g. --arch sm_80,sm_90,sm_90a")
-        print(f"warming the compile cache for the GPU present: {', '.join(archs)}")
-    else:
-        archs = args.arch
+        print(f"warming the compile cache for the GPU present: {', '.join(found)}")
+        text = ",".join(found)
     try:
-        archs = parse_archs(",".join(archs) if isinstance(archs, list) else archs)
+        archs = parse_archs(text)
     except ValueError as exc:
         parser.error(str(exc))
     return 0 if run(archs, verbose=args.verbose, jobs=args.jobs, progress=not args.no_progress) else 1
