@@ -5,7 +5,9 @@
 With a CUDA GPU: SDPA on the headline shape (32, 32, 512, 1024) in fp16/bf16/fp32 plus sweeps, the fused attention
 benchmark, and Linear → BatchNorm1d → scale → softmax on x (1024, 8192); tables printed, JSON and plots in bench/out/.
 Without one: says so, runs the float64 reference on a small problem (checked against torch's CPU float64 SDPA when
-torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90 (and sm_90a for the wgmma kernel); exits 0 when both pass.
+torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90 (and sm_90a for the wgmma
+kernel), compiled in parallel into the compile cache that the tests and first kernel calls then read; exits 0 when both
+pass. Without CuPy: says how to install it and exits 1.
 """
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
 from common import environment, gpu_available, print_table, save_json  # noqa: E402
+
+from cupy_attn.runtime.compile import NEEDS_CUPY, have_cupy  # noqa: E402
 
 
 def cpu_job() -> int:
@@ -46,7 +50,8 @@ def cpu_job() -> int:
         print("torch not installed: reference not cross-checked")
     t0 = time.perf_counter()
     ok = compile_cli.run(["sm_80", "sm_90", "sm_90a"])
-    print(f"NVRTC compile check: {'all variants compile' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)")
+    print(f"NVRTC compile check: {'all variants compile' if ok else 'FAILED'} ({time.perf_counter() - t0:.0f} s)",
+          flush=True)
     return 0 if ok else 1
 
 
@@ -82,6 +87,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="seed workloads only, no sweeps")
     args = parser.parse_args(argv)
+    if not have_cupy():
+        print(NEEDS_CUPY, file=sys.stderr)
+        return 1
     return gpu_job(args.quick) if gpu_available() else cpu_job()
 
 

@@ -79,21 +79,6 @@ def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
 
 
-def test_params_dtype_is_the_c_struct():
-    text = (_compile.source_dir() / "attention" / "sm90" / "params.cuh").read_text()
-    body = text[text.index("struct FlashFwdSm90Params {"):]
-    body = body[:body.index("};")]
-    names = []
-    for line in body.splitlines()[1:]:
-        decl = line.split("//")[0].strip().rstrip(";")
-        if decl:
-            names += [re.findall(r"\w+", part)[-1] for part in decl.split(",")]  # "long long a, b"
-    assert tuple(names) == _sm90._PARAMS.names
-    offsets = [_sm90._PARAMS.fields[n][1] for n in names]
-    assert offsets[:4] == [0, 128, 256, 384] and offsets == sorted(offsets)
-    assert _sm90._PARAMS.itemsize == 512
-
-
 def test_tiles():
     declared = set(FAMILY.name_expressions())
     for table, overlap in ((_sm90.SM90_TILES, False), (_sm90.SM90_OVERLAP_TILES, True)):

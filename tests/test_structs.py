@@ -1,6 +1,7 @@
 """Kernel parameter structs are declared once in Python (NumPy structured dtypes) and checked against the C++ structs
 at compile time: every family carries its structs, and a drifted declaration fails to compile (CPU, NVRTC)."""
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -15,6 +16,30 @@ def test_every_family_declares_its_structs():
         assert family.structs, f"{family.name} declares no parameter struct"
         for ctype, dtype in family.structs:
             assert layout_asserts(ctype, dtype) in family.code()
+
+
+def _c_fields(code: str, name: str) -> tuple:
+    """Field names of ``struct name { ... };`` in C++ source, in order ("long long a, b;" gives a, b)."""
+    body = code[code.index(f"struct {name} {{"):]
+    body = body[:body.index("};")]
+    names = []
+    for line in body.splitlines()[1:]:
+        decl = line.split("//")[0].strip().rstrip(";")
+        if decl:
+            names += [re.findall(r"\w+", part)[-1] for part in decl.split(",")]
+    return tuple(names)
+
+
+def test_field_order_matches_the_c_struct():
+    """NVRTC has no compile-time offsetof, so the order is checked here, from the sources."""
+    for family in _compile.all_families():
+        for ctype, dtype in family.structs:
+            code = family.code()
+            for inc in re.findall(r'#include "([^"]+)"', code):  # the struct may live in an included header
+                path = _compile.source_dir() / inc
+                if path.exists():
+                    code += path.read_text()
+            assert _c_fields(code, ctype.split("::")[-1]) == dtype.names, f"{family.name}: {ctype}"
 
 
 def test_drifted_declaration_fails_to_compile():

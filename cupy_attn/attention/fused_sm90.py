@@ -73,17 +73,13 @@ def _c_struct(fields) -> np.dtype:
 
 _MAP = np.dtype((np.uint8, 128))
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
-# FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: the kernel checks its size, field
-# count and field sizes against the options below at compile time (params.cuh says why not offsets).
+# FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: its size and field sizes are asserted
+# at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
 _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l")])
-_LAYOUT_OPTIONS = (f"-DFA3_PARAMS_SIZE={_PARAMS.itemsize}", f"-DFA3_NUM_FIELDS={len(_PARAMS.names)}",
-                   f"-DFA3_FIELD_BYTES={sum(_PARAMS.fields[n][0].itemsize for n in _PARAMS.names)}",
-                   *(f"-DFA3_SIZE_{n}={_PARAMS.fields[n][0].itemsize}" for n in _PARAMS.names))
-
 FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
@@ -96,7 +92,7 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     },
     where=lambda row: row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]]),
     archs=("sm_90a",),
-    options=_LAYOUT_OPTIONS,
+    structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
     arch="sm_90a",
 )
 

@@ -1,14 +1,19 @@
-"""Run-time compilation of the kernels in ``cuda_src/``.
+"""Run-time compilation of the kernels in ``cuda_src/``, through one persistent compile cache.
 
 Every kernel family is declared once, as a :class:`KernelFamily`: the source file, a name-expression template, and the
-table of template values (a product of named axes, optionally filtered). That one table drives three things:
+table of template values (a product of named axes, optionally filtered). That one table drives two things:
 
-* the launchers, which ask ``family.kernel(**values)`` for the instantiation they need (compiled lazily through
-  ``cupy.RawModule`` with ``name_expressions``, memoized per device);
-* the CPU compile check (``python -m cupy_attn.compile``), which compiles **every** instantiation for sm_80 and sm_90
-  with ``cupy.cuda.nvrtc`` directly: NVRTC needs no GPU and no driver, unlike CuPy's own compile helpers;
-* the cache key. CuPy's disk cache hashes the source string and the options but not the files they ``#include``, so a
-  hash of every file under ``cuda_src/`` travels as a ``-D`` option and any edit of a shared header recompiles.
+* the launchers, which ask ``family.kernel(**values)`` for the instantiation they need: compiled for the device's
+  arch (or the family's explicit ``arch``, e.g. sm_90a), loaded with ``cupy.RawModule(path=...)``, memoized per device;
+* the CPU compile check (``python -m cupy_attn.compile``), which compiles **every** instantiation for the asked archs
+  in parallel processes (:func:`compile_all`).
+
+Both go through :func:`compile_variant`: one NVRTC program per variant (one name expression, one arch) compiled with
+``cupy.cuda.nvrtc`` directly (it needs no GPU and no driver, unlike CuPy's own compile helpers), stored as a cubin plus
+a JSON with the lowered name and the ptxas report (registers, spills, stack, smem, performance warnings) in
+:func:`cache_dir`. The key hashes the name expression, a hash of every file under ``cuda_src/`` (so an edit of a shared
+header recompiles), the options, the arch and the NVRTC version. The main job, the tests and the first call of a
+kernel on a GPU therefore share compiles: each variant compiles once per machine.
 """
 from __future__ import annotations
 
@@ -19,12 +24,15 @@ import glob
 import hashlib
 import importlib
 import itertools
+import json
 import os
 import re
+import secrets
 import site
 import sys
+import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
 FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.fused_sm90",
@@ -33,6 +41,30 @@ FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cup
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")
+
+# Where compiled variants live; see cache_dir().
+ENV_CACHE_DIR = "CUPY_ATTN_CACHE_DIR"
+
+NEEDS_CUPY = "cupy_attn needs CuPy: pip install 'cupy_attn[cuda12]' (or [cuda13])"
+
+
+def have_cupy() -> bool:
+    """True when CuPy imports (the package itself imports without it; compiling and launching need it)."""
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cache_dir() -> Path:
+    """The compile cache: ``$CUPY_ATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/cupy_attn``, else ``~/.cache/cupy_attn``.
+
+    Read on every call (not memoized), so a test or a benchmark can point it at a temporary directory.
+    """
+    if d := os.environ.get(ENV_CACHE_DIR):
+        return Path(d)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupy_attn"
 
 
 def source_dir() -> Path:
@@ -116,9 +148,8 @@ class KernelFamily:
     archs:     architectures the compile check covers for this family.
     options:   extra NVRTC options for this family.
     structs:   the kernel parameter structs and their NumPy declarations, checked against each other when compiled.
-    arch:      None: ``cupy.RawModule`` compiles for the device (its own ``-arch``). An explicit target such as
-               ``"sm_90a"`` (wgmma, which CuPy's ``-arch=sm_90`` cannot assemble) is compiled here with NVRTC to a
-               cubin and loaded from CuPy's cache directory (see _load_cubin).
+    arch:      None: compiled for the device's own arch (``sm_XY`` from its compute capability). An explicit
+               target such as ``"sm_90a"`` (wgmma, which ``-arch=sm_90`` cannot assemble) is always compiled for it.
     """
 
     name: str
@@ -150,6 +181,11 @@ class KernelFamily:
         asserts = "".join(f"\n{layout_asserts(ctype, dtype)}\n" for ctype, dtype in self.structs)
         return (source_dir() / self.source).read_text() + asserts
 
+    def covers(self, arch: str) -> bool:
+        """Whether ``python -m cupy_attn.compile --arch <arch>`` compiles this family: a family with an explicit
+        ``arch`` only for that arch; the others for every plain ``sm_XY`` (not the arch-specific ``sm_XYa``)."""
+        return arch == self.arch if self.arch else not arch.endswith("a")
+
     def kernel(self, **row: Any):
         """The compiled ``cupy.RawKernel`` for one row of the table, on the current device (memoized)."""
         import cupy
@@ -167,45 +203,16 @@ def _declared(family: KernelFamily) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _load(family: KernelFamily, expr: str, device_id: int):
+    return _load_variant(compile_variant(family, expr, target_arch(family, device_id)))
+
+
+def _load_variant(variant: CachedVariant):
+    """Load a cached cubin (or PTX) on the current device and return its kernel."""
     import cupy
 
-    if family.arch is not None:
-        return _load_cubin(family, expr)
-    options = base_options() + family.options
-    module = cupy.RawModule(code=family.code(), options=options, name_expressions=(expr,))
-    try:
-        return module.get_function(expr)
-    except cupy.cuda.compiler.CompileException as exc:
-        raise KernelCompileError(f"compiling {family.source}: {expr} failed:\n{exc}") from exc
-
-
-def _load_cubin(family: KernelFamily, expr: str):
-    """Compile one instantiation for ``family.arch`` with NVRTC, cache the cubin on disk, load it with RawModule.
-
-    Cache file: ``$CUPY_CACHE_DIR`` (default ``~/.cupy/kernel_cache``) / ``cupy_attn_<sha256>.cubin``, the hash taken
-    over the name expression, arch, options (which carry the ``cuda_src/`` hash), the source and the NVRTC version;
-    the lowered (mangled) kernel name is stored next to it.
-    """
-    import cupy
-    from cupy.cuda import nvrtc
-
-    options = list(base_options() + family.options) + [f"-arch={family.arch}"]
-    code = family.code()
-    key = hashlib.sha256("\0".join([expr, code, *options, str(nvrtc.getVersion())]).encode()).hexdigest()[:32]
-    cache = Path(os.environ.get("CUPY_CACHE_DIR", Path.home() / ".cupy" / "kernel_cache"))
-    cubin_path, name_path = cache / f"cupy_attn_{key}.cubin", cache / f"cupy_attn_{key}.name"
-    if not (cubin_path.exists() and name_path.exists()):
-        with _nvrtc_program(code, family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
-            cubin, lowered = nvrtc.getCUBIN(prog), nvrtc.getLoweredName(prog, expr)
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = cubin_path.with_suffix(f".{os.getpid()}.tmp")  # rename is atomic: concurrent processes never read half
-        tmp.write_bytes(cubin)
-        os.replace(tmp, cubin_path)
-        tmp.write_text(lowered)
-        os.replace(tmp, name_path)
-    module = cupy.RawModule(path=str(cubin_path))
+    module = cupy.RawModule(path=str(variant.image))
     _CUBIN_MODULES.append(module)  # the module owns the loaded cubin: keep it as long as its kernels may run
-    return module.get_function(name_path.read_text())
+    return module.get_function(variant.lowered_name)
 
 
 _CUBIN_MODULES: list = []
@@ -250,24 +257,17 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def compile_family(family: KernelFamily, arch: str) -> list[VariantReport]:
-    """Compile every instantiation of ``family`` for ``arch`` (``"sm_80"``, ``"sm_90"``, ``"sm_90a"``) to a cubin.
+def compile_family(family: KernelFamily, arch: str, jobs: int | None = None) -> list[VariantReport]:
+    """Every instantiation of ``family`` for ``arch`` (``"sm_80"``, ``"sm_90"``, ``"sm_90a"``), one report per row of
+    the table in declaration order: read from the compile cache, compiling (``jobs`` processes) what is missing.
 
-    Raises KernelCompileError with the NVRTC log when the program does not compile.
+    Raises KernelCompileError with the NVRTC log of the first variant that does not compile.
     """
-    from cupy.cuda import nvrtc
-
-    exprs = family.name_expressions()
-    options = list(base_options() + family.options) + [f"-arch={arch}", "-Xptxas=-v"]
-    with _nvrtc_program(family.code(), family.source, exprs, options, family.source) as prog:
-        info = _parse_ptxas(nvrtc.getProgramLog(prog))
-        nvrtc.getCUBIN(prog)  # the cubin must be produced, not only PTX
-        reports = []
-        for expr in exprs:
-            stats = info.get(nvrtc.getLoweredName(prog, expr), {})
-            reports.append(VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"),
-                                         stats.get("stack"), stats.get("smem"), stats.get("perf", ())))
-        return reports
+    results = compile_all([(family, expr, arch) for expr in family.name_expressions()], jobs=jobs)
+    for r in results:
+        if r.error is not None:
+            raise KernelCompileError(r.error)
+    return [r.report for r in results]
 
 
 def family_cubin(family: KernelFamily, arch: str) -> bytes:
@@ -319,3 +319,217 @@ def all_families() -> list[KernelFamily]:
         mod = importlib.import_module(mod_name)
         families.extend(v for v in vars(mod).values() if isinstance(v, KernelFamily))
     return families
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The compile cache: one cubin and one JSON report per (name expression, arch), shared by every process on the machine.
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_version() -> tuple[int, int]:
+    from cupy.cuda import nvrtc
+    return tuple(nvrtc.getVersion())
+
+
+@functools.lru_cache(maxsize=None)
+def nvrtc_archs() -> tuple[int, ...]:
+    """The ``sm_XY`` numbers this NVRTC can target, e.g. (50, ..., 90, 100, 120) for NVRTC 12.9."""
+    from cupy.cuda import nvrtc
+    return tuple(nvrtc.getSupportedArchs())
+
+
+def device_arch(device_id: int | None = None) -> str:
+    """The target for a device: ``sm_XY`` from its compute capability, or ``compute_XY`` (PTX, which the driver
+    compiles at load time) for the newest arch this NVRTC knows when the device is newer than NVRTC."""
+    import cupy
+
+    cc = int(cupy.cuda.Device(device_id).compute_capability)
+    if cc in nvrtc_archs():
+        return f"sm_{cc}"
+    older = [a for a in nvrtc_archs() if a <= cc]
+    if not older:
+        raise KernelCompileError(f"NVRTC {nvrtc_version()} cannot target compute capability {cc}")
+    return f"compute_{max(older)}"
+
+
+def target_arch(family: KernelFamily, device_id: int | None = None) -> str:
+    """The arch a family's kernels are compiled for on a device: the family's explicit ``arch``, else the device's."""
+    return family.arch or device_arch(device_id)
+
+
+def variant_key(family: KernelFamily, expr: str, arch: str) -> str:
+    """sha256 (32 hex digits) of what decides the cubin: name expression, source file, every file under ``cuda_src/``
+    (through source_hash, also part of the options), options, arch and NVRTC version."""
+    parts = [expr, family.source, source_hash(), *_variant_options(family, arch), str(nvrtc_version())]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _variant_options(family: KernelFamily, arch: str) -> list[str]:
+    # -Xptxas=-v only adds the register/spill report to the log; it is always on so that every cache entry has one.
+    return [*base_options(), *family.options, f"-arch={arch}", "-Xptxas=-v"]
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedVariant:
+    """One compiled variant in the cache. ``image``: the cubin (``.ptx`` for a ``compute_XY`` target);
+    ``compiled``: True when this call ran NVRTC, False when it was read from the cache; ``seconds``: NVRTC time when
+    it was compiled (stored, so also given for cache hits)."""
+    report: VariantReport
+    image: Path
+    lowered_name: str
+    compiled: bool
+    seconds: float
+
+
+def compile_variant(family: KernelFamily, expr: str, arch: str) -> CachedVariant:
+    """One name expression of ``family`` for ``arch``, from the cache or compiled by NVRTC and stored there.
+
+    Entries are written to a temporary name and renamed (atomic), the JSON last, so concurrent processes never read
+    half an entry; two processes missing the same variant at once both compile it and store the same bytes.
+    Raises KernelCompileError with the NVRTC log.
+    """
+    from cupy.cuda import nvrtc
+
+    key, root = variant_key(family, expr, arch), cache_dir()
+    virtual = arch.startswith("compute_")
+    image, meta = root / f"{key}.{'ptx' if virtual else 'cubin'}", root / f"{key}.json"
+    try:
+        info = json.loads(meta.read_text())
+        if image.exists():
+            report = VariantReport(**{**info["report"], "perf_warnings": tuple(info["report"]["perf_warnings"])})
+            return CachedVariant(report, image, info["lowered_name"], False, info["seconds"])
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        pass  # missing or from an older layout: compile again
+    t0 = time.perf_counter()
+    options = _variant_options(family, arch)
+    with _nvrtc_program(family.code(), family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
+        log = nvrtc.getProgramLog(prog)
+        data = nvrtc.getPTX(prog) if virtual else nvrtc.getCUBIN(prog)
+        lowered = nvrtc.getLoweredName(prog, expr)
+    seconds = time.perf_counter() - t0
+    stats = _parse_ptxas(log).get(lowered, {})
+    report = VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"), stats.get("stack"),
+                           stats.get("smem"), tuple(stats.get("perf", ())))
+    root.mkdir(parents=True, exist_ok=True)
+    _write_atomic(image, data)
+    _write_atomic(meta, json.dumps({"lowered_name": lowered, "seconds": seconds, "nvrtc": nvrtc_version(),
+                                    "report": dataclasses.asdict(report)}, indent=1).encode())
+    return CachedVariant(report, image, lowered, True, seconds)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileResult:
+    """The outcome of one (family, name expression, arch) in compile_all: ``report`` when it compiled, ``error``
+    (the NVRTC log) when not; ``source`` is ``"compiled"`` or ``"cache"``; ``seconds`` the NVRTC time."""
+    family: KernelFamily
+    expr: str
+    arch: str
+    report: VariantReport | None
+    error: str | None
+    source: str
+    seconds: float
+
+
+def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | None = None,
+                progress: Callable[[CompileResult], None] | None = None) -> list[CompileResult]:
+    """Compile (family, name expression, arch) variants into the cache, ``jobs`` NVRTC processes at a time
+    (default ``os.cpu_count()``); one result per variant, in input order. ``progress`` is called as each finishes.
+
+    Cache hits are read here without starting a pool. Misses are independent programs, so they compile in parallel
+    ``spawn``ed processes (not forked: the caller may hold torch's or CuPy's threads) that only compile and store; this
+    process then reads each report back from the cache. A family that FAMILY_MODULES does not declare (a test's own)
+    compiles in this process.
+    """
+    variants = list(variants)
+    results: list[CompileResult | None] = [None] * len(variants)
+
+    def finish(i: int, variant: CachedVariant | None, error: str | None = None) -> None:
+        family, expr, arch = variants[i]
+        if variant is None:
+            results[i] = CompileResult(family, expr, arch, None, error, "compiled", 0.0)
+        else:
+            results[i] = CompileResult(family, expr, arch, variant.report, None,
+                                       "compiled" if variant.compiled else "cache", variant.seconds)
+        if progress is not None:
+            progress(results[i])
+
+    missing = []
+    for i, (family, expr, arch) in enumerate(variants):
+        variant = _cached(family, expr, arch)
+        if variant is not None:
+            finish(i, variant)
+        else:
+            missing.append(i)
+    declared = {f.name: f for f in all_families()} if missing else {}
+    pooled = [i for i in missing if declared.get(variants[i][0].name) is variants[i][0]]
+    jobs = min(jobs or os.cpu_count() or 1, len(pooled))
+    if jobs < 2:
+        pooled = []
+    for i in sorted(set(missing) - set(pooled)):
+            finish(i, *_compile_or_error(*variants[i]))
+    if pooled:
+        import concurrent.futures
+        import multiprocessing
+
+        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(_compile_in_worker, variants[i][0].name, *variants[i][1:]): i for i in pooled}
+            for future in concurrent.futures.as_completed(futures):
+                i = futures[future]
+                error = future.result()
+                if error is not None:
+                    finish(i, None, error)
+                else:  # the worker stored it: read the report back, nothing compiles here
+                    variant = _cached(*variants[i])
+                    finish(i, dataclasses.replace(variant, compiled=True))
+    return results
+
+
+def _cached(family: KernelFamily, expr: str, arch: str) -> CachedVariant | None:
+    """The cache entry when it exists (no compile), else None."""
+    root, key = cache_dir(), variant_key(family, expr, arch)
+    image = root / f"{key}.{'ptx' if arch.startswith('compute_') else 'cubin'}"
+    if (root / f"{key}.json").exists() and image.exists():
+        return compile_variant(family, expr, arch)
+    return None
+
+
+def _compile_or_error(family: KernelFamily, expr: str, arch: str) -> tuple[CachedVariant | None, str | None]:
+    try:
+        return compile_variant(family, expr, arch), None
+    except KernelCompileError as exc:
+        return None, str(exc)
+
+
+def _compile_in_worker(family_name: str, expr: str, arch: str) -> str | None:
+    """Pool worker: compile one variant into the cache; the NVRTC log when it fails, else None."""
+    family = next(f for f in all_families() if f.name == family_name)
+    return _compile_or_error(family, expr, arch)[1]
+
+
+def timed_load(family: KernelFamily, row: Mapping[str, Any], device_id: int | None = None) -> tuple[float, str]:
+    """Seconds from asking for one row of ``family`` to a loaded kernel on a GPU, and where it came from:
+    ``"compiled"`` (NVRTC ran: the cold first-call latency of a new variant) or ``"cache"`` (warm: read the cubin and
+    load it). Bypasses the per-process memo of ``family.kernel``, so every call measures the disk path.
+
+    Cold, then warm, for a variant nothing has compiled yet::
+
+        import tempfile, os; os.environ["CUPY_ATTN_CACHE_DIR"] = tempfile.mkdtemp()
+        from cupy_attn.attention import fused
+        row = next(fused.FLASH_FWD.variants())
+        timed_load(fused.FLASH_FWD, row)   # (~1 s, 'compiled')
+        timed_load(fused.FLASH_FWD, row)   # (~ms, 'cache')
+    """
+    import cupy
+
+    t0 = time.perf_counter()
+    with cupy.cuda.Device(device_id) as device:
+        variant = compile_variant(family, family.name_expression(**row), target_arch(family, device.id))
+        module = cupy.RawModule(path=str(variant.image))
+        module.get_function(variant.lowered_name)
+        device.synchronize()
+    return time.perf_counter() - t0, "compiled" if variant.compiled else "cache"

@@ -1,7 +1,6 @@
-// Kernel parameters of flash_fwd_sm90.cu, and the compile-time check that they match the NumPy structured dtype the
-// launcher fills (cupy_attn/attention/fused_sm90.py: _PARAMS). The launcher passes the dtype's size, field count,
-// field bytes and every field's size as -D options (FA3_PARAMS_SIZE, FA3_NUM_FIELDS, FA3_FIELD_BYTES,
-// FA3_SIZE_<field>), so a field added, dropped or resized on one side only fails the compile.
+// Kernel parameters of flash_fwd_sm90.cu. Declared once, in NumPy (cupy_attn/attention/fused_sm90.py: _PARAMS): the
+// size and every field's size are asserted when the family compiles (KernelFamily.structs), and tests/test_structs.py
+// checks the field order against this declaration.
 #pragma once
 #include "common/tma.cuh"
 
@@ -23,29 +22,5 @@ struct FlashFwdSm90Params {
   long long out_stride_b, out_stride_h, out_stride_l;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
 };
-
-#define CUPY_ATTN_FA3_FIELDS(X)                                                                                       \
-  X(tma_q) X(tma_k) X(tma_v) X(out) X(lse) X(seqlen_q) X(seqlen_k) X(head_dim_v) X(groups) X(is_causal)             \
-  X(causal_offset) X(scale_log2) X(out_stride_b) X(out_stride_h) X(out_stride_l) X(lse_stride_b) X(lse_stride_h)   \
-  X(lse_stride_l)
-
-// NVRTC has no constant-expression offsetof (no __builtin_offsetof, no <cstddef>), so the check is: the same size,
-// the same field count, every field of the NumPy side's size, and the sizes adding up to the last field's end (no
-// padding but the tail). The field order is checked on the CPU by tests/test_flash_sm90.py against the declaration
-// above.
-#if !defined(FA3_PARAMS_SIZE) || !defined(FA3_NUM_FIELDS) || !defined(FA3_FIELD_BYTES)
-#error "flash_fwd_sm90: compile with the layout options of cupy_attn.attention.fused_sm90 (FA3_PARAMS_SIZE, ...)"
-#endif
-static_assert(sizeof(FlashFwdSm90Params) == FA3_PARAMS_SIZE, "params size differs from the NumPy dtype");
-#define CUPY_ATTN_FA3_COUNT(f) +1
-static_assert(0 CUPY_ATTN_FA3_FIELDS(CUPY_ATTN_FA3_COUNT) == FA3_NUM_FIELDS, "params field count differs");
-#define CUPY_ATTN_FA3_BYTES(f) +sizeof(FlashFwdSm90Params::f)
-static_assert(0 CUPY_ATTN_FA3_FIELDS(CUPY_ATTN_FA3_BYTES) == FA3_FIELD_BYTES, "params field bytes differ");
-#define CUPY_ATTN_FA3_SIZE(f) \
-  static_assert(sizeof(FlashFwdSm90Params::f) == FA3_SIZE_##f, "params field size differs: " #f);
-CUPY_ATTN_FA3_FIELDS(CUPY_ATTN_FA3_SIZE)
-#undef CUPY_ATTN_FA3_SIZE
-#undef CUPY_ATTN_FA3_BYTES
-#undef CUPY_ATTN_FA3_COUNT
 
 }  // namespace cupy_attn
