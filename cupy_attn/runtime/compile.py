@@ -357,9 +357,11 @@ def target_arch(family: KernelFamily, device_id: int | None = None) -> str:
 
 
 def variant_key(family: KernelFamily, expr: str, arch: str) -> str:
-    """sha256 (32 hex digits) of what decides the cubin: name expression, source file, every file under ``cuda_src/``
-    (through source_hash, also part of the options), options, arch and NVRTC version."""
-    parts = [expr, family.source, source_hash(), *_variant_options(family, arch), str(nvrtc_version())]
+    """sha256 (32 hex digits) of what decides the cubin: name expression, the family's code as compiled (its source
+    file with the parameter-struct asserts appended, so a changed NumPy declaration recompiles), every file under
+    ``cuda_src/`` (through source_hash, also part of the options), options, arch and NVRTC version."""
+    code = hashlib.sha256(family.code().encode()).hexdigest()
+    parts = [expr, family.source, code, source_hash(), *_variant_options(family, arch), str(nvrtc_version())]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
