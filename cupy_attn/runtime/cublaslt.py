@@ -15,10 +15,11 @@ False and callers fall back to ``cupy.cuda.cublas`` (runtime/blas.py). Importing
 (it imports its fft/linalg/sparse packages and cuda.core, and preloads the CUDA math libraries it finds), so it happens
 on the first :func:`available` call, not when cupy_attn is imported.
 
-Host time of one bound call (``Plan.bind``'s closure), measured on CPU against a stub libcublasLt whose
-``cublasLtMatmul`` returns at once (bench/experiments/binding_overhead.py; Xeon host, Python 3.11, median of 7 × 200k):
-nvmath's ``matmul`` with 16 Python ints 0.42 µs, the ctypes call of the same symbol with pre-built ``c_void_p`` fixed
-arguments 1.10 µs, the whole closure (argument shuffle + nvmath call) 0.50 µs; the ctypes closure it replaces 1.21 µs.
+Host time of one bound call (``Plan.bind``'s closure), measured without a GPU against a stub libcublasLt whose
+``cublasLtMatmul`` returns at once (bench/experiments/binding_overhead.py; AMD EPYC host, Python 3.11, median of
+7 × 200k calls, timeit's ~0.05 µs lambda floor included): the closure 0.58–0.60 µs, of which nvmath's ``matmul`` on 16
+Python ints is 0.51; the ctypes closure it replaces (fixed arguments pre-built as ``c_void_p``) 2.9–3.2 µs. A
+no-argument call (``cublasLtGetVersion``): nvmath 0.12 µs, ctypes 0.38–0.43 µs.
 
 Layouts: callers pass row-major operands (unit stride along the last axis, row strides ``ld*`` and batch strides
 ``stride_*`` in elements). cuBLASLt is column-major, so row-major C = op(A)·op(B) runs as column-major Cᵀ = op(B)ᵀ·
@@ -193,8 +194,8 @@ class Plan:
 
     def bind(self, alpha_ptr: int, beta_ptr: int, stream_ptr: int):
         """``run`` with the chosen algorithm, scalars and stream fixed: returns ``matmul(c_ptr, a_ptr, b_ptr)``, whose
-        call is one binding call on Python ints (handle, descriptors, workspace and algorithm resolved here; ~0.5 µs
-        of host work per call, see the module docstring)."""
+        call is one binding call on Python ints (handle, descriptors, workspace and algorithm resolved here; ~0.6 µs
+        of host work per call against ~3 µs for the ctypes closure before, see the module docstring)."""
         lt = _lib()
         algo = self.algos[self.choice]
         ws_array = _workspace_array(self.key.device_id, stream_ptr, algo.workspace_size)
