@@ -6,6 +6,7 @@ rounding bound of a dot product, with tol = 2 · (output rounding + input roundi
 Input rounding is 0 for fp16/bf16/fp32 storage read exactly and 2⁻⁹ for TF32 (10-bit mantissa on both operands,
 allowing truncation): a pedantic-fp32 problem that ran on TF32 tensor cores fails the fp32 bound.
 """
+import os
 import zlib
 
 import numpy as np
@@ -37,14 +38,14 @@ def test_cublaslt_imports_without_gpu():
 
 @pytest.mark.gpu
 def test_cublaslt_loads_cupys_major():
-    """nvmath's binding is in use, on the libcublasLt of CuPy's cuBLAS major, and only one copy is mapped."""
+    """nvmath's binding is in use, on a libcublasLt of CuPy's cuBLAS major, and that library is the mapped one."""
     from cupy.cuda import cublas, device
     from cupy_attn.runtime import cublaslt
     assert cublaslt.available(), "nvmath.bindings.cublasLt did not load (is nvmath-python installed?)"
     assert cublaslt.version() // 10000 == cublas.getVersion(device.get_cublas_handle()) // 10000
     with open("/proc/self/maps") as maps:
-        mapped = {line.split()[-1] for line in maps if "libcublasLt.so" in line}
-    assert mapped == {cublaslt.library_path()}, f"libcublasLt copies mapped: {sorted(mapped)}"
+        mapped = {os.path.realpath(line.split()[-1]) for line in maps if "libcublasLt.so" in line}
+    assert os.path.realpath(cublaslt.library_path()) in mapped, f"nvmath's library is not mapped; mapped: {sorted(mapped)}"
 
 
 def _host(rng, shape, dtype: str) -> np.ndarray:
@@ -137,3 +138,51 @@ def test_strided_gemm(monkeypatch, backend, trans_a, trans_b, m, n, k, batch, br
         flops = 2.0 * m * n * k * batch
         tuned = flops >= cublaslt.TUNE_MIN_FLOPS and beta == 0 and cublaslt.TUNE
         assert len(gemm._lt_plan.times) == (len(gemm._lt_plan.algos) if tuned else 0)
+
+
+@pytest.mark.parametrize("trans_a,trans_b,batch", [(False, False, 1), (False, True, 3), (True, False, 2),
+                                                   (True, True, 4)])
+def test_plan_descriptors_without_gpu(tmp_path, trans_a, trans_b, batch):
+    """Plan's descriptors, built by the real libcublasLt without a GPU (tests/_cublaslt_cpu_probe.py: a stub driver,
+    handle 0, a stand-in heuristic), read back: the row-major → column-major swap, types, batch count and strides, the
+    32 MiB workspace preference; the preference is destroyed after the query and every other descriptor when the
+    plan is collected."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    if gpu_available():
+        pytest.skip("a GPU is present: the stub driver would shadow it (test_strided_gemm covers this machine)")
+    pytest.importorskip("nvmath.bindings.cublasLt")
+    if shutil.which("gcc") is None:
+        pytest.skip("needs gcc for the stub driver")
+    from cupy.cuda import cublas, runtime
+    from cupy_attn.runtime import cublaslt
+    m, n, k, lda, ldb, ldc = 48, 24, 40, 56, 72, 32
+    stride_a, stride_b, stride_c = (m * lda, 0, m * ldc) if batch > 1 else (0, 0, 0)
+    key = [0, runtime.CUDA_R_16BF, runtime.CUDA_R_16BF, runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F, m, n, k, batch,
+           trans_a, trans_b, lda, ldb, ldc, stride_a, stride_b, stride_c]
+    probe = os.path.join(os.path.dirname(__file__), "_cublaslt_cpu_probe.py")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, probe, str(tmp_path), json.dumps(key)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    if run.returncode != 0 and "Not" in run.stderr and "cublasLt" in run.stderr:
+        pytest.skip(f"nvmath found no libcublasLt here: {run.stderr.strip().splitlines()[-1]}")
+    assert run.returncode == 0, run.stderr
+    (got,) = json.loads(run.stdout.strip().splitlines()[-1])
+
+    batched = {"BATCH_COUNT": batch} if batch > 1 else {"BATCH_COUNT": 1}
+    # Column-major Cᵀ (n × m) = op(B)ᵀ · op(A)ᵀ: cuBLASLt's A is our B, its B our A, each read as its transpose.
+    assert got["desc"] == {"COMPUTE_TYPE": cublas.CUBLAS_COMPUTE_32F, "SCALE_TYPE": runtime.CUDA_R_32F,
+                           "TRANSA": int(trans_b), "TRANSB": int(trans_a)}
+    la, lb, lc = got["layouts"]["layout_a"], got["layouts"]["layout_b"], got["layouts"]["layout_c"]
+    assert la == {"TYPE": runtime.CUDA_R_16BF, "ROWS": k if trans_b else n, "COLS": n if trans_b else k, "LD": ldb,
+                  **batched, "STRIDED_BATCH_OFFSET": stride_b}
+    assert lb == {"TYPE": runtime.CUDA_R_16BF, "ROWS": m if trans_a else k, "COLS": k if trans_a else m, "LD": lda,
+                  **batched, "STRIDED_BATCH_OFFSET": stride_a}
+    assert lc == {"TYPE": runtime.CUDA_R_32F, "ROWS": n, "COLS": m, "LD": ldc, **batched,
+                  "STRIDED_BATCH_OFFSET": stride_c}
+    assert got["built"] == [["heuristic", 8, cublaslt.WORKSPACE_BYTES, True], "matmul_preference_destroy"]
+    assert got["algos"] == [[0, 4096], [96, 4096]]  # views into the result array, 96-byte structs, algo first
+    assert got["destroyed"] == ["matmul_desc_destroy"] + ["matrix_layout_destroy"] * 3
