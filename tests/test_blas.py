@@ -36,6 +36,43 @@ def test_cublaslt_imports_without_gpu():
     assert cublaslt.library_path() is None
 
 
+@pytest.mark.parametrize("nvmath_installed", [False, True])
+def test_cublaslt_falls_back_without_gpu(monkeypatch, nvmath_installed):
+    """With CuPy's cuBLAS reported present: no nvmath → unavailable, silently; nvmath that cannot load libcublasLt
+    (here: no driver) → unavailable with a RuntimeWarning naming the cause. Either way nothing raises."""
+    import sys
+    import warnings
+    from cupy.cuda import cublas, device
+    from cupy_attn.runtime import cublaslt
+    if gpu_available():
+        pytest.skip("a GPU is present: test_cublaslt_loads_cupys_major covers this machine")
+    if nvmath_installed:
+        pytest.importorskip("nvmath.bindings.cublasLt")
+    else:
+        class Uninstalled:  # what an environment without nvmath-python raises
+            @staticmethod
+            def find_spec(name, path=None, target=None):
+                if name == "nvmath":
+                    raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+        for name in [n for n in sys.modules if n == "nvmath" or n.startswith("nvmath.")]:
+            monkeypatch.delitem(sys.modules, name)
+        monkeypatch.setattr(sys, "meta_path", [Uninstalled()] + sys.meta_path)
+    monkeypatch.setattr(device, "get_cublas_handle", lambda: 1)
+    monkeypatch.setattr(cublas, "getVersion", lambda handle: 120903)
+    cublaslt._lib.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert cublaslt.available() is False
+    finally:
+        cublaslt._lib.cache_clear()
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    if nvmath_installed:
+        assert any("cannot load libcublasLt" in m for m in messages), messages
+    else:
+        assert messages == []
+
+
 @pytest.mark.gpu
 def test_cublaslt_loads_cupys_major():
     """nvmath's binding is in use, on a libcublasLt of CuPy's cuBLAS major, and that library is the mapped one."""

@@ -31,6 +31,7 @@ import atexit
 import dataclasses
 import functools
 import os
+import warnings
 import weakref
 
 import numpy as np
@@ -57,10 +58,22 @@ def _lib():
         return None
     try:
         from nvmath.bindings import cublasLt
-        lt_major = cublasLt.get_version() // 10000  # the binding's first call loads the library
-    except Exception:  # nvmath missing (ImportError), or its loader found no usable libcublasLt (RuntimeError)
+    except Exception as e:  # not installed: the classic API, silently (a supported configuration); broken: say so
+        if not (isinstance(e, ModuleNotFoundError) and e.name == "nvmath"):
+            warnings.warn(f"cupy_attn: nvmath-python does not import ({e!r}); GEMMs use classic cuBLAS",
+                          RuntimeWarning, stacklevel=2)
         return None
-    return cublasLt if lt_major == cupy_major else None
+    try:
+        lt_major = cublasLt.get_version() // 10000  # the binding's first call loads the library
+    except Exception as e:  # nvmath's loader found no usable libcublasLt (NotSupportedError, a RuntimeError)
+        warnings.warn(f"cupy_attn: nvmath-python cannot load libcublasLt ({e}); GEMMs use classic cuBLAS",
+                      RuntimeWarning, stacklevel=2)
+        return None
+    if lt_major != cupy_major:
+        warnings.warn(f"cupy_attn: nvmath-python loaded cuBLASLt {lt_major}.x but CuPy uses cuBLAS {cupy_major}.x; "
+                      "GEMMs use classic cuBLAS", RuntimeWarning, stacklevel=2)
+        return None
+    return cublasLt
 
 
 def available() -> bool:
