@@ -82,7 +82,8 @@ def test_cublaslt_loads_cupys_major():
     assert cublaslt.version() // 10000 == cublas.getVersion(device.get_cublas_handle()) // 10000
     with open("/proc/self/maps") as maps:
         mapped = {os.path.realpath(line.split()[-1]) for line in maps if "libcublasLt.so" in line}
-    assert os.path.realpath(cublaslt.library_path()) in mapped, f"nvmath's library is not mapped; mapped: {sorted(mapped)}"
+    path = os.path.realpath(cublaslt.library_path())
+    assert path in mapped, f"nvmath's library {path} is not mapped; mapped: {sorted(mapped)}"
 
 
 def _host(rng, shape, dtype: str) -> np.ndarray:
