@@ -59,7 +59,7 @@ def main() -> None:
     import cupy as cp
     import torch
     from cupy_attn.runtime import blas as _cublas, cublaslt as _cublaslt
-    print("cuBLASLt version", _cublaslt.version(), "lib", _cublaslt._lib()._name, flush=True)
+    print("cuBLASLt version", _cublaslt.version(), "lib", _cublaslt.library_path(), flush=True)
     rows = []
     for name, dt, tf32, flops, kw, torch_calls in problems(cp, torch):
         ptr = {r: kw[r].data_ptr() for r in ("a", "b", "c")}

@@ -1,4 +1,5 @@
-"""cuBLAS GEMMs, row-major in, fp32 compute: cuBLASLt (``_cublaslt``) when it loads, else ``cupy.cuda.cublas``.
+"""cuBLAS GEMMs, row-major in, fp32 compute: cuBLASLt (runtime.cublaslt, through nvmath-python) when it loads, else
+``cupy.cuda.cublas``.
 
 ``cupy.matmul`` on batched fp16 upcasts to fp32 (~30 TFLOP/s on an H200); calling ``gemmStridedBatchedEx`` directly
 with fp16/bf16 storage and fp32 compute reaches the tensor-core rate (~620–660 TFLOP/s measured on the SDPA seed
@@ -19,13 +20,15 @@ from .interop import dtype_name
 
 USE_CUBLASLT = os.environ.get("CUPY_ATTN_CUBLASLT", "1") != "0"
 
-_CUDA_R = {"float16": 2, "bfloat16": 14, "float32": 0}  # cudaDataType_t: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F
 _OP_N, _OP_T = 0, 1
 _ALGO_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT
 
 
 def cuda_dtype(dtype) -> int:
-    return _CUDA_R[dtype_name(dtype)]
+    """cudaDataType_t of a GEMM operand (CuPy's constants: CUDA_R_16F, CUDA_R_16BF, CUDA_R_32F)."""
+    from cupy.cuda import runtime
+    return {"float16": runtime.CUDA_R_16F, "bfloat16": runtime.CUDA_R_16BF, "float32": runtime.CUDA_R_32F}[
+        dtype_name(dtype)]
 
 
 def compute_type(dtype, allow_tf32: bool = False) -> int:
