@@ -162,6 +162,7 @@ def _write_in_place(dst, new: np.ndarray) -> None:
     if interop.is_torch_tensor(dst):
         import torch
         with torch.no_grad():
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(new)).to(dst.dtype))
+            # reshape: ascontiguousarray makes 0-d arrays 1-d, and BatchNorm1d's num_batches_tracked is 0-d
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(new).reshape(dst.shape)).to(dst.dtype))
     else:
         dst[...] = new.astype(dst.dtype)
