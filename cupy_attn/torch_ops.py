@@ -28,6 +28,12 @@ Schema choices (a custom op's arguments must be typed, not Python unions):
 - linear_batchnorm_softmax declares running_mean, running_var and num_batches_tracked as mutated: it updates them in
   place in training (functionalization writes them back in compiled graphs).
 
+CUDA graphs (``mode="reduce-overhead"``): torch's cudagraph trees warm a graph up on the stream they later capture
+on, so the capture replays the call cache's prepared launch (kernel launches and torch allocations only, which are
+capturable). Untested limits, for the GPU run to confirm: the split SDPA path takes a CuPy scratch buffer per call and
+Linear-BN-softmax grows its per-stream workspace for a larger shape; a captured graph keeps pointing at such memory
+after CuPy's pool has taken it back. Fused SDPA calls and fixed-shape Linear-BN-softmax calls do neither.
+
 No autograd formula is registered (the kernels have no backward yet): backward through these ops raises.
 """
 from __future__ import annotations
