@@ -34,7 +34,9 @@ capturable). Untested limits, for the GPU run to confirm: the split SDPA path ta
 Linear-BN-softmax grows its per-stream workspace for a larger shape; a captured graph keeps pointing at such memory
 after CuPy's pool has taken it back. Fused SDPA calls and fixed-shape Linear-BN-softmax calls do neither.
 
-No autograd formula is registered (the kernels have no backward yet): backward through these ops raises.
+No autograd formula is registered (the kernels have no backward yet). The wrappers below pass the inputs detached,
+as the eager path reads them: outputs never require grad, and a model compiled with grad mode on still compiles
+(AOTAutograd would otherwise trace a backward through the op and fail).
 """
 from __future__ import annotations
 
@@ -101,7 +103,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  workspace_bytes=None):
     """:func:`cupy_attn.scaled_dot_product_attention` (same arguments, results and errors) through the custom op."""
     out, lse = torch.ops.cupy_attn.scaled_dot_product_attention(
-        query, key, value, attn_mask, float(dropout_p), causal_to_str(is_causal),
+        query.detach(), key.detach(), value.detach(), None if attn_mask is None else attn_mask.detach(),
+        float(dropout_p), causal_to_str(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), backend, bool(return_lse), bool(allow_tf32),
         workspace_bytes)
     return (out, lse) if return_lse else out
@@ -128,7 +131,11 @@ def _lbs_fake(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, sc
 def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
                              momentum=0.1, eps=1e-5, num_batches_tracked=None, allow_tf32=None):
     """:func:`cupy_attn.linear_batchnorm_softmax` (same arguments, results, in-place updates) through the custom op."""
+    def d(t):
+        return None if t is None else t.detach()
+    # running stats are buffers (no grad) and mutated: passed as they are, so the mutation reaches them
     return torch.ops.cupy_attn.linear_batchnorm_softmax(
-        x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, bool(training),
+        x.detach(), weight.detach(), d(bias), running_mean, running_var, d(bn_weight), d(bn_bias), scale.detach(),
+        bool(training),
         None if momentum is None else float(momentum), float(eps), num_batches_tracked,
         None if allow_tf32 is None else bool(allow_tf32))

@@ -170,6 +170,20 @@ def test_compile_fullgraph_cpu_matches_eager(backend, training):
         torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name))
 
 
+def test_compile_with_grad_mode_on_reads_inputs_detached():
+    """As eager (no autograd yet): the forward runs on parameters that require grad, and outputs carry no grad_fn,
+    instead of AOTAutograd failing to trace a backward through the op."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Attention().train()
+    ref_model = _clone_model(model)
+    x = torch.randn(2, 6, 32)
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    want = ref_model(x)
+    assert not got.requires_grad and not want.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_compile_graph_holds_one_op_per_call():
     torch._dynamo.reset()
     graphs = []
