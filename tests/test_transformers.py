@@ -92,15 +92,28 @@ def test_bert_padding_mask_matches_sdpa_cpu(counted):
     assert counted
 
 
-def test_training_with_attention_dropout_raises_clearly():
+def test_dropout_without_autograd_raises_clearly(counted):
     ours, _ = _pair(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.1))
     ids, _ = _inputs()
     ours.train()
-    with pytest.raises(NotImplementedError, match="attention dropout"):
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="attention dropout"):
         ours(ids)
     ours.eval()  # eval passes dropout=0.0
     with torch.no_grad():
         ours(ids)
+    assert counted
+
+
+def test_training_with_autograd_falls_back_to_torch_and_keeps_gradients():
+    ours, ref = _pair(transformers.LlamaForCausalLM, _llama_config())
+    ids, _ = _inputs()
+    ours.train()
+    ref.train()
+    ours(ids, labels=ids).loss.backward()
+    ref(ids, labels=ids).loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_llama_compile_fullgraph_cpu():

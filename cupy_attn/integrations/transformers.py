@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import warnings
 
+import torch
+
 from ..attention.sdpa import scaled_dot_product_attention
 
 __all__ = ["register", "attention_forward", "NAME"]
@@ -34,10 +36,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     a longer static cache masks the unused slots, which sdpa crops instead: the same result). scaling: default
     1/sqrt(D).
 
+    Training: when autograd records the call (grad mode on and query, key or value requiring grad) it runs torch's
+    scaled_dot_product_attention instead (dropout included), since our kernels have no backward yet; gradients are
+    never silently lost. Inference (eval(), no_grad, inference_mode) runs cupy_attn.
+
     Returns (attn_output (B, L, Hq, Dv) contiguous, None): no attention weights are ever materialized.
-    Raises: NotImplementedError for dropout > 0 (cupy_attn has no dropout: train with attention_dropout=0.0, or
-    eval()), for a position_bias, and for transformers' paged cache; ValueError for softcap and for shapes the
-    kernels refuse (with the argument and axis named).
+    Raises: NotImplementedError for dropout > 0 without autograd (a model in train() under no_grad: cupy_attn has no
+    dropout; call eval() or set attention_dropout=0.0), for a position_bias, and for transformers' paged cache;
+    ValueError for softcap and for shapes the kernels refuse (with the argument and axis named).
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='cupy_attn' does not support softcap (use 'eager' or 'flex_attention')")
@@ -48,18 +54,25 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if kwargs.get("output_attentions", False):
         warnings.warn("attn_implementation='cupy_attn' does not return attention weights (output_attentions)",
                       stacklevel=2)
-    if dropout > 0.0:
-        raise NotImplementedError(
-            f"attn_implementation='cupy_attn' has no attention dropout, got dropout={dropout} (the model is in "
-            "training mode with attention_dropout > 0): set config.attention_dropout=0.0 or call model.eval()")
     q_length = query.shape[2]
     if is_causal is None:
         is_causal = getattr(module, "is_causal", True)
     # Only L > 1 and no mask: a single query sees every key, and a given mask already holds the causal pattern.
     # q_length first: under dynamic-shape tracing, `and` on a SymBool must not become the result (sdpa's note).
     is_causal = q_length > 1 and attention_mask is None and bool(is_causal)
+    enable_gqa = query.shape[1] != key.shape[1]
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        # Our kernels have no backward yet: training takes torch's SDPA (dropout included) rather than losing grads.
+        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                               dropout_p=dropout, is_causal=is_causal,
+                                                               scale=scaling, enable_gqa=enable_gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if dropout > 0.0:
+        raise NotImplementedError(
+            f"attn_implementation='cupy_attn' has no attention dropout, got dropout={dropout} (the model is in "
+            "training mode with attention_dropout > 0): set config.attention_dropout=0.0 or call model.eval()")
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal,
-                                       scale=scaling, enable_gqa=query.shape[1] != key.shape[1])
+                                       scale=scaling, enable_gqa=enable_gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
