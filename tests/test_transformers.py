@@ -29,11 +29,12 @@ def _pair(model_cls, config, device="cpu", dtype=torch.float32, seed=0):
     """(ours, sdpa) models with the same random weights, in eval mode. Each gets its own config copy:
     _from_config writes attn_implementation into the config it is given."""
     torch.manual_seed(seed)
-    ref = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa", torch_dtype=dtype)
-    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="cupy_attn", torch_dtype=dtype)
+    ref = model_cls._from_config(copy.deepcopy(config), attn_implementation="sdpa")
+    ours = model_cls._from_config(copy.deepcopy(config), attn_implementation="cupy_attn")
     ours.load_state_dict(ref.state_dict())
     assert ours.config._attn_implementation == "cupy_attn" and ref.config._attn_implementation == "sdpa"
-    return ours.to(device).eval(), ref.to(device).eval()
+    # .to() rather than from_config's dtype argument, whose name changed across transformers versions
+    return ours.to(device, dtype).eval(), ref.to(device, dtype).eval()
 
 
 def _inputs(device="cpu", B=3, L=11, seed=1):
