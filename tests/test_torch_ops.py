@@ -184,6 +184,21 @@ def test_compile_with_grad_mode_on_reads_inputs_detached():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_dynamo_never_traces_the_call_cache(monkeypatch):
+    """The call-cache keys read data pointers and the current stream: the route to the op must come before them."""
+    from cupy_attn.linear_bn_softmax import api as lbs_api
+    from cupy_attn.runtime import callcache
+
+    def guarded(fn):
+        def wrapper(*args, **kwargs):
+            assert not torch.compiler.is_compiling(), f"Dynamo traced {fn.__name__}"
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(callcache, "key", guarded(callcache.key))
+    monkeypatch.setattr(lbs_api, "_call_key", guarded(lbs_api._call_key))
+    test_compile_fullgraph_cpu_matches_eager("eager", True)
+
+
 def test_compile_graph_holds_one_op_per_call():
     torch._dynamo.reset()
     graphs = []
