@@ -6,9 +6,9 @@
 
 Works with models whose attention goes through transformers' ``AttentionInterface`` (Llama, Mistral, Qwen2, Gemma,
 BERT and most models written since transformers 4.48), in eager mode and under ``torch.compile(fullgraph=True)``
-(the attention is then one custom-op node, see cupy_attn.torch_ops). Needs transformers >= 4.48; the mask function is
-registered too where transformers has ``AttentionMaskInterface`` (>= 4.53), so models build the same boolean 4-D
-masks (or none, when ``is_causal`` suffices) as for "sdpa".
+(the attention is then one custom-op node, see cupy_attn.torch_ops). Needs transformers >= 4.51 (the release that
+exports AttentionInterface); from 4.53 the mask function is registered too (``AttentionMaskInterface``), so models
+build the same boolean 4-D masks (or none, when ``is_causal`` suffices) as for "sdpa". Tested with 5.23.0.
 """
 from __future__ import annotations
 
@@ -81,15 +81,16 @@ def register(name: str = NAME) -> None:
 
     Registers with ``transformers.AttentionInterface``, and, where transformers has ``AttentionMaskInterface``, maps
     ``name`` to the "sdpa" mask function (boolean 4-D masks, None when ``is_causal`` suffices). Without it (older
-    versions) models build their default float masks, which attention_forward also takes. Idempotent.
+    versions, 4.51-4.52) models build their default masks, 4-D float or bool, which attention_forward also takes.
+    Idempotent.
 
-    Raises ImportError when transformers is not installed or has no AttentionInterface (< 4.48).
+    Raises ImportError when transformers is not installed or has no AttentionInterface (< 4.51).
     """
     try:
         from transformers import AttentionInterface
     except ImportError as e:
-        raise ImportError("cupy_attn.integrations.transformers.register() needs transformers >= 4.48 "
-                          "(pip install 'transformers>=4.48')") from e
+        raise ImportError("cupy_attn.integrations.transformers.register() needs transformers >= 4.51 "
+                          "(pip install 'transformers>=4.53')") from e
     AttentionInterface.register(name, attention_forward)
     try:
         from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
