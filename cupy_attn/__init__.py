@@ -5,6 +5,8 @@ Public API:
     explain                       which path a call takes, and why
     linear_batchnorm_softmax      softmax(scale · BatchNorm1d(x Wᵀ + b), dim=1) as one operation
     cupy_attn.torch               nn.Module wrappers (imported on demand: it needs torch)
+    cupy_attn.torch_ops           torch.library custom ops the entry points use under torch.compile (needs torch)
+    cupy_attn.integrations        transformers.register(): attn_implementation="cupy_attn" for Hugging Face models
 """
 from __future__ import annotations
 

@@ -12,12 +12,16 @@ LinearBatchNormSoftmax: a drop-in for ``softmax(scale · BatchNorm1d(Linear(x)),
 
 with the same submodules and parameters, hence the same state_dict keys and shapes (gemm.weight, gemm.bias, bn.weight,
 bn.bias, bn.running_mean, bn.running_var, bn.num_batches_tracked, scale): weights load across in both directions.
+
+Importing this module also registers the custom ops of cupy_attn.torch_ops (``torch.ops.cupy_attn.*``), which the
+entry points use under torch.compile: a model calling cupy_attn compiles with ``fullgraph=True``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from . import torch_ops  # noqa: F401  (registers torch.ops.cupy_attn.*)
 from .linear_bn_softmax import linear_batchnorm_softmax
 
 __all__ = ["LinearBatchNormSoftmax"]
@@ -38,6 +42,8 @@ class LinearBatchNormSoftmax(nn.Module):
     requiring grad), and for CPU tensors, forward runs the plain torch ops instead, so gradients are never silently
     lost. Run under ``torch.no_grad()``/``torch.inference_mode()`` (or freeze the parameters) for the fused path.
     Raises ValueError for batch size 1 in training (torch's message) and for bad shapes, before any launch.
+    Under ``torch.compile`` (``fullgraph=True`` and ``mode="reduce-overhead"`` included) the fused path is one custom
+    op node, ``torch.ops.cupy_attn.linear_batchnorm_softmax``, whose running-stat updates are declared mutations.
     """
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool = True, eps: float = 1e-5,

@@ -49,18 +49,27 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     softmax (a row held in registers for F ≤ 8192, two passes beyond). Empty batches return an empty result (training
     still counts num_batches_tracked). Repeated calls with torch CUDA tensors (nn.Parameters included) or CuPy arrays
     of the same layout, flags and stream replay the first call's prepared launches (cupy_attn.runtime.callcache).
+    Under torch.compile / torch.export and for FakeTensor inputs, torch tensors go through the custom op
+    ``torch.ops.cupy_attn.linear_batchnorm_softmax`` (cupy_attn.torch_ops; running stats declared mutated), one
+    graph node; eager calls skip it (its dispatch would add ~50 µs of host time).
 
     Returns: (N, F) array of x's kind and dtype.
     Raises: TypeError for non-arrays and unsupported dtypes; ValueError for shapes (naming argument and axis), devices,
     running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
     batch statistics are used ("Expected more than 1 value per channel when training").
     """
+    traced = interop.torch_compiling()  # Dynamo must see one opaque op, never the call cache's key
     arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
-    call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
+    call_key = None if traced else _call_key(arrays, training, momentum, eps, allow_tf32)
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see _Prepared)
             return entry(arrays)
+    elif traced or interop.is_tracing_tensor(x):  # or FakeTensor / FunctionalTensor inputs (make_fx, AOTAutograd)
+        from .. import torch_ops
+        return torch_ops.linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias,
+                                                  scale, training=training, momentum=momentum, eps=eps,
+                                                  num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
     call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
                   num_batches_tracked)
     if not call.ctx.on_gpu:
@@ -124,6 +133,7 @@ def _write_in_place(dst, new: np.ndarray) -> None:
     if interop.is_torch_tensor(dst):
         import torch
         with torch.no_grad():
-            dst.copy_(torch.from_numpy(np.ascontiguousarray(new)).to(dst.dtype))
+            # reshape: ascontiguousarray makes 0-d arrays 1-d, and BatchNorm1d's num_batches_tracked is 0-d
+            dst.copy_(torch.from_numpy(np.ascontiguousarray(new).reshape(dst.shape)).to(dst.dtype))
     else:
         dst[...] = new.astype(dst.dtype)

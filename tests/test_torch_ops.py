@@ -1,0 +1,292 @@
+"""torch.library custom ops (cupy_attn.torch_ops): fake shapes, opcheck, torch.compile(fullgraph=True) without graph
+breaks. CPU tests run the float64 reference through the ops; GPU tests (marked) compile real kernels."""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import cupy_attn  # noqa: E402
+from cupy_attn import torch_ops  # noqa: E402
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode  # noqa: E402
+
+SDPA = cupy_attn.scaled_dot_product_attention
+LBS = cupy_attn.linear_batchnorm_softmax
+
+
+# --- fake implementations: shapes, dtypes, devices as the eager functions ------------------------------------------
+
+# (query shape, key shape, value shape, kwargs): leading axes, GQA, Ev != E, L=1, S=1, empty, masks, causal, lse
+SDPA_CALLS = [
+    ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 8), {}),
+    ((2, 4, 5, 8), (2, 2, 7, 8), (2, 2, 7, 6), {"enable_gqa": True}),
+    ((1, 1, 1, 40), (1, 1, 1, 40), (1, 1, 1, 200), {"return_lse": True}),
+    ((3, 2, 4, 113, 64), (3, 2, 4, 203, 64), (3, 2, 4, 203, 64), {"is_causal": True, "return_lse": True}),
+    ((2, 8, 9, 16), (2, 1, 3, 16), (2, 1, 3, 16), {"enable_gqa": True, "is_causal": "bottom_right"}),
+    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8), {"attn_mask": ((5, 7), torch.bool), "scale": 0.3}),
+    ((2, 3, 5, 8), (2, 3, 7, 8), (2, 3, 7, 8), {"attn_mask": ((2, 1, 5, 7), None)}),
+    ((2, 3, 0, 8), (2, 3, 7, 8), (2, 3, 7, 8), {"return_lse": True}),
+    ((2, 3, 5, 8), (2, 3, 0, 8), (2, 3, 0, 4), {"return_lse": True}),
+]
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # fake CUDA tensors need no GPU
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qs,ks,vs,kw", SDPA_CALLS)
+def test_sdpa_fake_shapes(qs, ks, vs, kw, dtype, device):
+    kw = dict(kw)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(s, dtype=dtype, device=device) for s in (qs, ks, vs))
+        if "attn_mask" in kw:
+            shape, mdt = kw["attn_mask"]
+            kw["attn_mask"] = torch.empty(shape, dtype=mdt or dtype, device=device)
+        res = SDPA(q, k, v, **kw)  # FakeTensor inputs route to the op: nothing is computed
+    out, lse = res if kw.get("return_lse") else (res, None)
+    assert isinstance(out, FakeTensor)
+    assert out.shape == qs[:-1] + (vs[-1],) and out.dtype == dtype and out.device.type == device
+    assert out.is_contiguous()
+    if kw.get("return_lse"):
+        assert lse.shape == qs[:-1] and lse.dtype == torch.float32 and lse.device.type == device
+    else:
+        assert not isinstance(res, tuple)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("N,K,F", [(8, 16, 32), (1, 3, 1), (0, 4, 5), (130, 64, 4097)])
+def test_lbs_fake_shapes(N, K, F, dtype, device):
+    with FakeTensorMode():
+        x, w = torch.empty(N, K, dtype=dtype, device=device), torch.empty(F, K, dtype=dtype, device=device)
+        vec = [torch.empty(F, dtype=torch.float32, device=device) for _ in range(4)]
+        nbt = torch.zeros((), dtype=torch.long, device=device)
+        out = LBS(x, w, torch.empty(F, dtype=dtype, device=device), vec[0], vec[1], vec[2], vec[3],
+                  torch.ones(1, device=device), training=True, num_batches_tracked=nbt)
+    assert isinstance(out, FakeTensor)
+    assert out.shape == (N, F) and out.dtype == dtype and out.device.type == device
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    ({"is_causal": "diagonal"}, ValueError, "is_causal must be"),
+    ({"is_causal": True, "attn_mask": True}, ValueError, "attn_mask and is_causal"),
+])
+def test_fake_raises_flag_errors_at_trace_time(kw, exc, match):
+    with FakeTensorMode():
+        q = torch.empty(1, 2, 3, 4)
+        if kw.get("attn_mask") is True:
+            kw = dict(kw, attn_mask=torch.ones(3, 3, dtype=torch.bool))
+        with pytest.raises(exc, match=match):
+            SDPA(q, q, q, **kw)
+
+
+def test_opcheck_sdpa_cpu():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g), \
+        torch.randn(2, 2, 7, 6, generator=g)
+    op = torch.ops.cupy_attn.scaled_dot_product_attention.default
+    for args in [(q, k, v, None, 0.0, "top_left", None, True, "auto", True, False, None),
+                 (q, k, v, None, 0.0, "", 0.5, True, "auto", False, False, None),
+                 (q, k[:, :1].expand(2, 4, 7, 8), v[:, :1].expand(2, 4, 7, 6), torch.randn(5, 7, generator=g), 0.0,
+                  "", None, False, "auto", True, False, None)]:
+        torch.library.opcheck(op, args)
+
+
+def test_opcheck_lbs_cpu_declares_its_mutations():
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(6, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
+    rm, rv, nbt = torch.zeros(3), torch.ones(3), torch.zeros((), dtype=torch.long)
+    op = torch.ops.cupy_attn.linear_batchnorm_softmax.default
+    torch.library.opcheck(op, (x, w, b, rm, rv, None, None, torch.full((1,), 1.5), True, None, 1e-5, nbt, None))
+    torch.library.opcheck(op, (x, w, b, rm, rv, torch.rand(3, generator=g), None, torch.ones(3), False, 0.1, 1e-5,
+                               None, None))
+
+
+def test_causal_to_str():
+    assert [torch_ops.causal_to_str(c) for c in (False, None, True, "top_left", "bottom_right")] == \
+        ["", "", "top_left", "top_left", "bottom_right"]
+    with pytest.raises(ValueError, match="is_causal must be"):
+        torch_ops.causal_to_str(1)
+
+
+# --- eager calls keep the direct path --------------------------------------------------------------------------------
+
+def test_eager_calls_do_not_go_through_the_op(monkeypatch):
+    """The op's dispatch costs ~10 µs (SDPA) / ~50 µs (Linear-BN-softmax) of host time: eager calls must skip it."""
+    def boom(*a, **k):
+        raise AssertionError("eager call went through the custom op")
+    monkeypatch.setattr(torch_ops, "scaled_dot_product_attention", boom)
+    monkeypatch.setattr(torch_ops, "linear_batchnorm_softmax", boom)
+    q = torch.randn(1, 2, 3, 4)
+    SDPA(q, q, q)
+    LBS(torch.randn(4, 3), torch.randn(2, 3), None, None, None, None, None, torch.ones(1), training=True)
+
+
+# --- torch.compile(fullgraph=True): no graph break, same results -----------------------------------------------------
+
+class _Attention(torch.nn.Module):
+    """A GQA self-attention block calling cupy_attn (heads 4 over 2 KV heads), then Linear-BN-softmax on the rows."""
+
+    def __init__(self, d=32, heads=4, kv_heads=2, is_causal=True, features=16):
+        super().__init__()
+        self.h, self.hkv, self.dh, self.is_causal = heads, kv_heads, d // heads, is_causal
+        self.q = torch.nn.Linear(d, d)
+        self.kv = torch.nn.Linear(d, 2 * kv_heads * self.dh)
+        self.o = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, features)
+        self.bn = torch.nn.BatchNorm1d(features)
+
+    def forward(self, x, mask=None):
+        B, L, _ = x.shape
+        q = self.q(x).view(B, L, self.h, self.dh).transpose(1, 2)
+        k, v = self.kv(x).view(B, L, 2, self.hkv, self.dh).unbind(2)
+        y = SDPA(q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, is_causal=self.is_causal and mask is None,
+                 enable_gqa=True)
+        y = self.o(y.transpose(1, 2).reshape(B, L, -1)).reshape(B * L, -1)
+        bn = self.bn
+        return LBS(y, self.head.weight, self.head.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                   torch.ones(1, device=x.device, dtype=x.dtype), training=bn.training, momentum=bn.momentum,
+                   eps=bn.eps, num_batches_tracked=bn.num_batches_tracked if bn.training else None)
+
+
+def _clone_model(m):
+    return copy.deepcopy(m)  # same weights, buffers, dtypes (fp32 BatchNorm under 16-bit layers) and mode
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+@pytest.mark.parametrize("training", [False, True])
+def test_compile_fullgraph_cpu_matches_eager(backend, training):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Attention().train(training)
+    ref_model = _clone_model(model)
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
+    x = torch.randn(2, 6, 32)
+    mask = torch.rand(2, 1, 6, 6) > 0.3
+    with torch.no_grad():
+        for m in (None, mask):
+            got, want = compiled(x, m), ref_model(x, m)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):  # in-place updates survive compilation
+        torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name))
+
+
+def test_compile_with_grad_mode_on_reads_inputs_detached():
+    """As eager (no autograd yet): the forward runs on parameters that require grad, and outputs carry no grad_fn,
+    instead of AOTAutograd failing to trace a backward through the op."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = _Attention().train()
+    ref_model = _clone_model(model)
+    x = torch.randn(2, 6, 32)
+    got = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
+    want = ref_model(x)
+    assert not got.requires_grad and not want.requires_grad
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_dynamo_never_traces_the_call_cache(monkeypatch):
+    """The call-cache keys read data pointers and the current stream: the route to the op must come before them."""
+    from cupy_attn.linear_bn_softmax import api as lbs_api
+    from cupy_attn.runtime import callcache
+
+    def guarded(fn):
+        def wrapper(*args, **kwargs):
+            assert not torch.compiler.is_compiling(), f"Dynamo traced {fn.__name__}"
+            return fn(*args, **kwargs)
+        return wrapper
+    monkeypatch.setattr(callcache, "key", guarded(callcache.key))
+    monkeypatch.setattr(lbs_api, "_call_key", guarded(lbs_api._call_key))
+    test_compile_fullgraph_cpu_matches_eager("eager", True)
+
+
+def test_compile_graph_holds_one_op_per_call():
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = _Attention().eval()
+    with torch.no_grad():
+        torch.compile(model, fullgraph=True, backend=backend)(torch.randn(2, 6, 32))
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("cupy_attn.scaled_dot_product_attention" in t for t in targets) == 1, targets
+    assert sum("cupy_attn.linear_batchnorm_softmax" in t for t in targets) == 1, targets
+
+
+def test_compile_trace_time_error_for_dropout():
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 3, 4)
+    f = torch.compile(lambda q: SDPA(q, q, q, dropout_p=0.5), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="dropout"):
+        f(q)
+
+
+# --- GPU: real kernels, inductor, CUDA graphs ------------------------------------------------------------------------
+
+def _gpu_model(dtype, training):
+    torch.manual_seed(0)
+    model = _Attention().to("cuda", dtype).train(training)
+    model.bn.float()  # fp32 BatchNorm parameters and stats with 16-bit activations, as the eager API allows
+    return model
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_gpu_compile_fullgraph_inductor_matches_eager(dtype, training):
+    torch._dynamo.reset()
+    model = _gpu_model(dtype, training)
+    ref_model = _clone_model(model)
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 64, 32, device="cuda", dtype=dtype)
+    mask = torch.rand(2, 1, 64, 64, device="cuda") > 0.3
+    tol = {"rtol": 2e-2, "atol": 2e-3} if dtype == torch.float16 else {"rtol": 1e-4, "atol": 1e-5}
+    with torch.no_grad():
+        for m in (None, mask, None):
+            got, want = compiled(x, m), ref_model(x, m)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got, want, **tol)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("training", [False, True])
+def test_gpu_compile_reduce_overhead_runs_and_matches_eager(training):
+    torch._dynamo.reset()
+    model = _gpu_model(torch.float16, training)
+    ref_model = _clone_model(model)
+    compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for i in range(5):  # warm-up runs, then CUDA-graph capture and replays
+            x = torch.randn(2, 64, 32, device="cuda", dtype=torch.float16)
+            got = compiled(x).clone()
+            want = ref_model(x)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-3, msg=f"iteration {i}")
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_compile_linear_batchnorm_softmax_module(mode):
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fused = LinearBatchNormSoftmax(64, 300, device="cuda", dtype=torch.float16).train()
+    ref = LinearBatchNormSoftmax(64, 300, device="cuda", dtype=torch.float16).train()
+    ref.load_state_dict(fused.state_dict())
+    compiled = torch.compile(fused, fullgraph=True, mode=mode)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(128, 64, device="cuda", dtype=torch.float16)
+            got, want = compiled(x).clone(), ref(x)
+            torch.cuda.synchronize()
+            torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4)
+    torch.testing.assert_close(fused.bn.running_mean, ref.bn.running_mean, rtol=1e-3, atol=1e-4)
+    torch.testing.assert_close(fused.bn.running_var, ref.bn.running_var, rtol=1e-3, atol=1e-4)
+    assert int(fused.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 4
