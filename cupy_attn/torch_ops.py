@@ -34,9 +34,11 @@ capturable). Untested limits, for the GPU run to confirm: the split SDPA path ta
 Linear-BN-softmax grows its per-stream workspace for a larger shape; a captured graph keeps pointing at such memory
 after CuPy's pool has taken it back. Fused SDPA calls and fixed-shape Linear-BN-softmax calls do neither.
 
-No autograd formula is registered (the kernels have no backward yet). The wrappers below pass the inputs detached,
-as the eager path reads them: outputs never require grad, and a model compiled with grad mode on still compiles
-(AOTAutograd would otherwise trace a backward through the op and fail).
+Autograd: the SDPA op's backward is a second op, cupy_attn::scaled_dot_product_attention_backward (register_autograd;
+its implementation is cupy_attn.attention.autograd.grad_inputs, the eager backward), so AOTAutograd traces both into
+compiled training graphs. The forward op always returns lse (the backward needs it); the wrapper drops it when not
+asked for. Linear-BN-softmax has no backward yet: its wrapper passes the inputs detached, as its eager path reads
+them, so a model compiled with grad mode on still compiles.
 """
 from __future__ import annotations
 
@@ -78,12 +80,9 @@ def _sdpa_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_m
              dropout_p: float, is_causal: str, scale: float | None, enable_gqa: bool, backend: str,
              return_lse: bool, allow_tf32: bool, workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_flags(attn_mask, dropout_p, is_causal)
-    res = _sdpa_eager(query, key, value, attn_mask, dropout_p, _CAUSAL[is_causal], scale, enable_gqa,
-                      backend=backend, return_lse=return_lse, allow_tf32=allow_tf32,
-                      workspace_bytes=workspace_bytes)
-    if return_lse:
-        return res
-    return res, query.new_empty((0,), dtype=torch.float32)
+    # lse is always computed (B·H·L floats): the registered backward needs it whether or not the caller asked.
+    return _sdpa_eager(query, key, value, attn_mask, dropout_p, _CAUSAL[is_causal], scale, enable_gqa,
+                       backend=backend, return_lse=True, allow_tf32=allow_tf32, workspace_bytes=workspace_bytes)
 
 
 @_sdpa_op.register_fake
@@ -94,8 +93,50 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise ValueError(f"query, key and value must have the same number of axes (at least 3), got "
                          f"{query.dim()}, {key.dim()}, {value.dim()}")
     out = query.new_empty(tuple(query.shape[:-1]) + (value.shape[-1],))
-    lse = query.new_empty(tuple(query.shape[:-1]) if return_lse else (0,), dtype=torch.float32)
+    lse = query.new_empty(tuple(query.shape[:-1]), dtype=torch.float32)
     return out, lse
+
+
+@torch.library.custom_op("cupy_attn::scaled_dot_product_attention_backward", mutates_args=())
+def _sdpa_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, is_causal: str,
+                      scale: float | None, enable_gqa: bool, need_mask_grad: bool, allow_tf32: bool,
+                      workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import autograd
+    dq, dk, dv, dmask = autograd.grad_inputs(query, key, value, attn_mask, out, lse, grad_out.contiguous(),
+                                             is_causal=_CAUSAL[is_causal], scale=scale, enable_gqa=enable_gqa,
+                                             need_mask_grad=need_mask_grad, workspace_bytes=workspace_bytes,
+                                             allow_tf32=allow_tf32)
+    return dq, dk, dv, query.new_empty((0,)) if dmask is None else dmask
+
+
+@_sdpa_backward_op.register_fake
+def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
+                        need_mask_grad, allow_tf32, workspace_bytes):
+    dmask = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else query.new_empty((0,))
+    return (torch.empty_like(query, memory_format=torch.contiguous_format),
+            torch.empty_like(key, memory_format=torch.contiguous_format),
+            torch.empty_like(value, memory_format=torch.contiguous_format), dmask)
+
+
+def _sdpa_setup_context(ctx, inputs, output):
+    query, key, value, attn_mask, _, is_causal, scale, enable_gqa, _, _, allow_tf32, workspace_bytes = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
+    ctx.flags = (is_causal, scale, enable_gqa, allow_tf32, workspace_bytes)
+
+
+def _sdpa_backward(ctx, grad_out, _grad_lse):
+    query, key, value, attn_mask, out, lse = ctx.saved_tensors
+    is_causal, scale, enable_gqa, allow_tf32, workspace_bytes = ctx.flags
+    need_mask = attn_mask is not None and ctx.needs_input_grad[3]
+    dq, dk, dv, dmask = torch.ops.cupy_attn.scaled_dot_product_attention_backward(
+        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, need_mask, allow_tf32,
+        workspace_bytes)
+    return dq, dk, dv, dmask if need_mask else None, None, None, None, None, None, None, None, None
+
+
+_sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup_context)
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -103,8 +144,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  workspace_bytes=None):
     """:func:`cupy_attn.scaled_dot_product_attention` (same arguments, results and errors) through the custom op."""
     out, lse = torch.ops.cupy_attn.scaled_dot_product_attention(
-        query.detach(), key.detach(), value.detach(), None if attn_mask is None else attn_mask.detach(),
-        float(dropout_p), causal_to_str(is_causal),
+        query, key, value, attn_mask, float(dropout_p), causal_to_str(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), backend, bool(return_lse), bool(allow_tf32),
         workspace_bytes)
     return (out, lse) if return_lse else out

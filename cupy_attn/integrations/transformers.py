@@ -36,9 +36,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     a longer static cache masks the unused slots, which sdpa crops instead: the same result). scaling: default
     1/sqrt(D).
 
-    Training: when autograd records the call (grad mode on and query, key or value requiring grad) it runs torch's
-    scaled_dot_product_attention instead (dropout included), since our kernels have no backward yet; gradients are
-    never silently lost. Inference (eval(), no_grad, inference_mode) runs cupy_attn.
+    Training: on CUDA tensors autograd records cupy_attn's own backward (cupy_attn.scaled_dot_product_attention's).
+    Two cases run torch's scaled_dot_product_attention instead, so that gradients are never silently lost: attention
+    dropout > 0 while autograd records (cupy_attn has no dropout yet), and CPU tensors requiring grad (the CPU path is
+    the float64 reference, which records nothing).
 
     Returns (attn_output (B, L, Hq, Dv) contiguous, None): no attention weights are ever materialized.
     Raises: NotImplementedError for dropout > 0 without autograd (a model in train() under no_grad: cupy_attn has no
@@ -61,8 +62,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     # q_length first: under dynamic-shape tracing, `and` on a SymBool must not become the result (sdpa's note).
     is_causal = q_length > 1 and attention_mask is None and bool(is_causal)
     enable_gqa = query.shape[1] != key.shape[1]
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-        # Our kernels have no backward yet: training takes torch's SDPA (dropout included) rather than losing grads.
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) and (
+            dropout > 0.0 or not query.is_cuda):
+        # No dropout in cupy_attn yet, and no autograd on the CPU reference: torch's SDPA rather than lost gradients.
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, is_causal=is_causal,
                                                                scale=scaling, enable_gqa=enable_gqa)
