@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
-FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.linear_bn_softmax.launch")
+FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.decode",
+                  "cupy_attn.linear_bn_softmax.launch")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")
