@@ -160,7 +160,8 @@ def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2,
       (8, 32, L=1, S=32768): 256 CTAs (0.97 of a wave) → 1 split.
       (8, 32 q / 8 kv heads, L=1, S=32768): 64 CTAs: n=1 0.24, 2 0.48, 3 0.73, 4 0.97 → 4 splits of 8192 keys.
       (16, 64 q / 8 kv, L=1, S=8192): 128 CTAs: n=1 0.48, 2 0.97 → 2 splits.
-      (1, 8 kv, L=1, S=4096): 8 CTAs, at most 8 splits of 512 keys: efficiencies rise to 0.24 at 8 → 8 splits.
+      (1, 8 kv, L=1, S=4096): 8 CTAs, at most 8 splits of 512 keys: efficiency n·8/264, best 0.24 at n=8; n=7
+      gives 0.21 ≥ 0.85·0.24 → 7 splits (a latency-bound call either way).
     """
     slots = max(1, num_sms * ctas_per_sm)
     if ctas >= 0.8 * slots:

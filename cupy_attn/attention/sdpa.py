@@ -12,12 +12,12 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import checks, dispatch, fused, split
+from . import checks, decode, dispatch, fused, split
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None):
+                                 workspace_bytes=None, num_splits=None):
     """softmax(scale · query keyᵀ + mask) · value, with the semantics of torch's scaled_dot_product_attention.
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
@@ -43,6 +43,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     buffer is processed in chunks of batch·heads under ``workspace_bytes``, default 1 GiB or
     CUPY_ATTN_WORKSPACE_BYTES), or "reference".
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
+    num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
+    rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
+    SM count; a positive int sends any call the kernel supports (fp16/bf16, head dims ≤ 256; backend "auto" or
+    "fused") to it with that many splits, at most one per 64-key tile. CUPY_ATTN_DECODE=0 turns the kernel off.
     Repeated calls with torch CUDA tensors (or CuPy arrays) of the same layout, flags and stream replay the first
     call's prepared launch (checks and planning skipped: ~28 µs of host time instead of ~127 for a small fused call
     with torch tensors on an H200 host).
@@ -53,13 +57,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     the call.
     """
     call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                              return_lse, allow_tf32, workspace_bytes)
+                              return_lse, allow_tf32, workspace_bytes, num_splits)
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
+    decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    plan = dispatch.plan_sdpa(p, backend)
+    plan = dispatch.plan_sdpa(p, backend, num_splits=num_splits)
     if plan.backend == "reference":
         return _run_reference(p, return_lse)
     ctx = p.ctx
@@ -78,7 +83,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             if lse3 is not None:
                 lse3.fill(-np.inf)
         else:
-            if plan.backend == "fused":
+            if plan.backend == "decode":
+                run = decode.prepare(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask,
+                                     num_splits=num_splits)
+            elif plan.backend == "fused":
                 run = fused.prepare(p.query, p.key, p.value, out4, lse3, scale=p.scale, causal=p.causal, mask=p.mask)
             else:
                 run = functools.partial(split.run, split.schedule(p, out4, lse3, workspace_bytes=workspace_bytes,
@@ -100,14 +108,15 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            backend="auto") -> dispatch.Plan:
+            backend="auto", num_splits=None) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched.
 
     Takes the same arguments and raises the same errors. Returns a Plan (``.backend``, ``.reason``, ``.details``,
     ``.copies``); ``print(plan)`` gives a readable summary.
     """
+    decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    return dispatch.plan_sdpa(p, backend)
+    return dispatch.plan_sdpa(p, backend, num_splits=num_splits)
 
 
 def _run_reference(p, return_lse):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 from . import interop
 
 # Environment variables that change a call's plan (read per call by the full path, so part of the key).
-ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_WORKSPACE_BYTES")
+ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_WORKSPACE_BYTES", "CUPY_ATTN_DECODE")
 MAX_ENTRIES = 512
 
 _CACHE: dict = {}
@@ -68,13 +68,13 @@ def typed(*values) -> tuple:
 
 
 def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
-        workspace_bytes) -> tuple | None:
+        workspace_bytes, num_splits=None) -> tuple | None:
     """The cache key of a call, or None when the call is not cacheable (see the module docstring)."""
     arrays = signatures((query, key_, value, attn_mask))
     if arrays is None:
         return None
     env = os.environ
-    flags = typed(dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32, workspace_bytes)
+    flags = typed(dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32, workspace_bytes, num_splits)
     return (*arrays, flags, *(env.get(k) for k in ENV_KEYS))
 
 
