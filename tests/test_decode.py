@@ -88,7 +88,7 @@ def test_split_plan_honours_requests_up_to_one_tile(S, requested, splits, chunk)
     assert _decode.split_plan(2, 8, 1, 4, S, 128, 90, 132, requested) == (splits, chunk)
 
 
-@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, 2.0])
+@pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, 2.0, [2]])
 def test_num_splits_validation(value):
     q = np.zeros((1, 2, 1, 8), np.float32)
     with pytest.raises(ValueError, match="num_splits"):

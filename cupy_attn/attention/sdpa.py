@@ -46,7 +46,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
     rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
     SM count; a positive int sends any call the kernel supports (fp16/bf16, head dims ≤ 256; backend "auto" or
-    "fused") to it with that many splits, at most one per 64-key tile. CUPY_ATTN_DECODE=0 turns the kernel off.
+    "fused") to it with that many splits, at most one per key tile (64 keys). CUPY_ATTN_DECODE=0 turns it off.
     Repeated calls with torch CUDA tensors (or CuPy arrays) of the same layout, flags and stream replay the first
     call's prepared launch (checks and planning skipped: ~28 µs of host time instead of ~127 for a small fused call
     with torch tensors on an H200 host).
@@ -56,13 +56,13 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     (naming the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run
     the call.
     """
+    decode.check_num_splits(num_splits)  # before the cache key, which must hash it
     call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                               return_lse, allow_tf32, workspace_bytes, num_splits)
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
-    decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     plan = dispatch.plan_sdpa(p, backend, num_splits=num_splits)
     if plan.backend == "reference":
