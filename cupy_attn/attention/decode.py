@@ -59,14 +59,14 @@ def _params_dtype(source: str, struct: str = "FlashDecodeParams") -> np.dtype:
     """The NumPy structured dtype of a C struct in ``source`` whose fields are all 8 bytes wide (pointers, long long,
     double), parsed from its declaration: the struct is declared once, in the .cu file.
 
-    >>> _params_dtype("struct P { float* out;  // x\n long long a, b; double s; };", "P").names
+    >>> _params_dtype("struct P { float* out;  long long a, b; double s; };", "P").names
     ('out', 'a', 'b', 's')
     """
     body = re.search(r"struct\s+" + struct + r"\s*\{(.*?)\};", source, re.S).group(1)
     body = re.sub(r"//[^\n]*", "", body)
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
-        m = re.fullmatch(r"((?:const\s+)?(?:void|float|long long|double)\s*\*?)\s*(.+)", decl, re.S)
+        m = re.fullmatch(r"((?:const\s+)?(?:void|float)\s*\*|long long|double)\s*(.+)", decl, re.S)
         if m is None:
             raise ValueError(f"{struct}: cannot parse field declaration {decl!r}")
         kind = np.float64 if m.group(1).strip() == "double" else np.int64  # pointers and long long: 8-byte ints
