@@ -145,7 +145,7 @@ def prefer_decode(seqlen_q: int, seqlen_k: int, groups: int) -> tuple[bool, str]
         return False, f"L·groups = {seqlen_q * groups} > 64 packed rows: more than 4 passes over K/V"
     if seqlen_k < 256:
         return False, f"S={seqlen_k} < 256 keys: launch-bound, the fused kernel needs no combine pass"
-    return True, f"L·groups = {seqlen_q * groups} ≤ 64 packed rows read each K/V tile once, S={seqlen_k} split over CTAs"
+    return True, f"L·groups = {seqlen_q * groups} ≤ 64 packed rows read each K/V tile once; S={seqlen_k} split"
 
 
 def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2, min_keys: int = 512) -> int:
