@@ -20,8 +20,9 @@ ENV_BACKEND = "CUPY_ATTN_BACKEND"
 class Plan:
     """What one call will run, and why. ``details`` is computed when read (explain), not on every call."""
 
-    backend: str                       # "fused" | "split" | "reference"
+    backend: str                       # "fused" | "decode" | "split" | "reference"
     reason: str
+    num_splits: int | None = None      # decode: the key splits it launches
     describe: Callable[[], dict] | None = dataclasses.field(default=None, repr=False)
     copies: list = dataclasses.field(default_factory=list)
     # prepare(out, lse) -> run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr): the launch this plan chose, built on
@@ -77,10 +78,13 @@ def prefer_fused(p) -> tuple[bool, str]:
     return True, "fused kernel supports this call (no L×S score buffer; faster than split at every measured head dim)"
 
 
-def plan_sdpa(p, backend: str, arch: int | None = None, *, workspace_bytes: int | None = None,
-              allow_tf32: bool = False) -> Plan:
+def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None = None,
+              num_sms: int | None = None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> Plan:
     """Choose the path for a checked problem (see checks.SDPAProblem); ValueError when a forced path cannot run it.
-    ``workspace_bytes`` and ``allow_tf32`` configure the split path's launch (``Plan.prepare``)."""
+
+    num_splits: the caller's split count for the decode kernel (None: auto); num_sms: the device's SM count (looked
+    up when None; tests pass it with a fake arch). ``workspace_bytes`` and ``allow_tf32`` configure the split path's
+    launch (``Plan.prepare``)."""
     copies = list(p.copies)
     if not p.ctx.on_gpu:
         return Plan("reference", f"{p.ctx.kind} inputs run the float64 NumPy reference on the CPU", copies=copies)
@@ -94,6 +98,10 @@ def plan_sdpa(p, backend: str, arch: int | None = None, *, workspace_bytes: int 
     if backend == "reference":
         return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
     fused_why_not = fused_unsupported_reason(p, arch)
+    if backend in ("auto", "fused") and fused_why_not is None:
+        plan = _decode_plan(p, backend, arch, num_splits, num_sms, copies)
+        if plan is not None:
+            return plan
     if backend == "fused":
         if fused_why_not:
             raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
@@ -105,6 +113,34 @@ def plan_sdpa(p, backend: str, arch: int | None = None, *, workspace_bytes: int 
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
     return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies,
                 prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
+
+
+def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: int | None, copies) -> Plan | None:
+    """The decode plan when the split-KV kernel takes this fused-eligible call, else None: under backend="auto" by
+    decode.prefer_decode, or whenever the caller passed num_splits (auto or fused); never with CUPY_ATTN_DECODE=0."""
+    from . import decode as _decode
+    if not _decode.enabled() or (backend == "fused" and num_splits is None):
+        return None
+    if _decode.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch) is not None:
+        return None
+    if num_splits is None:
+        take, why = _decode.prefer_decode(p.seqlen_q, p.seqlen_k, p.groups)
+        if not take:
+            return None
+    else:
+        why = f"num_splits={num_splits} requested"
+    if num_sms is None:
+        num_sms = _decode.device_sms(p.ctx.device_id)
+    head_dim = _decode.head_dim_bucket(p.head_dim, p.head_dim_v)
+    n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, max(p.seqlen_k, 1), head_dim, arch,
+                                  num_sms, num_splits)
+    tile = _decode.tile_for(head_dim, arch)
+    details = {"kernel": _decode.FLASH_DECODE.name, "head-dim bucket": head_dim,
+               "tile": f"16 packed rows x {tile.block_n} keys, {tile.warps} warps, {tile.stages} K/V stages",
+               "packed rows": f"{p.seqlen_q} query rows x {p.groups} heads per K/V head",
+               "splits": f"{n} of {chunk} keys" + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
+    return Plan("decode", f"decode (split-KV, {n} splits): {why}", describe=lambda: details, copies=copies,
+                num_splits=n, prepare=functools.partial(_decode.prepare_problem, p, num_splits))
 
 
 def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:

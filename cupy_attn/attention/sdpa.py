@@ -10,12 +10,12 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import autograd, checks, dispatch
+from . import autograd, checks, decode, dispatch
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None):
+                                 workspace_bytes=None, num_splits=None):
     """softmax(scale · query keyᵀ + mask) · value, with the semantics of torch's scaled_dot_product_attention.
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
@@ -41,6 +41,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     buffer is processed in chunks of batch·heads under ``workspace_bytes``, default 1 GiB or
     CUPY_ATTN_WORKSPACE_BYTES), or "reference".
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
+    num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
+    rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
+    SM count; a positive int sends any call the kernel supports (fp16/bf16, head dims ≤ 256; backend "auto" or
+    "fused") to it with that many splits, at most one per key tile (64 keys). CUPY_ATTN_DECODE=0 turns it off.
     Repeated calls with torch CUDA tensors (or CuPy arrays) of the same layout, flags and stream replay the first
     call's prepared launch (checks and planning skipped: ~28 µs of host time instead of ~127 for a small fused call
     with torch tensors on an H200 host).
@@ -60,8 +64,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
         return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    decode.check_num_splits(num_splits)  # before the cache key, which must hash it
     call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes)
+                             return_lse, allow_tf32, workspace_bytes, num_splits)
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
@@ -70,7 +75,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    plan = dispatch.plan_sdpa(p, backend, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    plan = dispatch.plan_sdpa(p, backend, num_splits=num_splits, workspace_bytes=workspace_bytes,
+                              allow_tf32=allow_tf32)
     if plan.backend == "reference":
         return _run_reference(p, return_lse)
     ctx = p.ctx
@@ -124,14 +130,15 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            backend="auto") -> dispatch.Plan:
+            backend="auto", num_splits=None) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched.
 
     Takes the same arguments and raises the same errors. Returns a Plan (``.backend``, ``.reason``, ``.details``,
     ``.copies``); ``print(plan)`` gives a readable summary.
     """
+    decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
-    return dispatch.plan_sdpa(p, backend)
+    return dispatch.plan_sdpa(p, backend, num_splits=num_splits)
 
 
 def _run_reference(p, return_lse):

@@ -21,7 +21,7 @@ from typing import Any, Callable
 from . import interop
 
 # Environment variables that change a call's plan (read per call by the full path, so part of the key).
-ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_FA3", "CUPY_ATTN_WORKSPACE_BYTES")
+ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_FA3", "CUPY_ATTN_WORKSPACE_BYTES", "CUPY_ATTN_DECODE")
 MAX_ENTRIES = 512
 
 _CACHE: dict = {}
@@ -79,7 +79,7 @@ def typed(*values) -> tuple:
 
 
 def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
-        workspace_bytes) -> tuple | None:
+        workspace_bytes, num_splits=None) -> tuple | None:
     """The cache key of a call, or None when the call is not cacheable (see the module docstring). Every flag is
     keyed with its type (True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others),
     written out rather than through ``typed``: this runs on every call (~1 µs saved)."""
@@ -88,7 +88,7 @@ def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
         return None
     return (*arrays, type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa),
             enable_gqa, type(backend), backend, type(return_lse), return_lse, type(allow_tf32), allow_tf32,
-            type(workspace_bytes), workspace_bytes, *env_values())
+            type(workspace_bytes), workspace_bytes, type(num_splits), num_splits, *env_values())
 
 
 class Entry:

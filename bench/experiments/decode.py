@@ -1,0 +1,105 @@
+"""Decode (split-KV) benchmark: cupy_attn's decode kernel (auto splits and a sweep) vs torch's default SDPA and vs
+today's fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read and ratios.
+
+    PYTHONPATH=. python3 bench/experiments/decode.py [--quick]
+
+Every row: median ms (cupyx.profiler.benchmark, CUDA events on the shared default stream), TB/s of K and V bytes
+read (B·Hkv·S·(E+Ev)·2; Q, out and the partials are < 1% of it), the ratio to the measured copy bandwidth (a 2 GiB
+device copy, read + write bytes), speedup vs torch in the same run, and max |err| vs torch's fp32 math on the same
+inputs. Each case runs in its own try/except so one failure does not hide the rest. K/V are 0.5-4.3 GB, far past
+the 50 MB L2, so no buffer rotation is needed.
+"""
+import os
+import sys
+import traceback
+
+import cupy
+import numpy as np
+from cupyx.profiler import benchmark
+
+import cupy_attn
+
+# (name, B, Hq, Hkv, L, S, D)
+CASES = (
+    ("decode (64,32,1,4096,128)", 64, 32, 32, 1, 4096, 128),
+    ("decode (8,32,1,32768,128)", 8, 32, 32, 1, 32768, 128),
+    ("gqa (8,32q/8kv,1,32768,128)", 8, 32, 8, 1, 32768, 128),
+    ("gqa (16,64q/8kv,1,8192,128)", 16, 64, 8, 1, 8192, 128),
+)
+SWEEP = (1, 2, 4, 8, 16, 32)
+
+
+def median_ms(fn, n_repeat=30, n_warmup=5) -> float:
+    r = benchmark(fn, (), n_repeat=n_repeat, n_warmup=n_warmup)
+    return float(np.median(r.gpu_times[0]) * 1e3)
+
+
+def copy_tbps() -> float:
+    """Device-to-device copy bandwidth, read + write bytes, of a 2 GiB buffer."""
+    a = cupy.empty(2 << 30, dtype=cupy.uint8)
+    b = cupy.empty_like(a)
+    ms = median_ms(lambda: b.__setitem__(slice(None), a), n_repeat=10, n_warmup=2)
+    return 2 * a.nbytes / ms / 1e9
+
+
+def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
+    F = torch.nn.functional
+    g = torch.Generator("cuda").manual_seed(0)
+    tdt = getattr(torch, dtype)
+    q = torch.randn(B, H, L, D, device="cuda", generator=g, dtype=tdt)
+    k = torch.randn(B, Hkv, S, D, device="cuda", generator=g, dtype=tdt)
+    v = torch.randn(B, Hkv, S, D, device="cuda", generator=g, dtype=tdt)
+    gqa = H != Hkv
+    kv_bytes = 2 * B * Hkv * S * D * q.element_size()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa)
+    torch.cuda.synchronize()
+
+    def row(label, fn, base_ms=None):
+        try:
+            out = fn()
+            err = float((out.float() - ref).abs().max())
+            ms = median_ms(fn)
+            tbps = kv_bytes / ms / 1e9
+            vs = f"  {base_ms / ms:5.2f}x torch" if base_ms else ""
+            print(f"  {label:<28} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
+                  f"  err {err:.2e}", flush=True)
+            return ms
+        except Exception as exc:  # one failure must not hide the other rows
+            print(f"  {label:<28} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            return None
+
+    plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
+    print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB; auto plan: {plan.reason}", flush=True)
+    t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
+    row("ours auto", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), t_torch)
+    for n in (() if quick else SWEEP):
+        row(f"ours num_splits={n}",
+            lambda n=n: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, num_splits=n), t_torch)
+    os.environ["CUPY_ATTN_DECODE"] = "0"
+    try:
+        row("fused (CUPY_ATTN_DECODE=0)", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
+            t_torch)
+    finally:
+        del os.environ["CUPY_ATTN_DECODE"]
+
+
+def main():
+    import torch
+    quick = "--quick" in sys.argv
+    copy_bw = copy_tbps()
+    cupy.get_default_memory_pool().free_all_blocks()
+    print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {copy_bw:.2f} TB/s (read + write)",
+          flush=True)
+    for dtype in ("float16", "bfloat16"):
+        for case in CASES:
+            try:
+                run_case(torch, *case, dtype, copy_bw, quick)
+            except Exception:
+                print(f"{case[0]} {dtype}: FAILED", flush=True)
+                traceback.print_exc()
+            torch.cuda.empty_cache()  # the case's inputs (up to 4.3 GB of K/V, 8.6 GB as fp32) are gone
+            cupy.get_default_memory_pool().free_all_blocks()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,419 @@
+// Split-KV attention forward for decode and short queries: out = softmax(scale · Q Kᵀ + mask) V, lse = log Σ exp(...).
+//
+// Algorithm: Flash-Decoding (Dao, Haziza, Massa, Sizov, "Flash-Decoding for long-context inference", 2023) on top of
+// the FlashAttention-2 inner loop (Dao 2023). With L = 1..16 query rows a (batch, head) has too little work for one
+// CTA per 128 query rows, and under GQA every query head would re-read its K/V head. Here:
+//   * GQA packing: the g = Hq/Hkv query heads that share a K/V head, times the L query rows, are the rows of one
+//     16-row mma tile; packed row r is (query head hkv·g + r / L, query row r % L). K/V is read once per 16 packed
+//     rows (rows past 16 take more row blocks, grid.y). Causal limits and masks are per packed row (h, i).
+//   * Split-KV: grid = (num_splits, Hkv · row_blocks, B); split s streams keys [s·chunk, min(S, (s+1)·chunk)), chunk a
+//     multiple of kBlockN, and writes its normalized partial O_s and lse_s (fp32) to a workspace; flash_decode_combine
+//     then merges the splits per row: lse = log Σ_s exp(lse_s), out = Σ_s exp(lse_s − lse) · O_s. One split writes
+//     out and lse directly. A split that sees no key (all masked, or past a causal limit) has lse_s = -inf and O_s = 0,
+//     and is skipped by the combine; a row with every split empty gives out 0 and lse -inf.
+// Per key tile (kBlockN keys, each warp kWarpN of them), in base 2 (exp2 is one MUFU op):
+//   S_w = Q K_wᵀ · scale·log2(e) (+ mask·log2(e); -inf past the split's end, a causal limit or a False mask)
+//   m' = max(m, rowmax S_w);  P = 2^(S_w − m');  l = 2^(m − m')·l + rowsum P;  O_w = 2^(m − m')·O_w + P V_w
+// and at the end the warps' (m_w, l_w, O_w) are merged through shared memory, in the same way as the splits.
+//
+// Thread mapping: kNWarps warps share the 16 rows and split each key tile: warp w owns keys [w·kWarpN, (w+1)·kWarpN)
+// of the tile (mma.sync m16n8k16, fp32 accumulate; Q and K by ldmatrix, V by ldmatrix.trans, P from the S
+// accumulators as in flash_fwd.cu). So every K/V element goes from shared memory to exactly one warp once, and the
+// softmax statistics need only quad shuffles; lane 4g+t holds rows g and g+8.
+//
+// Tile sizes (DECODE_TILES in cupy_attn/attention/decode.py, with the limit behind each entry): decode is memory-bound
+// (1 packed row: ~2 FLOP per byte of K/V read), so the tile is chosen for bytes in flight, not for math: 16 rows,
+// kBlockN = 64 keys (16 per warp, the smallest k step of P·V), kStages K/V buffers filled by 16-byte cp.async
+// (kStages − 1 tiles in flight while one is consumed; the computation per tile is short, so a CTA keeps
+// (kStages − 1)·kBlockN·(E + Ev)·2 bytes in flight almost all the time: 64 KB at D = 128 and 3 stages, two CTAs per SM
+// on Hopper). Registers: O is kHeadDim/2 fp32 per thread, S kWarpN/2.
+// Shared memory: Q (16 rows), kStages × (K and V, kBlockN rows each), row pitch kHeadDim + 8 (conflict-free ldmatrix,
+// as flash_fwd.cu); the K/V space is reused for the cross-warp merge at the end.
+// Head dims: Q/K zero-padded from E, V from Ev to kHeadDim (cp.async zero-fill); keys past the split's loaded range
+// are zero-filled rows (their V must not be garbage: P = 0 times NaN is NaN).
+// Layouts: any int64 element strides for batch, head and row; last dimension contiguous. 16-byte aligned rows go by
+// cp.async, others by plain loads.
+//
+// Versions: v1 (this file) — untimed at the time of writing; see bench/experiments/decode.py and bench/NOTES_decode.md.
+#include "common/types.cuh"
+#include "common/mma.cuh"
+
+namespace cupy_attn {
+
+// Declared once, here: cupy_attn/attention/decode.py builds its NumPy structured dtype by parsing this struct (one
+// declaration per line: `type name[, name...];`, 8-byte types only) and passes the dtype's size back as a -D option,
+// asserted below. Every field is 8 bytes wide, so the two layouts agree field by field.
+struct FlashDecodeParams {
+  void* out;                // (B, Hq, L, Ev)
+  float* lse;               // (B, Hq, L) fp32 natural log, or nullptr
+  const void* q;            // (B, Hq, L, E)
+  const void* k;            // (B, Hkv, S, E)
+  const void* v;            // (B, Hkv, S, Ev)
+  const void* mask;         // element (b, h, i, j) of the broadcast mask, or nullptr
+  float* o_part;            // (num_splits, B, Hq, L, Ev) fp32 normalized partial outputs (num_splits > 1)
+  float* lse_part;          // (num_splits, B, Hq, L) fp32 natural-log partial lse (num_splits > 1)
+  long long batch, num_heads, seqlen_q, seqlen_k, head_dim, head_dim_v;
+  long long groups;         // Hq / Hkv
+  long long row_blocks;     // ceil(groups · L / 16): packed 16-row tiles per kv head
+  long long num_splits;     // grid.x
+  long long split_keys;     // keys per split, a multiple of kBlockN
+  long long is_causal;      // 1: key j is visible to query i iff j <= i + causal_offset
+  long long causal_offset;  // 0 (top-left, torch's is_causal) or S - L (bottom-right)
+  long long mask_kind;      // 1 bool (True = attend), 2 fp16, 3 bf16, 4 fp32 (added to the scaled scores)
+  long long vec_flags;      // bit 0/1/2: q/k/v rows 16-byte aligned (cp.async)
+  double scale_log2;        // scale · log2(e)
+  long long q_stride_b, q_stride_h, q_stride_l;
+  long long k_stride_b, k_stride_h, k_stride_s;
+  long long v_stride_b, v_stride_h, v_stride_s;
+  long long out_stride_b, out_stride_h, out_stride_l;
+  long long lse_stride_b, lse_stride_h, lse_stride_l;
+  long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+};
+
+
+namespace decode {
+
+__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// Rows [0, kRows) × columns [0, kHeadDim) of a row-major global tile into shared memory (pitch kHeadDim + 8); rows
+// >= rows_valid and columns >= cols_valid become zeros. vec: 16-byte cp.async (the caller commits); else plain loads.
+// kThreads is a multiple of the row's chunk count for every tile here, so a thread's chunks share one column.
+template <int kRows, int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stride, int rows_valid, int cols_valid,
+                                        bool vec) {
+  constexpr int kChunks = kHeadDim / 8;
+  static_assert(kThreads % kChunks == 0, "a thread's chunks share one column");
+  constexpr int kRowStep = kThreads / kChunks;
+  static_assert(kRows % kRowStep == 0, "every thread copies the same number of rows");
+  const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+  if (vec) {
+    const int bytes = max(0, min(16, (cols_valid - col) * 2));
+    #pragma unroll
+    for (int j = 0; j < kRows / kRowStep; ++j) {
+      const int r = r0 + j * kRowStep;
+      // A zero-byte copy reads nothing, but its address must still be valid and aligned: use the tile's start.
+      const bool ok = r < rows_valid && bytes > 0;
+      cp_async_16(smem_addr(dst + r * (kHeadDim + 8) + col), ok ? src + r * row_stride + col : src, ok ? bytes : 0);
+    }
+  } else {
+    // One row at a time: unrolled, the 2-byte loads of every row would be batched into ~128 registers.
+    const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
+    #pragma unroll 1
+    for (int j = 0; j < kRows / kRowStep; ++j) {
+      const int r = r0 + j * kRowStep;
+      unsigned short e[8];
+      #pragma unroll
+      for (int x = 0; x < 8; ++x) e[x] = (r < rows_valid && col + x < cols_valid) ? s16[r * row_stride + col + x] : 0;
+      uint4 packed;
+      packed.x = e[0] | (unsigned(e[1]) << 16); packed.y = e[2] | (unsigned(e[3]) << 16);
+      packed.z = e[4] | (unsigned(e[5]) << 16); packed.w = e[6] | (unsigned(e[7]) << 16);
+      *reinterpret_cast<uint4*>(dst + r * (kHeadDim + 8) + col) = packed;
+    }
+  }
+}
+
+// One mask element at byte address m (kind: 1 bool, 2 fp16, 3 bf16, 4 fp32) as a log2-unit score offset.
+__device__ __forceinline__ float mask_value(const unsigned char* m, int kind) {
+  if (kind == 1) return *m ? 0.f : neg_inf();
+  if (kind == 4) return *reinterpret_cast<const float*>(m) * kLog2e;
+  const unsigned short bits = *reinterpret_cast<const unsigned short*>(m);
+  const float x = kind == 2 ? __half2float(__ushort_as_half(bits)) : __uint_as_float(unsigned(bits) << 16);
+  return x * kLog2e;
+}
+
+}  // namespace decode
+
+// One CTA: 16 packed rows of one (batch, kv head) over one split's keys. See the header for the mapping.
+template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask>
+__global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodeParams p) {
+  using namespace decode;
+  constexpr int kThreads = kNWarps * 32;
+  constexpr int kRows = 16;
+  constexpr int kWarpN = kBlockN / kNWarps;  // keys per warp per tile
+  constexpr int kNTiles = kWarpN / 8;        // 8-column S tiles per warp
+  constexpr int kDTiles = kHeadDim / 8;      // 8-column O tiles
+  constexpr int kPitch = kHeadDim + 8;
+  constexpr int kTileElems = kBlockN * kPitch;
+  static_assert(kWarpN % 16 == 0 && kHeadDim % 16 == 0, "mma k steps are 16 wide (P·V needs 16 keys per warp)");
+  static_assert(kStages >= 2, "at least one tile in flight while one is consumed");
+  // The merge scratch (per warp: m, l and a 16 × kHeadDim fp32 O) reuses the K/V buffers.
+  static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kTileElems * 2, "merge scratch fits");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sQ = reinterpret_cast<T*>(smem_raw);
+  T* sK = sQ + kRows * kPitch;           // kStages K tiles
+  T* sV = sK + kStages * kTileElems;     // kStages V tiles
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x, b = blockIdx.z;
+  const int rb = blockIdx.y % static_cast<int>(p.row_blocks), hkv = blockIdx.y / static_cast<int>(p.row_blocks);
+  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
+  const int G = static_cast<int>(p.groups);
+  const int packed = G * L;                     // packed rows of this kv head
+  const int r0 = rb * kRows;                    // first packed row of this CTA
+  const int rows_valid = min(kRows, packed - r0);
+  const int h0 = hkv * G;
+
+  // This split's keys, cut at the last key any row of the CTA may see (causal: row i sees j <= i + offset, and the
+  // largest i among the packed rows is at most L - 1): a split past it loads nothing and writes empty rows.
+  const int n_start = split * static_cast<int>(p.split_keys);
+  int n_end = min(S, n_start + static_cast<int>(p.split_keys));
+  if (p.is_causal) {
+    int max_i = 0;
+    for (int r = 0; r < rows_valid; ++r) max_i = max(max_i, (r0 + r) % L);
+    n_end = static_cast<int>(min(static_cast<long long>(n_end), max_i + p.causal_offset + 1));
+  }
+  const int n_tiles = n_end > n_start ? (n_end - n_start + kBlockN - 1) / kBlockN : 0;
+
+  const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4;
+  const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
+  const T* vbase = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
+  auto load_tile = [&](int it, int stage) {
+    const int n0 = n_start + it * kBlockN;
+    load_kv<kBlockN, kHeadDim, kThreads>(sK + stage * kTileElems, kbase + n0 * p.k_stride_s, p.k_stride_s,
+                                         n_end - n0, E, vec_k);
+    load_kv<kBlockN, kHeadDim, kThreads>(sV + stage * kTileElems, vbase + n0 * p.v_stride_s, p.v_stride_s,
+                                         n_end - n0, Ev, vec_v);
+  };
+
+  // Q: packed row r is (head h0 + (r0 + r) / L, row (r0 + r) % L); rows past the packed count are zeros.
+  {
+    const T* qbase = static_cast<const T*>(p.q) + b * p.q_stride_b + h0 * p.q_stride_h;
+    constexpr int kChunks = kHeadDim / 8;
+    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
+      const int r = c / kChunks, col = (c % kChunks) * 8;
+      const int pr = r0 + r;
+      const T* src = qbase + (pr / L) * p.q_stride_h + (pr % L) * p.q_stride_l + col;
+      const bool row_ok = r < rows_valid;
+      if (vec_q) {
+        const int bytes = row_ok ? max(0, min(16, (E - col) * 2)) : 0;
+        cp_async_16(smem_addr(sQ + r * kPitch + col), bytes > 0 ? src : qbase, bytes);
+      } else {
+        const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
+        unsigned short e[8];
+        #pragma unroll
+        for (int x = 0; x < 8; ++x) e[x] = (row_ok && col + x < E) ? s16[x] : 0;
+        uint4 packed4;
+        packed4.x = e[0] | (unsigned(e[1]) << 16); packed4.y = e[2] | (unsigned(e[3]) << 16);
+        packed4.z = e[4] | (unsigned(e[5]) << 16); packed4.w = e[6] | (unsigned(e[7]) << 16);
+        *reinterpret_cast<uint4*>(sQ + r * kPitch + col) = packed4;
+      }
+    }
+  }
+  // Prologue: Q joins tile 0's group; tiles 0 .. kStages-2 in flight, one commit group each (empty groups past the
+  // last tile keep the wait_group count uniform).
+  #pragma unroll
+  for (int it = 0; it < kStages - 1; ++it) {
+    if (it < n_tiles) load_tile(it, it);
+    cp_async_commit();
+  }
+
+  // This lane's two rows (g and g + 8): visibility limit relative to the split, and the mask row.
+  int row_limit[2];                   // last visible key (absolute), -1 for rows past the packed count
+  const unsigned char* mrow[2] = {nullptr, nullptr};
+  const int kind = static_cast<int>(p.mask_kind);
+  const int mask_bytes = kind == 1 ? 1 : kind == 4 ? 4 : 2;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half, pr = r0 + r;
+    const int i = pr % L;
+    long long lim = n_end - 1;
+    if (p.is_causal) lim = min(lim, i + p.causal_offset);
+    row_limit[half] = r < rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
+    if constexpr (HasMask) {
+      mrow[half] = static_cast<const unsigned char*>(p.mask) +
+                   (b * p.mask_stride_b + (h0 + pr / L) * p.mask_stride_h + i * p.mask_stride_l) * mask_bytes;
+    }
+  }
+  const long long mask_stride_s = p.mask_stride_s * mask_bytes;
+
+  // ldmatrix lane addresses (common/mma.cuh); K and V at this warp's key slice of the tile.
+  const unsigned q_addr = smem_addr(sQ + (lane % 16) * kPitch + (lane / 16) * 8);
+  const unsigned k_addr = smem_addr(sK + (warp * kWarpN + (lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8);
+  const unsigned v_addr = smem_addr(sV + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * kPitch + (lane / 16) * 8);
+  const float scale_log2 = static_cast<float>(p.scale_log2);
+
+  float acc_o[kDTiles][4];
+  float m_i[2], l_i[2];  // running max (log2 units) and this lane's partial row sum
+  #pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  m_i[0] = m_i[1] = neg_inf();
+  l_i[0] = l_i[1] = 0.f;
+
+  #pragma unroll 1
+  for (int it = 0; it < n_tiles; ++it) {
+    const int stage = it % kStages;
+    cp_async_wait<kStages - 2>();  // tile it (and Q) landed: at most kStages - 2 newer groups still pending
+    __syncthreads();               // ... for every thread; and every warp is done with tile it - 1, refilled next
+    if (it + kStages - 1 < n_tiles) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+
+    const int n0w = n_start + it * kBlockN + warp * kWarpN;  // this warp's first key
+    float s[kNTiles][4];
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
+    const unsigned k_stage = k_addr + stage * kTileElems * 2;
+    #pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      unsigned a[4];
+      ldmatrix_x4(a, q_addr + kk * 16 * 2);
+      #pragma unroll
+      for (int nj = 0; nj < kWarpN / 16; ++nj) {
+        unsigned bk[4];
+        ldmatrix_x4(bk, k_stage + (nj * 16 * kPitch + kk * 16) * 2);
+        mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
+        mma_16816<T>(s[2 * nj + 1], a, bk[2], bk[3]);
+      }
+    }
+
+    // Scale, mask, and the online softmax per row half; P goes to A fragments as it is produced.
+    unsigned pa[kWarpN / 16][4];
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // Element (ni, e) is key n0w + 8·ni + 2t + e; visible iff that key <= row_limit (clamped to fit an int).
+      const int lim = max(-1, min(kWarpN, row_limit[half] - n0w - 2 * t));
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float x = s[ni][2 * half + e] * scale_log2;
+          if constexpr (HasMask) {
+            if (ni * 8 + e <= lim) x += mask_value(mrow[half] + (n0w + ni * 8 + 2 * t + e) * mask_stride_s, kind);
+          }
+          s[ni][2 * half + e] = ni * 8 + e > lim ? neg_inf() : x;
+        }
+      }
+      float mx = neg_inf();
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_old = m_i[half];
+      const float m_new = fmaxf(m_old, mx);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
+      m_i[half] = m_new;
+      float sum = 0.f;
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[ni][2 * half + e] = exp2_approx(s[ni][2 * half + e] - m_use);
+          sum += s[ni][2 * half + e];
+        }
+      }
+      #pragma unroll
+      for (int kk = 0; kk < kWarpN / 16; ++kk) {
+        pa[kk][half] = pack2<T>(s[2 * kk][2 * half], s[2 * kk][2 * half + 1]);
+        pa[kk][2 + half] = pack2<T>(s[2 * kk + 1][2 * half], s[2 * kk + 1][2 * half + 1]);
+      }
+      const float alpha = exp2_approx(m_old - m_use);
+      l_i[half] = l_i[half] * alpha + sum;
+      #pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[dt][2 * half] *= alpha;
+        acc_o[dt][2 * half + 1] *= alpha;
+      }
+    }
+
+    const unsigned v_stage = v_addr + stage * kTileElems * 2;
+    #pragma unroll
+    for (int kk = 0; kk < kWarpN / 16; ++kk) {
+      #pragma unroll
+      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+        unsigned bv[4];
+        ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
+        mma_16816<T>(acc_o[2 * dn], pa[kk], bv[0], bv[1]);
+        mma_16816<T>(acc_o[2 * dn + 1], pa[kk], bv[2], bv[3]);
+      }
+    }
+  }
+
+  // Merge the warps' partial rows through shared memory (the K/V space: no copy is pending after the wait, and no
+  // warp reads K/V after the barrier). Per row: m = max_w m_w, l = Σ_w 2^(m_w - m)·l_w, O = Σ_w 2^(m_w - m)·O_w / l.
+  cp_async_wait<0>();
+  __syncthreads();
+  float* sO = reinterpret_cast<float*>(sK);               // [kNWarps][16][kHeadDim]
+  float* sM = sO + kNWarps * kRows * kHeadDim;            // [kNWarps][16]
+  float* sL = sM + kNWarps * kRows;                       // [kNWarps][16]
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float l = l_i[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      sM[warp * kRows + r] = m_i[half];
+      sL[warp * kRows + r] = l;
+    }
+    float* orow = sO + (warp * kRows + r) * kHeadDim;
+    #pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt)
+      *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t) = make_float2(acc_o[dt][2 * half], acc_o[dt][2 * half + 1]);
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  const long long R = p.batch * p.num_heads * L;  // rows of the workspace, (b, h, i) order
+  for (int x = threadIdx.x; x < rows_valid * Ev; x += kThreads) {
+    const int r = x / Ev, c = x % Ev;
+    float m = neg_inf();
+    #pragma unroll
+    for (int w = 0; w < kNWarps; ++w) m = fmaxf(m, sM[w * kRows + r]);
+    float l = 0.f, o = 0.f;
+    #pragma unroll
+    for (int w = 0; w < kNWarps; ++w) {
+      const float mw = sM[w * kRows + r];
+      const float f = mw == neg_inf() ? 0.f : exp2_approx(mw - m);
+      l += f * sL[w * kRows + r];
+      o += f * sO[(w * kRows + r) * kHeadDim + c];
+    }
+    o = l > 0.f ? o / l : 0.f;
+    const float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
+    const int pr = r0 + r, h = h0 + pr / L, i = pr % L;
+    if (direct) {
+      static_cast<T*>(p.out)[b * p.out_stride_b + h * p.out_stride_h + i * p.out_stride_l + c] = from_float<T>(o);
+      if (c == 0 && p.lse) p.lse[b * p.lse_stride_b + h * p.lse_stride_h + i * p.lse_stride_l] = lse;
+    } else {
+      const long long row = split * R + (static_cast<long long>(b) * p.num_heads + h) * L + i;
+      p.o_part[row * Ev + c] = o;
+      if (c == 0) p.lse_part[row] = lse;
+    }
+  }
+}
+
+// Merge the splits' partials of one output row per CTA: lse = log Σ_s exp(lse_s) (max-shifted), out = Σ_s
+// exp(lse_s - lse)·O_s. Splits with lse_s = -inf (no visible key) are skipped; all of them: out 0, lse -inf.
+template <typename T>
+__global__ void __launch_bounds__(128) flash_decode_combine(const FlashDecodeParams p) {
+  using namespace decode;
+  const long long L = p.seqlen_q, R = p.batch * p.num_heads * L;
+  const long long row = blockIdx.x;
+  const int Ev = static_cast<int>(p.head_dim_v), n = static_cast<int>(p.num_splits);
+  float m = neg_inf();
+  for (int s = 0; s < n; ++s) m = fmaxf(m, p.lse_part[s * R + row]);
+  float denom = 0.f;
+  if (m != neg_inf())
+    for (int s = 0; s < n; ++s) denom += __expf(p.lse_part[s * R + row] - m);  // exp(-inf) = 0
+  const float lse = m == neg_inf() ? neg_inf() : m + __logf(denom);
+  const long long b = row / (p.num_heads * L), h = (row / L) % p.num_heads, i = row % L;
+  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + i * p.out_stride_l;
+  for (int c = threadIdx.x; c < Ev; c += blockDim.x) {
+    float o = 0.f;
+    if (m != neg_inf()) {
+      for (int s = 0; s < n; ++s) {
+        const float ls = p.lse_part[s * R + row];
+        if (ls != neg_inf()) o += __expf(ls - lse) * p.o_part[(s * R + row) * Ev + c];
+      }
+    }
+    out[c] = from_float<T>(o);
+  }
+  if (threadIdx.x == 0 && p.lse) p.lse[b * p.lse_stride_b + h * p.lse_stride_h + i * p.lse_stride_l] = lse;
+}
+
+}  // namespace cupy_attn

@@ -1,0 +1,351 @@
+"""The decode path: split-KV attention for short queries (Flash-Decoding; cuda_src/attention/flash_decode.cu).
+
+Two kernel families from one source: ``FLASH_DECODE`` (dtype × head-dim bucket × tile × has-mask; one CTA per split
+× (kv head, 16 packed query rows) × batch) and ``FLASH_DECODE_COMBINE`` (dtype; merges the splits' fp32 partials by
+their lse). The query heads that share a K/V head are packed into the rows of one tile (GQA), so K/V is read once.
+``prefer_decode`` says when the dispatcher takes it, ``num_splits_for`` how many splits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+
+import numpy as np
+
+from ..runtime import workspace
+from ..runtime.compile import KernelFamily, source_dir, struct_arg
+from ..runtime.interop import dtype_name
+from . import fused as _fused
+
+HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
+ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
+ENV_DECODE = "CUPY_ATTN_DECODE"
+MAX_SPLITS = 128
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeTile:
+    """Launch shape: key rows per tile (block_n / warps keys per warp, a multiple of 16), warps, K/V buffers
+    (stages - 1 tiles in flight), and the CTAs per SM it allows (for num_splits_for; shared memory is the limit)."""
+    block_n: int
+    warps: int
+    stages: int
+    ctas_per_sm: int = dataclasses.field(default=1, compare=False)  # not a template value
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Q (16 rows) + stages × (K and V tiles), rows padded by 8 elements (see the kernel header)."""
+        return (ROWS + 2 * self.stages * self.block_n) * (head_dim + 8) * 2
+
+
+# (head-dim bucket, arch major) -> DecodeTile. Hopper: 227 KB per block, 228 KB per SM; arch 8 must fit the 99 KB of
+# sm_86/sm_89 (and is untimed). Decode is memory-bound, so the entries maximize bytes in flight per SM:
+# (stages - 1) · block_n · 2 · (D + 8) · 2 bytes per CTA × CTAs per SM.
+DECODE_TILES = {
+    # D=64: 4 stages, 76 KB: 2 CTAs/SM (3 by shared memory; 2 assumed for the split rule), 2 × 3 × 18 KB in flight.
+    (64, 9): DecodeTile(64, 4, 4, 2), (64, 8): DecodeTile(64, 4, 4, 1),
+    # D=128: 3 stages, 109 KB: 2 CTAs/SM on Hopper, 2 × 2 × 34 KB in flight (4 stages, 144 KB, would allow 1).
+    # Arch 8: 2 stages, 74 KB.
+    (128, 9): DecodeTile(64, 4, 3, 2), (128, 8): DecodeTile(64, 4, 2, 1),
+    # D=256: 3 stages, 211 KB: 1 CTA/SM, 2 × 66 KB in flight. Arch 8: 32 keys over 2 warps, 2 stages, 76 KB.
+    (256, 9): DecodeTile(64, 4, 3, 1), (256, 8): DecodeTile(32, 2, 2, 1),
+}
+
+
+def _params_dtype(source: str, struct: str = "FlashDecodeParams") -> np.dtype:
+    """The NumPy structured dtype of a C struct in ``source`` whose fields are all 8 bytes wide (pointers, long long,
+    double), parsed from its declaration: the struct is declared once, in the .cu file.
+
+    >>> _params_dtype("struct P { float* out;  long long a, b; double s; };", "P").names
+    ('out', 'a', 'b', 's')
+    """
+    body = re.search(r"struct\s+" + struct + r"\s*\{(.*?)\};", source, re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    fields = []
+    for decl in filter(None, (d.strip() for d in body.split(";"))):
+        m = re.fullmatch(r"((?:const\s+)?(?:void|float)\s*\*|long long|double)\s*(.+)", decl, re.S)
+        if m is None:
+            raise ValueError(f"{struct}: cannot parse field declaration {decl!r}")
+        kind = np.float64 if m.group(1).strip() == "double" else np.int64  # pointers and long long: 8-byte ints
+        fields += [(name.strip().lstrip("*"), kind) for name in m.group(2).split(",")]
+    return np.dtype(fields)
+
+
+_SOURCE = "attention/flash_decode.cu"
+_PARAMS = _params_dtype((source_dir() / _SOURCE).read_text())
+# Its size and field sizes are asserted again when the family compiles (KernelFamily.structs).
+
+FLASH_DECODE = KernelFamily(
+    name="flash_decode",
+    source=_SOURCE,
+    template=("cupy_attn::flash_decode<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              "{has_mask}>"),
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": HEAD_DIMS,
+        "tile": tuple(sorted(set(DECODE_TILES.values()), key=dataclasses.astuple)),
+        "has_mask": ("false", "true"),
+    },
+    where=lambda row: any(t == row["tile"] for (d, _), t in DECODE_TILES.items() if d == row["head_dim"]),
+    structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
+)
+
+FLASH_DECODE_COMBINE = KernelFamily(
+    name="flash_decode_combine",
+    source=_SOURCE,
+    template="cupy_attn::flash_decode_combine<{dtype}>",
+    axes={"dtype": tuple(_C_TYPES.values())},
+    structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
+)
+
+_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
+_LOG2E = 1.4426950408889634
+
+
+def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
+    """The smallest decode bucket ≥ max(E, Ev) (E=40 → 64, E=96 → 128), None past 256."""
+    need = max(head_dim, head_dim_v)
+    return next((d for d in HEAD_DIMS if d >= need), None)
+
+
+def tile_for(head_dim: int, arch: int) -> DecodeTile:
+    return DECODE_TILES[(head_dim, 9 if arch // 10 == 9 else 8)]
+
+
+def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int) -> str | None:
+    """None when the decode kernel can run the call, else why not (the fused kernel's limits: fp16/bf16, sm_80+,
+    head dims ≤ 256)."""
+    return _fused.unsupported_reason(dtype, head_dim, head_dim_v, mask_kind, arch)
+
+
+def enabled() -> bool:
+    """False when ``CUPY_ATTN_DECODE=0``: the dispatcher never takes the decode kernel."""
+    return os.environ.get(ENV_DECODE, "1") != "0"
+
+
+def prefer_decode(seqlen_q: int, seqlen_k: int, groups: int) -> tuple[bool, str]:
+    """Auto rule: does the decode kernel serve this fused-eligible call better than the fused kernel?
+
+    Both read K and V, and with L ≤ 128 that is nearly all the bytes. The fused kernel reads them once per query head
+    (``groups`` times per K/V head under GQA; the repeats may hit L2, but measured GQA decode ran at 0.81 TB/s) with
+    B·Hq CTAs, each streaming all S keys; the decode kernel reads them once per ceil(L·groups / 16) packed row blocks
+    and splits S over more CTAs. So decode reads no more when ceil(L·g/16) ≤ g, i.e. L ≤ 16, and we also bound the
+    row blocks (L·g ≤ 64: at most 4 passes over K/V) since beyond that the 128-row fused tile re-reads less. S ≥ 256:
+    shorter calls are launch-bound either way (a few µs) and the fused kernel needs no combine launch.
+    Example: (8, 32 q heads, 8 kv heads, L=1, S=32768): L·g = 4 rows, one pass over K/V instead of 4 → decode;
+    L=32, g=1 → fused (each K/V head would be read twice by 16-row blocks, once by a 128-row tile).
+    """
+    if seqlen_q > 16:
+        return False, f"L={seqlen_q} > 16 query rows: the fused kernel's 128-row tiles read K/V fewer times"
+    if seqlen_q * groups > 4 * ROWS:
+        return False, f"L·groups = {seqlen_q * groups} > 64 packed rows: more than 4 passes over K/V"
+    if seqlen_k < 256:
+        return False, f"S={seqlen_k} < 256 keys: launch-bound, the fused kernel needs no combine pass"
+    return True, f"L·groups = {seqlen_q * groups} ≤ 64 packed rows read each K/V tile once; S={seqlen_k} split"
+
+
+def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2, min_keys: int = 512) -> int:
+    """Splits of the key axis so that the CTAs fill the GPU, FlashAttention-2's wave-efficiency rule.
+
+    ``ctas`` = B · Hkv · row blocks (the CTAs of one split), slots = num_sms · ctas_per_sm. Enough CTAs already
+    (≥ 0.8 of the slots): 1 split. Otherwise, for n = 1 .. min(128, S // min_keys) (each split keeps ≥ min_keys keys,
+    so its set-up and its partial write stay small next to its K/V stream), the wave efficiency
+    n·ctas/slots / ceil(n·ctas/slots), and take the smallest n within 0.85 of the best.
+    Examples, H200 (132 SMs), D=128 (2 CTAs/SM, 264 slots):
+      (64, 32 heads, L=1, S=4096): 2048 CTAs ≥ 211 → 1 split.
+      (8, 32, L=1, S=32768): 256 CTAs (0.97 of a wave) → 1 split.
+      (8, 32 q / 8 kv heads, L=1, S=32768): 64 CTAs: n=1 0.24, 2 0.48, 3 0.73, 4 0.97 → 4 splits of 8192 keys.
+      (16, 64 q / 8 kv, L=1, S=8192): 128 CTAs: n=1 0.48, 2 0.97 → 2 splits.
+      (1, 8 kv, L=1, S=4096): 8 CTAs, at most 8 splits of 512 keys: efficiency n·8/264, best 0.24 at n=8; n=7
+      gives 0.21 ≥ 0.85·0.24 → 7 splits (a latency-bound call either way).
+    """
+    slots = max(1, num_sms * ctas_per_sm)
+    if ctas >= 0.8 * slots:
+        return 1
+    max_splits = max(1, min(MAX_SPLITS, seqlen_k // min_keys))
+    eff = []
+    for n in range(1, max_splits + 1):
+        waves = n * ctas / slots
+        eff.append(waves / math.ceil(waves))
+    best = max(eff)
+    return next(n for n, e in enumerate(eff, 1) if e >= 0.85 * best)
+
+
+def check_num_splits(num_splits) -> None:
+    """num_splits must be None (auto) or a positive int (not a bool); ValueError naming it otherwise."""
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
+        raise ValueError(f"num_splits must be None (auto) or a positive int, got {num_splits!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def device_sms(device_id: int) -> int:
+    """Multiprocessor count of a device (132 on an H200)."""
+    import cupy
+    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
+
+
+def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
+               num_splits: int | None = None) -> tuple[int, int]:
+    """(splits actually launched, keys per split). A requested count is honoured up to one key tile per split: the
+    split length is rounded up to a multiple of the tile, so S=100 with 16 requested gives 2 splits of 64 keys."""
+    tile = tile_for(head_dim, arch)
+    ctas = B * Hkv * math.ceil(L * groups / ROWS)
+    n = num_splits_for(ctas, S, num_sms, tile.ctas_per_sm) if num_splits is None else int(num_splits)
+    chunk = math.ceil(math.ceil(S / n) / tile.block_n) * tile.block_n
+    return math.ceil(S / chunk), chunk
+
+
+def _estrides(a) -> list[int]:
+    return [s // a.itemsize for s in a.strides]
+
+
+def _partials(ctx, nbytes: int):
+    """(holder, pointer) of the splits' fp32 partials: from the caller's allocator on the call's stream
+    (runtime.workspace.scratch; freed stream-ordered after the combine kernel has read them), or from CuPy's pool on
+    its current stream when the launch has no call context (decode_forward, tests)."""
+    if ctx is not None:
+        return workspace.scratch(ctx, nbytes)
+    import cupy
+    a = cupy.empty(nbytes, dtype=cupy.uint8)
+    return a, a.data.ptr
+
+
+def prepare_problem(p, num_splits, out, lse):
+    """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` of the decode kernel for a checked problem, on the
+    call's device and stream, partials from the caller's allocator (what dispatch's plan returns)."""
+    launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
+                     num_splits=num_splits)
+    launch.ctx = ctx = p.ctx
+
+    def run(*ptrs):
+        with ctx.activate():
+            launch(*ptrs)
+    return run
+
+
+def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
+                   num_splits: int | None = None) -> None:
+    """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's)."""
+    prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits)(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+        0 if mask is None else mask.data.ptr)
+
+
+def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
+            num_splits: int | None = None) -> "DecodeLaunch":
+    """Check a decode call and build its launch (all but the pointers), as fused.prepare.
+
+    q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
+    Hq, L, Ev) in q's dtype, last-dim stride 1; lse None or (B, Hq, L) fp32; mask None or broadcast to (B, Hq, L, S);
+    causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
+    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan).
+    """
+    import cupy
+
+    check_num_splits(num_splits)
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    dtype = q.dtype
+    arch = int(cupy.cuda.Device().compute_capability)
+    mask_kind = "none" if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+    reason = unsupported_reason(dtype, E, Ev, mask_kind, arch)
+    if reason:
+        raise ValueError(f"decode attention: {reason}")
+    if k.shape != (B, Hkv, S, E) or out.shape != (B, Hq, L, Ev) or Hq % Hkv:
+        raise ValueError(f"decode attention: shapes q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape} disagree")
+    if any(a.dtype != dtype for a in (k, v, out)):
+        raise ValueError("decode attention: q, k, v and out must share one dtype")
+    if any(a.strides[-1] != a.itemsize for a in (q, k, v, out)):
+        raise ValueError("decode attention: the last dimension of q, k, v and out must be contiguous")
+    if L < 1 or S < 1:
+        raise ValueError("decode attention: L and S must be at least 1 (the caller handles empty sequences)")
+    if causal not in (None, "top_left", "bottom_right"):
+        raise ValueError(f"decode attention: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    if mask is not None:
+        if mask.shape != (B, Hq, L, S):
+            raise ValueError(f"decode attention: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
+        if dtype_name(mask.dtype) not in _MASK_KIND:
+            raise ValueError(f"decode attention: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
+    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
+        raise ValueError(f"decode attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
+
+    head_dim = head_dim_bucket(E, Ev)
+    tile = tile_for(head_dim, arch)
+    groups = Hq // Hkv
+    row_blocks = math.ceil(L * groups / ROWS)
+    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, device_sms(cupy.cuda.Device().id), num_splits)
+    if Hkv * row_blocks > 65535 or B > 65535:
+        raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
+                         "must each be <= 65535")
+    c_type = _C_TYPES[dtype_name(dtype)]
+    kernel = FLASH_DECODE.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
+                                 has_mask="false" if mask is None else "true")
+    combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
+    smem = tile.smem_bytes(head_dim)
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+
+    def rows16(a) -> bool:  # every row start 16-byte aligned: 16-byte cp.async
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+
+    p = np.zeros((), dtype=_PARAMS)
+    p["batch"], p["num_heads"], p["seqlen_q"], p["seqlen_k"] = B, Hq, L, S
+    p["head_dim"], p["head_dim_v"], p["groups"], p["row_blocks"] = E, Ev, groups, row_blocks
+    p["num_splits"], p["split_keys"] = splits, chunk
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
+    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2
+    p["scale_log2"] = float(scale) * _LOG2E
+    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
+        for axis, stride in zip(axes, _estrides(arr)):
+            p[f"{name}_stride_{axis}"] = stride
+    if lse is not None:
+        for axis, stride in zip("bhl", _estrides(lse)):
+            p[f"lse_stride_{axis}"] = stride
+    if mask is not None:
+        for axis, stride in zip("bhls", _estrides(mask)):
+            p[f"mask_stride_{axis}"] = stride
+    rows = B * Hq * L
+    part_bytes = 0 if splits == 1 else splits * rows * (Ev + 1) * 4
+    return DecodeLaunch(kernel, combine, p, (splits, Hkv * row_blocks, B), (tile.warps * 32,), smem, rows,
+                        splits * rows * Ev * 4, part_bytes)
+
+
+@dataclasses.dataclass
+class DecodeLaunch:
+    """One prepared decode call: FlashDecodeParams without the pointers, grids, and the partials' size."""
+
+    kernel: object
+    combine: object          # None for one split (the split kernel writes out and lse itself)
+    params: np.ndarray
+    grid: tuple
+    block: tuple
+    smem: int
+    rows: int                # B · Hq · L: the combine kernel's grid
+    o_part_bytes: int        # offset of lse_part inside the workspace
+    part_bytes: int          # 0 for one split
+
+    @property
+    def num_splits(self) -> int:
+        return int(self.params["num_splits"])
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream; the partials come from _partials and go back to the pool after the
+        combine kernel is enqueued (stream-ordered reuse)."""
+        p = self.params.copy()
+        p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
+        work = None
+        if self.part_bytes:
+            work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
+            p["o_part"], p["lse_part"] = ptr, ptr + self.o_part_bytes
+        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+        if self.combine is not None:
+            self.combine((self.rows,), (128,), (struct_arg(p),))
+        del work
