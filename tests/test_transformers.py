@@ -22,7 +22,7 @@ def _llama_config(**kw):
 
 def _bert_config():
     return transformers.BertConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=128, max_position_embeddings=64)
+                                   intermediate_size=128, max_position_embeddings=128)
 
 
 def _pair(model_cls, config, device="cpu", dtype=torch.float32, seed=0):

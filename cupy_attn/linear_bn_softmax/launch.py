@@ -212,7 +212,7 @@ class _Prepared:
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
         # Function objects, launched with an explicit stream (no CuPy current-stream switch on the replay path).
         self.launches = tuple((ln.kernel.kernel, (ln.grid,), (ln.block,)) for ln in launches)
-        self.affine = _workspace(self.device_id, self.stream_ptr, "affine", 4 * 4 * f)  # (4, F) float32
+        self.affine_bytes = 4 * 4 * f  # (4, F) float32: the folded per-feature affine, a per-stream workspace
         flags = 0
         if call.update_running:
             flags |= _FLAG_UPDATE_RUNNING
@@ -226,13 +226,9 @@ class _Prepared:
         self.tail = (n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
                      0 if rm is None else _CODE_OF[rm.dtype], flags, eps, 0.0 if momentum is None else momentum)
 
-    def params(self, out_ptr: int, y_ptr: int, vectors: tuple) -> np.ndarray:
+    def params(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> np.ndarray:
         """Params (one structured scalar in field order: building it field by field costs ~1 µs a field)."""
-        return np.array((out_ptr, y_ptr, workspace.pointer(self.affine), *vectors, *self.tail), dtype=_PARAMS)
-
-    def y_ptr(self) -> int:
-        """The y workspace (looked up per call: it may have grown for another shape on this stream)."""
-        return workspace.pointer(_workspace(self.device_id, self.stream_ptr, "y", self.y_bytes))
+        return np.array((out_ptr, y_ptr, affine_ptr, *vectors, *self.tail), dtype=_PARAMS)
 
     def execute(self, alloc, x_ptr: int, w_ptr: int, vectors):
         """Enqueue the call on the prepared stream (the prepared device current) and return the output.
@@ -241,6 +237,9 @@ class _Prepared:
         ``vectors``: pointers in _VECTORS order (0 for absent ones), or a function returning them, called after the
         GEMM is enqueued.
         """
+        # Workspaces are looked up per call and held until the launches are enqueued: they may have grown for another
+        # shape on this stream, and under CUDA-graph capture they are per-call buffers (runtime.workspace.persistent).
+        y_buf = None
         if self.in_place:
             out, out_ptr = alloc()
             y_ptr = out_ptr
@@ -249,10 +248,12 @@ class _Prepared:
                 cupy.cuda.runtime.memsetAsync(y_ptr, 0, self.y_bytes, self.stream_ptr)
             self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
         else:
-            y_ptr = self.y_ptr()
+            y_buf = _workspace(self.device_id, self.stream_ptr, "y", self.y_bytes)
+            y_ptr = workspace.pointer(y_buf)
             self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
             out, out_ptr = alloc()
         self.enqueue_post(out_ptr, y_ptr, vectors() if callable(vectors) else vectors)
+        del y_buf
         return out
 
     def enqueue_gemm(self, y_ptr: int, x_ptr: int, w_ptr: int) -> None:
@@ -266,7 +267,8 @@ class _Prepared:
 
     def enqueue_post(self, out_ptr: int, y_ptr: int, vectors: tuple) -> None:
         """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
-        params = self.params(out_ptr, y_ptr, vectors)
+        affine = _workspace(self.device_id, self.stream_ptr, "affine", self.affine_bytes)
+        params = self.params(out_ptr, y_ptr, workspace.pointer(affine), vectors)
         arg = (struct_arg(params),)
         stream = self.ctx.stream
         for fn, grid, block in self.launches:

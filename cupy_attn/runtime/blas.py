@@ -15,7 +15,7 @@ import os
 
 import numpy as np
 
-from . import cublaslt
+from . import cublaslt, workspace
 from .interop import dtype_name
 
 USE_CUBLASLT = os.environ.get("CUPY_ATTN_CUBLASLT", "1") != "0"
@@ -74,8 +74,11 @@ class StridedGemm:
 
     def bind(self, stream_ptr: int):
         """``fn(c_ptr, a_ptr, b_ptr)`` enqueuing this GEMM on ``stream_ptr`` with the least host work (cuBLASLt's
-        bound call), or None before the first call has chosen the cuBLASLt algorithm (or without cuBLASLt)."""
-        return None if self._lt_plan is None else self._lt_plan.bind(self._alpha_ptr, self._beta_ptr, stream_ptr)
+        bound call), or None before the first call has chosen the cuBLASLt algorithm (or without cuBLASLt), and while
+        the stream is being captured (a bound call keeps its workspace, which under capture is a per-call buffer)."""
+        if self._lt_plan is None or workspace.capturing(stream_ptr):
+            return None
+        return self._lt_plan.bind(self._alpha_ptr, self._beta_ptr, stream_ptr)
 
     def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None) -> None:
         """Enqueue on ``stream_ptr`` (a raw stream handle), or on CuPy's current stream when None. The first call of

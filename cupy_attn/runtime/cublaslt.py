@@ -198,7 +198,8 @@ class Plan:
         """D = C = alpha·op(A)·op(B) + beta·C on ``stream_ptr``; alpha/beta are host float32 pointers."""
         lt = _lib()
         algo = self.algos[self.choice if choice is None else choice]
-        ws_ptr, ws_size = _workspace(self.key.device_id, stream_ptr, algo.workspace_size)
+        ws = _workspace_array(self.key.device_id, stream_ptr, algo.workspace_size)  # held until enqueued
+        ws_ptr, ws_size = (0, 0) if ws is None else (workspace.pointer(ws), ws.nbytes)
         try:
             lt.matmul(_handle(self.key.device_id), self.desc, alpha_ptr, b_ptr, self.layout_a, a_ptr, self.layout_b,
                       beta_ptr, c_ptr, self.layout_c, c_ptr, self.layout_c, algo.ptr, ws_ptr, ws_size, stream_ptr)

@@ -71,11 +71,23 @@ def scratch(ctx, nbytes: int):
 
 def persistent(device_id: int, stream_ptr: int, name: str, nbytes: int):
     """The per-stream buffer ``name`` of at least ``nbytes`` (grown on demand; a replaced buffer goes back to its
-    allocator, stream-ordered). Returns the buffer; ``pointer(buf)`` gives its address."""
+    allocator, stream-ordered). Returns the buffer; ``pointer(buf)`` gives its address; hold it until the work using it
+    is enqueued.
+
+    While the stream is being captured into a CUDA graph the buffer is a new one for this call instead, not cached: a
+    cached buffer allocated inside torch's capture would live in the graph's private pool (torch's CUDA-graph trees
+    refuse live allocations there that are not graph outputs); from torch it is freed, stream-ordered, when the caller
+    drops it, from CuPy it is kept with the captured scratch until release()."""
+    owner = _OWNER.get((device_id, stream_ptr), CUPY)
+    if capturing(stream_ptr):
+        buf = _alloc(owner, device_id, nbytes)[0]
+        if owner == CUPY:
+            _CAPTURED.append(buf)
+        return buf
     key = (device_id, stream_ptr, name)
     buf = _PERSISTENT.get(key)
     if buf is None or _nbytes(buf) < nbytes:
-        buf = _PERSISTENT[key] = _alloc(_OWNER.get((device_id, stream_ptr), CUPY), device_id, nbytes)[0]
+        buf = _PERSISTENT[key] = _alloc(owner, device_id, nbytes)[0]
     return buf
 
 
