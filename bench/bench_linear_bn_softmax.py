@@ -196,7 +196,8 @@ def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
     stream when run."""
     prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
     vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
-    params = prepared.params(out_ptr, out_ptr, vectors)
+    affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "affine", prepared.affine_bytes)
+    params = prepared.params(out_ptr, out_ptr, lbs.workspace.pointer(affine), vectors)
     return [(fn, grid, block, params) for fn, grid, block in prepared.launches]
 
 
@@ -298,7 +299,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
         "cache key": lambda: lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None),
         "new_empty": lambda: x.new_empty((N, F)),
         "gemm enqueue": lambda: prepared._matmul(y.data_ptr(), x.data_ptr(), plain.gemm.weight.data_ptr()),
-        "params": lambda: prepared.params(y.data_ptr(), y.data_ptr(), vectors),
+        "params": lambda: prepared.params(y.data_ptr(), y.data_ptr(), y.data_ptr(), vectors),
         "whole call (hit)": whole,
         "checks (miss)": lambda: lbs_checks.check(*args),
         "prepare (miss)": lambda: lbs._Prepared(call, bn.momentum, bn.eps, False, K, K),
