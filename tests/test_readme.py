@@ -101,3 +101,15 @@ def test_setup_lines():
     ci = (README.parent / ".ci" / "run").read_text()
     for tag in ("main job", "torch, no GPU", "tests"):
         assert f'readme_command "{tag}"' in ci
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("marker", ["torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)"])
+def test_examples_as_written_on_the_gpu(marker):
+    """On a GPU the blocks run unchanged (CUDA tensors, CuPy arrays, the fused paths)."""
+    if marker != "cupy.random.default_rng":
+        pytest.importorskip("torch")
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(_block(marker), str(README), "exec"), ns)
+    out = ns["probs"] if "probs" in ns else ns["out"]
+    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256))
