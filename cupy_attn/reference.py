@@ -29,8 +29,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     query head h reads key/value head h // (Hq // Hkv). attn_mask broadcastable to (..., Hq, L, S): bool (True = take
     part) or float (added to the scaled scores). is_causal: False, True / "top_left", or "bottom_right".
     scale defaults to 1/sqrt(E). Rows with every key masked give output 0 and lse -inf; NaN/Inf propagate.
+    dtypes: anything ``np.asarray`` reads as numbers (bf16 as ml_dtypes.bfloat16 included), computed in float64.
 
     Returns out (..., Hq, L, Ev) float64, and lse (..., Hq, L) float64 (natural log) when return_lse.
+    Raises: only what NumPy raises for shapes that do not broadcast or multiply (ValueError); the arguments are not
+    checked here (``cupy_attn.scaled_dot_product_attention`` checks them, naming each).
     """
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
@@ -64,7 +67,7 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     """``softmax(scale · BatchNorm1d(x · weightᵀ + bias), dim=1)`` in float64, with torch's train/eval semantics.
 
     Shapes: x (N, K), weight (F, K), bias (F,) or None, running_mean/running_var (F,) or both None, bn_weight/bn_bias
-    (F,) or None, scale (1,), () or (F,); num_batches_tracked an int or None.
+    (F,) or None, scale (1,), () or (F,); num_batches_tracked an int or None. Any numeric dtype, computed in float64.
     Batch statistics (mean, biased variance over axis 0) normalize when ``training`` or when there are no running
     stats; otherwise the running stats do. Pure: nothing is modified.
 

@@ -527,3 +527,62 @@ def test_gpu_errors_before_launch_and_batch_of_one():
     assert int(fused.bn.num_batches_tracked) == 0
     with torch.no_grad(), pytest.raises(ValueError, match="weight axis 1"):
         linear_batchnorm_softmax(torch.randn(4, 7, device="cuda"), **_state(fused), training=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# CPU: arrays of one kind; scale as a Python number
+
+def test_numpy_and_torch_mixed_are_refused():
+    args = _args()
+    with pytest.raises(TypeError, match="weight is a torch.Tensor but x is a numpy.ndarray: pass one kind of array"):
+        linear_batchnorm_softmax(**{**args, "weight": torch.from_numpy(args["weight"])}, training=True)
+    cpu = {key: torch.from_numpy(v) for key, v in args.items()}
+    with pytest.raises(TypeError, match="scale is a numpy.ndarray but x is a torch.Tensor"):
+        linear_batchnorm_softmax(**{**cpu, "scale": args["scale"]}, training=False)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch_cpu"])
+@pytest.mark.parametrize("value", [2.5, 3, np.float32(0.75)])
+def test_scale_as_a_number_equals_a_one_element_array(kind, value):
+    args = _args()
+    args["running_var"] = np.full(5, 2.0, np.float32)   # not ones: eval must read it
+    conv = (lambda a: a) if kind == "numpy" else torch.from_numpy  # noqa: E731
+    for training in (True, False):
+        arrays = {key: conv(v.copy()) for key, v in args.items() if key != "scale"}
+        got = linear_batchnorm_softmax(**arrays, scale=value, training=training)
+        arrays = {key: conv(v.copy()) for key, v in args.items() if key != "scale"}
+        expect = linear_batchnorm_softmax(**arrays, scale=conv(np.array([value], np.float32)), training=training)
+        assert type(got) is type(expect)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expect))
+    base = linear_batchnorm_softmax(**{**args, "scale": 1.0}, training=False)
+    assert not np.allclose(base, linear_batchnorm_softmax(**{**args, "scale": 4.0}, training=False))
+
+
+def test_scale_bool_is_refused():
+    with pytest.raises(TypeError, match="scale must be"):
+        linear_batchnorm_softmax(**{**_args(), "scale": True}, training=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["torch", "cupy"])
+def test_gpu_scale_as_a_number_and_mixed_kinds(kind):
+    """A Python-number scale on the GPU equals the (1,) array, through the call cache too (different values, same
+    key, different results); CuPy next to torch is refused before any launch."""
+    import cupy
+    gen = torch.Generator().manual_seed(31)
+    plain = _randomize(Model(32, 48), gen).cuda().eval()
+    st = {key: v.detach() for key, v in _state(plain).items()}
+    conv = (lambda t: t) if kind == "torch" else (lambda t: cupy.from_dlpack(t))  # noqa: E731
+    st = {key: conv(v) for key, v in st.items()}
+    x = conv(torch.randn(16, 32, generator=gen).cuda())
+    mk = (lambda v: torch.full((1,), v, device="cuda")) if kind == "torch" else \
+        (lambda v: cupy.full(1, v, dtype=cupy.float32))  # noqa: E731
+    host = (lambda a: a.cpu().numpy()) if kind == "torch" else cupy.asnumpy  # noqa: E731
+    _callcache.clear()
+    for value in (0.5, 3.0, 0.5, 7):
+        got = linear_batchnorm_softmax(x, **{**st, "scale": value}, training=False)
+        expect = linear_batchnorm_softmax(x, **{**st, "scale": mk(float(value))}, training=False)
+        np.testing.assert_array_equal(host(got), host(expect))
+    other = cupy.from_dlpack(st["weight"]) if kind == "torch" else torch.from_dlpack(st["weight"])
+    with pytest.raises(TypeError, match="weight is a .* but x is a"):
+        linear_batchnorm_softmax(x, **{**st, "weight": other}, training=False)

@@ -320,3 +320,15 @@ def test_call_cache_cupy_inputs(backend):
         fresh = cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw)
         for a, b in zip(*((r,) if isinstance(r, cupy.ndarray) else r for r in (replayed, fresh))):
             assert isinstance(a, cupy.ndarray) and bool(cupy.array_equal(a, b)), kw
+
+
+def test_cupy_and_torch_mixed_are_refused():
+    import cupy
+    g = torch.Generator("cuda").manual_seed(23)
+    q, k, v = (_rand((1, 2, 16, 32), "float16", g) for _ in range(3))
+    with pytest.raises(TypeError, match="key is a cupy.ndarray but query is a torch.Tensor: pass one kind of array"):
+        cupy_attn.scaled_dot_product_attention(q, cupy.from_dlpack(k), v)
+    with pytest.raises(TypeError, match="query is a torch.Tensor"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=cupy.ones((16, 16), dtype=cupy.bool_))
+    with pytest.raises(ValueError, match="value is on CPU but query is not"):
+        cupy_attn.scaled_dot_product_attention(q, k, v.cpu())

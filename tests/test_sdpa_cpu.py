@@ -205,3 +205,50 @@ def test_call_cache_refuses_mixed_kinds():
     q, k, v = _qkv()
     args = (None, 0.0, False, None, False, "auto", False, False, None)
     assert _callcache.key(torch.from_numpy(q), k, v, *args) is None
+
+
+# --- what CPU inputs cannot do, and arrays of different kinds: refused before anything runs --------------------------
+
+@pytest.mark.parametrize("backend", ["fused", "split"])
+def test_cpu_inputs_refuse_gpu_backends(backend):
+    q, k, v = _qkv()
+    kinds = [(q, k, v)]
+    try:
+        import torch
+        kinds.append(tuple(torch.from_numpy(x) for x in (q, k, v)))
+    except ImportError:
+        pass
+    for args in kinds:
+        for call in (SDPA, cupy_attn.explain):
+            with pytest.raises(ValueError, match=f"backend='{backend}' needs CUDA inputs: .* run only the float64 "
+                                                 r"reference \(pass backend='auto' or 'reference'\)"):
+                call(*args, backend=backend)
+
+
+@pytest.mark.parametrize("env", ["fused", "split", "reference"])
+def test_env_backend_does_not_apply_to_cpu_inputs(env, monkeypatch):
+    monkeypatch.setenv(_dispatch.ENV_BACKEND, env)
+    q, k, v = _qkv()
+    assert cupy_attn.explain(q, k, v).backend == "reference"
+    np.testing.assert_allclose(SDPA(q, k, v), reference.scaled_dot_product_attention(q, k, v), rtol=1e-6)
+
+
+def test_numpy_and_torch_mixed_are_refused():
+    torch = pytest.importorskip("torch")
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="key is a torch.Tensor but query is a numpy.ndarray: pass one kind of array"):
+        SDPA(q, torch.from_numpy(k), v)
+    with pytest.raises(TypeError, match="value is a numpy.ndarray but query is a torch.Tensor"):
+        SDPA(torch.from_numpy(q), torch.from_numpy(k), v)
+    with pytest.raises(TypeError, match="attn_mask is a numpy.ndarray but query is a torch.Tensor"):
+        SDPA(*(torch.from_numpy(x) for x in (q, k, v)), attn_mask=np.ones((5, 7), bool))
+
+
+def test_same_kind_rule_for_gpu_kinds():
+    """CuPy next to torch CUDA is refused too (GPU arrays cannot be made here: the rule itself is checked)."""
+    with pytest.raises(TypeError, match="key is a cupy.ndarray but query is a torch.Tensor"):
+        _interop.check_same_kind("key", _interop.CUPY, "query", _interop.TORCH)
+    with pytest.raises(TypeError, match="x is a torch.Tensor but query is a cupy.ndarray"):
+        _interop.check_same_kind("x", _interop.TORCH, "query", _interop.CUPY)
+    _interop.check_same_kind("key", _interop.DLPACK, "query", _interop.CUPY)   # both come back as CuPy
+    _interop.check_same_kind("key", _interop.TORCH_CPU, "query", _interop.TORCH)  # device rule, not kind rule

@@ -67,7 +67,11 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend) -> SDPAProblem:
-    """Validate a scaled_dot_product_attention call; raise TypeError/ValueError/NotImplementedError naming the argument."""
+    """Validate a scaled_dot_product_attention call; raise TypeError/ValueError/NotImplementedError naming the argument.
+
+    Every array argument must be of query's kind (torch, NumPy, or CuPy / CUDA DLPack) and on query's device: a CPU
+    array next to a CUDA one is a ValueError, NumPy next to torch or CuPy next to torch a TypeError.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
@@ -98,6 +102,7 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         if (kind in interop.CPU_KINDS) != (ctx.kind in interop.CPU_KINDS):
             where = "CPU" if kind in interop.CPU_KINDS else "a CUDA device"
             raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
+        interop.check_same_kind(name, kind, "query", ctx.kind)
         if ctx.on_gpu and interop.device_of(x, kind) != ctx.device_id:
             raise ValueError(f"{name} is on cuda:{interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
 

@@ -2,7 +2,7 @@
 
 The decision is a pure function of the checked problem and the device's compute capability, so it can be printed
 (``cupy_attn.explain``) and tested on a machine without a GPU. ``CUPY_ATTN_BACKEND`` (fused | split | reference)
-overrides ``backend="auto"`` for debugging.
+overrides ``backend="auto"`` for debugging, on GPU calls only: CPU inputs always run the reference.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from typing import Callable
 from . import split as _split
 
 ENV_BACKEND = "CUPY_ATTN_BACKEND"
+_CPU_NAMES = {"numpy": "NumPy", "torch_cpu": "CPU torch"}
 
 
 @dataclasses.dataclass
@@ -80,13 +81,19 @@ def prefer_fused(p) -> tuple[bool, str]:
 
 def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None = None,
               num_sms: int | None = None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> Plan:
-    """Choose the path for a checked problem (see checks.SDPAProblem); ValueError when a forced path cannot run it.
+    """Choose the path for a checked problem (see checks.SDPAProblem).
 
-    num_splits: the caller's split count for the decode kernel (None: auto); num_sms: the device's SM count (looked
-    up when None; tests pass it with a fake arch). ``workspace_bytes`` and ``allow_tf32`` configure the split path's
-    launch (``Plan.prepare``)."""
+    CPU inputs (NumPy, CPU torch) always run the reference: backend="fused" or "split" with them is a ValueError, and
+    CUPY_ATTN_BACKEND is ignored for them (it overrides ``backend="auto"`` on GPU calls only). On the GPU, ValueError
+    when a forced path cannot run the call. num_splits: the caller's split count for the decode kernel (None: auto);
+    num_sms: the device's SM count (looked up when None; tests pass it with a fake arch). ``workspace_bytes`` and
+    ``allow_tf32`` configure the split path's launch (``Plan.prepare``).
+    """
     copies = list(p.copies)
-    if not p.ctx.on_gpu:
+    if not p.ctx.on_gpu:  # CUPY_ATTN_BACKEND is not read here: it overrides GPU calls only
+        if backend in ("fused", "split"):
+            raise ValueError(f"backend={backend!r} needs CUDA inputs: {_CPU_NAMES.get(p.ctx.kind, p.ctx.kind)} inputs "
+                             f"run only the float64 reference (pass backend='auto' or 'reference')")
         return Plan("reference", f"{p.ctx.kind} inputs run the float64 NumPy reference on the CPU", copies=copies)
     arch = device_arch(p) if arch is None else arch
     requested = backend

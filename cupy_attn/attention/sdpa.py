@@ -31,15 +31,17 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
     the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
     ``__dlpack__`` objects (results as CuPy arrays); NumPy arrays and CPU torch tensors run the float64 NumPy
-    reference (slow; for checking). Tensors with requires_grad are accepted for the forward (no autograd yet).
+    reference (slow; for checking). All arrays of one call must be of one kind (torch, NumPy, or CuPy / CUDA DLPack)
+    and on one device. Tensors with requires_grad are accepted for the forward (no autograd yet).
     Copies are made only when an input's last axis is not unit-stride or its leading axes have no common stride
     (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are read in place.
 
-    backend: "auto" (``explain`` says what it picks; env CUPY_ATTN_BACKEND overrides), "fused" (FlashAttention-2
+    backend: "auto" (``explain`` says what it picks; env CUPY_ATTN_BACKEND overrides it for GPU calls; CPU inputs
+    always run the reference), "fused" (FlashAttention-2
     kernel, Dao 2023; on Hopper, head dims 64/128/192/256 use warpgroup MMAs with FlashAttention-3's ping-pong of two
     warpgroups, Shah et al. 2024; CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused mask+softmax kernel, cuBLAS P·V; the
     buffer is processed in chunks of batch·heads under ``workspace_bytes``, default 1 GiB or
-    CUPY_ATTN_WORKSPACE_BYTES), or "reference".
+    CUPY_ATTN_WORKSPACE_BYTES), or "reference". "fused" and "split" need CUDA inputs.
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
     rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
@@ -53,9 +55,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     the graph, no graph break. Eager calls skip the op: its dispatch would add ~10 µs of host time per call.
 
     Returns: out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
-    Raises: TypeError for non-array inputs or unsupported dtypes; ValueError for shape, device, mask or flag errors
-    (naming the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run
-    the call.
+    Raises (all before anything is launched): TypeError for non-array inputs, unsupported dtypes, and arrays of
+    another kind than query's (NumPy or CuPy next to torch); ValueError for shape, device, mask or flag errors (naming
+    the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run the
+    call, and for backend="fused" or "split" with CPU inputs.
     """
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,

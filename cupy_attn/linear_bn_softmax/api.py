@@ -19,7 +19,9 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     """``softmax(scale · batch_norm(x · weightᵀ + bias), dim=1)``: torch's Linear → BatchNorm1d → ·scale → softmax.
 
     Shapes: x (N, K); weight (F, K); bias (F,) or None; running_mean, running_var (F,), or both None
-    (track_running_stats=False); bn_weight, bn_bias (F,) or None (affine=False); scale (1,), () or (F,);
+    (track_running_stats=False); bn_weight, bn_bias (F,) or None (affine=False); scale (1,), () or (F,), or a Python
+    number (int or float, used as a float32 scalar: a one-element array of x's kind is made for it, on the GPU a
+    4-byte allocation and fill per call);
     num_batches_tracked: one-element int64 array or None.
     dtypes: x, weight and bias float32, float16 or bfloat16, all equal; the per-feature vectors may each be float32,
     float16 or bfloat16 (e.g. fp32 BatchNorm parameters with fp16 activations). Statistics, the affine and the softmax
@@ -54,10 +56,13 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     graph node; eager calls skip it (its dispatch would add ~50 µs of host time).
 
     Returns: (N, F) array of x's kind and dtype.
-    Raises: TypeError for non-arrays and unsupported dtypes; ValueError for shapes (naming argument and axis), devices,
+    Raises: TypeError for non-arrays and unsupported dtypes, and for arrays of another kind than x's (NumPy or CuPy
+    next to torch); ValueError for shapes (naming argument and axis), devices,
     running stats given by halves or not contiguous, momentum=None without num_batches_tracked, and batch size 1 when
     batch statistics are used ("Expected more than 1 value per channel when training").
     """
+    if isinstance(scale, _NUMBERS) and not isinstance(scale, (bool, np.bool_)):
+        scale = _scale_array(scale, x)  # a Python number: a (1,) float32 array of x's kind, keyed like any array
     traced = interop.torch_compiling()  # Dynamo must see one opaque op, never the call cache's key
     arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
     call_key = None if traced else _call_key(arrays, training, momentum, eps, allow_tf32)
@@ -94,6 +99,22 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
             callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
     return out_native
 
+
+
+_NUMBERS = (int, float, np.integer, np.floating)
+
+
+def _scale_array(value, x):
+    """A Python/NumPy number as a (1,) float32 array of x's kind, on x's device (the caller's stream for GPU kinds)."""
+    kind = interop.kind_of(x, "x")
+    if kind in (interop.TORCH, interop.TORCH_CPU):
+        torch = sys.modules["torch"]
+        return torch.full((1,), float(value), dtype=torch.float32, device=x.device)
+    if kind == interop.NUMPY:
+        return np.full(1, value, dtype=np.float32)
+    import cupy
+    with cupy.cuda.Device(interop.device_of(x, kind)):
+        return cupy.full(1, value, dtype=cupy.float32)
 
 
 def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | None:

@@ -68,13 +68,16 @@ def _arg(v: Any, name: str, ctx: interop.CallContext) -> _Arg:
         dev = v.get_device()  # -1 on the CPU
         if (dev >= 0) != ctx.on_gpu:
             raise ValueError(f"{name} is on {'a GPU' if dev >= 0 else 'the CPU'} but x is not")
+        kind = interop.TORCH if dev >= 0 else interop.TORCH_CPU
+        if kind is not ctx.kind:
+            interop.check_same_kind(name, kind, "x", ctx.kind)
         if dev >= 0 and dev != ctx.device_id:
             raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
-        return _Arg(v, interop.TORCH if dev >= 0 else interop.TORCH_CPU, interop.torch_to_numpy_dtype(v.dtype),
-                    tuple(v.shape))
+        return _Arg(v, kind, interop.torch_to_numpy_dtype(v.dtype), tuple(v.shape))
     kind = interop.kind_of(v, name)
     if (kind in interop.CPU_KINDS) != (not ctx.on_gpu):
         raise ValueError(f"{name} is on {'the CPU' if kind in interop.CPU_KINDS else 'a GPU'} but x is not")
+    interop.check_same_kind(name, kind, "x", ctx.kind)
     if ctx.on_gpu:
         dev = interop.device_of(v, kind)
         if dev != ctx.device_id:
@@ -119,7 +122,7 @@ def check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
     args["gamma"] = _vector(bn_weight, "bn_weight", f, ctx)
     args["beta"] = _vector(bn_bias, "bn_bias", f, ctx)
     if scale is None:
-        raise TypeError("scale must be an array of shape (1,) or (out_features,), got None")
+        raise TypeError("scale must be a number or an array of shape (1,), () or (out_features,), got None")
     args["scale"] = _vector(scale, "scale", f, ctx, allow_scalar=True)
     if (running_mean is None) != (running_var is None):
         raise ValueError("running_mean and running_var must both be given or both be None")

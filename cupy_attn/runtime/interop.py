@@ -26,6 +26,21 @@ TORCH_CPU = "torch_cpu"  # CPU torch tensor: CPU reference path
 
 CPU_KINDS = (NUMPY, TORCH_CPU)
 
+# What a call's results come back as, per input kind. All array arguments of one call must agree, so the result's kind
+# is never a guess: NumPy with torch, or CuPy with torch, is refused (DLPack objects come back as CuPy, so they mix with
+# CuPy arrays).
+_FAMILY = {TORCH: "torch.Tensor", TORCH_CPU: "torch.Tensor", NUMPY: "numpy.ndarray", CUPY: "cupy.ndarray",
+           DLPACK: "cupy.ndarray"}
+_TYPE_NAME = {TORCH: "torch.Tensor", TORCH_CPU: "torch.Tensor", NUMPY: "numpy.ndarray", CUPY: "cupy.ndarray",
+              DLPACK: "CUDA __dlpack__ object"}
+
+
+def check_same_kind(name: str, kind: str, first_name: str, first_kind: str) -> None:
+    """TypeError naming ``name`` when its kind of array differs from the call's first array argument's."""
+    if _FAMILY[kind] != _FAMILY[first_kind]:
+        raise TypeError(f"{name} is a {_TYPE_NAME[kind]} but {first_name} is a {_TYPE_NAME[first_kind]}: pass one "
+                        f"kind of array (the result comes back as {first_name}'s kind)")
+
 _KDL_CUDA = 2  # DLDeviceType for CUDA memory in __dlpack_device__()
 
 

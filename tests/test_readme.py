@@ -1,0 +1,115 @@
+"""README.md's examples run, on CPU inputs, and its set-up lines say what CI runs.
+
+Each fenced ``python`` block is executed as written except for two substitutions, the same for every block:
+
+- the string ``"cuda"`` becomes ``"cpu"`` (torch tensors and modules on the CPU), and
+- ``import cupy`` becomes ``import numpy as cupy`` (the CuPy example's calls exist in NumPy with the same meaning).
+
+CPU inputs take the float64 reference path, so these tests check that the examples are complete (every name
+defined), call the API as it is, and give the shapes and kinds the README states; the GPU kernels are tested elsewhere.
+"""
+import pathlib
+import re
+
+import numpy as np
+import pytest
+
+README = pathlib.Path(__file__).resolve().parent.parent / "README.md"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def _on_cpu(code: str) -> str:
+    return code.replace('"cuda"', '"cpu"').replace("import cupy\n", "import numpy as cupy\n")
+
+
+def _run(code: str) -> dict:
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(_on_cpu(code), str(README), "exec"), ns)
+    return ns
+
+
+def _block(marker: str) -> str:
+    found = [b for b in _blocks("python") if marker in b]
+    assert len(found) == 1, f"README.md should have one python block containing {marker!r}"
+    return found[0]
+
+
+def test_every_python_block_is_covered():
+    markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)")
+    assert len(_blocks("python")) == len(markers)
+    for marker in markers:
+        _block(marker)
+
+
+def test_torch_example(capsys):
+    torch = pytest.importorskip("torch")
+    code = _block("torch.randn(2, 8, 256, 64")
+    assert code.count('device="cuda"') == 3  # the substitution is what makes it run here
+    ns = _run(code)
+    assert isinstance(ns["out"], torch.Tensor) and ns["out"].shape == (2, 8, 256, 64)
+    assert ns["out"].dtype == torch.float16 and ns["lse"].shape == (2, 8, 256) and ns["lse"].dtype == torch.float32
+    expect = torch.nn.functional.scaled_dot_product_attention(*(ns[n].double() for n in "qkv"), is_causal=True)
+    assert (ns["out"].double() - expect).abs().max().item() < 2e-3
+    assert "backend: reference" in capsys.readouterr().out
+
+
+def test_cupy_example_with_numpy():
+    code = _block("cupy.random.default_rng")
+    assert "import cupy\n" in code
+    ns = _run(code)
+    out = ns["out"]
+    assert isinstance(out, np.ndarray) and out.shape == (2, 8, 256, 64) and out.dtype == np.float16
+    assert ns["keep"].dtype == np.bool_ and 0 < ns["keep"].mean() < 1
+
+
+def test_module_example():
+    torch = pytest.importorskip("torch")
+    code = _block("class Model(nn.Module)")
+    assert code.count('"cuda"') == 2
+    ns = _run(code)
+    probs = ns["probs"]
+    assert isinstance(probs, torch.Tensor) and probs.shape == (128, 256) and probs.dtype == torch.float16
+    assert torch.allclose(probs.double().sum(dim=1), torch.ones(128, dtype=torch.float64), atol=1e-2)
+    fused = ns["fused"]
+    assert not fused.training and list(fused.state_dict()) == list(ns["plain_model"].state_dict())
+    check = ns["Model"](512, 256).double()   # the functional call (eval, scale 2.0) against the plain model in float64
+    check.load_state_dict(fused.state_dict())
+    check.eval()
+    with torch.no_grad():
+        check.scale.fill_(2.0)
+        expect = check(ns["x"].double())
+    assert (probs.double() - expect).abs().max().item() < 2e-3
+
+
+def test_setup_lines():
+    """.ci/run runs the lines tagged "# main job", "# torch, no GPU" and "# tests": the tests command installs no
+    torch (a GPU user's stays), and the CPU torch line takes PyTorch's CPU build."""
+    lines = {}
+    for block in _blocks("bash"):
+        for line in block.splitlines():
+            if "  # " in line:
+                command, tag = line.split("  # ", 1)
+                lines[tag] = command
+    assert "bench/main.py" in lines["main job"]
+    tests = lines["tests"]
+    assert "pytest" in tests and "torch" not in tests and ",test]" in tests
+    cpu = lines["torch, no GPU"]
+    assert "+cpu" in cpu and "download.pytorch.org/whl/cpu" in cpu
+    ci = (README.parent / ".ci" / "run").read_text()
+    for tag in ("main job", "torch, no GPU", "tests"):
+        assert f'readme_command "{tag}"' in ci
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("marker", ["torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)"])
+def test_examples_as_written_on_the_gpu(marker):
+    """On a GPU the blocks run unchanged (CUDA tensors, CuPy arrays, the fused paths)."""
+    if marker != "cupy.random.default_rng":
+        pytest.importorskip("torch")
+    ns: dict = {"__name__": "readme_example"}
+    exec(compile(_block(marker), str(README), "exec"), ns)
+    out = ns["probs"] if "probs" in ns else ns["out"]
+    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256))
