@@ -10,7 +10,8 @@ Two kinds, and nothing else is held between calls:
 * ``persistent(device_id, stream_ptr, name, nbytes)``: the small per-stream cache: cuBLASLt's workspace (32 MiB) and
   Linear-BN-softmax's y (at most 64 MiB) and affine (16·F bytes) buffers, reused by every call on that stream (calls on
   one stream are ordered, so they may share them). Allocated by the allocator of the kind that owns the stream (a torch
-  stream's buffers are torch tensors). ``release()`` drops them all.
+  stream's buffers are torch tensors from torch's ordinary pool, never a CUDA graph's private pool). ``release()``
+  drops them all.
 
 CuPy stream capture has no private pool: a scratch buffer freed after a captured call could be handed to other work
 while the graph still writes it at every replay. Scratch taken while a CuPy stream is capturing is therefore kept alive
@@ -45,6 +46,24 @@ def _alloc(kind: str, device_id: int, nbytes: int):
     with cupy.cuda.Device(device_id):
         a = cupy.empty(max(nbytes, 1), dtype=np.uint8)
     return a, a.data.ptr
+
+
+def _alloc_shared_pool(device_id: int, stream_ptr: int, nbytes: int):
+    """A uint8 torch tensor for a persistent buffer, from torch's ordinary pool even when the call's stream is routed
+    to a private pool: torch's CUDA-graph trees run their warm-up (not a capture) with the current stream's
+    allocations going to the graph's pool, where a buffer that outlives the call is refused. So it is allocated on the
+    device's default stream, the call's stream waits for whatever last used that memory, and record_stream makes torch
+    wait for the call's stream before it reuses the block once we drop it."""
+    torch = sys.modules["torch"]
+    dev = torch.device("cuda", device_id)
+    default = torch.cuda.default_stream(dev)
+    with torch.cuda.stream(default):
+        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+    if stream_ptr != default.cuda_stream:
+        stream = torch.cuda.ExternalStream(stream_ptr, device=dev)
+        stream.wait_stream(default)
+        t.record_stream(stream)
+    return t
 
 
 def capturing(stream_ptr: int) -> bool:
@@ -87,7 +106,8 @@ def persistent(device_id: int, stream_ptr: int, name: str, nbytes: int):
     key = (device_id, stream_ptr, name)
     buf = _PERSISTENT.get(key)
     if buf is None or _nbytes(buf) < nbytes:
-        buf = _PERSISTENT[key] = _alloc(owner, device_id, nbytes)[0]
+        buf = _PERSISTENT[key] = (_alloc_shared_pool(device_id, stream_ptr, nbytes) if owner == TORCH
+                                  else _alloc(owner, device_id, nbytes)[0])
     return buf
 
 
