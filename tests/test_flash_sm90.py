@@ -324,18 +324,25 @@ def test_public_api_and_replay(fa3):
 
 
 def test_explain_details(monkeypatch):
-    """The fused plan's details (explain()) name the FA3 kernel under CUPY_ATTN_FA3, or say why not."""
+    """The fused plan's details (explain()) name the FA3 kernel under CUPY_ATTN_FA3 (and, unset, for calls of at
+    least dispatch.FA3_MIN_FLOPS), or say why not."""
     import types
     from cupy_attn.attention import dispatch
     if _sm90.unsupported_reason(F16, 128, 128, "none", 90, 0.1):
         pytest.skip("cuda-bindings missing")
     q = _bhsd(2, 8, 100, 128)
-    p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128)
+    p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128,
+                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100)
+
     def details():
         return dispatch._fused_plan(p, 90, "test", []).details
 
     monkeypatch.delenv(_flash.ENV_FA3, raising=False)
-    assert details()["kernel"] == "flash_fwd_sm90a"
+    assert details()["kernel"] == "flash_fwd_sm90a"  # auto: a small call keeps the wgmma kernel
+    big = types.SimpleNamespace(**{**vars(p), "seqlen_q": 4096, "seqlen_k": 4096})
+    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap)"
+    monkeypatch.setenv(_flash.ENV_FA3, "0")
+    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90a"
     for mode, overlap in (("1", False), ("2", True)):
         monkeypatch.setenv(_flash.ENV_FA3, mode)
         got = details()

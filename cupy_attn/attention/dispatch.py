@@ -153,12 +153,13 @@ def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: in
 def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
     """The fused plan with its kernel choice (family, tile, instantiated head dim) made once, here."""
     flash = _flash_module()
-    if os.environ.get(flash.ENV_FA3) in ("1", "2") and p.mask is None:
+    mode = fa3_mode(p, arch)
+    if mode is not None and p.mask is None:
         # out=None: the call's output comes from the allocator, contiguous and aligned.
         why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
         if why_not is None:
-            return Plan("fused", why, describe=functools.partial(fa3_details, p.head_dim), copies=copies,
-                        prepare=functools.partial(flash.prepare_problem, p, "fa3"))
+            return Plan("fused", why, describe=functools.partial(fa3_details, p.head_dim, mode), copies=copies,
+                        prepare=functools.partial(flash.prepare_problem, p, ("fa3", mode)))
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
         fa3 = {}
@@ -167,12 +168,34 @@ def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
                 prepare=functools.partial(flash.prepare_problem, p, choice))
 
 
-def fa3_details(head_dim: int) -> dict:
-    """The opt-in FA3-design kernel's configuration (CUPY_ATTN_FA3=1 or 2)."""
+# Below this many FLOPs (4·B·H·L·S·D) auto keeps the wgmma kernel for Hopper calls the FA3-design kernel could take:
+# the FA3 launch encodes three TMA tensor maps per call (~12 µs of host time through cuda.bindings, measured on the
+# H200 host), which a small call would pay in full; at 2^34 FLOPs (~30 µs of kernel time) it hides behind the queue.
+FA3_MIN_FLOPS = 2 ** 34
+
+
+def fa3_mode(p, arch: int) -> str | None:
+    """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap) or None (flash_fwd.cu) for a call on ``arch``.
+
+    CUPY_ATTN_FA3=0 turns it off, 1 or 2 force it for every call it can take; unset (auto): "2" on Hopper for calls of
+    at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
+    causal, (8,16,1024,256), bench/experiments/fa3_fwd.py).
+    """
+    env = os.environ.get("CUPY_ATTN_FA3")
+    if env in ("1", "2"):
+        return env
+    if env == "0" or arch != 90:
+        return None
+    flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * max(p.head_dim, p.head_dim_v)
+    return "2" if flops >= FA3_MIN_FLOPS else None
+
+
+def fa3_details(head_dim: int, mode: str) -> dict:
+    """The FA3-design kernel's configuration (mode "1" or "2", see fa3_mode)."""
     tile = _fa3_tile(head_dim)
-    overlap = os.environ.get("CUPY_ATTN_FA3") == "2"
+    overlap = mode == "2"
     return {"head-dim bucket": head_dim,
-            "kernel": f"flash_fwd_sm90_tma (CUPY_ATTN_FA3={os.environ.get('CUPY_ATTN_FA3')})",
+            "kernel": f"flash_fwd_sm90_tma ({'overlap' if overlap else 'ping-pong'})",
             "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
                     "stages, TMA + wgmma" + (", intra-warpgroup overlap" if overlap else "")}
 

@@ -282,12 +282,12 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
 
 def prepare_problem(p, choice, out, lse):
     """The launch for a checked problem (checks.SDPAProblem) and the choice dispatch made (``select``'s result, or
-    "fa3" for the opt-in FA3-design kernel), bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr,
+    ("fa3", mode) for the FA3-design kernel), bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr,
     lse_ptr, mask_ptr)``. Nothing is re-checked."""
-    if choice == "fa3":
+    if choice[0] == "fa3":  # ("fa3", mode): dispatch.fa3_mode's "1" (ping-pong) or "2" (intra-warpgroup overlap)
         from . import fused_sm90
         launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
-                                    overlap=os.environ.get(ENV_FA3) == "2")
+                                    overlap=choice[1] == "2")
         stream = p.ctx.stream
 
         def run(*ptrs):
