@@ -48,22 +48,25 @@ def _alloc(kind: str, device_id: int, nbytes: int):
     return a, a.data.ptr
 
 
+_MEMPOOLS: dict = {}  # device -> torch.cuda.MemPool holding the persistent buffers of torch streams
+
+
 def _alloc_shared_pool(device_id: int, stream_ptr: int, nbytes: int):
-    """A uint8 torch tensor for a persistent buffer, from torch's ordinary pool even when the call's stream is routed
-    to a private pool: torch's CUDA-graph trees run their warm-up (not a capture) with the current stream's
-    allocations going to the graph's pool, where a buffer that outlives the call is refused. So it is allocated on the
-    device's default stream, the call's stream waits for whatever last used that memory, and record_stream makes torch
-    wait for the call's stream before it reuses the block once we drop it."""
+    """A uint8 torch tensor for a persistent buffer, from a torch MemPool of cupy_attn's own: torch's allocator (so
+    torch.cuda.memory_allocated sees it), but never a CUDA graph's private pool. torch's CUDA-graph trees route the
+    current thread's allocations to their pool during warm-up too (not a capture), where a buffer that outlives the
+    call is refused; the innermost use_mem_pool wins, so ours takes this allocation. Allocated on the current stream,
+    the call's. torch versions without MemPool allocate plainly."""
     torch = sys.modules["torch"]
     dev = torch.device("cuda", device_id)
-    default = torch.cuda.default_stream(dev)
-    with torch.cuda.stream(default):
-        t = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
-    if stream_ptr != default.cuda_stream:
-        stream = torch.cuda.ExternalStream(stream_ptr, device=dev)
-        stream.wait_stream(default)
-        t.record_stream(stream)
-    return t
+    if not hasattr(torch.cuda, "use_mem_pool"):
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
+    pool = _MEMPOOLS.get(device_id)
+    if pool is None:
+        with torch.cuda.device(dev):
+            pool = _MEMPOOLS[device_id] = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool, device=dev):
+        return torch.empty(max(nbytes, 1), dtype=torch.uint8, device=dev)
 
 
 def capturing(stream_ptr: int) -> bool:
