@@ -54,11 +54,20 @@ def is_torch_tensor(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
+_IS_COMPILING: list = []  # torch.compiler.is_compiling, once torch is loaded
+
+
 def torch_compiling() -> bool:
     """True while Dynamo traces the call (torch.compile, torch.export): the entry points then route torch tensors to
-    the custom ops of cupy_attn.torch_ops before touching the call cache. ~0.1 µs when torch is loaded."""
-    torch = _torch()
-    return torch is not None and torch.compiler.is_compiling()
+    the custom ops of cupy_attn.torch_ops before touching the call cache. ~0.1 µs when torch is loaded. The function
+    is looked up once and kept: Dynamo traces this check, and reading sys.modules while it traces was seen to fail
+    ("dictionary changed size during iteration") when a module import ran concurrently."""
+    if not _IS_COMPILING:
+        torch = _torch()
+        if torch is None:
+            return False
+        _IS_COMPILING.append(torch.compiler.is_compiling)
+    return _IS_COMPILING[0]()
 
 
 def is_tracing_tensor(x: Any) -> bool:
