@@ -61,19 +61,25 @@ def bench(name, B, H, L, D, causal, dtype):
     return row
 
 
-def main(argv=None):
+def benchmark(quick: bool = False) -> list[dict]:
+    """One row per (case, dtype); quick: fp16 only (bench/main.py's section)."""
     import torch
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true", help="fp16 only")
-    args = parser.parse_args(argv)
     rows = []
-    for dtype in (torch.float16,) if args.quick else (torch.float16, torch.bfloat16):
+    for dtype in (torch.float16,) if quick else (torch.float16, torch.bfloat16):
         for case in CASES:
             try:
                 rows.append(bench(*case, dtype))
             except Exception as exc:  # one failing row must not hide the others
                 print(f"{case[0]} {dtype}: {type(exc).__name__}: {exc}", flush=True)
             torch.cuda.empty_cache()
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fp16 only")
+    args = parser.parse_args(argv)
+    rows = benchmark(args.quick)
     save_json("bench_backward.json", rows)
     print_table(rows, COLUMNS, "forward + backward (torch.autograd.grad), same process")
     return rows

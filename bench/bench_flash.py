@@ -15,12 +15,16 @@ import dataclasses
 
 import numpy as np
 
-# (name, (B, H, L, D), causal, mask): the targets, then the key-padding-mask call.
+# (name, (B, H, L, D), causal, mask): the Hopper forward issue's table (cuDNN is torch's default there), then the
+# key-padding-mask call.
 CASES = (
     ("d128", (8, 16, 2048, 128), None, None),
     ("d64", (4, 32, 4096, 64), None, None),
     ("d128 causal", (2, 16, 8192, 128), "top_left", None),
     ("d256", (8, 16, 1024, 256), None, None),
+    ("d80", (4, 32, 2048, 80), None, None),
+    ("d96", (4, 32, 2048, 96), None, None),
+    ("d128 causal 32k", (1, 32, 32768, 128), "top_left", None),
     ("d128 keypad", (8, 16, 2048, 128), None, "keypad"),
 )
 QUICK = ("d128", "d128 keypad")

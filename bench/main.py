@@ -57,14 +57,15 @@ def cpu_job() -> int:
 
 TITLES = {"bench_sdpa": "scaled_dot_product_attention (seed shape (32, 32, 512, 1024) and sweeps)",
           "bench_flash": "Fused attention kernel (head dims ≤ 256)",
-          "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192"}
+          "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192",
+          "bench_backward": "Training: forward + backward of scaled_dot_product_attention"}
 
 
 def gpu_job(quick: bool) -> int:
     env = environment()
     print(env, flush=True)
     sections = []
-    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax"):
+    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax", "bench_backward"):
         try:
             mod = importlib.import_module(name)
         except ImportError as exc:
@@ -75,6 +76,8 @@ def gpu_job(quick: bool) -> int:
                                                      for k, v in rows[0].items()]
         print_table(rows, columns, title=name)
         sections.append({"name": name, "title": TITLES[name], "rows": rows, "columns": columns})
+        save_json("main.json", {"env": env, "command": "python bench/main.py" + (" --quick" if quick else ""),
+                                "sections": sections})  # after each section: a cut-off run keeps what it measured
         if hasattr(mod, "plot"):
             mod.plot(rows, os.path.join(os.environ.get("CUPY_ATTN_BENCH_OUT", os.path.join(HERE, "out")),
                                         f"{name}.png"))
