@@ -196,7 +196,7 @@ def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
     stream when run."""
     prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
     vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
-    affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "affine", prepared.affine_bytes)
+    affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
     params = prepared.params(out_ptr, out_ptr, lbs.workspace.pointer(affine), vectors)
     return [(fn, grid, block, params) for fn, grid, block in prepared.launches]
 

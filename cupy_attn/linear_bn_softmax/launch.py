@@ -212,7 +212,9 @@ class _Prepared:
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
         # Function objects, launched with an explicit stream (no CuPy current-stream switch on the replay path).
         self.launches = tuple((ln.kernel.kernel, (ln.grid,), (ln.block,)) for ln in launches)
-        self.affine_bytes = 4 * 4 * f  # (4, F) float32: the folded per-feature affine, a per-stream workspace
+        # The per-stream workspace: (4, F) float32 folded per-feature affine, 256-byte aligned, then y unless in place.
+        self.affine_bytes = -(-4 * 4 * f // 256) * 256
+        self.work_bytes = self.affine_bytes + (0 if self.in_place else self.y_bytes)
         flags = 0
         if call.update_running:
             flags |= _FLAG_UPDATE_RUNNING
@@ -237,9 +239,11 @@ class _Prepared:
         ``vectors``: pointers in _VECTORS order (0 for absent ones), or a function returning them, called after the
         GEMM is enqueued.
         """
-        # Workspaces are looked up per call and held until the launches are enqueued: they may have grown for another
-        # shape on this stream, and under CUDA-graph capture they are per-call buffers (runtime.workspace.persistent).
-        y_buf = None
+        # One workspace per call, looked up per call and held until the launches are enqueued: [affine | y] (y only
+        # when not computed in the output). It may have grown for another shape on this stream, and under CUDA-graph
+        # capture it is a per-call buffer (runtime.workspace.persistent); one look-up, one capture test.
+        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        affine_ptr = workspace.pointer(work)
         if self.in_place:
             out, out_ptr = alloc()
             y_ptr = out_ptr
@@ -248,12 +252,11 @@ class _Prepared:
                 cupy.cuda.runtime.memsetAsync(y_ptr, 0, self.y_bytes, self.stream_ptr)
             self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
         else:
-            y_buf = _workspace(self.device_id, self.stream_ptr, "y", self.y_bytes)
-            y_ptr = workspace.pointer(y_buf)
+            y_ptr = affine_ptr + self.affine_bytes
             self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
             out, out_ptr = alloc()
-        self.enqueue_post(out_ptr, y_ptr, vectors() if callable(vectors) else vectors)
-        del y_buf
+        self.enqueue_post(out_ptr, y_ptr, affine_ptr, vectors() if callable(vectors) else vectors)
+        del work
         return out
 
     def enqueue_gemm(self, y_ptr: int, x_ptr: int, w_ptr: int) -> None:
@@ -265,10 +268,9 @@ class _Prepared:
         self.gemm(y_ptr, x_ptr, w_ptr, self.stream_ptr)  # the first call may tune the cuBLASLt algorithm
         self._matmul = self.gemm.bind(self.stream_ptr)    # later calls: the bound C call (None: classic cuBLAS)
 
-    def enqueue_post(self, out_ptr: int, y_ptr: int, vectors: tuple) -> None:
+    def enqueue_post(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> None:
         """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
-        affine = _workspace(self.device_id, self.stream_ptr, "affine", self.affine_bytes)
-        params = self.params(out_ptr, y_ptr, workspace.pointer(affine), vectors)
+        params = self.params(out_ptr, y_ptr, affine_ptr, vectors)
         arg = (struct_arg(params),)
         stream = self.ctx.stream
         for fn, grid, block in self.launches:
