@@ -38,7 +38,7 @@ def _block(marker: str) -> str:
 
 
 def test_every_python_block_is_covered():
-    markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)")
+    markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()")
     assert len(_blocks("python")) == len(markers)
     for marker in markers:
         _block(marker)
@@ -54,6 +54,14 @@ def test_torch_example(capsys):
     expect = torch.nn.functional.scaled_dot_product_attention(*(ns[n].double() for n in "qkv"), is_causal=True)
     assert (ns["out"].double() - expect).abs().max().item() < 2e-3
     assert "backend: reference" in capsys.readouterr().out
+
+
+def test_training_example():
+    torch = pytest.importorskip("torch")
+    ns = _run(_block("loss.backward()"))
+    grad = ns["qkv"].weight.grad
+    assert grad is not None and grad.shape == (768, 256) and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert ns["out"].shape == (4, 4, 128, 64)
 
 
 def test_cupy_example_with_numpy():

@@ -18,7 +18,33 @@ def needs_grad(query, key, value, attn_mask) -> bool:
             or getattr(value, "requires_grad", False) or getattr(attn_mask, "requires_grad", False)):
         return False
     torch = sys.modules.get("torch")
-    return torch is not None and isinstance(query, torch.Tensor) and query.is_cuda and torch.is_grad_enabled()
+    return torch is not None and isinstance(query, torch.Tensor) and torch.is_grad_enabled()
+
+
+def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse):
+    """CPU torch tensors that autograd records: the reference math in float64 torch ops (differentiable, so gradients
+    flow), cast back to the inputs' dtype; the same conventions as cupy_attn.reference (rows with no visible key give 0
+    and lse -inf). Slow, for checking, like the rest of the CPU path."""
+    torch = sys.modules["torch"]
+    q, k, v = (x.double() for x in (query, key, value))
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        g = q.shape[-3] // k.shape[-3]
+        k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    if is_causal:
+        off = S - L if is_causal == "bottom_right" else 0
+        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(off), float("-inf"))
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.double()
+    m = s.amax(-1, keepdim=True).detach()
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = torch.exp(s - m)
+    denom = p.sum(-1, keepdim=True)
+    out = ((p @ v) / torch.where(denom == 0, torch.ones_like(denom), denom)).to(query.dtype)
+    if not return_lse:
+        return out
+    return out, (m + denom.log()).squeeze(-1).float().detach()
 
 
 def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, scale, enable_gqa,

@@ -64,7 +64,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes)
     if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
-        checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+        p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+        if not p.ctx.on_gpu:  # CPU tensors: the reference math in differentiable float64 torch ops
+            return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
+                                          enable_gqa=enable_gqa, return_lse=return_lse)
         return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     decode.check_num_splits(num_splits)  # before the cache key, which must hash it
