@@ -1,0 +1,44 @@
+"""Small calls of the kernels added in session 5, for compute-sanitizer (memcheck / racecheck / synccheck):
+
+    compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
+
+The FA3-design forward (forced), the fused and split backward, the decode kernel with several splits and a padding
+mask, each once on odd sizes.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch  # noqa: E402
+
+import cupy_attn  # noqa: E402
+
+
+def main():
+    torch.manual_seed(0)
+    f16 = torch.float16
+    os.environ["CUPY_ATTN_FA3"] = "2"
+    q, k, v = (torch.randn(1, 2, 200, 128, device="cuda", dtype=f16) for _ in range(3))
+    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    os.environ["CUPY_ATTN_FA3"] = "0"
+    for E, causal in ((64, True), (128, False), (320, True)):
+        q, k, v = (torch.randn(1, 4, 77, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(3))
+        k2 = torch.randn(1, 2, 90, E, device="cuda", dtype=f16, requires_grad=True)
+        v2 = torch.randn(1, 2, 90, E, device="cuda", dtype=f16, requires_grad=True)
+        out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal="bottom_right" if causal else False,
+                                                     enable_gqa=True)
+        out.float().sum().backward()
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
+    k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=f16) for _ in range(2))
+    mask = torch.rand(2, 1, 1, 3000, device="cuda") > 0.2
+    mask[1] = False
+    for splits in (1, 3, 7):
+        cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
+    torch.cuda.synchronize()
+    print("sanitize calls done")
+
+
+if __name__ == "__main__":
+    main()
