@@ -21,6 +21,7 @@
 //
 // Versions: v1 (this) split backward for every dtype and head dim; a fused backward kernel is the next step.
 #include "common/types.cuh"
+#include "common/mask.cuh"
 
 namespace cupy_attn {
 
@@ -42,20 +43,6 @@ struct BwdParams {
   long long mask_kind;            // 0 none, 1 bool, 2 fp16, 3 bf16, 4 fp32
   long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
 };
-
-namespace bwd {
-
-// A mask element as a base-2 score offset: bool gives 0 or −inf, floats their value times log2(e).
-__device__ __forceinline__ float mask_log2(const unsigned char* m, long long kind) {
-  if (kind == 1) return *m ? 0.f : -inf();
-  if (kind == 2) return kLog2e * to_float(*reinterpret_cast<const __half*>(m));
-  if (kind == 3) return kLog2e * to_float(*reinterpret_cast<const __nv_bfloat16*>(m));
-  return kLog2e * *reinterpret_cast<const float*>(m);
-}
-
-__device__ __forceinline__ int mask_itemsize(long long kind) { return kind == 1 ? 1 : (kind == 4 ? 4 : 2); }
-
-}  // namespace bwd
 
 template <typename T>
 __global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
@@ -100,7 +87,7 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
   long long mstride = 0;
   if (p.mask_kind != 0) {
     const long long b = head / p.num_heads, h = head % p.num_heads;
-    const int isz = bwd::mask_itemsize(p.mask_kind);
+    const int isz = mask_itemsize(static_cast<int>(p.mask_kind));
     mrow = static_cast<const unsigned char*>(p.mask) +
            (b * p.mask_stride_b + h * p.mask_stride_h + i * p.mask_stride_l) * isz;
     mstride = p.mask_stride_s * isz;
@@ -112,19 +99,20 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
     const float4 s4 = *reinterpret_cast<const float4*>(srow + c);
     float4 dp4 = make_float4(0.f, 0.f, 0.f, 0.f);
     if constexpr (kGrad) dp4 = *reinterpret_cast<const float4*>(dprow + c);
-    const float sv[4] = {s4.x, s4.y, s4.z, s4.w}, dpv[4] = {dp4.x, dp4.y, dp4.z, dp4.w};
-    float r[4];
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const long long j = c + e;
-      float s = sv[e];
+    const int kind = static_cast<int>(p.mask_kind);
+    // One element: P (or dS) of column j from its score s and dP value dpv. A lambda over scalars, not a loop over
+    // float[4] copies of the vectors: those arrays went to the stack on sm_80 (8 bytes of spills).
+    auto elem = [&](float s, float dpv, long long j) {
       if (j >= S || j > limit) s = -inf();
-      else if (mrow) s += bwd::mask_log2(mrow + j * mstride, p.mask_kind);
+      else if (mrow) s += mask_value(mrow + j * mstride, kind);
       const float prob = (empty || s == -inf()) ? 0.f : exp2f(s - lse2);
-      r[e] = kGrad ? prob * (dpv[e] - d) : prob;
-      if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r[e];
-    }
-    store4<T>(orow + c, r[0], r[1], r[2], r[3]);  // columns up to c + 3 < ld: inside the row's pitch
+      const float r = kGrad ? prob * (dpv - d) : prob;
+      if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r;
+      return r;
+    };
+    const float r0 = elem(s4.x, dp4.x, c), r1 = elem(s4.y, dp4.y, c + 1), r2 = elem(s4.z, dp4.z, c + 2),
+                r3 = elem(s4.w, dp4.w, c + 3);
+    store4<T>(orow + c, r0, r1, r2, r3);  // columns up to c + 3 < ld: inside the row's pitch
   }
 }
 

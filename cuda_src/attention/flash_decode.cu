@@ -37,6 +37,7 @@
 // Versions: v1 (this file) — untimed at the time of writing; see bench/experiments/decode.py and bench/NOTES_decode.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/mask.cuh"
 
 namespace cupy_attn {
 
@@ -72,8 +73,6 @@ struct FlashDecodeParams {
 
 
 namespace decode {
-
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
 
 // Rows [0, kRows) × columns [0, kHeadDim) of a row-major global tile into shared memory (pitch kHeadDim + 8); rows
 // >= rows_valid and columns >= cols_valid become zeros. vec: 16-byte cp.async (the caller commits); else plain loads.
@@ -112,14 +111,6 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
   }
 }
 
-// One mask element at byte address m (kind: 1 bool, 2 fp16, 3 bf16, 4 fp32) as a log2-unit score offset.
-__device__ __forceinline__ float mask_value(const unsigned char* m, int kind) {
-  if (kind == 1) return *m ? 0.f : neg_inf();
-  if (kind == 4) return *reinterpret_cast<const float*>(m) * kLog2e;
-  const unsigned short bits = *reinterpret_cast<const unsigned short*>(m);
-  const float x = kind == 2 ? __half2float(__ushort_as_half(bits)) : __uint_as_float(unsigned(bits) << 16);
-  return x * kLog2e;
-}
 
 }  // namespace decode
 

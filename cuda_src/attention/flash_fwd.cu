@@ -66,6 +66,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tile.cuh"
+#include "common/mask.cuh"
 
 namespace cupy_attn {
 
@@ -93,19 +94,6 @@ struct FlashFwdParams {
 };
 
 namespace flash {
-
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-// One mask element at byte address m (kind: 1 bool, 2 fp16, 3 bf16, 4 fp32) as a log2-unit score offset: bool gives
-// 0 or -inf, floats their value times log2(e). One code path for all four kinds (a switch around four unrolled copies
-// of the tile loop costs ~1 KB of register spills at D=128).
-__device__ __forceinline__ float mask_value(const unsigned char* m, int kind) {
-  if (kind == 1) return *m ? 0.f : neg_inf();
-  if (kind == 4) return *reinterpret_cast<const float*>(m) * kLog2e;
-  const unsigned short bits = *reinterpret_cast<const unsigned short*>(m);
-  const float x = kind == 2 ? __half2float(__ushort_as_half(bits)) : __uint_as_float(unsigned(bits) << 16);
-  return x * kLog2e;
-}
 
 // s (log2 units) += mask at this thread's accumulator positions; rows >= L are left alone (never stored).
 template <int kMTiles, int kNTiles>

@@ -28,10 +28,9 @@
 // limit: seed 0.454 -> 0.442 ms; 64 threads x 2 float4 for S <= 512: 0.438 ms (3.7 TB/s of the 4.2 copy ceiling).
 #include "common/types.cuh"
 #include "common/reduce.cuh"
+#include "common/mask.cuh"
 
 namespace cupy_attn {
-
-enum MaskKind : int { kMaskNone = 0, kMaskBool = 1, kMaskHalf = 2, kMaskBf16 = 3, kMaskFloat = 4 };
 
 struct SoftmaxParams {
   float* scores;          // in: fp32 scores (rows, ld); out: P as OutT in place
@@ -64,10 +63,6 @@ __device__ __forceinline__ float apply_mask(float s, long long j, long long limi
     case kMaskBf16: return s + kLog2e * to_float(reinterpret_cast<const __nv_bfloat16*>(mask_row)[off]);
     default:        return s + kLog2e * reinterpret_cast<const float*>(mask_row)[off];
   }
-}
-
-__device__ __forceinline__ int mask_itemsize(int kind) {
-  return kind == kMaskBool ? 1 : (kind == kMaskFloat ? 4 : 2);
 }
 
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's

@@ -249,31 +249,11 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     import cupy
 
     check_num_splits(num_splits)
+    arch = int(cupy.cuda.Device().compute_capability)
+    _fused.check_launch_arrays("decode attention", unsupported_reason, arch, q, k, v, out, lse, causal, mask)
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     dtype = q.dtype
-    arch = int(cupy.cuda.Device().compute_capability)
-    mask_kind = "none" if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
-    reason = unsupported_reason(dtype, E, Ev, mask_kind, arch)
-    if reason:
-        raise ValueError(f"decode attention: {reason}")
-    if k.shape != (B, Hkv, S, E) or out.shape != (B, Hq, L, Ev) or Hq % Hkv:
-        raise ValueError(f"decode attention: shapes q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape} disagree")
-    if any(a.dtype != dtype for a in (k, v, out)):
-        raise ValueError("decode attention: q, k, v and out must share one dtype")
-    if any(a.strides[-1] != a.itemsize for a in (q, k, v, out)):
-        raise ValueError("decode attention: the last dimension of q, k, v and out must be contiguous")
-    if L < 1 or S < 1:
-        raise ValueError("decode attention: L and S must be at least 1 (the caller handles empty sequences)")
-    if causal not in (None, "top_left", "bottom_right"):
-        raise ValueError(f"decode attention: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
-    if mask is not None:
-        if mask.shape != (B, Hq, L, S):
-            raise ValueError(f"decode attention: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
-        if dtype_name(mask.dtype) not in _MASK_KIND:
-            raise ValueError(f"decode attention: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
-    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
-        raise ValueError(f"decode attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
     head_dim = head_dim_bucket(E, Ev)
     tile = tile_for(head_dim, arch)

@@ -55,14 +55,12 @@ _BY_HEAD_DIM = {
     # D=32: 128×128, 4 warps: 2 × (64 + 16) = 160 accumulators; 2 stages 51 KB (2+ CTAs/SM). Untimed.
     (32, 9): Tile(128, 128, 4, 2), (32, 8): Tile(128, 128, 4, 1),
     # D=64: 128×128, 4 warps: 2 × (64 + 32) = 192 accumulators, 2 stages 92 KB (2 CTAs/SM); arch 8: one stage, 55 KB.
-    # v3 (spill-free since the per-lane causal limit): 1.796-1.811 ms at (4,32,4096,64) vs 1.84-1.85 for 128×64 with
-    # 1 or 2 stages, 1.87-1.89 for 128×128 with 1 stage (same run; torch FA2 1.84-1.85). v2 spilled 208 B here.
+    # Fastest of the tiles swept at (4,32,4096,64) (NOTES_flash.md, session 2).
     (64, 9): Tile(128, 128, 4, 2), (64, 8): Tile(128, 128, 4, 1),
     # D=96: 128×64, 4 warps: 2 × (32 + 48) = 160 accumulators; 2 stages 80 KB (2 CTAs/SM). Untimed.
     (96, 9): Tile(128, 64, 4, 2), (96, 8): Tile(128, 64, 4, 1),
     # D=128: 128×64, 4 warps: 2 × (32 + 64) = 192 accumulators (251-255 registers), the limit; 2 stages 104 KB, 2
-    # CTAs/SM. v3 at (8,16,2048,128): 0.844-0.849 ms vs 0.886-0.894 for 1 stage and 1.02 for 128×32 (torch FA2
-    # 0.83); v2: 128×128 with 8 warps 228 TFLOP/s vs 322.
+    # CTAs/SM. Fastest of the tiles swept at (8,16,2048,128) (NOTES_flash.md, sessions 1-2).
     (128, 9): Tile(128, 64, 4, 2), (128, 8): Tile(128, 64, 4, 1),
     # D=160: 64×64, 4 warps: 32 + 80 = 112 accumulators; 2 stages 108 KB (2 CTAs/SM on Hopper). 128×32 (192
     # accumulators) spills 16-88 B with a mask at either stage count. Arch 8: 64×32 with 2 stages, 65 KB. Untimed.
@@ -71,8 +69,7 @@ _BY_HEAD_DIM = {
     # 64×64 with 4 warps and one stage, 75 KB. Untimed.
     (192, 9): Tile(128, 64, 8, 2), (192, 8): Tile(64, 64, 4, 1),
     # D=256: 64×64, 4 warps: 16 + 128 = 144 accumulators; one stage is 101376 B, exactly sm_86's limit, and 2 CTAs/SM
-    # on Hopper. v3 at (8,16,1024,256): 0.547-0.554 ms vs 0.61 for 64×32, 0.65 for 128×64 with 8 warps (1 CTA/SM),
-    # 0.69 for 64×32 with 2 stages (torch FA2 0.48); v2: 172 TFLOP/s for 64×64 with 2 stages (169 KB: 1 CTA/SM).
+    # on Hopper. Fastest of the tiles swept at (8,16,1024,256) (NOTES_flash.md, sessions 1-2).
     (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
 }
 TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in _C_TYPES}
@@ -245,31 +242,11 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     """
     import cupy
 
+    arch = int(cupy.cuda.Device().compute_capability)
+    check_launch_arrays("fused attention", unsupported_reason, arch, q, k, v, out, lse, causal, mask)
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     dtype = q.dtype
-    arch = int(cupy.cuda.Device().compute_capability)
-    mask_kind = "none" if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
-    reason = unsupported_reason(dtype, E, Ev, mask_kind, arch)
-    if reason:
-        raise ValueError(f"fused attention: {reason}")
-    if k.shape != (B, Hkv, S, E) or out.shape != (B, Hq, L, Ev) or Hq % Hkv:
-        raise ValueError(f"fused attention: shapes q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape} disagree")
-    if any(a.dtype != dtype for a in (k, v, out)):
-        raise ValueError("fused attention: q, k, v and out must share one dtype")
-    if any(a.strides[-1] != a.itemsize for a in (q, k, v, out)):
-        raise ValueError("fused attention: the last dimension of q, k, v and out must be contiguous")
-    if L < 1 or S < 1:
-        raise ValueError("fused attention: L and S must be at least 1 (the caller handles empty sequences)")
-    if causal not in (None, "top_left", "bottom_right"):
-        raise ValueError(f"fused attention: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
-    if mask is not None:
-        if mask.shape != (B, Hq, L, S):
-            raise ValueError(f"fused attention: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
-        if dtype_name(mask.dtype) not in _MASK_KIND:
-            raise ValueError(f"fused attention: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
-    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
-        raise ValueError(f"fused attention: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
     if mask is None and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: the FA3-design kernel (fused_sm90.py)
         from . import fused_sm90
@@ -278,6 +255,37 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
                                       overlap=os.environ[ENV_FA3] == "2")
     return _build(select(dtype, head_dim_bucket(E, Ev), arch), q, k, v, out, lse, scale=scale, causal=causal,
                   mask=mask)
+
+
+def check_launch_arrays(what: str, reason_fn, arch: int, q, k, v, out, lse, causal, mask) -> None:
+    """The checks a kernel launcher's ``prepare`` makes of its CuPy arrays (fused, decode): ValueError naming ``what``
+    for a call the kernel cannot run (``reason_fn(dtype, E, Ev, mask_kind, arch)``), shapes that disagree, mixed
+    dtypes, a strided last axis, L or S of 0, an unknown causal alignment, a mask not broadcast to (B, Hq, L, S) or of
+    another dtype, an lse not float32 (B, Hq, L)."""
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    dtype = q.dtype
+    mask_kind = "none" if mask is None else ("bool" if mask.dtype == np.bool_ else "float")
+    reason = reason_fn(dtype, E, Ev, mask_kind, arch)
+    if reason:
+        raise ValueError(f"{what}: {reason}")
+    if k.shape != (B, Hkv, S, E) or out.shape != (B, Hq, L, Ev) or Hq % Hkv:
+        raise ValueError(f"{what}: shapes q {q.shape}, k {k.shape}, v {v.shape}, out {out.shape} disagree")
+    if any(a.dtype != dtype for a in (k, v, out)):
+        raise ValueError(f"{what}: q, k, v and out must share one dtype")
+    if any(a.strides[-1] != a.itemsize for a in (q, k, v, out)):
+        raise ValueError(f"{what}: the last dimension of q, k, v and out must be contiguous")
+    if L < 1 or S < 1:
+        raise ValueError(f"{what}: L and S must be at least 1 (the caller handles empty sequences)")
+    if causal not in (None, "top_left", "bottom_right"):
+        raise ValueError(f"{what}: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    if mask is not None:
+        if mask.shape != (B, Hq, L, S):
+            raise ValueError(f"{what}: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
+        if dtype_name(mask.dtype) not in _MASK_KIND:
+            raise ValueError(f"{what}: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
+    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
+        raise ValueError(f"{what}: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
 
 
 def prepare_problem(p, choice, out, lse):

@@ -6,11 +6,10 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/mask.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
-
-__device__ __forceinline__ float neg_inf() { return -inf(); }
 
 // Scores past the last visible key of each row become -inf: key j is visible to row r iff j < S and, under a causal
 // mask, j <= r + causal_offset. row: this lane's first row (g); n0 and t: the tile's and lane's first column.
