@@ -166,3 +166,51 @@ def test_gpu_llama_fp16_compile_fullgraph():
     with torch.no_grad():
         got, want = compiled(ids).logits, ref(ids).logits
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def _train(model, ids, mask, steps=3, lr=1e-2):
+    """A few SGD steps of next-token loss; (losses, gradient norms) per step."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses, norms = [], []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        loss.backward()
+        norms.append(torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None)))
+        losses.append(loss.detach().double())
+        opt.step()
+    return torch.stack(losses).cpu(), torch.stack(norms).cpu()
+
+
+def _train_pair(device, dtype):
+    ours, ref = _pair(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.0), device, dtype)
+    ours.train(), ref.train()
+    ids, mask = _inputs(device)
+    return _train(ours, ids, mask), _train(ref, ids, mask)
+
+
+def test_llama_trains_like_sdpa(counted):
+    """Training records our backward (on CPU tensors: the reference math in float64 torch ops): the losses and gradient
+    norms of 3 SGD steps match the sdpa implementation's."""
+    (loss, norm), (ref_loss, ref_norm) = _train_pair("cpu", torch.float32)
+    assert counted, "the cupy_attn attention function was not called"
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_trains_like_sdpa(counted):
+    """The same on the GPU in fp32: our kernels forward and backward (the split path: fp32), against torch's sdpa."""
+    (loss, norm), (ref_loss, ref_norm) = _train_pair("cuda", torch.float32)
+    assert counted
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-3, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_gpu_llama_fp16_trains_close_to_sdpa(counted):
+    """fp16 on the GPU (the fused forward and backward): losses and gradient norms within fp16's rounding of sdpa's."""
+    (loss, norm), (ref_loss, ref_norm) = _train_pair("cuda", torch.float16)
+    assert counted and torch.isfinite(loss).all() and torch.isfinite(norm).all()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(norm, ref_norm, rtol=5e-2, atol=1e-2)
