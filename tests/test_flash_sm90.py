@@ -98,8 +98,10 @@ F16 = np.dtype("float16")
     ((F16, 64, 64, "none", 90, 1.0), None),
     ((F16, 256, 256, "none", 90, 0.06), None),
     ((F16, 128, 128, "none", 80, 0.1), "sm_90a"),
-    ((F16, 96, 96, "none", 90, 0.1), "E = Ev in"),
-    ((F16, 128, 64, "none", 90, 0.1), "E = Ev in"),
+    ((F16, 96, 96, "none", 90, 0.1), None),       # padded to 128 by TMA's zero fill
+    ((F16, 128, 64, "none", 90, 0.1), None),
+    ((F16, 32, 32, "none", 90, 0.1), "head dims 33-256"),
+    ((F16, 320, 320, "none", 90, 0.1), "head dims 33-256"),
     ((F16, 128, 128, "bool", 90, 0.1), "attn_mask"),
     ((F16, 128, 128, "none", 90, 0.0), "scale > 0"),
     ((np.dtype("float32"), 128, 128, "none", 90, 0.1), "fp16 and bf16"),
@@ -235,8 +237,9 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
     if expect_fa3:
         overlap = os.environ[_flash.ENV_FA3] == "2"
-        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=E, tile=(
-            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[E]), f"{what}: wrong variant"
+        D = _sm90.head_bucket(E, v.shape[-1])
+        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=(
+            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[D]), f"{what}: wrong variant"
     return _check(q, k, v, dtype, causal=causal, what=what)
 
 
@@ -279,6 +282,17 @@ def test_bshd_views(fa3, dtype, E, causal):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E,Ev", [(80, 80), (96, 96), (40, 40), (72, 128), (160, 160), (192, 192), (200, 136)])
+@pytest.mark.parametrize("causal", [None, "bottom_right"])
+def test_padded_head_dims(fa3, dtype, E, Ev, causal):
+    """Head dims between the buckets run the next bucket's kernel on TMA's zero fill past E (and Ev): no copies."""
+    g = _torch().Generator("cuda").manual_seed(E * 3 + Ev)
+    q, k, v = _rand((2, 4, 257, E), dtype, g), _rand((2, 4, 190, E), dtype, g), _rand((2, 4, 190, Ev), dtype, g)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} E={E} Ev={Ev} causal={causal}")
+
+
+@pytest.mark.gpu
 def test_long_causal(fa3):
     g = _torch().Generator("cuda").manual_seed(4224)
     q, k, v = (_rand((1, 2, 4224, 128), "float16", g) for _ in range(3))
@@ -287,14 +301,14 @@ def test_long_causal(fa3):
 
 @pytest.mark.gpu
 def test_falls_back(fa3):
-    """Calls the kernel does not take keep flash_fwd.cu: rows not 16-byte aligned (q a slice of wider rows), E=96."""
+    """Calls the kernel does not take keep flash_fwd.cu: rows not 16-byte aligned (q a slice of wider rows), E=32."""
     g = _torch().Generator("cuda").manual_seed(5)
     wide = _rand((1, 2, 100, 68), "float16", g)
     q = wide[..., :64]  # row stride 136 bytes: not a multiple of 16, which TMA needs
     k, v = _rand((1, 2, 100, 64), "float16", g), _rand((1, 2, 100, 64), "float16", g)
     _check_fa3(q, k, v, "float16", what="row stride 136 B", expect_fa3=False)
-    q, k, v = (_rand((1, 2, 100, 96), "float16", g) for _ in range(3))
-    _check_fa3(q, k, v, "float16", what="E=96", expect_fa3=False)
+    q, k, v = (_rand((1, 2, 100, 32), "float16", g) for _ in range(3))
+    _check_fa3(q, k, v, "float16", what="E=32", expect_fa3=False)
 
 
 @pytest.mark.gpu

@@ -158,7 +158,8 @@ def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
         # out=None: the call's output comes from the allocator, contiguous and aligned.
         why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
         if why_not is None:
-            return Plan("fused", why, describe=functools.partial(fa3_details, p.head_dim, mode), copies=copies,
+            bucket = _fa3_bucket(p.head_dim, p.head_dim_v)
+            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode), copies=copies,
                         prepare=functools.partial(flash.prepare_problem, p, ("fa3", mode)))
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
@@ -206,6 +207,11 @@ def fused_details(choice, extra: dict | None = None) -> dict:
     return {**(extra or {}), "head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}
+
+
+def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
+    from . import fused_sm90
+    return fused_sm90.head_bucket(head_dim, head_dim_v)
 
 
 def _fa3_tile(head_dim: int):

@@ -97,18 +97,35 @@ FLASH_FWD_SM90_TMA = KernelFamily(
 )
 
 
+def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
+    """The instantiated head dim (64, 128 or 256) a call runs at: the smallest ≥ max(E, Ev), for 33 ≤ E, Ev ≤ 256;
+    None otherwise. Q, K and V are padded by TMA itself: the tensor maps keep the real E (Ev), and a 64-column box past
+    it is zero-filled, so E = 80 or 96 runs the D = 128 kernel on zeros beyond column E (no copy); the epilogue stores
+    Ev columns. The padding costs FLOPs (80 → 128: 1.6×) and still measured faster than the FlashAttention-2 kernel at
+    80 and 96 (bench/NOTES_flash.md). Head dims ≤ 32 stay on flash_fwd.cu (2× padding).
+
+    >>> head_bucket(80, 80), head_bucket(96, 64), head_bucket(128, 128), head_bucket(160, 160), head_bucket(32, 32)
+    (128, 128, 128, 256, None)
+    """
+    need = max(head_dim, head_dim_v)
+    if min(head_dim, head_dim_v) < 1 or need <= 32:
+        return None
+    return next((d for d in sorted(SM90_TILES) if d >= need), None)
+
+
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
     """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
 
-    >>> unsupported_reason(np.dtype("float16"), 96, 96, "none", 90, 0.1)
-    'head dims E=96, Ev=96: the FA3 kernel serves E = Ev in (64, 128, 256)'
+    >>> unsupported_reason(np.dtype("float16"), 32, 32, "none", 90, 0.1)
+    'head dims E=32, Ev=32: the FA3 kernel serves head dims 33-256 (padded to (64, 128, 256))'
     """
     if arch != 90:
         return f"sm_{arch}: the FA3 kernel needs sm_90a (H100/H200)"
     if dtype_name(dtype) not in _C_TYPES:
         return f"dtype {dtype_name(dtype)}: the FA3 kernel serves fp16 and bf16"
-    if head_dim != head_dim_v or head_dim not in SM90_TILES:
-        return f"head dims E={head_dim}, Ev={head_dim_v}: the FA3 kernel serves E = Ev in {tuple(SM90_TILES)}"
+    if head_bucket(head_dim, head_dim_v) is None:
+        return (f"head dims E={head_dim}, Ev={head_dim_v}: the FA3 kernel serves head dims 33-256 (padded to "
+                f"{tuple(SM90_TILES)})")
     if mask_kind != "none":
         return "attn_mask: the FA3 kernel has no mask input (causal only)"
     if not scale > 0:
@@ -146,9 +163,10 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: boo
     layout_reason; overlap: the intra-warpgroup-overlap variant (SM90_OVERLAP_TILES)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[E]
-    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=E, tile=tile)
-    smem = tile.smem_bytes(E)
+    D = head_bucket(E, Ev)
+    tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[D]
+    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile)
+    smem = tile.smem_bytes(D)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
     p = np.zeros((), dtype=_PARAMS)
