@@ -179,21 +179,7 @@ DTYPES = ("float16", "bfloat16")
 SPLITS = (None, 1, 2, 3, 7, 16)
 
 
-def _torch():
-    return pytest.importorskip("torch")
-
-
-def _rand(shape, dtype, gen, scale=1.0):
-    torch = _torch()
-    x = torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32) * scale
-    return x.to(getattr(torch, dtype))
-
-
-def _cp(x):
-    import cupy
-    if x.dtype == _torch().bool:  # via uint8: DLPack bool support differs between versions
-        return cupy.from_dlpack(x.to(_torch().uint8)).view(cupy.bool_)
-    return cupy.from_dlpack(x)
+from test_flash import _cp, _rand, _torch  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what=""):
