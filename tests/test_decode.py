@@ -179,7 +179,7 @@ DTYPES = ("float16", "bfloat16")
 SPLITS = (None, 1, 2, 3, 7, 16)
 
 
-from test_flash import _cp, _rand, _torch  # noqa: E402  (the fused kernel's GPU test helpers)
+from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what=""):
@@ -209,12 +209,7 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
         lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
         _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
                                num_splits=n)
-        w = f"{what} splits={n}"
-        assert_close(out, ref, dtype, torch_out, w)
-        got_lse = as_f64(lse)
-        finite = np.isfinite(ref_lse)
-        np.testing.assert_allclose(got_lse[finite], ref_lse[finite], rtol=1e-4, atol=2e-3, err_msg=w)
-        assert np.all(got_lse[~finite] == -np.inf), f"{w}: lse of fully masked rows must be -inf"
+        assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, f"{what} splits={n}")
     return out
 
 
