@@ -91,10 +91,12 @@ def _function():
 
     class ScaledDotProductAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32):
+        def forward(fctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
+                    backend, num_splits):
             from .sdpa import forward
             out, lse = forward(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
-                               enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+                               enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
+                               backend=backend, num_splits=num_splits)
             fctx.save_for_backward(query, key, value, attn_mask, out, lse)
             fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32)
             fctx.mark_non_differentiable(lse)
@@ -109,7 +111,7 @@ def _function():
                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                             need_mask_grad=need_mask, workspace_bytes=workspace_bytes,
                                             allow_tf32=allow_tf32)
-            return dq, dk, dv, dmask, None, None, None, None, None
+            return dq, dk, dv, dmask, None, None, None, None, None, None, None
 
     _FUNCTION = ScaledDotProductAttention
     return _FUNCTION
@@ -118,11 +120,13 @@ def _function():
 _FUNCTION = None
 
 
-def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32):
-    """The recorded call: (out, lse) through the autograd Function; lse carries no gradient."""
+def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32,
+          backend="auto", num_splits=None):
+    """The recorded call: (out, lse) through the autograd Function; lse carries no gradient. backend and num_splits
+    choose the forward's path as in an unrecorded call."""
     if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
         raise TypeError("attn_mask: a bool mask cannot require grad")
     out, lse = _function().apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes,
-                                 allow_tf32)
+                                 allow_tf32, backend, num_splits)
     return (out, lse) if return_lse else out
 

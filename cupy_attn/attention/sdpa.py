@@ -63,14 +63,15 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes)
+    decode.check_num_splits(num_splits)  # before the cache key, which must hash it
     if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
         p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
         if not p.ctx.on_gpu:  # CPU tensors: the reference math in differentiable float64 torch ops
             return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
                                           enable_gqa=enable_gqa, return_lse=return_lse)
         return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                              return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
-    decode.check_num_splits(num_splits)  # before the cache key, which must hash it
+                              return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
+                              backend=backend, num_splits=num_splits)
     call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes, num_splits)
     if call_key is not None:
@@ -111,12 +112,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     return (out_native, lse_native) if return_lse else out_native
 
 
-def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32):
-    """(out, lse) of the forward on detached inputs, for autograd (lse float32, natural log)."""
+def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
+            backend="auto", num_splits=None):
+    """(out, lse) of the forward on detached inputs, for autograd (lse float32, natural log), on the path the
+    caller's backend and num_splits choose."""
     return scaled_dot_product_attention(query.detach(), key.detach(), value.detach(),
                                         None if attn_mask is None else attn_mask.detach(), 0.0, is_causal, scale,
-                                        enable_gqa, return_lse=True, workspace_bytes=workspace_bytes,
-                                        allow_tf32=allow_tf32)
+                                        enable_gqa, backend=backend, return_lse=True, workspace_bytes=workspace_bytes,
+                                        allow_tf32=allow_tf32, num_splits=num_splits)
 
 
 def _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse,
