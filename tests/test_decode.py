@@ -80,6 +80,13 @@ def test_num_splits_rule_bounds():
             assert 1 <= n <= max(1, min(_decode.MAX_SPLITS, S // 512)), (ctas, S, n)
 
 
+@pytest.mark.parametrize("B,Hq,Hkv,S,splits", [
+    (64, 32, 32, 4096, 1), (8, 32, 32, 32768, 1), (8, 32, 8, 32768, 2), (16, 64, 8, 8192, 1)])
+def test_auto_splits_count_waves_per_sm(B, Hq, Hkv, S, splits):
+    # The decode shapes on an H200 (132 SMs), D = 128, L = 1: the measured best split counts.
+    assert _decode.split_plan(B, Hkv, 1, Hq // Hkv, S, 128, 90, 132)[0] == splits
+
+
 @pytest.mark.parametrize("S,requested,splits,chunk", [
     (100, 16, 2, 64), (100, 1, 1, 128), (4096, 7, 7, 640), (4096, 3, 3, 1408), (1, 16, 1, 64), (65536, 16, 16, 4096),
     (65, 2, 2, 64), (64, 2, 1, 64)])
@@ -120,9 +127,9 @@ def _problem(dtype="float16", E=128, Ev=128, mask_kind="none", B=8, H=32, Hkv=8,
 
 
 @pytest.mark.parametrize("kw,expected,splits", [
-    (dict(), "decode", 4),                                   # GQA decode, 64 CTAs → 4 splits
+    (dict(), "decode", 2),                                   # GQA decode, 64 CTAs → 2 splits (waves per SM)
     (dict(B=64, H=32, Hkv=32, S=4096), "decode", 1),         # 2048 CTAs: one split
-    (dict(B=16, H=64, Hkv=8, S=8192), "decode", 2),
+    (dict(B=16, H=64, Hkv=8, S=8192), "decode", 1),          # 128 CTAs: 0.97 of the SMs
     (dict(dtype="bfloat16", L=7, H=32, Hkv=8, mask_kind="bool"), "decode", None),  # 28 packed rows
     (dict(L=2, H=64, Hkv=8, E=64, Ev=64, causal="bottom_right"), "decode", None),
     (dict(L=17, H=8, Hkv=8), "fused", None),                  # L > 16

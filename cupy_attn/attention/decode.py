@@ -155,7 +155,8 @@ def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2,
     (≥ 0.8 of the slots): 1 split. Otherwise, for n = 1 .. min(128, S // min_keys) (each split keeps ≥ min_keys keys,
     so its set-up and its partial write stay small next to its K/V stream), the wave efficiency
     n·ctas/slots / ceil(n·ctas/slots), and take the smallest n within 0.85 of the best.
-    Examples, H200 (132 SMs), D=128 (2 CTAs/SM, 264 slots):
+    split_plan calls it with ctas_per_sm = 1 (waves per SM; measured, see there). Examples, H200 (132 SMs), D=128,
+    with ctas_per_sm = 2 (264 slots):
       (64, 32 heads, L=1, S=4096): 2048 CTAs ≥ 211 → 1 split.
       (8, 32, L=1, S=32768): 256 CTAs (0.97 of a wave) → 1 split.
       (8, 32 q / 8 kv heads, L=1, S=32768): 64 CTAs: n=1 0.24, 2 0.48, 3 0.73, 4 0.97 → 4 splits of 8192 keys.
@@ -196,7 +197,10 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     split length is rounded up to a multiple of the tile, so S=100 with 16 requested gives 2 splits of 64 keys."""
     tile = tile_for(head_dim, arch)
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
-    n = num_splits_for(ctas, S, num_sms, tile.ctas_per_sm) if num_splits is None else int(num_splits)
+    # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
+    # second split only adds a combine (H200, bench/NOTES_decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
+    # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309).
+    n = num_splits_for(ctas, S, num_sms, 1) if num_splits is None else int(num_splits)
     chunk = math.ceil(math.ceil(S / n) / tile.block_n) * tile.block_n
     return math.ceil(S / chunk), chunk
 
