@@ -66,6 +66,34 @@ def sass_summary(cubin: bytes) -> dict:
     return out
 
 
+def sass_text(cubin: bytes) -> dict:
+    """{kernel name: its ``cuobjdump -sass`` listing} of a cubin."""
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "-sass", f.name], check=True, capture_output=True, text=True).stdout
+    return {b.split("\n", 1)[0].strip(): b for b in re.split(r"\n\s*Function : ", text)[1:]}
+
+
+def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits():
+    """FlashAttention-3's intra-warpgroup overlap, in the SASS: after ``wait_group 1`` (S_i done) the exponentials of
+    the softmax run before ``wait_group 0`` (P_{i-1} V_{i-1} done), for D = 64 and 128 (mainloop.cuh explains the
+    scheduling barrier that keeps ptxas from hoisting the second wait; D = 256 is not overlapped yet)."""
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    for dtype in _sm90._C_TYPES.values():
+        for d in (64, 128):
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.SM90_OVERLAP_TILES[d])
+            text = next(iter(sass_text(_compile.whole_cubin(
+                _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
+            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+            first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
+            second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+            between = sum(op.startswith("MUFU.EX2") for op in ops[first:second])
+            assert between >= d // 2, f"{expr}: {between} MUFU.EX2 between the waits"
+
+
 def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")

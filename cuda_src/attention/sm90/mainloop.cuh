@@ -217,6 +217,11 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       #pragma unroll
       for (int half = 0; half < 2; ++half) alpha[half] = softmax.update_half(acc_s, half, sc, moved[half]);
       wgmma::fence_operands(acc_s);
+      // A scheduling barrier for ptxas (MEMBAR.SC.CTA; the consumers have no memory operations pending here): without
+      // it ptxas hoists the wait below to the top of the softmax, so the exponentials ran only after P_{i-1} V_{i-1}
+      // finished. With it, D = 64 and 128 run all their MUFU.EX2 between the two waits (checked in the SASS by
+      // tests/test_flash_sm90.py). D = 256 still waits first: ptxas places the exponentials in P_{i-1}'s registers.
+      __threadfence_block();
       wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
       wgmma::fence_operands(o);
       wgmma::fence_operands(acc_s);
