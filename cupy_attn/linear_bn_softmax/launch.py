@@ -31,6 +31,10 @@ from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
+# Rows of the per-feature Affine the statistics / fold kernels write (float32, (AFFINE_ROWS, F)): mu, a·log2e, d·log2e,
+# b = d − a·mu, invstd. The row kernels read rows 0–3; the backward reads mu (row 0) and invstd (row 4).
+AFFINE_ROWS = 5
+AFFINE_MU, AFFINE_INVSTD = 0, 4
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel tables. The launcher picks rows from these same tuples.
@@ -212,8 +216,9 @@ class _Prepared:
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
         # Function objects, launched with an explicit stream (no CuPy current-stream switch on the replay path).
         self.launches = tuple((ln.kernel.kernel, (ln.grid,), (ln.block,)) for ln in launches)
-        # The per-stream workspace: (4, F) float32 folded per-feature affine, 256-byte aligned, then y unless in place.
-        self.affine_bytes = -(-4 * 4 * f // 256) * 256
+        # The per-stream workspace: (AFFINE_ROWS, F) float32 folded per-feature affine, 256-byte aligned, then y unless
+        # in place.
+        self.affine_bytes = -(-AFFINE_ROWS * 4 * f // 256) * 256
         self.work_bytes = self.affine_bytes + (0 if self.in_place else self.y_bytes)
         flags = 0
         if call.update_running:
