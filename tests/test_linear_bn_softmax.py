@@ -27,9 +27,9 @@ from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
 class Model(nn.Module):
     """The plain model of the workload (issue 4)."""
 
-    def __init__(self, in_features, out_features, **bn_kw):
+    def __init__(self, in_features, out_features, bias=True, **bn_kw):
         super().__init__()
-        self.gemm = nn.Linear(in_features, out_features)
+        self.gemm = nn.Linear(in_features, out_features, bias=bias)
         self.bn = nn.BatchNorm1d(out_features, **bn_kw)
         self.scale = nn.Parameter(torch.ones(1))
 
@@ -115,6 +115,72 @@ def test_reference_scale_per_feature_and_large_logits():
         expect = model(x)
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out, expect.numpy(), rtol=1e-10, atol=1e-300)
+
+
+# Gradient configurations: (name, Model keyword arguments, scale shape "1" or "F").
+GRAD_CONFIGS = [
+    ("default", dict(), "1"),
+    ("no_bias", dict(bias=False), "1"),
+    ("affine=False", dict(affine=False), "1"),
+    ("scale_F", dict(), "F"),
+    ("no_running_stats", dict(track_running_stats=False), "1"),
+    ("momentum=None,scale_F,no_bias", dict(momentum=None, bias=False), "F"),
+]
+
+
+def _grad_model(k, f, model_kw, scale_shape, gen):
+    """A randomized plain Model of a GRAD_CONFIGS entry (float32, CPU)."""
+    model = _randomize(Model(k, f, **model_kw), gen)
+    if scale_shape == "F":
+        model.scale = nn.Parameter(torch.rand(f, generator=gen) * 3 + 0.2)
+    return model
+
+
+def _model_grads(model, x, grad_out):
+    """(out, grads) of ``model`` (plain or fused) at x for the output gradient grad_out, by torch autograd: grads keyed
+    like reference.linear_batchnorm_softmax_backward (None for absent parameters)."""
+    x = x.detach().requires_grad_(True)
+    inputs = {"x": x, "weight": model.gemm.weight, "bias": model.gemm.bias, "bn_weight": model.bn.weight,
+              "bn_bias": model.bn.bias, "scale": model.scale}
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.backward(grad_out)
+    return out, {key: None if v is None else v.grad for key, v in inputs.items()}
+
+
+def _saved_stats(model, x, training):
+    """(y, mean, invstd) in float64 as the forward normalizes: y = x·Wᵀ without the bias, and the bias-free mean."""
+    s = {key: _np(v) for key, v in _state(model).items()}
+    y = _np(x) @ s["weight"].T
+    bias = 0.0 if s["bias"] is None else s["bias"]
+    if training or s["running_mean"] is None:
+        mean, var = y.mean(axis=0), y.var(axis=0)
+    else:
+        mean, var = s["running_mean"] - bias, s["running_var"]
+    return y, mean, 1.0 / np.sqrt(var + model.bn.eps)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name, model_kw, scale_shape", GRAD_CONFIGS, ids=[c[0] for c in GRAD_CONFIGS])
+@pytest.mark.parametrize("shape", [(2, 5, 3), (9, 7, 40), (33, 16, 1)])
+def test_reference_backward_matches_torch_float64(shape, name, model_kw, scale_shape, training):
+    n, k, f = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, name, training)).encode()))
+    model = _grad_model(k, f, model_kw, scale_shape, gen).double().train(training)
+    x = torch.randn(n, k, generator=gen, dtype=torch.float64) * 2
+    grad_out = torch.randn(n, f, generator=gen, dtype=torch.float64)
+    y, mean, invstd = _saved_stats(model, x, training)  # before the step updates the running stats
+    s = {key: _np(v) for key, v in _state(model).items()}
+    out, expect = _model_grads(model, x, grad_out)
+    got = reference.linear_batchnorm_softmax_backward(
+        _np(grad_out), _np(x), s["weight"], _np(out), y, mean, invstd, s["bn_weight"], s["bn_bias"], s["scale"],
+        use_batch_stats=training or s["running_mean"] is None)
+    for key, want in expect.items():
+        if want is None:
+            continue
+        assert got[key].shape == tuple(want.shape), key
+        np.testing.assert_allclose(got[key], want.numpy(), rtol=1e-9, atol=1e-12, err_msg=key)
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch_cpu"])
