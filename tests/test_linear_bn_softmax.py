@@ -208,6 +208,63 @@ def test_public_cpu_path_updates_in_place(kind, training):
     assert int(np.asarray(nbt).ravel()[0]) == int(plain.bn.num_batches_tracked)
 
 
+def _functional(model, x, **kw):
+    """linear_batchnorm_softmax on a model's parameters and buffers, with the module's train/eval semantics."""
+    bn = model.bn
+    return linear_batchnorm_softmax(x, **_state(model), training=bn.training, momentum=bn.momentum, eps=bn.eps,
+                                    num_batches_tracked=bn.num_batches_tracked if bn.training else None, **kw)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name, model_kw, scale_shape", GRAD_CONFIGS, ids=[c[0] for c in GRAD_CONFIGS])
+def test_cpu_tensors_requiring_grad_take_the_differentiable_reference(name, model_kw, scale_shape, training):
+    """CPU torch tensors that autograd records: gradients of the reference math (float64 torch ops) reach every
+    argument, and the running stats update in place as without autograd."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((name, training)).encode()))
+    plain = _grad_model(12, 20, model_kw, scale_shape, gen).train(training)
+    ours = _grad_model(12, 20, model_kw, scale_shape, gen)
+    ours.load_state_dict(plain.state_dict())
+    ours.train(training)
+    x = torch.randn(7, 12, generator=gen)
+    grad_out = torch.randn(7, 20, generator=gen)
+    out_t, expect = _model_grads(plain, x, grad_out)
+    xg = x.clone().requires_grad_(True)
+    out = _functional(ours, xg)
+    assert out.dtype == torch.float32 and out.grad_fn is not None
+    out.backward(grad_out)
+    got = {"x": xg.grad, "weight": ours.gemm.weight.grad, "bias": getattr(ours.gemm.bias, "grad", None),
+           "bn_weight": getattr(ours.bn.weight, "grad", None), "bn_bias": getattr(ours.bn.bias, "grad", None),
+           "scale": ours.scale.grad}
+    torch.testing.assert_close(out, out_t, rtol=1e-5, atol=1e-7)
+    for key, want in expect.items():
+        if want is None:
+            assert got[key] is None, key
+            continue
+        torch.testing.assert_close(got[key], want, rtol=1e-4, atol=1e-6, msg=key)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        if getattr(plain.bn, key) is not None:
+            torch.testing.assert_close(getattr(ours.bn, key), getattr(plain.bn, key), msg=key)
+
+
+def test_needs_grad_only_when_autograd_records():
+    from cupy_attn.linear_bn_softmax import autograd as lbs_autograd
+    gen = torch.Generator().manual_seed(4)
+    model = _randomize(Model(6, 5), gen)
+    s = _state(model)
+    args = (s["weight"], s["bias"], s["bn_weight"], s["bn_bias"], s["scale"])
+    x = torch.randn(3, 6, generator=gen)
+    assert lbs_autograd.needs_grad(x, *args)
+    with torch.no_grad():
+        assert not lbs_autograd.needs_grad(x, *args)
+        assert _functional(model, x).grad_fn is None
+    with torch.inference_mode():
+        assert not lbs_autograd.needs_grad(x, *args)
+    frozen = tuple(a.detach() for a in args)
+    assert not lbs_autograd.needs_grad(x, *frozen)
+    assert lbs_autograd.needs_grad(x.requires_grad_(True), *frozen)
+    assert not lbs_autograd.needs_grad(x.detach().numpy(), *(a.detach().numpy() for a in args))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU: argument errors, raised before any launch (same checks for GPU inputs)
 

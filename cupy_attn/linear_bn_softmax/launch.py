@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import numpy as np
@@ -209,6 +210,7 @@ class _Prepared:
         self.ctx = call.ctx
         self.device_id = call.ctx.device_id
         self.stream_ptr = call.ctx.stream.ptr
+        self.shape = (n, f)
         self.gemm = None if k == 0 else _gemm_xwt_op(self.device_id, call.dtype, allow_tf32, n, f, k, ldx, ldw)
         self._matmul = None
         self.y_bytes = n * f * call.dtype.itemsize
@@ -264,6 +266,21 @@ class _Prepared:
         del work
         return out
 
+    def execute_saving(self, alloc, x_ptr: int, w_ptr: int, vectors):
+        """The forward autograd records: y and the Affine go to per-call buffers that the backward keeps (not the
+        per-stream workspace, which the next call overwrites), and out never aliases y. ``alloc(shape, float32)`` ->
+        (array, pointer): x's dtype, or float32 when ``float32``; ``vectors`` as in :meth:`execute`. Returns (out (N,
+        F), y (N, F), affine (AFFINE_ROWS, F) float32)."""
+        y, y_ptr = alloc(self.shape, False)
+        if self.gemm is None:  # K = 0: y = 0
+            import cupy
+            cupy.cuda.runtime.memsetAsync(y_ptr, 0, self.y_bytes, self.stream_ptr)
+        self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
+        affine, affine_ptr = alloc((AFFINE_ROWS, self.shape[1]), True)
+        out, out_ptr = alloc(self.shape, False)
+        self.enqueue_post(out_ptr, y_ptr, affine_ptr, vectors() if callable(vectors) else vectors)
+        return out, y, affine
+
     def enqueue_gemm(self, y_ptr: int, x_ptr: int, w_ptr: int) -> None:
         if self.gemm is None:
             return
@@ -312,6 +329,30 @@ class _Entry:
                 return out, out.data.ptr
         return self.prepared.execute(alloc, ptr(x), ptr(arrays[1]),
                                      lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+
+
+    def saving(self, arrays: tuple):
+        """:meth:`_Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
+        if self._get_device() != self.prepared.device_id:
+            with self.ctx.activate():
+                return self._run_saving(arrays)
+        return self._run_saving(arrays)
+
+    def _run_saving(self, arrays: tuple):
+        x, ptr = arrays[0], self._ptr
+        return self.prepared.execute_saving(_torch_alloc(x), ptr(x), ptr(arrays[1]),
+                                            lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+
+
+def _torch_alloc(x):
+    """alloc(shape, float32) for :meth:`_Prepared.execute_saving`: x's dtype (or float32) and device, torch's
+    allocator on the current stream."""
+    f32 = sys.modules["torch"].float32
+
+    def alloc(shape, float32):
+        t = x.new_empty(shape, dtype=f32) if float32 else x.new_empty(shape)
+        return t, t.data_ptr()
+    return alloc
 
 
 def _torch_ptr(a) -> int:
