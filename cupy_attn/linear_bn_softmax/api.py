@@ -41,8 +41,21 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     run on torch's current stream), or NumPy arrays / CPU torch tensors, which run the float64 reference
     (:func:`cupy_attn.reference.linear_batchnorm_softmax`) and update their running stats in place too. x and weight
     are copied only when their last axis is not unit-stride, the small per-feature vectors only when not contiguous.
-    No autograd: tensors that require grad are read detached (``cupy_attn.torch.LinearBatchNormSoftmax`` falls back
-    to torch ops when gradients are needed).
+
+    Autograd (torch tensors, grad mode on, x, weight, bias, bn_weight, bn_bias or scale requiring grad): the result is
+    differentiable with respect to those six, in training and in eval mode (with running statistics BatchNorm is a
+    per-feature affine map and its backward one too). The recorded forward keeps y = x·Wᵀ (bias-free, x's dtype) and
+    the per-feature mean/invstd in per-call buffers (:func:`forward_saving`); the backward (backward.py,
+    cuda_src/linear_bn_softmax/backward.cu) runs two kernels: delta = rowsum(dout ∘ out), then per feature the
+    column sums A = Σ_n dz and B = Σ_n dz·ŷ of dz = out ∘ (dout − delta) (dβ = scale·A, dγ = scale·B, dscale =
+    γ·B + β·A, summed over features for a one-element scale) and dy = γ·scale·invstd·(dz − A/N − ŷ·B/N) (the
+    BatchNorm training backward, Ioffe & Szegedy 2015; without the A and B terms in eval), and cuBLASLt dx = dy·W,
+    dW = dyᵀ·x; dbias = Σ_n dy, which is 0 with batch statistics. Gradients have their argument's dtype (fp32
+    BatchNorm parameters next to fp16 x get fp32 gradients); gradients not needed are not computed (no dx GEMM for
+    data that needs none). Double backward is not supported (RuntimeError). Calls under torch.no_grad /
+    inference_mode, or on tensors that need no grad, keep the forward-only path. CPU tensors: the reference math in
+    differentiable float64 torch ops. Under torch.compile: the functional op pair
+    ``torch.ops.cupy_attn.linear_batchnorm_softmax_forward`` / ``_backward`` (cupy_attn.torch_ops).
 
     Algorithm: cuBLASLt y = x·Wᵀ (fp32 compute, bias left out: it cancels in the batch-normalized output and is added
     to the running mean; in eval it folds into the shift mu), into a per-stream workspace (up to

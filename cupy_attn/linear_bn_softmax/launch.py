@@ -15,6 +15,8 @@ Host time before the GEMM is enqueued is kept small, because in a synchronized l
 call with the same layout, flags and stream is a call-cache hit (the key, then cuBLASLt's bound enqueue); the output
 is allocated and the launches after the GEMM are prepared while the GEMM runs.
 Kernels: cuda_src/linear_bn_softmax/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
+The forward autograd records (:meth:`_Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
+which the backward (backward.py) reads.
 """
 from __future__ import annotations
 
