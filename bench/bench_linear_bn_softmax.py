@@ -159,10 +159,12 @@ def benchmark(quick: bool = False) -> list[dict]:
                 plain.train(training)
 
                 def ours(x=None, _training=training):
-                    return linear_batchnorm_softmax(
-                        next(cyc) if x is None else x, plain.gemm.weight, plain.gemm.bias, bn.running_mean,
-                        bn.running_var, bn.weight, bn.bias, plain.scale, training=_training, momentum=bn.momentum,
-                        eps=bn.eps, num_batches_tracked=bn.num_batches_tracked, allow_tf32=tf32)
+                    with torch.no_grad():  # the forward-only path, as torch's row (the parameters require grad)
+                        return linear_batchnorm_softmax(
+                            next(cyc) if x is None else x, plain.gemm.weight, plain.gemm.bias, bn.running_mean,
+                            bn.running_var, bn.weight, bn.bias, plain.scale, training=_training,
+                            momentum=bn.momentum, eps=bn.eps, num_batches_tracked=bn.num_batches_tracked,
+                            allow_tf32=tf32)
 
                 def torch_fwd():
                     with torch.no_grad():
@@ -367,8 +369,9 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
               bn.num_batches_tracked)
 
     def whole():
-        return lbs.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
-                                            num_batches_tracked=bn.num_batches_tracked)
+        with torch.no_grad():  # the forward-only path (the parameters require grad)
+            return lbs_api.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
+                                                    num_batches_tracked=bn.num_batches_tracked)
     whole()
     whole()  # the second call binds the cuBLASLt call
     call = lbs_checks.check(*args)

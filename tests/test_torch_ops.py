@@ -243,7 +243,8 @@ def test_opcheck_lbs_functional_pair_cpu():
     fwd = torch.ops.cupy_attn.linear_batchnorm_softmax_forward.default
     for args in [(x, w, b, rm, rv, gamma, beta, scale, True, None, 1e-5, nbt, None),
                  (x, w, None, rm, rv, None, None, torch.rand(3, generator=g) + 0.5, False, 0.1, 1e-5, None, None),
-                 (x, w, b, None, None, gamma, beta, scale, True, 0.1, 1e-5, None, None)]:
+                 (x, w, b, None, None, gamma, beta, scale, True, 0.1, 1e-5, None, None),
+                 (x, w, b, rm, rv, gamma, None, torch.tensor(0.7), True, 0.1, 1e-5, nbt, None)]:
         args = tuple(a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
                      and i in (0, 1, 2, 5, 6, 7) else a for i, a in enumerate(args))
         torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

@@ -93,7 +93,7 @@ def grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, *
     likes = (x, weight, x, bn_weight, bn_bias, scale)
     result = []
     for key, like, need in zip(("x", "weight", "bias", "bn_weight", "bn_bias", "scale"), likes, needs):
-        result.append(torch.from_numpy(np.ascontiguousarray(g[key])).to(like.dtype) if need else None)
+        result.append(torch.from_numpy(np.array(g[key])).to(like.dtype) if need else None)  # 0-d stays 0-d
     return tuple(result)
 
 
