@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cupy_attn import reference
-from cupy_attn.linear_bn_softmax import api as lbs_api, launch as lbs
+from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
 
@@ -372,7 +372,8 @@ def test_module_scale_shape_check():
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU: kernels compile; the launcher only asks for declared variants
 
-FAMILIES = [lbs.COLUMN_STATS, lbs.FOLD_RUNNING_STATS, lbs.SOFTMAX_ROWS, lbs.SOFTMAX_ROWS_STREAMING]
+FAMILIES = [lbs.COLUMN_STATS, lbs.FOLD_RUNNING_STATS, lbs.SOFTMAX_ROWS, lbs.SOFTMAX_ROWS_STREAMING, lbs_bwd.ROW_DOT,
+            lbs_bwd.COLUMNS]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
@@ -402,6 +403,20 @@ def test_plans_are_declared_variants(dtype):
     assert lbs.row_plan(8192, np.float16) == lbs.RowPlan("softmax_rows", 256, 8, 4, 1)
     assert lbs.row_plan(8192, np.float32) == lbs.RowPlan("softmax_rows", 512, 4, 4, 2)
     assert lbs.row_plan(4096, np.float16) == lbs.RowPlan("softmax_rows", 512, 8, 1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_backward_plans_are_declared_variants(dtype):
+    c = lbs._C_TYPES[dtype]
+    npdt = np.dtype(dtype) if dtype != "bfloat16" else interop.dtype_of(torch.empty(1, dtype=torch.bfloat16),
+                                                                         "torch_cpu")
+    for f in [1, 3, 8, 31, 32, 264, 1000, 8192, 8200, 20001]:
+        tile = lbs_bwd.column_tile(f, npdt)
+        assert f % tile[0] == 0 and tile[0] * tile[1] <= tile[2]
+        assert lbs_bwd.COLUMNS.name_expression(dtype=c, tile=tile) in lbs_bwd.COLUMNS.name_expressions()
+        expr = lbs_bwd.ROW_DOT.name_expression(dtype=c, threads=lbs_bwd.ROW_DOT_THREADS, vec=lbs_bwd._vec(f, npdt))
+        assert expr in lbs_bwd.ROW_DOT.name_expressions()
+    assert lbs_bwd.column_tile(8192, np.float16) == (8, 4, 256) and lbs_bwd.column_tile(999, np.float32) == (1, 32, 256)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
