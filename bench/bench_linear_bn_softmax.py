@@ -11,6 +11,15 @@ computation, torch float64 on the GPU, from the same inputs).
 Timing: cupyx.profiler.benchmark, median of GPU-event times after warm-up; x rotates over 3 fresh random buffers
 (16 MB each in fp16, so L2 does not hold the next call's input from the previous one).
 
+Training-step rows (mode "train step", fp16 and bf16; ``benchmark_training``): one forward + backward,
+``torch.autograd.grad`` of the output against a fresh random output gradient, with respect to the five parameters
+(name ``… train step``; x is data) or the parameters and x (``… train step +dx``: one more GEMM), our
+``cupy_attn.torch.LinearBatchNormSoftmax`` against the plain torch module holding the same values, x and the output
+gradient rotating over 3 fresh random buffers. ``ms``, ``device_ms``, ``torch_ms``, ``speedup``, ``host_us`` /
+``torch_host_us`` as above for the whole step; ``tflops`` counts the GEMMs (4·N·K·F, 6·N·K·F with dx); ``max_err`` /
+``torch_err``: the largest over the gradients (the Linear bias's excepted: it is 0 in training) of max |g − ref| /
+max |ref|, ref from torch float64 on the GPU, all from the same starting state.
+
     PYTHONPATH=. python3 bench/bench_linear_bn_softmax.py [--quick] [--sweep]
 """
 from __future__ import annotations
@@ -150,10 +159,12 @@ def benchmark(quick: bool = False) -> list[dict]:
                 plain.train(training)
 
                 def ours(x=None, _training=training):
-                    return linear_batchnorm_softmax(
-                        next(cyc) if x is None else x, plain.gemm.weight, plain.gemm.bias, bn.running_mean,
-                        bn.running_var, bn.weight, bn.bias, plain.scale, training=_training, momentum=bn.momentum,
-                        eps=bn.eps, num_batches_tracked=bn.num_batches_tracked, allow_tf32=tf32)
+                    with torch.no_grad():  # the forward-only path, as torch's row (the parameters require grad)
+                        return linear_batchnorm_softmax(
+                            next(cyc) if x is None else x, plain.gemm.weight, plain.gemm.bias, bn.running_mean,
+                            bn.running_var, bn.weight, bn.bias, plain.scale, training=_training,
+                            momentum=bn.momentum, eps=bn.eps, num_batches_tracked=bn.num_batches_tracked,
+                            allow_tf32=tf32)
 
                 def torch_fwd():
                     with torch.no_grad():
@@ -188,6 +199,77 @@ def benchmark(quick: bool = False) -> list[dict]:
                                  first_us=first_us))
     finally:
         torch.backends.cuda.matmul.allow_tf32 = old_tf32
+    return rows + benchmark_training(quick)
+
+
+def _grads(model, x, dout, with_x: bool) -> dict:
+    """{name: gradient} of one forward + backward of ``model`` (torch.autograd.grad: nothing accumulates)."""
+    import torch
+    x = x.detach().requires_grad_(with_x)
+    names, params = zip(*model.named_parameters())
+    got = torch.autograd.grad(model(x), params + ((x,) if with_x else ()), dout)
+    return dict(zip(names + (("x",) if with_x else ()), got))
+
+
+def _grad_errors(plain, x, dout, with_x: bool) -> tuple[float, float]:
+    """(ours, torch's): the largest over the gradients of max |g − ref| / max |ref|, ref from torch float64 on the GPU,
+    each model a fresh copy of ``plain`` (same parameters and running stats). The Linear bias is left out: in
+    training its gradient is 0 (the batch mean absorbs the bias), so its relative error is meaningless."""
+    import copy
+
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    ref = _grads(copy.deepcopy(plain).double(), x.double(), dout.double(), with_x)
+    theirs = _grads(copy.deepcopy(plain), x, dout, with_x)
+    ours = _grads(LinearBatchNormSoftmax.from_module(plain), x, dout, with_x)
+
+    def worst(g):
+        errs = []
+        for name, r in ref.items():
+            if name == "gemm.bias":
+                continue
+            assert not g[name].isnan().any(), f"NaN in the gradient of {name}"
+            errs.append(float((g[name].double() - r).abs().max() / r.abs().max()))
+        return max(errs)
+    return worst(ours), worst(theirs)
+
+
+def benchmark_training(quick: bool = False) -> list[dict]:
+    """Training-step rows (fp16, bf16; parameters' gradients, then with x's too): see the module docstring."""
+    import torch
+
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    repeat, warmup = (20, 5) if quick else (100, 20)
+    rows = []
+    for dname in ("float16", "bfloat16"):
+        dt = getattr(torch, dname)
+        plain = _model(dt).train()
+        xs = [torch.randn(N, K, device="cuda").to(dt) for _ in range(3)]
+        douts = [(torch.randn(N, F, device="cuda") / N).to(dt) for _ in range(3)]
+        for with_x in (False, True):
+            initial = {k: v.clone() for k, v in plain.state_dict().items()}
+            err, torch_err = _grad_errors(plain, xs[0], douts[0], with_x)
+            fused = LinearBatchNormSoftmax.from_module(plain)
+            inputs = [x.detach().requires_grad_(with_x) for x in xs]
+
+            def step(model, _inputs=inputs, _with_x=with_x):
+                params = tuple(model.parameters())
+                data = itertools.cycle(list(zip(_inputs, douts)))
+
+                def run():
+                    x, dout = next(data)
+                    torch.autograd.grad(model(x), params + ((x,) if _with_x else ()), dout)
+                return run
+
+            ours, theirs = step(fused), step(plain)
+            ms, host_us = _median_ms(ours, repeat, warmup, host=True)
+            dev_ms = device_ms(ours)
+            torch_ms, torch_host_us = _median_ms(theirs, repeat, warmup, host=True)
+            plain.load_state_dict(initial)  # the next rows start from the same running stats
+            flops = (6.0 if with_x else 4.0) * N * K * F
+            rows.append(dict(name="linear_bn_softmax train step" + (" +dx" if with_x else ""), dtype=dname,
+                             mode="train step", ms=ms, device_ms=dev_ms, torch_ms=torch_ms, speedup=torch_ms / ms,
+                             tflops=flops / ms * 1e-9, max_err=err, torch_err=torch_err, host_us=host_us,
+                             torch_host_us=torch_host_us))
     return rows
 
 
@@ -287,8 +369,9 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
               bn.num_batches_tracked)
 
     def whole():
-        return lbs.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
-                                            num_batches_tracked=bn.num_batches_tracked)
+        with torch.no_grad():  # the forward-only path (the parameters require grad)
+            return lbs_api.linear_batchnorm_softmax(*args[:8], training=True, momentum=bn.momentum, eps=bn.eps,
+                                                    num_batches_tracked=bn.num_batches_tracked)
     whole()
     whole()  # the second call binds the cuBLASLt call
     call = lbs_checks.check(*args)
@@ -337,8 +420,9 @@ def _print_table(rows: list[dict]) -> None:
     for r in rows:
         cells = []
         for c in cols:
-            v = r[c]
-            cells.append(f"{v:.3e}" if c.endswith("err") else f"{v:.4f}" if isinstance(v, float) else str(v))
+            v = r.get(c)  # training-step rows have no GEMM-alone or post-GEMM columns
+            cells.append("n/a" if v is None else f"{v:.3e}" if c.endswith("err") else
+                         f"{v:.4f}" if isinstance(v, float) else str(v))
         print("| " + " | ".join(cells) + " |")
 
 

@@ -57,7 +57,8 @@ def cpu_job() -> int:
 
 TITLES = {"bench_sdpa": "scaled_dot_product_attention (seed shape (32, 32, 512, 1024) and sweeps)",
           "bench_flash": "Fused attention kernel (head dims ≤ 256)",
-          "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192",
+          "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192 (forward; "
+                                     "train step: forward + backward)",
           "bench_backward": "Training: forward + backward of scaled_dot_product_attention"}
 
 

@@ -53,7 +53,10 @@ README_WORDS = {
         "(`nn.Linear` → `nn.BatchNorm1d` → ·scale → softmax) under `no_grad`; *× torch* = torch ms / ms. "
         "*GEMM alone ms*: our x·Wᵀ GEMM by itself, the floor for the whole operation. *TFLOP/s*: 2·N·K·F / ms. "
         "*max err*, *torch err*: max |out − ref| against a float64 computation. *host µs*, *torch host µs*: median "
-        "CPU time of one call."),
+        "CPU time of one call. Mode *train step*: one forward + backward (`torch.autograd.grad` for the five "
+        "parameters; `+dx` for x too) of `cupy_attn.torch.LinearBatchNormSoftmax` against the plain module's, "
+        "*TFLOP/s* counting its GEMMs (4·N·K·F, or 6·N·K·F with dx), *max err*/*torch err* the largest gradient "
+        "error max |g − ref| / max |ref|."),
 }
 
 

@@ -112,3 +112,43 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     s = s - s.max(axis=1, keepdims=True)
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True), rm, rv, nbt
+
+
+def linear_batchnorm_softmax_backward(grad_out, x, weight, out, y, mean, invstd, bn_weight, bn_bias, scale, *,
+                                      use_batch_stats):
+    """Gradients of :func:`linear_batchnorm_softmax` in float64, from what its forward computed.
+
+    Shapes: grad_out, out (N, F) (out: the forward's result); x (N, K); weight (F, K); y (N, F) = x·weightᵀ without
+    the Linear bias; mean, invstd (F,): the bias-free mean and 1/sqrt(var + eps) the forward normalized with (batch
+    statistics of y, or running_mean − bias and the running variance); bn_weight, bn_bias (F,) or None; scale (1,),
+    () or (F,). use_batch_stats: the forward normalized with batch statistics (training, or no running stats), so the
+    gradient also flows through the batch mean and variance. Any numeric dtype, computed in float64.
+
+    Math (ŷ = (y − mean)·invstd, z = scale·(γ·ŷ + β), out = softmax(z, dim=1); the BatchNorm training backward of
+    Ioffe & Szegedy 2015, §3):
+        dz       = out ∘ (grad_out − rowsum(grad_out ∘ out))           softmax
+        A_f      = Σ_n dz[n, f],   B_f = Σ_n dz[n, f]·ŷ[n, f]
+        dβ       = scale·A,  dγ = scale·B,  dscale_f = γ_f·B_f + β_f·A_f   (summed over f for a one-element scale)
+        dy       = c·(dz − A/N − ŷ·B/N) with batch statistics, c·dz with running ones;  c = γ·scale·invstd
+        dx = dy·weight,  dweight = dyᵀ·x,  dbias = Σ_n dy   (0 up to rounding with batch statistics: Σ_n ŷ = 0)
+
+    Returns a dict with keys x, weight, bias, bn_weight, bn_bias, scale: float64 arrays in each argument's shape
+    (bias, bn_weight, bn_bias: (F,); scale: scale's shape).
+    """
+    g, o = (np.asarray(a, dtype=np.float64) for a in (grad_out, out))
+    x, w, y = (np.asarray(a, dtype=np.float64) for a in (x, weight, y))
+    n, f = o.shape
+    mean, invstd = (np.asarray(a, dtype=np.float64).reshape(f) for a in (mean, invstd))
+    gamma = np.ones(f) if bn_weight is None else np.asarray(bn_weight, dtype=np.float64)
+    beta = np.zeros(f) if bn_bias is None else np.asarray(bn_bias, dtype=np.float64)
+    scale_in = np.asarray(scale, dtype=np.float64)
+    s = np.broadcast_to(scale_in.reshape(-1), (f,))
+    dz = o * (g - (g * o).sum(axis=1, keepdims=True))
+    yh = (y - mean) * invstd
+    a_sum, b_sum = dz.sum(axis=0), (dz * yh).sum(axis=0)
+    c = gamma * s * invstd
+    dy = c * (dz - a_sum / n - yh * b_sum / n) if use_batch_stats else c * dz
+    dscale = gamma * b_sum + beta * a_sum
+    dscale = dscale.reshape(scale_in.shape) if scale_in.size == f and f > 1 else np.full(scale_in.shape, dscale.sum())
+    return {"x": dy @ w, "weight": dy.T @ x, "bias": dy.sum(axis=0), "bn_weight": s * b_sum, "bn_bias": s * a_sum,
+            "scale": dscale}

@@ -38,9 +38,11 @@ class LinearBatchNormSoftmax(nn.Module):
     num_batches_tracked are updated in place, as nn.BatchNorm1d does. fp32 GEMMs use TF32 only when
     ``torch.backends.cuda.matmul.allow_tf32`` is set.
 
-    The fused op has no backward yet: when autograd would record the call (grad mode on and x or any parameter
-    requiring grad), and for CPU tensors, forward runs the plain torch ops instead, so gradients are never silently
-    lost. Run under ``torch.no_grad()``/``torch.inference_mode()`` (or freeze the parameters) for the fused path.
+    Training: when autograd records the call (grad mode on, x or a parameter requiring grad) the fused forward keeps
+    y and the per-feature mean/invstd, and backward runs two kernels (softmax, scale and BatchNorm backward) and
+    cuBLAS for dx and the Linear weight (:func:`cupy_attn.linear_batchnorm_softmax`); gradients reach x,
+    gemm.weight, gemm.bias, bn.weight, bn.bias and scale, in train and eval mode. Calls under ``torch.no_grad()`` /
+    ``torch.inference_mode()`` keep the forward-only path. CPU tensors run the plain torch ops.
     Raises ValueError for batch size 1 in training (torch's message) and for bad shapes, before any launch.
     Under ``torch.compile`` (``fullgraph=True`` and ``mode="reduce-overhead"`` included) the fused path is one custom
     op node, ``torch.ops.cupy_attn.linear_batchnorm_softmax``, whose running-stat updates are declared mutations.
@@ -78,11 +80,8 @@ class LinearBatchNormSoftmax(nn.Module):
         fused.train(plain.training)
         return fused
 
-    def _needs_autograd(self, x: torch.Tensor) -> bool:
-        return torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in self.parameters()))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not x.is_cuda or self._needs_autograd(x):
+        if not x.is_cuda:
             return torch.softmax(self.scale * self.bn(self.gemm(x)), dim=1)
         bn = self.bn
         return linear_batchnorm_softmax(

@@ -4,8 +4,9 @@
         enable_gqa, backend, return_lse, allow_tf32, workspace_bytes) -> (out, lse)
     torch.ops.cupy_attn.linear_batchnorm_softmax(x, weight, bias, running_mean!, running_var!, bn_weight, bn_bias,
         scale, training, momentum, eps, num_batches_tracked!, allow_tf32) -> out
+    torch.ops.cupy_attn.linear_batchnorm_softmax_forward / _backward: the differentiable pair (see Autograd below)
 
-Importing this module (it imports torch) registers both ops and their fake (meta) implementations. Users never call
+Importing this module (it imports torch) registers the ops and their fake (meta) implementations. Users never call
 it directly: ``cupy_attn.scaled_dot_product_attention`` and ``cupy_attn.linear_batchnorm_softmax`` route torch tensors
 here when torch is tracing (``torch.compiler.is_compiling()``: Dynamo, torch.export) or when the inputs are tracing
 tensors (FakeTensor, FunctionalTensor: make_fx, AOTAutograd), before the call cache, whose key reads data pointers and
@@ -37,8 +38,20 @@ after CuPy's pool has taken it back. Fused SDPA calls and fixed-shape Linear-BN-
 Autograd: the SDPA op's backward is a second op, cupy_attn::scaled_dot_product_attention_backward (register_autograd;
 its implementation is cupy_attn.attention.autograd.grad_inputs, the eager backward), so AOTAutograd traces both into
 compiled training graphs. The forward op always returns lse (the backward needs it); the wrapper drops it when not
-asked for. Linear-BN-softmax has no backward yet: its wrapper passes the inputs detached, as its eager path reads
-them, so a model compiled with grad mode on still compiles.
+asked for.
+Linear-BN-softmax: torch refuses a backward formula on an op that mutates its arguments, so recorded calls take a
+functional sibling,
+
+    torch.ops.cupy_attn.linear_batchnorm_softmax_forward(same arguments) -> (out, y, stats, running_mean',
+        running_var', num_batches_tracked')
+    torch.ops.cupy_attn.linear_batchnorm_softmax_backward(grad_out, x, weight, y, out, stats, bn_weight, bn_bias,
+        scale, use_batch_stats, needs, allow_tf32) -> (dx, dweight, dbias, dbn_weight, dbn_bias, dscale)
+
+The forward op updates copies of the running stats and returns them (empty (0,) tensors when not updated), and the
+wrapper copies them into the buffers (functionalization keeps that a buffer mutation of the compiled graph); y and
+stats are what the backward reads (cupy_attn.linear_bn_softmax.api.forward_saving). The backward op returns empty
+(0,) tensors for gradients not asked for (needs: six bools). Calls that autograd does not record keep the mutable op
+on detached inputs, as before.
 """
 from __future__ import annotations
 
@@ -168,14 +181,118 @@ def _lbs_fake(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, sc
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+_F32 = torch.float32
+
+
+def _absent(x: torch.Tensor, dtype=_F32) -> torch.Tensor:
+    """The placeholder of an absent tensor result (the schemas have fixed return types): an empty (0,) tensor."""
+    return x.new_empty((0,), dtype=dtype)
+
+
+@torch.library.custom_op("cupy_attn::linear_batchnorm_softmax_forward", mutates_args=())
+def _lbs_forward_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    running_mean: torch.Tensor | None, running_var: torch.Tensor | None,
+                    bn_weight: torch.Tensor | None, bn_bias: torch.Tensor | None, scale: torch.Tensor,
+                    training: bool, momentum: float | None, eps: float, num_batches_tracked: torch.Tensor | None,
+                    allow_tf32: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                      torch.Tensor, torch.Tensor]:
+    from .linear_bn_softmax.api import forward_saving
+    update = training and running_mean is not None
+    if update:  # functional: the update goes to copies, returned; the wrapper copies them into the buffers
+        running_mean, running_var = running_mean.clone(), running_var.clone()
+        if num_batches_tracked is not None:
+            num_batches_tracked = num_batches_tracked.clone()
+    out, y, stats = forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                                   training=training, momentum=momentum, eps=eps,
+                                   num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
+    counted = update and num_batches_tracked is not None
+    return (out, y, stats, running_mean if update else _absent(x), running_var if update else _absent(x),
+            num_batches_tracked if counted else _absent(x, torch.int64))
+
+
+@_lbs_forward_op.register_fake
+def _lbs_forward_fake(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+                      num_batches_tracked, allow_tf32):
+    if x.dim() != 2 or weight.dim() != 2:
+        raise ValueError(f"x must have shape (N, K) and weight (F, K), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    from .linear_bn_softmax.launch import AFFINE_ROWS
+    n, f = x.shape[0], weight.shape[0]
+    update = training and running_mean is not None
+    counted = update and num_batches_tracked is not None
+    return (x.new_empty((n, f)), x.new_empty((n, f)), x.new_empty((AFFINE_ROWS, f), dtype=_F32),
+            running_mean.new_empty(running_mean.shape) if update else _absent(x),
+            running_var.new_empty(running_var.shape) if update else _absent(x),
+            num_batches_tracked.new_empty(num_batches_tracked.shape) if counted else _absent(x, torch.int64))
+
+
+@torch.library.custom_op("cupy_attn::linear_batchnorm_softmax_backward", mutates_args=())
+def _lbs_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor,
+                     out: torch.Tensor, stats: torch.Tensor, bn_weight: torch.Tensor | None,
+                     bn_bias: torch.Tensor | None, scale: torch.Tensor, use_batch_stats: bool, needs: list[bool],
+                     allow_tf32: bool | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                       torch.Tensor, torch.Tensor]:
+    from .linear_bn_softmax import autograd
+    grads = autograd.grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
+                                 use_batch_stats=use_batch_stats, needs=tuple(needs), allow_tf32=allow_tf32)
+    return tuple(_absent(x, x.dtype) if g is None else g for g in grads)
+
+
+@_lbs_backward_op.register_fake
+def _lbs_backward_fake(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, use_batch_stats, needs,
+                       allow_tf32):
+    likes = (x, weight, x.new_empty((weight.shape[0],)), bn_weight, bn_bias, scale)
+    return tuple(torch.empty_like(like, memory_format=torch.contiguous_format) if need else _absent(x, x.dtype)
+                 for like, need in zip(likes, needs))
+
+
+def _lbs_forward_setup_context(ctx, inputs, output):
+    x, weight, bias, running_mean, _, bn_weight, bn_bias, scale, training, _, _, _, allow_tf32 = inputs
+    out, y, stats = output[:3]
+    ctx.save_for_backward(x, weight, y, out, stats, bn_weight, bn_bias, scale)
+    ctx.flags = (bool(training) or running_mean is None, allow_tf32, bias is not None)
+
+
+def _lbs_forward_backward(ctx, grad_out, *_grads_of_saved):
+    x, weight, y, out, stats, bn_weight, bn_bias, scale = ctx.saved_tensors
+    use_batch_stats, allow_tf32, has_bias = ctx.flags
+    n = ctx.needs_input_grad  # inputs: x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, ...
+    needs = [n[0], n[1], n[2] and has_bias, n[5] and bn_weight is not None, n[6] and bn_bias is not None, n[7]]
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grads = torch.ops.cupy_attn.linear_batchnorm_softmax_backward(grad_out, x, weight, y, out, stats, bn_weight,
+                                                                  bn_bias, scale, use_batch_stats, needs, allow_tf32)
+    dx, dw, db, dg, dbeta, ds = (g if need else None for g, need in zip(grads, needs))
+    return dx, dw, db, None, None, dg, dbeta, ds, None, None, None, None, None
+
+
+_lbs_forward_op.register_autograd(_lbs_forward_backward, setup_context=_lbs_forward_setup_context)
+
+
 def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
                              momentum=0.1, eps=1e-5, num_batches_tracked=None, allow_tf32=None):
-    """:func:`cupy_attn.linear_batchnorm_softmax` (same arguments, results, in-place updates) through the custom op."""
+    """:func:`cupy_attn.linear_batchnorm_softmax` (same arguments, results, in-place updates) through the custom ops.
+
+    When autograd records the call (grad mode on, an argument requiring grad): the functional op
+    ``linear_batchnorm_softmax_forward`` (differentiable; the mutable op cannot carry a backward formula), whose
+    running-stat results are copied into the buffers here. Otherwise the mutable op, on detached inputs.
+    """
+    momentum = None if momentum is None else float(momentum)
+    allow_tf32 = None if allow_tf32 is None else bool(allow_tf32)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                       for t in (x, weight, bias, bn_weight, bn_bias, scale)):
+        out, _, _, rm, rv, nbt = torch.ops.cupy_attn.linear_batchnorm_softmax_forward(
+            x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, bool(training), momentum,
+            float(eps), num_batches_tracked, allow_tf32)
+        if training and running_mean is not None:
+            running_mean.copy_(rm.detach())
+            running_var.copy_(rv.detach())
+            if num_batches_tracked is not None:
+                num_batches_tracked.copy_(nbt)
+        return out
+
     def d(t):
         return None if t is None else t.detach()
     # running stats are buffers (no grad) and mutated: passed as they are, so the mutation reaches them
     return torch.ops.cupy_attn.linear_batchnorm_softmax(
         x.detach(), weight.detach(), d(bias), running_mean, running_var, d(bn_weight), d(bn_bias), scale.detach(),
-        bool(training),
-        None if momentum is None else float(momentum), float(eps), num_batches_tracked,
-        None if allow_tf32 is None else bool(allow_tf32))
+        bool(training), momentum, float(eps), num_batches_tracked, allow_tf32)

@@ -8,13 +8,14 @@ dominates where large logits nearly tie.
 """
 from __future__ import annotations
 
+import copy
 import zlib
 
 import numpy as np
 import pytest
 
 from cupy_attn import reference
-from cupy_attn.linear_bn_softmax import api as lbs_api, launch as lbs
+from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
 
@@ -27,9 +28,9 @@ from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
 class Model(nn.Module):
     """The plain model of the workload (issue 4)."""
 
-    def __init__(self, in_features, out_features, **bn_kw):
+    def __init__(self, in_features, out_features, bias=True, **bn_kw):
         super().__init__()
-        self.gemm = nn.Linear(in_features, out_features)
+        self.gemm = nn.Linear(in_features, out_features, bias=bias)
         self.bn = nn.BatchNorm1d(out_features, **bn_kw)
         self.scale = nn.Parameter(torch.ones(1))
 
@@ -117,6 +118,72 @@ def test_reference_scale_per_feature_and_large_logits():
     np.testing.assert_allclose(out, expect.numpy(), rtol=1e-10, atol=1e-300)
 
 
+# Gradient configurations: (name, Model keyword arguments, scale shape "1" or "F").
+GRAD_CONFIGS = [
+    ("default", dict(), "1"),
+    ("no_bias", dict(bias=False), "1"),
+    ("affine=False", dict(affine=False), "1"),
+    ("scale_F", dict(), "F"),
+    ("no_running_stats", dict(track_running_stats=False), "1"),
+    ("momentum=None,scale_F,no_bias", dict(momentum=None, bias=False), "F"),
+]
+
+
+def _grad_model(k, f, model_kw, scale_shape, gen):
+    """A randomized plain Model of a GRAD_CONFIGS entry (float32, CPU)."""
+    model = _randomize(Model(k, f, **model_kw), gen)
+    if scale_shape == "F":
+        model.scale = nn.Parameter(torch.rand(f, generator=gen) * 3 + 0.2)
+    return model
+
+
+def _model_grads(model, x, grad_out):
+    """(out, grads) of ``model`` (plain or fused) at x for the output gradient grad_out, by torch autograd: grads keyed
+    like reference.linear_batchnorm_softmax_backward (None for absent parameters)."""
+    x = x.detach().requires_grad_(True)
+    inputs = {"x": x, "weight": model.gemm.weight, "bias": model.gemm.bias, "bn_weight": model.bn.weight,
+              "bn_bias": model.bn.bias, "scale": model.scale}
+    for p in model.parameters():
+        p.grad = None
+    out = model(x)
+    out.backward(grad_out)
+    return out, {key: None if v is None else v.grad for key, v in inputs.items()}
+
+
+def _saved_stats(model, x, training):
+    """(y, mean, invstd) in float64 as the forward normalizes: y = x·Wᵀ without the bias, and the bias-free mean."""
+    s = {key: _np(v) for key, v in _state(model).items()}
+    y = _np(x) @ s["weight"].T
+    bias = 0.0 if s["bias"] is None else s["bias"]
+    if training or s["running_mean"] is None:
+        mean, var = y.mean(axis=0), y.var(axis=0)
+    else:
+        mean, var = s["running_mean"] - bias, s["running_var"]
+    return y, mean, 1.0 / np.sqrt(var + model.bn.eps)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name, model_kw, scale_shape", GRAD_CONFIGS, ids=[c[0] for c in GRAD_CONFIGS])
+@pytest.mark.parametrize("shape", [(2, 5, 3), (9, 7, 40), (33, 16, 1)])
+def test_reference_backward_matches_torch_float64(shape, name, model_kw, scale_shape, training):
+    n, k, f = shape
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, name, training)).encode()))
+    model = _grad_model(k, f, model_kw, scale_shape, gen).double().train(training)
+    x = torch.randn(n, k, generator=gen, dtype=torch.float64) * 2
+    grad_out = torch.randn(n, f, generator=gen, dtype=torch.float64)
+    y, mean, invstd = _saved_stats(model, x, training)  # before the step updates the running stats
+    s = {key: _np(v) for key, v in _state(model).items()}
+    out, expect = _model_grads(model, x, grad_out)
+    got = reference.linear_batchnorm_softmax_backward(
+        _np(grad_out), _np(x), s["weight"], _np(out), y, mean, invstd, s["bn_weight"], s["bn_bias"], s["scale"],
+        use_batch_stats=training or s["running_mean"] is None)
+    for key, want in expect.items():
+        if want is None:
+            continue
+        assert got[key].shape == tuple(want.shape), key
+        np.testing.assert_allclose(got[key], want.numpy(), rtol=1e-9, atol=1e-12, err_msg=key)
+
+
 @pytest.mark.parametrize("kind", ["numpy", "torch_cpu"])
 @pytest.mark.parametrize("training", [True, False])
 def test_public_cpu_path_updates_in_place(kind, training):
@@ -140,6 +207,63 @@ def test_public_cpu_path_updates_in_place(kind, training):
     np.testing.assert_allclose(np.asarray(args["running_mean"]), plain.bn.running_mean.numpy(), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(np.asarray(args["running_var"]), plain.bn.running_var.numpy(), rtol=1e-5, atol=1e-7)
     assert int(np.asarray(nbt).ravel()[0]) == int(plain.bn.num_batches_tracked)
+
+
+def _functional(model, x, **kw):
+    """linear_batchnorm_softmax on a model's parameters and buffers, with the module's train/eval semantics."""
+    bn = model.bn
+    return linear_batchnorm_softmax(x, **_state(model), training=bn.training, momentum=bn.momentum, eps=bn.eps,
+                                    num_batches_tracked=bn.num_batches_tracked if bn.training else None, **kw)
+
+
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("name, model_kw, scale_shape", GRAD_CONFIGS, ids=[c[0] for c in GRAD_CONFIGS])
+def test_cpu_tensors_requiring_grad_take_the_differentiable_reference(name, model_kw, scale_shape, training):
+    """CPU torch tensors that autograd records: gradients of the reference math (float64 torch ops) reach every
+    argument, and the running stats update in place as without autograd."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((name, training)).encode()))
+    plain = _grad_model(12, 20, model_kw, scale_shape, gen).train(training)
+    ours = _grad_model(12, 20, model_kw, scale_shape, gen)
+    ours.load_state_dict(plain.state_dict())
+    ours.train(training)
+    x = torch.randn(7, 12, generator=gen)
+    grad_out = torch.randn(7, 20, generator=gen)
+    out_t, expect = _model_grads(plain, x, grad_out)
+    xg = x.clone().requires_grad_(True)
+    out = _functional(ours, xg)
+    assert out.dtype == torch.float32 and out.grad_fn is not None
+    out.backward(grad_out)
+    got = {"x": xg.grad, "weight": ours.gemm.weight.grad, "bias": getattr(ours.gemm.bias, "grad", None),
+           "bn_weight": getattr(ours.bn.weight, "grad", None), "bn_bias": getattr(ours.bn.bias, "grad", None),
+           "scale": ours.scale.grad}
+    torch.testing.assert_close(out, out_t, rtol=1e-5, atol=1e-7)
+    for key, want in expect.items():
+        if want is None:
+            assert got[key] is None, key
+            continue
+        torch.testing.assert_close(got[key], want, rtol=1e-4, atol=1e-6, msg=key)
+    for key in ("running_mean", "running_var", "num_batches_tracked"):
+        if getattr(plain.bn, key) is not None:
+            torch.testing.assert_close(getattr(ours.bn, key), getattr(plain.bn, key), msg=key)
+
+
+def test_needs_grad_only_when_autograd_records():
+    from cupy_attn.linear_bn_softmax import autograd as lbs_autograd
+    gen = torch.Generator().manual_seed(4)
+    model = _randomize(Model(6, 5), gen)
+    s = _state(model)
+    args = (s["weight"], s["bias"], s["bn_weight"], s["bn_bias"], s["scale"])
+    x = torch.randn(3, 6, generator=gen)
+    assert lbs_autograd.needs_grad(x, *args)
+    with torch.no_grad():
+        assert not lbs_autograd.needs_grad(x, *args)
+        assert _functional(model, x).grad_fn is None
+    with torch.inference_mode():
+        assert not lbs_autograd.needs_grad(x, *args)
+    frozen = tuple(a.detach() for a in args)
+    assert not lbs_autograd.needs_grad(x, *frozen)
+    assert lbs_autograd.needs_grad(x.requires_grad_(True), *frozen)
+    assert not lbs_autograd.needs_grad(x.detach().numpy(), *(a.detach().numpy() for a in args))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -248,7 +372,8 @@ def test_module_scale_shape_check():
 # ---------------------------------------------------------------------------------------------------------------------
 # CPU: kernels compile; the launcher only asks for declared variants
 
-FAMILIES = [lbs.COLUMN_STATS, lbs.FOLD_RUNNING_STATS, lbs.SOFTMAX_ROWS, lbs.SOFTMAX_ROWS_STREAMING]
+FAMILIES = [lbs.COLUMN_STATS, lbs.FOLD_RUNNING_STATS, lbs.SOFTMAX_ROWS, lbs.SOFTMAX_ROWS_STREAMING, lbs_bwd.ROW_DOT,
+            lbs_bwd.COLUMNS]
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
@@ -278,6 +403,20 @@ def test_plans_are_declared_variants(dtype):
     assert lbs.row_plan(8192, np.float16) == lbs.RowPlan("softmax_rows", 256, 8, 4, 1)
     assert lbs.row_plan(8192, np.float32) == lbs.RowPlan("softmax_rows", 512, 4, 4, 2)
     assert lbs.row_plan(4096, np.float16) == lbs.RowPlan("softmax_rows", 512, 8, 1, 2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_backward_plans_are_declared_variants(dtype):
+    c = lbs._C_TYPES[dtype]
+    npdt = np.dtype(dtype) if dtype != "bfloat16" else interop.dtype_of(torch.empty(1, dtype=torch.bfloat16),
+                                                                         "torch_cpu")
+    for f in [1, 3, 8, 31, 32, 264, 1000, 8192, 8200, 20001]:
+        tile = lbs_bwd.column_tile(f, npdt)
+        assert f % tile[0] == 0 and tile[0] * tile[1] <= tile[2]
+        assert lbs_bwd.COLUMNS.name_expression(dtype=c, tile=tile) in lbs_bwd.COLUMNS.name_expressions()
+        expr = lbs_bwd.ROW_DOT.name_expression(dtype=c, threads=lbs_bwd.ROW_DOT_THREADS, vec=lbs_bwd._vec(f, npdt))
+        assert expr in lbs_bwd.ROW_DOT.name_expressions()
+    assert lbs_bwd.column_tile(8192, np.float16) == (8, 4, 256) and lbs_bwd.column_tile(999, np.float32) == (1, 32, 256)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -316,14 +455,16 @@ def _model_noise(model, x, p, use_batch_stats):
     return _gemm_rounding_noise(x64, s["weight"], s["bn_weight"], var, model.bn.eps, s["scale"], p)
 
 
-def _check_close(name, ours, torch_out, ref, dtype, noise=None):
+def _check_close(name, ours, torch_out, ref, dtype, noise=None, torch_ref=None):
     """ours must be finite and within 2× torch's max error vs the float64 reference, plus rounding noise: one ulp of
-    the largest output (the output dtype) and, per element, ``noise`` (the GEMM's, see _gemm_rounding_noise)."""
+    the largest output (the output dtype) and, per element, ``noise`` (the GEMM's, see _gemm_rounding_noise).
+    torch_ref: torch's own float64 reference when torch computed from other values than ours (its own parameters
+    after training steps); ``ref`` otherwise."""
     ours = ours.detach().double().cpu().numpy() if hasattr(ours, "detach") else np.asarray(ours, np.float64)
     tor = torch_out.detach().double().cpu().numpy()
     assert not np.isnan(ours).any(), f"{name}: NaN at {np.argwhere(np.isnan(ours))[:5].tolist()}"
     err = np.abs(ours - ref)
-    err_t = np.abs(tor - ref).max()
+    err_t = np.abs(tor - (ref if torch_ref is None else torch_ref)).max()
     bound = 2 * err_t + ULP[dtype] * np.abs(ref).max() + (0.0 if noise is None else noise)
     if (err > bound).any():
         bad = np.argwhere(err > bound)[:5].tolist()
@@ -586,3 +727,235 @@ def test_gpu_scale_as_a_number_and_mixed_kinds(kind):
     other = cupy.from_dlpack(st["weight"]) if kind == "torch" else torch.from_dlpack(st["weight"])
     with pytest.raises(TypeError, match="weight is a .* but x is a"):
         linear_batchnorm_softmax(x, **{**st, "weight": other}, training=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: gradients (training)
+
+def _grad_noise(model, x, grad_out, out, training):
+    """Per-element error (float64, keyed like the gradients) that fp32 accumulation alone may cause in each gradient,
+    for the float64 ``model`` (state before its running stats are used: eval reads them, training does not), input x,
+    output gradient grad_out and reference output out.
+
+    Every dtype sums in fp32: n terms carry about u·sqrt(n)·Σ|term| (u = 2⁻²⁴, a random walk), so this matters for
+    fp32 only, where torch's error and ours are two samples of the same rounding noise: rowsum(dout ∘ out) over F,
+    the column sums A and B over N, the GEMMs over F (dx) and N (dW), the scalar dscale over N·F; and upstream, the
+    forward GEMM's error in y (over K, as in _gemm_rounding_noise) through ŷ and out.
+    """
+    u = FP32_UNIT
+    s = {key: _np(v) for key, v in _state(model).items()}
+    x64, g, o = _np(x), _np(grad_out), np.asarray(out, dtype=np.float64)
+    n, f = o.shape
+    k = x64.shape[1]
+    y, mean, invstd = _saved_stats(model, x, training)
+    yh = (y - mean) * invstd
+    gamma = np.ones(f) if s["bn_weight"] is None else s["bn_weight"]
+    beta = np.zeros(f) if s["bn_bias"] is None else s["bn_bias"]
+    sc = np.broadcast_to(s["scale"].reshape(-1), (f,))
+    dz = o * (g - (g * o).sum(axis=1, keepdims=True))
+    a_sum, b_sum = dz.sum(axis=0), (dz * yh).sum(axis=0)
+    c = gamma * sc * invstd
+    dy = c * (dz - a_sum / n - yh * b_sum / n) if training or s["running_mean"] is None else c * dz
+    y_err = u * np.sqrt(k) * (np.abs(x64) @ np.abs(s["weight"]).T)
+    var = 1.0 / invstd ** 2 - model.bn.eps
+    o_err = _gemm_rounding_noise(x64, s["weight"], s["bn_weight"], var, model.bn.eps, s["scale"], o)
+    yh_err = y_err * invstd
+    dz_err = (np.abs(o) * u * np.sqrt(f) * np.abs(g * o).sum(axis=1, keepdims=True) + u * np.abs(dz)
+              + o_err * np.abs(g - (g * o).sum(axis=1, keepdims=True)) + np.abs(o) * (np.abs(g) * o_err).sum(
+                  axis=1, keepdims=True))
+    a_err = u * np.sqrt(n) * np.abs(dz).sum(axis=0) + dz_err.sum(axis=0)
+    b_err = (u * np.sqrt(n) * np.abs(dz * yh).sum(axis=0) + (dz_err * np.abs(yh)).sum(axis=0)
+             + (np.abs(dz) * yh_err).sum(axis=0))
+    dy_err = np.abs(c) * (dz_err + a_err / n + np.abs(yh) * b_err / n + yh_err * np.abs(b_sum) / n) + u * np.abs(dy)
+    ds_err = np.abs(gamma) * b_err + np.abs(beta) * a_err
+    if s["scale"].size != f or f == 1:
+        ds_err = np.full(s["scale"].shape, ds_err.sum() + u * np.sqrt(f) * np.abs(gamma * b_sum + beta * a_sum).sum())
+    return {"x": u * np.sqrt(f) * (np.abs(dy) @ np.abs(s["weight"])) + dy_err @ np.abs(s["weight"]),
+            "weight": u * np.sqrt(n) * (np.abs(dy).T @ np.abs(x64)) + dy_err.T @ np.abs(x64),
+            "bias": u * np.sqrt(n) * np.abs(dy).sum(axis=0) + dy_err.sum(axis=0),
+            "bn_weight": np.abs(sc) * b_err, "bn_bias": np.abs(sc) * a_err, "scale": ds_err.reshape(s["scale"].shape)}
+
+
+def _check_grads(what, ours, theirs, ref, ref_t, dtype, noise):
+    """Every gradient of ``ref`` present: ours within 2× torch's error (against ``ref_t``, torch's own float64
+    reference) plus rounding noise (_check_close)."""
+    for key, want in ref.items():
+        if want is None:
+            assert ours[key] is None, f"{what}: {key} has a gradient but the reference has none"
+            continue
+        assert ours[key] is not None, f"{what}: no gradient for {key}"
+        assert ours[key].dtype == theirs[key].dtype and ours[key].shape == theirs[key].shape, key
+        _check_close(f"{what} d{key}", ours[key], theirs[key], want.detach().cpu().numpy(), dtype,
+                     None if noise is None else noise[key], torch_ref=ref_t[key].detach().cpu().numpy())
+
+
+def _gpu_grad_models(k, f, model_kw, scale_shape, dtype, gen, training):
+    """(plain in dtype, fused copy), on the GPU with the same values and mode."""
+    plain = _grad_model(k, f, model_kw, scale_shape, gen).to("cuda", DTYPES[dtype]).train(training)
+    return plain, LinearBatchNormSoftmax.from_module(plain)
+
+
+def _float64_copy(plain, source):
+    """A float64 plain model (``plain``'s structure) holding ``source``'s current parameters, buffers and mode."""
+    ref = copy.deepcopy(plain).double()
+    ref.load_state_dict({key: v.double() if v.is_floating_point() else v for key, v in source.state_dict().items()})
+    return ref.train(source.training)
+
+
+def _gpu_grad_step(plain, fused, x, grad_out, dtype, training, what):
+    """One forward + backward of the fused and the plain model, each against a float64 copy of its own state taken
+    before the step (after training steps their parameters differ by their rounding so far, which is not this step's
+    error): out, every gradient, the running stats."""
+    same = all(torch.equal(u, v) for u, v in zip(plain.state_dict().values(), fused.state_dict().values()))
+    ref_f = _float64_copy(plain, fused)
+    ref_p = ref_f if same else _float64_copy(plain, plain)
+    noise_model = copy.deepcopy(ref_f)  # before the step: eval's noise reads the running stats it uses
+    _poison_allocators(tuple(grad_out.shape), DTYPES[dtype])
+    ref_out, ref = _model_grads(ref_f, x.double(), grad_out.double())
+    ref_out_t, ref_t = (ref_out, ref) if same else _model_grads(ref_p, x.double(), grad_out.double())
+    out_t, theirs = _model_grads(plain, x, grad_out)
+    out, ours = _model_grads(fused, x, grad_out)
+    assert out.grad_fn is not None and "LinearBatchNormSoftmax" in type(out.grad_fn).__name__, type(out.grad_fn)
+    ref_np = ref_out.detach().cpu().numpy()
+    noise = out_noise = None
+    if dtype == "float32":  # fp32 accumulation noise; far below the 16-bit dtypes' errors
+        out_noise = _model_noise(noise_model, x, ref_np, training or noise_model.bn.running_mean is None)
+        noise = _grad_noise(noise_model, x, grad_out, ref_np, training)
+    _check_close(f"{what} out", out, out_t, ref_np, dtype, out_noise, torch_ref=ref_out_t.detach().cpu().numpy())
+    _check_grads(what, ours, theirs, ref, ref_t, dtype, noise)
+    if training and plain.bn.running_mean is not None:
+        for key in ("running_mean", "running_var"):
+            _check_close(f"{what} {key}", getattr(fused.bn, key), getattr(plain.bn, key),
+                         getattr(ref_f.bn, key).cpu().numpy(), dtype, torch_ref=getattr(ref_p.bn, key).cpu().numpy())
+        assert int(fused.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked)
+
+
+# (shape, GRAD_CONFIGS name): every configuration at two odd shapes (F not a multiple of 8: scalar loads; F = 1000:
+# 16-byte loads, N not a multiple of the 64 row groups), the default at more shapes: F > 8192 (streaming forward),
+# N > 16 row blocks per SM (row-dot grid-stride), tiny.
+_CONFIG_NAMES = [c[0] for c in GRAD_CONFIGS]
+GPU_GRAD_CASES = ([((33, 17, 129), name) for name in _CONFIG_NAMES] + [((70, 40, 1000), name) for name in _CONFIG_NAMES]
+                  + [((s), "default") for s in [(2, 5, 3), (5, 24, 31), (300, 96, 264), (9, 24, 8200),
+                                                (3000, 16, 40)]] + [((64, 128, 8192), "scale_F")])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("shape, config", GPU_GRAD_CASES, ids=[f"{'x'.join(map(str, s))}-{c}" for s, c in GPU_GRAD_CASES])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_gpu_gradients_match_reference_and_torch(dtype, shape, config, training):
+    n, k, f = shape
+    _, model_kw, scale_shape = GRAD_CONFIGS[_CONFIG_NAMES.index(config)]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((shape, config, dtype, training)).encode()))
+    plain, fused = _gpu_grad_models(k, f, model_kw, scale_shape, dtype, gen, training)
+    x = (torch.randn(n, k, generator=gen) * 2).to("cuda", DTYPES[dtype])
+    grad_out = torch.randn(n, f, generator=gen).to("cuda", DTYPES[dtype])
+    _gpu_grad_step(plain, fused, x, grad_out, dtype, training, "step")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gpu_seed_shape_gradients(dtype):
+    """The benchmark's shape and model: (1024, 8192) → 8192, nn.Linear's initialization (std(y) ≈ 0.6, so dy stays
+    in fp16's normal range: with _randomize's weights it would be ~1e-8, zero in fp16 for torch and us alike),
+    training; float64 reference on the GPU."""
+    gen = torch.Generator().manual_seed(6)
+    torch.manual_seed(6)
+    plain = Model(8192, 8192)
+    with torch.no_grad():
+        plain.bn.weight.uniform_(0.5, 1.5, generator=gen)
+        plain.bn.bias.normal_(0, 0.5, generator=gen)
+        plain.bn.running_mean.normal_(0, 0.2, generator=gen)
+        plain.bn.running_var.uniform_(0.5, 2.0, generator=gen)
+        plain.scale.fill_(1.7)
+    plain = plain.to("cuda", DTYPES[dtype]).train()
+    fused = LinearBatchNormSoftmax.from_module(plain)
+    x = torch.randn(1024, 8192, generator=gen).to("cuda", DTYPES[dtype])
+    grad_out = torch.randn(1024, 8192, generator=gen).to("cuda", DTYPES[dtype])
+    _gpu_grad_step(plain, fused, x, grad_out, dtype, True, "seed")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("config", ["default", "affine=False", "momentum=None,scale_F,no_bias"])
+def test_gpu_five_training_steps_with_backward(dtype, config):
+    """Five SGD steps (forward, backward, update) of the fused and the plain model from the same start, then an eval
+    step: each step's output, gradients and running stats against float64 from each model's own state (see
+    _gpu_grad_step), within 2× torch's error; the batch count."""
+    n, k, f = 48, 96, 264
+    _, model_kw, scale_shape = GRAD_CONFIGS[_CONFIG_NAMES.index(config)]
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((dtype, config)).encode()))
+    plain, fused = _gpu_grad_models(k, f, model_kw, scale_shape, dtype, gen, True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (plain, fused)]
+    for step in range(5):
+        x = (torch.randn(n, k, generator=gen) + 0.5 * step).to("cuda", DTYPES[dtype])
+        grad_out = torch.randn(n, f, generator=gen).to("cuda", DTYPES[dtype])
+        _gpu_grad_step(plain, fused, x, grad_out, dtype, True, f"step {step}")
+        for opt in opts:
+            opt.step()
+    assert int(fused.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 5
+    plain.eval(), fused.eval()
+    x = torch.randn(n, k, generator=gen).to("cuda", DTYPES[dtype])
+    grad_out = torch.randn(n, f, generator=gen).to("cuda", DTYPES[dtype])
+    _gpu_grad_step(plain, fused, x, grad_out, dtype, False, "eval after training")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_gpu_recorded_forward_equals_unrecorded_and_params_only(x_requires_grad):
+    """The recorded forward gives the unrecorded one's output and running stats bit for bit (same GEMM plan and
+    kernels, y kept in a buffer of its own); x that needs no gradient gets none (the dx GEMM is skipped) while the
+    parameters get theirs; a second call replays the cached launch with the same results."""
+    gen = torch.Generator().manual_seed(8)
+    plain = _randomize(Model(64, 1000), gen).cuda().half().train()
+    a, b = LinearBatchNormSoftmax.from_module(plain), LinearBatchNormSoftmax.from_module(plain)
+    x = torch.randn(40, 64, generator=gen).half().cuda()
+    grad_out = torch.randn(40, 1000, generator=gen).half().cuda()
+    first = None
+    for _ in range(2):
+        xg = x.clone().requires_grad_(x_requires_grad)
+        out = a(xg)
+        with torch.no_grad():
+            expect = b(x)
+        assert out.grad_fn is not None and expect.grad_fn is None
+        assert torch.equal(out, expect)
+        for key in ("running_mean", "running_var", "num_batches_tracked"):
+            assert torch.equal(getattr(a.bn, key), getattr(b.bn, key)), key
+        a.zero_grad(set_to_none=True)
+        out.backward(grad_out)
+        assert (xg.grad is not None) == x_requires_grad
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in a.parameters())
+        grads = [p.grad.clone() for p in a.parameters()] + ([xg.grad] if x_requires_grad else [])
+        if first is not None:  # the replayed call: deterministic kernels, the same gradients
+            assert all(torch.equal(g, h) for g, h in zip(first, grads))
+        first = grads
+
+
+@pytest.mark.gpu
+def test_gpu_strided_output_gradient_and_mixed_parameter_dtypes():
+    """A broadcast output gradient (stride 0 along the batch, from (out · w).sum()) is read correctly, and fp32
+    BatchNorm parameters and scale next to fp16 activations get fp32 gradients as accurate as an all-fp16 torch's."""
+    n, k, f = 37, 48, 264
+    gen = torch.Generator().manual_seed(12)
+    plain = _randomize(Model(k, f), gen).cuda().half().train()
+    ref_model = copy.deepcopy(plain).double()
+    mixed = LinearBatchNormSoftmax.from_module(plain)
+    mixed.bn.float()
+    mixed.scale.data = mixed.scale.data.float()
+    x = torch.randn(n, k, generator=gen).half().cuda()
+    w = torch.randn(f, generator=gen).half().cuda()
+
+    def grads(model, xx, ww):
+        for p in model.parameters():
+            p.grad = None
+        xx = xx.clone().requires_grad_(True)
+        (model(xx).sum(0) * ww).sum().backward()  # out's gradient: ww expanded over the batch, strides (0, 1)
+        return {"x": xx.grad, "weight": model.gemm.weight.grad, "bias": model.gemm.bias.grad,
+                "bn_weight": model.bn.weight.grad, "bn_bias": model.bn.bias.grad, "scale": model.scale.grad}
+    ref = grads(ref_model, x.double(), w.double())
+    theirs = grads(plain, x, w)
+    ours = grads(mixed, x, w)
+    for key in ("bn_weight", "bn_bias", "scale"):
+        assert ours[key].dtype == torch.float32, key
+    for key, want in ref.items():
+        _check_close(f"d{key}", ours[key], theirs[key], want.cpu().numpy(), "float16")

@@ -170,18 +170,88 @@ def test_compile_fullgraph_cpu_matches_eager(backend, training):
         torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name))
 
 
-def test_compile_with_grad_mode_on_reads_inputs_detached():
-    """As eager (no autograd yet): the forward runs on parameters that require grad, and outputs carry no grad_fn,
-    instead of AOTAutograd failing to trace a backward through the op."""
+class _Head(torch.nn.Module):
+    """A Linear, then Linear-BN-softmax with every parameter trainable (per-feature scale): x's gradient flows back
+    through the fused op into the first Linear."""
+
+    def __init__(self, d=32, features=16):
+        super().__init__()
+        self.pre = torch.nn.Linear(d, d)
+        self.head = torch.nn.Linear(d, features)
+        self.bn = torch.nn.BatchNorm1d(features)
+        self.scale = torch.nn.Parameter(torch.rand(features) + 0.5)
+
+    def forward(self, x):
+        bn = self.bn
+        return LBS(self.pre(x), self.head.weight, self.head.bias, bn.running_mean, bn.running_var, bn.weight,
+                   bn.bias, self.scale, training=bn.training, momentum=bn.momentum, eps=bn.eps,
+                   num_batches_tracked=bn.num_batches_tracked if bn.training else None)
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_compile_training_step_matches_eager_gradients(training):
+    """Grad mode on: the compiled graph records Linear-BN-softmax through the functional op and its registered backward
+    (CPU: the float64 reference of both), and gives eager's output, every parameter's gradient and running stats."""
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = _Attention().train()
+    model = _Head().train(training)
+    with torch.no_grad():
+        model.bn.weight.uniform_(0.5, 1.5), model.bn.bias.normal_(), model.bn.running_var.uniform_(0.5, 2)
     ref_model = _clone_model(model)
-    x = torch.randn(2, 6, 32)
+    x = torch.randn(12, 32)
+    grad = torch.randn(12, 16)
     got = torch.compile(model, fullgraph=True, backend="aot_eager")(x)
     want = ref_model(x)
-    assert not got.requires_grad and not want.requires_grad
+    assert got.requires_grad and want.requires_grad
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward(grad)
+    want.backward(grad)
+    for (name, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(model.bn, name), getattr(ref_model.bn, name))
+
+
+def test_compile_training_graph_holds_the_functional_op_pair():
+    torch._dynamo.reset()
+    graphs = []
+
+    def backend(gm, example_inputs):
+        from functorch.compile import make_boxed_func
+        from torch._functorch.aot_autograd import aot_module_simplified
+
+        def compiler(g, _):
+            graphs.append(g)
+            return make_boxed_func(g.forward)
+        return aot_module_simplified(gm, example_inputs, fw_compiler=compiler, bw_compiler=compiler)
+
+    model = _Head().train()
+    torch.compile(model, fullgraph=True, backend=backend)(torch.randn(12, 32)).pow(2).sum().backward()
+    targets = [[str(n.target) for n in g.graph.nodes if n.op == "call_function"] for g in graphs]
+    assert len(graphs) == 2
+    assert sum("cupy_attn.linear_batchnorm_softmax_forward" in t for t in targets[0]) == 1, targets[0]
+    assert not any("cupy_attn.linear_batchnorm_softmax.default" in t for t in targets[0]), targets[0]
+    assert sum("cupy_attn.linear_batchnorm_softmax_backward" in t for t in targets[1]) == 1, targets[1]
+
+
+def test_opcheck_lbs_functional_pair_cpu():
+    g = torch.Generator().manual_seed(2)
+    x, w, b = torch.randn(6, 5, generator=g), torch.randn(3, 5, generator=g), torch.randn(3, generator=g)
+    rm, rv, nbt = torch.zeros(3), torch.ones(3), torch.zeros((), dtype=torch.long)
+    gamma, beta, scale = torch.rand(3, generator=g) + 0.5, torch.randn(3, generator=g), torch.full((1,), 1.5)
+    fwd = torch.ops.cupy_attn.linear_batchnorm_softmax_forward.default
+    for args in [(x, w, b, rm, rv, gamma, beta, scale, True, None, 1e-5, nbt, None),
+                 (x, w, None, rm, rv, None, None, torch.rand(3, generator=g) + 0.5, False, 0.1, 1e-5, None, None),
+                 (x, w, b, None, None, gamma, beta, scale, True, 0.1, 1e-5, None, None),
+                 (x, w, b, rm, rv, gamma, None, torch.tensor(0.7), True, 0.1, 1e-5, nbt, None)]:
+        args = tuple(a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     and i in (0, 1, 2, 5, 6, 7) else a for i, a in enumerate(args))
+        torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))
+    out, y, stats = fwd(x, w, b, rm, rv, gamma, beta, scale, True, 0.1, 1e-5, nbt, None)[:3]
+    bwd = torch.ops.cupy_attn.linear_batchnorm_softmax_backward.default
+    torch.library.opcheck(bwd, (torch.randn(6, 3, generator=g), x, w, y, out, stats, gamma, beta, scale, True,
+                                [True, True, True, True, False, True], None))
 
 
 def test_dynamo_never_traces_the_call_cache(monkeypatch):
@@ -290,3 +360,31 @@ def test_gpu_compile_linear_batchnorm_softmax_module(mode):
     torch.testing.assert_close(fused.bn.running_mean, ref.bn.running_mean, rtol=1e-3, atol=1e-4)
     torch.testing.assert_close(fused.bn.running_var, ref.bn.running_var, rtol=1e-3, atol=1e-4)
     assert int(fused.bn.num_batches_tracked) == int(ref.bn.num_batches_tracked) == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", [None, "reduce-overhead"])
+def test_gpu_compile_training_step_matches_eager(mode):
+    """A compiled training step (fullgraph, inductor; CUDA graphs with reduce-overhead) of the fused module: output,
+    every gradient and the running stats as the eager fused module's, step after step."""
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    fused = LinearBatchNormSoftmax(64, 300, scale_shape=(300,), device="cuda", dtype=torch.float16).train()
+    ref = LinearBatchNormSoftmax(64, 300, scale_shape=(300,), device="cuda", dtype=torch.float16).train()
+    ref.load_state_dict(fused.state_dict())
+    compiled = torch.compile(fused, fullgraph=True, mode=mode)
+    for step in range(4):
+        x = torch.randn(128, 64, device="cuda", dtype=torch.float16)
+        grad = torch.randn(128, 300, device="cuda", dtype=torch.float16)
+        xs = [x.clone().requires_grad_(True) for _ in range(2)]
+        got, want = compiled(xs[0]), ref(xs[1])
+        params = [list(fused.parameters()), list(ref.parameters())]
+        g_got = torch.autograd.grad(got, [xs[0]] + params[0], grad)
+        g_want = torch.autograd.grad(want, [xs[1]] + params[1], grad)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-4, msg=f"step {step}")
+        for name, a, b in zip(["x"] + [n for n, _ in fused.named_parameters()], g_got, g_want):
+            torch.testing.assert_close(a, b, rtol=2e-2, atol=1e-4, msg=f"step {step} d{name}")
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        torch.testing.assert_close(getattr(fused.bn, name), getattr(ref.bn, name), rtol=1e-3, atol=1e-4)

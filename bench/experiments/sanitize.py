@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
 
 The FA3-design forward (forced), the fused and split backward, the decode kernel with several splits and a padding
-mask, each once on odd sizes.
+mask, each once on odd sizes; the Linear-BN-softmax backward kernels.
 """
 import os
 import sys
@@ -36,6 +36,16 @@ def main():
     mask[1] = False
     for splits in (1, 3, 7):
         cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
+    # Linear-BN-softmax backward (issue 11): 16-byte and scalar tiles, a partial strip, one-element and per-feature
+    # scale (the last-block sum), train and eval.
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    for dtype, n, f, scale_shape in ((f16, 70, 1000, (1,)), (torch.bfloat16, 33, 129, (129,)),
+                                     (torch.float32, 9, 8200, (1,))):
+        fused = LinearBatchNormSoftmax(40, f, scale_shape=scale_shape, device="cuda", dtype=dtype)
+        for training in (True, False):
+            fused.train(training)
+            x = torch.randn(n, 40, device="cuda", dtype=dtype, requires_grad=True)
+            fused(x).backward(torch.randn(n, f, device="cuda", dtype=dtype))
     torch.cuda.synchronize()
     print("sanitize calls done")
 

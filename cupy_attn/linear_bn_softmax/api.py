@@ -9,9 +9,10 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
+from . import autograd as _autograd
 from .checks import check
-from .launch import (Y_WORKSPACE_MAX_BYTES, _Entry, _Prepared, _VECTORS, _cupy_view, _empty, _unit_last_stride,  # noqa: F401
-                     _vector_ptr)
+from .launch import (AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _Entry, _Prepared, _VECTORS, _cupy_view, _empty,  # noqa: F401
+                     _torch_alloc, _unit_last_stride, _vector_ptr)
 
 
 def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
@@ -40,8 +41,21 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     run on torch's current stream), or NumPy arrays / CPU torch tensors, which run the float64 reference
     (:func:`cupy_attn.reference.linear_batchnorm_softmax`) and update their running stats in place too. x and weight
     are copied only when their last axis is not unit-stride, the small per-feature vectors only when not contiguous.
-    No autograd: tensors that require grad are read detached (``cupy_attn.torch.LinearBatchNormSoftmax`` falls back
-    to torch ops when gradients are needed).
+
+    Autograd (torch tensors, grad mode on, x, weight, bias, bn_weight, bn_bias or scale requiring grad): the result is
+    differentiable with respect to those six, in training and in eval mode (with running statistics BatchNorm is a
+    per-feature affine map and its backward one too). The recorded forward keeps y = x·Wᵀ (bias-free, x's dtype) and
+    the per-feature mean/invstd in per-call buffers (:func:`forward_saving`); the backward (backward.py,
+    cuda_src/linear_bn_softmax/backward.cu) runs two kernels: delta = rowsum(dout ∘ out), then per feature the
+    column sums A = Σ_n dz and B = Σ_n dz·ŷ of dz = out ∘ (dout − delta) (dβ = scale·A, dγ = scale·B, dscale =
+    γ·B + β·A, summed over features for a one-element scale) and dy = γ·scale·invstd·(dz − A/N − ŷ·B/N) (the
+    BatchNorm training backward, Ioffe & Szegedy 2015; without the A and B terms in eval), and cuBLASLt dx = dy·W,
+    dW = dyᵀ·x; dbias = Σ_n dy, which is 0 with batch statistics. Gradients have their argument's dtype (fp32
+    BatchNorm parameters next to fp16 x get fp32 gradients); gradients not needed are not computed (no dx GEMM for
+    data that needs none). Double backward is not supported (RuntimeError). Calls under torch.no_grad /
+    inference_mode, or on tensors that need no grad, keep the forward-only path. CPU tensors: the reference math in
+    differentiable float64 torch ops. Under torch.compile: the functional op pair
+    ``torch.ops.cupy_attn.linear_batchnorm_softmax_forward`` / ``_backward`` (cupy_attn.torch_ops).
 
     Algorithm: cuBLASLt y = x·Wᵀ (fp32 compute, bias left out: it cancels in the batch-normalized output and is added
     to the running mean; in eval it folds into the shift mu), into a per-stream workspace (up to
@@ -64,6 +78,10 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     if isinstance(scale, _NUMBERS) and not isinstance(scale, (bool, np.bool_)):
         scale = _scale_array(scale, x)  # a Python number: a (1,) float32 array of x's kind, keyed like any array
     traced = interop.torch_compiling()  # Dynamo must see one opaque op, never the call cache's key
+    if not traced and _autograd.needs_grad(x, weight, bias, bn_weight, bn_bias, scale):  # autograd records the call
+        return _autograd.apply(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                               training=training, momentum=momentum, eps=eps,
+                               num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
     arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
     call_key = None if traced else _call_key(arrays, training, momentum, eps, allow_tf32)
     if call_key is not None:
@@ -99,6 +117,81 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
             callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
     return out_native
 
+
+
+def forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training, momentum,
+                   eps, num_batches_tracked, allow_tf32):
+    """The forward that autograd records (torch tensors; the arguments, checks, errors and in-place running-stat
+    updates of :func:`linear_batchnorm_softmax`): returns (out, y, stats) for the backward.
+
+    out: (N, F) in x's dtype, as the plain call returns. y: (N, F) in x's dtype, x·weightᵀ without the Linear bias,
+    the values the statistics and the normalization read. stats: (AFFINE_ROWS = 5, F) float32, the folded per-feature
+    Affine: row 0 the bias-free mean the forward normalized with (batch mean of y, or running_mean − bias), row 4
+    invstd = 1/sqrt(var + eps) (rows 1–3 are the kernels' slope and shifts in log2 units). All three are fresh
+    tensors from torch's allocator (the plain call's y lives in a per-stream workspace that the next call
+    overwrites). CPU tensors: the float64 reference, rounded to the same dtypes. Repeated calls replay a cached
+    launch, as the plain call does (keyed apart from it).
+    """
+    arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
+    call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
+    if call_key is not None:
+        call_key = ("saving", call_key)
+        entry = callcache.get(call_key)
+        if entry is not None:
+            return entry.saving(arrays)
+    call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+                  num_batches_tracked)
+    if not call.ctx.on_gpu:
+        return _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                                 training, momentum, eps, num_batches_tracked)
+    if call.ctx.kind != interop.TORCH:
+        raise TypeError("forward_saving takes torch tensors (autograd); got " + type(x).__name__)
+    ctx = call.ctx
+    if allow_tf32 is None:
+        allow_tf32 = bool(sys.modules["torch"].backends.cuda.matmul.allow_tf32)
+    n, f = call.n, call.f
+    alloc = _torch_alloc(x)
+    with ctx.activate():
+        if n * f == 0:
+            nbt = call.args["num_batches_tracked"]
+            if call.update_running and nbt is not None:
+                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
+            stats = alloc((AFFINE_ROWS, f), True)[0].zero_()
+            return alloc((n, f), False)[0], alloc((n, f), False)[0], stats
+        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
+        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
+        keep: list = []
+        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
+        result = prepared.execute_saving(alloc, xa.ptr(), wa.ptr(), vectors)
+        if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
+            callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
+    return result
+
+
+def _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+                      momentum, eps, num_batches_tracked):
+    """forward_saving for CPU inputs: (out, y, stats) from the float64 reference; y in x's dtype, stats float32."""
+    def host(v):
+        return None if v is None else np.asarray(interop.to_numpy(v, interop.kind_of(v, "argument")),
+                                                 dtype=np.float64)
+    n, f = call.n, call.f
+    y = host(x) @ host(weight).T
+    if not call.use_batch_stats:
+        mu, var = host(running_mean) - (0.0 if bias is None else host(bias)), host(running_var)
+    elif n == 0:
+        mu, var = np.zeros(f), np.ones(f)
+    else:
+        mu, var = y.mean(axis=0), y.var(axis=0)
+    invstd = 1.0 / np.sqrt(var + eps)
+    gamma = np.ones(f) if bn_weight is None else host(bn_weight)
+    beta = np.zeros(f) if bn_bias is None else host(bn_bias)
+    s = np.broadcast_to(host(scale).reshape(-1), (f,)) * 1.4426950408889634
+    a, d = gamma * invstd * s, beta * s
+    stats = np.stack([mu, a, d, d - a * mu, invstd])  # launch.AFFINE_ROWS: mu, a, d, b, invstd
+    out = _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+                         momentum, eps, num_batches_tracked)
+    return (out, interop.from_numpy(y, call.ctx.kind, call.dtype),
+            interop.from_numpy(stats, call.ctx.kind, np.dtype(np.float32)))
 
 
 _NUMBERS = (int, float, np.integer, np.floating)

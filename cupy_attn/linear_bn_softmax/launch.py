@@ -15,11 +15,14 @@ Host time before the GEMM is enqueued is kept small, because in a synchronized l
 call with the same layout, flags and stream is a call-cache hit (the key, then cuBLASLt's bound enqueue); the output
 is allocated and the launches after the GEMM are prepared while the GEMM runs.
 Kernels: cuda_src/linear_bn_softmax/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
+The forward autograd records (:meth:`_Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
+which the backward (backward.py) reads.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 from typing import Any
 
 import numpy as np
@@ -31,6 +34,10 @@ from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
 _WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
+# Rows of the per-feature Affine the statistics / fold kernels write (float32, (AFFINE_ROWS, F)): mu, a·log2e, d·log2e,
+# b = d − a·mu, invstd. The row kernels read rows 0–3; the backward reads mu (row 0) and invstd (row 4).
+AFFINE_ROWS = 5
+AFFINE_MU, AFFINE_INVSTD = 0, 4
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Kernel tables. The launcher picks rows from these same tuples.
@@ -205,6 +212,7 @@ class _Prepared:
         self.ctx = call.ctx
         self.device_id = call.ctx.device_id
         self.stream_ptr = call.ctx.stream.ptr
+        self.shape = (n, f)
         self.gemm = None if k == 0 else _gemm_xwt_op(self.device_id, call.dtype, allow_tf32, n, f, k, ldx, ldw)
         self._matmul = None
         self.y_bytes = n * f * call.dtype.itemsize
@@ -212,8 +220,9 @@ class _Prepared:
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
         # Function objects, launched with an explicit stream (no CuPy current-stream switch on the replay path).
         self.launches = tuple((ln.kernel.kernel, (ln.grid,), (ln.block,)) for ln in launches)
-        # The per-stream workspace: (4, F) float32 folded per-feature affine, 256-byte aligned, then y unless in place.
-        self.affine_bytes = -(-4 * 4 * f // 256) * 256
+        # The per-stream workspace: (AFFINE_ROWS, F) float32 folded per-feature affine, 256-byte aligned, then y unless
+        # in place.
+        self.affine_bytes = -(-AFFINE_ROWS * 4 * f // 256) * 256
         self.work_bytes = self.affine_bytes + (0 if self.in_place else self.y_bytes)
         flags = 0
         if call.update_running:
@@ -258,6 +267,21 @@ class _Prepared:
         self.enqueue_post(out_ptr, y_ptr, affine_ptr, vectors() if callable(vectors) else vectors)
         del work
         return out
+
+    def execute_saving(self, alloc, x_ptr: int, w_ptr: int, vectors):
+        """The forward autograd records: y and the Affine go to per-call buffers that the backward keeps (not the
+        per-stream workspace, which the next call overwrites), and out never aliases y. ``alloc(shape, float32)`` ->
+        (array, pointer): x's dtype, or float32 when ``float32``; ``vectors`` as in :meth:`execute`. Returns (out (N,
+        F), y (N, F), affine (AFFINE_ROWS, F) float32)."""
+        y, y_ptr = alloc(self.shape, False)
+        if self.gemm is None:  # K = 0: y = 0
+            import cupy
+            cupy.cuda.runtime.memsetAsync(y_ptr, 0, self.y_bytes, self.stream_ptr)
+        self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
+        affine, affine_ptr = alloc((AFFINE_ROWS, self.shape[1]), True)
+        out, out_ptr = alloc(self.shape, False)
+        self.enqueue_post(out_ptr, y_ptr, affine_ptr, vectors() if callable(vectors) else vectors)
+        return out, y, affine
 
     def enqueue_gemm(self, y_ptr: int, x_ptr: int, w_ptr: int) -> None:
         if self.gemm is None:
@@ -307,6 +331,30 @@ class _Entry:
                 return out, out.data.ptr
         return self.prepared.execute(alloc, ptr(x), ptr(arrays[1]),
                                      lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+
+
+    def saving(self, arrays: tuple):
+        """:meth:`_Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
+        if self._get_device() != self.prepared.device_id:
+            with self.ctx.activate():
+                return self._run_saving(arrays)
+        return self._run_saving(arrays)
+
+    def _run_saving(self, arrays: tuple):
+        x, ptr = arrays[0], self._ptr
+        return self.prepared.execute_saving(_torch_alloc(x), ptr(x), ptr(arrays[1]),
+                                            lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+
+
+def _torch_alloc(x):
+    """alloc(shape, float32) for :meth:`_Prepared.execute_saving`: x's dtype (or float32) and device, torch's
+    allocator on the current stream."""
+    f32 = sys.modules["torch"].float32
+
+    def alloc(shape, float32):
+        t = x.new_empty(shape, dtype=f32) if float32 else x.new_empty(shape)
+        return t, t.data_ptr()
+    return alloc
 
 
 def _torch_ptr(a) -> int:

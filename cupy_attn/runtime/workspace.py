@@ -8,7 +8,7 @@ Two kinds, and nothing else is held between calls:
   pool, so a replay never writes memory torch gave to someone else). CuPy callers get it from CuPy's pool on CuPy's
   current stream. The holder frees it, stream-ordered, when the call drops it.
 * ``persistent(device_id, stream_ptr, name, nbytes)``: the small per-stream cache: cuBLASLt's workspace (32 MiB) and
-  Linear-BN-softmax's y (at most 64 MiB) and affine (16·F bytes) buffers, reused by every call on that stream (calls on
+  Linear-BN-softmax's y (at most 64 MiB) and affine (20·F bytes) buffers, reused by every call on that stream (calls on
   one stream are ordered, so they may share them). Allocated by the allocator of the kind that owns the stream (a torch
   stream's buffers are torch tensors from torch's ordinary pool, never a CUDA graph's private pool). ``release()``
   drops them all.

@@ -1,0 +1,156 @@
+"""Autograd for linear_batchnorm_softmax on torch tensors.
+
+The forward autograd records keeps out, y (its bias-free GEMM result) and the (5, F) float32 Affine (mean and invstd in
+rows 0 and 4) in per-call buffers (api.forward_saving); the backward is backward.grad_inputs (two kernels after which
+cuBLAS computes dx = dy·W and dW = dyᵀ·x). Nothing is recomputed by GEMM.
+
+Used by the public function when autograd would record the call (grad mode on and x, weight, bias, bn_weight, bn_bias
+or scale requiring grad); calls under ``torch.no_grad()``/``inference_mode`` or on tensors that need no grad keep the
+forward-only path and its speed. Eager calls take the torch.autograd.Function here (no dispatcher: ~50 µs less host
+time than the custom op); traced calls (torch.compile) take the functional custom op
+``cupy_attn::linear_batchnorm_softmax_forward`` with its registered backward (cupy_attn.torch_ops), whose
+implementations are :func:`forward_saving`'s and :func:`grad_inputs`. CPU tensors take the reference math in
+differentiable float64 torch ops (:func:`cpu_reference`).
+
+Train and eval alike: with running statistics (eval) the BatchNorm is a per-feature affine map and its backward drops
+the batch-statistics terms; with batch statistics (training, or no running stats) they are included.
+Double backward is not supported (the backward is not differentiable: once_differentiable raises).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .. import reference
+from ..runtime import interop
+
+
+def needs_grad(x, weight, bias, bn_weight, bn_bias, scale) -> bool:
+    """True when autograd would record this call: torch tensors, grad mode on, one of the differentiable arguments
+    requiring grad. ~0.1 µs for CuPy/NumPy inputs or under no_grad."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(x, torch.Tensor) or not torch.is_grad_enabled():
+        return False
+    return (x.requires_grad or getattr(weight, "requires_grad", False) or getattr(bias, "requires_grad", False)
+            or getattr(bn_weight, "requires_grad", False) or getattr(bn_bias, "requires_grad", False)
+            or getattr(scale, "requires_grad", False))
+
+
+def cpu_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training, momentum, eps,
+                  num_batches_tracked):
+    """CPU torch tensors that autograd records: the reference math in float64 torch ops (differentiable), cast to x's
+    dtype; the running stats and num_batches_tracked are updated in place by the NumPy reference, as on the
+    forward-only CPU path. Slow, for checking, like the rest of the CPU path."""
+    from .api import _run_reference
+    from .checks import check
+    torch = sys.modules["torch"]
+    call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
+                 num_batches_tracked)
+    y = x.double() @ weight.double().T
+    if bias is not None:
+        y = y + bias.double()
+    if call.use_batch_stats:
+        if call.n == 0:
+            mean, var = y.sum(0), y.sum(0) + 1.0  # no rows: nothing to normalize (the result is empty)
+        else:
+            mean, var = y.mean(0), y.var(0, unbiased=False)
+    else:
+        mean, var = running_mean.double(), running_var.double()
+    z = (y - mean) / torch.sqrt(var + eps)
+    if bn_weight is not None:
+        z = z * bn_weight.double()
+    if bn_bias is not None:
+        z = z + bn_bias.double()
+    out = torch.softmax(scale.double().reshape(-1) * z, dim=1).to(x.dtype)
+    with torch.no_grad():  # the running-stat update, in place, by the reference (its output is not used)
+        _run_reference(call, *(None if t is None else t.detach() for t in (x, weight, bias)), running_mean,
+                       running_var, *(None if t is None else t.detach() for t in (bn_weight, bn_bias, scale)),
+                       training, momentum, eps, num_batches_tracked)
+    return out
+
+
+def grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, *, use_batch_stats: bool,
+                needs: tuple, allow_tf32):
+    """(dx, dweight, dbias, dbn_weight, dbn_bias, dscale): backward.grad_inputs on CUDA tensors, the float64 reference
+    (reference.linear_batchnorm_softmax_backward, cast to each argument's dtype) on CPU tensors; None where ``needs``
+    is False. allow_tf32 None: torch.backends.cuda.matmul.allow_tf32."""
+    torch = sys.modules["torch"]
+    if grad_out.is_cuda:
+        from . import backward
+        if allow_tf32 is None:
+            allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+        return backward.grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
+                                    use_batch_stats=use_batch_stats, needs=tuple(needs), allow_tf32=bool(allow_tf32))
+
+    def host(t):
+        return None if t is None else t.detach().double().numpy()
+    from .launch import AFFINE_INVSTD, AFFINE_MU
+    s = host(stats)
+    g = reference.linear_batchnorm_softmax_backward(
+        host(grad_out), host(x), host(weight), host(out), host(y), s[AFFINE_MU], s[AFFINE_INVSTD], host(bn_weight),
+        host(bn_bias), host(scale), use_batch_stats=use_batch_stats)
+    likes = (x, weight, x, bn_weight, bn_bias, scale)
+    result = []
+    for key, like, need in zip(("x", "weight", "bias", "bn_weight", "bn_bias", "scale"), likes, needs):
+        result.append(torch.from_numpy(np.array(g[key])).to(like.dtype) if need else None)  # 0-d stays 0-d
+    return tuple(result)
+
+
+def _function():
+    """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself)."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    torch = sys.modules["torch"]
+    from torch.autograd.function import once_differentiable
+
+    class LinearBatchNormSoftmax(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, x, weight, bias, bn_weight, bn_bias, scale, running_mean, running_var, num_batches_tracked,
+                    training, momentum, eps, allow_tf32):
+            from .api import forward_saving
+            out, y, stats = forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                                           training=training, momentum=momentum, eps=eps,
+                                           num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
+            fctx.save_for_backward(x, weight, y, out, stats, bn_weight, bn_bias, scale)
+            fctx.flags = (bool(training) or running_mean is None, allow_tf32, bias is not None)
+            return out
+
+        @staticmethod
+        @once_differentiable
+        def backward(fctx, grad_out):
+            x, weight, y, out, stats, bn_weight, bn_bias, scale = fctx.saved_tensors
+            use_batch_stats, allow_tf32, has_bias = fctx.flags
+            n = fctx.needs_input_grad
+            needs = (n[0], n[1], n[2] and has_bias, n[3] and bn_weight is not None, n[4] and bn_bias is not None,
+                     n[5])
+            grads = grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
+                                use_batch_stats=use_batch_stats, needs=needs, allow_tf32=allow_tf32)
+            return (*grads, None, None, None, None, None, None, None)
+
+    _FUNCTION = LinearBatchNormSoftmax
+    return _FUNCTION
+
+
+_FUNCTION = None
+
+
+def apply(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training, momentum, eps,
+          num_batches_tracked, allow_tf32):
+    """The recorded call (``needs_grad`` was True): out, differentiable with respect to x, weight, bias, bn_weight,
+    bn_bias and scale. CPU tensors: :func:`cpu_reference`; tracing tensors (make_fx): the custom op; CUDA tensors:
+    the autograd Function (allow_tf32 None resolved now, so that forward and backward agree)."""
+    torch = sys.modules["torch"]
+    if interop.is_tracing_tensor(x):
+        from .. import torch_ops
+        return torch_ops.linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias,
+                                                  scale, training=training, momentum=momentum, eps=eps,
+                                                  num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
+    if not x.is_cuda:
+        return cpu_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                             training=training, momentum=momentum, eps=eps, num_batches_tracked=num_batches_tracked)
+    if allow_tf32 is None:
+        allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    return _function().apply(x, weight, bias, bn_weight, bn_bias, scale, running_mean, running_var,
+                             num_batches_tracked, training, momentum, eps, bool(allow_tf32))
