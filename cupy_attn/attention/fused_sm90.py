@@ -208,33 +208,6 @@ class _MapSpec:
         """The 128-byte CUtensorMap for this layout at base address ptr."""
         return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (64, self.box_rows, 1, 1))
 
-    def encoder(self, ptr: int) -> "_MapEncoder":
-        """An encoder of this layout's map, first encoded at ptr; later addresses by cuTensorMapReplaceAddress."""
-        return _MapEncoder(self, ptr)
-
-
-class _MapEncoder:
-    """One layout's tensor map, encoded once (cuTensorMapEncodeTiled) and moved to a new base address per call by
-    cuTensorMapReplaceAddress, which only rewrites the address: one driver call with two arguments instead of
-    the full encode's eleven Python-converted ones (host µs of both: bench/NOTES_flash.md)."""
-
-    def __init__(self, spec: _MapSpec, ptr: int):
-        import ctypes
-        self.tmap = encode_tensor_map(spec.dtype, ptr, spec.dims, spec.strides, (64, spec.box_rows, 1, 1),
-                                      raw=True)
-        self.view = np.ctypeslib.as_array((ctypes.c_uint8 * 128).from_address(self.tmap.getPtr()))
-        self.ptr = ptr
-
-    def at(self, ptr: int) -> np.ndarray:
-        """The map's 128 bytes for base address ptr (a view of the encoder's map: copy it before the next call)."""
-        if ptr != self.ptr:
-            from cuda.bindings import driver as cu
-            (err,) = cu.cuTensorMapReplaceAddress(self.tmap, ptr)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise RuntimeError(f"cuTensorMapReplaceAddress failed ({err}) for address {ptr:#x}")
-            self.ptr = ptr
-        return self.view
-
 
 @functools.lru_cache(maxsize=None)
 def _driver_init() -> None:
@@ -244,10 +217,9 @@ def _driver_init() -> None:
     cu.cuInit(0)
 
 
-def encode_tensor_map(dtype: str, ptr: int, dims, strides, box, raw: bool = False):
+def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
     """cuTensorMapEncodeTiled for a 16-bit tensor: 128-byte swizzle (box inner dim 64 elements = 128 bytes), zero
-    fill out of bounds, L2 promotion of 256 bytes. Returns the map's 128 bytes (raw=True: cuda.bindings' CUtensorMap
-    object itself)."""
+    fill out of bounds, L2 promotion of 256 bytes. Returns the map's 128 bytes."""
     import ctypes
     from cuda.bindings import driver as cu
 
@@ -264,7 +236,7 @@ def encode_tensor_map(dtype: str, ptr: int, dims, strides, box, raw: bool = Fals
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}): dims {dims}, byte strides {strides}, box {box}")
-    return tmap if raw else np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8)
+    return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8)
 
 
 @dataclasses.dataclass
@@ -278,7 +250,7 @@ class Sm90Launch:
     grid: tuple
     block: tuple
     smem: int
-    _encoders: tuple | None = dataclasses.field(default=None, repr=False)  # _MapEncoder of q, k, v
+    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their three maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
         """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
@@ -288,13 +260,12 @@ class Sm90Launch:
         self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
 
     def params_for(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0) -> np.ndarray:
-        """The complete FlashFwdSm90Params for these pointers: the three tensor maps encoded on the first call, moved
-        to new base addresses by cuTensorMapReplaceAddress on later ones. Not thread-safe: one Sm90Launch belongs
-        to one call-cache entry, whose key includes the stream."""
-        encoders = self._encoders
-        if encoders is None:
-            encoders = self._encoders = tuple(spec.encoder(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr, v_ptr)))
+        """The complete FlashFwdSm90Params for these pointers (tensor maps encoded, or reused for the last ones)."""
+        ptrs, encoded = self._encoded
+        if ptrs != (q_ptr, k_ptr, v_ptr):
+            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr, v_ptr)))
+            self._encoded = ((q_ptr, k_ptr, v_ptr), encoded)  # one tuple: a concurrent caller sees old or new
         p = self.params.copy()
-        p["tma_q"], p["tma_k"], p["tma_v"] = encoders[0].at(q_ptr), encoders[1].at(k_ptr), encoders[2].at(v_ptr)
+        p["tma_q"], p["tma_k"], p["tma_v"] = encoded
         p["out"], p["lse"] = out_ptr, lse_ptr
         return p
