@@ -56,13 +56,6 @@ struct SoftmaxParams {
   long long bh0, bh_stride_b0, bh_stride_b1, bh_stride_b2;
 };
 
-// Keep bits of columns c .. c + 3 (c % 4 == 0) of row i: bit e for column c + e.
-__device__ __forceinline__ unsigned keep4(const Dropout& d, unsigned bh, long long i, long long c) {
-  const unsigned shift = 2 * static_cast<unsigned>(i & 1);
-  const unsigned i2 = static_cast<unsigned>(i >> 1), j2 = static_cast<unsigned>(c >> 1);
-  return ((d.keep_bits(bh, i2, j2) >> shift) & 3u) | ((d.keep_bits(bh, i2, j2 + 1) >> shift) & 3u) << 2;
-}
-
 __device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
                                                   long long s0, long long s1, long long s2) {
   const long long i2 = idx % n2; idx /= n2;
@@ -155,7 +148,7 @@ masked_softmax(const SoftmaxParams p) {
         const long long c = 4LL * (v * kThreadsPerRow + t);
         if (c >= S) continue;
         if constexpr (kDropout) {
-          const unsigned z = keep4(drop, bh, i, c);
+          const unsigned z = drop.keep4(bh, i, c);
           const float kept = inv_l * keep_scale;
           store4<OutT>(prow + c, z & 1u ? x[v][0] * kept : 0.f, z & 2u ? x[v][1] * kept : 0.f,
                        z & 4u ? x[v][2] * kept : 0.f, z & 8u ? x[v][3] * kept : 0.f);
@@ -187,7 +180,7 @@ masked_softmax(const SoftmaxParams p) {
       float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
       if (active && c < S) {
         y = *reinterpret_cast<const float4*>(srow + c);
-        const unsigned z = kDropout ? keep4(drop, bh, i, c) : 0xFu;
+        const unsigned z = kDropout ? drop.keep4(bh, i, c) : 0xFu;
         const float kept = kDropout ? inv_l * keep_scale : inv_l;
         auto prob = [&](float s, int e) {
           return c + e < S && (z >> e) & 1u ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * kept : 0.f;

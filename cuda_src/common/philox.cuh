@@ -45,6 +45,14 @@ struct Dropout {
     return unsigned(r.x < threshold) | unsigned(r.y < threshold) << 1 | unsigned(r.z < threshold) << 2 |
            unsigned(r.w < threshold) << 3;
   }
+
+  // Keep bits of columns c .. c + 3 of row i (c even): bit e for column c + e. Two blocks, this row's half of each
+  // (the row-wise kernels of the split path, which hold 4 adjacent columns).
+  __device__ __forceinline__ unsigned keep4(unsigned bh, long long i, long long c) const {
+    const unsigned shift = 2 * static_cast<unsigned>(i & 1);
+    const unsigned i2 = static_cast<unsigned>(i >> 1), j2 = static_cast<unsigned>(c >> 1);
+    return ((keep_bits(bh, i2, j2) >> shift) & 3u) | ((keep_bits(bh, i2, j2 + 1) >> shift) & 3u) << 2;
+  }
 };
 
 }  // namespace cupy_attn
