@@ -1,4 +1,5 @@
-"""Philox4x32-10 and the attention-dropout keep mask in NumPy: the definition every dropout kernel reproduces bit for bit.
+"""Philox4x32-10 and the attention-dropout keep mask in NumPy: the definition every dropout kernel reproduces bit for
+bit.
 
 Philox4x32-10 (Salmon, Moraes, Dror, Shaw 2011, "Parallel random numbers: as easy as 1, 2, 3", the Random123 library)
 is a counter-based generator: 4 uint32 outputs are a pure function of a 128-bit counter and a 64-bit key, so any

@@ -4,10 +4,10 @@ A call with ``dropout_p > 0`` draws two int64 values from the caller's generator
 every kernel of the call (forward, then the backward that autograd runs later) reads them from that device array, so:
 
 - torch tensors: ``torch.randint(2**62, (2,), dtype=torch.int64, device=query.device, generator=generator)`` on
-  torch's current stream (``generator`` None: torch's default CUDA generator). Hence ``torch.manual_seed`` (or the generator's seed)
-  reproduces a call, and under CUDA-graph capture the draw is captured as torch's own RNG ops are: each replay draws
-  new values (the graph reads the generator's advancing Philox offset), and the captured kernels read them. A custom
-  generator under capture must be registered with the graph, as for any torch RNG op.
+  torch's current stream (``generator`` None: torch's default CUDA generator). Hence ``torch.manual_seed`` (or the
+  generator's seed) reproduces a call, and under CUDA-graph capture the draw is captured as torch's own RNG ops are:
+  each replay draws new values (the graph reads the generator's advancing Philox offset), and the captured kernels
+  read them. A custom generator under capture must be registered with the graph, as for any torch RNG op.
 - CuPy arrays (and other CUDA DLPack objects): ``cupy.random.randint`` on CuPy's current stream, from CuPy's global
   random state (``cupy.random.seed`` reproduces); ``generator`` must be None.
 - CPU torch tensors: the CPU draw of ``generator`` (a CPU torch.Generator) or of torch's default CPU generator;
@@ -73,7 +73,8 @@ def torch_draw(device, generator=None):
     traces and CUDA graphs capture like any torch RNG op. TypeError for a generator that is not a torch.Generator."""
     torch = sys.modules["torch"]
     if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None for torch tensors, got {type(generator).__name__}")
+        raise TypeError(f"generator must be a torch.Generator or None for torch tensors, got "
+                        f"{type(generator).__name__}")
     return torch.randint(_HIGH, (2,), dtype=torch.int64, device=device, generator=generator)
 
 

@@ -25,14 +25,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     attn_mask: bool (True = takes part) or float (added to the scaled scores), broadcastable to (..., Hq, L, S).
     is_causal: True / "top_left" — query i sees keys j ≤ i (torch's ``tril(ones(L, S))``); "bottom_right" — j ≤ i + S − L
     (FlashAttention's alignment, for KV caches). Not together with attn_mask.
-    scale: multiplies the scores; default 1/sqrt(E). dropout_p must be 0 (dropout is not supported yet).
+    scale: multiplies the scores; default 1/sqrt(E).
+    dropout_p in [0, 1]: torch's attention dropout, out = (P ∘ Z / (1 − dropout_p)) V with P the softmax and Z a keep
+    mask of probability 1 − dropout_p (dropout_p = 1: out = 0); lse (return_lse) is that of the undropped scores. Z
+    comes from Philox4x32-10 (Salmon et al. 2011) keyed by a (seed, offset) pair that each call draws from
+    ``generator`` on the call's stream (cupy_attn/attention/dropout.py; cupy_attn.philox defines the mask in NumPy):
+    torch tensors: a torch.Generator of the query's device or None (torch's default generator: torch.manual_seed
+    reproduces calls; CUDA-graph replays draw new pairs, as torch's RNG ops do); CuPy / DLPack inputs: None (CuPy's
+    global state, cupy.random.seed); NumPy: a numpy.random.Generator or None (np.random's global state). The
+    backward applies the forward's mask (the pair is saved, not the mask). Dropout calls run the fused kernel's
+    mma.sync dropout variant (never the FA3-design, wgmma or decode kernels) or the split path, and are not cached.
     Rows whose keys are all masked give output 0 (lse -inf), as torch's math backend; NaN/Inf inputs propagate.
 
     Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
     the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
     ``__dlpack__`` objects (results as CuPy arrays); NumPy arrays and CPU torch tensors run the float64 NumPy
     reference (slow; for checking). All arrays of one call must be of one kind (torch, NumPy, or CuPy / CUDA DLPack)
-    and on one device. Tensors with requires_grad are accepted for the forward (no autograd yet).
+    and on one device. Inputs that require grad are recorded by autograd (torch tensors; the backward runs our
+    kernels).
     Copies are made only when an input's last axis is not unit-stride or its leading axes have no common stride
     (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are read in place.
 
@@ -57,8 +67,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns: out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
     Raises (all before anything is launched): TypeError for non-array inputs, unsupported dtypes, and arrays of
     another kind than query's (NumPy or CuPy next to torch); ValueError for shape, device, mask or flag errors (naming
-    the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run the
-    call, and for backend="fused" or "split" with CPU inputs.
+    the argument and axis; dropout_p outside [0, 1]; num_splits with dropout_p > 0, the decode kernel having no
+    dropout); TypeError for a generator of the wrong kind, ValueError for one of another device; ValueError when
+    backend="fused" cannot run the call, and for backend="fused" or "split" with CPU inputs.
     """
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
