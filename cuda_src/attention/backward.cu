@@ -24,7 +24,7 @@
 // attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim.
 // Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
 //
-// Versions: v1 (this) split backward for every dtype and head dim; a fused backward kernel is the next step.
+// Versions: v1 split backward for every dtype and head dim (the fused one is flash_bwd.cu). v2 kDropout variants.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/philox.cuh"

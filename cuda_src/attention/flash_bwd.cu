@@ -27,6 +27,7 @@
 //   v1 mma.sync, 4 warps (64 keys), single-buffered, scalar dQ atomics          5.46 ms 126 TFLOP/s | 11.49 ms 120
 //   v2 red.global.add.v2.f32 dQ atomics (sm_90), 8 warps (128 keys)             3.74 ms 184        |  8.27 ms 166
 //   v3 Q/dO double-buffered (next query block in flight)                        (this)
+//   v4 kDropout variants (the forward's keep mask recomputed from its rng pair); dropout-free SASS unchanged. Untimed.
 // No attn_mask yet (masked calls take the split backward).
 //
 // Dropout (kDropout): the forward used P ∘ Z / (1 − p) with Z the keep mask of common/philox.cuh, recomputed here from

@@ -11,6 +11,9 @@
 // tiles is the A layout of one 16-column k step), V is read as B with ldmatrix.trans. An empty row (every key masked)
 // keeps m = -inf; it is replaced by 0 inside the exponentials, so P = 0, l = 0, and the epilogue writes out = 0 and
 // lse = -inf instead of NaN.
+// Dropout (kDropout, mma.sync only): P ∘ Z enters O += P V while l sums the undropped P, and the epilogue multiplies
+// by 1/(1 − p): out = (P ∘ Z / (1 − p)) V with P the softmax, lse unchanged. Z is the keep mask of common/philox.cuh
+// (dropout_keep_word: one Philox block per 2×2 tile, shared with the lane four apart by one shuffle).
 //
 // Thread mapping: kNWarps warps; warp w owns query rows [w·16·kMTiles, (w+1)·16·kMTiles) of the block as kMTiles
 // 16-row mma tiles and computes all kBlockN columns of S and all kHeadDim columns of O for them, so the softmax row
@@ -62,6 +65,7 @@
 //   v4  key-padding masks that are a prefix become a shorter S (no per-tile mask work); sm_90a wgmma variant with
 //       ping-pong warpgroups for head dims 64/128/192/256                 373 (1.11×)  343 (1.15×)  353 (1.23×)  392 (1.03×
 //                                                                                                     cuDNN, torch's choice)
+//   v5  kDropout variants (64-row tiles at head dims <= 128: DROPOUT_TILES); dropout-free SASS unchanged. Untimed.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
