@@ -108,7 +108,8 @@ def profile_split() -> None:
                          ("gemm1 fp16 out", lambda: g1(p16, np.float16)),
                          ("gemm2 P fp16 pitch S", lambda: g2(p16, S)),
                          ("gemm2 P in place (pitch 2S)", lambda: g2(scores, 2 * S)),
-                         ("softmax kernel", lambda: _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S, masked=False), masked="false")(
+                         ("softmax kernel", lambda: _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S, masked=False), masked="false",
+                                                                            dropout="false")(
                              (n * L // 4,), (128,), (struct_arg(prm),)))):
             fn()
             t = median_ms(fn, n_repeat=10)

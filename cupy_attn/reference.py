@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import philox
+
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 
 
@@ -22,13 +24,16 @@ def causal_keep(seqlen_q: int, seqlen_k: int, alignment: str = "top_left") -> np
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                                 return_lse=False):
-    """softmax(scale · Q Kᵀ + mask) V in float64, with torch's semantics.
+                                 return_lse=False, dropout_p=0.0, dropout_mask=None):
+    """softmax(scale · Q Kᵀ + mask) V in float64, with torch's semantics (dropout included).
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); Hkv == Hq unless enable_gqa, where
     query head h reads key/value head h // (Hq // Hkv). attn_mask broadcastable to (..., Hq, L, S): bool (True = take
     part) or float (added to the scaled scores). is_causal: False, True / "top_left", or "bottom_right".
     scale defaults to 1/sqrt(E). Rows with every key masked give output 0 and lse -inf; NaN/Inf propagate.
+    dropout_p > 0 needs ``dropout_mask``, the keep mask (bool, broadcastable to (..., Hq, L, S); True = kept, e.g.
+    philox.keep_mask for a call's rng pair): out = (P ∘ Z / (1 − dropout_p)) V with P the softmax (torch's dropout of
+    the attention weights), out = 0 for dropout_p = 1; lse is that of the undropped scores.
     dtypes: anything ``np.asarray`` reads as numbers (bf16 as ml_dtypes.bfloat16 included), computed in float64.
 
     Returns out (..., Hq, L, Ev) float64, and lse (..., Hq, L) float64 (natural log) when return_lse.
@@ -56,6 +61,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     m_safe = np.where(m == -np.inf, 0.0, m)          # a fully masked row has max -inf; exp(-inf - 0) = 0 keeps it 0
     p = np.exp(s - m_safe)
     denom = p.sum(axis=-1, keepdims=True)
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs dropout_mask (the keep mask, e.g. philox.keep_mask)")
+        p = np.where(np.asarray(dropout_mask, dtype=bool), p * philox.dropout_scale(dropout_p), 0.0)
     with np.errstate(invalid="ignore", divide="ignore"):
         out = np.where(denom == 0, 0.0, (p @ v) / denom)
         lse = (m_safe + np.log(denom))[..., 0]

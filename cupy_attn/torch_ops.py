@@ -1,6 +1,6 @@
 """torch.library custom ops over cupy_attn's entry points, so torch.compile / torch.export see one opaque op per call.
 
-    torch.ops.cupy_attn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
+    torch.ops.cupy_attn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, rng, is_causal, scale,
         enable_gqa, backend, return_lse, allow_tf32, workspace_bytes) -> (out, lse)
     torch.ops.cupy_attn.linear_batchnorm_softmax(x, weight, bias, running_mean!, running_var!, bn_weight, bn_bias,
         scale, training, momentum, eps, num_batches_tracked!, allow_tf32) -> out
@@ -26,6 +26,10 @@ Schema choices (a custom op's arguments must be typed, not Python unions):
   (0,) float32 tensor otherwise, so the schema has one fixed return type.
 - scale (float | None), attn_mask (Tensor | None), workspace_bytes (int | None), allow_tf32 (bool | None) map to
   optional schema types.
+- Dropout: a schema has no Generator type, so the wrapper draws the call's rng pair (two int64 from ``generator``,
+  attention/dropout.draw: a torch.randint, traced as an ordinary RNG op) and the op takes it as ``rng`` (Tensor?,
+  None when dropout_p = 0). The op is then a pure function of its inputs, and its registered backward receives the
+  same pair, so it applies the forward's keep mask.
 - linear_batchnorm_softmax declares running_mean, running_var and num_batches_tracked as mutated: it updates them in
   place in training (functionalization writes them back in compiled graphs).
 
@@ -57,6 +61,8 @@ from __future__ import annotations
 
 import torch
 
+from .attention import dropout as _dropout
+from .attention.sdpa import forward as _sdpa_forward
 from .attention.sdpa import scaled_dot_product_attention as _sdpa_eager
 from .linear_bn_softmax.api import linear_batchnorm_softmax as _lbs_eager
 
@@ -76,12 +82,13 @@ def causal_to_str(is_causal) -> str:
     raise ValueError(f"is_causal must be a bool, 'top_left' or 'bottom_right', got {is_causal!r}")
 
 
-def _check_flags(attn_mask, dropout_p: float, is_causal: str) -> None:
+def _check_flags(attn_mask, dropout_p: float, is_causal: str, rng=None) -> None:
     """The flag errors of checks.check_sdpa that do not need real data, raised at trace time too."""
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet: cupy_attn has no dropout (pass dropout_p=0.0)")
+    if dropout_p > 0.0 and (rng is None or rng.dtype != torch.int64 or tuple(rng.shape) != (2,)):
+        raise ValueError("dropout_p > 0 needs rng, the call's int64 pair (seed, offset) of shape (2,) "
+                         "(cupy_attn.torch_ops.scaled_dot_product_attention draws it)")
     if is_causal not in _CAUSAL:
         raise ValueError(f"is_causal must be '', 'top_left' or 'bottom_right', got {is_causal!r}")
     if attn_mask is not None and is_causal:
@@ -90,18 +97,23 @@ def _check_flags(attn_mask, dropout_p: float, is_causal: str) -> None:
 
 @torch.library.custom_op("cupy_attn::scaled_dot_product_attention", mutates_args=())
 def _sdpa_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
-             dropout_p: float, is_causal: str, scale: float | None, enable_gqa: bool, backend: str,
-             return_lse: bool, allow_tf32: bool, workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_flags(attn_mask, dropout_p, is_causal)
+             dropout_p: float, rng: torch.Tensor | None, is_causal: str, scale: float | None, enable_gqa: bool,
+             backend: str, return_lse: bool, allow_tf32: bool,
+             workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_flags(attn_mask, dropout_p, is_causal, rng)
     # lse is always computed (B·H·L floats): the registered backward needs it whether or not the caller asked.
+    if dropout_p > 0.0:
+        return _sdpa_forward(query, key, value, attn_mask, is_causal=_CAUSAL[is_causal], scale=scale,
+                             enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
+                             backend=backend, dropout_p=dropout_p, rng=rng)
     return _sdpa_eager(query, key, value, attn_mask, dropout_p, _CAUSAL[is_causal], scale, enable_gqa,
                        backend=backend, return_lse=True, allow_tf32=allow_tf32, workspace_bytes=workspace_bytes)
 
 
 @_sdpa_op.register_fake
-def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse,
+def _sdpa_fake(query, key, value, attn_mask, dropout_p, rng, is_causal, scale, enable_gqa, backend, return_lse,
                allow_tf32, workspace_bytes):
-    _check_flags(attn_mask, dropout_p, is_causal)
+    _check_flags(attn_mask, dropout_p, is_causal, rng)
     if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
         raise ValueError(f"query, key and value must have the same number of axes (at least 3), got "
                          f"{query.dim()}, {key.dim()}, {value.dim()}")
@@ -112,20 +124,21 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
 
 @torch.library.custom_op("cupy_attn::scaled_dot_product_attention_backward", mutates_args=())
 def _sdpa_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                      attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, is_causal: str,
-                      scale: float | None, enable_gqa: bool, need_mask_grad: bool, allow_tf32: bool,
+                      attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, dropout_p: float,
+                      rng: torch.Tensor | None, is_causal: str, scale: float | None, enable_gqa: bool,
+                      need_mask_grad: bool, allow_tf32: bool,
                       workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     from .attention import autograd
     dq, dk, dv, dmask = autograd.grad_inputs(query, key, value, attn_mask, out, lse, grad_out.contiguous(),
                                              is_causal=_CAUSAL[is_causal], scale=scale, enable_gqa=enable_gqa,
                                              need_mask_grad=need_mask_grad, workspace_bytes=workspace_bytes,
-                                             allow_tf32=allow_tf32)
+                                             allow_tf32=allow_tf32, dropout_p=dropout_p, rng=rng)
     return dq, dk, dv, query.new_empty((0,)) if dmask is None else dmask
 
 
 @_sdpa_backward_op.register_fake
-def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa,
-                        need_mask_grad, allow_tf32, workspace_bytes):
+def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, dropout_p, rng, is_causal, scale,
+                        enable_gqa, need_mask_grad, allow_tf32, workspace_bytes):
     dmask = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else query.new_empty((0,))
     return (torch.empty_like(query, memory_format=torch.contiguous_format),
             torch.empty_like(key, memory_format=torch.contiguous_format),
@@ -133,20 +146,21 @@ def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, is_cau
 
 
 def _sdpa_setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, _, is_causal, scale, enable_gqa, _, _, allow_tf32, workspace_bytes = inputs
+    query, key, value, attn_mask, dropout_p, rng, is_causal, scale, enable_gqa, _, _, allow_tf32, workspace_bytes = \
+        inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse)
-    ctx.flags = (is_causal, scale, enable_gqa, allow_tf32, workspace_bytes)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng)
+    ctx.flags = (dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes)
 
 
 def _sdpa_backward(ctx, grad_out, _grad_lse):
-    query, key, value, attn_mask, out, lse = ctx.saved_tensors
-    is_causal, scale, enable_gqa, allow_tf32, workspace_bytes = ctx.flags
+    query, key, value, attn_mask, out, lse, rng = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes = ctx.flags
     need_mask = attn_mask is not None and ctx.needs_input_grad[3]
     dq, dk, dv, dmask = torch.ops.cupy_attn.scaled_dot_product_attention_backward(
-        grad_out, query, key, value, attn_mask, out, lse, is_causal, scale, enable_gqa, need_mask, allow_tf32,
-        workspace_bytes)
-    return dq, dk, dv, dmask if need_mask else None, None, None, None, None, None, None, None, None
+        grad_out, query, key, value, attn_mask, out, lse, dropout_p, rng, is_causal, scale, enable_gqa, need_mask,
+        allow_tf32, workspace_bytes)
+    return dq, dk, dv, dmask if need_mask else None, None, None, None, None, None, None, None, None, None
 
 
 _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup_context)
@@ -154,10 +168,18 @@ _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup_context)
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None):
-    """:func:`cupy_attn.scaled_dot_product_attention` (same arguments, results and errors) through the custom op."""
+                                 workspace_bytes=None, generator=None):
+    """:func:`cupy_attn.scaled_dot_product_attention` (same arguments, results and errors) through the custom op.
+
+    dropout_p > 0: the call's rng pair is drawn here from ``generator`` (torch.Generator or None: torch's default
+    generator of the query's device; attention/dropout.draw), then handed to the op, which is deterministic given it.
+    """
+    dropout_p = float(dropout_p)
+    rng = None
+    if dropout_p > 0.0 and 0.0 <= dropout_p <= 1.0:
+        rng = _dropout.torch_draw(query.device, generator)
     out, lse = torch.ops.cupy_attn.scaled_dot_product_attention(
-        query, key, value, attn_mask, float(dropout_p), causal_to_str(is_causal),
+        query, key, value, attn_mask, dropout_p, rng, causal_to_str(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), backend, bool(return_lse), bool(allow_tf32),
         workspace_bytes)
     return (out, lse) if return_lse else out

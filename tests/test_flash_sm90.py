@@ -374,7 +374,7 @@ def test_explain_details(monkeypatch):
         pytest.skip("cuda-bindings missing")
     q = _bhsd(2, 8, 100, 128)
     p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128,
-                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100)
+                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100, dropout_p=0.0)
 
     def details():
         return dispatch._fused_plan(p, 90, "test", []).details

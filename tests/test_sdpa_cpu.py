@@ -46,8 +46,10 @@ def test_shape_and_dtype_errors(change, exc, match):
     ({"attn_mask": np.ones((5, 7), np.int64)}, TypeError, "attn_mask must be bool"),
     ({"attn_mask": np.ones((5, 7), bool), "is_causal": True}, ValueError, "attn_mask and is_causal"),
     ({"is_causal": "diagonal"}, ValueError, "is_causal must be"),
-    ({"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    ({"dropout_p": 0.1, "generator": "seed"}, TypeError, "generator must be a numpy.random.Generator"),
+    ({"dropout_p": True}, TypeError, "dropout_p must be a float"),
     ({"dropout_p": 1.5}, ValueError, "dropout_p must be in"),
+    ({"dropout_p": -0.1}, ValueError, "dropout_p must be in"),
     ({"scale": "0.1"}, TypeError, "scale must be a float"),
     ({"backend": "magic"}, ValueError, "backend must be one of"),
 ])
@@ -161,8 +163,10 @@ def test_softmax_tile_covers_row():
             threads, vecs = _split.softmax_tile(S, masked)
             assert vecs == 0 or threads * vecs * 4 >= S
             assert vecs == 0 or threads * vecs * 4 < 4 * S + 4 * 128  # the smallest entry that covers S (within 4x)
-            assert _split.SOFTMAX.name_expression(out_t="__half", tile=(threads, vecs), masked=str(masked).lower()) \
-                in _split.SOFTMAX.name_expressions()
+            for dropout in ("false", "true") if masked else ("false",):  # dropout calls take the masked tiles
+                assert _split.SOFTMAX.name_expression(out_t="__half", tile=(threads, vecs),
+                                                      masked=str(masked).lower(), dropout=dropout) \
+                    in _split.SOFTMAX.name_expressions()
 
 
 @pytest.mark.parametrize("dtype,E,Ev,mask,arch,expected,why", [

@@ -66,7 +66,7 @@ def test_lbs_fake_shapes(N, K, F, dtype, device):
 
 
 @pytest.mark.parametrize("kw,exc,match", [
-    ({"dropout_p": 0.1}, NotImplementedError, "dropout"),
+    ({"dropout_p": 1.5}, ValueError, "dropout_p must be in"),
     ({"is_causal": "diagonal"}, ValueError, "is_causal must be"),
     ({"is_causal": True, "attn_mask": True}, ValueError, "attn_mask and is_causal"),
 ])
@@ -84,10 +84,12 @@ def test_opcheck_sdpa_cpu():
     q, k, v = torch.randn(2, 4, 5, 8, generator=g), torch.randn(2, 2, 7, 8, generator=g), \
         torch.randn(2, 2, 7, 6, generator=g)
     op = torch.ops.cupy_attn.scaled_dot_product_attention.default
-    for args in [(q, k, v, None, 0.0, "top_left", None, True, "auto", True, False, None),
-                 (q, k, v, None, 0.0, "", 0.5, True, "auto", False, False, None),
+    rng = torch.tensor([12345, 678], dtype=torch.int64)
+    for args in [(q, k, v, None, 0.0, None, "top_left", None, True, "auto", True, False, None),
+                 (q, k, v, None, 0.0, None, "", 0.5, True, "auto", False, False, None),
                  (q, k[:, :1].expand(2, 4, 7, 8), v[:, :1].expand(2, 4, 7, 6), torch.randn(5, 7, generator=g), 0.0,
-                  "", None, False, "auto", True, False, None)]:
+                  None, "", None, False, "auto", True, False, None),
+                 (q, k, v, None, 0.3, rng, "bottom_right", None, True, "auto", True, False, None)]:
         torch.library.opcheck(op, args)
 
 
@@ -286,11 +288,25 @@ def test_compile_graph_holds_one_op_per_call():
     assert sum("cupy_attn.linear_batchnorm_softmax" in t for t in targets) == 1, targets
 
 
-def test_compile_trace_time_error_for_dropout():
+def test_compile_dropout_matches_eager_for_the_same_seed():
+    """Dropout compiles without a graph break: the rng pair's draw (torch.randint) is traced as an ordinary RNG op, so
+    a compiled call consumes torch's generator as the eager call does and gives the same output for the same seed."""
+    torch._dynamo.reset()
+    q = torch.randn(1, 2, 9, 4)
+    f = torch.compile(lambda q: SDPA(q, q, q, dropout_p=0.5), fullgraph=True, backend="eager")
+    torch.manual_seed(7)
+    got = f(q)
+    torch.manual_seed(7)
+    want = SDPA(q, q, q, dropout_p=0.5)
+    torch.testing.assert_close(got, want)
+    assert not torch.equal(f(q), got), "a second call draws a new mask"
+
+
+def test_compile_dropout_trace_time_error():
     torch._dynamo.reset()
     q = torch.randn(1, 2, 3, 4)
-    f = torch.compile(lambda q: SDPA(q, q, q, dropout_p=0.5), fullgraph=True, backend="eager")
-    with pytest.raises(Exception, match="dropout"):
+    f = torch.compile(lambda q: SDPA(q, q, q, dropout_p=1.5), fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="dropout_p must be in"):
         f(q)
 
 

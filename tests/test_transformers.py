@@ -93,16 +93,23 @@ def test_bert_padding_mask_matches_sdpa_cpu(counted):
     assert counted
 
 
-def test_dropout_without_autograd_raises_clearly(counted):
-    ours, _ = _pair(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.1))
+def test_attention_dropout_runs_through_cupy_attn(counted):
+    """A model in train() with attention_dropout > 0 runs our dropout (torch's default generator: manual_seed
+    reproduces it); eval() passes dropout=0.0 and matches sdpa."""
+    ours, ref = _pair(transformers.LlamaForCausalLM, _llama_config(attention_dropout=0.3))
     ids, _ = _inputs()
     ours.train()
-    with torch.no_grad(), pytest.raises(NotImplementedError, match="attention dropout"):
-        ours(ids)
-    ours.eval()  # eval passes dropout=0.0
     with torch.no_grad():
-        ours(ids)
+        torch.manual_seed(4)
+        a = ours(ids).logits
+        torch.manual_seed(4)
+        b = ours(ids).logits
+        c = ours(ids).logits
+    assert torch.equal(a, b) and not torch.equal(a, c)
     assert counted
+    ours.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-5)
 
 
 def test_training_with_autograd_falls_back_to_torch_and_keeps_gradients():

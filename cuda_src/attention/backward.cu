@@ -6,22 +6,28 @@
 //   and d(mask) = dS for a float mask (summed over its broadcast axes by the host).
 // The host runs the five GEMMs (cuBLAS, fp32 accumulate); these kernels do the rest:
 //   attn_bwd_delta<T>:        D for every row (one warp per row, fp32).
-//   attn_bwd_rows<T, false>:  P = 2^(s − lse·log2 e) with the mask and causal limit applied, written as T for dV's GEMM.
-//   attn_bwd_rows<T, true>:   dS = P ∘ (dP − D) with P recomputed the same way, written as T for dQ's and dK's GEMMs
-//                             (and as fp32 into dmask when the float mask needs a gradient).
+//   attn_bwd_rows<T, false, kDropout>:  P = 2^(s − lse·log2 e) with the mask and causal limit applied (times Z·r
+//                             with dropout), written as T for dV's GEMM.
+//   attn_bwd_rows<T, true, kDropout>:   dS = P ∘ (dP − D) with P recomputed the same way (dP times Z·r with
+//                             dropout), written as T for dQ's and dK's GEMMs (and as fp32 into dmask when the float
+//                             mask needs a gradient).
 //   attn_bwd_group_sum<T>:    dK, dV from their fp32 per-query-head accumulators: the sum over each GQA group
 //                             (g = 1 without GQA), rounded once to T.
 // s arrives in base-2 units: the host folds scale·log2(e) into the first GEMM's alpha, as the forward does.
 // A row whose keys are all masked has lse = −inf (forward convention): its P and dS are 0.
+// Dropout (kDropout): with Z the forward's keep mask (common/philox.cuh, recomputed from the same rng pair) and
+// r = 1/(1 − p), out = (P ∘ Z·r) V, so dV = (P ∘ Z·r)ᵀ dO (the rows kernel writes P ∘ Z·r), dP = (dO Vᵀ) ∘ Z·r and
+// dS = P ∘ (dP − D) with the same D = rowsum(dO ∘ O) (= Σ_j P_ij dP_ij still holds).
 //
 // Thread mapping: attn_bwd_rows: one 128-thread block per score row, thread t at columns 4t + 512k: float4 loads of
 // the fp32 rows (pitch ld, a multiple of 8 floats) and 4-element stores of T into rows of the same pitch.
 // attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim.
 // Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
 //
-// Versions: v1 (this) split backward for every dtype and head dim; a fused backward kernel is the next step.
+// Versions: v1 split backward for every dtype and head dim (the fused one is flash_bwd.cu). v2 kDropout variants.
 #include "common/types.cuh"
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 
 namespace cupy_attn {
 
@@ -42,6 +48,9 @@ struct BwdParams {
   long long causal_offset;        // key j is visible to query i iff j <= i + causal_offset (seqlen_k: no limit)
   long long mask_kind;            // 0 none, 1 bool, 2 fp16, 3 bf16, 4 fp32
   long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+  const long long* rng;           // kDropout: the forward's int64 {seed, offset}
+  long long dropout_threshold;    // keep when the Philox draw is below it
+  double dropout_scale;           // 1/(1 − p), 0 for p = 1
 };
 
 template <typename T>
@@ -71,7 +80,7 @@ __global__ void __launch_bounds__(256) attn_bwd_group_sum(const BwdParams p) {
   static_cast<T*>(p.out)[o] = from_float<T>(acc);
 }
 
-template <typename T, bool kGrad>
+template <typename T, bool kGrad, bool kDropout>
 __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
   const long long row = blockIdx.x;
   if (row >= p.rows) return;
@@ -92,6 +101,12 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
            (b * p.mask_stride_b + h * p.mask_stride_h + i * p.mask_stride_l) * isz;
     mstride = p.mask_stride_s * isz;
   }
+  Dropout drop{};
+  float keep_scale = 1.f;
+  if constexpr (kDropout) {
+    drop = Dropout::load(p.rng, p.dropout_threshold);
+    keep_scale = static_cast<float>(p.dropout_scale);
+  }
   const float* srow = p.scores + row * p.ld;
   const float* dprow = kGrad ? p.dp + row * p.ld : nullptr;
   T* orow = static_cast<T*>(p.out) + row * p.ld;
@@ -100,18 +115,25 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
     float4 dp4 = make_float4(0.f, 0.f, 0.f, 0.f);
     if constexpr (kGrad) dp4 = *reinterpret_cast<const float4*>(dprow + c);
     const int kind = static_cast<int>(p.mask_kind);
+    const unsigned z = kDropout ? drop.keep4(static_cast<unsigned>(head), i, c) : 0xFu;
     // One element: P (or dS) of column j from its score s and dP value dpv. A lambda over scalars, not a loop over
     // float[4] copies of the vectors: those arrays went to the stack on sm_80 (8 bytes of spills).
-    auto elem = [&](float s, float dpv, long long j) {
+    auto elem = [&](float s, float dpv, long long j, int e) {
       if (j >= S || j > limit) s = -inf();
       else if (mrow) s += mask_value(mrow + j * mstride, kind);
       const float prob = (empty || s == -inf()) ? 0.f : exp2f(s - lse2);
-      const float r = kGrad ? prob * (dpv - d) : prob;
+      float r;
+      if constexpr (kDropout) {
+        const float zr = (z >> e) & 1u ? keep_scale : 0.f;
+        r = kGrad ? prob * (dpv * zr - d) : prob * zr;
+      } else {
+        r = kGrad ? prob * (dpv - d) : prob;
+      }
       if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r;
       return r;
     };
-    const float r0 = elem(s4.x, dp4.x, c), r1 = elem(s4.y, dp4.y, c + 1), r2 = elem(s4.z, dp4.z, c + 2),
-                r3 = elem(s4.w, dp4.w, c + 3);
+    const float r0 = elem(s4.x, dp4.x, c, 0), r1 = elem(s4.y, dp4.y, c + 1, 1), r2 = elem(s4.z, dp4.z, c + 2, 2),
+                r3 = elem(s4.w, dp4.w, c + 3, 3);
     store4<T>(orow + c, r0, r1, r2, r3);  // columns up to c + 3 < ld: inside the row's pitch
   }
 }

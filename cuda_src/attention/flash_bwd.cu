@@ -27,10 +27,17 @@
 //   v1 mma.sync, 4 warps (64 keys), single-buffered, scalar dQ atomics          5.46 ms 126 TFLOP/s | 11.49 ms 120
 //   v2 red.global.add.v2.f32 dQ atomics (sm_90), 8 warps (128 keys)             3.74 ms 184        |  8.27 ms 166
 //   v3 Q/dO double-buffered (next query block in flight)                        (this)
+//   v4 kDropout variants (the forward's keep mask recomputed from its rng pair); dropout-free SASS unchanged. Untimed.
 // No attn_mask yet (masked calls take the split backward).
+//
+// Dropout (kDropout): the forward used P ∘ Z / (1 − p) with Z the keep mask of common/philox.cuh, recomputed here from
+// the same rng pair, so dV = (P ∘ Z)ᵀ dO · 1/(1 − p) (scaled once at the end), dP = (dO Vᵀ) ∘ Z / (1 − p) and
+// dS = P ∘ (dP − D) with the same D = rowsum(dO ∘ O). Each lane holds query pairs (2t, 2t + 1) of keys g and g + 8;
+// a Philox block covers a 2×2 tile, whose other key is in the lane four apart (one shuffle, as in the forward).
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tile.cuh"
+#include "common/philox.cuh"
 
 namespace cupy_attn {
 
@@ -51,7 +58,37 @@ struct FlashBwdParams {
   long long k_stride_b, k_stride_h, k_stride_s;
   long long v_stride_b, v_stride_h, v_stride_s;
   long long do_stride_b, do_stride_h, do_stride_l;
+  const long long* rng;      // kDropout: the forward's int64 {seed, offset}
+  long long dropout_threshold;
+  double dropout_scale;      // 1/(1 − p), 0 for p = 1
 };
+
+// Keep bits of this lane's elements of Sᵀ in a query block: bit 16·half + 2·mt + e for key key0 + 8·half and query
+// m0 + 8·mt + 2t + e (queries are the rows i of the mask, keys its columns j). The lanes g and g ^ 1 (four apart)
+// hold keys j and j ^ 1: each draws the blocks of every other query tile (even g: tiles 2k, odd g: 2k + 1), keeps its
+// key's two bits and sends the other key's two across.
+template <int kMTiles>
+__device__ __forceinline__ unsigned dropout_keep_word_t(const FlashBwdParams& p, unsigned bh, int key0, int m0, int g,
+                                                        int t) {
+  static_assert(kMTiles % 2 == 0 && 2 * kMTiles <= 16, "query tiles in pairs, 16 bits per key");
+  const Dropout drop = Dropout::load(p.rng, p.dropout_threshold);
+  const unsigned odd = g & 1;
+  unsigned keep = 0;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const unsigned j2 = static_cast<unsigned>(key0 + 8 * half) >> 1;
+    #pragma unroll
+    for (int k = 0; k < kMTiles / 2; ++k) {
+      const int mt = 2 * k + static_cast<int>(odd);
+      const unsigned bits = drop.keep_bits(bh, static_cast<unsigned>(m0 + mt * 8 + 2 * t) >> 1, j2);
+      const unsigned mine = ((bits >> odd) & 1u) | ((bits >> (2 + odd)) & 1u) << 1;
+      const unsigned theirs = ((bits >> (1 - odd)) & 1u) | ((bits >> (3 - odd)) & 1u) << 1;
+      const unsigned got = __shfl_xor_sync(0xffffffffu, theirs, 4);
+      keep |= (mine << (2 * mt) | got << (2 * (mt ^ 1))) << (16 * half);
+    }
+  }
+  return keep;
+}
 
 // dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm_90 (red.global.add.v2.f32, PTX 8.1),
 // two scalar atomics before. Halves the atomic operations of the dQ accumulation.
@@ -64,7 +101,7 @@ __device__ __forceinline__ void red_add2(float* dst, float a, float b) {
 #endif
 }
 
-template <typename T, int kHeadDim, int kNWarps, int kBlockM>
+template <typename T, int kHeadDim, int kNWarps, int kBlockM, bool kDropout>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p) {
   using namespace flash;
   constexpr int kThreads = kNWarps * 32;
@@ -184,6 +221,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
     }
 
     // Pᵀ and dSᵀ in registers, packed straight into A fragments (query = k dimension of the next GEMMs).
+    const unsigned keep = kDropout ? dropout_keep_word_t<kMTiles>(p, static_cast<unsigned>(b * p.num_heads + hq),
+                                                                   key_row0, m0, g, t)
+                                   : 0u;
     unsigned pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
     #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -197,7 +237,13 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
           const int query = m0 + col;
           const bool visible = key < S && query < L && key <= query + off;
           pr[e] = visible ? exp2f(s[mt][2 * half + e] * scale_log2 - slse[col]) : 0.f;
-          ds[e] = pr[e] * (dp[mt][2 * half + e] - sdelta[col]);
+          if constexpr (kDropout) {
+            const bool kept = (keep >> (16 * half + 2 * mt + e)) & 1u;
+            ds[e] = pr[e] * ((kept ? dp[mt][2 * half + e] * static_cast<float>(p.dropout_scale) : 0.f) - sdelta[col]);
+            if (!kept) pr[e] = 0.f;  // P ∘ Z for dV (1/(1 − p) applied once at the end)
+          } else {
+            ds[e] = pr[e] * (dp[mt][2 * half + e] - sdelta[col]);
+          }
         }
         const int kk = mt / 2, hi = (mt % 2) * 2;
         pa[kk][hi + half] = pack2<T>(pr[0], pr[1]);
@@ -283,7 +329,10 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         if (col + e < E) dk_row[col + e] = from_float<T>(sc * acc_dk[dt][2 * half + e]);
-        if (col + e < Ev) dv_row[col + e] = from_float<T>(acc_dv[dt][2 * half + e]);
+        if (col + e < Ev) {
+          dv_row[col + e] = from_float<T>(kDropout ? acc_dv[dt][2 * half + e] * static_cast<float>(p.dropout_scale)
+                                                   : acc_dv[dt][2 * half + e]);
+        }
       }
     }
   }

@@ -11,6 +11,9 @@
 // tiles is the A layout of one 16-column k step), V is read as B with ldmatrix.trans. An empty row (every key masked)
 // keeps m = -inf; it is replaced by 0 inside the exponentials, so P = 0, l = 0, and the epilogue writes out = 0 and
 // lse = -inf instead of NaN.
+// Dropout (kDropout, mma.sync only): P ∘ Z enters O += P V while l sums the undropped P, and the epilogue multiplies
+// by 1/(1 − p): out = (P ∘ Z / (1 − p)) V with P the softmax, lse unchanged. Z is the keep mask of common/philox.cuh
+// (dropout_keep_word: one Philox block per 2×2 tile, shared with the lane four apart by one shuffle).
 //
 // Thread mapping: kNWarps warps; warp w owns query rows [w·16·kMTiles, (w+1)·16·kMTiles) of the block as kMTiles
 // 16-row mma tiles and computes all kBlockN columns of S and all kHeadDim columns of O for them, so the softmax row
@@ -62,11 +65,13 @@
 //   v4  key-padding masks that are a prefix become a shorter S (no per-tile mask work); sm_90a wgmma variant with
 //       ping-pong warpgroups for head dims 64/128/192/256                 373 (1.11×)  343 (1.15×)  353 (1.23×)  392 (1.03×
 //                                                                                                     cuDNN, torch's choice)
+//   v5  kDropout variants (64-row tiles at head dims <= 128: DROPOUT_TILES); dropout-free SASS unchanged. Untimed.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tile.cuh"
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 
 namespace cupy_attn {
 
@@ -91,6 +96,9 @@ struct FlashFwdParams {
   long long out_stride_b, out_stride_h, out_stride_l;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+  const long long* rng;          // kDropout: the call's int64 {seed, offset} (common/philox.cuh), else unused
+  long long dropout_threshold;   // keep when the Philox draw is below it
+  double dropout_scale;          // 1/(1 − p), 0 for p = 1
 };
 
 namespace flash {
@@ -173,9 +181,36 @@ __device__ __forceinline__ int fresh_block_idx_z() {
   return r;
 }
 
+// Dropout keep bits of this lane's row `row` in key tile n0: bit 2·ni + e for column n0 + 8·ni + 2t + e, the S
+// accumulator layout. One Philox block covers rows (row, row ^ 1) × a column pair (common/philox.cuh); the lane four
+// apart (g ^ 1, same t) holds row ^ 1. Each lane of the pair draws the block of every other column tile (even g:
+// tiles 2k, odd g: 2k + 1), keeps its row's two bits and sends the other row's two across (one shuffle per block), so
+// every Philox output is used once. All lanes take part (rows past L included: their bits are never used).
+// The rng pair and bh are re-read per call, not held across the key loop (registers; the loads hit L1/constant cache).
+template <int kNTiles>
+__device__ __forceinline__ unsigned dropout_keep_word(const FlashFwdParams& p, int row, int n0, int g, int t) {
+  static_assert(kNTiles % 2 == 0, "column tiles come in pairs");
+  const Dropout drop = Dropout::load(p.rng, p.dropout_threshold);
+  const unsigned bh = static_cast<unsigned>(fresh_block_idx_z()) * gridDim.y +
+                      static_cast<unsigned>(fresh_block_idx_y());
+  const unsigned odd = g & 1;
+  unsigned keep = 0;
+  #pragma unroll
+  for (int k = 0; k < kNTiles / 2; ++k) {
+    const int ni = 2 * k + static_cast<int>(odd);
+    const unsigned bits = drop.keep_bits(bh, static_cast<unsigned>(row) >> 1,
+                                         static_cast<unsigned>(n0 + ni * 8 + 2 * t) >> 1);
+    const unsigned mine = (bits >> (2 * odd)) & 3u, theirs = (bits >> (2 - 2 * odd)) & 3u;
+    const unsigned got = __shfl_xor_sync(0xffffffffu, theirs, 4);
+    keep |= mine << (2 * ni) | got << (2 * (ni ^ 1));
+  }
+  return keep;
+}
+
 }  // namespace flash
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask, bool kWgmma>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask, bool kWgmma,
+          bool kDropout>
 __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p) {
   using namespace flash;
   constexpr int kThreads = kNWarps * 32;
@@ -190,6 +225,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
   static_assert(kStages == 1 || kStages == 2, "single-buffered (interleaved) or double-buffered K/V");
   // wgmma: each warpgroup (4 warps) owns 64 query rows, one m64 instruction; K/V double-buffered.
   static_assert(!kWgmma || (kMTiles == 1 && kNWarps % 4 == 0 && kStages == 2), "wgmma: 16 rows per warp, 2 stages");
+  static_assert(!(kDropout && kWgmma), "dropout runs the mma.sync kernel");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // wgmma's swizzle atoms need 1024-byte alignment; the launcher adds 1 KB of slack (Tile.smem_bytes).
@@ -463,13 +499,19 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
         const float m_new = fmaxf(m_old, mx * sc);
         const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
         m_i[mi][half] = m_new;
+        const unsigned keep = kDropout ? dropout_keep_word<kNTiles>(p, m0 + warp_row0 + mi * 16 + half * 8 + g, n0,
+                                                                     g, t)
+                                       : 0u;
         float sum = 0.f;
         #pragma unroll
         for (int ni = 0; ni < kNTiles; ++ni) {
           #pragma unroll
           for (int e = 0; e < 2; ++e) {
             s[mi][ni][2 * half + e] = exp2_approx(fmaf(s[mi][ni][2 * half + e], sc, -m_use));
-            sum += s[mi][ni][2 * half + e];
+            sum += s[mi][ni][2 * half + e];  // l is the undropped row sum: dropout acts on the normalized P
+            if constexpr (kDropout) {
+              if (!((keep >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = 0.f;
+            }
           }
         }
         // This half's P goes to 16 bits at once (A layout: registers 0/2 hold row g, 1/3 row g+8), so its fp32
@@ -537,7 +579,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
       float l = l_i[mi][half];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      float inv = l > 0.f ? 1.f / l : 0.f;
+      if constexpr (kDropout) inv *= static_cast<float>(p.dropout_scale);  // kept P scaled by 1/(1 − p)
       const int r = warp_row0 + mi * 16 + half * 8 + g;
       if (r >= rows_valid) continue;
       T* orow = out + (m0 + r) * p.out_stride_l;

@@ -24,11 +24,17 @@
 // The global batch index batch0 + b decomposes into up to three original axes (outer, middle, inner; sizes n1, n2
 // for the inner two) to find the row's mask and lse addresses, so broadcast masks need no expansion.
 //
+// Dropout (kDropout, with kMasked): P_j is written as P_j · Z_j / (1 − p), Z_j the keep bit of common/philox.cuh for
+// (bh, i, j); m, l and lse are those of the undropped row. bh = bh0 + Σ (batch axis index · its bh stride), decomposed
+// like the mask's batch index. Two Philox blocks per float4 (2×2 tiles: this row's half of each).
+//
 // Versions: v1 register-resident rows, in-place P. v2 kMasked = false instances for calls without mask or causal
 // limit: seed 0.454 -> 0.442 ms; 64 threads x 2 float4 for S <= 512: 0.438 ms (3.7 TB/s of the 4.2 copy ceiling).
+// v3 kDropout instances (masked tiles only).
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/mask.cuh"
+#include "common/philox.cuh"
 
 namespace cupy_attn {
 
@@ -42,6 +48,12 @@ struct SoftmaxParams {
   long long batch0, n1, n2;                          // global batch index decomposition (outer, middle: n1, inner: n2)
   long long mask_stride_b0, mask_stride_b1, mask_stride_b2, mask_stride_q, mask_stride_k;
   long long lse_stride_b0, lse_stride_b1, lse_stride_b2;
+  // Dropout (kDropout only): rng = {seed, offset} (int64, device), threshold (uint32 value), scale = 1/(1 − p) (0 for
+  // p = 1), bh of the chunk's first row and the bh strides of the three batch axes.
+  const long long* rng;
+  long long dropout_threshold;
+  double dropout_scale;
+  long long bh0, bh_stride_b0, bh_stride_b1, bh_stride_b2;
 };
 
 __device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
@@ -67,8 +79,8 @@ __device__ __forceinline__ float apply_mask(float s, long long j, long long limi
 
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
 // per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
-// bench/experiments/probe_softmax.py).
-template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked>
+// bench/experiments/probe_softmax.py). kDropout: dropout_p > 0 (declared with kMasked only).
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout>
 __global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
 masked_softmax(const SoftmaxParams p) {
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
@@ -92,6 +104,15 @@ masked_softmax(const SoftmaxParams p) {
   float* srow = p.scores + (active ? row : 0) * p.ld;
   OutT* prow = reinterpret_cast<OutT*>(srow);
   const long long S = p.seqlen_k;
+  Dropout drop{};
+  unsigned bh = 0;
+  float keep_scale = 1.f;
+  if constexpr (kDropout) {
+    drop = Dropout::load(p.rng, p.dropout_threshold);
+    bh = static_cast<unsigned>(p.bh0 + batch_offset(gbatch, p.n1, p.n2, p.bh_stride_b0, p.bh_stride_b1,
+                                                     p.bh_stride_b2));
+    keep_scale = static_cast<float>(p.dropout_scale);
+  }
 
   float m = -inf(), l = 0.f;
   if constexpr (kVecs > 0) {
@@ -125,7 +146,15 @@ masked_softmax(const SoftmaxParams p) {
       #pragma unroll
       for (int v = 0; v < kVecs; ++v) {
         const long long c = 4LL * (v * kThreadsPerRow + t);
-        if (c < S) store4<OutT>(prow + c, x[v][0] * inv_l, x[v][1] * inv_l, x[v][2] * inv_l, x[v][3] * inv_l);
+        if (c >= S) continue;
+        if constexpr (kDropout) {
+          const unsigned z = drop.keep4(bh, i, c);
+          const float kept = inv_l * keep_scale;
+          store4<OutT>(prow + c, z & 1u ? x[v][0] * kept : 0.f, z & 2u ? x[v][1] * kept : 0.f,
+                       z & 4u ? x[v][2] * kept : 0.f, z & 8u ? x[v][3] * kept : 0.f);
+        } else {
+          store4<OutT>(prow + c, x[v][0] * inv_l, x[v][1] * inv_l, x[v][2] * inv_l, x[v][3] * inv_l);
+        }
       }
     }
   } else {
@@ -151,8 +180,10 @@ masked_softmax(const SoftmaxParams p) {
       float4 y = make_float4(0.f, 0.f, 0.f, 0.f);
       if (active && c < S) {
         y = *reinterpret_cast<const float4*>(srow + c);
+        const unsigned z = kDropout ? drop.keep4(bh, i, c) : 0xFu;
+        const float kept = kDropout ? inv_l * keep_scale : inv_l;
         auto prob = [&](float s, int e) {
-          return c + e < S ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * inv_l : 0.f;
+          return c + e < S && (z >> e) & 1u ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * kept : 0.f;
         };
         y = make_float4(prob(y.x, 0), prob(y.y, 1), prob(y.z, 2), prob(y.w, 3));
       }

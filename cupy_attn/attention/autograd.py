@@ -1,5 +1,6 @@
-"""Autograd for scaled_dot_product_attention on torch tensors: the forward saves out and lse (not the scores), the
-backward is backward.sdpa_backward (FlashAttention-2's backward on the split path, P recomputed from lse).
+"""Autograd for scaled_dot_product_attention on torch tensors: the forward saves out and lse (not the scores) and,
+with dropout, the call's rng pair (two int64, not the mask); the backward is backward.sdpa_backward (FlashAttention-2's
+backward, P recomputed from lse and the keep mask recomputed from the rng pair).
 
 Used by the public function when autograd would record the call (grad mode on and query, key, value or a float
 attn_mask requiring grad); calls under ``torch.no_grad()``/``inference_mode`` or on tensors that need no grad keep the
@@ -21,10 +22,12 @@ def needs_grad(query, key, value, attn_mask) -> bool:
     return torch is not None and isinstance(query, torch.Tensor) and torch.is_grad_enabled()
 
 
-def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse):
+def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, dropout_p=0.0,
+                  rng=None):
     """CPU torch tensors that autograd records: the reference math in float64 torch ops (differentiable, so gradients
     flow), cast back to the inputs' dtype; the same conventions as cupy_attn.reference (rows with no visible key give 0
-    and lse -inf). Slow, for checking, like the rest of the CPU path."""
+    and lse -inf), dropout by the keep mask of ``rng`` (attention/dropout.py). Slow, for checking, like the rest of
+    the CPU path."""
     torch = sys.modules["torch"]
     q, k, v = (x.double() for x in (query, key, value))
     if enable_gqa and k.shape[-3] != q.shape[-3]:
@@ -41,6 +44,11 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
+    if dropout_p > 0:
+        from . import dropout
+        from .. import philox
+        keep = torch.from_numpy(dropout.keep_mask(rng, tuple(s.shape), dropout_p))
+        p = p * keep * philox.dropout_scale(dropout_p)
     out = ((p @ v) / torch.where(denom == 0, torch.ones_like(denom), denom)).to(query.dtype)
     if not return_lse:
         return out
@@ -48,15 +56,19 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
 
 
 def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, scale, enable_gqa,
-                need_mask_grad: bool, workspace_bytes=None, allow_tf32=False):
+                need_mask_grad: bool, workspace_bytes=None, allow_tf32=False, dropout_p=0.0, rng=None):
     """(dq, dk, dv, dmask) for torch CUDA tensors: dq/dk/dv in the inputs' shapes and dtype, dmask (or None) in
-    attn_mask's shape and dtype (the gradient summed over the mask's broadcast axes). Raises as the forward's checks.
+    attn_mask's shape and dtype (the gradient summed over the mask's broadcast axes). dropout_p > 0: ``rng`` is the
+    forward's rng pair, so the backward applies the forward's keep mask. Raises as the forward's checks.
     """
-    from . import backward, checks
+    from . import backward, checks, dropout
 
     torch = sys.modules["torch"]
     p = checks.check_sdpa(query.detach(), key.detach(), value.detach(),
-                          None if attn_mask is None else attn_mask.detach(), 0.0, is_causal, scale, enable_gqa, "auto")
+                          None if attn_mask is None else attn_mask.detach(), dropout_p, is_causal, scale, enable_gqa,
+                          "auto")
+    if p.dropout_p > 0:
+        p.rng = dropout.as_array(p.ctx, rng)
     dq = torch.empty_like(query, memory_format=torch.contiguous_format)
     dk = torch.empty_like(key, memory_format=torch.contiguous_format)
     dv = torch.empty_like(value, memory_format=torch.contiguous_format)
@@ -92,26 +104,26 @@ def _function():
     class ScaledDotProductAttention(torch.autograd.Function):
         @staticmethod
         def forward(fctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
-                    backend, num_splits):
+                    backend, num_splits, dropout_p, rng):
             from .sdpa import forward
             out, lse = forward(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
-                               backend=backend, num_splits=num_splits)
-            fctx.save_for_backward(query, key, value, attn_mask, out, lse)
-            fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32)
+                               backend=backend, num_splits=num_splits, dropout_p=dropout_p, rng=rng)
+            fctx.save_for_backward(query, key, value, attn_mask, out, lse, rng)
+            fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p)
             fctx.mark_non_differentiable(lse)
             return out, lse
 
         @staticmethod
         def backward(fctx, grad_out, _grad_lse):
-            query, key, value, attn_mask, out, lse = fctx.saved_tensors
-            is_causal, scale, enable_gqa, workspace_bytes, allow_tf32 = fctx.flags
+            query, key, value, attn_mask, out, lse, rng = fctx.saved_tensors
+            is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p = fctx.flags
             need_mask = attn_mask is not None and fctx.needs_input_grad[3]
             dq, dk, dv, dmask = grad_inputs(query, key, value, attn_mask, out, lse, grad_out.contiguous(),
                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                             need_mask_grad=need_mask, workspace_bytes=workspace_bytes,
-                                            allow_tf32=allow_tf32)
-            return dq, dk, dv, dmask, None, None, None, None, None, None, None
+                                            allow_tf32=allow_tf32, dropout_p=dropout_p, rng=rng)
+            return dq, dk, dv, dmask, None, None, None, None, None, None, None, None, None
 
     _FUNCTION = ScaledDotProductAttention
     return _FUNCTION
@@ -121,12 +133,13 @@ _FUNCTION = None
 
 
 def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32,
-          backend="auto", num_splits=None):
+          backend="auto", num_splits=None, dropout_p=0.0, rng=None):
     """The recorded call: (out, lse) through the autograd Function; lse carries no gradient. backend and num_splits
-    choose the forward's path as in an unrecorded call."""
+    choose the forward's path as in an unrecorded call; dropout_p > 0 with the call's rng pair (saved for the
+    backward)."""
     if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
         raise TypeError("attn_mask: a bool mask cannot require grad")
     out, lse = _function().apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes,
-                                 allow_tf32, backend, num_splits)
+                                 allow_tf32, backend, num_splits, dropout_p, rng)
     return (out, lse) if return_lse else out
 

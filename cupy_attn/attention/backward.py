@@ -5,9 +5,9 @@ chunks of (batch·head, query rows) whose fp32 score buffers fit ``workspace_byt
 
     D  = rowsum(dO ∘ O)                       attn_bwd_delta
     S  = scale·log2(e) · Q Kᵀ                 GEMM, fp32 out
-    P  = 2^(S + mask − lse·log2 e)            attn_bwd_rows<T, false>, P in the input dtype
+    P  = 2^(S + mask − lse·log2 e)            attn_bwd_rows<T, false>, P in the input dtype (P∘Z/(1−p): dropout)
     dV += Pᵀ dO                               GEMM, fp32 accumulators across query-row chunks
-    dP = dO Vᵀ                                GEMM, fp32 out
+    dP = dO Vᵀ                                GEMM, fp32 out (times Z/(1−p) in the next kernel: dropout)
     dS = P ∘ (dP − D)                         attn_bwd_rows<T, true>, dS in the input dtype (and fp32 for a mask grad)
     dQ = scale · dS K                         GEMM, written in the input dtype
     dK += scale · dSᵀ Q                       GEMM, fp32 accumulators
@@ -23,6 +23,7 @@ import math
 
 import numpy as np
 
+from .. import philox
 from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
@@ -32,16 +33,17 @@ _MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 _LOG2E = 1.4426950408889634
 
 # BwdParams in backward.cu: every field 8 bytes wide.
-_PARAMS = np.dtype([(n, np.int64) for n in (
+_PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
     "scores", "dp", "out", "dmask", "lse", "delta", "mask", "dout", "o", "rows", "rows_per_head", "row0",
     "seqlen_q", "seqlen_k", "ld", "head_dim_v", "head0", "num_heads", "causal_offset", "mask_kind",
-    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s")])
+    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s", "rng", "dropout_threshold",
+    "dropout_scale")])
 
 BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
     source="attention/backward.cu",
-    template="cupy_attn::attn_bwd_rows<{dtype}, {grad}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "grad": ("false", "true")},
+    template="cupy_attn::attn_bwd_rows<{dtype}, {grad}, {dropout}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 BACKWARD_GROUP_SUM = KernelFamily(
@@ -67,18 +69,19 @@ FLASH_BWD_TILES = {64: (8, 64), 128: (8, 64)}
 FLASH_BWD_TILE_CHOICES = ((8, 64),)
 ENV_BWD = "CUPY_ATTN_BWD"  # "split" forces the split backward (tests, comparisons)
 
-_FLASH_PARAMS = np.dtype([(n, np.float64 if n in ("scale", "scale_log2") else np.int64) for n in (
+_FLASH_PARAMS = np.dtype([(n, np.float64 if n in ("scale", "scale_log2", "dropout_scale") else np.int64) for n in (
     "dk", "dv", "dq_accum", "q", "k", "v", "dout", "lse", "delta", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
     "num_heads", "groups", "is_causal", "causal_offset", "vec_flags", "scale", "scale_log2",
     "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
-    "v_stride_b", "v_stride_h", "v_stride_s", "do_stride_b", "do_stride_h", "do_stride_l")])
+    "v_stride_b", "v_stride_h", "v_stride_s", "do_stride_b", "do_stride_h", "do_stride_l", "rng",
+    "dropout_threshold", "dropout_scale")])
 
 FLASH_BWD = KernelFamily(
     name="flash_bwd",
     source="attention/flash_bwd.cu",
-    template="cupy_attn::flash_bwd<{dtype}, {head_dim}, {tile[0]}, {tile[1]}>",
+    template="cupy_attn::flash_bwd<{dtype}, {head_dim}, {tile[0]}, {tile[1]}, {dropout}>",
     axes={"dtype": ("__half", "__nv_bfloat16"), "head_dim": tuple(FLASH_BWD_TILES),
-          "tile": FLASH_BWD_TILE_CHOICES},
+          "tile": FLASH_BWD_TILE_CHOICES, "dropout": ("false", "true")},
     structs=(("cupy_attn::FlashBwdParams", _FLASH_PARAMS),),
 )
 
@@ -162,11 +165,16 @@ def flash_backward(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
         prm["vec_flags"] = (_rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2 | _rows16(do) << 3)
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        if p.dropout_p > 0:
+            prm["rng"] = p.rng.data.ptr
+            prm["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
+            prm["dropout_scale"] = philox.dropout_scale(p.dropout_p)
         for name, arr, axes in (("q", p.query, "bhl"), ("k", p.key, "bhs"), ("v", p.value, "bhs"),
                                 ("do", do, "bhl")):
             for axis, stride in zip(axes, arr.strides):
                 prm[f"{name}_stride_{axis}"] = stride // arr.itemsize
-        kernel = FLASH_BWD.kernel(dtype=ctype, head_dim=bucket, tile=(warps, block_m))
+        kernel = FLASH_BWD.kernel(dtype=ctype, head_dim=bucket, tile=(warps, block_m),
+                                  dropout="true" if p.dropout_p > 0 else "false")
         block_n = 16 * warps
         smem = ((2 * block_n + 4 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
         if kernel.max_dynamic_shared_size_bytes < smem:
@@ -250,8 +258,13 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
         prm = base.copy()
         prm["rows"], prm["dout"], prm["o"] = n_heads * L, do.data.ptr, o.data.ptr
         BACKWARD_DELTA.kernel(dtype=ctype)((-(-n_heads * L // 8),), (256,), (struct_arg(prm),))
-        rows_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="false")
-        grad_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="true")
+        drop = "true" if p.dropout_p > 0 else "false"
+        if p.dropout_p > 0:
+            base["rng"] = p.rng.data.ptr
+            base["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
+            base["dropout_scale"] = philox.dropout_scale(p.dropout_p)
+        rows_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="false", dropout=drop)
+        grad_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="true", dropout=drop)
         alpha = p.scale * _LOG2E
         isz = dtype.itemsize
         gemms: dict = {}

@@ -50,6 +50,10 @@ class SDPAProblem:
     mask: Any = None
     mask_kind: str = "none"        # "none" | "bool" | "float"
     copies: list[str] = dataclasses.field(default_factory=list)
+    dropout_p: float = 0.0
+    # dropout_p > 0: the call's int64 {seed, offset} pair (attention/dropout.py), a CuPy view on the GPU or a NumPy
+    # array on the CPU; set by the caller after the checks (the draw is the call's first enqueued work).
+    rng: Any = None
 
     @property
     def groups(self) -> int:
@@ -66,11 +70,13 @@ def _is_float(dtype: np.dtype) -> bool:
     return dtype in _FLOAT_SET
 
 
-def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend) -> SDPAProblem:
-    """Validate a scaled_dot_product_attention call; raise TypeError/ValueError/NotImplementedError naming the argument.
+def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+               generator=None) -> SDPAProblem:
+    """Validate a scaled_dot_product_attention call; raise TypeError/ValueError naming the argument.
 
     Every array argument must be of query's kind (torch, NumPy, or CuPy / CUDA DLPack) and on query's device: a CPU
-    array next to a CUDA one is a ValueError, NumPy next to torch or CuPy next to torch a TypeError.
+    array next to a CUDA one is a ValueError, NumPy next to torch or CuPy next to torch a TypeError. ``generator``
+    must suit the query's kind and device (attention/dropout.check_generator).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -78,8 +84,6 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError("dropout_p > 0 is not supported yet: cupy_attn has no dropout (pass dropout_p=0.0)")
     if is_causal is True:
         causal = "top_left"
     elif is_causal is False or is_causal is None:
@@ -94,6 +98,9 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
 
     ctx = interop.context_for(query, "query")
+    if generator is not None:
+        from .dropout import check_generator
+        check_generator(generator, ctx)
     arrays = {"query": query, "key": key, "value": value}
     if attn_mask is not None:
         arrays["attn_mask"] = attn_mask
@@ -169,7 +176,8 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         ctx=ctx, query=query, key=key, value=value, batch_shape=q_shape[:-2],
         batch=math.prod(q_shape[:-3]), num_heads=num_heads, num_kv_heads=num_kv_heads,
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=v_shape[-1],
-        dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind)
+        dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind,
+        dropout_p=float(dropout_p))
     if ctx.on_gpu:
         _to_gpu_views(problem)
     return problem

@@ -105,7 +105,10 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     if backend == "reference":
         return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
     fused_why_not = fused_unsupported_reason(p, arch)
-    if backend in ("auto", "fused") and fused_why_not is None:
+    if p.dropout_p > 0 and num_splits is not None:
+        raise ValueError(f"num_splits={num_splits} asks for the decode kernel, which has no dropout (dropout_p="
+                         f"{p.dropout_p}): pass num_splits=None")
+    if backend in ("auto", "fused") and fused_why_not is None and p.dropout_p == 0:
         plan = _decode_plan(p, backend, arch, num_splits, num_sms, copies)
         if plan is not None:
             return plan
@@ -118,6 +121,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         if use_fused:
             return _fused_plan(p, arch, why, copies)
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
+    if p.dropout_p > 0:
+        reason += f"; dropout_p={p.dropout_p} applied by the softmax kernel (P written dropped and scaled)"
     return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies,
                 prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
 
@@ -153,6 +158,12 @@ def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: in
 def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
     """The fused plan with its kernel choice (family, tile, instantiated head dim) made once, here."""
     flash = _flash_module()
+    if p.dropout_p > 0:  # only the mma.sync kernel has a dropout variant (it runs on Hopper too)
+        choice = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch, dropout=True)
+        extra = {"dropout": f"p={p.dropout_p}: the mma.sync kernel's dropout variant (the FA3-design, wgmma and "
+                            "decode kernels have no dropout)"}
+        return Plan("fused", why, describe=functools.partial(fused_details, choice, extra), copies=copies,
+                    prepare=functools.partial(flash.prepare_problem, p, choice))
     mode = fa3_mode(p, arch)
     if mode is not None and p.mask is None:
         # out=None: the call's output comes from the allocator, contiguous and aligned.
@@ -227,5 +238,6 @@ def split_details(p) -> dict:
     return {
         "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
-        "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(p.seqlen_k, p.mask is not None or p.causal is not None),),
-    }
+        "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(
+            p.seqlen_k, p.mask is not None or p.causal is not None or p.dropout_p > 0),),
+    } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {})

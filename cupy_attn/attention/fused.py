@@ -14,6 +14,7 @@ import os
 
 import numpy as np
 
+from .. import philox
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
 
@@ -101,14 +102,14 @@ _PARAM_FIELDS = (
     "q_stride_b", "q_stride_h", "q_stride_l", "k_stride_b", "k_stride_h", "k_stride_s",
     "v_stride_b", "v_stride_h", "v_stride_s", "out_stride_b", "out_stride_h", "out_stride_l",
     "lse_stride_b", "lse_stride_h", "lse_stride_l",
-    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s")
-_PARAMS = np.dtype([(n, np.float64 if n == "scale_log2" else np.int64) for n in _PARAM_FIELDS])
+    "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s", "rng", "dropout_threshold", "dropout_scale")
+_PARAMS = np.dtype([(n, np.float64 if n in ("scale_log2", "dropout_scale") else np.int64) for n in _PARAM_FIELDS])
 
 FLASH_FWD = KernelFamily(
     name="flash_fwd",
     source="attention/flash_fwd.cu",
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
-              "{has_mask}, false>"),
+              "{has_mask}, false, false>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": HEAD_DIMS,
@@ -119,12 +120,42 @@ FLASH_FWD = KernelFamily(
     structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
 )
 
+# Dropout tiles (the mma.sync kernel with kDropout = true; Hopper runs it too: the wgmma and FA3-design kernels have no
+# dropout). The Philox draws of a row half (common/philox.cuh, ~60 integer instructions and ~8 live registers per
+# block) sit next to the S and O accumulators: the 128-row tiles above, at 2 m tiles per warp, spilled 88-816 B with
+# dropout at head dims 32-128 (sm_80 and sm_90), so those buckets take 64-row tiles (one m tile per warp: half the
+# accumulators); 160-256 already run one m tile per warp and keep their tiles. Untimed (no device time in the session
+# that added them).
+_DROPOUT_BY_HEAD_DIM = {
+    **_BY_HEAD_DIM,
+    (32, 9): Tile(64, 128, 4, 2), (32, 8): Tile(64, 128, 4, 1),
+    (64, 9): Tile(64, 128, 4, 2), (64, 8): Tile(64, 128, 4, 1),
+    (96, 9): Tile(64, 64, 4, 2), (96, 8): Tile(64, 64, 4, 1),
+    (128, 9): Tile(64, 64, 4, 2), (128, 8): Tile(64, 64, 4, 1),
+}
+DROPOUT_TILES = {(dtype, d, arch): tile for (d, arch), tile in _DROPOUT_BY_HEAD_DIM.items() for dtype in _C_TYPES}
+
+FLASH_FWD_DROPOUT = KernelFamily(
+    name="flash_fwd_dropout",
+    source="attention/flash_fwd.cu",
+    template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              "{has_mask}, false, true>"),
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": HEAD_DIMS,
+        "tile": tuple(sorted(set(_DROPOUT_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
+        "has_mask": ("false", "true"),
+    },
+    where=lambda row: any(t == row["tile"] for (d, _), t in _DROPOUT_BY_HEAD_DIM.items() if d == row["head_dim"]),
+    structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
+)
+
 # The same kernel with kWgmma = true: Hopper only (compute capability 9.0 exactly), compiled to an sm_90a cubin.
 FLASH_FWD_SM90A = KernelFamily(
     name="flash_fwd_sm90a",
     source="attention/flash_fwd.cu",
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
-              "{has_mask}, true>"),
+              "{has_mask}, true, false>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(WGMMA_TILES),
@@ -161,14 +192,19 @@ ENV_WGMMA = "CUPY_ATTN_WGMMA"
 WGMMA_PADDED = {160: 192}
 
 
-def select(dtype, head_dim: int, arch: int) -> tuple[KernelFamily, Tile, int]:
+def select(dtype, head_dim: int, arch: int, dropout: bool = False) -> tuple[KernelFamily, Tile, int]:
     """The kernel family, tile and instantiated head dim for a head-dim bucket: the sm_90a wgmma kernel on compute
     capability 9.0 when the bucket has a WGMMA_TILES entry (64, 128, 192, 256) or pads to one (WGMMA_PADDED: 160 →
-    192) and ``CUPY_ATTN_WGMMA`` is not ``0``; else mma.sync at the bucket itself.
+    192) and ``CUPY_ATTN_WGMMA`` is not ``0``; else mma.sync at the bucket itself. ``dropout``: the mma.sync kernel's
+    dropout variant (FLASH_FWD_DROPOUT, DROPOUT_TILES) on every arch.
 
     >>> select(np.dtype("float16"), 128, 80)[1:]
     (Tile(block_m=128, block_n=64, warps=4, stages=1, wgmma=False), 128)
+    >>> select(np.dtype("float16"), 128, 90, dropout=True)[0].name
+    'flash_fwd_dropout'
     """
+    if dropout:
+        return FLASH_FWD_DROPOUT, DROPOUT_TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
     if arch == 90 and os.environ.get(ENV_WGMMA, "1") != "0":
         padded = WGMMA_PADDED.get(head_dim, head_dim)
         if padded in WGMMA_TILES:
@@ -219,26 +255,31 @@ def _estrides(a) -> list[int]:
     return [s // a.itemsize for s in a.strides]
 
 
-def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None) -> None:
+def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
+                  dropout_p: float = 0.0, rng=None) -> None:
     """out (and lse) = attention(q, k, v) by the fused kernel, on CuPy's current stream and device.
 
     Arguments as :func:`prepare`'s; this is ``prepare(...)`` launched on the arrays' own pointers.
     """
-    prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask)(
+    prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, dropout_p=dropout_p, rng=rng)(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
 
 
-def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None) -> "FlashLaunch":
+def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None, dropout_p: float = 0.0,
+            rng=None) -> "FlashLaunch":
     """Check a fused-kernel call and build its launch: kernel, grid and parameters, all but the pointers.
 
     q: (B, Hq, L, E); k: (B, Hkv, S, E); v: (B, Hkv, S, Ev); fp16 or bf16, last-dim stride 1, any other strides
     (read in place). Hq % Hkv == 0 (GQA: query head h reads kv head h // (Hq // Hkv)). out: (B, Hq, L, Ev), q's dtype,
     last-dim stride 1. lse: None or (B, Hq, L) float32 (natural log). mask: None or a view broadcast to (B, Hq, L, S)
     (bool: True = attend; fp16/bf16/fp32: added to the scaled scores). causal: None, "top_left" or "bottom_right".
-    L, S >= 1. Raises ValueError for calls the kernel cannot run. The launch depends on the arrays' shapes, strides,
-    dtypes and pointer alignment (16 bytes for q/k/v rows, 4 for out), not on their addresses: it may be replayed on
-    other arrays of the same layout (the public API's call cache does).
+    L, S >= 1. dropout_p in (0, 1]: P is dropped with the keep mask of ``rng`` (a CuPy int64 array {seed, offset} of
+    the call, read by the kernel; cupy_attn/philox.py defines the mask) and kept values scaled by 1/(1 − dropout_p);
+    lse is that of the undropped scores. Raises ValueError for calls the kernel cannot run. The launch depends on the
+    arrays' shapes, strides, dtypes and pointer alignment (16 bytes for q/k/v rows, 4 for out), not on their
+    addresses: it may be replayed on other arrays of the same layout (the public API's call cache does), and with
+    dropout on the same rng array.
     """
     import cupy
 
@@ -248,13 +289,15 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     _, Hkv, S, Ev = v.shape
     dtype = q.dtype
 
-    if mask is None and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: the FA3-design kernel (fused_sm90.py)
+    if dropout_p > 0 and (rng is None or rng.dtype != np.int64 or rng.size != 2):
+        raise ValueError("fused attention: dropout_p > 0 needs rng, the call's int64 {seed, offset} CuPy array")
+    if mask is None and not dropout_p and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: FA3-design kernel
         from . import fused_sm90
         if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
             return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal,
                                       overlap=os.environ[ENV_FA3] == "2")
-    return _build(select(dtype, head_dim_bucket(E, Ev), arch), q, k, v, out, lse, scale=scale, causal=causal,
-                  mask=mask)
+    return _build(select(dtype, head_dim_bucket(E, Ev), arch, dropout=dropout_p > 0), q, k, v, out, lse,
+                  scale=scale, causal=causal, mask=mask, dropout_p=dropout_p, rng=rng)
 
 
 def check_launch_arrays(what: str, reason_fn, arch: int, q, k, v, out, lse, causal, mask) -> None:
@@ -303,20 +346,23 @@ def prepare_problem(p, choice, out, lse):
                 launch(*ptrs)
         return run
     return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
-                  mask=p.mask).bind(p.ctx.stream)
+                  mask=p.mask, dropout_p=p.dropout_p, rng=p.rng).bind(p.ctx.stream)
 
 
-def _build(choice, q, k, v, out, lse, *, scale, causal, mask) -> "FlashLaunch":
+def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> "FlashLaunch":
     family, tile, head_dim = choice
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
-    return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)
+    return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                             dropout_p=dropout_p, rng=rng)
 
 
-def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> None:
+def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
+           rng=None) -> None:
     """Launch one instantiation on these arrays (benchmarks call it directly to sweep tiles outside the table).
     Arguments as flash_forward's, already checked."""
-    FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask)(
+    FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                      dropout_p=dropout_p, rng=rng)(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
 
@@ -370,8 +416,10 @@ class FlashLaunch:
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask) -> "FlashLaunch":
-        """Parameters from the arrays' shapes, strides and alignment (flash_forward's arguments, already checked)."""
+    def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
+              rng=None) -> "FlashLaunch":
+        """Parameters from the arrays' shapes, strides and alignment (flash_forward's arguments, already checked);
+        with dropout, the rng array's address (read by the kernel at run time) and the keep threshold."""
         B, Hq, L, E = q.shape
         _, Hkv, S, Ev = v.shape
         if Hq > 65535 or B > 65535:
@@ -400,4 +448,8 @@ class FlashLaunch:
         if mask is not None:
             for axis, stride in zip("bhls", _estrides(mask)):
                 p[f"mask_stride_{axis}"] = stride
+        if dropout_p > 0:
+            p["rng"] = rng.data.ptr
+            p["dropout_threshold"] = philox.dropout_threshold(dropout_p)
+            p["dropout_scale"] = philox.dropout_scale(dropout_p)
         return cls(kernel, p, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)

@@ -10,12 +10,12 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import autograd, checks, decode, dispatch
+from . import autograd, checks, decode, dispatch, dropout
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None, num_splits=None):
+                                 workspace_bytes=None, num_splits=None, generator=None):
     """softmax(scale · query keyᵀ + mask) · value, with the semantics of torch's scaled_dot_product_attention.
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
@@ -25,14 +25,24 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     attn_mask: bool (True = takes part) or float (added to the scaled scores), broadcastable to (..., Hq, L, S).
     is_causal: True / "top_left" — query i sees keys j ≤ i (torch's ``tril(ones(L, S))``); "bottom_right" — j ≤ i + S − L
     (FlashAttention's alignment, for KV caches). Not together with attn_mask.
-    scale: multiplies the scores; default 1/sqrt(E). dropout_p must be 0 (dropout is not supported yet).
+    scale: multiplies the scores; default 1/sqrt(E).
+    dropout_p in [0, 1]: torch's attention dropout, out = (P ∘ Z / (1 − dropout_p)) V with P the softmax and Z a keep
+    mask of probability 1 − dropout_p (dropout_p = 1: out = 0); lse (return_lse) is that of the undropped scores. Z
+    comes from Philox4x32-10 (Salmon et al. 2011) keyed by a (seed, offset) pair that each call draws from
+    ``generator`` on the call's stream (cupy_attn/attention/dropout.py; cupy_attn.philox defines the mask in NumPy):
+    torch tensors: a torch.Generator of the query's device or None (torch's default generator: torch.manual_seed
+    reproduces calls; CUDA-graph replays draw new pairs, as torch's RNG ops do); CuPy / DLPack inputs: None (CuPy's
+    global state, cupy.random.seed); NumPy: a numpy.random.Generator or None (np.random's global state). The
+    backward applies the forward's mask (the pair is saved, not the mask). Dropout calls run the fused kernel's
+    mma.sync dropout variant (never the FA3-design, wgmma or decode kernels) or the split path, and are not cached.
     Rows whose keys are all masked give output 0 (lse -inf), as torch's math backend; NaN/Inf inputs propagate.
 
     Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
     the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
     ``__dlpack__`` objects (results as CuPy arrays); NumPy arrays and CPU torch tensors run the float64 NumPy
     reference (slow; for checking). All arrays of one call must be of one kind (torch, NumPy, or CuPy / CUDA DLPack)
-    and on one device. Tensors with requires_grad are accepted for the forward (no autograd yet).
+    and on one device. Inputs that require grad are recorded by autograd (torch tensors; the backward runs our
+    kernels).
     Copies are made only when an input's last axis is not unit-stride or its leading axes have no common stride
     (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are read in place.
 
@@ -57,31 +67,52 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Returns: out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
     Raises (all before anything is launched): TypeError for non-array inputs, unsupported dtypes, and arrays of
     another kind than query's (NumPy or CuPy next to torch); ValueError for shape, device, mask or flag errors (naming
-    the argument and axis); NotImplementedError for dropout_p > 0; ValueError when backend="fused" cannot run the
-    call, and for backend="fused" or "split" with CPU inputs.
+    the argument and axis; dropout_p outside [0, 1]; num_splits with dropout_p > 0, the decode kernel having no
+    dropout); TypeError for a generator of the wrong kind, ValueError for one of another device; ValueError when
+    backend="fused" cannot run the call, and for backend="fused" or "split" with CPU inputs.
     """
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes)
+                             return_lse, allow_tf32, workspace_bytes, generator)
     decode.check_num_splits(num_splits)  # before the cache key, which must hash it
     if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
-        p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+        p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+                              generator)
+        rng = dropout.draw(p.ctx, generator)[0] if p.dropout_p > 0 else None  # saved for the backward
         if not p.ctx.on_gpu:  # CPU tensors: the reference math in differentiable float64 torch ops
             return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
-                                          enable_gqa=enable_gqa, return_lse=return_lse)
+                                          enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
+                                          rng=rng)
         return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
-                              backend=backend, num_splits=num_splits)
-    call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes, num_splits)
+                              backend=backend, num_splits=num_splits, dropout_p=p.dropout_p, rng=rng)
+    # Dropout calls (and calls naming a generator) are never cached: each draws its own rng pair, which a replayed
+    # launch would not. The test is two type checks on the hot path.
+    if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0:
+        call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+                                 return_lse, allow_tf32, workspace_bytes, num_splits)
+    else:
+        call_key = None
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
     elif interop.is_tracing_tensor(query):  # FakeTensor / FunctionalTensor (make_fx, AOTAutograd): no data to read
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes)
-    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+                             return_lse, allow_tf32, workspace_bytes, generator)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
+    if p.dropout_p > 0:
+        _, p.rng = dropout.draw(p.ctx, generator)
+    return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, (query, key, value,
+                                                                                            attn_mask))
+
+
+_PLAIN_NUMBERS = (float, int)
+
+
+def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, inputs):
+    """Plan and launch a checked problem (its rng pair drawn when dropout_p > 0); cache the launch under
+    ``call_key`` (None: not cached) when it read the caller's ``inputs`` in place."""
     plan = dispatch.plan_sdpa(p, backend, num_splits=num_splits, workspace_bytes=workspace_bytes,
                               allow_tf32=allow_tf32)
     if plan.backend == "reference":
@@ -105,7 +136,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             run = plan.prepare(out4, lse3)
             run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
                 0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
-            if call_key is not None and _replayable(p, query, key, value, attn_mask):
+            if call_key is not None and _replayable(p, *inputs):
                 callcache.put(call_key, callcache.Entry(ctx, tuple(out_native.shape),
                                                           None if lse_native is None else tuple(lse_native.shape),
                                                           run))
@@ -113,22 +144,30 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
-            backend="auto", num_splits=None):
-    """(out, lse) of the forward on detached inputs, for autograd (lse float32, natural log), on the path the
-    caller's backend and num_splits choose."""
-    return scaled_dot_product_attention(query.detach(), key.detach(), value.detach(),
-                                        None if attn_mask is None else attn_mask.detach(), 0.0, is_causal, scale,
-                                        enable_gqa, backend=backend, return_lse=True, workspace_bytes=workspace_bytes,
-                                        allow_tf32=allow_tf32, num_splits=num_splits)
+            backend="auto", num_splits=None, dropout_p=0.0, rng=None):
+    """(out, lse) of the forward on detached inputs, for autograd and the custom op (lse float32, natural log), on
+    the path the caller's backend and num_splits choose. dropout_p > 0: ``rng`` is the call's drawn pair (a torch
+    int64 tensor of shape (2,), attention/dropout.draw), which the backward reads again."""
+    query, key, value = query.detach(), key.detach(), value.detach()
+    attn_mask = None if attn_mask is None else attn_mask.detach()
+    if not dropout_p:
+        return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
+                                            backend=backend, return_lse=True, workspace_bytes=workspace_bytes,
+                                            allow_tf32=allow_tf32, num_splits=num_splits)
+    decode.check_num_splits(num_splits)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    p.rng = dropout.as_array(p.ctx, rng)
+    return _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, None, None)
 
 
 def _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse,
-                  allow_tf32, workspace_bytes):
+                  allow_tf32, workspace_bytes, generator=None):
     """The call as torch.ops.cupy_attn.scaled_dot_product_attention (see cupy_attn.torch_ops), for traced calls."""
     from .. import torch_ops
     return torch_ops.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                   enable_gqa, backend=backend, return_lse=return_lse,
-                                                  allow_tf32=allow_tf32, workspace_bytes=workspace_bytes)
+                                                  allow_tf32=allow_tf32, workspace_bytes=workspace_bytes,
+                                                  generator=generator)
 
 
 def _replayable(p, query, key, value, attn_mask) -> bool:
@@ -139,14 +178,15 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            backend="auto", num_splits=None) -> dispatch.Plan:
-    """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched.
+            backend="auto", num_splits=None, generator=None) -> dispatch.Plan:
+    """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched (no random
+    numbers are drawn).
 
     Takes the same arguments and raises the same errors. Returns a Plan (``.backend``, ``.reason``, ``.details``,
     ``.copies``); ``print(plan)`` gives a readable summary.
     """
     decode.check_num_splits(num_splits)
-    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits)
 
 
@@ -162,8 +202,12 @@ def _run_reference(p, return_lse):
 
     q, k, v = (host(x) for x in (p.query, p.key, p.value))
     mask = host(p.mask) if p.mask is not None else None
+    keep = None
+    if p.dropout_p > 0:
+        keep = dropout.keep_mask(p.rng, p.batch_shape + (p.seqlen_q, p.seqlen_k), p.dropout_p)
     out, lse = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=p.causal or False, scale=p.scale,
-                                                      enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True)
+                                                      enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True,
+                                                      dropout_p=p.dropout_p, dropout_mask=keep)
     L, Ev = p.seqlen_q, p.head_dim_v
     out = interop.from_numpy(out.reshape(p.batch_shape + (L, Ev)), ctx.kind, p.dtype, ctx.device_id)
     if not return_lse:

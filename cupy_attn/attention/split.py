@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from .. import philox
 from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
@@ -36,18 +37,21 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
 _MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
-_PARAMS = np.dtype([(name, np.int64) for name in (
+_PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
     "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
     "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
-    "lse_stride_b0", "lse_stride_b1", "lse_stride_b2")])
+    "lse_stride_b0", "lse_stride_b1", "lse_stride_b2",
+    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2")])
 
+# dropout=true only with masked=true: a dropout call takes the masked tiles (the mask test is free next to Philox).
 SOFTMAX = KernelFamily(
     name="softmax",
     source="attention/softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}>",
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
     axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
-          "masked": tuple(SOFTMAX_TILES)},
-    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]],
+          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
+    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
+                                                                          or row["masked"] == "true"),
     structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
 )
 
@@ -79,6 +83,7 @@ class _Axis:
     o: int
     mask: int
     lse: int
+    bh: int = 0  # step of the flat (batch, query head) index: dropout's Philox counter
 
 
 def _batch_axes(p, out, lse) -> list[_Axis]:
@@ -87,9 +92,9 @@ def _batch_axes(p, out, lse) -> list[_Axis]:
     st = lambda a, i: a.strides[i] // a.itemsize if a is not None else 0  # noqa: E731
     q, k, v, m = p.query, p.key, p.value, p.mask
     return [
-        _Axis(p.batch, st(q, 0), st(k, 0), st(v, 0), st(out, 0), st(m, 0), st(lse, 0)),
-        _Axis(p.num_kv_heads, g * st(q, 1), st(k, 1), st(v, 1), g * st(out, 1), g * st(m, 1), g * st(lse, 1)),
-        _Axis(g, st(q, 1), 0, 0, st(out, 1), st(m, 1), st(lse, 1)),
+        _Axis(p.batch, st(q, 0), st(k, 0), st(v, 0), st(out, 0), st(m, 0), st(lse, 0), p.num_heads),
+        _Axis(p.num_kv_heads, g * st(q, 1), st(k, 1), st(v, 1), g * st(out, 1), g * st(m, 1), g * st(lse, 1), g),
+        _Axis(g, st(q, 1), 0, 0, st(out, 1), st(m, 1), st(lse, 1), 1),
     ]
 
 
@@ -142,7 +147,7 @@ _MAX_SCHEDULES = 256
 def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
     """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget; not pointers."""
     m = p.mask
-    return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32,
+    return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
             *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -156,13 +161,26 @@ def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow
     """
     sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     run(sched, p.ctx, p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
-        0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
+        0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr, rng=_rng_ptr(p))
 
 
 def prepare(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False):
     """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` for a checked problem: its schedule bound to the
-    call's context (what dispatch's plan returns and the call cache replays)."""
-    return functools.partial(run, schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32), p.ctx)
+    call's context (what dispatch's plan returns and the call cache replays) and, with dropout, to the call's rng
+    pair (p.rng: such calls are never replayed by the call cache)."""
+    sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    if p.dropout_p > 0:
+        return functools.partial(run, sched, p.ctx, rng=_rng_ptr(p))
+    return functools.partial(run, sched, p.ctx)
+
+
+def _rng_ptr(p) -> int:
+    """Device address of the call's int64 {seed, offset} pair (0 without dropout)."""
+    if p.dropout_p > 0:
+        if p.rng is None:
+            raise ValueError("split path: dropout_p > 0 needs the call's rng pair (checks.SDPAProblem.rng)")
+        return p.rng.data.ptr
+    return 0
 
 
 def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> "_Schedule":
@@ -180,7 +198,8 @@ def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32
     return sched
 
 
-def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0, m0: int = 0) -> None:
+def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0, m0: int = 0, *,
+        rng: int = 0) -> None:
     """Enqueue a schedule on the call's device and stream (``ctx``, an interop.CallContext): per chunk, GEMM →
     softmax → GEMM over a scores buffer from the caller's allocator (runtime.workspace.scratch: torch's caching
     allocator for torch callers, graph-capture safe; CuPy's pool otherwise), released, stream-ordered, on return.
@@ -195,6 +214,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
             params["scores"] = s0
             params["mask"] = m0 + c.mask if m0 else 0
             params["lse"] = l0 + c.lse if l0 else 0
+            params["rng"] = rng
             sched.kernel((c.grid,), (sched.block,), (struct_arg(params),))
             c.gemm_pv(o0 + c.o, s0, v0 + c.v)
         del scores  # back to its allocator, ordered after the work above on this stream
@@ -211,7 +231,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
 
     groups = _gemm_batch_groups(_batch_axes(p, out, lse))
     if not groups:
-        groups = [[_Axis(1, 0, 0, 0, 0, 0, 0)]]
+        groups = [[_Axis(1, 0, 0, 0, 0, 0, 0, 0)]]
     main = max(range(len(groups)), key=lambda i: np.prod([a.size for a in groups[i]]))
     batch_group = groups[main]
     loops = [g for i, g in enumerate(groups) if i != main]
@@ -220,11 +240,13 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     per_chunk = max(1, min(n_batch, 65535, budget // (rows_per_chunk * row_bytes))) if rows_per_chunk == L else 1
     # Strides of one step of the folded batch axis, and the mask/lse decomposition of its index (≤ 3 axes).
     bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
-    dec = ([_Axis(1, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
+    dec = ([_Axis(1, 0, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
-    masked = "true" if p.mask is not None or p.causal is not None else "false"
+    dropout = p.dropout_p > 0
+    masked = "true" if p.mask is not None or p.causal is not None or dropout else "false"
     tile = softmax_tile(S, masked == "true")
-    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile, masked=masked)
+    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile, masked=masked,
+                            dropout="true" if dropout else "false")
     rows_per_block = max(1, 128 // tile[0])
     mask = p.mask
     mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
@@ -235,7 +257,10 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     base["seqlen_k"], base["ld"], base["causal_offset"], base["mask_kind"] = S, ld, causal_offset, mask_kind
     base["n1"], base["n2"] = dec[1].size, dec[2].size
     for i, ax in enumerate(dec):
-        base[f"mask_stride_b{i}"], base[f"lse_stride_b{i}"] = ax.mask, ax.lse
+        base[f"mask_stride_b{i}"], base[f"lse_stride_b{i}"], base[f"bh_stride_b{i}"] = ax.mask, ax.lse, ax.bh
+    if dropout:
+        base["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
+        base["dropout_scale"] = philox.dropout_scale(p.dropout_p)
     if mask is not None:
         base["mask_stride_q"], base["mask_stride_k"] = mask.strides[2] // mask_isz, mask.strides[3] // mask_isz
 
@@ -256,7 +281,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
 
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
-        off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse")}
+        off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse", "bh")}
         for idx, g in zip(loop_index, loops):
             for ax in reversed(g):  # decompose the folded index over the group's axes, innermost first
                 for f in off:
@@ -268,6 +293,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 lc = min(rows_per_chunk, L - r0)
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
+                params["bh0"] = off["bh"]
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,

@@ -36,15 +36,13 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     a longer static cache masks the unused slots, which sdpa crops instead: the same result). scaling: default
     1/sqrt(D).
 
-    Training: on CUDA tensors autograd records cupy_attn's own backward (cupy_attn.scaled_dot_product_attention's).
-    Two cases run torch's scaled_dot_product_attention instead, so that gradients are never silently lost: attention
-    dropout > 0 while autograd records (cupy_attn has no dropout yet), and CPU tensors requiring grad (the CPU path is
-    the float64 reference, which records nothing).
+    Training: on CUDA tensors autograd records cupy_attn's own backward (cupy_attn.scaled_dot_product_attention's),
+    attention dropout included (``dropout``, drawn from torch's default generator as torch's SDPA does). CPU tensors
+    requiring grad run torch's scaled_dot_product_attention instead (gradients are never silently lost).
 
     Returns (attn_output (B, L, Hq, Dv) contiguous, None): no attention weights are ever materialized.
-    Raises: NotImplementedError for dropout > 0 without autograd (a model in train() under no_grad: cupy_attn has no
-    dropout; call eval() or set attention_dropout=0.0), for a position_bias, and for transformers' paged cache;
-    ValueError for softcap and for shapes the kernels refuse (with the argument and axis named).
+    Raises: NotImplementedError for a position_bias and for transformers' paged cache; ValueError for softcap and for
+    shapes the kernels refuse (with the argument and axis named).
     """
     if kwargs.get("softcap") is not None:
         raise ValueError("attn_implementation='cupy_attn' does not support softcap (use 'eager' or 'flex_attention')")
@@ -63,18 +61,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     is_causal = q_length > 1 and attention_mask is None and bool(is_causal)
     enable_gqa = query.shape[1] != key.shape[1]
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) and (
-            dropout > 0.0 or not query.is_cuda):
-        # No dropout in cupy_attn yet, and no autograd on the CPU reference: torch's SDPA rather than lost gradients.
+            not query.is_cuda):
+        # CPU training keeps torch's SDPA (its gradients are what a CPU user expects, at torch's speed).
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, is_causal=is_causal,
                                                                scale=scaling, enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous(), None
-    if dropout > 0.0:
-        raise NotImplementedError(
-            f"attn_implementation='cupy_attn' has no attention dropout, got dropout={dropout} (the model is in "
-            "training mode with attention_dropout > 0): set config.attention_dropout=0.0 or call model.eval()")
-    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, is_causal=is_causal,
-                                       scale=scaling, enable_gqa=enable_gqa)
+    out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=float(dropout),
+                                       is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
     return out.transpose(1, 2).contiguous(), None
 
 
