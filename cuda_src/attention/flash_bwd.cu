@@ -31,6 +31,7 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tile.cuh"
+#include "common/reduce.cuh"
 
 namespace cupy_attn {
 
@@ -52,17 +53,6 @@ struct FlashBwdParams {
   long long v_stride_b, v_stride_h, v_stride_s;
   long long do_stride_b, do_stride_h, do_stride_l;
 };
-
-// dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm_90 (red.global.add.v2.f32, PTX 8.1),
-// two scalar atomics before. Halves the atomic operations of the dQ accumulation.
-__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
-}
 
 template <typename T, int kHeadDim, int kNWarps, int kBlockM>
 __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p) {
