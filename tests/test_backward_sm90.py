@@ -60,7 +60,7 @@ def test_sass(row):
     text = _sass(expr)
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     names = [op.split()[0] for op in ops]
-    for op in ("UTMALDG", "UBLKCP", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2"):
+    for op in ("UTMALDG", "UBLKCP", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2", "STSM"):
         assert any(n.startswith(op) for n in names), f"{expr}: no {op} in the SASS"
     for op in ("LDL", "STL"):
         assert not any(n.startswith(op) for n in names), f"{expr}: local memory ({op})"

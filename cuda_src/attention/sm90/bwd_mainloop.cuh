@@ -169,9 +169,12 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   // Descriptor addresses. K and V: this warpgroup's 64 rows inside each kBlockN-row column block.
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   const unsigned q_base = tma::smem_u32(ss.q), do_base = tma::smem_u32(ss.dout), ds_base = tma::smem_u32(ss.ds);
-  // This lane's dSᵀ rows (keys 64·wg + 16·warp + g, + 8) in a buffer: row r at r · 128 bytes inside a column block;
-  // its XOR term r % 8 is g.
-  const unsigned ds_lane = ds_base + (64 * wg + 16 * warp + g) * 128 + 4 * t;
+  // dSᵀ stores (stmatrix x4, one per 16-query k step): lane l gives the row address of matrix l / 8 (rows: keys
+  // 64·wg + 16·warp + l % 8, + 8 for matrices 1 and 3; 16-byte chunk 2kk (+1 for matrices 2 and 3) of the row, at
+  // chunk ^ (row % 8) in the swizzle). Row r sits at r · 128 bytes inside a column block of 64 queries.
+  const int st_row = 64 * wg + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
+  const unsigned ds_lane = ds_base + st_row * 128;
+  const int ds_xor = (lane / 16) ^ (lane % 8);  // (2kk + lane / 16) ^ (row % 8) = 2kk ^ ds_xor, 2kk even
 
   // Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ: a = V, b = dO): 64 keys × kBlockM queries, kHeadDim/16 k steps of 32 bytes inside a
   // swizzled 128-byte row, the next 64-column block every 4 steps. Issued and committed, not waited for.
@@ -243,16 +246,15 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
             if (8 * j + e < first) acc_s[4 * j + 2 * half + e] = 0.f;
       }
     }
-    // A scheduling barrier for ptxas (MEMBAR.SC.CTA; no memory operation of these threads is pending that it would
-    // wait for): as in the forward's overlap (sm90/mainloop.cuh), it keeps the wait below from being hoisted above the
-    // exponentials.
-    __threadfence_block();
+    // ptxas keeps the exponentials above this wait here (tests/test_backward_sm90.py checks the SASS), without the
+    // forward's scheduling barrier (sm90/mainloop.cuh): a MEMBAR.SC.CTA would also order the previous step's dQ
+    // reductions, which may still be in flight.
     wgmma::wait<0>();
     wgmma::fence_operands(acc_dp);
     // dSᵀ = Pᵀ ∘ (dPᵀ − D), and Pᵀ, dSᵀ packed as A fragments (query = the k dimension of dV's and dK's GEMMs: the
     // 8 columns 8j.. are k step j / 2, registers 2·(j % 2) + half), one 8-column tile at a time so that its fp32
-    // values die at once; dSᵀ also goes to shared memory for dQ: 4-byte stores, conflict-free (the swizzle spreads a
-    // warp's 8 rows over 8 chunks; row r's XOR term r % 8 is g).
+    // values die at once; each k step's dSᵀ also goes to shared memory for dQ (one stmatrix: the four registers of an
+    // A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8 chunks).
     const float* delta = ss.delta + s * kBlockM;
     #pragma unroll
     for (int j = 0; j < kBlockM / 8; ++j) {
@@ -263,8 +265,11 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
         const float ds0 = acc_s[a] * (acc_dp[a] - d.x), ds1 = acc_s[a + 1] * (acc_dp[a + 1] - d.y);
         pa[j / 2][2 * (j % 2) + half] = pack2<T>(acc_s[a], acc_s[a + 1]);
         dsa[j / 2][2 * (j % 2) + half] = pack2<T>(ds0, ds1);
-        const unsigned addr = ds_lane + ds_buf + (j / 8) * kBlockN * 128 + half * 8 * 128 + ((j % 8) ^ g) * 16;
-        asm volatile("st.shared.u32 [%0], %1;\n" ::"r"(addr), "r"(dsa[j / 2][2 * (j % 2) + half]) : "memory");
+      }
+      if (j % 2 == 1) {
+        const int kk = j / 2;
+        stmatrix_x4(ds_lane + ds_buf + (kk / 4) * kBlockN * 128 + (((2 * kk) % 8) ^ ds_xor) * 16, dsa[kk][0],
+                    dsa[kk][1], dsa[kk][2], dsa[kk][3]);
       }
     }
     issue_rs(acc_dv, pa, do_st);
