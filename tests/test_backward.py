@@ -55,14 +55,20 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("bwd", ["auto", "split"])
+@pytest.mark.parametrize("bwd", ["auto", "split", "mma", "sm90"])
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_gradients(dtype, case, bwd, monkeypatch):
-    """bwd="auto": the fused backward where it applies (fp16/bf16, no mask, head dims ≤ 128), else split."""
+    """bwd (CUPY_ATTN_BWD): "auto" the fused backward where it applies (fp16/bf16, no mask, head dims ≤ 128; these
+    small calls take the mma.sync kernel), else split; "split"; "mma" the mma.sync kernel where it applies; "sm90" the
+    Hopper wgmma kernel where it applies (asserted; skipped off Hopper)."""
     name, B, Hq, Hkv, L, S, E, Ev, causal, mask_kind = case
-    if bwd == "split":
-        monkeypatch.setenv("CUPY_ATTN_BWD", "split")
+    if bwd == "sm90":
+        import cupy
+        if int(cupy.cuda.Device().compute_capability) != 90:
+            pytest.skip("the Hopper backward needs compute capability 9.0")
+    if bwd != "auto":
+        monkeypatch.setenv("CUPY_ATTN_BWD", bwd)
     g = torch.Generator("cuda").manual_seed(hash(name) % 997)
     dt = DTYPES[dtype]
     q = torch.randn(B, Hq, L, E, generator=g, device="cuda").to(dt).requires_grad_()
@@ -81,6 +87,11 @@ def test_gradients(dtype, case, bwd, monkeypatch):
     def ours(q_, k_, v_, m_=mask):
         return cupy_attn.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, **kw)
 
+    if bwd == "sm90" and mask_kind is None and max(E, Ev) <= 128 and dtype != "float32":
+        from cupy_attn.attention import backward, checks
+        plan = backward.plan_backward(checks.check_sdpa(q.detach(), k.detach(), v.detach(), None, 0.0, causal, None,
+                                                          Hq != Hkv, "auto"))
+        assert plan.kernel == "sm90", str(plan)
     out, grads = _grads(ours, inputs, dout)
     ref_inputs = [x.detach().double().cpu().requires_grad_() for x in inputs]
     ref_mask = None if mask is None else (mask.cpu() if mask.dtype == torch.bool else ref_inputs[3])

@@ -3,8 +3,9 @@
     compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
 
-The FA3-design forward (forced), the fused and split backward, the decode kernel with several splits and a padding
-mask, each once on odd sizes; the Linear-BN-softmax backward kernels.
+The FA3-design forward (forced), the fused and split backward, the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
+head dims 64 and 128, causal both alignments, GQA), the decode kernel with several splits and a padding mask, each
+once on odd sizes; the Linear-BN-softmax backward kernels.
 """
 import os
 import sys
@@ -30,6 +31,14 @@ def main():
         out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal="bottom_right" if causal else False,
                                                      enable_gqa=True)
         out.float().sum().backward()
+    if torch.cuda.get_device_capability() == (9, 0):
+        os.environ["CUPY_ATTN_BWD"] = "sm90"
+        for E, causal in ((64, "bottom_right"), (128, True), (128, False)):
+            q = torch.randn(1, 4, 150, E, device="cuda", dtype=f16, requires_grad=True)
+            k2, v2 = (torch.randn(1, 2, 200, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(2))
+            out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
+            out.float().sum().backward()
+        del os.environ["CUPY_ATTN_BWD"]
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
     k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=f16) for _ in range(2))
     mask = torch.rand(2, 1, 1, 3000, device="cuda") > 0.2

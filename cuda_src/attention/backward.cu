@@ -6,6 +6,7 @@
 //   and d(mask) = dS for a float mask (summed over its broadcast axes by the host).
 // The host runs the five GEMMs (cuBLAS, fp32 accumulate); these kernels do the rest:
 //   attn_bwd_delta<T>:        D for every row (one warp per row, fp32).
+//   attn_bwd_delta_padded<T>: D and lse·log2(e) in padded rows, for the Hopper fused backward (flash_bwd_sm90.cu).
 //   attn_bwd_rows<T, false, kDropout>:  P = 2^(s − lse·log2 e) with the mask and causal limit applied (times Z·r
 //                             with dropout), written as T for dV's GEMM.
 //   attn_bwd_rows<T, true, kDropout>:   dS = P ∘ (dP − D) with P recomputed the same way (dP times Z·r with
@@ -51,6 +52,7 @@ struct BwdParams {
   const long long* rng;           // kDropout: the forward's int64 {seed, offset}
   long long dropout_threshold;    // keep when the Philox draw is below it
   double dropout_scale;           // 1/(1 − p), 0 for p = 1
+  float* lse_log2;                // attn_bwd_delta_padded: lse·log2(e) out, padded rows
 };
 
 template <typename T>
@@ -65,6 +67,33 @@ __global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
   #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   if (lane == 0) p.delta[row] = acc;
+}
+
+// The statistics of flash_bwd_sm90.cu in rows padded to ld (seqlen_q rounded up to a multiple of every query block
+// size), so that each query block's statistics are one aligned bulk copy: row (head, i) for i < L gets D = Σ dO∘O and
+// lse·log2(e) (+inf for a row whose keys were all masked, lse = −inf: P = 2^(s − inf) = 0); padding rows get D = 0 and
+// +inf. Reuses BwdParams: rows = heads · ld, ld, seqlen_q = L, lse (heads, L) in, delta (heads, ld) and lse_log2
+// (heads, ld) out, dout and o (heads, L, head_dim_v) contiguous.
+template <typename T>
+__global__ void __launch_bounds__(256) attn_bwd_delta_padded(const BwdParams p) {
+  const long long row = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= p.rows) return;
+  const long long i = row % p.ld, src = (row / p.ld) * p.seqlen_q + i;
+  float acc = 0.f, lse2 = inf();
+  if (i < p.seqlen_q) {
+    const T* dout = static_cast<const T*>(p.dout) + src * p.head_dim_v;
+    const T* o = static_cast<const T*>(p.o) + src * p.head_dim_v;
+    for (long long c = lane; c < p.head_dim_v; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
+    #pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    const float lse = p.lse[src];
+    lse2 = lse == -inf() ? inf() : lse * kLog2e;
+  }
+  if (lane == 0) {
+    p.delta[row] = acc;
+    p.lse_log2[row] = lse2;
+  }
 }
 
 // dst[o] = Σ_{j<g} src[(o / inner · g + j) · inner + o % inner] for o < rows (= output elements), as T.

@@ -38,6 +38,7 @@
 #include "common/mma.cuh"
 #include "common/tile.cuh"
 #include "common/philox.cuh"
+#include "common/reduce.cuh"
 
 namespace cupy_attn {
 
@@ -88,17 +89,6 @@ __device__ __forceinline__ unsigned dropout_keep_word_t(const FlashBwdParams& p,
     }
   }
   return keep;
-}
-
-// dst[0] += a, dst[1] += b (dst 8-byte aligned): one vector reduction on sm_90 (red.global.add.v2.f32, PTX 8.1),
-// two scalar atomics before. Halves the atomic operations of the dQ accumulation.
-__device__ __forceinline__ void red_add2(float* dst, float a, float b) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b) : "memory");
-#else
-  atomicAdd(dst, a);
-  atomicAdd(dst + 1, b);
-#endif
 }
 
 template <typename T, int kHeadDim, int kNWarps, int kBlockM, bool kDropout>

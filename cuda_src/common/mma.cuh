@@ -37,6 +37,13 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr));
 }
 
+// The inverse of ldmatrix_x4 (sm_90+): register i of every lane (the A/B/C fragment layout: row lane / 4, columns
+// 2·(lane % 4), +1) goes to matrix i, whose 8 row addresses lanes 8i..8i+7 give.
+__device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned r1, unsigned r2, unsigned r3) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
+               "r"(r2), "r"(r3) : "memory");
+}
+
 // d += a·b for one 16x8x16 tile; T selects the f16 or bf16 instruction. Not volatile: it touches only registers, so
 // the compiler may schedule it freely (ldmatrix/cp.async stay volatile: they must not cross __syncthreads()).
 template <typename T>

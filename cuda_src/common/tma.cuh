@@ -85,6 +85,15 @@ __device__ __forceinline__ void load_4d(void* dst, const TensorMap* map, unsigne
       : "memory");
 }
 
+// Copy `bytes` contiguous bytes from global memory into shared memory at dst (a non-tensor bulk copy: no tensor map),
+// completing `bytes` transactions on `bar`. dst and src 16-byte aligned, bytes a multiple of 16. Issued by one thread.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes), "r"(smem_u32(bar))
+      : "memory");
+}
+
 // Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later async-proxy accesses
 // (wgmma operand reads, TMA stores). TMA writes read by wgmma need no fence: both are async proxy, and the mbarrier
 // wait orders them.

@@ -19,6 +19,7 @@ allocator (runtime.workspace).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -37,7 +38,7 @@ _PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n 
     "scores", "dp", "out", "dmask", "lse", "delta", "mask", "dout", "o", "rows", "rows_per_head", "row0",
     "seqlen_q", "seqlen_k", "ld", "head_dim_v", "head0", "num_heads", "causal_offset", "mask_kind",
     "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s", "rng", "dropout_threshold",
-    "dropout_scale")])
+    "dropout_scale", "lse_log2")])
 
 BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
@@ -51,6 +52,13 @@ BACKWARD_GROUP_SUM = KernelFamily(
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_group_sum<{dtype}>",
     axes={"dtype": tuple(_C_TYPES.values())},
+    structs=(("cupy_attn::BwdParams", _PARAMS),),
+)
+BACKWARD_DELTA_PADDED = KernelFamily(
+    name="attn_bwd_delta_padded",
+    source="attention/backward.cu",
+    template="cupy_attn::attn_bwd_delta_padded<{dtype}>",
+    axes={"dtype": ("__half", "__nv_bfloat16")},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 BACKWARD_DELTA = KernelFamily(
@@ -67,7 +75,10 @@ BACKWARD_DELTA = KernelFamily(
 # unrolled they spilled 8 bytes). Head dims above 128 take the split backward.
 FLASH_BWD_TILES = {64: (8, 64), 128: (8, 64)}
 FLASH_BWD_TILE_CHOICES = ((8, 64),)
-ENV_BWD = "CUPY_ATTN_BWD"  # "split" forces the split backward (tests, comparisons)
+# Which backward runs (tests, comparisons): "split" the split backward, "mma" the mma.sync kernel (flash_bwd.cu) where
+# it applies, "sm90" the Hopper wgmma kernel (flash_bwd_sm90.cu) wherever it applies; unset or "auto": plan_backward.
+ENV_BWD = "CUPY_ATTN_BWD"
+_ENV_BWD_VALUES = ("", "auto", "split", "mma", "sm90")
 
 _FLASH_PARAMS = np.dtype([(n, np.float64 if n in ("scale", "scale_log2", "dropout_scale") else np.int64) for n in (
     "dk", "dv", "dq_accum", "q", "k", "v", "dout", "lse", "delta", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v",
@@ -89,14 +100,76 @@ FLASH_BWD = KernelFamily(
 def fused_bucket(p) -> int | None:
     """The fused backward's head-dim bucket for a checked problem, or None when it takes the split backward:
     fp16/bf16, no attn_mask, max(E, Ev) ≤ 128, compute capability ≥ 8.0 (``CUPY_ATTN_BWD=split`` forces split)."""
+    plan = plan_backward(p)
+    return plan.bucket if plan.kernel != "split" else None
+
+
+# Below this many forward FLOPs (4·B·Hq·L·S·max(E, Ev), as dispatch.FA3_MIN_FLOPS) auto keeps the mma.sync backward
+# on Hopper: the sm90 launch encodes four TMA tensor maps per call (~4 µs of host time each through cuda.bindings),
+# which a small call would pay in full. Not yet measured for the backward; the forward's threshold, whose kernel does
+# 2.5x less work per FLOP counted here, is the conservative choice.
+BWD_SM90_MIN_FLOPS = 2 ** 34
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """Which backward a call runs: ``kernel`` "sm90" (flash_bwd_sm90.cu), "mma" (flash_bwd.cu) or "split"; ``bucket``
+    the fused kernels' head-dim bucket (None for split); ``reason`` why, for explain-style printing."""
+    kernel: str
+    bucket: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        bucket = f", head-dim bucket {self.bucket}" if self.bucket else ""
+        return f"backward: {self.kernel}{bucket} ({self.reason})"
+
+
+def plan_backward(p, arch: int | None = None) -> BackwardPlan:
+    """Choose the backward of a checked problem (checks.SDPAProblem on the GPU; ``arch``: compute capability as an int,
+    read from the call's device when None, so that tests can pass one).
+
+    The split backward serves everything; the mma.sync fused kernel (flash_bwd.cu) fp16/bf16 without attn_mask at head
+    dims ≤ 128 on compute capability ≥ 8.0; the Hopper kernel (flash_bwd_sm90.cu) the same calls on 9.0 whose layouts
+    TMA reads in place (backward_sm90.problem_reason). ``CUPY_ATTN_BWD``: "split", "mma" (never sm90), "sm90" (sm90
+    wherever it applies); unset or "auto": sm90 where it applies for calls of at least BWD_SM90_MIN_FLOPS, else mma.
+    ValueError for another value of the variable.
+    """
     import os
-    if os.environ.get(ENV_BWD) == "split" or p.mask is not None or dtype_name(p.dtype) not in ("float16", "bfloat16"):
-        return None
-    import cupy
-    if int(cupy.cuda.Device(p.ctx.device_id).compute_capability) < 80:
-        return None
+    env = os.environ.get(ENV_BWD, "")
+    if env not in _ENV_BWD_VALUES:
+        raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {env!r}")
+    if env == "split":
+        return BackwardPlan("split", None, f"forced by {ENV_BWD}=split")
+    if p.mask is not None:
+        return BackwardPlan("split", None, "attn_mask: the fused backward kernels have no mask input")
+    if dtype_name(p.dtype) not in ("float16", "bfloat16"):
+        return BackwardPlan("split", None, f"dtype {dtype_name(p.dtype)}: the fused backward serves fp16 and bf16")
     need = max(p.head_dim, p.head_dim_v)
-    return next((d for d in FLASH_BWD_TILES if d >= need), None)
+    bucket = next((d for d in FLASH_BWD_TILES if d >= need), None)
+    if bucket is None:
+        return BackwardPlan("split", None, f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the fused backward serves "
+                                           f"head dims up to {max(FLASH_BWD_TILES)}")
+    if arch is None:
+        import cupy
+        arch = int(cupy.cuda.Device(p.ctx.device_id).compute_capability)
+    if arch < 80:
+        return BackwardPlan("split", None, f"sm_{arch}: the fused backward needs sm_80 (mma.sync, cp.async)")
+    if env == "mma":
+        return BackwardPlan("mma", bucket, f"mma.sync kernel forced by {ENV_BWD}=mma")
+    if p.dropout_p > 0:
+        return BackwardPlan("mma", bucket, "mma.sync kernel: dropout (the Hopper kernel has no dropout variant)")
+    from . import backward_sm90
+    why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else backward_sm90.problem_reason(p)
+    if why_not is None:
+        if env == "sm90":
+            return BackwardPlan("sm90", backward_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                                f"Hopper wgmma kernel forced by {ENV_BWD}=sm90")
+        flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * need
+        if flops >= BWD_SM90_MIN_FLOPS:
+            return BackwardPlan("sm90", backward_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                                "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
+        why_not = f"{flops:.3g} FLOPs < {BWD_SM90_MIN_FLOPS:.3g}: four tensor-map encodes would dominate"
+    return BackwardPlan("mma", bucket, f"mma.sync kernel; Hopper kernel not used: {why_not}")
 
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -202,9 +275,13 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
     """
 
     if dmask is None and all(a.flags.c_contiguous for a in (dq, dk, dv)):
-        bucket = fused_bucket(p)
-        if bucket is not None:
-            flash_backward(p, out, lse, dout, dq, dk, dv, bucket)
+        plan = plan_backward(p)
+        if plan.kernel == "sm90":
+            from . import backward_sm90
+            backward_sm90.flash_backward_sm90(p, out, lse, dout, dq, dk, dv, plan.bucket)
+            return
+        if plan.kernel == "mma":
+            flash_backward(p, out, lse, dout, dq, dk, dv, plan.bucket)
             return
     ctx = p.ctx
     B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v

@@ -1,0 +1,102 @@
+// Fused attention backward for Hopper (sm_90a), FlashAttention-3 design: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V
+// with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 128.
+//
+// Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
+// and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
+//   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
+// Structure (FlashAttention-3, Shah et al. 2024, §3 and its hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp; our own code on
+// the forward's TMA/mbarrier/wgmma vocabulary, common/tma.cuh and common/wgmma.cuh):
+//   * one block per kBlockN = 128 keys of a key/value head; it loops over the query heads of its GQA group and over
+//     the query blocks that see its keys, so dK and dV accumulate in registers (fp32) across the group;
+//   * warp specialization: warpgroup 0 is the producer (setmaxnreg.dec 24; one thread issues every TMA load: K and V
+//     once, Q + its lse row and dO + its D row per step, into 2-stage mbarrier rings), warpgroups 1 and 2 are the
+//     consumers (setmaxnreg.inc 240), 64 keys each;
+//   * the five GEMMs on wgmma: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both operands from shared memory), dV += Pᵀ dO and
+//     dK += dSᵀ Q (Pᵀ, dSᵀ straight from the accumulator registers as A fragments), dQ = dS K (dSᵀ through shared
+//     memory, read as an MN-major A operand; K as stored, as an MN-major B operand): no transposed copy of any tile;
+//   * dQ is reduced across key blocks by red.global.add.v2.f32 into a zeroed fp32 (B, Hq, L, E) buffer that the
+//     launcher rounds to the input dtype (as flash_bwd.cu).
+// Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
+// accumulators at D = 128 plus Sᵀ and dPᵀ (64 + 64 at D = 64, kBlockM = 128), so they have no registers for copy
+// addresses, and TMA's zero fill past L, S and E replaces all bounds code; the forward's FA3 kernel measured 1.2-1.7x
+// its cp.async wgmma predecessor with this structure. Two stages: a third would cost 32 KB for a step that already
+// overlaps one load with one step of five GEMMs.
+//
+// Thread mapping (consumers): warpgroup w owns keys n0 + 64w ... + 63; Sᵀ, dPᵀ are m64 × kBlockM wgmma
+// accumulators whose per-warp layout is mma.sync's (lane 4g+t: keys g, g+8 of its warp's 16; queries 8j+2t, +1), so
+// the lse and D of a column come from shared memory and no shuffle is needed. dQ of a step (kBlockM × kHeadDim) is
+// two 64 × 64 tiles, one per warpgroup.
+//
+// Tiles (cupy_attn/attention/backward_sm90.py, SM90_BWD_TILES): D = 128: kBlockM = 64 (FA3's hdim-128 tile): dK + dV
+// 128 registers, Sᵀ + dPᵀ 64; D = 64: kBlockM = 128 (FA3's hdim-64 tile): dK + dV 64, Sᵀ + dPᵀ 128. Shared memory:
+// K, V, 2 stages of Q and dO, 2 dSᵀ buffers, statistics: 162 KB at D = 128, 163 KB at D = 64 of the 227 KB per block.
+// Accumulation fp32; P and dS are rounded to T only as MMA operands.
+//
+// Versions (H200, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
+//   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs      untimed (CPU-checked)
+#include "common/types.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
+#include "attention/sm90/bwd_params.cuh"
+#include "attention/sm90/bwd_mainloop.cuh"
+
+namespace cupy_attn {
+
+// Register split (FlashAttention-3's for two consumer warpgroups): 128·24 + 256·240 = 64512 <= 65536 per SM.
+constexpr int kBwdProducerRegs = 24;
+constexpr int kBwdConsumerRegs = 240;
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
+  using namespace sm90;
+  using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys each");
+  static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
+  static_assert(kStages >= 2, "Q and dO rings of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+
+  const int n0 = blockIdx.x * kBlockN, h_kv = blockIdx.y, b = blockIdx.z;
+  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise.
+  BwdSteps steps;
+  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, (n0 - p.causal_offset) / kBlockM)) : 0;
+  steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
+  steps.count = steps.m_count > 0 ? static_cast<int>(p.groups) * steps.m_count : 0;
+  if (steps.count == 0) {  // no query sees these keys (causal): their dK and dV are 0
+    const long long kv_head = static_cast<long long>(b) * gridDim.y + h_kv;
+    const int rows = min(kBlockN, S - n0);
+    const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
+    T* dk = static_cast<T*>(p.dk) + (kv_head * S + n0) * E;
+    T* dv = static_cast<T*>(p.dv) + (kv_head * S + n0) * Ev;
+    for (int i = threadIdx.x; i < rows * E; i += blockDim.x) dk[i] = from_float<T>(0.f);
+    for (int i = threadIdx.x; i < rows * Ev; i += blockDim.x) dv[i] = from_float<T>(0.f);
+    return;
+  }
+
+  if (threadIdx.x == 0) {
+    tma::mbar_init(ss.kv_full, 1);
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&ss.q_full[s], 1);
+      tma::mbar_init(&ss.do_full[s], 1);
+      tma::mbar_init(&ss.q_empty[s], 8);  // lane 0 of each of the 8 consumer warps
+      tma::mbar_init(&ss.do_empty[s], 8);
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    tma::setmaxnreg_dec<kBwdProducerRegs>();
+    if (threadIdx.x == 0) bwd_produce(p, ss, n0, h_kv, b, steps);
+  } else {
+    tma::setmaxnreg_inc<kBwdConsumerRegs>();
+    bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, threadIdx.x - 128);
+  }
+}
+
+}  // namespace cupy_attn

@@ -1,0 +1,315 @@
+// Mainloop of flash_bwd_sm90.cu, by role: the producer (one thread: TMA loads of the block's K and V once, then per
+// step Q + lse and dO + D into kStages-deep mbarrier rings) and the consumers (two warpgroups of 64 keys each: the five
+// GEMMs of a step with wgmma, P and dS in registers, dSᵀ through shared memory for dQ). Owns the shared-memory layout
+// and the pipeline protocol; the gradient stores and the dQ reduction are in bwd_epilogue.cuh.
+//
+// Shared-memory tiles (K, V, Q, dO) are stored as kHeadDim/64 column blocks of rows × 128 bytes, each written by one
+// TMA box in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)): the canonical K-major layout of a
+// wgmma operand, 8-row atoms 1024 bytes apart, read as K-major (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ) and as MN-major (dO and Q as
+// the B operands of dV += Pᵀ dO and dK += dSᵀ Q; K as the B operand of dQ = dS K) without any transposed copy.
+// dSᵀ is stored by the consumers in the same swizzled form, [key][query] with kBlockM/64 column blocks of kBlockN
+// rows: the MN-major A operand of dQ = dS K.
+//
+// Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and per stage s of
+// the Q and dO rings q_full[s] / do_full[s] (1 arrival + bytes: tile and its lse or D row) and q_empty[s] / do_empty[s]
+// (8 arrivals: lane 0 of each consumer warp once the last wgmma reading the stage has completed: dK += dSᵀ Q for Q,
+// dV += Pᵀ dO for dO). Step i uses stage i % kStages in round i / kStages; full barriers are waited on with parity
+// (round & 1), empty barriers by the producer with parity (round & 1) ^ 1 (a fresh barrier's parity-1 wait returns
+// at once). dSᵀ is double-buffered (buffer i % 2) and the two consumer warpgroups meet at one named barrier per step,
+// after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
+// passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
+// that buffer) had completed.
+#pragma once
+#include "common/types.cuh"
+#include "common/mma.cuh"
+#include "common/tma.cuh"
+#include "common/wgmma.cuh"
+#include "attention/sm90/bwd_params.cuh"
+#include "attention/sm90/bwd_epilogue.cuh"
+
+namespace cupy_attn {
+namespace sm90 {
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct BwdSharedStorage {
+  static constexpr int kColBlocks = kHeadDim / 64;      // 128-byte swizzle atoms hold 64 16-bit columns
+  static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V of the key block
+  static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO stage
+  static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // one dSᵀ buffer
+  static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse·log2(e) or D
+  static constexpr int kBarriers = 1 + 4 * kStages;        // kv_full; q_full, q_empty, do_full, do_empty per stage
+  // The dynamic shared memory the launcher must request: tiles (each a multiple of 1024 bytes, so every tile stays
+  // 1024-byte aligned), statistics, barriers, and 1 KB of slack to align the base to 1024 bytes.
+  static constexpr int kBytes =
+      2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
+  static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0, "1024-byte aligned tiles");
+  static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+
+  T* k;
+  T* v;
+  T* q;      // kStages tiles of kBlockM rows
+  T* dout;   // kStages tiles of kBlockM rows
+  T* ds;     // 2 buffers of dSᵀ
+  float* lse;    // kStages rows of kBlockM
+  float* delta;  // kStages rows of kBlockM
+  unsigned long long* kv_full;
+  unsigned long long* q_full;
+  unsigned long long* q_empty;
+  unsigned long long* do_full;
+  unsigned long long* do_empty;
+
+  __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* base) {
+    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    k = reinterpret_cast<T*>(smem);
+    v = reinterpret_cast<T*>(smem + kKVBytes);
+    q = reinterpret_cast<T*>(smem + 2 * kKVBytes);
+    dout = reinterpret_cast<T*>(smem + 2 * kKVBytes + kStages * kQBytes);
+    ds = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes);
+    lse = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes);
+    delta = lse + kStages * kBlockM;
+    kv_full = reinterpret_cast<unsigned long long*>(delta + kStages * kBlockM);
+    q_full = kv_full + 1;
+    q_empty = q_full + kStages;
+    do_full = q_empty + kStages;
+    do_empty = do_full + kStages;
+  }
+};
+
+// The steps of one key block: every (query head of the GQA group, query block that sees a key of the block) pair,
+// flattened. Step i is query head h_kv·groups + i / m_count, query block m_first + i % m_count.
+struct BwdSteps {
+  int m_first;  // first query block with a visible key
+  int m_count;  // query blocks per head from m_first on
+  int count;    // steps: groups · m_count (0 when no query sees the block)
+};
+
+// One thread. K and V once, then per step the Q tile with its lse row and the dO tile with its D row, each stage
+// reused once all 8 consumer warps have released it.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
+                                            const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
+                                            int n0, int h_kv, int b, BwdSteps steps) {
+  using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  tma::prefetch_map(&p.tma_q);
+  tma::prefetch_map(&p.tma_k);
+  tma::prefetch_map(&p.tma_v);
+  tma::prefetch_map(&p.tma_do);
+  tma::mbar_arrive_expect_tx(ss.kv_full, 2 * Smem::kKVBytes);
+  #pragma unroll
+  for (int c = 0; c < Smem::kColBlocks; ++c) {
+    tma::load_4d(ss.k + c * kBlockN * 64, &p.tma_k, ss.kv_full, c * 64, n0, h_kv, b);
+    tma::load_4d(ss.v + c * kBlockN * 64, &p.tma_v, ss.kv_full, c * 64, n0, h_kv, b);
+  }
+  const int groups = static_cast<int>(p.groups);
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = i % kStages;
+    const unsigned parity = (i / kStages) & 1;
+    const int h = h_kv * groups + i / steps.m_count;
+    const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
+    const long long stat_row = (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q_padded + m0;
+    tma::mbar_wait(&ss.q_empty[s], parity ^ 1);
+    tma::mbar_arrive_expect_tx(&ss.q_full[s], Smem::kQBytes + Smem::kStatBytes);
+    T* q_dst = ss.q + s * kBlockM * kHeadDim;
+    #pragma unroll
+    for (int c = 0; c < Smem::kColBlocks; ++c)
+      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, &ss.q_full[s], c * 64, m0, h, b);
+    tma::bulk_load(ss.lse + s * kBlockM, p.lse_log2 + stat_row, Smem::kStatBytes, &ss.q_full[s]);
+    tma::mbar_wait(&ss.do_empty[s], parity ^ 1);
+    tma::mbar_arrive_expect_tx(&ss.do_full[s], Smem::kQBytes + Smem::kStatBytes);
+    T* do_dst = ss.dout + s * kBlockM * kHeadDim;
+    #pragma unroll
+    for (int c = 0; c < Smem::kColBlocks; ++c)
+      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[s], c * 64, m0, h, b);
+    tma::bulk_load(ss.delta + s * kBlockM, p.delta + stat_row, Smem::kStatBytes, &ss.do_full[s]);
+  }
+}
+
+// Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above).
+constexpr int kDsReadyBarrier = 1;
+
+// One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): keys
+// n0 + 64·wg ... + 63 of the block. dK and dV (64 × kHeadDim each, fp32) stay in registers across all steps; per step
+//   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ                (ss, 64 × kBlockM each, issued together)
+//   Pᵀ = 2^(Sᵀ·scale·log2 e − lse·log2 e)  (masked on the sequence end and the causal diagonal)
+//   dSᵀ = Pᵀ ∘ (dPᵀ − D)
+//   dV += Pᵀ dO, dK += dSᵀ Q              (rs: Pᵀ and dSᵀ from registers; dO, Q MN-major)
+//   dQ (64 × 64 of this warpgroup) = dS K (ss_mn: dSᵀ from shared memory, both warpgroups' keys), then reduced into
+//   dq_accum by red.global.add.
+// wgmma groups complete in order: after issuing Sᵀ and dPᵀ, wait<1> returns with Sᵀ done, so the exponentials run
+// while dPᵀ is in flight; dV is issued before the named barrier and dQ after it, wait<1> then releases dO (dV done)
+// while dQ runs, and so on.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
+                                            const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
+                                            int n0, int h_kv, int b, BwdSteps steps, int tid) {
+  using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  // dQ of a step is kBlockM × kHeadDim, split into two 64 × 64 tiles, one per warpgroup: (query block, column block).
+  constexpr int kDqRowBlocks = kBlockM / 64;
+  static_assert(kDqRowBlocks * (kHeadDim / 64) == 2, "one 64 x 64 dQ tile per consumer warpgroup");
+  // Warpgroup and warp indices through a shuffle: ptxas then knows them warp-uniform and keeps what derives from them
+  // (descriptor addresses, key ranges) in uniform registers, next to 192 live accumulators at the peak.
+  const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
+  const int lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int dq_rb = wg % kDqRowBlocks, dq_cb = wg / kDqRowBlocks;
+  const int key_wg = n0 + 64 * wg;           // first key of this warpgroup
+  const int key0 = key_wg + 16 * warp + g;   // this lane's keys: key0 and key0 + 8
+  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const bool causal = p.is_causal != 0;
+  const int causal_offset = static_cast<int>(p.causal_offset);  // |S − L| < 2^31
+  const float sc = static_cast<float>(p.scale_log2);
+  const int groups = static_cast<int>(p.groups);
+
+  float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
+  #pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+  float acc_s[kBlockM / 2], acc_dp[kBlockM / 2], dq[32];
+  unsigned pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+
+  // Descriptor addresses. K and V: this warpgroup's 64 rows inside each kBlockN-row column block.
+  const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
+  const unsigned q_base = tma::smem_u32(ss.q), do_base = tma::smem_u32(ss.dout), ds_base = tma::smem_u32(ss.ds);
+  // dSᵀ stores (stmatrix x4, one per 16-query k step): lane l gives the row address of matrix l / 8 (rows: keys
+  // 64·wg + 16·warp + l % 8, + 8 for matrices 1 and 3; 16-byte chunk 2kk (+1 for matrices 2 and 3) of the row, at
+  // chunk ^ (row % 8) in the swizzle). Row r sits at r · 128 bytes inside a column block of 64 queries.
+  const int st_row = 64 * wg + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
+  const unsigned ds_lane = ds_base + st_row * 128;
+  const int ds_xor = (lane / 16) ^ (lane % 8);  // (2kk + lane / 16) ^ (row % 8) = 2kk ^ ds_xor, 2kk even
+
+  // Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ: a = V, b = dO): 64 keys × kBlockM queries, kHeadDim/16 k steps of 32 bytes inside a
+  // swizzled 128-byte row, the next 64-column block every 4 steps. Issued and committed, not waited for.
+  auto issue_ss = [&](float (&acc)[kBlockM / 2], unsigned a_tile, unsigned b_tile) {
+    #pragma unroll
+    for (int j = 0; j < kBlockM / 2; ++j) acc[j] = 0.f;
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+      const unsigned a = a_tile + (kk / 4) * kBlockN * 128 + wg * 64 * 128 + (kk % 4) * 32;
+      const unsigned bb = b_tile + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
+      wgmma::Mma<T, kBlockM>::ss(acc, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bb, 16, 1024), kk > 0);
+    }
+    wgmma::commit();
+  };
+  // acc (64 keys × kHeadDim) += A (64 keys × kBlockM queries, registers) · B (kBlockM × kHeadDim, MN-major: its
+  // 64-column blocks kBlockM·128 bytes apart (LBO), 8-row groups 1024 bytes (SBO)).
+  auto issue_rs = [&](float (&acc)[kHeadDim / 2], const unsigned (&a)[kBlockM / 16][4], unsigned b_tile) {
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk)
+      wgmma::Mma<T, kHeadDim>::rs(acc, a[kk], wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
+    wgmma::commit();
+  };
+  auto release = [&](unsigned long long* empty) {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty);
+  };
+
+  tma::mbar_wait(ss.kv_full, 0);
+  for (int i = 0; i < steps.count; ++i) {
+    const int s = i % kStages;
+    const unsigned parity = (i / kStages) & 1;
+    const int h = h_kv * groups + i / steps.m_count;
+    const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
+    const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + s * Smem::kQBytes;
+    const unsigned ds_buf = (i & 1) * Smem::kDSBytes;
+
+    tma::mbar_wait(&ss.q_full[s], parity);
+    issue_ss(acc_s, k_base, q_st);
+    tma::mbar_wait(&ss.do_full[s], parity);
+    issue_ss(acc_dp, v_base, do_st);
+
+    // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal are masked
+    // only in blocks that have any (warpgroup-uniform test).
+    wgmma::wait<1>();
+    wgmma::fence_operands(acc_s);
+    const float* lse = ss.lse + s * kBlockM;
+    #pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 l = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        acc_s[4 * j + 2 * half] = exp2_approx(fmaf(acc_s[4 * j + 2 * half], sc, -l.x));
+        acc_s[4 * j + 2 * half + 1] = exp2_approx(fmaf(acc_s[4 * j + 2 * half + 1], sc, -l.y));
+      }
+    }
+    if (key_wg + 63 >= S || (causal && key_wg + 63 > m0 + causal_offset)) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // Columns 8j + e of this lane (query m0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
+        // of them past S, those below the diagonal's column key − causal_offset − m0 when causal.
+        const int key = key0 + 8 * half;
+        const int first = key >= S ? kBlockM : (causal ? key - causal_offset - m0 - 2 * t : 0);
+        #pragma unroll
+        for (int j = 0; j < kBlockM / 8; ++j)
+          #pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * j + e < first) acc_s[4 * j + 2 * half + e] = 0.f;
+      }
+    }
+    // ptxas keeps the exponentials above this wait here (tests/test_backward_sm90.py checks the SASS), without the
+    // forward's scheduling barrier (sm90/mainloop.cuh): a MEMBAR.SC.CTA would also order the previous step's dQ
+    // reductions, which may still be in flight.
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc_dp);
+    // dSᵀ = Pᵀ ∘ (dPᵀ − D), and Pᵀ, dSᵀ packed as A fragments (query = the k dimension of dV's and dK's GEMMs: the
+    // 8 columns 8j.. are k step j / 2, registers 2·(j % 2) + half), one 8-column tile at a time so that its fp32
+    // values die at once; each k step's dSᵀ also goes to shared memory for dQ (one stmatrix: the four registers of an
+    // A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8 chunks).
+    const float* delta = ss.delta + s * kBlockM;
+    #pragma unroll
+    for (int j = 0; j < kBlockM / 8; ++j) {
+      const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int a = 4 * j + 2 * half;
+        const float ds0 = acc_s[a] * (acc_dp[a] - d.x), ds1 = acc_s[a + 1] * (acc_dp[a + 1] - d.y);
+        pa[j / 2][2 * (j % 2) + half] = pack2<T>(acc_s[a], acc_s[a + 1]);
+        dsa[j / 2][2 * (j % 2) + half] = pack2<T>(ds0, ds1);
+      }
+      if (j % 2 == 1) {
+        const int kk = j / 2;
+        stmatrix_x4(ds_lane + ds_buf + (kk / 4) * kBlockN * 128 + (((2 * kk) % 8) ^ ds_xor) * 16, dsa[kk][0],
+                    dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+      }
+    }
+    issue_rs(acc_dv, pa, do_st);
+    tma::fence_proxy_async();  // the dSᵀ stores, before the barrier, become visible to the other warpgroup's wgmma
+    tma::named_barrier_sync(kDsReadyBarrier, 256);
+
+    // dQ tile (queries 64·dq_rb, columns 64·dq_cb) = dS K over the block's kBlockN keys: A = dSᵀ's column block dq_rb
+    // (MN-major, 64 queries × 16 keys per step, one 1024-byte atom pair per step), B = K's column block dq_cb
+    // (MN-major: keys = k, head-dim columns = n).
+    #pragma unroll
+    for (int j = 0; j < 32; ++j) dq[j] = 0.f;
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      const unsigned a = ds_base + ds_buf + dq_rb * kBlockN * 128 + kk * 16 * 128;
+      const unsigned bk = k_base + dq_cb * kBlockN * 128 + kk * 16 * 128;
+      wgmma::Mma<T, 64>::ss_mn(dq, wgmma::desc_sw128(a, kBlockN * 128, 1024),
+                               wgmma::desc_sw128(bk, kBlockN * 128, 1024), kk > 0);
+    }
+    wgmma::commit();
+    wgmma::wait<1>();  // dV += Pᵀ dO done: dO's stage is free
+    wgmma::fence_operands(acc_dv);
+    release(&ss.do_empty[s]);
+    issue_rs(acc_dk, dsa, q_st);
+    wgmma::wait<1>();  // dQ done
+    wgmma::fence_operands(dq);
+    float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
+    reduce_dq(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L, static_cast<int>(p.head_dim),
+              static_cast<float>(p.scale));
+    wgmma::wait<0>();  // dK += dSᵀ Q done: Q's stage is free
+    wgmma::fence_operands(acc_dk);
+    release(&ss.q_empty[s]);
+  }
+
+  const long long kv_head = static_cast<long long>(b) * (p.num_heads / groups) + h_kv;
+  store_grad<T, kHeadDim>(acc_dk, static_cast<T*>(p.dk) + kv_head * S * p.head_dim, key0, t, S,
+                          static_cast<int>(p.head_dim), static_cast<float>(p.scale));
+  store_grad<T, kHeadDim>(acc_dv, static_cast<T*>(p.dv) + kv_head * S * p.head_dim_v, key0, t, S,
+                          static_cast<int>(p.head_dim_v), 1.f);
+}
+
+}  // namespace sm90
+}  // namespace cupy_attn

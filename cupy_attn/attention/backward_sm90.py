@@ -1,0 +1,212 @@
+"""The FlashAttention-3-design fused backward for Hopper (cuda_src/attention/flash_bwd_sm90.cu).
+
+TMA loads into mbarrier rings, a producer warpgroup and two consumer warpgroups running the five backward GEMMs on
+wgmma (Shah et al. 2024, FlashAttention-3, §3; FlashAttention-2's Algorithm 2 for the math). It serves fp16 and bf16,
+head dims up to 128 (E and Ev each padded to the bucket 64 or 128 by TMA's zero fill, as the forward's FA3 kernel
+does), no attn_mask, causal either alignment or none, GQA, any L and S ≥ 1, on compute capability 9.0, for query, key
+and value layouts TMA can read in place (16-byte aligned bases, batch / head / row strides multiples of 16 bytes:
+BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY_ATTN_BWD``); everything else keeps
+the mma.sync kernel (flash_bwd.cu) or the split backward.
+
+A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
+STAT_PAD, so each query block's statistics are one aligned bulk copy), a memset of the fp32 dQ accumulator, the kernel
+(one block per 128 keys of a key/value head), and the rounding of dQ to the input dtype (backward.cu's group sum with
+one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.interop import dtype_name
+from . import fused_sm90 as _fa3
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_LOG2E = 1.4426950408889634
+THREADS = 384  # a producer warpgroup and two consumer warpgroups
+# lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
+STAT_PAD = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdSm90Tile:
+    """Query rows per step, keys per block (two consumer warpgroups of 64), stages of the Q and dO rings."""
+    block_m: int
+    block_n: int = 128
+    stages: int = 2
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """K, V, stages × (Q, dO), two dSᵀ buffers, stages × (lse, D) rows, 8 bytes per mbarrier (1 + 4·stages),
+        1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in cuda_src/attention/sm90/bwd_mainloop.cuh.
+        """
+        return (2 * self.block_n * head_dim * 2 + 2 * self.stages * self.block_m * head_dim * 2
+                + 2 * self.block_n * self.block_m * 2 + 2 * self.stages * self.block_m * 4 + 8 * (1 + 4 * self.stages)
+                + 1024)
+
+
+# (head dim) -> tile; both dtypes alike (FlashAttention-3's Hopper backward tiles for these head dims). Registers per
+# consumer thread under setmaxnreg's 240: dK + dV head_dim fp32, Sᵀ + dPᵀ block_m fp32, Pᵀ + dSᵀ block_m/2 packed,
+# dQ 32. Shared memory: BwdSm90Tile.smem_bytes of the 227 KB (232448 B) per block.
+SM90_BWD_TILES = {
+    # 128 queries per step: 64 dK/dV + 128 Sᵀ/dPᵀ registers; 163 KB.
+    64: BwdSm90Tile(128),
+    # 64 queries per step: 128 dK/dV + 64 Sᵀ/dPᵀ registers; 162 KB.
+    128: BwdSm90Tile(64),
+}
+
+_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
+# FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
+# asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
+_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do")]
+                         + [(n, _F64 if n in ("scale", "scale_log2") else _I64, 8) for n in (
+                             "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
+                             "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
+                             "scale_log2")])
+FLASH_BWD_SM90 = KernelFamily(
+    name="flash_bwd_sm90",
+    source="attention/flash_bwd_sm90.cu",
+    template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": tuple(SM90_BWD_TILES),
+        "tile": tuple(sorted(set(SM90_BWD_TILES.values()), key=dataclasses.astuple)),
+    },
+    where=lambda row: row["tile"] == SM90_BWD_TILES[row["head_dim"]],
+    archs=("sm_90a",),
+    structs=(("cupy_attn::FlashBwdSm90Params", _PARAMS),),
+    arch="sm_90a",
+)
+
+
+def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
+    """The instantiated head dim (64 or 128) for E and Ev: the smallest ≥ max(E, Ev); None above 128 or below 1.
+    TMA zero-fills the columns past E (Ev), as in the forward's FA3 kernel (fused_sm90.head_bucket).
+
+    >>> head_bucket(64, 64), head_bucket(80, 96), head_bucket(8, 40), head_bucket(160, 160)
+    (64, 128, 64, None)
+    """
+    need = max(head_dim, head_dim_v)
+    if min(head_dim, head_dim_v) < 1:
+        return None
+    return next((d for d in sorted(SM90_BWD_TILES) if d >= need), None)
+
+
+def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, arch: int) -> str | None:
+    """None when this kernel can serve a backward of this kind (layout still to check: :func:`layout_reason`).
+
+    >>> unsupported_reason(np.dtype("float16"), 256, 256, False, 90)
+    'head dims E=256, Ev=256: the Hopper backward serves head dims up to 128'
+    """
+    if arch != 90:
+        return f"sm_{arch}: the Hopper backward needs sm_90a (H100/H200)"
+    if dtype_name(dtype) not in _C_TYPES:
+        return f"dtype {dtype_name(dtype)}: the Hopper backward serves fp16 and bf16"
+    if head_bucket(head_dim, head_dim_v) is None:
+        return f"head dims E={head_dim}, Ev={head_dim_v}: the Hopper backward serves head dims up to 128"
+    if has_mask:
+        return "attn_mask: the Hopper backward has no mask input (causal only)"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Shape, byte strides and base address of an array as layout_reason reads them."""
+    shape: tuple
+    strides: tuple
+    ptr: int
+
+    @property
+    def data(self):
+        return self
+
+    @classmethod
+    def contiguous(cls, shape, itemsize: int, ptr: int = 0) -> "_Layout":
+        strides, step = [], itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        return cls(tuple(shape), tuple(reversed(strides)), ptr)
+
+
+def layout_reason(q, k, v, dout) -> str | None:
+    """None when TMA can read query, key, value and dout in place: 16-byte aligned bases, batch / head / row strides
+    positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
+    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`_Layout.contiguous`)."""
+    for name, a in (("query", q), ("key", k), ("value", v), ("grad_out", dout)):
+        if a.data.ptr % 16:
+            return f"{name} is not 16-byte aligned (TMA)"
+        for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
+            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
+                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    if k.shape[1] > 65535 or k.shape[0] > 65535:
+        return "grid limit: key/value heads and batch must each be <= 65535"
+    return None
+
+
+def problem_reason(p) -> str | None:
+    """None when this kernel runs the backward of a checked problem (checks.SDPAProblem) on a compute capability 9.0
+    device; else why not (arch not checked here: the caller's plan has it)."""
+    why = unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask is not None, 90)
+    if why is None:
+        dout = _Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype.itemsize)
+        why = layout_reason(p.query, p.key, p.value, dout)
+    return why
+
+
+def flash_backward_sm90(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
+    """The Hopper fused backward for a checked problem that backward.plan_backward gave to it; arguments as
+    backward.sdpa_backward's (dq, dk, dv C-contiguous). Memory from the caller's allocator: D and lse·log2(e) (2 ×
+    B·Hq·L' fp32, L' = L rounded up to STAT_PAD), the fp32 dQ accumulator (B·Hq·L·E), dout's contiguous copy when it
+    is not contiguous. Launches the pre-pass, the kernel and dQ's rounding on the call's stream."""
+    import cupy
+
+    from . import backward as _bwd
+
+    ctx = p.ctx
+    B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
+    ctype = _C_TYPES[dtype_name(p.dtype)]
+    tile = SM90_BWD_TILES[bucket]
+    l_pad = -(-L // STAT_PAD) * STAT_PAD
+    keep: list = []
+    with ctx.activate():
+        o, do, lse = (_bwd._contiguous(ctx, x, keep) for x in (out, dout, lse))
+        holder, stats = _bwd._scratch(ctx, (2, B, Hq, l_pad), np.float32)
+        keep.append(holder)
+        holder, dq32 = _bwd._scratch(ctx, (B, Hq, L, E), np.float32)
+        keep.append(holder)
+        cupy.cuda.runtime.memsetAsync(dq32.data.ptr, 0, dq32.nbytes, ctx.stream.ptr)
+        pre = np.zeros((), dtype=_bwd._PARAMS)
+        pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
+        pre["dout"], pre["o"], pre["lse"] = do.data.ptr, o.data.ptr, lse.data.ptr
+        pre["delta"], pre["lse_log2"] = stats[1].data.ptr, stats[0].data.ptr
+        _bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype)((-(-B * Hq * l_pad // 8),), (256,), (struct_arg(pre),))
+
+        prm = np.zeros((), dtype=_PARAMS)
+        for name, a, rows in (("tma_q", p.query, tile.block_m), ("tma_k", p.key, tile.block_n),
+                              ("tma_v", p.value, tile.block_n), ("tma_do", do, tile.block_m)):
+            prm[name] = _fa3._MapSpec.of(a, rows).encode(a.data.ptr)
+        prm["dk"], prm["dv"], prm["dq_accum"] = dk.data.ptr, dv.data.ptr, dq32.data.ptr
+        prm["lse_log2"], prm["delta"] = stats[0].data.ptr, stats[1].data.ptr
+        prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
+        prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, p.groups
+        prm["is_causal"] = p.causal is not None
+        prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
+        prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        kernel = FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile)
+        smem = tile.smem_bytes(bucket)
+        if kernel.max_dynamic_shared_size_bytes < smem:
+            kernel.max_dynamic_shared_size_bytes = smem
+        kernel((math.ceil(S / tile.block_n), Hkv, B), (THREADS,), (struct_arg(prm),), shared_mem=smem)
+
+        cast = np.zeros((), dtype=_bwd._PARAMS)  # dq = dq32 rounded to the input dtype (the group sum of one member)
+        cast["scores"], cast["out"], cast["rows"], cast["ld"], cast["num_heads"] = dq32.data.ptr, dq.data.ptr, \
+            dq.size, dq.size, 1
+        _bwd.BACKWARD_GROUP_SUM.kernel(dtype=ctype)((-(-dq.size // 256),), (256,), (struct_arg(cast),))
+        del keep
