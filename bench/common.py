@@ -46,6 +46,25 @@ def host_us(fn, n: int = 20) -> float:
     return float(np.median(ts) * 1e6)
 
 
+
+def per_call_us(fn, n: int = 2000, rounds: int = 5) -> float:
+    """Host µs per call of fn() in a loop without GPU synchronization (best of ``rounds`` loops of n calls, after 50
+    warm-up calls): the Python thread's cost when the GPU keeps up (use small problems, or the queue fills)."""
+    import time
+
+    import cupy
+    for _ in range(50):
+        fn()
+    cupy.cuda.Device().synchronize()
+    best = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best.append((time.perf_counter() - t) / n * 1e6)
+        cupy.cuda.Device().synchronize()
+    return min(best)
+
 _SPIN_SOURCE = r'''
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();

@@ -5,28 +5,17 @@ alone in a loop (no GPU sync between calls; µs per call), against the whole cal
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from common import per_call_us  # noqa: E402
 
 import cupy_attn  # noqa: E402
 from cupy_attn.runtime import callcache  # noqa: E402
 
-
-def per_call_us(fn, n=2000):
-    for _ in range(50):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(5):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
 
 
 def main():

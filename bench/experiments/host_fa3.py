@@ -6,28 +6,17 @@ the device-time crossover: ms of both kernels at growing sizes (fp16, D = 128, s
 """
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from common import per_call_us  # noqa: E402
 from cupyx.profiler import benchmark  # noqa: E402
 
 import cupy_attn  # noqa: E402
 
-
-def per_call_us(fn, n=300):
-    for _ in range(30):
-        fn()
-    torch.cuda.synchronize()
-    best = []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best.append((time.perf_counter() - t) / n * 1e6)
-        torch.cuda.synchronize()
-    return min(best)
 
 
 def sets(B, H, L, D):
@@ -46,8 +35,8 @@ def main():
     for mode in ("2", "0"):
         os.environ["CUPY_ATTN_FA3"] = mode
         print(f"host (1,8,128,128,128) fp16 rotating buffers, FA3={mode}: "
-              f"{per_call_us(call(cupy_attn.scaled_dot_product_attention)):.1f} us", flush=True)
-    print(f"host torch SDPA: {per_call_us(call(torch.nn.functional.scaled_dot_product_attention)):.1f} us")
+              f"{per_call_us(call(cupy_attn.scaled_dot_product_attention), 300, 3):.1f} us", flush=True)
+    print(f"host torch SDPA: {per_call_us(call(torch.nn.functional.scaled_dot_product_attention), 300, 3):.1f} us")
     for B, H, L in ((1, 8, 512), (1, 16, 1024), (2, 16, 1024), (1, 32, 2048), (4, 16, 2048)):
         q, k, v = sets(B, H, L, 128)[0]
         row = []
