@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from cupy_attn import reference
-from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, launch as lbs
+from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, checks as lbs_checks, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
 
@@ -417,6 +417,124 @@ def test_backward_plans_are_declared_variants(dtype):
         expr = lbs_bwd.ROW_DOT.name_expression(dtype=c, threads=lbs_bwd.ROW_DOT_THREADS, vec=lbs_bwd._vec(f, npdt))
         assert expr in lbs_bwd.ROW_DOT.name_expressions()
     assert lbs_bwd.column_tile(8192, np.float16) == (8, 4, 256) and lbs_bwd.column_tile(999, np.float32) == (1, 32, 256)
+
+
+class _FakeGemm:
+    """Stands for backward._Gemm on CPU: records its calls and binds to the stream like the real one."""
+
+    def __init__(self):
+        self.bound, self.calls = {}, []
+
+    def __call__(self, c_ptr, a_ptr, b_ptr, stream_ptr):
+        self.calls.append((c_ptr, a_ptr, b_ptr, stream_ptr))
+        self.bound[stream_ptr] = True
+
+
+def _fake_backward_device(monkeypatch, stream_ptr=7):
+    """backward._Call on CPU tensors: the plan's kernels and GEMMs, the workspace, the device and the stream replaced
+    by recorders. Returns (ctx, record): record["params"] the BwdParams of each launch, ["work"] workspace sizes,
+    ["gemms"] (dx, dw) fakes, ["activations"] how often the CuPy context was entered."""
+    import contextlib
+    record = {"params": [], "work": [], "activations": 0}
+
+    def plan(device_id, dtype, n, k, f, ldx, ldw, allow_tf32, need_dx, need_dw):
+        record["gemms"] = (_FakeGemm() if need_dx else None, _FakeGemm() if need_dw else None)
+        return lbs_bwd._Plan(row_dot=(lambda *a: None, (1,), (256,)), columns=(lambda *a: None, (1,), (256,)),
+                             dx=record["gemms"][0], dw=record["gemms"][1])
+
+    def struct_arg(words):
+        record["params"].append(words.view(lbs_bwd._BWD_PARAMS)[0].copy())
+        return None
+
+    def work(device_id, stream, name, nbytes):
+        record["work"].append(nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    class Ctx:
+        device_id = 0
+        stream = type("Stream", (), {"ptr": stream_ptr})()
+
+        @contextlib.contextmanager
+        def activate(self):
+            record["activations"] += 1
+            yield
+    monkeypatch.setattr(lbs_bwd, "_plan", plan)
+    monkeypatch.setattr(lbs_bwd, "struct_arg", struct_arg)
+    monkeypatch.setattr(lbs_bwd, "_workspace", work)
+    monkeypatch.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
+    monkeypatch.setattr(interop, "current_torch_stream", lambda device_id: stream_ptr)
+    monkeypatch.setattr(interop, "context_for", lambda x, name="query": Ctx())
+    monkeypatch.setattr(lbs_bwd, "_CALLS", {})
+    return Ctx(), record
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_dtype", "fp32_bn"])
+@pytest.mark.parametrize("scale_shape", [(1,), (), (24,)])
+def test_backward_call_params_and_gradient_buffers_cpu(monkeypatch, mixed, scale_shape):
+    """The prepared backward (CPU tensors, recorders for the device): every BwdParams field (pointers in order, the
+    tail), gradients with their arguments' shapes and dtypes (the per-feature ones views of one allocation when they
+    share a dtype), dy and the scratch in the workspace, the dW GEMM reading dy and x, the CuPy context entered only
+    until the GEMM is bound; grad_inputs' memo skips the checks for a grad_out it takes and not for a strided one."""
+    ctx, record = _fake_backward_device(monkeypatch)
+    n, k, f = 10, 6, 24
+    h = torch.float16
+    vec = torch.float32 if mixed else h
+    x, weight = torch.randn(n, k).to(h), torch.randn(f, k).to(h)
+    y, out, dout = (torch.randn(n, f).to(h) for _ in range(3))
+    stats = torch.randn(lbs.AFFINE_ROWS, f)
+    gamma, beta, scale = torch.randn(f).to(vec), torch.randn(f).to(vec), torch.randn(scale_shape).to(vec)
+    needs = (False, True, True, True, True, True)
+    memo: dict = {}
+    for step in range(2):
+        grads = lbs_bwd.grad_inputs(dout, x, weight, y, out, stats, gamma, beta, scale, use_batch_stats=True,
+                                    needs=needs, allow_tf32=False, memo=memo)
+        assert list(memo) == [needs] and len(lbs_bwd._CALLS) == 1
+        dx, dw, dbias, dgamma, dbeta, dscale = grads
+        assert dx is None and dw.shape == (f, k) and dw.dtype == h
+        assert dbias.shape == (f,) and dbias.dtype == h
+        for g, like in ((dgamma, gamma), (dbeta, beta), (dscale, scale)):
+            assert g.shape == like.shape and g.dtype == like.dtype and g.is_contiguous()
+        shared = {t.untyped_storage().data_ptr() for t in (dbias, dgamma, dbeta, dscale)}
+        assert len(shared) == (2 if mixed else 1)  # one allocation per dtype: dbias has x's, the fp32 vectors share one
+        p = record["params"][-1]
+        base = p["delta"]
+        call = memo[needs]
+        assert p["dscale_partial"] == base + 16 * 3 and p["counter"] == base + 4 * (12 + 24)  # N, F rounded up to 4
+        assert p["dy"] == base + call.dy_off and call.dy_off % 256 == 0 and call.dy_off >= 4 * (12 + 24 + 4)
+        assert record["work"][-1] == call.dy_off + n * f * 2
+        assert [int(p[name]) for name in ("dbias", "dgamma", "dbeta", "dscale", "dout", "out", "y", "stats", "gamma",
+                                          "beta", "scale")] == [
+            t.data_ptr() for t in (dbias, dgamma, dbeta, dscale, dout, out, y, stats, gamma, beta, scale)]
+        assert (int(p["n_rows"]), int(p["n_cols"]), int(p["scale_stride"]), int(p["flags"])) == (
+            n, f, 1 if scale_shape == (f,) else 0, 1)
+        code = lbs_checks.CODE_OF[interop.torch_to_numpy_dtype(vec)]
+        assert int(p["gamma_t"]) == int(p["beta_t"]) == int(p["scale_t"]) == code
+        assert record["gemms"][1].calls[-1] == (dw.data_ptr(), int(p["dy"]), x.data_ptr(), 7)
+    assert record["activations"] == 1  # the first call binds the GEMM under the context, the second takes the memo
+    strided = torch.randn(f, n).to(h).t()  # not contiguous: the checked path copies it, the memo is not used for it
+    lbs_bwd.grad_inputs(strided, x, weight, y, out, stats, gamma, beta, scale, use_batch_stats=True, needs=needs,
+                        allow_tf32=False, memo=memo)
+    assert record["params"][-1]["dout"] != strided.data_ptr() and len(lbs_bwd._CALLS) == 1
+
+
+def test_backward_call_dy_outside_the_workspace_and_dx_cpu(monkeypatch):
+    """dy larger than Y_WORKSPACE_MAX_BYTES gets its own allocation (the workspace holds the scratch only); with x's
+    gradient the dx GEMM reads dy and weight; no memo: the call is found by its layout."""
+    _, record = _fake_backward_device(monkeypatch)
+    monkeypatch.setattr(lbs_bwd, "Y_WORKSPACE_MAX_BYTES", 100)
+    n, k, f = 9, 5, 16
+    x, weight = torch.randn(n, k), torch.randn(f, k)
+    y, out, dout = (torch.randn(n, f) for _ in range(3))
+    grads = lbs_bwd.grad_inputs(dout, x, weight, y, out, torch.randn(lbs.AFFINE_ROWS, f), None, None,
+                                torch.ones(1), use_batch_stats=False, needs=(True, True, True, False, False, False),
+                                allow_tf32=False)
+    dx, dw, dbias, dgamma, dbeta, dscale = grads
+    assert dx.shape == (n, k) and dw.shape == (f, k) and dbias.shape == (f,) and dgamma is dbeta is dscale is None
+    p = record["params"][-1]
+    assert record["work"][-1] == lbs_bwd._CALLS[next(iter(lbs_bwd._CALLS))].dy_off  # scratch only
+    assert int(p["flags"]) == 0 and int(p["gamma"]) == int(p["beta"]) == 0 and int(p["dscale"]) == 0
+    assert record["gemms"][0].calls[-1] == (dx.data_ptr(), int(p["dy"]), weight.data_ptr(), 7)
+    assert record["gemms"][1].calls[-1] == (dw.data_ptr(), int(p["dy"]), x.data_ptr(), 7)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
