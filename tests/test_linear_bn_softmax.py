@@ -928,7 +928,7 @@ def _y_rounding_noise(model, x, grad_out, p, dtype, use_batch_stats):
     var = _np(y0).var(axis=0) if use_batch_stats else s["running_var"]
     gamma = 1.0 if s["bn_weight"] is None else np.abs(s["bn_weight"])
     slope = np.abs(s["scale"].reshape(-1)) * gamma / np.sqrt(var + m.bn.eps)
-    dz = slope * h.numpy()
+    dz = slope * _np(h)  # h lives where the model does (the GPU in the tests)
     out_noise = p * (dz + (p * dz).sum(axis=1, keepdims=True))
     if m.scale.numel() != 1:
         return out_noise, None
