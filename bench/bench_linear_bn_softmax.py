@@ -18,7 +18,9 @@ Training-step rows (mode "train step", fp16 and bf16; ``benchmark_training``): o
 gradient rotating over 3 fresh random buffers. ``ms``, ``device_ms``, ``torch_ms``, ``speedup``, ``host_us`` /
 ``torch_host_us`` as above for the whole step; ``tflops`` counts the GEMMs (4·N·K·F, 6·N·K·F with dx); ``max_err`` /
 ``torch_err``: the largest over the gradients (the Linear bias's excepted: it is 0 in training) of max |g − ref| /
-max |ref|, ref from torch float64 on the GPU, all from the same starting state.
+max |ref|, ref from torch float64 on the GPU, all from the same starting state. ``loop_ms`` / ``torch_loop_ms``: per
+step, 20 steps enqueued back to back between two CUDA events (a training loop's steady state: the host's time of a
+step is hidden behind the device's queue unless it is the longer of the two), median of 5 such loops.
 
     PYTHONPATH=. python3 bench/bench_linear_bn_softmax.py [--quick] [--sweep]
 """
@@ -46,6 +48,23 @@ def _median_ms(fn, repeat: int, warmup: int, host: bool = False):
     res = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
     ms = float(np.median(res.gpu_times[0]) * 1e3)
     return (ms, float(np.median(res.cpu_times) * 1e6)) if host else ms
+
+
+def _loop_ms(fn, steps: int = 20, samples: int = 5) -> float:
+    """Per-call ms of ``steps`` calls of ``fn`` enqueued back to back (no synchronization between them) between two
+    CUDA events on torch's current stream; median of ``samples`` loops, each started from an idle GPU."""
+    import torch
+    times = []
+    for _ in range(samples):
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return float(np.median(times))
 
 
 def _graph_us(launch, reps: int = 20, samples: int = 15) -> float:
@@ -264,12 +283,14 @@ def benchmark_training(quick: bool = False) -> list[dict]:
             ms, host_us = _median_ms(ours, repeat, warmup, host=True)
             dev_ms = device_ms(ours)
             torch_ms, torch_host_us = _median_ms(theirs, repeat, warmup, host=True)
+            loop_ms, torch_loop_ms = _loop_ms(ours), _loop_ms(theirs)
             plain.load_state_dict(initial)  # the next rows start from the same running stats
             flops = (6.0 if with_x else 4.0) * N * K * F
             rows.append(dict(name="linear_bn_softmax train step" + (" +dx" if with_x else ""), dtype=dname,
                              mode="train step", ms=ms, device_ms=dev_ms, torch_ms=torch_ms, speedup=torch_ms / ms,
                              tflops=flops / ms * 1e-9, max_err=err, torch_err=torch_err, host_us=host_us,
-                             torch_host_us=torch_host_us))
+                             torch_host_us=torch_host_us, loop_ms=loop_ms, torch_loop_ms=torch_loop_ms,
+                             loop_speedup=torch_loop_ms / loop_ms))
     return rows
 
 
@@ -414,13 +435,14 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
 
 def _print_table(rows: list[dict]) -> None:
     cols = ["name", "dtype", "mode", "ms", "device_ms", "gemm_ms", "gemm_device_ms", "post_us", "torch_ms", "torch_gemm_ms", "speedup",
-            "ratio_to_gemm", "tflops", "max_err", "torch_err", "host_us", "torch_host_us", "first_us"]
+            "ratio_to_gemm", "tflops", "max_err", "torch_err", "host_us", "torch_host_us", "first_us", "loop_ms",
+            "torch_loop_ms", "loop_speedup"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         cells = []
         for c in cols:
-            v = r.get(c)  # training-step rows have no GEMM-alone or post-GEMM columns
+            v = r.get(c)  # training-step rows have no GEMM-alone or post-GEMM columns, forward rows no loop
             cells.append("n/a" if v is None else f"{v:.3e}" if c.endswith("err") else
                          f"{v:.4f}" if isinstance(v, float) else str(v))
         print("| " + " | ".join(cells) + " |")

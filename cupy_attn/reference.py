@@ -135,7 +135,8 @@ def linear_batchnorm_softmax_backward(grad_out, x, weight, out, y, mean, invstd,
 
     Math (ŷ = (y − mean)·invstd, z = scale·(γ·ŷ + β), out = softmax(z, dim=1); the BatchNorm training backward of
     Ioffe & Szegedy 2015, §3):
-        dz       = out ∘ (grad_out − rowsum(grad_out ∘ out))           softmax
+        dz       = out ∘ (grad_out − rowsum(grad_out ∘ out) / rowsum(out))   softmax (rowsum(out) = 1 up to out's
+                                                                     rounding; dividing keeps Σ_f dz = 0)
         A_f      = Σ_n dz[n, f],   B_f = Σ_n dz[n, f]·ŷ[n, f]
         dβ       = scale·A,  dγ = scale·B,  dscale_f = γ_f·B_f + β_f·A_f   (summed over f for a one-element scale)
         dy       = c·(dz − A/N − ŷ·B/N) with batch statistics, c·dz with running ones;  c = γ·scale·invstd
@@ -152,7 +153,7 @@ def linear_batchnorm_softmax_backward(grad_out, x, weight, out, y, mean, invstd,
     beta = np.zeros(f) if bn_bias is None else np.asarray(bn_bias, dtype=np.float64)
     scale_in = np.asarray(scale, dtype=np.float64)
     s = np.broadcast_to(scale_in.reshape(-1), (f,))
-    dz = o * (g - (g * o).sum(axis=1, keepdims=True))
+    dz = o * (g - (g * o).sum(axis=1, keepdims=True) / o.sum(axis=1, keepdims=True))
     yh = (y - mean) * invstd
     a_sum, b_sum = dz.sum(axis=0), (dz * yh).sum(axis=0)
     c = gamma * s * invstd

@@ -2,7 +2,7 @@
 //
 // Math (forward, linear_bn_softmax.cu: y = x·Wᵀ without the Linear bias, ŷ = (y - mu)·invstd, z = scale·(γ·ŷ + β),
 // out = softmax(z) over features; gradients for an output gradient dout):
-//   delta_n = Σ_f dout[n, f]·out[n, f]                                         bwd_row_dot
+//   delta_n = Σ_f dout[n, f]·out[n, f] / S_n,  S_n = Σ_f out[n, f]             bwd_row_dot
 //   dz      = out ∘ (dout - delta_n)                                           (softmax backward)
 //   A_f     = Σ_n dz[n, f],   B_f = Σ_n dz[n, f]·ŷ[n, f]                       bwd_columns, pass 1
 //   dβ_f = scale_f·A_f,  dγ_f = scale_f·B_f,  dscale_f = γ_f·B_f + β_f·A_f     (Σ_f dscale_f for a one-element scale)
@@ -11,6 +11,13 @@
 //   dbias_f = Σ_n dy[n, f] = 0 with batch statistics (Σ_n ŷ = 0: written as 0), c_f·A_f with running statistics
 // then dx = dy·W and dW = dyᵀ·x by cuBLAS (cupy_attn/linear_bn_softmax/backward.py). The BatchNorm part is the
 // standard training backward (Ioffe & Szegedy 2015, §3) with BatchNorm's output gradient scale·dz.
+// S_n is 1 in exact arithmetic; the stored out (rounded to T) sums to 1 ± ~2^-9 in bf16. Dividing by it makes dz the
+// softmax backward at the distribution out/S_n, so that Σ_f dz = 0 per row holds as it does exactly: otherwise every
+// row adds delta_n·(1 - S_n)·ū_n to a one-element scale's gradient Σ_{n,f} dz·(γ·ŷ + β), ū_n = Σ_f out·(γ·ŷ + β)
+// the row's softmax-weighted logit (large where the row is peaked), and that term dominated its error: bf16, eval,
+// (70, 40, 1000), the float64 sum from the same stored y and out was 0.70 off with it, 0.053 without (of which 0.056
+// is y's own rounding to bf16, which torch's Linear output has too). The other gradients do not move (median error
+// over 48 random cases the same to 1%); bench/experiments/lbs_dscale_accuracy.py has the numbers.
 //
 // What the forward kept (no GEMM is recomputed): out, y (the GEMM result it normalized, in T), and rows 0 (mu) and 4
 // (invstd) of its Affine. ŷ is recomputed from y in fp32 exactly as the forward formed it. Recovering ŷ from out
@@ -18,8 +25,8 @@
 // that underflowed; y costs one (N, F) buffer in T, which torch's own autograd also keeps (Linear's output).
 //
 // Kernels:
-//   bwd_row_dot<T, kThreads, kVec>: one block per row (grid-stride), delta_n = Σ_f dout·out in fp32, written to an
-//     (N,) fp32 scratch. Block 0 also zeroes the counter bwd_columns' last block uses.
+//   bwd_row_dot<T, kThreads, kVec>: one block per row (grid-stride), delta_n = Σ_f dout·out / Σ_f out in fp32, written
+//     to an (N,) fp32 scratch. Block 0 also zeroes the counter bwd_columns' last block uses.
 //   bwd_columns<T, kVec, kColThreads, kThreads>: column_stats' tile: a block owns a strip of kVec·kColThreads
 //     features over all N rows, kColThreads threads across the strip and kThreads / kColThreads row groups deep.
 //     Pass 1 accumulates A and B in registers, kUnroll rows of (dout, out, y) 16-byte loads in flight per thread,
@@ -32,6 +39,8 @@
 //
 // Version ladder (H200, (1024, 8192) -> 8192 fp16; bench/NOTES_linear_bn_softmax.md):
 //   v1  row dot + two-pass column kernel, column_stats' tile (8, 4, 256): not yet measured.
+//   v2  delta divided by the row's Σ out (a second sum in bwd_row_dot): a one-element scale's gradient loses the error
+//       of out's rounding (accuracy; no measurable time: the row kernel is bound by its two loads).
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "linear_bn_softmax/common.cuh"
@@ -71,26 +80,48 @@ struct BwdParams {
 constexpr int kInvstdRow = 4;
 
 // ---------------------------------------------------------------------------------------------------------------------
-// delta_n = Σ_f dout[n, f]·out[n, f] for every row n; one block per row, kVec-element loads (F % kVec == 0).
+// delta_n = Σ_f dout[n, f]·out[n, f] / Σ_f out[n, f] for every row n (see the header: the stored out sums to 1 only
+// up to its rounding); one block per row, kVec-element loads (F % kVec == 0).
 template <typename T, int kThreads, int kVec>
 __global__ void __launch_bounds__(kThreads) bwd_row_dot(const BwdParams p) {
-  __shared__ float scratch[kThreads / 32];
+  constexpr int kWarps = kThreads / 32;
+  __shared__ float scratch[2][kWarps];
   const long long N = p.n_rows, F = p.n_cols;
   const T* dout = static_cast<const T*>(p.dout);
   const T* out = static_cast<const T*>(p.out);
   if (blockIdx.x == 0 && threadIdx.x == 0) *p.counter = 0u;  // bwd_columns runs after this kernel on the stream
   for (long long row = blockIdx.x; row < N; row += gridDim.x) {
-    float acc = 0.f;
+    float acc = 0.f, sum = 0.f;
     #pragma unroll 4
     for (long long col0 = static_cast<long long>(threadIdx.x) * kVec; col0 < F; col0 += kThreads * kVec) {
       float g[kVec], o[kVec];
       load_vec<T, kVec>(dout + row * F + col0, g);
       load_vec<T, kVec>(out + row * F + col0, o);
       #pragma unroll
-      for (int v = 0; v < kVec; ++v) acc = fmaf(g[v], o[v], acc);
+      for (int v = 0; v < kVec; ++v) {
+        acc = fmaf(g[v], o[v], acc);
+        sum += o[v];
+      }
     }
-    acc = group_reduce<kThreads>(acc, SumOp{}, scratch);  // leading barrier: scratch is free again
-    if (threadIdx.x == 0) p.delta[row] = acc;
+    // Both sums in one block reduction: warps, then thread 0 over the warps' partials in a fixed order.
+    acc = warp_reduce<32>(acc, SumOp{});
+    sum = warp_reduce<32>(sum, SumOp{});
+    __syncthreads();  // the previous row's partials have been read
+    if (threadIdx.x % 32 == 0) {
+      scratch[0][threadIdx.x / 32] = acc;
+      scratch[1][threadIdx.x / 32] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      acc = scratch[0][0];
+      sum = scratch[1][0];
+      #pragma unroll
+      for (int w = 1; w < kWarps; ++w) {
+        acc += scratch[0][w];
+        sum += scratch[1][w];
+      }
+      p.delta[row] = acc / sum;
+    }
   }
 }
 

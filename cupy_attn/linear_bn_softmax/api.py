@@ -132,18 +132,28 @@ def forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bia
     overwrites). CPU tensors: the float64 reference, rounded to the same dtypes. Repeated calls replay a cached
     launch, as the plain call does (keyed apart from it).
     """
+    return forward_saving_entry(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                                training=training, momentum=momentum, eps=eps,
+                                num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)[:3]
+
+
+def forward_saving_entry(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
+                         momentum, eps, num_batches_tracked, allow_tf32):
+    """:func:`forward_saving`, and the call-cache entry that ran it (None when the call is not cached: CPU tensors,
+    copied inputs, uncacheable kinds). The entry's ``backward_calls`` dict is where backward.grad_inputs keeps its
+    prepared call for this layout (its ``memo``), so that a repeated training step's backward skips its checks."""
     arrays = (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked)
     call_key = _call_key(arrays, training, momentum, eps, allow_tf32)
     if call_key is not None:
         call_key = ("saving", call_key)
         entry = callcache.get(call_key)
         if entry is not None:
-            return entry.saving(arrays)
+            return (*entry.saving(arrays), entry)
     call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
                   num_batches_tracked)
     if not call.ctx.on_gpu:
-        return _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
-                                 training, momentum, eps, num_batches_tracked)
+        return (*_reference_saving(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+                                   training, momentum, eps, num_batches_tracked), None)
     if call.ctx.kind != interop.TORCH:
         raise TypeError("forward_saving takes torch tensors (autograd); got " + type(x).__name__)
     ctx = call.ctx
@@ -151,21 +161,23 @@ def forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bia
         allow_tf32 = bool(sys.modules["torch"].backends.cuda.matmul.allow_tf32)
     n, f = call.n, call.f
     alloc = _torch_alloc(x)
+    entry = None
     with ctx.activate():
         if n * f == 0:
             nbt = call.args["num_batches_tracked"]
             if call.update_running and nbt is not None:
                 _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
             stats = alloc((AFFINE_ROWS, f), True)[0].zero_()
-            return alloc((n, f), False)[0], alloc((n, f), False)[0], stats
+            return alloc((n, f), False)[0], alloc((n, f), False)[0], stats, None
         xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
         prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
         keep: list = []
         vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
         result = prepared.execute_saving(alloc, xa.ptr(), wa.ptr(), vectors)
         if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
-            callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
-    return result
+            entry = _Entry(prepared, ctx, (n, f))
+            callcache.put(call_key, entry)
+    return (*result, entry)
 
 
 def _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,

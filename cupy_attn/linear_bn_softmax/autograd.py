@@ -98,36 +98,46 @@ def grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, *
 
 
 def _function():
-    """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself)."""
+    """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself).
+
+    apply takes the six differentiable tensors and one tuple of everything else (running stats, the batch counter
+    and the flags): autograd inspects every argument of apply, and these need no gradient. The forward computes
+    which gradients the backward will need (ctx.needs_input_grad is known then) and keeps, with the forward's
+    call-cache entry, the dict in which backward.grad_inputs keeps its prepared call for the layout, so that the
+    backward of a repeated step does not check or plan again."""
     global _FUNCTION
     if _FUNCTION is not None:
         return _FUNCTION
     torch = sys.modules["torch"]
     from torch.autograd.function import once_differentiable
 
+    from . import backward as _backward
+    from .api import forward_saving_entry
+
     class LinearBatchNormSoftmax(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, x, weight, bias, bn_weight, bn_bias, scale, running_mean, running_var, num_batches_tracked,
-                    training, momentum, eps, allow_tf32):
-            from .api import forward_saving
-            out, y, stats = forward_saving(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
-                                           training=training, momentum=momentum, eps=eps,
-                                           num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
+        def forward(fctx, x, weight, bias, bn_weight, bn_bias, scale, rest):
+            running_mean, running_var, num_batches_tracked, training, momentum, eps, allow_tf32 = rest
+            out, y, stats, entry = forward_saving_entry(
+                x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training=training,
+                momentum=momentum, eps=eps, num_batches_tracked=num_batches_tracked, allow_tf32=allow_tf32)
             fctx.save_for_backward(x, weight, y, out, stats, bn_weight, bn_bias, scale)
-            fctx.flags = (bool(training) or running_mean is None, allow_tf32, bias is not None)
+            n = fctx.needs_input_grad
+            needs = (n[0], n[1], n[2] and bias is not None, n[3] and bn_weight is not None,
+                     n[4] and bn_bias is not None, n[5])
+            fctx.flags = (bool(training) or running_mean is None, allow_tf32, needs,
+                          None if entry is None else entry.backward_calls)
             return out
 
         @staticmethod
         @once_differentiable
         def backward(fctx, grad_out):
             x, weight, y, out, stats, bn_weight, bn_bias, scale = fctx.saved_tensors
-            use_batch_stats, allow_tf32, has_bias = fctx.flags
-            n = fctx.needs_input_grad
-            needs = (n[0], n[1], n[2] and has_bias, n[3] and bn_weight is not None, n[4] and bn_bias is not None,
-                     n[5])
-            grads = grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
-                                use_batch_stats=use_batch_stats, needs=needs, allow_tf32=allow_tf32)
-            return (*grads, None, None, None, None, None, None, None)
+            use_batch_stats, allow_tf32, needs, memo = fctx.flags
+            grads = _backward.grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
+                                          use_batch_stats=use_batch_stats, needs=needs, allow_tf32=allow_tf32,
+                                          memo=memo)
+            return (*grads, None)
 
     _FUNCTION = LinearBatchNormSoftmax
     return _FUNCTION
@@ -152,5 +162,6 @@ def apply(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
                              training=training, momentum=momentum, eps=eps, num_batches_tracked=num_batches_tracked)
     if allow_tf32 is None:
         allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    return _function().apply(x, weight, bias, bn_weight, bn_bias, scale, running_mean, running_var,
-                             num_batches_tracked, training, momentum, eps, bool(allow_tf32))
+    return _function().apply(x, weight, bias, bn_weight, bn_bias, scale,
+                             (running_mean, running_var, num_batches_tracked, training, momentum, eps,
+                              bool(allow_tf32)))

@@ -7,8 +7,10 @@
 
 (cuda_src/linear_bn_softmax/backward.cu has the math and the thread mapping.) The forward keeps out, y (its bias-free
 GEMM result) and the (5, F) float32 Affine whose rows 0 and 4 are the mean and invstd it normalized with
-(launch.AFFINE_ROWS); no GEMM is recomputed. Scratch ((N,) delta, (F,) dscale terms, a counter) comes from torch's
-allocator on the current stream, as do the gradients. Plans (kernels, grids, cuBLASLt GEMMs) are cached per shape.
+(launch.AFFINE_ROWS); no GEMM is recomputed. dy and the scratch ((N,) delta, (F,) dscale terms, a counter) live in
+the stream's persistent workspace, the gradients come from torch's allocator on the current stream. Everything that
+does not depend on addresses is prepared once per layout (:class:`_Call`), and a recorded forward hands its backward
+the prepared call (``memo``), so a repeated training step's backward allocates, fills pointers and launches.
 """
 from __future__ import annotations
 
@@ -18,10 +20,10 @@ import sys
 
 import numpy as np
 
-from ..runtime import blas, interop
+from ..runtime import blas, interop, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from .checks import CODE_OF as _CODE_OF
-from .launch import AFFINE_ROWS, _C_TYPES, _WIDE, _dtype_name_of_c, _sm_count
+from .launch import AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _C_TYPES, _WIDE, _dtype_name_of_c, _sm_count, _workspace
 
 # bwd_row_dot<T, kThreads, kVec>: one row per block; 256 threads × 16-byte loads cover 2048 (fp16) features per step.
 ROW_DOT_THREADS = 256
@@ -132,65 +134,206 @@ def _gemm_operand(t, torch):
     return t.clone(memory_format=torch.contiguous_format)
 
 
+# BwdParams' fields after the pointers, (n_rows, n_cols, scale_stride, gamma_t, beta_t, scale_t, flags), as the
+# five 8-byte words they occupy: a call copies them after its fifteen pointers.
+_TAIL = np.dtype([(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
+                 + [(name, np.int32) for name in ("gamma_t", "beta_t", "scale_t", "flags")])
+_POINTERS = 15
+assert _POINTERS * 8 + _TAIL.itemsize == _BWD_PARAMS.itemsize
+
+
+class _Call:
+    """A prepared backward for one layout (device, stream, dtypes, N, K, F, the GEMM operands' row strides, the
+    scale's shape, batch or running statistics, which gradients, TF32): the plan, the params words that do not depend
+    on addresses, and how the outputs are allocated. Built once per layout (``_prepared``); a recorded forward keeps
+    the call for its layout (api.forward_saving_entry), so the backward of a repeated training step only allocates,
+    fills fifteen pointers and launches.
+
+    Host work per call: the gradients from torch's allocator on the current stream (dW, dx when needed, and one
+    allocation per dtype for the per-feature gradients, split into views: one in all when they have x's dtype); dy
+    and the scratch (delta, the dscale terms, the counter) in the stream's persistent Linear-BN-softmax workspace
+    (launch._workspace "work", which the forward-only path uses for y: calls on one stream are ordered, so they may
+    share it; a per-call buffer while the stream is captured), dy there only up to launch.Y_WORKSPACE_MAX_BYTES; the
+    CuPy device and stream are entered only when another device is current or a GEMM has not been bound to the stream
+    yet (its first call plans on CuPy's current stream).
+    """
+
+    def __init__(self, ctx, device_id: int, stream_ptr: int, x_dtype, n: int, k: int, f: int, ldx: int, ldw: int,
+                 vector_dtypes: tuple, scale_shape: tuple, use_batch_stats: bool, needs: tuple, allow_tf32: bool):
+        torch = sys.modules["torch"]
+        self.ctx, self.device_id, self.stream_ptr, self.dtype = ctx, device_id, stream_ptr, x_dtype
+        self.needs = needs
+        need_dx, need_dw, need_db, need_dg, need_dbeta, need_ds = needs
+        dtype = interop.torch_to_numpy_dtype(x_dtype)
+        self.plan = _plan(device_id, dtype, n, k, f, ldx, ldw, bool(allow_tf32), need_dx, need_dw)
+        self.gemms = tuple(g for g in (self.plan.dx, self.plan.dw) if g is not None)
+        self.need_dy = need_dx or need_dw
+        self.x_shape, self.w_shape = (n, k), (f, k)
+        gamma_t, beta_t, scale_t = (0 if t is None else _CODE_OF[interop.torch_to_numpy_dtype(t)]
+                                    for t in vector_dtypes)
+        scale_stride = 1 if tuple(scale_shape) == (f,) and f > 1 else 0
+        self.tail = np.array((n, f, scale_stride, gamma_t, beta_t, scale_t,
+                              _FLAG_BATCH_STATS if use_batch_stats else 0), dtype=_TAIL).reshape(1).view(np.uint64)
+        # Scratch: delta (N,) and the dscale terms (F,) in fp32, then the counter, each 16-byte aligned; dy after it
+        # at a 256-byte boundary, in the workspace when it fits there.
+        n4, f4 = -(-n // 4) * 4, -(-f // 4) * 4
+        self.partial_off, self.counter_off = 4 * n4, 4 * (n4 + f4)
+        scratch_bytes = -(-4 * (n4 + f4 + 4) // 256) * 256
+        dy_bytes = n * f * dtype.itemsize
+        self.dy_in_work = self.need_dy and dy_bytes <= Y_WORKSPACE_MAX_BYTES
+        self.work_bytes = scratch_bytes + (dy_bytes if self.dy_in_work else 0)
+        self.dy_off = scratch_bytes
+        self.f = f
+        # The per-feature gradients (dbias, dbn_weight, dbn_bias, dscale: result positions 2-5) grouped by dtype: one
+        # allocation per dtype, split into views when it holds several (one allocation in all when they share x's).
+        groups: dict = {}
+        for pos, need, dt, shape in ((2, need_db, x_dtype, (f,)), (3, need_dg, vector_dtypes[0], (f,)),
+                                     (4, need_dbeta, vector_dtypes[1], (f,)), (5, need_ds, vector_dtypes[2],
+                                                                              tuple(scale_shape))):
+            if need:
+                groups.setdefault(dt, []).append((pos, shape))
+        self.groups = []
+        for dt, members in groups.items():
+            sizes = [int(np.prod(shape)) for _, shape in members]
+            self.groups.append((dt, tuple(members), sizes, sum(sizes)))
+        self.ready = False  # the GEMMs are bound to the stream: the CuPy context is needed only for another device
+        self._get_device = _get_device_fn()
+        self._split = torch.split_with_sizes
+
+    def takes(self, grad_out) -> bool:
+        """grad_out can be read as is (x's dtype, contiguous, 16-byte aligned) and the current stream is the call's."""
+        return (grad_out.dtype == self.dtype and grad_out.is_contiguous() and grad_out.data_ptr() & 15 == 0
+                and interop.current_torch_stream(self.device_id) == self.stream_ptr)
+
+    def __call__(self, grad_out, x, weight, y, out, stats, gamma, beta, scale):
+        """(dx, dweight, dbias, dbn_weight, dbn_bias, dscale), None where not needed. grad_out as ``takes`` accepts;
+        x and weight with the prepared strides; y, out and stats as the forward wrote them; gamma, beta and scale
+        contiguous."""
+        if self.ready and self._get_device() == self.device_id:
+            return self._run(grad_out, x, weight, y, out, stats, gamma, beta, scale)
+        with self.ctx.activate():
+            grads = self._run(grad_out, x, weight, y, out, stats, gamma, beta, scale)
+        self.ready = all(self.stream_ptr in g.bound for g in self.gemms)
+        return grads
+
+    def _run(self, grad_out, x, weight, y, out, stats, gamma, beta, scale):
+        need_dx, need_dw = self.needs[0], self.needs[1]
+        # Outputs first (torch's allocator, current stream): dW, dx, then the per-feature gradients.
+        dw = weight.new_empty(self.w_shape) if need_dw else None
+        dx = x.new_empty(self.x_shape) if need_dx else None
+        grads = [None] * 6  # in the result's order; positions 2-5 from the groups
+        for dt, members, sizes, total in self.groups:
+            if len(members) == 1:
+                pos, shape = members[0]
+                grads[pos] = x.new_empty(shape, dtype=dt)
+                continue
+            for (pos, shape), part in zip(members, self._split(x.new_empty((total,), dtype=dt), sizes)):
+                grads[pos] = part if len(shape) == 1 else part.view(shape)  # () for a 0-d scale
+        dbias, dgamma, dbeta, dscale = grads[2:]
+        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        base = workspace.pointer(work)
+        dy = None
+        if not self.need_dy:
+            dy_ptr = 0
+        elif self.dy_in_work:
+            dy_ptr = base + self.dy_off
+        else:
+            dy = x.new_empty((self.x_shape[0], self.f))
+            dy_ptr = dy.data_ptr()
+        words = np.empty(_POINTERS + 5, dtype=np.uint64)
+        words[:_POINTERS] = (dy_ptr, _ptr(dbias), _ptr(dgamma), _ptr(dbeta), _ptr(dscale), base,
+                             base + self.partial_off, base + self.counter_off, grad_out.data_ptr(), out.data_ptr(),
+                             y.data_ptr(), stats.data_ptr(), _ptr(gamma), _ptr(beta), scale.data_ptr())
+        words[_POINTERS:] = self.tail
+        arg = (struct_arg(words),)
+        stream = self.ctx.stream
+        plan = self.plan
+        for fn, grid, block in (plan.row_dot, plan.columns):
+            fn(grid, block, arg, 0, stream)
+        if plan.dx is not None:  # (K = 0: dx and dw are empty, no GEMM)
+            plan.dx(dx.data_ptr(), dy_ptr, weight.data_ptr(), self.stream_ptr)
+        if plan.dw is not None:
+            plan.dw(dw.data_ptr(), dy_ptr, x.data_ptr(), self.stream_ptr)
+        del work, dy  # held until the work reading them is enqueued
+        return dx, dw, dbias, dgamma, dbeta, dscale
+
+
+def _ptr(t) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+_GET_DEVICE: list = []
+
+
+def _get_device_fn():
+    if not _GET_DEVICE:
+        import cupy
+        _GET_DEVICE.append(cupy.cuda.runtime.getDevice)
+    return _GET_DEVICE[0]
+
+
+_CALLS: dict = {}  # layout key -> _Call
+_MAX_CALLS = 256
+
+
+def _prepared(ctx, x, weight, bn_weight, bn_bias, scale, use_batch_stats: bool, needs: tuple,
+              allow_tf32: bool) -> _Call:
+    """The prepared call for this layout on ctx's device and stream (x and weight as cuBLAS reads them)."""
+    n, k = x.shape
+    vector_dtypes = tuple(None if t is None else t.dtype for t in (bn_weight, bn_bias, scale))
+    key = (ctx.device_id, ctx.stream.ptr, x.dtype, n, k, weight.shape[0], x.stride(0), weight.stride(0),
+           vector_dtypes, tuple(scale.shape), bool(use_batch_stats), needs, bool(allow_tf32))
+    call = _CALLS.get(key)
+    if call is None:
+        if len(_CALLS) >= _MAX_CALLS:
+            _CALLS.clear()
+        call = _CALLS[key] = _Call(ctx, ctx.device_id, ctx.stream.ptr, x.dtype, n, k, weight.shape[0],
+                                   x.stride(0), weight.stride(0), vector_dtypes, tuple(scale.shape),
+                                   bool(use_batch_stats), needs, bool(allow_tf32))
+    return call
+
+
 def grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, *, use_batch_stats: bool,
-                needs: tuple, allow_tf32: bool):
+                needs: tuple, allow_tf32: bool, memo: dict | None = None):
     """(dx, dweight, dbias, dbn_weight, dbn_bias, dscale) for torch CUDA tensors, None where ``needs`` is False.
 
     grad_out, out, y: (N, F) in x's dtype (y: the forward's bias-free GEMM result); x (N, K); weight (F, K); stats
     (AFFINE_ROWS, F) float32 from the forward (row 0 mean, row 4 invstd); bn_weight, bn_bias (F,) or None; scale (1,),
     () or (F,). needs: six bools in the order of the result (bias, bn_weight and bn_bias only when given).
     use_batch_stats: the forward normalized with batch statistics. Each gradient has its argument's shape and dtype
-    (dbias: (F,) in x's dtype) and is contiguous. Runs on torch's current stream.
+    (dbias: (F,) in x's dtype) and is contiguous; the per-feature gradients may be views of one allocation. Runs on
+    torch's current stream.
+
+    memo: a dict that keeps the prepared call (:class:`_Call`) per ``needs`` for inputs of one layout whose x and
+    weight have unit last strides and whose vectors are contiguous (a recorded forward's call-cache entry, see
+    api.forward_saving_entry); a later call with a grad_out the call takes (x's dtype, contiguous, aligned, the same
+    stream) skips every check. Without it, the call is looked up by its layout (a few µs more).
     """
+    if memo is not None:
+        call = memo.get(needs)
+        if call is not None and call.takes(grad_out):
+            return call(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale)
     torch = sys.modules["torch"]
     need_dx, need_dw, need_db, need_dg, need_dbeta, need_ds = needs
     n, k = x.shape
     f = weight.shape[0]
-    dgamma = torch.empty_like(bn_weight, memory_format=torch.contiguous_format) if need_dg else None
-    dbeta = torch.empty_like(bn_bias, memory_format=torch.contiguous_format) if need_dbeta else None
-    dscale = torch.empty_like(scale, memory_format=torch.contiguous_format) if need_ds else None
-    dbias = x.new_empty((f,)) if need_db else None
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format) if need_dx else None
-    dw = torch.empty_like(weight, memory_format=torch.contiguous_format) if need_dw else None
     if n * f == 0:  # nothing flows back: every gradient is 0 (an empty batch, or no features)
-        return tuple(None if g is None else g.zero_() for g in (dx, dw, dbias, dgamma, dbeta, dscale))
+        likes = ((x, need_dx), (weight, need_dw), (None, need_db), (bn_weight, need_dg), (bn_bias, need_dbeta),
+                 (scale, need_ds))
+        return tuple(None if not need else (x.new_zeros((f,)) if like is None else
+                                            torch.zeros_like(like, memory_format=torch.contiguous_format))
+                     for like, need in likes)
     if stats.shape != (AFFINE_ROWS, f) or stats.dtype != torch.float32:
         raise ValueError(f"stats must be the forward's ({AFFINE_ROWS}, {f}) float32 Affine, got "
                          f"{tuple(stats.shape)} {stats.dtype}")
     ctx = interop.context_for(grad_out, "grad_out")
-    dtype = interop.torch_to_numpy_dtype(x.dtype)
-    need_dy = dx is not None or dw is not None
-    xg = _gemm_operand(x, torch) if dw is not None else x
-    wg = _gemm_operand(weight, torch) if dx is not None else weight
+    xg = _gemm_operand(x, torch) if need_dw else x
+    wg = _gemm_operand(weight, torch) if need_dx else weight
     if grad_out.dtype != x.dtype:
         grad_out = grad_out.to(x.dtype)
     dout, out, y, stats = (_aligned(t, torch) for t in (grad_out, out, y, stats))
-    gamma, beta, scale = (None if t is None else t.contiguous() for t in (bn_weight, bn_bias, scale))
-    dy = x.new_empty((n, f)) if need_dy else None
-    # Scratch: delta (N,) and the dscale terms (F,) in fp32, then the counter; each 16-byte aligned.
-    n4, f4 = -(-n // 4) * 4, -(-f // 4) * 4
-    scratch = torch.empty(n4 + f4 + 4, dtype=torch.float32, device=x.device)
-    base = scratch.data_ptr()
-
-    def ptr(t):
-        return 0 if t is None else t.data_ptr()
-
-    def code(t):
-        return 0 if t is None else _CODE_OF[interop.torch_to_numpy_dtype(t.dtype)]
-    scale_stride = 1 if tuple(scale.shape) == (f,) and f > 1 else 0
-    params = np.array((ptr(dy), ptr(dbias), ptr(dgamma), ptr(dbeta), ptr(dscale), base, base + 4 * n4,
-                       base + 4 * (n4 + f4), dout.data_ptr(), out.data_ptr(), y.data_ptr(), stats.data_ptr(),
-                       ptr(gamma), ptr(beta), scale.data_ptr(), n, f, scale_stride, code(gamma), code(beta),
-                       code(scale), _FLAG_BATCH_STATS if use_batch_stats else 0), dtype=_BWD_PARAMS)
-    arg = (struct_arg(params),)
-    stream = ctx.stream
-    with ctx.activate():  # the device's kernels; CuPy's current stream = torch's, where a GEMM's first call plans
-        plan = _plan(ctx.device_id, dtype, n, k, f, xg.stride(0), wg.stride(0), bool(allow_tf32), dx is not None,
-                     dw is not None)
-        for fn, grid, block in (plan.row_dot, plan.columns):
-            fn(grid, block, arg, 0, stream)
-        if plan.dx is not None:  # (K = 0: dx and dw are empty, no GEMM)
-            plan.dx(dx.data_ptr(), dy.data_ptr(), wg.data_ptr(), stream.ptr)
-        if plan.dw is not None:
-            plan.dw(dw.data_ptr(), dy.data_ptr(), xg.data_ptr(), stream.ptr)
-    return dx, dw, dbias, dgamma, dbeta, dscale
+    gamma, beta, scale_c = (None if t is None else t.contiguous() for t in (bn_weight, bn_bias, scale))
+    call = _prepared(ctx, xg, wg, gamma, beta, scale_c, use_batch_stats, tuple(needs), allow_tf32)
+    if memo is not None and xg is x and wg is weight and gamma is bn_weight and beta is bn_bias and scale_c is scale:
+        memo[tuple(needs)] = call
+    return call(dout, xg, wg, y, out, stats, gamma, beta, scale_c)
