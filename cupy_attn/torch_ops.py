@@ -256,7 +256,9 @@ def _lbs_backward_op(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tens
     from .linear_bn_softmax import autograd
     grads = autograd.grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale,
                                  use_batch_stats=use_batch_stats, needs=tuple(needs), allow_tf32=allow_tf32)
-    return tuple(_absent(x, x.dtype) if g is None else g for g in grads)
+    # The eager backward may return the per-feature gradients as views of one allocation; a custom op's outputs must
+    # not alias each other, so views are copied here (F-element vectors: a few µs on the compiled path only).
+    return tuple(_absent(x, x.dtype) if g is None else (g.clone() if g._base is not None else g) for g in grads)
 
 
 @_lbs_backward_op.register_fake
