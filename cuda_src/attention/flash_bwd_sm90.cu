@@ -51,7 +51,7 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
-  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys each");
+  static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "Q and dO rings of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
