@@ -2,7 +2,7 @@
 
 TMA loads into mbarrier rings, a producer warpgroup and two consumer warpgroups running the five backward GEMMs on
 wgmma (Shah et al. 2024, FlashAttention-3, §3; FlashAttention-2's Algorithm 2 for the math). It serves fp16 and bf16,
-head dims up to 128 (E and Ev each padded to the bucket 64 or 128 by TMA's zero fill, as the forward's FA3 kernel
+head dims up to 256 (E and Ev each padded to the bucket 64, 128 or 256 by TMA's zero fill, as the forward's FA3 kernel
 does), no attn_mask, causal either alignment or none, GQA, any L and S ≥ 1, on compute capability 9.0, for query, key
 and value layouts TMA can read in place (16-byte aligned bases, batch / head / row strides multiples of 16 bytes:
 BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY_ATTN_BWD``); everything else keeps
@@ -10,8 +10,8 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned bulk copy), a memset of the fp32 dQ accumulator, the kernel
-(one block per 128 keys of a key/value head), and the rounding of dQ to the input dtype (backward.cu's group sum with
-one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
+(one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
+(backward.cu's group sum with one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
 """
 from __future__ import annotations
 
