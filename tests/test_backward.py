@@ -52,6 +52,7 @@ CASES = [
     ("gqa 4/2", 2, 4, 2, 64, 96, 64, 64, False, None),
     ("float mask grad", 1, 2, 2, 48, 64, 64, 64, False, "float"),
     ("hd512 split", 1, 2, 2, 64, 80, 512, 512, True, None),
+    ("d192 gqa", 1, 4, 2, 90, 130, 192, 192, "bottom_right", None),  # Hopper kernel's bucket 256 (else split)
 ]
 
 
@@ -60,8 +61,9 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_gradients(dtype, case, bwd, monkeypatch):
     """bwd (CUPY_ATTN_BWD): "auto" the fused backward where it applies (fp16/bf16, no mask, head dims ≤ 128; these
-    small calls take the mma.sync kernel), else split; "split"; "mma" the mma.sync kernel where it applies; "sm90" the
-    Hopper wgmma kernel where it applies (asserted; skipped off Hopper)."""
+    small calls take the mma.sync kernel; 129-256 the Hopper kernel on Hopper), else split; "split"; "mma" the
+    mma.sync kernel where it applies; "sm90" the Hopper wgmma kernel where it applies (asserted; skipped off
+    Hopper)."""
     name, B, Hq, Hkv, L, S, E, Ev, causal, mask_kind = case
     if bwd == "sm90":
         import cupy
@@ -87,7 +89,7 @@ def test_gradients(dtype, case, bwd, monkeypatch):
     def ours(q_, k_, v_, m_=mask):
         return cupy_attn.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, **kw)
 
-    if bwd == "sm90" and mask_kind is None and max(E, Ev) <= 128 and dtype != "float32":
+    if bwd == "sm90" and mask_kind is None and max(E, Ev) <= 256 and dtype != "float32":
         from cupy_attn.attention import backward, checks
         plan = backward.plan_backward(checks.check_sdpa(q.detach(), k.detach(), v.detach(), None, 0.0, causal, None,
                                                           Hq != Hkv, "auto"))

@@ -1,14 +1,16 @@
 """The Hopper fused backward (cupy_attn.attention.backward_sm90, cuda_src/attention/flash_bwd_sm90.cu) and the
 backward's kernel choice (backward.plan_backward).
 
-CPU: every instantiation compiles for sm_90a without spills, stack or ptxas performance warnings; its SASS holds
-HGMMA (with the transposed-operand form of dQ = dS K), TMA loads (UTMALDG) and bulk copies (UBLKCP), mbarrier
-operations, setmaxnreg, the dQ reductions, no local memory, and the exponentials of Pᵀ between the two wgmma waits
-(they overlap dPᵀ = V dOᵀ); the tile table against shared memory and the generated wgmma wrappers; the choice rules on
-fake problems (arch, dtype, head dims, mask, layout, size, CUPY_ATTN_BWD). GPU (``gpu`` marker): dq, dk, dv from
-backward.sdpa_backward into NaN-poisoned tensors, after asserting which kernel the plan chose, against the float64
-reference with the tolerance rule of tests/_tolerance.py (torch's same-precision gradients as the error scale), and
-against the mma.sync kernel's gradients (the same rule with the mma.sync kernel's error as the scale).
+CPU: every instantiation (head dims 64, 128, 256) compiles for sm_90a without spills, stack or ptxas performance
+warnings; its SASS holds HGMMA of the shapes its warpgroup split implies (with the transposed-operand form of dQ = dS
+K, and at 256 the transposed-B form of dV, dK with Pᵀ, dSᵀ from shared memory), TMA loads (UTMALDG) and bulk copies
+(UBLKCP), mbarrier operations, setmaxnreg, the dQ reductions, no local memory, and the exponentials of Pᵀ between the
+two wgmma waits (they overlap dPᵀ = V dOᵀ); the tile table against shared memory, registers and the generated wgmma
+wrappers; the choice rules on fake problems (arch, dtype, head dims, mask, layout, size, dropout, CUPY_ATTN_BWD). GPU
+(``gpu`` marker): dq, dk, dv from backward.sdpa_backward into NaN-poisoned tensors, after asserting which kernel the
+plan chose, against the float64 reference with the tolerance rule of tests/_tolerance.py (torch's same-precision
+gradients as the error scale), and against the mma.sync kernel's gradients (the split backward's above head dim 128;
+the same rule with that backward's error as the scale).
 
     PYTHONPATH=. timeout 1800 python3 -m pytest -m gpu tests/test_backward_sm90.py
 
@@ -69,24 +71,48 @@ def test_sass(row):
     d, tile = row["head_dim"], row["tile"]
     assert len(hgmma) >= 2 * d // 16 + 2 * tile.block_m // 16 + tile.block_n // 16, (expr, len(hgmma))
     assert any("tnspA" in op and "tnspB" in op for op in hgmma), f"{expr}: dQ = dS K has no transposed-A HGMMA"
+    # The shapes each split uses: Sᵀ, dPᵀ 64 × (block_m, or block_m/2 by columns); dV, dK 64 × (d, or d/2 by columns,
+    # then with A from shared memory: tnspB without tnspA); dQ 64 × (d · block_m/64 / 2).
+    s_n, kv_n = (tile.block_m // 2, d // 2) if tile.by_columns else (tile.block_m, d)
+    dq_n = d * (tile.block_m // 64) // 2
+    shapes = {(m.group(1), "tnspA" in op, "tnspB" in op)
+              for op in hgmma for m in [re.match(r"HGMMA\.64x(\d+)x16", op)]}
+    assert (str(s_n), False, False) in shapes and (str(dq_n), True, True) in shapes, (expr, shapes)
+    if tile.by_columns:
+        assert (str(kv_n), False, True) in shapes, (expr, shapes)
+        # dSᵀ and Pᵀ stores: two stmatrix per 16-query k step of this warpgroup's Sᵀ.
+        assert sum(n.startswith("STSM") for n in names) >= 2 * (s_n // 16), expr
     # Pᵀ's exponentials (block_m/2 per thread) run between wait_group 1 (Sᵀ done) and wait_group 0 (dPᵀ done).
     first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
     second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
     between = sum(op.startswith("MUFU.EX2") for op in ops[first:second])
-    assert between >= tile.block_m // 2, f"{expr}: {between} MUFU.EX2 between the waits"
+    assert between >= s_n // 2, f"{expr}: {between} MUFU.EX2 between the waits"
 
 
 def test_tiles():
     declared = set(FAMILY.name_expressions())
     for d, tile in _sm90.SM90_BWD_TILES.items():
-        assert tile.block_n == 128 and tile.block_m % 64 == 0 and tile.stages >= 2
-        assert (tile.block_m // 64) * (d // 64) == 2, "one 64 x 64 dQ tile per consumer warpgroup"
+        assert tile.block_n in (64, 128) and tile.block_m % 64 == 0 and tile.stages >= 2
         assert _sm90.STAT_PAD % tile.block_m == 0
         assert tile.smem_bytes(d) <= 232448, (d, tile)
-        assert tile.block_m in _gen.SS_N and d in _gen.RS_N and 64 in _gen.SS_MN_N
+        dq_n = d * (tile.block_m // 64) // 2  # one 64 × dq_n dQ tile per consumer warpgroup
+        assert dq_n % 64 == 0 and dq_n in _gen.SS_MN_N
+        if tile.by_columns:  # both warpgroups on the same 64 keys: Sᵀ by query halves, dK/dV by column halves
+            assert tile.block_m // 2 in _gen.SS_N and d // 2 in _gen.SS_BMN_N and (d // 2) % 64 == 0
+        else:  # a warpgroup per 64 keys: all queries, all columns
+            assert tile.block_m in _gen.SS_N and d in _gen.RS_N
         for dtype in _sm90._C_TYPES.values():
             assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
-    assert set(_sm90.SM90_BWD_TILES) == set(_bwd.FLASH_BWD_TILES), "the same head-dim buckets as the mma.sync kernel"
+    # Above the mma.sync kernel's 128, the Hopper kernel's 256 (the forward's FA3 buckets).
+    assert set(_sm90.SM90_BWD_TILES) == set(_bwd.FLASH_BWD_TILES) | {256}
+
+
+def test_tile_registers_fit_by_columns_only_at_256():
+    """Why D = 256 splits by columns: a 64-key warpgroup holding dK and dV over all 256 columns needs 256 fp32
+    accumulators per thread, above setmaxnreg's 240; by columns it holds 128, + Sᵀ/dPᵀ 32 + dQ 64 = 224."""
+    tile = _sm90.SM90_BWD_TILES[256]
+    assert tile.by_columns and 2 * 256 // 2 > 240
+    assert 2 * 128 // 2 + 2 * tile.block_m // 2 // 2 + 256 * (tile.block_m // 64) // 2 // 2 <= 240
 
 
 def test_params_layout():
@@ -98,11 +124,12 @@ def test_params_layout():
 
 
 def test_head_bucket_and_reasons():
-    assert [_sm90.head_bucket(*e) for e in ((64, 64), (1, 1), (65, 64), (96, 96), (128, 40), (129, 129))] == \
-        [64, 64, 128, 128, 128, None]
+    cases = ((64, 64), (1, 1), (65, 64), (96, 96), (128, 40), (129, 129), (160, 160), (64, 192), (256, 256), (257, 8))
+    assert [_sm90.head_bucket(*e) for e in cases] == [64, 64, 128, 128, 128, 256, 256, 256, 256, None]
     assert "sm_90a" in _sm90.unsupported_reason(F16, 64, 64, False, 80)
     assert "fp16 and bf16" in _sm90.unsupported_reason(np.dtype("float32"), 64, 64, False, 90)
-    assert "up to 128" in _sm90.unsupported_reason(F16, 256, 256, False, 90)
+    assert "head dims" not in (_sm90.unsupported_reason(F16, 256, 256, False, 90) or "")
+    assert "up to 256" in _sm90.unsupported_reason(F16, 320, 320, False, 90)
     assert "attn_mask" in _sm90.unsupported_reason(F16, 64, 64, True, 90)
 
 
@@ -152,7 +179,15 @@ def _cuda_bindings():
     ("", 120, {}, "mma", "needs sm_90a"),
     ("mma", 90, {}, "mma", "forced"),
     ("split", 90, {}, "split", "forced"),
-    ("", 90, {"E": 256}, "split", "up to 128"),
+    ("", 90, {"E": 256, "L": 1024, "S": 1024}, "sm90", "FlashAttention-3"),  # issue 11's (8,16,1024,256)
+    ("", 90, {"E": 256, "L": 64, "S": 64}, "sm90", "FlashAttention-3"),  # small, but the alternative is split
+    ("", 90, {"E": 160, "Ev": 160}, "sm90", "FlashAttention-3"),          # padded to 256 by TMA's zero fill
+    ("", 90, {"E": 128, "Ev": 192, "Hkv": 4}, "sm90", "FlashAttention-3"),  # E != Ev, GQA
+    ("mma", 90, {"E": 256}, "split", "up to 128"),                        # the mma.sync kernel stops at 128
+    ("sm90", 90, {"E": 264}, "split", "up to 256"),
+    ("", 80, {"E": 256}, "split", "needs sm_90a"),
+    ("", 90, {"E": 256, "dropout_p": 0.1}, "split", "dropout"),
+    ("sm90", 90, {"E": 196}, "split", "stride along s is 392 bytes"),     # no TMA, no mma.sync above 128
     ("sm90", 90, {"dtype": "float32"}, "split", "fp16 and bf16"),
     ("sm90", 90, {"mask": object()}, "split", "attn_mask"),
     ("", 75, {}, "split", "sm_80"),
@@ -263,18 +298,25 @@ def _torch_grads(q, k, v, dout, causal):
     return [torch.nan_to_num(x.grad, nan=0.0) for x in ins]
 
 
+def _other(q, v) -> str:
+    """The backward to compare with: the mma.sync kernel up to head dim 128, the split backward above."""
+    return "mma" if max(q.shape[-1], v.shape[-1]) <= max(_bwd.FLASH_BWD_TILES) else "split"
+
+
 def _check(q, k, v, dtype, causal, monkeypatch, what, expect="sm90"):
-    """The Hopper backward (forced) against the float64 reference, torch's error and the mma.sync kernel's error."""
+    """The Hopper backward (forced) against the float64 reference, torch's error and the mma.sync kernel's error (the
+    split backward's above head dim 128)."""
     from _tolerance import assert_close
     g = _torch().Generator("cuda").manual_seed(7)
     dout = _rand(q.shape[:-1] + (v.shape[-1],), dtype, g)
+    other = _other(q, v)
     got = _backward(q, k, v, dout, causal, "sm90", monkeypatch, expect, what)
-    mma = _backward(q, k, v, dout, causal, "mma", monkeypatch, "mma", what)
+    theirs_ours = _backward(q, k, v, dout, causal, other, monkeypatch, other, what)
     ref = _reference_grads(q, k, v, dout, causal)
     theirs = _torch_grads(q, k, v, dout, causal)
-    for label, a, b, r, t in zip(("dq", "dk", "dv"), got, mma, ref, theirs):
+    for label, a, b, r, t in zip(("dq", "dk", "dv"), got, theirs_ours, ref, theirs):
         assert_close(a, r, dtype, t, f"{what} {label} (vs torch's error)")
-        assert_close(a, r, dtype, b, f"{what} {label} (vs the mma.sync kernel's error)")
+        assert_close(a, r, dtype, b, f"{what} {label} (vs the {other} backward's error)")
 
 
 LS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (1, 1000), (1000, 17), (17, 129), (129, 1000), (200, 333)]
@@ -320,7 +362,8 @@ def test_bshd_views(dtype, E, causal, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E,Ev", [(80, 80), (96, 96), (40, 40), (8, 8), (72, 128), (128, 64), (32, 56)])
+@pytest.mark.parametrize("E,Ev", [(80, 80), (96, 96), (40, 40), (8, 8), (72, 128), (128, 64), (32, 56),
+                                  (160, 160), (192, 192), (200, 136), (256, 64), (96, 256), (136, 256)])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_padded_head_dims(dtype, E, Ev, causal, monkeypatch):
     """Head dims below a bucket run its kernel on TMA's zero fill past E (Ev); dQ, dK, dV store only E (Ev) columns."""
@@ -331,40 +374,45 @@ def test_padded_head_dims(dtype, E, Ev, causal, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("E", [128, 256])
 @pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
-def test_long_causal(causal, monkeypatch):
+def test_long_causal(E, causal, monkeypatch):
     _require_hopper()
-    g = _torch().Generator("cuda").manual_seed(4224)
-    q, k, v = (_rand((1, 2, 4224, 128), "float16", g) for _ in range(3))
-    _check(q, k, v, "float16", causal, monkeypatch, f"4224² causal={causal}")
+    g = _torch().Generator("cuda").manual_seed(4224 + E)
+    q, k, v = (_rand((1, 2, 4224, E), "float16", g) for _ in range(3))
+    _check(q, k, v, "float16", causal, monkeypatch, f"4224² E={E} causal={causal}")
 
 
 @pytest.mark.gpu
-def test_falls_back_to_mma(monkeypatch):
-    """Rows TMA cannot read (q a slice of wider rows: 136-byte row stride) keep the mma.sync kernel under sm90."""
+@pytest.mark.parametrize("E,width,expect", [(64, 68, "mma"), (200, 204, "split")])
+def test_falls_back(E, width, expect, monkeypatch):
+    """Rows TMA cannot read (q a slice of wider rows: a row stride of 2·width bytes, not a multiple of 16) keep the
+    mma.sync kernel under sm90, or above head dim 128 the split backward."""
     _require_hopper()
     g = _torch().Generator("cuda").manual_seed(5)
-    q = _rand((1, 2, 100, 68), "float16", g)[..., :64]
-    k, v = _rand((1, 2, 100, 64), "float16", g), _rand((1, 2, 100, 64), "float16", g)
-    _check(q, k, v, "float16", None, monkeypatch, "row stride 136 B", expect="mma")
+    q = _rand((1, 2, 100, width), "float16", g)[..., :E]
+    k, v = _rand((1, 2, 100, E), "float16", g), _rand((1, 2, 100, E), "float16", g)
+    _check(q, k, v, "float16", None, monkeypatch, f"row stride {2 * width} B", expect=expect)
 
 
 @pytest.mark.gpu
-def test_auto_takes_it_through_autograd(monkeypatch):
-    """A call of 2^34 forward FLOPs through torch autograd: auto plans the Hopper kernel, gradients match mma.sync's
-    within the tolerance rule."""
+@pytest.mark.parametrize("shape", [(4, 8, 1024, 128), (2, 4, 1024, 256)])
+def test_auto_takes_it_through_autograd(shape, monkeypatch):
+    """Through torch autograd, auto plans the Hopper kernel (at head dim 128 a call of 2^34 forward FLOPs; at 256 any
+    size) and its gradients match the mma.sync kernel's (above 128 the split backward's) within the tolerance rule."""
     _require_hopper()
     import cupy_attn
     from cupy_attn.attention import checks
     from _tolerance import assert_close
     torch = _torch()
     g = torch.Generator("cuda").manual_seed(11)
-    q, k, v = (_rand((4, 8, 1024, 128), "bfloat16", g) for _ in range(3))
-    dout = _rand((4, 8, 1024, 128), "bfloat16", g)
+    q, k, v = (_rand(shape, "bfloat16", g) for _ in range(3))
+    dout = _rand(shape, "bfloat16", g)
+    other = _other(q, v)
     monkeypatch.delenv(_bwd.ENV_BWD, raising=False)
     assert _bwd.plan_backward(checks.check_sdpa(q, k, v, None, 0.0, True, None, False, "auto")).kernel == "sm90"
     grads = {}
-    for mode in ("auto", "mma"):
+    for mode in ("auto", other):
         monkeypatch.setenv(_bwd.ENV_BWD, mode)
         ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         cupy_attn.scaled_dot_product_attention(*ins, is_causal=True).backward(dout)
@@ -373,7 +421,7 @@ def test_auto_takes_it_through_autograd(monkeypatch):
     theirs = _torch_grads(q, k, v, dout, "top_left")
     ref = _reference_grads(q[:1, :2], k[:1, :2], v[:1, :2], dout[:1, :2], "top_left")  # batch 0, heads 0-1
     for i, label in enumerate(("dq", "dk", "dv")):
-        for mode in ("auto", "mma"):
+        for mode in ("auto", other):
             assert torch.isfinite(grads[mode][i]).all(), f"{mode} {label}"
         assert_close(grads["auto"][i][:1, :2], ref[i], "bfloat16", theirs[i][:1, :2], f"auto {label}")
-        assert_close(grads["auto"][i][:1, :2], ref[i], "bfloat16", grads["mma"][i][:1, :2], f"auto vs mma {label}")
+        assert_close(grads["auto"][i][:1, :2], ref[i], "bfloat16", grads[other][i][:1, :2], f"auto vs {other} {label}")

@@ -4,7 +4,7 @@
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
 
 The FA3-design forward (forced), the fused and split backward, the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
-head dims 64 and 128, causal both alignments, GQA), the decode kernel with several splits and a padding mask, each
+head dims 64, 128, 256 and 160 (bucket 256), causal both alignments, GQA), the decode kernel with several splits and a padding mask, each
 once on odd sizes; the Linear-BN-softmax backward kernels.
 """
 import os
@@ -33,7 +33,7 @@ def main():
         out.float().sum().backward()
     if torch.cuda.get_device_capability() == (9, 0):
         os.environ["CUPY_ATTN_BWD"] = "sm90"
-        for E, causal in ((64, "bottom_right"), (128, True), (128, False)):
+        for E, causal in ((64, "bottom_right"), (128, True), (128, False), (256, "bottom_right"), (160, True)):
             q = torch.randn(1, 4, 150, E, device="cuda", dtype=f16, requires_grad=True)
             k2, v2 = (torch.randn(1, 2, 200, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(2))
             out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)

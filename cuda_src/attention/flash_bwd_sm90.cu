@@ -1,19 +1,20 @@
 // Fused attention backward for Hopper (sm_90a), FlashAttention-3 design: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V
-// with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 128.
+// with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 256.
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
 // and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
 //   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
 // Structure (FlashAttention-3, Shah et al. 2024, §3 and its hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp; our own code on
 // the forward's TMA/mbarrier/wgmma vocabulary, common/tma.cuh and common/wgmma.cuh):
-//   * one block per kBlockN = 128 keys of a key/value head; it loops over the query heads of its GQA group and over
-//     the query blocks that see its keys, so dK and dV accumulate in registers (fp32) across the group;
+//   * one block per kBlockN keys (128; 64 at D = 256) of a key/value head; it loops over the query heads of its GQA
+//     group and over the query blocks that see its keys, so dK and dV accumulate in registers (fp32) across the group;
 //   * warp specialization: warpgroup 0 is the producer (setmaxnreg.dec 24; one thread issues every TMA load: K and V
 //     once, Q + its lse row and dO + its D row per step, into 2-stage mbarrier rings), warpgroups 1 and 2 are the
-//     consumers (setmaxnreg.inc 240), 64 keys each;
+//     consumers (setmaxnreg.inc 240), 64 keys each (at D = 256 the same 64 keys, split by queries and columns);
 //   * the five GEMMs on wgmma: Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (both operands from shared memory), dV += Pᵀ dO and
-//     dK += dSᵀ Q (Pᵀ, dSᵀ straight from the accumulator registers as A fragments), dQ = dS K (dSᵀ through shared
-//     memory, read as an MN-major A operand; K as stored, as an MN-major B operand): no transposed copy of any tile;
+//     dK += dSᵀ Q (Pᵀ, dSᵀ straight from the accumulator registers as A fragments; at D = 256 from shared memory),
+//     dQ = dS K (dSᵀ through shared memory, read as an MN-major A operand; K as stored, as an MN-major B operand):
+//     no transposed copy of any tile;
 //   * dQ is reduced across key blocks by red.global.add.v2.f32 into a zeroed fp32 (B, Hq, L, E) buffer that the
 //     launcher rounds to the input dtype (as flash_bwd.cu).
 // Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
@@ -22,18 +23,25 @@
 // its cp.async wgmma predecessor with this structure. Two stages: a third would cost 32 KB for a step that already
 // overlaps one load with one step of five GEMMs.
 //
-// Thread mapping (consumers): warpgroup w owns keys n0 + 64w ... + 63; Sᵀ, dPᵀ are m64 × kBlockM wgmma
-// accumulators whose per-warp layout is mma.sync's (lane 4g+t: keys g, g+8 of its warp's 16; queries 8j+2t, +1), so
-// the lse and D of a column come from shared memory and no shuffle is needed. dQ of a step (kBlockM × kHeadDim) is
-// two 64 × 64 tiles, one per warpgroup.
+// Thread mapping (consumers, sm90/bwd_mainloop.cuh: BwdSplit): at kBlockN = 128 warpgroup w owns keys n0 + 64w ...
+// + 63; Sᵀ, dPᵀ are m64 × kBlockM wgmma accumulators whose per-warp layout is mma.sync's (lane 4g+t: keys g, g+8 of
+// its warp's 16; queries 8j+2t, +1), so the lse and D of a column come from shared memory and no shuffle is needed.
+// dQ of a step (kBlockM × kHeadDim) is two 64 × 64 tiles, one per warpgroup. At kBlockN = 64 (D = 256: 64 keys ×
+// 256 columns of dK and dV would be 256 fp32 registers per thread) both warpgroups own keys n0 ... + 63: warpgroup w
+// computes Sᵀ, dPᵀ for queries 32w ... + 31 of the step, dK, dV for columns 128w ... + 127 (Pᵀ and dSᵀ of all 64
+// queries from shared memory) and dQ's 64 × 128 tile of those columns.
 //
 // Tiles (cupy_attn/attention/backward_sm90.py, SM90_BWD_TILES): D = 128: kBlockM = 64 (FA3's hdim-128 tile): dK + dV
-// 128 registers, Sᵀ + dPᵀ 64; D = 64: kBlockM = 128 (FA3's hdim-64 tile): dK + dV 64, Sᵀ + dPᵀ 128. Shared memory:
-// K, V, 2 stages of Q and dO, 2 dSᵀ buffers, statistics: 162 KB at D = 128, 163 KB at D = 64 of the 227 KB per block.
-// Accumulation fp32; P and dS are rounded to T only as MMA operands.
+// 128 registers, Sᵀ + dPᵀ 64; D = 64: kBlockM = 128 (FA3's hdim-64 tile): dK + dV 64, Sᵀ + dPᵀ 128; D = 256:
+// kBlockM = kBlockN = 64: dK + dV 128, Sᵀ + dPᵀ 32, dQ 64 (FA3's hdim-256 backward: 64 × 80 with the head dim split
+// over two warpgroups and P, dS in shared memory). Shared memory: K, V, 2 stages of Q and dO, 2 dSᵀ buffers (and 2
+// Pᵀ buffers at D = 256), statistics: 162 KB at D = 128, 163 KB at D = 64, 226 KB at D = 256 of the 227 KB per
+// block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
 //
-// Versions (H200, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
-//   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs      untimed (CPU-checked)
+// Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
+//   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms
+//       (H100: 2.0-2.3x the mma.sync kernel, 1.38-1.45x torch's FA2 backward; bench/NOTES_backward.md)
+//   v2  D = 256 (and 129-256 padded): kBlockN = 64, warpgroups split by queries and columns   untimed (CPU-checked)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -51,7 +59,7 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
-  static_assert(kBlockN == 128, "two consumer warpgroups of 64 keys each");
+  static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "Q and dO rings of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");

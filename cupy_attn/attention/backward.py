@@ -99,7 +99,8 @@ FLASH_BWD = KernelFamily(
 
 def fused_bucket(p) -> int | None:
     """The fused backward's head-dim bucket for a checked problem, or None when it takes the split backward:
-    fp16/bf16, no attn_mask, max(E, Ev) ≤ 128, compute capability ≥ 8.0 (``CUPY_ATTN_BWD=split`` forces split)."""
+    fp16/bf16, no attn_mask, max(E, Ev) ≤ 128 on compute capability ≥ 8.0 or ≤ 256 on 9.0 (plan_backward's rules;
+    ``CUPY_ATTN_BWD=split`` forces split)."""
     plan = plan_backward(p)
     return plan.bucket if plan.kernel != "split" else None
 
@@ -129,10 +130,14 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
     read from the call's device when None, so that tests can pass one).
 
     The split backward serves everything; the mma.sync fused kernel (flash_bwd.cu) fp16/bf16 without attn_mask at head
-    dims ≤ 128 on compute capability ≥ 8.0; the Hopper kernel (flash_bwd_sm90.cu) the same calls on 9.0 whose layouts
-    TMA reads in place (backward_sm90.problem_reason). ``CUPY_ATTN_BWD``: "split", "mma" (never sm90), "sm90" (sm90
-    wherever it applies); unset or "auto": sm90 where it applies for calls of at least BWD_SM90_MIN_FLOPS, else mma.
-    ValueError for another value of the variable.
+    dims ≤ 128 on compute capability ≥ 8.0; the Hopper kernel (flash_bwd_sm90.cu) fp16/bf16 without attn_mask or
+    dropout at head dims ≤ 256 on 9.0 for layouts TMA reads in place (backward_sm90.problem_reason). ``CUPY_ATTN_BWD``:
+    "split", "mma" (never sm90), "sm90" (sm90 wherever it applies); unset or "auto": at head dims ≤ 128 sm90 where it
+    applies for calls of at least BWD_SM90_MIN_FLOPS, else mma; at 129-256 sm90 wherever it applies, whatever the
+    size (the alternative is the split backward: five GEMMs and three kernels per chunk, more launches than the sm90
+    call's four tensor-map encodes cost), else split. ValueError for another value of the variable.
+    Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
+    E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
     import os
     env = os.environ.get(ENV_BWD, "")
@@ -144,31 +149,38 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
         return BackwardPlan("split", None, "attn_mask: the fused backward kernels have no mask input")
     if dtype_name(p.dtype) not in ("float16", "bfloat16"):
         return BackwardPlan("split", None, f"dtype {dtype_name(p.dtype)}: the fused backward serves fp16 and bf16")
+    from . import backward_sm90
     need = max(p.head_dim, p.head_dim_v)
-    bucket = next((d for d in FLASH_BWD_TILES if d >= need), None)
-    if bucket is None:
-        return BackwardPlan("split", None, f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the fused backward serves "
-                                           f"head dims up to {max(FLASH_BWD_TILES)}")
+    bucket = next((d for d in FLASH_BWD_TILES if d >= need), None)  # the mma.sync kernel's, None above 128
+    top = max(backward_sm90.SM90_BWD_TILES)
+    if need > top:
+        return BackwardPlan("split", None, f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the fused backward kernels "
+                                           f"serve head dims up to {top}")
     if arch is None:
         import cupy
         arch = int(cupy.cuda.Device(p.ctx.device_id).compute_capability)
     if arch < 80:
         return BackwardPlan("split", None, f"sm_{arch}: the fused backward needs sm_80 (mma.sync, cp.async)")
+    no_mma = f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the mma.sync kernel serves head dims up to " \
+             f"{max(FLASH_BWD_TILES)}"
     if env == "mma":
-        return BackwardPlan("mma", bucket, f"mma.sync kernel forced by {ENV_BWD}=mma")
+        return (BackwardPlan("mma", bucket, f"mma.sync kernel forced by {ENV_BWD}=mma") if bucket else
+                BackwardPlan("split", None, f"{ENV_BWD}=mma and {no_mma}"))
     if p.dropout_p > 0:
-        return BackwardPlan("mma", bucket, "mma.sync kernel: dropout (the Hopper kernel has no dropout variant)")
-    from . import backward_sm90
+        return (BackwardPlan("mma", bucket, "mma.sync kernel: dropout (the Hopper kernel has no dropout variant)")
+                if bucket else BackwardPlan("split", None, f"dropout (the Hopper kernel has none) and {no_mma}"))
     why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else backward_sm90.problem_reason(p)
     if why_not is None:
+        sm90_bucket = backward_sm90.head_bucket(p.head_dim, p.head_dim_v)
         if env == "sm90":
-            return BackwardPlan("sm90", backward_sm90.head_bucket(p.head_dim, p.head_dim_v),
-                                f"Hopper wgmma kernel forced by {ENV_BWD}=sm90")
+            return BackwardPlan("sm90", sm90_bucket, f"Hopper wgmma kernel forced by {ENV_BWD}=sm90")
         flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * need
-        if flops >= BWD_SM90_MIN_FLOPS:
-            return BackwardPlan("sm90", backward_sm90.head_bucket(p.head_dim, p.head_dim_v),
+        if flops >= BWD_SM90_MIN_FLOPS or bucket is None:
+            return BackwardPlan("sm90", sm90_bucket,
                                 "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
         why_not = f"{flops:.3g} FLOPs < {BWD_SM90_MIN_FLOPS:.3g}: four tensor-map encodes would dominate"
+    if bucket is None:
+        return BackwardPlan("split", None, f"{no_mma}; Hopper kernel not used: {why_not}")
     return BackwardPlan("mma", bucket, f"mma.sync kernel; Hopper kernel not used: {why_not}")
 
 

@@ -2,7 +2,7 @@
 
 TMA loads into mbarrier rings, a producer warpgroup and two consumer warpgroups running the five backward GEMMs on
 wgmma (Shah et al. 2024, FlashAttention-3, §3; FlashAttention-2's Algorithm 2 for the math). It serves fp16 and bf16,
-head dims up to 128 (E and Ev each padded to the bucket 64 or 128 by TMA's zero fill, as the forward's FA3 kernel
+head dims up to 256 (E and Ev each padded to the bucket 64, 128 or 256 by TMA's zero fill, as the forward's FA3 kernel
 does), no attn_mask, causal either alignment or none, GQA, any L and S ≥ 1, on compute capability 9.0, for query, key
 and value layouts TMA can read in place (16-byte aligned bases, batch / head / row strides multiples of 16 bytes:
 BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY_ATTN_BWD``); everything else keeps
@@ -10,8 +10,8 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned bulk copy), a memset of the fp32 dQ accumulator, the kernel
-(one block per 128 keys of a key/value head), and the rounding of dQ to the input dtype (backward.cu's group sum with
-one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
+(one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
+(backward.cu's group sum with one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
 """
 from __future__ import annotations
 
@@ -33,28 +33,41 @@ STAT_PAD = 128
 
 @dataclasses.dataclass(frozen=True)
 class BwdSm90Tile:
-    """Query rows per step, keys per block (two consumer warpgroups of 64), stages of the Q and dO rings."""
+    """Query rows per step, keys per block, stages of the Q and dO rings. block_n = 128: two consumer warpgroups of
+    64 keys each; block_n = 64: both warpgroups on the same 64 keys, splitting Sᵀ by queries and dK, dV by columns
+    (``by_columns``; BwdSplit in cuda_src/attention/sm90/bwd_mainloop.cuh)."""
     block_m: int
     block_n: int = 128
     stages: int = 2
 
+    @property
+    def by_columns(self) -> bool:
+        return self.block_n == 64
+
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, stages × (Q, dO), two dSᵀ buffers, stages × (lse, D) rows, 8 bytes per mbarrier (1 + 4·stages),
-        1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in cuda_src/attention/sm90/bwd_mainloop.cuh.
-        """
+        """K, V, stages × (Q, dO), two dSᵀ buffers (and two Pᵀ buffers when by_columns), stages × (lse, D) rows,
+        8 bytes per mbarrier (1 + 4·stages), 1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in
+        cuda_src/attention/sm90/bwd_mainloop.cuh."""
+        score_buffers = 4 if self.by_columns else 2
         return (2 * self.block_n * head_dim * 2 + 2 * self.stages * self.block_m * head_dim * 2
-                + 2 * self.block_n * self.block_m * 2 + 2 * self.stages * self.block_m * 4 + 8 * (1 + 4 * self.stages)
-                + 1024)
+                + score_buffers * self.block_n * self.block_m * 2 + 2 * self.stages * self.block_m * 4
+                + 8 * (1 + 4 * self.stages) + 1024)
 
 
-# (head dim) -> tile; both dtypes alike (FlashAttention-3's Hopper backward tiles for these head dims). Registers per
-# consumer thread under setmaxnreg's 240: dK + dV head_dim fp32, Sᵀ + dPᵀ block_m fp32, Pᵀ + dSᵀ block_m/2 packed,
-# dQ 32. Shared memory: BwdSm90Tile.smem_bytes of the 227 KB (232448 B) per block.
+# (head dim) -> tile; both dtypes alike. Registers per consumer thread under setmaxnreg's 240: with block_n = 128,
+# dK + dV head_dim fp32, Sᵀ + dPᵀ block_m fp32, Pᵀ + dSᵀ block_m/2 packed, dQ 32; with block_n = 64 (by columns),
+# dK + dV head_dim/2, Sᵀ + dPᵀ block_m/2, dQ head_dim/4. Shared memory: BwdSm90Tile.smem_bytes of the 227 KB
+# (232448 B) per block.
 SM90_BWD_TILES = {
-    # 128 queries per step: 64 dK/dV + 128 Sᵀ/dPᵀ registers; 163 KB.
+    # 128 queries per step (FlashAttention-3's hdim-64 tile): 64 dK/dV + 128 Sᵀ/dPᵀ registers; 163 KB.
     64: BwdSm90Tile(128),
-    # 64 queries per step: 128 dK/dV + 64 Sᵀ/dPᵀ registers; 162 KB.
+    # 64 queries per step (FlashAttention-3's hdim-128 tile): 128 dK/dV + 64 Sᵀ/dPᵀ registers; 162 KB.
     128: BwdSm90Tile(64),
+    # 64 keys × 64 queries, warpgroups split by columns: 64 keys × 256 columns of dK and dV would be 256 registers,
+    # split they are 128, + 32 Sᵀ/dPᵀ + 64 dQ. 226 KB: K and V 64 KB, two stages of Q and dO 128 KB, two Pᵀ and
+    # two dSᵀ buffers 32 KB. (FlashAttention-3: 64 × 80 with dKᵀ, dVᵀ split over the head dim, P and dS in shared
+    # memory, single-staged dO and dS; our 64 keys keep wgmma's M = 64 on keys and fit two stages of both.)
+    256: BwdSm90Tile(64, 64),
 }
 
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
@@ -82,11 +95,11 @@ FLASH_BWD_SM90 = KernelFamily(
 
 
 def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
-    """The instantiated head dim (64 or 128) for E and Ev: the smallest ≥ max(E, Ev); None above 128 or below 1.
-    TMA zero-fills the columns past E (Ev), as in the forward's FA3 kernel (fused_sm90.head_bucket).
+    """The instantiated head dim (64, 128 or 256) for E and Ev: the smallest ≥ max(E, Ev); None above 256 or below
+    1. TMA zero-fills the columns past E (Ev), as in the forward's FA3 kernel (fused_sm90.head_bucket).
 
-    >>> head_bucket(64, 64), head_bucket(80, 96), head_bucket(8, 40), head_bucket(160, 160)
-    (64, 128, 64, None)
+    >>> head_bucket(64, 64), head_bucket(80, 96), head_bucket(8, 40), head_bucket(160, 160), head_bucket(257, 64)
+    (64, 128, 64, 256, None)
     """
     need = max(head_dim, head_dim_v)
     if min(head_dim, head_dim_v) < 1:
@@ -97,15 +110,16 @@ def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, arch: int) -> str | None:
     """None when this kernel can serve a backward of this kind (layout still to check: :func:`layout_reason`).
 
-    >>> unsupported_reason(np.dtype("float16"), 256, 256, False, 90)
-    'head dims E=256, Ev=256: the Hopper backward serves head dims up to 128'
+    >>> unsupported_reason(np.dtype("float16"), 320, 320, False, 90)
+    'head dims E=320, Ev=320: the Hopper backward serves head dims up to 256'
     """
     if arch != 90:
         return f"sm_{arch}: the Hopper backward needs sm_90a (H100/H200)"
     if dtype_name(dtype) not in _C_TYPES:
         return f"dtype {dtype_name(dtype)}: the Hopper backward serves fp16 and bf16"
     if head_bucket(head_dim, head_dim_v) is None:
-        return f"head dims E={head_dim}, Ev={head_dim_v}: the Hopper backward serves head dims up to 128"
+        return f"head dims E={head_dim}, Ev={head_dim_v}: the Hopper backward serves head dims up to " \
+               f"{max(SM90_BWD_TILES)}"
     if has_mask:
         return "attn_mask: the Hopper backward has no mask input (causal only)"
     try:

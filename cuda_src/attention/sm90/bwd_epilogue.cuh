@@ -9,13 +9,14 @@
 namespace cupy_attn {
 namespace sm90 {
 
-// dq_accum rows row0, row0 + 8 (this lane's), columns col0 + 8j (+1) for j < 8, += scale · dq: 64 columns of one
-// warpgroup's 64 × 64 tile. Pairs go by red.global.add.v2.f32 when E is even (8-byte aligned pairs); rows past L
+// dq_accum rows row0, row0 + 8 (this lane's), columns col0 + 8j (+1) for j < kN/8, += scale · dq: kN columns of one
+// warpgroup's 64 × kN tile. Pairs go by red.global.add.v2.f32 when E is even (8-byte aligned pairs); rows past L
 // and columns past E are skipped (their values come from TMA's zero fill and are 0 anyway).
-__device__ __forceinline__ void reduce_dq(const float (&dq)[32], float* dq_head, int row0, int col0, int seqlen_q,
+template <int kN>
+__device__ __forceinline__ void reduce_dq(const float (&dq)[kN / 2], float* dq_head, int row0, int col0, int seqlen_q,
                                           int head_dim, float scale) {
-  // Even E with all 64 columns of the tile inside it (E = 64, 128, ...): pairs without per-column tests.
-  const bool whole = head_dim % 2 == 0 && (col0 & ~7) + 64 <= head_dim;
+  // Even E with all kN columns of the tile inside it (E = 64, 128, 256 ...): pairs without per-column tests.
+  const bool whole = head_dim % 2 == 0 && (col0 & ~7) + kN <= head_dim;
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int row = row0 + 8 * half;
@@ -23,10 +24,11 @@ __device__ __forceinline__ void reduce_dq(const float (&dq)[32], float* dq_head,
     float* dst = dq_head + static_cast<long long>(row) * head_dim + col0;
     if (whole) {
       #pragma unroll
-      for (int j = 0; j < 8; ++j) red_add2(dst + 8 * j, scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
+      for (int j = 0; j < kN / 8; ++j)
+        red_add2(dst + 8 * j, scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
     } else {
       #pragma unroll
-      for (int j = 0; j < 8; ++j) {
+      for (int j = 0; j < kN / 8; ++j) {
         const int col = col0 + 8 * j;
         const float a = scale * dq[4 * j + 2 * half], b = scale * dq[4 * j + 2 * half + 1];
         if (head_dim % 2 == 0 && col + 1 < head_dim) {
@@ -41,10 +43,11 @@ __device__ __forceinline__ void reduce_dq(const float (&dq)[32], float* dq_head,
 }
 
 // Rows key0, key0 + 8 of one gradient (dK or dV: (B, Hkv, S, cols) contiguous, `head` = its (b, h) slice), columns
-// 8j + 2t (+1) for j < kHeadDim/8, = scale · acc rounded to T; keys past S and columns past `cols` are not stored.
-template <typename T, int kHeadDim>
-__device__ __forceinline__ void store_grad(const float (&acc)[kHeadDim / 2], T* head, int key0, int t, int seqlen_k,
-                                           int cols, float scale) {
+// col_wg + 8j + 2t (+1) for j < kN/8 (col_wg: this warpgroup's first column), = scale · acc rounded to T; keys past
+// S and columns past `cols` are not stored.
+template <typename T, int kN>
+__device__ __forceinline__ void store_grad(const float (&acc)[kN / 2], T* head, int key0, int t, int col_wg,
+                                           int seqlen_k, int cols, float scale) {
   const bool pairs = cols % 2 == 0;  // 4-byte aligned element pairs
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -52,8 +55,8 @@ __device__ __forceinline__ void store_grad(const float (&acc)[kHeadDim / 2], T* 
     if (key >= seqlen_k) continue;
     T* row = head + static_cast<long long>(key) * cols;
     #pragma unroll
-    for (int d = 0; d < kHeadDim / 8; ++d) {
-      const int col = d * 8 + 2 * t;
+    for (int d = 0; d < kN / 8; ++d) {
+      const int col = d * 8 + 2 * t + col_wg;
       const float x0 = scale * acc[4 * d + 2 * half], x1 = scale * acc[4 * d + 2 * half + 1];
       if (pairs && col + 1 < cols) {
         *reinterpret_cast<unsigned*>(row + col) = pack2<T>(x0, x1);

@@ -1,14 +1,25 @@
 // Mainloop of flash_bwd_sm90.cu, by role: the producer (one thread: TMA loads of the block's K and V once, then per
-// step Q + lse and dO + D into kStages-deep mbarrier rings) and the consumers (two warpgroups of 64 keys each: the five
-// GEMMs of a step with wgmma, P and dS in registers, dSᵀ through shared memory for dQ). Owns the shared-memory layout
-// and the pipeline protocol; the gradient stores and the dQ reduction are in bwd_epilogue.cuh.
+// step Q + lse and dO + D into kStages-deep mbarrier rings) and the consumers (two warpgroups: the five GEMMs of a step
+// with wgmma, P and dS in registers, dSᵀ through shared memory for dQ). Owns the shared-memory layout and the pipeline
+// protocol; the gradient stores and the dQ reduction are in bwd_epilogue.cuh.
+//
+// How the two consumer warpgroups share a block (BwdSplit below):
+//   kBlockN = 128 (head dims 64, 128): by keys. Warpgroup w owns keys 64w ... 64w + 63: Sᵀ and dPᵀ over all kBlockM
+//     queries of the step, dK and dV over all kHeadDim columns, with Pᵀ and dSᵀ as register A operands (rs).
+//   kBlockN = 64 (head dim 256, where 64 keys × 256 columns of dK and dV would be 256 fp32 registers per thread): by
+//     queries and columns. Both warpgroups see all 64 keys; warpgroup w computes Sᵀ and dPᵀ for queries
+//     w·kBlockM/2 ..., writes its Pᵀ and dSᵀ to shared memory, and after the step's named barrier accumulates dK and
+//     dV for columns w·kHeadDim/2 ... over all kBlockM queries with both operands from shared memory (ss_bmn):
+//     64 + 64 accumulator registers instead of 256 (FlashAttention-3 splits hdim 256 the same way: its dKV_swapAB
+//     tiles give each of two warpgroups half of the head dim, with P and dS in shared memory).
 //
 // Shared-memory tiles (K, V, Q, dO) are stored as kHeadDim/64 column blocks of rows × 128 bytes, each written by one
 // TMA box in the 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)): the canonical K-major layout of a
 // wgmma operand, 8-row atoms 1024 bytes apart, read as K-major (Sᵀ = K Qᵀ, dPᵀ = V dOᵀ) and as MN-major (dO and Q as
 // the B operands of dV += Pᵀ dO and dK += dSᵀ Q; K as the B operand of dQ = dS K) without any transposed copy.
 // dSᵀ is stored by the consumers in the same swizzled form, [key][query] with kBlockM/64 column blocks of kBlockN
-// rows: the MN-major A operand of dQ = dS K.
+// rows: the MN-major A operand of dQ = dS K, and at kBlockN = 64 the K-major A operand of dK += dSᵀ Q (Pᵀ likewise,
+// for dV += Pᵀ dO).
 //
 // Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and per stage s of
 // the Q and dO rings q_full[s] / do_full[s] (1 arrival + bytes: tile and its lse or D row) and q_empty[s] / do_empty[s]
@@ -18,7 +29,8 @@
 // at once). dSᵀ is double-buffered (buffer i % 2) and the two consumer warpgroups meet at one named barrier per step,
 // after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
 // passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
-// that buffer) had completed.
+// that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow the same rule (written with dSᵀ, read by dV +=
+// Pᵀ dO of the same step, which completes before the step ends).
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -30,18 +42,34 @@
 namespace cupy_attn {
 namespace sm90 {
 
+// How the two consumer warpgroups share a block of kBlockN keys × kBlockM queries × kHeadDim columns (see the top):
+// warpgroup w's Sᵀ / dPᵀ tile is keys key_row(w) + 0..63 × queries q_col(w) + 0..kSN−1, its dK / dV tile keys
+// key_row(w) + 0..63 × columns kv_col(w) + 0..kKvN−1.
+template <int kHeadDim, int kBlockM, int kBlockN>
+struct BwdSplit {
+  static_assert(kBlockN == 128 || kBlockN == 64, "two warpgroups of 64 keys, or two sharing 64 keys");
+  static constexpr bool kByColumns = kBlockN == 64;              // Pᵀ, dSᵀ through shared memory, dK, dV ss
+  static constexpr int kSN = kByColumns ? kBlockM / 2 : kBlockM;     // queries of a warpgroup's Sᵀ, dPᵀ
+  static constexpr int kKvN = kByColumns ? kHeadDim / 2 : kHeadDim;  // columns of its dK, dV
+  __device__ __forceinline__ static int key_row(int wg) { return kByColumns ? 0 : 64 * wg; }
+  __device__ __forceinline__ static int q_col(int wg) { return kByColumns ? kSN * wg : 0; }
+  __device__ __forceinline__ static int kv_col(int wg) { return kByColumns ? kKvN * wg : 0; }
+};
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct BwdSharedStorage {
   static constexpr int kColBlocks = kHeadDim / 64;      // 128-byte swizzle atoms hold 64 16-bit columns
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;  // K or V of the key block
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;   // one Q or dO stage
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // one dSᵀ buffer
+  // One Pᵀ buffer: only when the warpgroups split by columns (else Pᵀ stays in registers).
+  static constexpr int kPBytes = BwdSplit<kHeadDim, kBlockM, kBlockN>::kByColumns ? kDSBytes : 0;
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse·log2(e) or D
   static constexpr int kBarriers = 1 + 4 * kStages;        // kv_full; q_full, q_empty, do_full, do_empty per stage
   // The dynamic shared memory the launcher must request: tiles (each a multiple of 1024 bytes, so every tile stays
   // 1024-byte aligned), statistics, barriers, and 1 KB of slack to align the base to 1024 bytes.
-  static constexpr int kBytes =
-      2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
+  static constexpr int kBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes
+                                + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0, "1024-byte aligned tiles");
   static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
 
@@ -50,6 +78,7 @@ struct BwdSharedStorage {
   T* q;      // kStages tiles of kBlockM rows
   T* dout;   // kStages tiles of kBlockM rows
   T* ds;     // 2 buffers of dSᵀ
+  T* p;      // 2 buffers of Pᵀ (kPBytes each; none when kPBytes = 0)
   float* lse;    // kStages rows of kBlockM
   float* delta;  // kStages rows of kBlockM
   unsigned long long* kv_full;
@@ -65,7 +94,8 @@ struct BwdSharedStorage {
     q = reinterpret_cast<T*>(smem + 2 * kKVBytes);
     dout = reinterpret_cast<T*>(smem + 2 * kKVBytes + kStages * kQBytes);
     ds = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes);
-    lse = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes);
+    p = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes);
+    lse = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes);
     delta = lse + kStages * kBlockM;
     kv_full = reinterpret_cast<unsigned long long*>(delta + kStages * kBlockM);
     q_full = kv_full + 1;
@@ -127,76 +157,106 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
 // Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above).
 constexpr int kDsReadyBarrier = 1;
 
-// One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): keys
-// n0 + 64·wg ... + 63 of the block. dK and dV (64 × kHeadDim each, fp32) stay in registers across all steps; per step
-//   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ                (ss, 64 × kBlockM each, issued together)
+// dV += Pᵀ dO or dK += dSᵀ Q at kBlockN = 64: acc (64 keys × kN columns) += A (64 keys × kBlockM queries: a Pᵀ or
+// dSᵀ buffer, [key][query] K-major as the consumers stored it) · B (kBlockM × kN: dO or Q from this warpgroup's first
+// column block on, MN-major: 64-column blocks kBlockM·128 bytes apart (LBO), 8-row groups 1024 bytes (SBO)).
+// Issued and committed, not waited for.
+template <typename T, int kN, int kBlockM, int kBlockN>
+__device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_tile, unsigned b_tile) {
+  wgmma::fence();
+  #pragma unroll
+  for (int kk = 0; kk < kBlockM / 16; ++kk) {
+    const unsigned a = a_tile + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
+    wgmma::Mma<T, kN>::ss_bmn(acc, wgmma::desc_sw128(a, 16, 1024),
+                              wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
+  }
+  wgmma::commit();
+}
+
+// One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): its tiles of
+// the block as BwdSplit gives them (64 keys; at kBlockN = 128 keys n0 + 64·wg ... + 63, at kBlockN = 64 all keys of
+// the block with half of the queries for Sᵀ and half of the columns for dK, dV). dK and dV (fp32) stay in registers
+// across all steps; per step
+//   Sᵀ = K Qᵀ, dPᵀ = V dOᵀ                (ss, 64 × kSN each, issued together)
 //   Pᵀ = 2^(Sᵀ·scale·log2 e − lse·log2 e)  (masked on the sequence end and the causal diagonal)
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D)
-//   dV += Pᵀ dO, dK += dSᵀ Q              (rs: Pᵀ and dSᵀ from registers; dO, Q MN-major)
-//   dQ (64 × 64 of this warpgroup) = dS K (ss_mn: dSᵀ from shared memory, both warpgroups' keys), then reduced into
+//   dV += Pᵀ dO, dK += dSᵀ Q              (rs: Pᵀ and dSᵀ from registers, or at kBlockN = 64 ss_bmn: both warpgroups'
+//                                          Pᵀ, dSᵀ from shared memory; dO, Q MN-major)
+//   dQ (64 × kDqN of this warpgroup) = dS K (ss_mn: dSᵀ from shared memory, all keys of the block), then reduced into
 //   dq_accum by red.global.add.
 // wgmma groups complete in order: after issuing Sᵀ and dPᵀ, wait<1> returns with Sᵀ done, so the exponentials run
-// while dPᵀ is in flight; dV is issued before the named barrier and dQ after it, wait<1> then releases dO (dV done)
-// while dQ runs, and so on.
+// while dPᵀ is in flight; dV is issued before dQ, wait<1> then releases dO (dV done) while dQ runs, and so on. The
+// named barrier sits after dV's issue at kBlockN = 128 (dV reads only this warpgroup's registers) and before it at
+// kBlockN = 64 (dV reads the other warpgroup's Pᵀ).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
                                             int n0, int h_kv, int b, BwdSteps steps, int tid) {
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
-  // dQ of a step is kBlockM × kHeadDim, split into two 64 × 64 tiles, one per warpgroup: (query block, column block).
+  using Split = BwdSplit<kHeadDim, kBlockM, kBlockN>;
+  constexpr int kSN = Split::kSN, kKvN = Split::kKvN;
+  // dQ of a step is kBlockM × kHeadDim, split into two tiles of 64 queries × kDqN columns, one per warpgroup:
+  // (query block, column block of kDqN).
   constexpr int kDqRowBlocks = kBlockM / 64;
-  static_assert(kDqRowBlocks * (kHeadDim / 64) == 2, "one 64 x 64 dQ tile per consumer warpgroup");
+  constexpr int kDqN = kHeadDim * kDqRowBlocks / 2;
+  static_assert(kDqRowBlocks * (kHeadDim / kDqN) == 2 && kDqN % 64 == 0, "one 64 x kDqN dQ tile per warpgroup");
+  static_assert(kSN % 16 == 0 && kKvN % 64 == 0, "whole k steps of Sᵀ; 64-column blocks of dK, dV");
   // Warpgroup and warp indices through a shuffle: ptxas then knows them warp-uniform and keeps what derives from them
   // (descriptor addresses, key ranges) in uniform registers, next to 192 live accumulators at the peak.
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
   const int lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int dq_rb = wg % kDqRowBlocks, dq_cb = wg / kDqRowBlocks;
-  const int key_wg = n0 + 64 * wg;           // first key of this warpgroup
-  const int key0 = key_wg + 16 * warp + g;   // this lane's keys: key0 and key0 + 8
+  const int dq_rb = wg % kDqRowBlocks, dq_cb = (wg / kDqRowBlocks) * (kDqN / 64);  // dQ tile: query, column block
+  const int key_wg = n0 + Split::key_row(wg);  // first key of this warpgroup
+  const int key0 = key_wg + 16 * warp + g;     // this lane's keys: key0 and key0 + 8
+  const int q_col = Split::q_col(wg);          // first query (within the step) of this warpgroup's Sᵀ
+  const int kv_col = Split::kv_col(wg);        // first column of this warpgroup's dK, dV
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
   const bool causal = p.is_causal != 0;
   const int causal_offset = static_cast<int>(p.causal_offset);  // |S − L| < 2^31
   const float sc = static_cast<float>(p.scale_log2);
   const int groups = static_cast<int>(p.groups);
 
-  float acc_dk[kHeadDim / 2], acc_dv[kHeadDim / 2];
+  float acc_dk[kKvN / 2], acc_dv[kKvN / 2];
   #pragma unroll
-  for (int i = 0; i < kHeadDim / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-  float acc_s[kBlockM / 2], acc_dp[kBlockM / 2], dq[32];
-  unsigned pa[kBlockM / 16][4], dsa[kBlockM / 16][4];
+  for (int i = 0; i < kKvN / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+  float acc_s[kSN / 2], acc_dp[kSN / 2], dq[kDqN / 2];
+  unsigned pa[kSN / 16][4], dsa[kSN / 16][4];
 
   // Descriptor addresses. K and V: this warpgroup's 64 rows inside each kBlockN-row column block.
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   const unsigned q_base = tma::smem_u32(ss.q), do_base = tma::smem_u32(ss.dout), ds_base = tma::smem_u32(ss.ds);
-  // dSᵀ stores (stmatrix x4, one per 16-query k step): lane l gives the row address of matrix l / 8 (rows: keys
-  // 64·wg + 16·warp + l % 8, + 8 for matrices 1 and 3; 16-byte chunk 2kk (+1 for matrices 2 and 3) of the row, at
-  // chunk ^ (row % 8) in the swizzle). Row r sits at r · 128 bytes inside a column block of 64 queries.
-  const int st_row = 64 * wg + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
-  const unsigned ds_lane = ds_base + st_row * 128;
+  const unsigned p_base = tma::smem_u32(ss.p);
+  // dSᵀ (and Pᵀ) stores (stmatrix x4, one per 16-query k step): lane l gives the row address of matrix l / 8 (rows:
+  // keys key_row + 16·warp + l % 8, + 8 for matrices 1 and 3; 16-byte chunk 2kk (+1 for matrices 2 and 3) of the
+  // row, at chunk ^ (row % 8) in the swizzle, kk counted from query 0 of the step). Row r sits at r · 128 bytes
+  // inside a column block of 64 queries.
+  const int st_row = Split::key_row(wg) + 16 * warp + lane % 8 + 8 * ((lane / 8) % 2);
+  const unsigned ds_lane = ds_base + st_row * 128, p_lane = p_base + st_row * 128;
   const int ds_xor = (lane / 16) ^ (lane % 8);  // (2kk + lane / 16) ^ (row % 8) = 2kk ^ ds_xor, 2kk even
 
-  // Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ: a = V, b = dO): 64 keys × kBlockM queries, kHeadDim/16 k steps of 32 bytes inside a
+  // Sᵀ = K Qᵀ (or dPᵀ = V dOᵀ: a = V, b = dO): 64 keys × kSN queries, kHeadDim/16 k steps of 32 bytes inside a
   // swizzled 128-byte row, the next 64-column block every 4 steps. Issued and committed, not waited for.
-  auto issue_ss = [&](float (&acc)[kBlockM / 2], unsigned a_tile, unsigned b_tile) {
+  auto issue_ss = [&](float (&acc)[kSN / 2], unsigned a_tile, unsigned b_tile) {
     #pragma unroll
-    for (int j = 0; j < kBlockM / 2; ++j) acc[j] = 0.f;
+    for (int j = 0; j < kSN / 2; ++j) acc[j] = 0.f;
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      const unsigned a = a_tile + (kk / 4) * kBlockN * 128 + wg * 64 * 128 + (kk % 4) * 32;
-      const unsigned bb = b_tile + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-      wgmma::Mma<T, kBlockM>::ss(acc, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bb, 16, 1024), kk > 0);
+      const unsigned a = a_tile + (kk / 4) * kBlockN * 128 + Split::key_row(wg) * 128 + (kk % 4) * 32;
+      const unsigned bb = b_tile + (kk / 4) * kBlockM * 128 + q_col * 128 + (kk % 4) * 32;
+      wgmma::Mma<T, kSN>::ss(acc, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bb, 16, 1024), kk > 0);
     }
     wgmma::commit();
   };
-  // acc (64 keys × kHeadDim) += A (64 keys × kBlockM queries, registers) · B (kBlockM × kHeadDim, MN-major: its
-  // 64-column blocks kBlockM·128 bytes apart (LBO), 8-row groups 1024 bytes (SBO)).
-  auto issue_rs = [&](float (&acc)[kHeadDim / 2], const unsigned (&a)[kBlockM / 16][4], unsigned b_tile) {
+  // acc (64 keys × kKvN) += A (64 keys × kBlockM queries, registers) · B (kBlockM × kKvN, MN-major: its 64-column
+  // blocks kBlockM·128 bytes apart (LBO), 8-row groups 1024 bytes (SBO)). kBlockN = 128 only (kSN = kBlockM there);
+  // kBlockN = 64 reads A from shared memory: issue_dkv_ss.
+  auto issue_rs = [&](float (&acc)[kKvN / 2], const unsigned (&a)[kSN / 16][4], unsigned b_tile) {
     wgmma::fence();
     #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk)
-      wgmma::Mma<T, kHeadDim>::rs(acc, a[kk], wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
+    for (int kk = 0; kk < kSN / 16; ++kk)
+      wgmma::Mma<T, kKvN>::rs(acc, a[kk], wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
     wgmma::commit();
   };
   auto release = [&](unsigned long long* empty) {
@@ -222,9 +282,9 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     // only in blocks that have any (warpgroup-uniform test).
     wgmma::wait<1>();
     wgmma::fence_operands(acc_s);
-    const float* lse = ss.lse + s * kBlockM;
+    const float* lse = ss.lse + s * kBlockM + q_col;
     #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int j = 0; j < kSN / 8; ++j) {
       const float2 l = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -232,15 +292,16 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
         acc_s[4 * j + 2 * half + 1] = exp2_approx(fmaf(acc_s[4 * j + 2 * half + 1], sc, -l.y));
       }
     }
-    if (key_wg + 63 >= S || (causal && key_wg + 63 > m0 + causal_offset)) {
+    const int q0 = m0 + q_col;  // first query of this warpgroup's Sᵀ columns
+    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // Columns 8j + e of this lane (query m0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
-        // of them past S, those below the diagonal's column key − causal_offset − m0 when causal.
+        // Columns 8j + e of this lane (query q0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
+        // of them past S, those below the diagonal's column key − causal_offset − q0 when causal.
         const int key = key0 + 8 * half;
-        const int first = key >= S ? kBlockM : (causal ? key - causal_offset - m0 - 2 * t : 0);
+        const int first = key >= S ? kSN : (causal ? key - causal_offset - q0 - 2 * t : 0);
         #pragma unroll
-        for (int j = 0; j < kBlockM / 8; ++j)
+        for (int j = 0; j < kSN / 8; ++j)
           #pragma unroll
           for (int e = 0; e < 2; ++e)
             if (8 * j + e < first) acc_s[4 * j + 2 * half + e] = 0.f;
@@ -253,11 +314,12 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     wgmma::fence_operands(acc_dp);
     // dSᵀ = Pᵀ ∘ (dPᵀ − D), and Pᵀ, dSᵀ packed as A fragments (query = the k dimension of dV's and dK's GEMMs: the
     // 8 columns 8j.. are k step j / 2, registers 2·(j % 2) + half), one 8-column tile at a time so that its fp32
-    // values die at once; each k step's dSᵀ also goes to shared memory for dQ (one stmatrix: the four registers of an
-    // A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8 chunks).
-    const float* delta = ss.delta + s * kBlockM;
+    // values die at once; each k step's dSᵀ (and at kBlockN = 64 its Pᵀ) also goes to shared memory (one stmatrix:
+    // the four registers of an A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8
+    // chunks).
+    const float* delta = ss.delta + s * kBlockM + q_col;
     #pragma unroll
-    for (int j = 0; j < kBlockM / 8; ++j) {
+    for (int j = 0; j < kSN / 8; ++j) {
       const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -267,48 +329,57 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
         dsa[j / 2][2 * (j % 2) + half] = pack2<T>(ds0, ds1);
       }
       if (j % 2 == 1) {
-        const int kk = j / 2;
-        stmatrix_x4(ds_lane + ds_buf + (kk / 4) * kBlockN * 128 + (((2 * kk) % 8) ^ ds_xor) * 16, dsa[kk][0],
+        const int kk = j / 2, kq = q_col / 16 + kk;  // k step within this warpgroup's queries, within the step's
+        stmatrix_x4(ds_lane + ds_buf + (kq / 4) * kBlockN * 128 + (((2 * kq) % 8) ^ ds_xor) * 16, dsa[kk][0],
                     dsa[kk][1], dsa[kk][2], dsa[kk][3]);
+        if constexpr (Split::kByColumns)
+          stmatrix_x4(p_lane + ds_buf + (kq / 4) * kBlockN * 128 + (((2 * kq) % 8) ^ ds_xor) * 16, pa[kk][0],
+                      pa[kk][1], pa[kk][2], pa[kk][3]);
       }
     }
-    issue_rs(acc_dv, pa, do_st);
-    tma::fence_proxy_async();  // the dSᵀ stores, before the barrier, become visible to the other warpgroup's wgmma
+    const unsigned do_kv = do_st + (kv_col / 64) * kBlockM * 128, q_kv = q_st + (kv_col / 64) * kBlockM * 128;
+    if constexpr (!Split::kByColumns) issue_rs(acc_dv, pa, do_kv);
+    tma::fence_proxy_async();  // the dSᵀ (Pᵀ) stores, before the barrier, become visible to the other warpgroup's wgmma
     tma::named_barrier_sync(kDsReadyBarrier, 256);
+    if constexpr (Split::kByColumns) issue_dkv_ss<T, kKvN, kBlockM, kBlockN>(acc_dv, p_base + ds_buf, do_kv);
 
-    // dQ tile (queries 64·dq_rb, columns 64·dq_cb) = dS K over the block's kBlockN keys: A = dSᵀ's column block dq_rb
-    // (MN-major, 64 queries × 16 keys per step, one 1024-byte atom pair per step), B = K's column block dq_cb
-    // (MN-major: keys = k, head-dim columns = n).
+    // dQ tile (queries 64·dq_rb, columns 64·dq_cb ... + kDqN) = dS K over the block's kBlockN keys: A = dSᵀ's column
+    // block dq_rb (MN-major, 64 queries × 16 keys per step, one 1024-byte atom pair per step), B = K's column blocks
+    // from dq_cb (MN-major: keys = k, head-dim columns = n).
     #pragma unroll
-    for (int j = 0; j < 32; ++j) dq[j] = 0.f;
+    for (int j = 0; j < kDqN / 2; ++j) dq[j] = 0.f;
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
       const unsigned a = ds_base + ds_buf + dq_rb * kBlockN * 128 + kk * 16 * 128;
       const unsigned bk = k_base + dq_cb * kBlockN * 128 + kk * 16 * 128;
-      wgmma::Mma<T, 64>::ss_mn(dq, wgmma::desc_sw128(a, kBlockN * 128, 1024),
-                               wgmma::desc_sw128(bk, kBlockN * 128, 1024), kk > 0);
+      wgmma::Mma<T, kDqN>::ss_mn(dq, wgmma::desc_sw128(a, kBlockN * 128, 1024),
+                                 wgmma::desc_sw128(bk, kBlockN * 128, 1024), kk > 0);
     }
     wgmma::commit();
     wgmma::wait<1>();  // dV += Pᵀ dO done: dO's stage is free
     wgmma::fence_operands(acc_dv);
     release(&ss.do_empty[s]);
-    issue_rs(acc_dk, dsa, q_st);
+    if constexpr (Split::kByColumns) {
+      issue_dkv_ss<T, kKvN, kBlockM, kBlockN>(acc_dk, ds_base + ds_buf, q_kv);
+    } else {
+      issue_rs(acc_dk, dsa, q_kv);
+    }
     wgmma::wait<1>();  // dQ done
     wgmma::fence_operands(dq);
     float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
-    reduce_dq(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L, static_cast<int>(p.head_dim),
-              static_cast<float>(p.scale));
+    reduce_dq<kDqN>(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L, static_cast<int>(p.head_dim),
+                    static_cast<float>(p.scale));
     wgmma::wait<0>();  // dK += dSᵀ Q done: Q's stage is free
     wgmma::fence_operands(acc_dk);
     release(&ss.q_empty[s]);
   }
 
   const long long kv_head = static_cast<long long>(b) * (p.num_heads / groups) + h_kv;
-  store_grad<T, kHeadDim>(acc_dk, static_cast<T*>(p.dk) + kv_head * S * p.head_dim, key0, t, S,
-                          static_cast<int>(p.head_dim), static_cast<float>(p.scale));
-  store_grad<T, kHeadDim>(acc_dv, static_cast<T*>(p.dv) + kv_head * S * p.head_dim_v, key0, t, S,
-                          static_cast<int>(p.head_dim_v), 1.f);
+  store_grad<T, kKvN>(acc_dk, static_cast<T*>(p.dk) + kv_head * S * p.head_dim, key0, t, kv_col, S,
+                      static_cast<int>(p.head_dim), static_cast<float>(p.scale));
+  store_grad<T, kKvN>(acc_dv, static_cast<T*>(p.dv) + kv_head * S * p.head_dim_v, key0, t, kv_col, S,
+                      static_cast<int>(p.head_dim_v), 1.f);
 }
 
 }  // namespace sm90
