@@ -3,8 +3,8 @@ backward's kernel choice (backward.plan_backward).
 
 CPU: every instantiation (head dims 64, 128, 256) compiles for sm_90a without spills, stack or ptxas performance
 warnings; its SASS holds HGMMA of the shapes its warpgroup split implies (with the transposed-operand form of dQ = dS
-K, and at 256 the transposed-B form of dV, dK with Pᵀ, dSᵀ from shared memory), TMA loads (UTMALDG) and bulk copies
-(UBLKCP), mbarrier operations, setmaxnreg, the dQ reductions, no local memory, and the exponentials of Pᵀ between the
+K, and at 256 the transposed-B form of dV, dK with Pᵀ, dSᵀ from shared memory), TMA loads (UTMALDG, the lse/D rows
+included: no plain bulk copies), mbarrier operations, setmaxnreg, the dQ reductions, no local memory, and the exponentials of Pᵀ between the
 two wgmma waits (they overlap dPᵀ = V dOᵀ); the tile table against shared memory, registers and the generated wgmma
 wrappers; the choice rules on fake problems (arch, dtype, head dims, mask, layout, size, dropout, CUPY_ATTN_BWD). GPU
 (``gpu`` marker): dq, dk, dv from backward.sdpa_backward into NaN-poisoned tensors, after asserting which kernel the
@@ -62,9 +62,9 @@ def test_sass(row):
     text = _sass(expr)
     ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     names = [op.split()[0] for op in ops]
-    for op in ("UTMALDG", "UBLKCP", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2", "STSM"):
+    for op in ("UTMALDG", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2", "STSM"):
         assert any(n.startswith(op) for n in names), f"{expr}: no {op} in the SASS"
-    for op in ("LDL", "STL"):
+    for op in ("LDL", "STL", "UBLKCP"):
         assert not any(n.startswith(op) for n in names), f"{expr}: local memory ({op})"
     hgmma = [op for op in ops if op.startswith("HGMMA")]
     # Per step: Sᵀ and dPᵀ (kHeadDim/16 each), dV and dK (kBlockM/16 each), dQ (kBlockN/16, both operands transposed).
@@ -116,11 +116,11 @@ def test_tile_registers_fit_by_columns_only_at_256():
 
 
 def test_params_layout():
-    """The kernel reads its four tensor maps at 0/128/256/384 and dk right after them (bwd_params.cuh)."""
+    """The kernel reads its five tensor maps at 0/128/256/384/512 and dk right after them (bwd_params.cuh)."""
     p = _sm90._PARAMS
-    assert p.itemsize == 640
-    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "dk", "scale_log2")] == \
-        [0, 128, 256, 384, 512, 632]
+    assert p.itemsize == 768
+    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "dk", "scale_log2")] == \
+        [0, 128, 256, 384, 512, 640, 760]
 
 
 def test_head_bucket_and_reasons():
@@ -168,7 +168,7 @@ def _cuda_bindings():
 @pytest.mark.parametrize("env,arch,problem,kernel,why", [
     ("", 90, {}, "sm90", "FlashAttention-3"),
     ("", 90, {"E": 64, "H": 32, "B": 4, "L": 4096, "S": 4096}, "sm90", "FlashAttention-3"),
-    ("", 90, {"L": 64, "S": 64}, "mma", "four tensor-map encodes"),           # small: the encodes would dominate
+    ("", 90, {"L": 64, "S": 64}, "mma", "five tensor-map encodes"),           # small: the encodes would dominate
     ("sm90", 90, {"L": 64, "S": 64}, "sm90", "forced"),
     ("auto", 90, {"E": 96, "Ev": 96}, "sm90", "FlashAttention-3"),             # padded to 128 by TMA's zero fill
     ("", 90, {"Hkv": 4}, "sm90", "FlashAttention-3"),                          # GQA

@@ -70,7 +70,7 @@ __global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
 }
 
 // The statistics of flash_bwd_sm90.cu in rows padded to ld (seqlen_q rounded up to a multiple of every query block
-// size), so that each query block's statistics are one aligned bulk copy: row (head, i) for i < L gets D = Σ dO∘O and
+// size), so that each query block's statistics are one aligned TMA box: row (head, i) for i < L gets D = Σ dO∘O and
 // lse·log2(e) (+inf for a row whose keys were all masked, lse = −inf: P = 2^(s − inf) = 0); padding rows get D = 0 and
 // +inf. Reuses BwdParams: rows = heads · ld, ld, seqlen_q = L, lse (heads, L) in, delta (heads, ld) and lse_log2
 // (heads, ld) out, dout and o (heads, L, head_dim_v) contiguous.

@@ -85,12 +85,12 @@ __device__ __forceinline__ void load_4d(void* dst, const TensorMap* map, unsigne
       : "memory");
 }
 
-// Copy `bytes` contiguous bytes from global memory into shared memory at dst (a non-tensor bulk copy: no tensor map),
-// completing `bytes` transactions on `bar`. dst and src 16-byte aligned, bytes a multiple of 16. Issued by one thread.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, unsigned bytes, unsigned long long* bar) {
+// The same for a 2-D tensor map: the box at coordinates (c0 innermost, c1). Without swizzle dst needs 128-byte
+// alignment.
+__device__ __forceinline__ void load_2d(void* dst, const TensorMap* map, unsigned long long* bar, int c0, int c1) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(smem_u32(dst)),
-      "l"(reinterpret_cast<unsigned long long>(src)), "r"(bytes), "r"(smem_u32(bar))
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n"
+      ::"r"(smem_u32(dst)), "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)), "r"(c0), "r"(c1)
       : "memory");
 }
 

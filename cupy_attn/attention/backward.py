@@ -135,7 +135,7 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
     "split", "mma" (never sm90), "sm90" (sm90 wherever it applies); unset or "auto": at head dims ≤ 128 sm90 where it
     applies for calls of at least BWD_SM90_MIN_FLOPS, else mma; at 129-256 sm90 wherever it applies, whatever the
     size (the alternative is the split backward: five GEMMs and three kernels per chunk, more launches than the sm90
-    call's four tensor-map encodes cost), else split. ValueError for another value of the variable.
+    call's five tensor-map encodes cost), else split. ValueError for another value of the variable.
     Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
     E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
@@ -178,7 +178,7 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
         if flops >= BWD_SM90_MIN_FLOPS or bucket is None:
             return BackwardPlan("sm90", sm90_bucket,
                                 "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
-        why_not = f"{flops:.3g} FLOPs < {BWD_SM90_MIN_FLOPS:.3g}: four tensor-map encodes would dominate"
+        why_not = f"{flops:.3g} FLOPs < {BWD_SM90_MIN_FLOPS:.3g}: five tensor-map encodes would dominate"
     if bucket is None:
         return BackwardPlan("split", None, f"{no_mma}; Hopper kernel not used: {why_not}")
     return BackwardPlan("mma", bucket, f"mma.sync kernel; Hopper kernel not used: {why_not}")

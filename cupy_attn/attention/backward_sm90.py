@@ -9,9 +9,9 @@ BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY
 the mma.sync kernel (flash_bwd.cu) or the split backward.
 
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
-STAT_PAD, so each query block's statistics are one aligned bulk copy), a memset of the fp32 dQ accumulator, the kernel
+STAT_PAD, so each query block's statistics are one aligned TMA box), a memset of the fp32 dQ accumulator, the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). Four tensor maps (Q, K, V, dO) are encoded per call through cuda.bindings (~4 µs each on the host).
+(backward.cu's group sum with one member). Five tensor maps (Q, K, V, dO, and the lse/D rows) are encoded per call through cuda.bindings (~4 µs each on the host).
 """
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ SM90_BWD_TILES = {
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
 # asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
-_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do")]
+_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats")]
                          + [(n, _F64 if n in ("scale", "scale_log2") else _I64, 8) for n in (
                              "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
                              "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
@@ -206,6 +206,9 @@ def flash_backward_sm90(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
         for name, a, rows in (("tma_q", p.query, tile.block_m), ("tma_k", p.key, tile.block_n),
                               ("tma_v", p.value, tile.block_n), ("tma_do", do, tile.block_m)):
             prm[name] = _fa3._MapSpec.of(a, rows).encode(a.data.ptr)
+        # lse·log2(e) and D: one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see bwd_params.cuh).
+        prm["tma_stats"] = _fa3.encode_tensor_map("float32", stats.data.ptr, (l_pad, 2 * B * Hq), (4 * l_pad,),
+                                                  (tile.block_m, 1))
         prm["dk"], prm["dv"], prm["dq_accum"] = dk.data.ptr, dv.data.ptr, dq32.data.ptr
         prm["lse_log2"], prm["delta"] = stats[0].data.ptr, stats[1].data.ptr
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad

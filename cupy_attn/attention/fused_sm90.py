@@ -218,20 +218,23 @@ def _driver_init() -> None:
 
 
 def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
-    """cuTensorMapEncodeTiled for a 16-bit tensor: 128-byte swizzle (box inner dim 64 elements = 128 bytes), zero
-    fill out of bounds, L2 promotion of 256 bytes. Returns the map's 128 bytes."""
+    """cuTensorMapEncodeTiled: a 16-bit tensor in the 128-byte swizzle (box inner dim 64 elements = 128 bytes), or a
+    float32 one unswizzled (rows of statistics; box inner dim a multiple of 4 elements); zero fill out of bounds, L2
+    promotion of 256 bytes. ``strides``: byte strides of dims[1:]. Returns the map's 128 bytes."""
     import ctypes
     from cuda.bindings import driver as cu
 
     _driver_init()
-    data_type = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16 if dtype == "float16"
-                 else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16)
+    types = cu.CUtensorMapDataType
+    data_type = {"float16": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bfloat16": types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                 "float32": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
+    swizzle = (cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if dtype == "float32"
+               else cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
     err, tmap = cu.cuTensorMapEncodeTiled(
         data_type, len(dims), ptr,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
         [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * len(dims),
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
         cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
         cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != cu.CUresult.CUDA_SUCCESS:

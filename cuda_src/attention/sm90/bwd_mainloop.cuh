@@ -71,7 +71,7 @@ struct BwdSharedStorage {
   static constexpr int kBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes
                                 + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0, "1024-byte aligned tiles");
-  static_assert(kStatBytes % 16 == 0, "bulk copies move multiples of 16 bytes");
+  static_assert(kStatBytes % 16 == 0, "a TMA box row is a multiple of 16 bytes");
 
   T* k;
   T* v;
@@ -124,6 +124,7 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   tma::prefetch_map(&p.tma_k);
   tma::prefetch_map(&p.tma_v);
   tma::prefetch_map(&p.tma_do);
+  tma::prefetch_map(&p.tma_stats);
   tma::mbar_arrive_expect_tx(ss.kv_full, 2 * Smem::kKVBytes);
   #pragma unroll
   for (int c = 0; c < Smem::kColBlocks; ++c) {
@@ -136,21 +137,24 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
     const unsigned parity = (i / kStages) & 1;
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
-    const long long stat_row = (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q_padded + m0;
+    // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B) like
+    // the tiles: compute-sanitizer racecheck flagged the consumers' reads against plain bulk copies into the rows.
+    const int stat_row = b * static_cast<int>(p.num_heads) + h;
     tma::mbar_wait(&ss.q_empty[s], parity ^ 1);
     tma::mbar_arrive_expect_tx(&ss.q_full[s], Smem::kQBytes + Smem::kStatBytes);
     T* q_dst = ss.q + s * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
       tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, &ss.q_full[s], c * 64, m0, h, b);
-    tma::bulk_load(ss.lse + s * kBlockM, p.lse_log2 + stat_row, Smem::kStatBytes, &ss.q_full[s]);
+    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, &ss.q_full[s], m0, stat_row);
     tma::mbar_wait(&ss.do_empty[s], parity ^ 1);
     tma::mbar_arrive_expect_tx(&ss.do_full[s], Smem::kQBytes + Smem::kStatBytes);
     T* do_dst = ss.dout + s * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
       tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[s], c * 64, m0, h, b);
-    tma::bulk_load(ss.delta + s * kBlockM, p.delta + stat_row, Smem::kStatBytes, &ss.do_full[s]);
+    tma::load_2d(ss.delta + s * kBlockM, &p.tma_stats, &ss.do_full[s], m0,
+                 static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row);
   }
 }
 

@@ -6,13 +6,15 @@
 
 namespace cupy_attn {
 
-// Passed by value as one __grid_constant__ parameter (640 bytes): the tensor maps must stay in the parameter space,
+// Passed by value as one __grid_constant__ parameter (768 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashBwdSm90Params {
   tma::TensorMap tma_q;     // Q as (E, L, Hq, B), box (64, kBlockM, 1, 1), 128-byte swizzle
   tma::TensorMap tma_k;     // K as (E, S, Hkv, B), box (64, kBlockN, 1, 1)
   tma::TensorMap tma_v;     // V as (Ev, S, Hkv, B), box (64, kBlockN, 1, 1)
   tma::TensorMap tma_do;    // dO as (Ev, L, Hq, B), box (64, kBlockM, 1, 1)
+  tma::TensorMap tma_stats; // lse_log2 then delta as one fp32 (seqlen_q_padded, 2·B·Hq) matrix: row b·Hq + h is
+                            // the lse row, B·Hq + b·Hq + h the D row; box (kBlockM, 1), no swizzle
   void* dk;                 // (B, Hkv, S, E) contiguous, T
   void* dv;                 // (B, Hkv, S, Ev) contiguous, T
   float* dq_accum;          // (B, Hq, L, E) contiguous fp32, zeroed by the host, accumulated by red.global.add
