@@ -65,6 +65,23 @@ def per_call_us(fn, n: int = 2000, rounds: int = 5) -> float:
         cupy.cuda.Device().synchronize()
     return min(best)
 
+
+def wait_or_die(what: str, timeout_s: float = 60.0) -> None:
+    """Wait for the work queued on CuPy's current stream, or exit the process after ``timeout_s``: a wrong mbarrier
+    transaction count or phase hangs a TMA kernel, and a benchmark should stop instead of waiting forever."""
+    import os
+    import time
+
+    import cupy
+    ev = cupy.cuda.Event()
+    ev.record()
+    t = time.time()
+    while not ev.done:
+        if time.time() - t > timeout_s:
+            print(f"ERROR: {what} did not finish in {timeout_s:.0f} s (mbarrier/TMA hang?)", flush=True)
+            os._exit(3)
+        time.sleep(0.001)
+
 _SPIN_SOURCE = r'''
 extern "C" __global__ void spin(long long cycles) {
     long long t0 = clock64();

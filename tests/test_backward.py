@@ -5,6 +5,7 @@ import pytest
 
 import cupy_attn
 
+from _attention_ref import torch_attention
 from _tolerance import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -15,20 +16,7 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 def _reference(q, k, v, mask, causal, scale, groups):
     """float64 attention with cupy_attn's conventions (rows with no visible key give 0), differentiable."""
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    L, S = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        off = 0 if causal in (True, "top_left") else S - L
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool).tril(off), float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
-    p = torch.exp(s - m)
-    l = p.sum(-1, keepdim=True)
-    return (p @ v) / torch.where(l == 0, torch.ones_like(l), l)
+    return torch_attention(q, k, v, mask, causal, scale, groups)
 
 
 def _grads(fn, inputs, dout):

@@ -20,6 +20,7 @@ from cupy_attn import philox, reference
 from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout, fused as _flash
 from cupy_attn.runtime import interop as _interop
 
+from _attention_ref import torch_attention
 from _tolerance import EPS, as_f64, assert_close
 
 SDPA = cupy_attn.scaled_dot_product_attention
@@ -145,21 +146,8 @@ def test_numpy_path_is_the_reference_with_the_drawn_mask():
 
 def _torch_reference(q, k, v, mask, causal, groups, keep, p, scale=None):
     """float64 attention with dropout by an explicit keep mask (cupy_attn's conventions), differentiable."""
-    torch = pytest.importorskip("torch")
-    if groups > 1:
-        k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
-    L, S = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if causal:
-        off = 0 if causal in (True, "top_left") else S - L
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(off), float("-inf"))
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
-    m = s.amax(-1, keepdim=True)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m).detach()
-    P = torch.exp(s - m)
-    l = P.sum(-1, keepdim=True)
-    return ((P * keep * philox.dropout_scale(p)) @ v) / torch.where(l == 0, torch.ones_like(l), l)
+    pytest.importorskip("torch")
+    return torch_attention(q, k, v, mask, causal, scale, groups, keep, p)
 
 
 def test_cpu_torch_autograd_with_dropout():

@@ -19,33 +19,19 @@ case is waited for at most 60 s: a wrong mbarrier phase or byte count hangs the 
 import argparse
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import cupy  # noqa: E402
-import numpy as np  # noqa: E402
-from cupyx.profiler import benchmark  # noqa: E402
+
+from common import median_ms, wait_or_die  # noqa: E402
 
 CASES = (((8, 16, 2048, 128), False), ((4, 32, 4096, 64), False), ((2, 16, 8192, 128), True),
          ((8, 16, 1024, 256), False))
 
 
-def median_ms(fn, n_repeat) -> float:
-    r = benchmark(fn, n_repeat=n_repeat, n_warmup=3)
-    return float(np.median(r.gpu_times[0])) * 1e3
-
-
-def wait_or_die(what: str, timeout_s: float = 60.0) -> None:
-    ev = cupy.cuda.Event()
-    ev.record()
-    t = time.time()
-    while not ev.done:
-        if time.time() - t > timeout_s:
-            print(f"ERROR: {what} did not finish in {timeout_s:.0f} s (mbarrier/TMA hang?)", flush=True)
-            os._exit(3)
-        time.sleep(0.001)
 
 
 def run_case(shape, causal, dtype_name, n_repeat):

@@ -11,15 +11,19 @@ with new pointers pays; replays on the same arrays pay none). Every case runs in
 prints its error and the others still run.
 """
 import argparse
+import os
+import sys
 import time
 import traceback
 
 import cupy
 import numpy as np
-from cupyx.profiler import benchmark
 
-from cupy_attn.attention import fused as _flash
-from cupy_attn.attention import fused_sm90 as _sm90
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import median_ms, wait_or_die  # noqa: E402
+from cupy_attn.attention import fused as _flash  # noqa: E402
+from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
 
 CASES = (((8, 16, 2048, 128), None), ((4, 32, 4096, 64), None), ((2, 16, 8192, 128), "top_left"),
          ((8, 16, 1024, 256), None))
@@ -29,22 +33,6 @@ def flops(B, H, L, S, D, causal) -> float:
     return 4.0 * B * H * L * S * D / (2 if causal else 1)
 
 
-def median_ms(fn, n_repeat=30) -> float:
-    r = benchmark(fn, n_repeat=n_repeat, n_warmup=5)
-    return float(np.median(r.gpu_times[0])) * 1e3
-
-
-def wait_or_die(what: str, timeout_s: float = 60.0) -> None:
-    """A wrong transaction byte count or barrier phase hangs the kernel: exit instead of waiting forever."""
-    import os
-    ev = cupy.cuda.Event()
-    ev.record()
-    t = time.time()
-    while not ev.done:
-        if time.time() - t > timeout_s:
-            print(f"ERROR: {what} did not finish in {timeout_s:.0f} s (mbarrier/TMA hang?)", flush=True)
-            os._exit(3)
-        time.sleep(0.001)
 
 
 def run_case(shape, causal, dtype_name, n_repeat):
@@ -94,8 +82,8 @@ def run_case(shape, causal, dtype_name, n_repeat):
             spec.encode(ptr)
     encode_us = (time.perf_counter() - t) / n * 1e6
 
-    ms = {"fa3": median_ms(run_fa3, n_repeat), "fa3-ovl": median_ms(run_ovl, n_repeat),
-          "wgmma": median_ms(run_old, n_repeat), "torch": median_ms(run_torch, n_repeat)}
+    ms = {"fa3": median_ms(run_fa3, n_repeat, 5), "fa3-ovl": median_ms(run_ovl, n_repeat, 5),
+          "wgmma": median_ms(run_old, n_repeat, 5), "torch": median_ms(run_torch, n_repeat, 5)}
     f = flops(B, H, L, L, D, causal)
     tf = {name: f / t / 1e9 for name, t in ms.items()}
     print(f"{dtype_name:9s} {str(shape):20s} causal={str(causal):9s} "
