@@ -52,14 +52,44 @@ def test_gradients(dtype, case, bwd, monkeypatch):
     small calls take the mma.sync kernel; 129-256 the Hopper kernel on Hopper), else split; "split"; "mma" the
     mma.sync kernel where it applies; "sm90" the Hopper wgmma kernel where it applies (asserted; skipped off
     Hopper)."""
-    name, B, Hq, Hkv, L, S, E, Ev, causal, mask_kind = case
     if bwd == "sm90":
         import cupy
         if int(cupy.cuda.Device().compute_capability) != 90:
             pytest.skip("the Hopper backward needs compute capability 9.0")
     if bwd != "auto":
         monkeypatch.setenv("CUPY_ATTN_BWD", bwd)
-    g = torch.Generator("cuda").manual_seed(hash(name) % 997)
+    _check_case(dtype, case, bwd, hash(case[0]) % 997)
+
+
+@pytest.mark.parametrize("bwd", ["mma", "sm90"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[9] is None and max(c[6], c[7]) <= 256],
+                         ids=[c[0] for c in CASES if c[9] is None and max(c[6], c[7]) <= 256])
+def test_cached_backward_replays(case, bwd, monkeypatch):
+    """A second step of the same layout replays the first step's prepared fused backward (autograd's backward call
+    cache): no checks, no plan (grad_inputs is not called); its gradients, on new data, pass the same bounds."""
+    from cupy_attn.attention import autograd
+    if bwd == "sm90":
+        import cupy
+        if int(cupy.cuda.Device().compute_capability) != 90:
+            pytest.skip("the Hopper backward needs compute capability 9.0")
+    if bwd == "mma" and max(case[6], case[7]) > 128:
+        pytest.skip("the mma.sync backward serves head dims up to 128")
+    monkeypatch.setenv("CUPY_ATTN_BWD", bwd)
+    autograd._BACKWARD_CACHE.clear()
+    _check_case("float16", case, bwd, 1)
+    assert len(autograd._BACKWARD_CACHE) == 1
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the replayed step ran the full backward")
+    monkeypatch.setattr(autograd, "grad_inputs", refuse)
+    _check_case("float16", case, bwd, 2)
+    assert len(autograd._BACKWARD_CACHE) == 1
+
+
+def _check_case(dtype, case, bwd, seed):
+    """One call's gradients (and output) against the float64 reference, within twice torch's error."""
+    name, B, Hq, Hkv, L, S, E, Ev, causal, mask_kind = case
+    g = torch.Generator("cuda").manual_seed(seed)
     dt = DTYPES[dtype]
     q = torch.randn(B, Hq, L, E, generator=g, device="cuda").to(dt).requires_grad_()
     k = torch.randn(B, Hkv, S, E, generator=g, device="cuda").to(dt).requires_grad_()

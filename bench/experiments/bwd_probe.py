@@ -49,7 +49,8 @@ def main():
             try:
                 for tile in backward.FLASH_BWD_TILE_CHOICES:
                     backward.FLASH_BWD_TILES[D] = tile
-                    fn = lambda: backward.flash_backward(p, *views, D)  # noqa: E731
+                    launch = backward.FlashBackward(p, D)
+                    fn = lambda: backward._run_fused(launch, p, *views)  # noqa: E731
                     ms = median_ms(fn, n_repeat=10)
                     print(f"  fused backward {name:14s} {tile} {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s",
                           flush=True)

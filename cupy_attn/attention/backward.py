@@ -26,7 +26,7 @@ import numpy as np
 
 from .. import philox
 from ..runtime import blas, workspace
-from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.compile import KernelFamily, StructLaunch, struct_arg
 from ..runtime.interop import dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
@@ -50,8 +50,8 @@ BACKWARD_ROWS = KernelFamily(
 BACKWARD_GROUP_SUM = KernelFamily(
     name="attn_bwd_group_sum",
     source="attention/backward.cu",
-    template="cupy_attn::attn_bwd_group_sum<{dtype}>",
-    axes={"dtype": tuple(_C_TYPES.values())},
+    template="cupy_attn::attn_bwd_group_sum<{dtype}, {vec}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "vec": (1, 4)},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 BACKWARD_DELTA_PADDED = KernelFamily(
@@ -218,60 +218,151 @@ def _rows16(a) -> bool:
     return a.data.ptr % 16 == 0 and all(st % 16 == 0 for st in a.strides[:-1])
 
 
-def flash_backward(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
-    """The fused backward (flash_bwd.cu) for a checked problem that ``fused_bucket`` accepted; arguments as
-    sdpa_backward's. Memory: D (B·Hq·L fp32) and the fp32 dQ accumulator (B·Hq·L·E) from the caller's allocator."""
-    import cupy
+class GroupSum:
+    """attn_bwd_group_sum for one size: ``rows`` output elements, each the sum of ``groups`` fp32 source elements
+    ``inner`` apart in blocks of ``inner`` (dQ's rounding: groups 1). ``run(stream, src, dst)`` takes the 4-wide
+    kernel when the sizes and the pointers' alignment allow, else the scalar one."""
 
-    ctx = p.ctx
-    B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
-    ctype = _C_TYPES[dtype_name(p.dtype)]
-    keep: list = []
-    with ctx.activate():
-        o, do, lse = (_contiguous(ctx, x, keep) for x in (out, dout, lse))
-        holder, delta = _scratch(ctx, (B, Hq, L), np.float32)
-        keep.append(holder)
-        holder, dq32 = _scratch(ctx, (B, Hq, L, E), np.float32)
-        keep.append(holder)
-        cupy.cuda.runtime.memsetAsync(dq32.data.ptr, 0, dq32.nbytes, ctx.stream.ptr)
-        base = np.zeros((), dtype=_PARAMS)
-        base["rows"], base["dout"], base["o"], base["delta"], base["head_dim_v"] = B * Hq * L, do.data.ptr, \
-            o.data.ptr, delta.data.ptr, Ev
-        BACKWARD_DELTA.kernel(dtype=ctype)((-(-B * Hq * L // 8),), (256,), (struct_arg(base),))
+    def __init__(self, ctype: str, rows: int, inner: int, groups: int):
+        self.vec = rows % 4 == 0 and inner % 4 == 0
+        self.dst_align = 4 * (4 if ctype == "float" else 2)  # bytes of 4 outputs
+        self.launches = {vec: StructLaunch(BACKWARD_GROUP_SUM.kernel(dtype=ctype, vec=vec),
+                                           (-(-rows // (256 * vec)),), (256,)) for vec in ((1, 4) if self.vec else (1,))}
+        self.params = np.zeros((), dtype=_PARAMS)
+        self.params["rows"], self.params["ld"], self.params["num_heads"] = rows, inner, groups
+
+    def run(self, stream: int, src: int, dst: int) -> None:
+        prm = self.params.copy()
+        prm["scores"], prm["out"] = src, dst
+        self.launches[4 if self.vec and src % 16 == 0 and dst % self.dst_align == 0 else 1](stream, prm)
+
+
+class FusedBackward:
+    """What the two fused backward kernels share around their launch: scratch from the caller's allocator (the
+    statistics the pre-pass writes, then the fp32 dQ accumulator), the accumulator's zeroing, and dQ's rounding to
+    the input dtype; all on the stream of the context the launch was prepared for. Subclasses set ``ctx``,
+    ``dq32_offset``, ``scratch_bytes`` and ``cast`` and implement ``_launch(stream, scratch, ...)``."""
+
+    def __call__(self, q: int, k: int, v: int, out: int, lse: int, dout: int, dq: int, dk: int, dv: int,
+                 rng: int = 0) -> None:
+        """Enqueue the backward for these device pointers (out, lse and dout contiguous; dq, dk, dv contiguous, in
+        the input dtype). The context's device must be current."""
+        from cupy.cuda import runtime
+        stream = self.ctx.stream.ptr
+        holder, scratch = workspace.scratch(self.ctx, self.scratch_bytes)
+        dq32 = scratch + self.dq32_offset
+        runtime.memsetAsync(dq32, 0, self.scratch_bytes - self.dq32_offset, stream)
+        self._launch(stream, scratch, q, k, v, out, lse, dout, dk, dv, rng)
+        self.cast.run(stream, dq32, dq)
+        del holder  # freed stream-ordered: the work above is enqueued
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 256) * 256
+
+
+class FlashBackward(FusedBackward):
+    """The mma.sync fused backward (flash_bwd.cu) of one problem layout, prepared once (the call cache of the
+    autograd backward replays it): D = rowsum(dO ∘ O) by attn_bwd_delta, the kernel (dQ accumulated in fp32 by
+    atomics), dQ's rounding. Scratch: D (B·Hq·L fp32) and the dQ accumulator (B·Hq·L·E fp32)."""
+
+    def __init__(self, p, bucket: int):
+        self.ctx = ctx = p.ctx
+        B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
+            p.head_dim_v
+        ctype = _C_TYPES[dtype_name(p.dtype)]
+        self.dq32_offset = _aligned(B * Hq * L * 4)
+        self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
+        self.delta = StructLaunch(BACKWARD_DELTA.kernel(dtype=ctype), (-(-B * Hq * L // 8),), (256,))
+        self.delta_params = np.zeros((), dtype=_PARAMS)
+        self.delta_params["rows"], self.delta_params["head_dim_v"] = B * Hq * L, Ev
 
         warps, block_m = FLASH_BWD_TILES[bucket]
-        prm = np.zeros((), dtype=_FLASH_PARAMS)
-        prm["dk"], prm["dv"], prm["dq_accum"] = dk.data.ptr, dv.data.ptr, dq32.data.ptr
-        prm["q"], prm["k"], prm["v"], prm["dout"] = p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, do.data.ptr
-        prm["lse"], prm["delta"] = lse.data.ptr, delta.data.ptr
+        prm = self.params = np.zeros((), dtype=_FLASH_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["head_dim"], prm["head_dim_v"] = L, S, E, Ev
         prm["num_heads"], prm["groups"] = Hq, p.groups
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
-        prm["vec_flags"] = (_rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2 | _rows16(do) << 3)
+        do = _Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it (base: per call)
+        prm["vec_flags"] = _rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2
+        self.do_vec_flag = _rows16(do) << 3  # when dout's base is 16-byte aligned too
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
         if p.dropout_p > 0:
-            prm["rng"] = p.rng.data.ptr
             prm["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
             prm["dropout_scale"] = philox.dropout_scale(p.dropout_p)
         for name, arr, axes in (("q", p.query, "bhl"), ("k", p.key, "bhs"), ("v", p.value, "bhs"),
                                 ("do", do, "bhl")):
             for axis, stride in zip(axes, arr.strides):
-                prm[f"{name}_stride_{axis}"] = stride // arr.itemsize
+                prm[f"{name}_stride_{axis}"] = stride // p.dtype.itemsize
+        if Hkv > 65535 or B > 65535:
+            raise ValueError(f"fused backward: grid limit: heads {Hkv} and batch {B} must each be <= 65535")
         kernel = FLASH_BWD.kernel(dtype=ctype, head_dim=bucket, tile=(warps, block_m),
                                   dropout="true" if p.dropout_p > 0 else "false")
         block_n = 16 * warps
         smem = ((2 * block_n + 4 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-        if Hkv > 65535 or B > 65535:
-            raise ValueError(f"fused backward: grid limit: heads {Hkv} and batch {B} must each be <= 65535")
-        kernel((-(-S // block_n), Hkv, B), (warps * 32,), (struct_arg(prm),), shared_mem=smem)
+        self.kernel = StructLaunch(kernel, (-(-S // block_n), Hkv, B), (warps * 32,), smem)
+        self.cast = GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
-        cast = base.copy()  # dq = dq32 rounded to the input dtype (the group sum with one member)
-        cast["scores"], cast["out"], cast["rows"], cast["ld"], cast["num_heads"] = dq32.data.ptr, dq.data.ptr, \
-            dq.size, dq.size, 1
-        BACKWARD_GROUP_SUM.kernel(dtype=ctype)((-(-dq.size // 256),), (256,), (struct_arg(cast),))
+    def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
+        pre = self.delta_params.copy()
+        pre["dout"], pre["o"], pre["delta"] = dout, out, scratch
+        self.delta(stream, pre)
+        prm = self.params.copy()
+        if dout % 16 == 0:
+            prm["vec_flags"] |= self.do_vec_flag
+        prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
+        prm["q"], prm["k"], prm["v"], prm["dout"], prm["lse"], prm["delta"], prm["rng"] = q, k, v, dout, lse, \
+            scratch, rng
+        self.kernel(stream, prm)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Shape, byte strides, dtype and base address of an array, read as the launchers read a CuPy array's: an array
+    the kernel will read whose memory does not exist yet (dout's contiguous layout)."""
+    shape: tuple
+    strides: tuple
+    dtype: np.dtype
+    ptr: int
+
+    @property
+    def data(self):
+        return self
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @classmethod
+    def contiguous(cls, shape, dtype, ptr: int = 0) -> "_Layout":
+        dtype = np.dtype(dtype)
+        strides, step = [], dtype.itemsize
+        for n in reversed(shape):
+            strides.append(step)
+            step *= n
+        return cls(tuple(shape), tuple(reversed(strides)), dtype, ptr)
+
+
+def prepare(p):
+    """The prepared fused backward (FlashBackward or backward_sm90.Sm90Backward) that plan_backward chooses for a
+    checked problem, or None when it plans the split backward. Replays need out, lse and dout contiguous."""
+    plan = plan_backward(p)
+    if plan.kernel == "sm90":
+        from . import backward_sm90
+        return backward_sm90.Sm90Backward(p, plan.bucket)
+    if plan.kernel == "mma":
+        return FlashBackward(p, plan.bucket)
+    return None
+
+
+def _run_fused(launch, p, out, lse, dout, dq, dk, dv) -> None:
+    """Run a prepared fused backward on CuPy arrays, out, lse and dout copied to contiguous scratch when they are
+    not contiguous."""
+    keep: list = []
+    with p.ctx.activate():
+        o, do, lse = (_contiguous(p.ctx, x, keep) for x in (out, dout, lse))
+        launch(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, o.data.ptr, lse.data.ptr, do.data.ptr,
+               dq.data.ptr, dk.data.ptr, dv.data.ptr, 0 if p.rng is None else p.rng.data.ptr)
         del keep
 
 
@@ -287,13 +378,9 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
     """
 
     if dmask is None and all(a.flags.c_contiguous for a in (dq, dk, dv)):
-        plan = plan_backward(p)
-        if plan.kernel == "sm90":
-            from . import backward_sm90
-            backward_sm90.flash_backward_sm90(p, out, lse, dout, dq, dk, dv, plan.bucket)
-            return
-        if plan.kernel == "mma":
-            flash_backward(p, out, lse, dout, dq, dk, dv, plan.bucket)
+        launch = prepare(p)
+        if launch is not None:
+            _run_fused(launch, p, out, lse, dout, dq, dk, dv)
             return
     ctx = p.ctx
     B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
@@ -407,10 +494,6 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
                 g_dq(dq.data.ptr + (h0 * L + r0) * E * isz, pbuf.data.ptr, k0)
                 g_dk(dk32.data.ptr + h0 * S * E * 4, pbuf.data.ptr, q0)
 
-        group_sum = BACKWARD_GROUP_SUM.kernel(dtype=ctype)
         for src, dst, inner in ((dk32, dk, S * E), (dv32, dv, S * Ev)):
-            prm = base.copy()
-            prm["scores"], prm["out"], prm["rows"], prm["ld"], prm["num_heads"] = (src.data.ptr, dst.data.ptr,
-                                                                                 dst.size, inner, g)
-            group_sum((-(-dst.size // 256),), (256,), (struct_arg(prm),))
+            GroupSum(ctype, dst.size, inner, g).run(ctx.stream.ptr, src.data.ptr, dst.data.ptr)
         del keep

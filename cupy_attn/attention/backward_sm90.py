@@ -11,7 +11,8 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned TMA box), a memset of the fp32 dQ accumulator, the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). Five tensor maps (Q, K, V, dO, and the lse/D rows) are encoded per call through cuda.bindings (~4 µs each on the host).
+(backward.cu's group sum with one member). Five tensor maps (Q, K, V, dO, and the lse/D rows) are encoded through
+cuda.bindings (~4 µs each on the host) when their base address differs from the last call's.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import math
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.compile import KernelFamily, StructLaunch
 from ..runtime.interop import dtype_name
+from . import backward as _bwd
 from . import fused_sm90 as _fa3
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -129,26 +131,6 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, ar
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """Shape, byte strides and base address of an array as layout_reason reads them."""
-    shape: tuple
-    strides: tuple
-    ptr: int
-
-    @property
-    def data(self):
-        return self
-
-    @classmethod
-    def contiguous(cls, shape, itemsize: int, ptr: int = 0) -> "_Layout":
-        strides, step = [], itemsize
-        for n in reversed(shape):
-            strides.append(step)
-            step *= n
-        return cls(tuple(shape), tuple(reversed(strides)), ptr)
-
-
 def layout_reason(q, k, v, dout) -> str | None:
     """None when TMA can read query, key, value and dout in place: 16-byte aligned bases, batch / head / row strides
     positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
@@ -169,61 +151,66 @@ def problem_reason(p) -> str | None:
     device; else why not (arch not checked here: the caller's plan has it)."""
     why = unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask is not None, 90)
     if why is None:
-        dout = _Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype.itemsize)
+        dout = _bwd._Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
         why = layout_reason(p.query, p.key, p.value, dout)
     return why
 
 
-def flash_backward_sm90(p, out, lse, dout, dq, dk, dv, bucket: int) -> None:
-    """The Hopper fused backward for a checked problem that backward.plan_backward gave to it; arguments as
-    backward.sdpa_backward's (dq, dk, dv C-contiguous). Memory from the caller's allocator: D and lse·log2(e) (2 ×
-    B·Hq·L' fp32, L' = L rounded up to STAT_PAD), the fp32 dQ accumulator (B·Hq·L·E), dout's contiguous copy when it
-    is not contiguous. Launches the pre-pass, the kernel and dQ's rounding on the call's stream."""
-    import cupy
+class Sm90Backward(_bwd.FusedBackward):
+    """The Hopper backward of one problem layout, prepared once (the autograd backward's call cache replays it):
+    everything but the pointers and tensor maps is computed here. A call: the pre-pass (attn_bwd_delta_padded: D and
+    lse·log2 e in rows padded to STAT_PAD), the zeroed fp32 dQ accumulator, the kernel, dQ's rounding. Scratch
+    from the caller's allocator: the statistics (2 × B·Hq·L' fp32, L' = L rounded up to STAT_PAD), then the dQ
+    accumulator (B·Hq·L·E fp32). Tensor maps are re-encoded only when a base address changes (~4 µs each)."""
 
-    from . import backward as _bwd
-
-    ctx = p.ctx
-    B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
-    ctype = _C_TYPES[dtype_name(p.dtype)]
-    tile = SM90_BWD_TILES[bucket]
-    l_pad = -(-L // STAT_PAD) * STAT_PAD
-    keep: list = []
-    with ctx.activate():
-        o, do, lse = (_bwd._contiguous(ctx, x, keep) for x in (out, dout, lse))
-        holder, stats = _bwd._scratch(ctx, (2, B, Hq, l_pad), np.float32)
-        keep.append(holder)
-        holder, dq32 = _bwd._scratch(ctx, (B, Hq, L, E), np.float32)
-        keep.append(holder)
-        cupy.cuda.runtime.memsetAsync(dq32.data.ptr, 0, dq32.nbytes, ctx.stream.ptr)
-        pre = np.zeros((), dtype=_bwd._PARAMS)
+    def __init__(self, p, bucket: int):
+        self.ctx = p.ctx
+        B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
+            p.head_dim_v
+        ctype = _C_TYPES[dtype_name(p.dtype)]
+        tile = SM90_BWD_TILES[bucket]
+        l_pad = -(-L // STAT_PAD) * STAT_PAD
+        self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
+        self.dq32_offset = _bwd._aligned(2 * self.delta_offset)
+        self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
+        self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad // 8),), (256,))
+        pre = self.pre_params = np.zeros((), dtype=_bwd._PARAMS)
         pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
-        pre["dout"], pre["o"], pre["lse"] = do.data.ptr, o.data.ptr, lse.data.ptr
-        pre["delta"], pre["lse_log2"] = stats[1].data.ptr, stats[0].data.ptr
-        _bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype)((-(-B * Hq * l_pad // 8),), (256,), (struct_arg(pre),))
 
-        prm = np.zeros((), dtype=_PARAMS)
-        for name, a, rows in (("tma_q", p.query, tile.block_m), ("tma_k", p.key, tile.block_n),
-                              ("tma_v", p.value, tile.block_n), ("tma_do", do, tile.block_m)):
-            prm[name] = _fa3._MapSpec.of(a, rows).encode(a.data.ptr)
-        # lse·log2(e) and D: one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see bwd_params.cuh).
-        prm["tma_stats"] = _fa3.encode_tensor_map("float32", stats.data.ptr, (l_pad, 2 * B * Hq), (4 * l_pad,),
-                                                  (tile.block_m, 1))
-        prm["dk"], prm["dv"], prm["dq_accum"] = dk.data.ptr, dv.data.ptr, dq32.data.ptr
-        prm["lse_log2"], prm["delta"] = stats[0].data.ptr, stats[1].data.ptr
+        prm = self.params = np.zeros((), dtype=_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
         prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, p.groups
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
-        kernel = FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile)
-        smem = tile.smem_bytes(bucket)
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-        kernel((math.ceil(S / tile.block_n), Hkv, B), (THREADS,), (struct_arg(prm),), shared_mem=smem)
+        do = _bwd._Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
+        # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
+        # bwd_params.cuh).
+        self.maps = tuple(_fa3._MapSpec.of(a, rows) for a, rows in (
+            (p.query, tile.block_m), (p.key, tile.block_n), (p.value, tile.block_n), (do, tile.block_m)))
+        self.stats_map = ("float32", (l_pad, 2 * B * Hq), (4 * l_pad,), (tile.block_m, 1))
+        self._encoded: dict = {}  # map index -> (base address, encoded map): the last encode of each
+        self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
+                                   (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
+        self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
-        cast = np.zeros((), dtype=_bwd._PARAMS)  # dq = dq32 rounded to the input dtype (the group sum of one member)
-        cast["scores"], cast["out"], cast["rows"], cast["ld"], cast["num_heads"] = dq32.data.ptr, dq.data.ptr, \
-            dq.size, dq.size, 1
-        _bwd.BACKWARD_GROUP_SUM.kernel(dtype=ctype)((-(-dq.size // 256),), (256,), (struct_arg(cast),))
-        del keep
+    def _map(self, i: int, ptr: int) -> np.ndarray:
+        last = self._encoded.get(i)
+        if last is not None and last[0] == ptr:
+            return last[1]
+        tmap = (self.maps[i].encode(ptr) if i < len(self.maps)
+                else _fa3.encode_tensor_map(self.stats_map[0], ptr, *self.stats_map[1:]))
+        self._encoded[i] = (ptr, tmap)  # one tuple: a concurrent caller sees the old pair or the new one
+        return tmap
+
+    def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
+        stats_log2, delta = scratch, scratch + self.delta_offset
+        pre = self.pre_params.copy()
+        pre["dout"], pre["o"], pre["lse"], pre["delta"], pre["lse_log2"] = dout, out, lse, delta, stats_log2
+        self.pre(stream, pre)
+        prm = self.params.copy()
+        prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"], prm["tma_stats"] = (
+            self._map(i, ptr) for i, ptr in enumerate((q, k, v, dout, scratch)))
+        prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
+        prm["lse_log2"], prm["delta"] = stats_log2, delta
+        self.kernel(stream, prm)

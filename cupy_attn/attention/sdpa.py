@@ -78,6 +78,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                              return_lse, allow_tf32, workspace_bytes, generator)
     decode.check_num_splits(num_splits)  # before the cache key, which must hash it
     if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
+        if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0 and query.is_cuda:
+            # No rng pair to draw and no CPU reference: the forward inside the Function checks the call (its call
+            # cache skips that on a repeat), so it is not checked twice here.
+            return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
+                                  enable_gqa=enable_gqa, return_lse=return_lse, workspace_bytes=workspace_bytes,
+                                  allow_tf32=allow_tf32, backend=backend, num_splits=num_splits, dropout_p=0.0)
         p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                               generator)
         rng = dropout.draw(p.ctx, generator)[0] if p.dropout_p > 0 else None  # saved for the backward
