@@ -22,7 +22,7 @@
 //
 // Thread mapping: attn_bwd_rows: one 128-thread block per score row, thread t at columns 4t + 512k: float4 loads of
 // the fp32 rows (pitch ld, a multiple of 8 floats) and 4-element stores of T into rows of the same pitch.
-// attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim.
+// attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim (16-byte loads where aligned).
 // Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
 //
 // Versions: v1 split backward for every dtype and head dim (the fused one is flash_bwd.cu). v2 kDropout variants.
@@ -56,17 +56,36 @@ struct BwdParams {
   float* lse_log2;                // attn_bwd_delta_padded: lse·log2(e) out, padded rows
 };
 
+// Σ_c dout[c]·o[c] over one row of n elements, lanes of one warp strided over it, the sum left in every lane: 16-byte
+// loads (8 16-bit elements a lane) when n is a multiple of 8 and both rows are 16-byte aligned, else one element.
+template <typename T>
+__device__ __forceinline__ float row_dot(const T* dout, const T* o, long long n, int lane) {
+  float acc = 0.f;
+  const bool vec = sizeof(T) == 2 && n % 8 == 0 &&
+                   ((reinterpret_cast<unsigned long long>(dout) | reinterpret_cast<unsigned long long>(o)) & 15) == 0;
+  if (vec) {
+    for (long long c = lane * 8; c < n; c += 32 * 8) {
+      const uint4 a = *reinterpret_cast<const uint4*>(dout + c), b = *reinterpret_cast<const uint4*>(o + c);
+      const T* x = reinterpret_cast<const T*>(&a);
+      const T* y = reinterpret_cast<const T*>(&b);
+      #pragma unroll
+      for (int e = 0; e < 8; ++e) acc += to_float(x[e]) * to_float(y[e]);
+    }
+  } else {
+    for (long long c = lane; c < n; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
+  }
+  #pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  return acc;
+}
+
 template <typename T>
 __global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
   const long long row = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   if (row >= p.rows) return;
-  const T* dout = static_cast<const T*>(p.dout) + row * p.head_dim_v;
-  const T* o = static_cast<const T*>(p.o) + row * p.head_dim_v;
-  float acc = 0.f;
-  for (long long c = lane; c < p.head_dim_v; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
-  #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  const float acc = row_dot(static_cast<const T*>(p.dout) + row * p.head_dim_v,
+                            static_cast<const T*>(p.o) + row * p.head_dim_v, p.head_dim_v, lane);
   if (lane == 0) p.delta[row] = acc;
 }
 
@@ -83,11 +102,8 @@ __global__ void __launch_bounds__(256) attn_bwd_delta_padded(const BwdParams p) 
   const long long i = row % p.ld, src = (row / p.ld) * p.seqlen_q + i;
   float acc = 0.f, lse2 = inf();
   if (i < p.seqlen_q) {
-    const T* dout = static_cast<const T*>(p.dout) + src * p.head_dim_v;
-    const T* o = static_cast<const T*>(p.o) + src * p.head_dim_v;
-    for (long long c = lane; c < p.head_dim_v; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
-    #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+    acc = row_dot(static_cast<const T*>(p.dout) + src * p.head_dim_v, static_cast<const T*>(p.o) + src * p.head_dim_v,
+                  p.head_dim_v, lane);
     const float lse = p.lse[src];
     lse2 = lse == -inf() ? inf() : lse * kLog2e;
   }
