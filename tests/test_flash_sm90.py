@@ -29,7 +29,8 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.SM90_TILES)  # dtypes × overlap
+    qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())  # (bucket, qk_dim) pairs
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * qk_dims  # dtypes × overlap
     # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
     assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
     spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
@@ -84,7 +85,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits():
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     for dtype in _sm90._C_TYPES.values():
         for d in (64, 128):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.SM90_OVERLAP_TILES[d])
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.SM90_OVERLAP_TILES[d], qk_dim=d)
             text = next(iter(sass_text(_compile.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -115,7 +116,8 @@ def test_tiles():
             assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2 and tile.overlap == overlap
             assert tile.smem_bytes(d) <= 232448, (d, tile)
             for dtype in _sm90._C_TYPES.values():
-                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
+                for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
+                    assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
 
 
 F16 = np.dtype("float16")
@@ -267,7 +269,8 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
         overlap = os.environ[_flash.ENV_FA3] == "2"
         D = _sm90.head_bucket(E, v.shape[-1])
         assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=(
-            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[D]), f"{what}: wrong variant"
+            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[D], qk_dim=_sm90.qk_dim(E, D)), \
+            f"{what}: wrong variant"
     return _check(q, k, v, dtype, causal=causal, what=what)
 
 

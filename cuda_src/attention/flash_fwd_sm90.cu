@@ -48,13 +48,14 @@ namespace cupy_attn {
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
 __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows each");
   static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0 && kBlockN <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
+  static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
@@ -103,7 +104,8 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
     if (threadIdx.x == 0) produce(p, ss, m0, h, b, n_blocks);
   } else {
     tma::setmaxnreg_inc<kConsumerRegs>();
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128);
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, m0, h, b, n_blocks,
+                                                                          threadIdx.x - 128);
   }
 }
 

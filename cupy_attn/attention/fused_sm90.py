@@ -80,17 +80,22 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 6
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l")])
+# Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 and 81-96 in the 128 bucket skip
+# the zero-filled k steps (5 and 6 of 8; P·V keeps N = 128). Other E run every k step of their bucket.
+SM90_QK_DIMS = {128: (80, 96)}
 FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-              "{tile.overlap_flag}>"),
+              "{tile.overlap_flag}, {qk_dim}>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
         "tile": tuple(sorted(set(SM90_TILES.values()) | set(SM90_OVERLAP_TILES.values()), key=dataclasses.astuple)),
+        "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
     },
-    where=lambda row: row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]]),
+    where=lambda row: (row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]])
+                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -101,8 +106,8 @@ def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
     """The instantiated head dim (64, 128 or 256) a call runs at: the smallest ≥ max(E, Ev), for 33 ≤ E, Ev ≤ 256;
     None otherwise. Q, K and V are padded by TMA itself: the tensor maps keep the real E (Ev), and a 64-column box past
     it is zero-filled, so E = 80 or 96 runs the D = 128 kernel on zeros beyond column E (no copy); the epilogue stores
-    Ev columns. The padding costs FLOPs (80 → 128: 1.6×) and still measured faster than the FlashAttention-2 kernel at
-    80 and 96 (bench/NOTES_flash.md). Head dims ≤ 32 stay on flash_fwd.cu (2× padding).
+    Ev columns. The S GEMM skips the zero k steps (:func:`qk_dim`); P·V pays the padding (Ev 80 → 128: 1.6×). Still
+    faster than the FlashAttention-2 kernel at 80 and 96 (bench/NOTES_flash.md). Head dims ≤ 32 stay on flash_fwd.cu (2× padding).
 
     >>> head_bucket(80, 80), head_bucket(96, 64), head_bucket(128, 128), head_bucket(160, 160), head_bucket(32, 32)
     (128, 128, 128, 256, None)
@@ -111,6 +116,16 @@ def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
     if min(head_dim, head_dim_v) < 1 or need <= 32:
         return None
     return next((d for d in sorted(SM90_TILES) if d >= need), None)
+
+
+def qk_dim(head_dim: int, bucket: int) -> int:
+    """The S GEMM's columns for query/key head dim E in this bucket: the smallest of SM90_QK_DIMS[bucket] ≥ E, else
+    the bucket.
+
+    >>> qk_dim(80, 128), qk_dim(72, 128), qk_dim(96, 128), qk_dim(100, 128), qk_dim(64, 64), qk_dim(160, 256)
+    (80, 80, 96, 128, 64, 256)
+    """
+    return next((d for d in SM90_QK_DIMS.get(bucket, ()) if d >= head_dim), bucket)
 
 
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
@@ -165,7 +180,8 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: boo
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
     tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[D]
-    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile)
+    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
+                                       qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem

@@ -92,7 +92,9 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
-// rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0, then the epilogue.
+// rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0, then the epilogue. kHeadDimQK (a multiple
+// of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 or 96 in the kHeadDim = 128 tiles run 5 or 6
+// of its 8 k steps (the rest are zeros), while P·V keeps N = kHeadDim.
 //
 // kOverlap = false: per block i, S_i = Q K_iᵀ (in the ping-pong turn), softmax, O += P_i V_i, each GEMM waited for.
 // kOverlap = true (FlashAttention-3's intra-warpgroup overlap, §3.2): the turn issues S_i and then O += P_{i-1}
@@ -100,7 +102,7 @@ constexpr int kPingPongBarrier = 1;
 // the P·V GEMM of block i-1 still occupies the tensor cores. P_{i-1}'s registers are read by that GEMM until
 // wait_group 0, so S_i stays fp32 until then; only after it are O rescaled and P_i packed (fence_operands on S after
 // the wait keeps the compiler from hoisting the packing above it). One S and one P register set, as without overlap.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK = kHeadDim>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, int m0, int h, int b, int n_blocks, int tid) {
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
@@ -137,7 +139,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     const unsigned k_st = k_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    for (int kk = 0; kk < kHeadDimQK / 16; ++kk) {  // columns past kHeadDimQK are TMA's zero fill: skipped
       const unsigned a = q_wg + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
       const unsigned bk = k_st + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
       wgmma::Mma<T, kBlockN>::ss(acc_s, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bk, 16, 1024), kk > 0);
