@@ -34,7 +34,14 @@
 // Layouts: any int64 element strides for batch, head and row; last dimension contiguous. 16-byte aligned rows go by
 // cp.async, others by plain loads.
 //
-// Versions: v1 (this file) — untimed at the time of writing; see bench/experiments/decode.py and bench/NOTES_decode.md.
+// Hopper streaming variant (flash_decode_sm90, below): the same CTA work and math (decode::attend, merge_store), K/V
+// by TMA into a deep mbarrier ring fed by a producer warp; its comment and bench/NOTES_decode.md give the design.
+//
+// Versions (H200, bench/experiments/decode.py, bench/NOTES_decode.md):
+//   v1  flash_decode: cp.async ring, 4 warps splitting each 64-key tile   MHA decode 3.97 TB/s (0.88× torch), GQA
+//                                                                         2.90-3.47 TB/s (0.74-0.83×)
+//   v2  flash_decode_sm90: TMA + mbarrier ring (6 × 32 KB at D = 128), producer warp, 1 or 2 CTAs per SM
+//                                                                         untimed (compiled and checked on CPU)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
@@ -489,7 +496,8 @@ struct StreamSmem {
 // tile at D = 128, where flash_decode needs 2 cp.async per thread and a __syncthreads per tile.
 // The tensor maps bound each (b, kv head) at S rows and E (Ev) columns: rows past S and columns past E arrive as
 // zeros (and count toward the barrier's bytes); column blocks wholly past E (Ev) are not loaded and stay at the
-// zeros written at the start. Keys in [n_end, tile end) below S arrive as real data and are masked by the row limits.
+// zeros written at the start. Keys in [n_end, tile end) below S arrive as real data: masked by the row limits, and
+// their V rows zeroed by the consumers (only in a split's last tile).
 template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMinBlocks, bool HasMask>
 __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
     flash_decode_sm90(const __grid_constant__ FlashDecodeSm90Params P) {
@@ -591,6 +599,20 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   for (int it = 0; it < w.n_tiles; ++it) {
     const int s = it % kStages;
     tma::mbar_wait(&ss.full[s], (it / kStages) & 1);
+    // The split's last tile may run past n_end into keys below S (the next split's, or past a causal limit), which
+    // arrive as real data: zero this warp's V rows there, as flash_decode's loads do (P is 0 there, but 0 · inf or
+    // NaN is NaN). Each warp reads only its own kWarpN rows, so __syncwarp orders the writes before its ldmatrix.
+    const int valid = w.n_end - w.n_start - it * kBlockN;
+    if (valid < (warp + 1) * kWarpN) {
+      constexpr int kRowChunks = kHeadDim / 8;  // 16-byte chunks of a row, over all column blocks
+      unsigned char* vs = ss.v + s * Smem::kTileBytes;
+      const int r0 = max(valid, warp * kWarpN);
+      for (int x = lane; x < ((warp + 1) * kWarpN - r0) * kRowChunks; x += 32) {
+        const int r = r0 + x / kRowChunks, c = x % kRowChunks;  // the swizzle permutes chunks within the row
+        *reinterpret_cast<uint4*>(vs + (c / 8) * kBlockN * 128 + r * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+      }
+      __syncwarp();
+    }
     const unsigned k_st = k_lane + s * Smem::kTileBytes, v_st = v_lane + s * Smem::kTileBytes;
     attend<T, kHeadDim, kWarpN, HasMask>(
         acc_o, m_i, l_i, q_addr,
