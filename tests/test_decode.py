@@ -2,7 +2,9 @@
 validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_tolerance.py).
 
 GPU tests poison out and lse with NaN, run decode_forward on CuPy views of torch tensors (strides kept) with every
-forced split count, and check lse; a few run through scaled_dot_product_attention (auto dispatch, num_splits).
+forced split count and every kernel variant (flash_decode; flash_decode_sm90 with one and two CTAs per SM, which on
+an H100/H200 must really run where TMA can read the layout), and check lse; a few run through
+scaled_dot_product_attention (auto dispatch, num_splits, CUPY_ATTN_DECODE=1/2/3).
 """
 import numpy as np
 import pytest
@@ -18,14 +20,117 @@ from _tolerance import as_f64, assert_close
 # CPU
 
 
-@pytest.mark.parametrize("arch", _decode.FLASH_DECODE.archs)
-@pytest.mark.parametrize("family", [_decode.FLASH_DECODE, _decode.FLASH_DECODE_COMBINE], ids=lambda f: f.name)
+_FAMILY_ARCHS = [(f, arch) for f in (_decode.FLASH_DECODE, _decode.FLASH_DECODE_SM90, _decode.FLASH_DECODE_COMBINE)
+                 for arch in f.archs]
+
+
+@pytest.mark.parametrize("family,arch", _FAMILY_ARCHS, ids=[f"{f.name}-{a}" for f, a in _FAMILY_ARCHS])
 def test_every_instantiation_compiles_without_spills(family, arch):
     reports = _compile.compile_family(family, arch)
     assert len(reports) == len(list(family.variants())) == len(set(family.name_expressions()))
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
-    spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]
-    assert not spilled, f"register spills: {spilled}"
+    spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
+    assert not spilled, f"register spills / stack: {spilled}"
+    warned = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
+    assert not warned, f"ptxas performance warnings: {warned}"
+
+
+def test_streaming_variant_sass_has_tma_mbarriers_and_no_local_memory():
+    """flash_decode_sm90 in the SASS: TMA loads (UTMALDG) and mbarrier waits/arrivals (SYNCS), ldmatrix + mma.sync
+    math, cp.async only for Q (one LDGSTS in the code), and no local memory."""
+    from test_flash_sm90 import _cuobjdump, sass_summary
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    kernels = sass_summary(_compile.family_cubin(_decode.FLASH_DECODE_SM90, "sm_90a"))
+    assert len(kernels) == len(_decode.FLASH_DECODE_SM90.name_expressions())
+    for name, ops in kernels.items():
+        for op in ("UTMALDG", "SYNCS", "LDSM", "HMMA", "MUFU"):
+            assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
+        assert ops.get("LDGSTS", 0) <= 1, f"{name}: K/V must not go through cp.async ({ops.get('LDGSTS')} LDGSTS)"
+        for op in ("LDL", "STL"):
+            assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
+
+
+def test_stream_tile_table():
+    declared = set(_decode.FLASH_DECODE_SM90.name_expressions())
+    assert set(_decode.STREAM_TILES) == {(v, d) for v in ("stream", "stream2") for d in _decode.HEAD_DIMS}
+    for (variant, d), tile in _decode.STREAM_TILES.items():
+        assert tile.smem_bytes(d) <= 232448, (variant, d, tile)                      # 227 KB per block
+        assert tile.ctas_per_sm * (tile.smem_bytes(d) + 1024) <= 233472, (variant, d, tile)  # 228 KB per SM
+        assert (tile.block_n // tile.warps) % 16 == 0 and tile.block_n % 8 == 0 and tile.block_n <= 256
+        assert tile.stages >= 2 and tile.ctas_per_sm == (1 if variant == "stream" else 2)
+        assert tile.warps * 16 * (d + 2) * 4 <= 2 * tile.stages * tile.block_n * d * 2  # merge scratch in the ring
+        assert tile.in_flight_bytes(d) * tile.ctas_per_sm >= 128 * 1024  # per SM, see bench/NOTES_decode.md
+        for dtype in _decode._C_TYPES.values():
+            for has_mask in ("false", "true"):
+                assert _decode.FLASH_DECODE_SM90.name_expression(dtype=dtype, head_dim=d, tile=tile,
+                                                                 has_mask=has_mask) in declared
+
+
+def test_sm90_params_declaration():
+    dt = _decode._SM90_PARAMS
+    assert dt.names == ("tma_k", "tma_v", "p") and dt.fields["p"][1] == 256 and dt.fields["p"][0] == _decode._PARAMS
+    assert dt.itemsize % 64 == 0 and dt.itemsize >= 256 + _decode._PARAMS.itemsize
+    assert _decode.FLASH_DECODE_SM90.structs == (("cupy_attn::FlashDecodeSm90Params", dt),)
+
+
+@pytest.mark.parametrize("value,variant", [(None, _decode.DEFAULT_VARIANT), ("0", _decode.DEFAULT_VARIANT),
+                                           ("1", "v1"), ("2", "stream"), ("3", "stream2")])
+def test_requested_variant(value, variant, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(_decode.ENV_DECODE, raising=False)
+    else:
+        monkeypatch.setenv(_decode.ENV_DECODE, value)
+    assert _decode.requested_variant() == variant
+
+
+def test_requested_variant_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(_decode.ENV_DECODE, "4")
+    with pytest.raises(ValueError, match="CUPY_ATTN_DECODE must be 0, 1, 2 or 3"):
+        _decode.requested_variant()
+    with pytest.raises(ValueError, match="decode variant"):
+        _decode.choose_kernel(128, 90, variant="fast")
+
+
+class _FakeArray:
+    """What stream_layout_reason reads of a CuPy array: data.ptr, shape, strides (bytes)."""
+
+    def __init__(self, ptr, shape, strides):
+        self.data = type("Mem", (), {"ptr": ptr})()
+        self.shape, self.strides = shape, strides
+
+
+@pytest.mark.parametrize("ptr,shape,strides,why", [
+    (4096, (2, 8, 100, 128), (8 * 100 * 256, 100 * 256, 256, 2), None),            # BHSD
+    (4096, (2, 8, 100, 128), (100 * 8 * 256, 256, 8 * 256, 2), None),              # BSHD
+    (4096, (2, 8, 100, 40), (8 * 100 * 80, 100 * 80, 80, 2), None),                # E = 40: 80-byte rows
+    (4098, (2, 8, 100, 128), (8 * 100 * 256, 100 * 256, 256, 2), "16-byte aligned"),
+    (4096, (2, 8, 100, 36), (8 * 100 * 72, 100 * 72, 72, 2), "along s is 72 bytes"),
+    (4096, (2, 8, 100, 128), (0, 100 * 256, 256, 2), "along b is 0 bytes"),        # broadcast batch
+    (4096, (1, 1, 1, 36), (72, 72, 72, 2), None),                                  # size-1 axes are not checked
+])
+def test_stream_layout_reason(ptr, shape, strides, why):
+    a = _FakeArray(ptr, shape, strides)
+    good = _FakeArray(4096, (2, 8, 100, 128), (8 * 100 * 256, 100 * 256, 256, 2))
+    for k, v in ((a, good), (good, a)):
+        got = _decode.stream_layout_reason(k, v)
+        assert (got is None) if why is None else (why in got), got
+
+
+def test_choose_kernel():
+    pytest.importorskip("cuda.bindings")
+    for variant, ctas in (("stream", 1), ("stream2", 2)):
+        for d in _decode.HEAD_DIMS:
+            c = _decode.choose_kernel(d, 90, variant=variant)
+            assert c.family is _decode.FLASH_DECODE_SM90 and c.fallback is None and c.tile.ctas_per_sm == ctas
+            assert c.tile == _decode.STREAM_TILES[(variant, d)]
+        c = _decode.choose_kernel(128, 86, variant=variant)
+        assert c.family is _decode.FLASH_DECODE and "needs sm_90a" in c.fallback and "sm_86" in c.describe()
+        bad = _FakeArray(4098, (2, 8, 100, 128), (8 * 100 * 256, 100 * 256, 256, 2))
+        c = _decode.choose_kernel(128, 90, bad, bad, variant=variant)
+        assert c.family is _decode.FLASH_DECODE and "16-byte aligned" in c.fallback
+    c = _decode.choose_kernel(128, 90, variant="v1")
+    assert c.family is _decode.FLASH_DECODE and c.fallback is None and c.tile == _decode.tile_for(128, 90)
 
 
 def test_params_dtype_is_parsed_from_the_kernel_source():
@@ -91,8 +196,18 @@ def test_auto_splits_count_waves_per_sm(B, Hq, Hkv, S, splits):
     (100, 16, 2, 64), (100, 1, 1, 128), (4096, 7, 7, 640), (4096, 3, 3, 1408), (1, 16, 1, 64), (65536, 16, 16, 4096),
     (65, 2, 2, 64), (64, 2, 1, 64)])
 def test_split_plan_honours_requests_up_to_one_tile(S, requested, splits, chunk):
-    # head dim 128 on Hopper: 64-key tiles
+    # head dim 128 on Hopper: 64-key tiles (flash_decode and flash_decode_sm90 alike)
     assert _decode.split_plan(2, 8, 1, 4, S, 128, 90, 132, requested) == (splits, chunk)
+    assert _decode.split_plan(2, 8, 1, 4, S, 128, 90, 132, requested,
+                              _decode.STREAM_TILES[("stream", 128)].block_n) == (splits, chunk)
+
+
+@pytest.mark.parametrize("S,requested,splits,chunk", [(100, 16, 1, 128), (4096, 7, 7, 640), (4096, 3, 3, 1408),
+                                                      (65536, 16, 16, 4096), (300, 2, 2, 256)])
+def test_split_plan_rounds_to_the_streaming_tile(S, requested, splits, chunk):
+    # head dim 64 of flash_decode_sm90: 128-key stages; a split is a whole number of them
+    block_n = _decode.STREAM_TILES[("stream", 64)].block_n
+    assert _decode.split_plan(2, 8, 1, 4, S, 64, 90, 132, requested, block_n) == (splits, chunk)
 
 
 @pytest.mark.parametrize("value", [0, -1, 1.5, "2", True, 2.0, [2]])
@@ -173,6 +288,25 @@ def test_decode_dispatch_env_off_and_forced_splits(monkeypatch):
     assert plan.backend == "decode" and "32 keys" in plan.details["tile"]
 
 
+@pytest.mark.parametrize("value,kernel", [("1", "flash_decode"), ("2", "flash_decode_sm90"),
+                                          ("3", "flash_decode_sm90")])
+def test_decode_dispatch_variant_env(value, kernel, monkeypatch):
+    pytest.importorskip("cuda.bindings")
+    monkeypatch.setenv("CUPY_ATTN_FA3", "0")
+    monkeypatch.setenv(_decode.ENV_DECODE, value)
+    plan = _dispatch.plan_sdpa(_problem(E=64, Ev=64), "auto", arch=90, num_sms=132, num_splits=3)
+    assert plan.backend == "decode" and plan.details["kernel"] == kernel, str(plan)
+    block_n = 128 if kernel == "flash_decode_sm90" else 64  # D = 64: the streaming tiles take 128 keys per stage
+    assert plan.details["splits"] == f"3 of {block_n * -(-32768 // (3 * block_n))} keys (3 requested)"
+    if value != "1":
+        assert "mbarrier ring" in plan.details["tile"]
+    # no Hopper: flash_decode, and the plan says why
+    plan = _dispatch.plan_sdpa(_problem(E=64, Ev=64), "auto", arch=86, num_sms=84)
+    assert plan.details["kernel"] == "flash_decode"
+    if value != "1":
+        assert "needs sm_90a" in plan.details["tile"]
+
+
 @pytest.mark.parametrize("L,S,groups,take", [(1, 4096, 1, True), (16, 256, 4, True), (1, 255, 8, False),
                                               (17, 4096, 1, False), (8, 4096, 16, False), (4, 65536, 16, True)])
 def test_prefer_decode(L, S, groups, take):
@@ -184,13 +318,16 @@ def test_prefer_decode(L, S, groups, take):
 
 DTYPES = ("float16", "bfloat16")
 SPLITS = (None, 1, 2, 3, 7, 16)
+VARIANTS = ("v1", "stream", "stream2")  # choose_kernel's: flash_decode, flash_decode_sm90 (1 and 2 CTAs per SM)
 
 
 from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what=""):
-    """decode_forward on NaN-poisoned out/lse for every split count in ``splits``; out and lse vs the reference."""
+    """decode_forward on NaN-poisoned out/lse for every split count in ``splits`` and every variant in VARIANTS; out
+    and lse vs the reference. On compute capability 9.0 the streaming variants must run flash_decode_sm90 wherever
+    TMA can read k and v (stream_layout_reason), and fall back to flash_decode elsewhere."""
     import cupy
     torch = _torch()
     F = torch.nn.functional
@@ -211,12 +348,17 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
     torch_out = F.scaled_dot_product_attention(q, k, v, attn_mask=tmask, scale=scale, enable_gqa=Hq != k.shape[1],
                                                is_causal=causal == "top_left" and mask is None)
     cmask = None if mask is None else cupy.broadcast_to(_cp(mask), (B, Hq, L, S))
-    for n in splits:
-        out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
-        lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
-        _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
-                               num_splits=n)
-        assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, f"{what} splits={n}")
+    hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
+    tma_ok = _decode.stream_layout_reason(_cp(k), _cp(v)) is None
+    for variant in VARIANTS:
+        for n in splits:
+            out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
+            lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
+            launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
+                                            num_splits=n, variant=variant)
+            streaming = variant != "v1" and hopper and tma_ok
+            assert (launch.choice.family is _decode.FLASH_DECODE_SM90) == streaming, launch.choice.describe()
+            assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, f"{what} {variant} splits={n}")
     return out
 
 
@@ -331,21 +473,30 @@ def test_large_magnitude_scores():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("env", ["1", "2", "3"])
 @pytest.mark.parametrize("num_splits", [None, 5])
-def test_through_sdpa_with_call_cache(num_splits):
-    """The public entry point takes the decode kernel; a repeated call replays it (call cache) on new data."""
+def test_through_sdpa_with_call_cache(num_splits, env, monkeypatch):
+    """The public entry point takes the decode kernel CUPY_ATTN_DECODE names; a repeated call replays it (call cache)
+    on new data: new q each time, and on the last call new k and v (flash_decode_sm90 encodes its tensor maps again)."""
+    import cupy
     torch = _torch()
     F = torch.nn.functional
+    monkeypatch.setenv(_decode.ENV_DECODE, env)
     g = torch.Generator("cuda").manual_seed(40)
     q, k, v = _rand((4, 32, 1, 128), "bfloat16", g), _rand((4, 8, 4096, 128), "bfloat16", g), _rand(
         (4, 8, 4096, 128), "bfloat16", g)
     plan = cupy_attn.explain(q, k, v, enable_gqa=True, num_splits=num_splits)
     assert plan.backend == "decode", str(plan)
-    for _ in range(2):
+    hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
+    assert plan.details["kernel"] == ("flash_decode_sm90" if env != "1" and hopper else "flash_decode"), str(plan)
+    for step in range(3):
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True,
                                                           num_splits=num_splits)
         ref, ref_lse = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), enable_gqa=True,
                                                               return_lse=True)
-        assert_close(out, ref, "bfloat16", F.scaled_dot_product_attention(q, k, v, enable_gqa=True), "sdpa decode")
+        assert_close(out, ref, "bfloat16", F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
+                     f"sdpa decode CUPY_ATTN_DECODE={env} call {step}")
         np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3)
         q = _rand(q.shape, "bfloat16", g)
+        if step == 1:
+            k, v = _rand(k.shape, "bfloat16", g), _rand(v.shape, "bfloat16", g)

@@ -1,7 +1,8 @@
-"""Decode (split-KV) benchmark: cupy_attn's decode kernel (auto splits and a sweep) vs torch's default SDPA and vs
-today's fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read and ratios.
+"""Decode (split-KV) benchmark: cupy_attn's decode kernels side by side — flash_decode (CUPY_ATTN_DECODE=1) and the
+streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per SM, each at auto splits and over a split sweep — vs
+torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read and ratios.
 
-    PYTHONPATH=. python3 bench/experiments/decode.py [--quick]
+    PYTHONPATH=. python3 bench/experiments/decode.py [--quick]    (--quick: auto splits only, no sweep)
 
 Every row: median ms (cupyx.profiler.benchmark, CUDA events on the shared default stream), TB/s of K and V bytes
 read (B·Hkv·S·(E+Ev)·2; Q, out and the partials are < 1% of it), the ratio to the measured copy bandwidth (a 2 GiB
@@ -9,6 +10,7 @@ device copy, read + write bytes), speedup vs torch in the same run, and max |err
 inputs. Each case runs in its own try/except so one failure does not hide the rest. K/V are 0.5-4.3 GB, far past
 the 50 MB L2, so no buffer rotation is needed.
 """
+import contextlib
 import os
 import sys
 import traceback
@@ -27,6 +29,22 @@ CASES = (
     ("gqa (16,64q/8kv,1,8192,128)", 16, 64, 8, 1, 8192, 128),
 )
 SWEEP = (1, 2, 4, 8, 16, 32)
+# (label, CUPY_ATTN_DECODE): the decode kernels compared in every case
+VARIANTS = (("v1 flash_decode", "1"), ("sm90 stream 1cta", "2"), ("sm90 stream 2cta", "3"))
+
+
+@contextlib.contextmanager
+def decode_env(value: str):
+    """CUPY_ATTN_DECODE=value inside the block (the call cache keys on it, so each value has its own plan)."""
+    old = os.environ.get("CUPY_ATTN_DECODE")
+    os.environ["CUPY_ATTN_DECODE"] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CUPY_ATTN_DECODE"]
+        else:
+            os.environ["CUPY_ATTN_DECODE"] = old
 
 
 def median_ms(fn, n_repeat=30, n_warmup=5) -> float:
@@ -61,26 +79,31 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
             ms = median_ms(fn)
             tbps = kv_bytes / ms / 1e9
             vs = f"  {base_ms / ms:5.2f}x torch" if base_ms else ""
-            print(f"  {label:<28} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
+            print(f"  {label:<34} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
                   f"  err {err:.2e}", flush=True)
             return ms
         except Exception as exc:  # one failure must not hide the other rows
-            print(f"  {label:<28} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            print(f"  {label:<34} FAILED: {type(exc).__name__}: {exc}", flush=True)
             return None
 
-    plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
-    print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB; auto plan: {plan.reason}", flush=True)
+    print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB", flush=True)
     t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
-    row("ours auto", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), t_torch)
-    for n in (() if quick else SWEEP):
-        row(f"ours num_splits={n}",
-            lambda n=n: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, num_splits=n), t_torch)
-    os.environ["CUPY_ATTN_DECODE"] = "0"
-    try:
+    for label, env in VARIANTS:
+        with decode_env(env):
+            try:
+                plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
+                print(f"  [{label}] {plan.reason}; {plan.details.get('kernel')}: {plan.details.get('tile')}",
+                      flush=True)
+            except Exception as exc:
+                print(f"  [{label}] explain FAILED: {type(exc).__name__}: {exc}", flush=True)
+            row(f"{label} auto", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), t_torch)
+            for n in (() if quick else SWEEP):
+                row(f"{label} num_splits={n}",
+                    lambda n=n: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, num_splits=n),
+                    t_torch)
+    with decode_env("0"):
         row("fused (CUPY_ATTN_DECODE=0)", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
             t_torch)
-    finally:
-        del os.environ["CUPY_ATTN_DECODE"]
 
 
 def main():

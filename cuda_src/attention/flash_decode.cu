@@ -34,10 +34,18 @@
 // Layouts: any int64 element strides for batch, head and row; last dimension contiguous. 16-byte aligned rows go by
 // cp.async, others by plain loads.
 //
-// Versions: v1 (this file) — untimed at the time of writing; see bench/experiments/decode.py and bench/NOTES_decode.md.
+// Hopper streaming variant (flash_decode_sm90, below): the same CTA work and math (decode::attend, merge_store), K/V
+// by TMA into a deep mbarrier ring fed by a producer warp; its comment and bench/NOTES_decode.md give the design.
+//
+// Versions (H200, bench/experiments/decode.py, bench/NOTES_decode.md):
+//   v1  flash_decode: cp.async ring, 4 warps splitting each 64-key tile   MHA decode 3.97 TB/s (0.88× torch), GQA
+//                                                                         2.90-3.47 TB/s (0.74-0.83×)
+//   v2  flash_decode_sm90: TMA + mbarrier ring (6 × 32 KB at D = 128), producer warp, 1 or 2 CTAs per SM
+//                                                                         untimed (compiled and checked on CPU)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
+#include "common/tma.cuh"
 
 namespace cupy_attn {
 
@@ -112,16 +120,257 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
 }
 
 
+// One CTA's work: 16 packed rows (row block rb) of (batch b, kv head hkv) over one split's keys [n_start, n_end),
+// n_tiles tiles of kBlockN keys. The split is cut at the last key any row of the CTA may see (causal: row i sees
+// j <= i + offset, and the largest i among the packed rows is at most L - 1): a split past it loads nothing and
+// writes empty rows.
+struct Item {
+  int b, hkv, h0, r0, rows_valid, n_start, n_end, n_tiles;
+};
+
+template <int kBlockN>
+__device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split, int y, int b) {
+  Item w;
+  const int rb = y % static_cast<int>(p.row_blocks);
+  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k), G = static_cast<int>(p.groups);
+  w.b = b;
+  w.hkv = y / static_cast<int>(p.row_blocks);
+  w.h0 = w.hkv * G;
+  w.r0 = rb * 16;
+  w.rows_valid = min(16, G * L - w.r0);
+  w.n_start = split * static_cast<int>(p.split_keys);
+  w.n_end = min(S, w.n_start + static_cast<int>(p.split_keys));
+  if (p.is_causal) {
+    int max_i = 0;
+    for (int r = 0; r < w.rows_valid; ++r) max_i = max(max_i, (w.r0 + r) % L);
+    w.n_end = static_cast<int>(min(static_cast<long long>(w.n_end), max_i + p.causal_offset + 1));
+  }
+  w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
+  return w;
+}
+
+// Q into sQ (16 rows, pitch kHeadDim + 8) by threads tid = 0 .. kThreads - 1: packed row r is (head h0 + (r0 + r) / L,
+// row (r0 + r) % L); rows past the packed count and columns past E are zeros. 16-byte aligned rows by cp.async (the
+// caller commits and waits), others by plain loads.
+template <int kHeadDim, int kThreads, typename T>
+__device__ __forceinline__ void load_q(T* sQ, const FlashDecodeParams& p, const Item& w, int tid) {
+  constexpr int kChunks = kHeadDim / 8;
+  constexpr int kPitch = kHeadDim + 8;
+  const int L = static_cast<int>(p.seqlen_q), E = static_cast<int>(p.head_dim);
+  const bool vec_q = p.vec_flags & 1;
+  const T* qbase = static_cast<const T*>(p.q) + w.b * p.q_stride_b + w.h0 * p.q_stride_h;
+  for (int c = tid; c < 16 * kChunks; c += kThreads) {
+    const int r = c / kChunks, col = (c % kChunks) * 8;
+    const int pr = w.r0 + r;
+    const T* src = qbase + (pr / L) * p.q_stride_h + (pr % L) * p.q_stride_l + col;
+    const bool row_ok = r < w.rows_valid;
+    if (vec_q) {
+      const int bytes = row_ok ? max(0, min(16, (E - col) * 2)) : 0;
+      cp_async_16(smem_addr(sQ + r * kPitch + col), bytes > 0 ? src : qbase, bytes);
+    } else {
+      const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
+      unsigned short e[8];
+      #pragma unroll
+      for (int x = 0; x < 8; ++x) e[x] = (row_ok && col + x < E) ? s16[x] : 0;
+      uint4 packed4;
+      packed4.x = e[0] | (unsigned(e[1]) << 16); packed4.y = e[2] | (unsigned(e[3]) << 16);
+      packed4.z = e[4] | (unsigned(e[5]) << 16); packed4.w = e[6] | (unsigned(e[7]) << 16);
+      *reinterpret_cast<uint4*>(sQ + r * kPitch + col) = packed4;
+    }
+  }
+}
+
+// A lane's two rows (g and g + 8): the last visible key (absolute; -1 for rows past the packed count) and, with a
+// mask, the address of the row's mask element at key 0.
+struct RowLimits {
+  int limit[2];
+  const unsigned char* mrow[2];
+  int kind;
+  long long mask_stride_s;  // bytes
+};
+
+template <bool HasMask>
+__device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, const Item& w, int g) {
+  RowLimits rl;
+  const int L = static_cast<int>(p.seqlen_q);
+  rl.kind = static_cast<int>(p.mask_kind);
+  const int mask_bytes = rl.kind == 1 ? 1 : rl.kind == 4 ? 4 : 2;
+  rl.mask_stride_s = p.mask_stride_s * mask_bytes;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half, pr = w.r0 + r;
+    const int i = pr % L;
+    long long lim = w.n_end - 1;
+    if (p.is_causal) lim = min(lim, i + p.causal_offset);
+    rl.limit[half] = r < w.rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
+    rl.mrow[half] = nullptr;
+    if constexpr (HasMask) {
+      rl.mrow[half] = static_cast<const unsigned char*>(p.mask) +
+                      (w.b * p.mask_stride_b + (w.h0 + pr / L) * p.mask_stride_h + i * p.mask_stride_l) * mask_bytes;
+    }
+  }
+  return rl;
+}
+
+// One warp's kWarpN keys of a tile, first key n0w: S = Q Kᵀ, scale and mask, the online softmax, O += P V (see the
+// file header). k_at(nj, kk): the ldmatrix_x4 address of K rows [16 nj, 16 nj + 16) × columns [16 kk, 16 kk + 16) of
+// the warp's slice; v_at(kk, dn): the ldmatrix_x4_trans address of V rows [16 kk, ...) × columns [16 dn, ...). The
+// shared-memory layout (padded rows, or TMA's 128-byte swizzle) lives in these two functions only.
+template <typename T, int kHeadDim, int kWarpN, bool HasMask, typename KAt, typename VAt>
+__device__ __forceinline__ void attend(float (&acc_o)[kHeadDim / 8][4], float (&m_i)[2], float (&l_i)[2],
+                                       unsigned q_addr, KAt k_at, VAt v_at, int n0w, const RowLimits& rl,
+                                       float scale_log2, int t) {
+  constexpr int kNTiles = kWarpN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  float s[kNTiles][4];
+  #pragma unroll
+  for (int ni = 0; ni < kNTiles; ++ni)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
+  #pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    unsigned a[4];
+    ldmatrix_x4(a, q_addr + kk * 16 * 2);
+    #pragma unroll
+    for (int nj = 0; nj < kWarpN / 16; ++nj) {
+      unsigned bk[4];
+      ldmatrix_x4(bk, k_at(nj, kk));
+      mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
+      mma_16816<T>(s[2 * nj + 1], a, bk[2], bk[3]);
+    }
+  }
+
+  // Scale, mask, and the online softmax per row half; P goes to A fragments as it is produced.
+  unsigned pa[kWarpN / 16][4];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    // Element (ni, e) is key n0w + 8·ni + 2t + e; visible iff that key <= limit (clamped to fit an int).
+    const int lim = max(-1, min(kWarpN, rl.limit[half] - n0w - 2 * t));
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float x = s[ni][2 * half + e] * scale_log2;
+        if constexpr (HasMask) {
+          if (ni * 8 + e <= lim) x += mask_value(rl.mrow[half] + (n0w + ni * 8 + 2 * t + e) * rl.mask_stride_s, rl.kind);
+        }
+        s[ni][2 * half + e] = ni * 8 + e > lim ? neg_inf() : x;
+      }
+    }
+    float mx = neg_inf();
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_old = m_i[half];
+    const float m_new = fmaxf(m_old, mx);
+    const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
+    m_i[half] = m_new;
+    float sum = 0.f;
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni) {
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        s[ni][2 * half + e] = exp2_approx(s[ni][2 * half + e] - m_use);
+        sum += s[ni][2 * half + e];
+      }
+    }
+    #pragma unroll
+    for (int kk = 0; kk < kWarpN / 16; ++kk) {
+      pa[kk][half] = pack2<T>(s[2 * kk][2 * half], s[2 * kk][2 * half + 1]);
+      pa[kk][2 + half] = pack2<T>(s[2 * kk + 1][2 * half], s[2 * kk + 1][2 * half + 1]);
+    }
+    const float alpha = exp2_approx(m_old - m_use);
+    l_i[half] = l_i[half] * alpha + sum;
+    #pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      acc_o[dt][2 * half] *= alpha;
+      acc_o[dt][2 * half + 1] *= alpha;
+    }
+  }
+
+  #pragma unroll
+  for (int kk = 0; kk < kWarpN / 16; ++kk) {
+    #pragma unroll
+    for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+      unsigned bv[4];
+      ldmatrix_x4_trans(bv, v_at(kk, dn));
+      mma_16816<T>(acc_o[2 * dn], pa[kk], bv[0], bv[1]);
+      mma_16816<T>(acc_o[2 * dn + 1], pa[kk], bv[2], bv[3]);
+    }
+  }
+}
+
+// Merge the warps' partial rows through shared memory `scratch` (kNWarps × 16 × (kHeadDim + 2) floats) and write the
+// CTA's rows: out and lse (one split) or the split's normalized partials. Per row: m = max_w m_w, l = Σ_w
+// 2^(m_w - m)·l_w, O = Σ_w 2^(m_w - m)·O_w / l; l = 0 (no visible key) gives O = 0 and lse = -inf. Threads tid =
+// 0 .. kThreads - 1 (kNWarps warps) take part; sync() is their barrier between the writes and the reads.
+template <typename T, int kHeadDim, int kNWarps, typename Sync>
+__device__ __forceinline__ void merge_store(float* scratch, const float (&acc_o)[kHeadDim / 8][4], const float (&m_i)[2],
+                                            const float (&l_i)[2], const FlashDecodeParams& p, const Item& w,
+                                            int split, int tid, Sync sync) {
+  constexpr int kRows = 16, kThreads = kNWarps * 32;
+  const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
+  float* sO = scratch;                                    // [kNWarps][16][kHeadDim]
+  float* sM = sO + kNWarps * kRows * kHeadDim;            // [kNWarps][16]
+  float* sL = sM + kNWarps * kRows;                       // [kNWarps][16]
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = g + 8 * half;
+    float l = l_i[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) {
+      sM[warp * kRows + r] = m_i[half];
+      sL[warp * kRows + r] = l;
+    }
+    float* orow = sO + (warp * kRows + r) * kHeadDim;
+    #pragma unroll
+    for (int dt = 0; dt < kHeadDim / 8; ++dt)
+      *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t) = make_float2(acc_o[dt][2 * half], acc_o[dt][2 * half + 1]);
+  }
+  sync();
+
+  const int L = static_cast<int>(p.seqlen_q), Ev = static_cast<int>(p.head_dim_v);
+  const bool direct = p.num_splits == 1;
+  const long long R = p.batch * p.num_heads * L;  // rows of the workspace, (b, h, i) order
+  for (int x = tid; x < w.rows_valid * Ev; x += kThreads) {
+    const int r = x / Ev, c = x % Ev;
+    float m = neg_inf();
+    #pragma unroll
+    for (int v = 0; v < kNWarps; ++v) m = fmaxf(m, sM[v * kRows + r]);
+    float l = 0.f, o = 0.f;
+    #pragma unroll
+    for (int v = 0; v < kNWarps; ++v) {
+      const float mw = sM[v * kRows + r];
+      const float f = mw == neg_inf() ? 0.f : exp2_approx(mw - m);
+      l += f * sL[v * kRows + r];
+      o += f * sO[(v * kRows + r) * kHeadDim + c];
+    }
+    o = l > 0.f ? o / l : 0.f;
+    const float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
+    const int pr = w.r0 + r, h = w.h0 + pr / L, i = pr % L;
+    if (direct) {
+      static_cast<T*>(p.out)[w.b * p.out_stride_b + h * p.out_stride_h + i * p.out_stride_l + c] = from_float<T>(o);
+      if (c == 0 && p.lse) p.lse[w.b * p.lse_stride_b + h * p.lse_stride_h + i * p.lse_stride_l] = lse;
+    } else {
+      const long long row = split * R + (static_cast<long long>(w.b) * p.num_heads + h) * L + i;
+      p.o_part[row * Ev + c] = o;
+      if (c == 0) p.lse_part[row] = lse;
+    }
+  }
+}
+
 }  // namespace decode
 
-// One CTA: 16 packed rows of one (batch, kv head) over one split's keys. See the header for the mapping.
+// One CTA: 16 packed rows of one (batch, kv head) over one split's keys, every thread loading K/V by cp.async into a
+// kStages ring of padded rows. See the header for the mapping.
 template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask>
 __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodeParams p) {
   using namespace decode;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kRows = 16;
   constexpr int kWarpN = kBlockN / kNWarps;  // keys per warp per tile
-  constexpr int kNTiles = kWarpN / 8;        // 8-column S tiles per warp
   constexpr int kDTiles = kHeadDim / 8;      // 8-column O tiles
   constexpr int kPitch = kHeadDim + 8;
   constexpr int kTileElems = kBlockN * kPitch;
@@ -137,88 +386,31 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const int split = blockIdx.x, b = blockIdx.z;
-  const int rb = blockIdx.y % static_cast<int>(p.row_blocks), hkv = blockIdx.y / static_cast<int>(p.row_blocks);
-  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const int split = blockIdx.x;
+  const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
-  const int G = static_cast<int>(p.groups);
-  const int packed = G * L;                     // packed rows of this kv head
-  const int r0 = rb * kRows;                    // first packed row of this CTA
-  const int rows_valid = min(kRows, packed - r0);
-  const int h0 = hkv * G;
 
-  // This split's keys, cut at the last key any row of the CTA may see (causal: row i sees j <= i + offset, and the
-  // largest i among the packed rows is at most L - 1): a split past it loads nothing and writes empty rows.
-  const int n_start = split * static_cast<int>(p.split_keys);
-  int n_end = min(S, n_start + static_cast<int>(p.split_keys));
-  if (p.is_causal) {
-    int max_i = 0;
-    for (int r = 0; r < rows_valid; ++r) max_i = max(max_i, (r0 + r) % L);
-    n_end = static_cast<int>(min(static_cast<long long>(n_end), max_i + p.causal_offset + 1));
-  }
-  const int n_tiles = n_end > n_start ? (n_end - n_start + kBlockN - 1) / kBlockN : 0;
-
-  const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4;
-  const T* kbase = static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h;
-  const T* vbase = static_cast<const T*>(p.v) + b * p.v_stride_b + hkv * p.v_stride_h;
+  const bool vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4;
+  const T* kbase = static_cast<const T*>(p.k) + w.b * p.k_stride_b + w.hkv * p.k_stride_h;
+  const T* vbase = static_cast<const T*>(p.v) + w.b * p.v_stride_b + w.hkv * p.v_stride_h;
   auto load_tile = [&](int it, int stage) {
-    const int n0 = n_start + it * kBlockN;
+    const int n0 = w.n_start + it * kBlockN;
     load_kv<kBlockN, kHeadDim, kThreads>(sK + stage * kTileElems, kbase + n0 * p.k_stride_s, p.k_stride_s,
-                                         n_end - n0, E, vec_k);
+                                         w.n_end - n0, E, vec_k);
     load_kv<kBlockN, kHeadDim, kThreads>(sV + stage * kTileElems, vbase + n0 * p.v_stride_s, p.v_stride_s,
-                                         n_end - n0, Ev, vec_v);
+                                         w.n_end - n0, Ev, vec_v);
   };
 
-  // Q: packed row r is (head h0 + (r0 + r) / L, row (r0 + r) % L); rows past the packed count are zeros.
-  {
-    const T* qbase = static_cast<const T*>(p.q) + b * p.q_stride_b + h0 * p.q_stride_h;
-    constexpr int kChunks = kHeadDim / 8;
-    for (int c = threadIdx.x; c < kRows * kChunks; c += kThreads) {
-      const int r = c / kChunks, col = (c % kChunks) * 8;
-      const int pr = r0 + r;
-      const T* src = qbase + (pr / L) * p.q_stride_h + (pr % L) * p.q_stride_l + col;
-      const bool row_ok = r < rows_valid;
-      if (vec_q) {
-        const int bytes = row_ok ? max(0, min(16, (E - col) * 2)) : 0;
-        cp_async_16(smem_addr(sQ + r * kPitch + col), bytes > 0 ? src : qbase, bytes);
-      } else {
-        const unsigned short* s16 = reinterpret_cast<const unsigned short*>(src);
-        unsigned short e[8];
-        #pragma unroll
-        for (int x = 0; x < 8; ++x) e[x] = (row_ok && col + x < E) ? s16[x] : 0;
-        uint4 packed4;
-        packed4.x = e[0] | (unsigned(e[1]) << 16); packed4.y = e[2] | (unsigned(e[3]) << 16);
-        packed4.z = e[4] | (unsigned(e[5]) << 16); packed4.w = e[6] | (unsigned(e[7]) << 16);
-        *reinterpret_cast<uint4*>(sQ + r * kPitch + col) = packed4;
-      }
-    }
-  }
+  load_q<kHeadDim, kThreads>(sQ, p, w, threadIdx.x);
   // Prologue: Q joins tile 0's group; tiles 0 .. kStages-2 in flight, one commit group each (empty groups past the
   // last tile keep the wait_group count uniform).
   #pragma unroll
   for (int it = 0; it < kStages - 1; ++it) {
-    if (it < n_tiles) load_tile(it, it);
+    if (it < w.n_tiles) load_tile(it, it);
     cp_async_commit();
   }
 
-  // This lane's two rows (g and g + 8): visibility limit relative to the split, and the mask row.
-  int row_limit[2];                   // last visible key (absolute), -1 for rows past the packed count
-  const unsigned char* mrow[2] = {nullptr, nullptr};
-  const int kind = static_cast<int>(p.mask_kind);
-  const int mask_bytes = kind == 1 ? 1 : kind == 4 ? 4 : 2;
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half, pr = r0 + r;
-    const int i = pr % L;
-    long long lim = n_end - 1;
-    if (p.is_causal) lim = min(lim, i + p.causal_offset);
-    row_limit[half] = r < rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
-    if constexpr (HasMask) {
-      mrow[half] = static_cast<const unsigned char*>(p.mask) +
-                   (b * p.mask_stride_b + (h0 + pr / L) * p.mask_stride_h + i * p.mask_stride_l) * mask_bytes;
-    }
-  }
-  const long long mask_stride_s = p.mask_stride_s * mask_bytes;
+  const RowLimits rl = row_limits<HasMask>(p, w, g);
 
   // ldmatrix lane addresses (common/mma.cuh); K and V at this warp's key slice of the tile.
   const unsigned q_addr = smem_addr(sQ + (lane % 16) * kPitch + (lane / 16) * 8);
@@ -236,146 +428,208 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   l_i[0] = l_i[1] = 0.f;
 
   #pragma unroll 1
-  for (int it = 0; it < n_tiles; ++it) {
+  for (int it = 0; it < w.n_tiles; ++it) {
     const int stage = it % kStages;
     cp_async_wait<kStages - 2>();  // tile it (and Q) landed: at most kStages - 2 newer groups still pending
     __syncthreads();               // ... for every thread; and every warp is done with tile it - 1, refilled next
-    if (it + kStages - 1 < n_tiles) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
+    if (it + kStages - 1 < w.n_tiles) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
     cp_async_commit();
 
-    const int n0w = n_start + it * kBlockN + warp * kWarpN;  // this warp's first key
-    float s[kNTiles][4];
-    #pragma unroll
-    for (int ni = 0; ni < kNTiles; ++ni)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
-    const unsigned k_stage = k_addr + stage * kTileElems * 2;
-    #pragma unroll
-    for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-      unsigned a[4];
-      ldmatrix_x4(a, q_addr + kk * 16 * 2);
-      #pragma unroll
-      for (int nj = 0; nj < kWarpN / 16; ++nj) {
-        unsigned bk[4];
-        ldmatrix_x4(bk, k_stage + (nj * 16 * kPitch + kk * 16) * 2);
-        mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
-        mma_16816<T>(s[2 * nj + 1], a, bk[2], bk[3]);
-      }
-    }
-
-    // Scale, mask, and the online softmax per row half; P goes to A fragments as it is produced.
-    unsigned pa[kWarpN / 16][4];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      // Element (ni, e) is key n0w + 8·ni + 2t + e; visible iff that key <= row_limit (clamped to fit an int).
-      const int lim = max(-1, min(kWarpN, row_limit[half] - n0w - 2 * t));
-      #pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float x = s[ni][2 * half + e] * scale_log2;
-          if constexpr (HasMask) {
-            if (ni * 8 + e <= lim) x += mask_value(mrow[half] + (n0w + ni * 8 + 2 * t + e) * mask_stride_s, kind);
-          }
-          s[ni][2 * half + e] = ni * 8 + e > lim ? neg_inf() : x;
-        }
-      }
-      float mx = neg_inf();
-      #pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float m_old = m_i[half];
-      const float m_new = fmaxf(m_old, mx);
-      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
-      m_i[half] = m_new;
-      float sum = 0.f;
-      #pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni) {
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          s[ni][2 * half + e] = exp2_approx(s[ni][2 * half + e] - m_use);
-          sum += s[ni][2 * half + e];
-        }
-      }
-      #pragma unroll
-      for (int kk = 0; kk < kWarpN / 16; ++kk) {
-        pa[kk][half] = pack2<T>(s[2 * kk][2 * half], s[2 * kk][2 * half + 1]);
-        pa[kk][2 + half] = pack2<T>(s[2 * kk + 1][2 * half], s[2 * kk + 1][2 * half + 1]);
-      }
-      const float alpha = exp2_approx(m_old - m_use);
-      l_i[half] = l_i[half] * alpha + sum;
-      #pragma unroll
-      for (int dt = 0; dt < kDTiles; ++dt) {
-        acc_o[dt][2 * half] *= alpha;
-        acc_o[dt][2 * half + 1] *= alpha;
-      }
-    }
-
-    const unsigned v_stage = v_addr + stage * kTileElems * 2;
-    #pragma unroll
-    for (int kk = 0; kk < kWarpN / 16; ++kk) {
-      #pragma unroll
-      for (int dn = 0; dn < kHeadDim / 16; ++dn) {
-        unsigned bv[4];
-        ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
-        mma_16816<T>(acc_o[2 * dn], pa[kk], bv[0], bv[1]);
-        mma_16816<T>(acc_o[2 * dn + 1], pa[kk], bv[2], bv[3]);
-      }
-    }
+    const unsigned k_stage = k_addr + stage * kTileElems * 2, v_stage = v_addr + stage * kTileElems * 2;
+    attend<T, kHeadDim, kWarpN, HasMask>(
+        acc_o, m_i, l_i, q_addr,
+        [&](int nj, int kk) { return k_stage + (nj * 16 * kPitch + kk * 16) * 2; },
+        [&](int kk, int dn) { return v_stage + (kk * 16 * kPitch + dn * 16) * 2; },
+        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t);
   }
 
-  // Merge the warps' partial rows through shared memory (the K/V space: no copy is pending after the wait, and no
-  // warp reads K/V after the barrier). Per row: m = max_w m_w, l = Σ_w 2^(m_w - m)·l_w, O = Σ_w 2^(m_w - m)·O_w / l.
+  // The merge reuses the K/V space: no copy is pending after the wait, and no warp reads K/V after the barrier.
   cp_async_wait<0>();
   __syncthreads();
-  float* sO = reinterpret_cast<float*>(sK);               // [kNWarps][16][kHeadDim]
-  float* sM = sO + kNWarps * kRows * kHeadDim;            // [kNWarps][16]
-  float* sL = sM + kNWarps * kRows;                       // [kNWarps][16]
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = g + 8 * half;
-    float l = l_i[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t == 0) {
-      sM[warp * kRows + r] = m_i[half];
-      sL[warp * kRows + r] = l;
-    }
-    float* orow = sO + (warp * kRows + r) * kHeadDim;
+  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(sK), acc_o, m_i, l_i, p, w, split, threadIdx.x,
+                                    [] { __syncthreads(); });
+}
+
+// Parameters of flash_decode_sm90: the K and V tensor maps, then FlashDecodeParams (its pointers k and v unused).
+// Passed as one __grid_constant__ parameter, so that the maps stay in the parameter space, where TMA reads them by
+// address. Declared in NumPy as well (cupy_attn/attention/decode.py: _SM90_PARAMS); sizes asserted at compile time.
+struct FlashDecodeSm90Params {
+  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kBlockN, 1, 1), 128-byte swizzle
+  tma::TensorMap tma_v;  // V as (Ev, S, Hkv, B), box (64, kBlockN, 1, 1), 128-byte swizzle
+  FlashDecodeParams p;
+};
+
+namespace decode {
+
+// Shared memory of flash_decode_sm90, from a base aligned up to 1024 bytes (the 128-byte swizzle's atoms): kStages
+// K tiles, kStages V tiles (each kHeadDim / 64 column blocks of kBlockN rows × 128 bytes, one TMA box each), Q
+// (16 rows, pitch kHeadDim + 8, as flash_decode's), and the full / empty mbarrier of each stage.
+// StreamTile.smem_bytes in cupy_attn/attention/decode.py is kBytes.
+template <int kHeadDim, int kBlockN, int kStages>
+struct StreamSmem {
+  static constexpr int kTileBytes = kBlockN * kHeadDim * 2;    // one K or V stage
+  static constexpr int kQBytes = 16 * (kHeadDim + 8) * 2;
+  static constexpr int kBytes = 1024 + 2 * kStages * kTileBytes + kQBytes + 16 * kStages;
+
+  unsigned char* k;  // stage s at k + s · kTileBytes
+  unsigned char* v;
+  unsigned char* q;
+  unsigned long long* full;   // [kStages]: 1 arrival (the producer's expect_tx) + the TMA bytes
+  unsigned long long* empty;  // [kStages]: one arrival per consumer warp
+
+  __device__ __forceinline__ explicit StreamSmem(unsigned char* base) {
+    k = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    v = k + kStages * kTileBytes;
+    q = v + kStages * kTileBytes;
+    full = reinterpret_cast<unsigned long long*>(q + kQBytes);
+    empty = full + kStages;
+  }
+};
+
+}  // namespace decode
+
+// The streaming variant for Hopper (sm_90a; CUPY_ATTN_DECODE=2 or 3): the same work per CTA and the same math as
+// flash_decode (attend, merge_store), but K/V arrive by TMA (cp.async.bulk.tensor, 128-byte swizzle) into a kStages
+// mbarrier ring, issued by one thread of a producer warp (warp kNWarps) while kNWarps consumer warps compute. Nothing
+// in the loop is a CTA-wide barrier: a stage is refilled as soon as the last consumer warp has released it, so
+// kStages - 1 to kStages tiles are in flight continuously, from 4 (K boxes) + 4 (V boxes) instructions per 64-key
+// tile at D = 128, where flash_decode needs 2 cp.async per thread and a __syncthreads per tile.
+// The tensor maps bound each (b, kv head) at S rows and E (Ev) columns: rows past S and columns past E arrive as
+// zeros (and count toward the barrier's bytes); column blocks wholly past E (Ev) are not loaded and stay at the
+// zeros written at the start. Keys in [n_end, tile end) below S arrive as real data: masked by the row limits, and
+// their V rows zeroed by the consumers (only in a split's last tile).
+template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMinBlocks, bool HasMask>
+__global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
+    flash_decode_sm90(const __grid_constant__ FlashDecodeSm90Params P) {
+  using namespace decode;
+  using Smem = StreamSmem<kHeadDim, kBlockN, kStages>;
+  const FlashDecodeParams& p = P.p;
+  constexpr int kThreads = kNWarps * 32;     // consumers
+  constexpr int kWarpN = kBlockN / kNWarps;  // keys per consumer warp per tile
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kColBlocks = kHeadDim / 64;  // 128-byte swizzle atoms hold 64 16-bit columns
+  constexpr int kPitch = kHeadDim + 8;       // Q rows
+  constexpr int kConsumerBarrier = 1;        // named barrier of the consumer warps (0 is __syncthreads)
+  static_assert(kWarpN % 16 == 0 && kHeadDim % 64 == 0, "16 keys per warp per P·V step, 64-column TMA boxes");
+  static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "8-row swizzle atoms, TMA box rows <= 256");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kNWarps * 16 * (kHeadDim + 2) * 4 <= 2 * kStages * Smem::kTileBytes, "merge scratch fits the ring");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int split = blockIdx.x;
+  const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
+  const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
+  const int kb_k = (E + 63) / 64, kb_v = (Ev + 63) / 64;  // column blocks TMA loads; the rest stay zero
+
+  if (threadIdx.x == 0) {
     #pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-      *reinterpret_cast<float2*>(orow + dt * 8 + 2 * t) = make_float2(acc_o[dt][2 * half], acc_o[dt][2 * half + 1]);
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&ss.full[s], 1);
+      tma::mbar_init(&ss.empty[s], kNWarps);
+    }
+    tma::fence_barrier_init();
   }
   __syncthreads();
 
-  const bool direct = p.num_splits == 1;
-  const long long R = p.batch * p.num_heads * L;  // rows of the workspace, (b, h, i) order
-  for (int x = threadIdx.x; x < rows_valid * Ev; x += kThreads) {
-    const int r = x / Ev, c = x % Ev;
-    float m = neg_inf();
-    #pragma unroll
-    for (int w = 0; w < kNWarps; ++w) m = fmaxf(m, sM[w * kRows + r]);
-    float l = 0.f, o = 0.f;
-    #pragma unroll
-    for (int w = 0; w < kNWarps; ++w) {
-      const float mw = sM[w * kRows + r];
-      const float f = mw == neg_inf() ? 0.f : exp2_approx(mw - m);
-      l += f * sL[w * kRows + r];
-      o += f * sO[(w * kRows + r) * kHeadDim + c];
+  if (warp == kNWarps) {
+    // Producer: tile it goes to stage it % kStages in round it / kStages. Round 0 waits on parity 1 of a fresh empty
+    // barrier, which returns at once; round r > 0 waits for the consumers' release of round r - 1.
+    if (lane == 0 && w.n_tiles > 0) {
+      tma::prefetch_map(&P.tma_k);
+      tma::prefetch_map(&P.tma_v);
+      #pragma unroll 1
+      for (int it = 0; it < w.n_tiles; ++it) {
+        const int s = it % kStages, n0 = w.n_start + it * kBlockN;
+        tma::mbar_wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
+        tma::mbar_arrive_expect_tx(&ss.full[s], (kb_k + kb_v) * kBlockN * 128);
+        #pragma unroll 1
+        for (int c = 0; c < kb_k; ++c)
+          tma::load_4d(ss.k + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_k, &ss.full[s], c * 64, n0, w.hkv, w.b);
+        #pragma unroll 1
+        for (int c = 0; c < kb_v; ++c)
+          tma::load_4d(ss.v + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_v, &ss.full[s], c * 64, n0, w.hkv, w.b);
+      }
     }
-    o = l > 0.f ? o / l : 0.f;
-    const float lse = l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
-    const int pr = r0 + r, h = h0 + pr / L, i = pr % L;
-    if (direct) {
-      static_cast<T*>(p.out)[b * p.out_stride_b + h * p.out_stride_h + i * p.out_stride_l + c] = from_float<T>(o);
-      if (c == 0 && p.lse) p.lse[b * p.lse_stride_b + h * p.lse_stride_h + i * p.lse_stride_l] = lse;
-    } else {
-      const long long row = split * R + (static_cast<long long>(b) * p.num_heads + h) * L + i;
-      p.o_part[row * Ev + c] = o;
-      if (c == 0) p.lse_part[row] = lse;
+    return;
+  }
+
+  // Consumers (threadIdx.x < kThreads). Q while the first tiles are in flight; zeros in the column blocks TMA never
+  // writes (E or Ev below the bucket by 64 or more), in every stage.
+  const int tid = threadIdx.x, g = lane / 4, t = lane % 4;
+  T* sQ = reinterpret_cast<T*>(ss.q);
+  load_q<kHeadDim, kThreads>(sQ, p, w, tid);
+  cp_async_commit();
+  if (kb_k < kColBlocks || kb_v < kColBlocks) {
+    constexpr int kBlockChunks = kBlockN * 128 / 16;  // 16-byte chunks per column block
+    for (int x = tid; x < kStages * kColBlocks * kBlockChunks; x += kThreads) {
+      const int s = x / (kColBlocks * kBlockChunks), c = (x / kBlockChunks) % kColBlocks, off = x % kBlockChunks;
+      const uint4 zero = make_uint4(0, 0, 0, 0);
+      if (c >= kb_k) reinterpret_cast<uint4*>(ss.k + s * Smem::kTileBytes + c * kBlockN * 128)[off] = zero;
+      if (c >= kb_v) reinterpret_cast<uint4*>(ss.v + s * Smem::kTileBytes + c * kBlockN * 128)[off] = zero;
     }
   }
+  cp_async_wait<0>();
+  tma::named_barrier_sync(kConsumerBarrier, kThreads);
+
+  const RowLimits rl = row_limits<HasMask>(p, w, g);
+  // ldmatrix lane addresses. Q: padded rows, as flash_decode. K and V: the 16-byte chunk c of row n (n % 8 = lane % 8
+  // for every address below, all row offsets being multiples of 8) sits at chunk (c % 8) ^ (n % 8) of its 128-byte
+  // row segment, in column block c / 8 (kBlockN · 128 bytes apart). K's chunk is 2·(kk % 4) + (lane / 8) % 2, V's
+  // 2·(dn % 4) + lane / 16; as 2·(kk % 4) has bit 0 clear, the XOR splits into a per-lane constant xk (xv) and
+  // 2·(kk % 4) (2·(dn % 4)). Eight rows of one 8 × 8 matrix hit eight different chunks: no bank conflicts.
+  const unsigned q_addr = smem_addr(sQ + (lane % 16) * kPitch + (lane / 16) * 8);
+  const unsigned k_lane = smem_addr(ss.k) + (warp * kWarpN + (lane / 16) * 8 + lane % 8) * 128;
+  const unsigned v_lane = smem_addr(ss.v) + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * 128;
+  const unsigned xk = ((lane / 8) % 2) ^ (lane % 8), xv = (lane / 16) ^ (lane % 8);
+  const float scale_log2 = static_cast<float>(p.scale_log2);
+
+  float acc_o[kDTiles][4];
+  float m_i[2], l_i[2];
+  #pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  m_i[0] = m_i[1] = neg_inf();
+  l_i[0] = l_i[1] = 0.f;
+
+  #pragma unroll 1
+  for (int it = 0; it < w.n_tiles; ++it) {
+    const int s = it % kStages;
+    tma::mbar_wait(&ss.full[s], (it / kStages) & 1);
+    // The split's last tile may run past n_end into keys below S (the next split's, or past a causal limit), which
+    // arrive as real data: zero this warp's V rows there, as flash_decode's loads do (P is 0 there, but 0 · inf or
+    // NaN is NaN). Each warp reads only its own kWarpN rows, so __syncwarp orders the writes before its ldmatrix.
+    const int valid = w.n_end - w.n_start - it * kBlockN;
+    if (valid < (warp + 1) * kWarpN) {
+      constexpr int kRowChunks = kHeadDim / 8;  // 16-byte chunks of a row, over all column blocks
+      unsigned char* vs = ss.v + s * Smem::kTileBytes;
+      const int r0 = max(valid, warp * kWarpN);
+      for (int x = lane; x < ((warp + 1) * kWarpN - r0) * kRowChunks; x += 32) {
+        const int r = r0 + x / kRowChunks, c = x % kRowChunks;  // the swizzle permutes chunks within the row
+        *reinterpret_cast<uint4*>(vs + (c / 8) * kBlockN * 128 + r * 128 + (c % 8) * 16) = make_uint4(0, 0, 0, 0);
+      }
+      __syncwarp();
+    }
+    const unsigned k_st = k_lane + s * Smem::kTileBytes, v_st = v_lane + s * Smem::kTileBytes;
+    attend<T, kHeadDim, kWarpN, HasMask>(
+        acc_o, m_i, l_i, q_addr,
+        [&](int nj, int kk) { return k_st + (kk / 4) * kBlockN * 128 + nj * 16 * 128 + (((kk % 4) * 2) ^ xk) * 16; },
+        [&](int kk, int dn) { return v_st + (dn / 4) * kBlockN * 128 + kk * 16 * 128 + (((dn % 4) * 2) ^ xv) * 16; },
+        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t);
+    // Release the stage once every lane's ldmatrix of it has returned (__syncwarp orders them before lane 0's
+    // arrive, which has release semantics).
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(&ss.empty[s]);
+  }
+
+  // The merge reuses the ring: every TMA load issued has landed (each full barrier was waited for), and after the
+  // barrier no consumer warp reads K/V any more; the producer has issued its last load.
+  tma::named_barrier_sync(kConsumerBarrier, kThreads);
+  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(ss.k), acc_o, m_i, l_i, p, w, split, tid,
+                                    [] { tma::named_barrier_sync(kConsumerBarrier, kThreads); });
 }
 
 // Merge the splits' partials of one output row per CTA: lse = log Σ_s exp(lse_s) (max-shifted), out = Σ_s

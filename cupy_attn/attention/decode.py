@@ -1,9 +1,12 @@
 """The decode path: split-KV attention for short queries (Flash-Decoding; cuda_src/attention/flash_decode.cu).
 
-Two kernel families from one source: ``FLASH_DECODE`` (dtype × head-dim bucket × tile × has-mask; one CTA per split
-× (kv head, 16 packed query rows) × batch) and ``FLASH_DECODE_COMBINE`` (dtype; merges the splits' fp32 partials by
-their lse). The query heads that share a K/V head are packed into the rows of one tile (GQA), so K/V is read once.
-``prefer_decode`` says when the dispatcher takes it, ``num_splits_for`` how many splits.
+Three kernel families from one source: ``FLASH_DECODE`` (dtype × head-dim bucket × tile × has-mask; one CTA per split
+× (kv head, 16 packed query rows) × batch, K/V by cp.async), ``FLASH_DECODE_SM90`` (the same work and math, K/V by TMA
+into an mbarrier ring fed by a producer warp; sm_90a) and ``FLASH_DECODE_COMBINE`` (dtype; merges the splits' fp32
+partials by their lse). The query heads that share a K/V head are packed into the rows of one tile (GQA), so K/V is
+read once. ``prefer_decode`` says when the dispatcher takes the decode path, ``num_splits_for`` how many splits,
+``choose_kernel`` which of the two kernels (``CUPY_ATTN_DECODE``: 0 off, 1 flash_decode, 2 and 3 flash_decode_sm90
+with one or two CTAs per SM; unset: ``DEFAULT_VARIANT``).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from ..runtime import workspace
 from ..runtime.compile import KernelFamily, source_dir, struct_arg
 from ..runtime.interop import dtype_name
 from . import fused as _fused
+from . import fused_sm90 as _fa3
 
 HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
 ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
@@ -54,6 +58,47 @@ DECODE_TILES = {
     # D=256: 3 stages, 211 KB: 1 CTA/SM, 2 × 66 KB in flight. Arch 8: 32 keys over 2 warps, 2 stages, 76 KB.
     (256, 9): DecodeTile(64, 4, 3, 1), (256, 8): DecodeTile(32, 2, 2, 1),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class StreamTile:
+    """flash_decode_sm90's launch shape: key rows per ring stage (block_n / warps per consumer warp, a multiple of 16),
+    consumer warps (plus one producer warp), ring stages, and the CTAs per SM it is built for (a template value:
+    __launch_bounds__' minimum blocks)."""
+    block_n: int
+    warps: int
+    stages: int
+    ctas_per_sm: int
+
+    @property
+    def threads(self) -> int:
+        return (self.warps + 1) * 32
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """1 KB of alignment slack (the swizzle's 1024-byte atoms), stages × (K and V tiles, unpadded), Q (16 rows
+        padded by 8 elements), two mbarriers per stage: StreamSmem::kBytes in cuda_src/attention/flash_decode.cu."""
+        return 1024 + 2 * self.stages * self.block_n * head_dim * 2 + ROWS * (head_dim + 8) * 2 + 16 * self.stages
+
+    def in_flight_bytes(self, head_dim: int) -> int:
+        """K+V bytes a CTA keeps in flight while one stage is being consumed: (stages - 1) tiles."""
+        return (self.stages - 1) * 2 * self.block_n * head_dim * 2
+
+
+# (variant, head-dim bucket) -> StreamTile, Hopper only (227 KB per block, 228 KB per SM, 1 KB of it reserved per
+# block). "stream" (CUPY_ATTN_DECODE=2): one CTA per SM and the deepest ring that fits, 160-192 KB of K/V in flight
+# per SM; "stream2" (=3): two CTAs per SM of half the ring, so that one CTA's start (first TMA latency) and end (merge,
+# stores) overlap the other's stream. Registers are no limit (160 threads).
+STREAM_TILES = {
+    # D=64: 128 keys (32 per warp), 6 × 32 KB stages, 195 KB.    D=128: 64 keys, 6 × 32 KB, 197 KB.
+    # D=256: 64 keys, 3 × 64 KB, 201 KB (the merge scratch, 4 × 16 × 258 × 4 bytes, reuses the ring).
+    ("stream", 64): StreamTile(128, 4, 6, 1), ("stream", 128): StreamTile(64, 4, 6, 1),
+    ("stream", 256): StreamTile(64, 4, 3, 1),
+    # Two per SM: D=64 128 keys × 3 stages, 99 KB; D=128 64 keys × 3, 101 KB; D=256 32 keys over 2 warps × 3, 105 KB.
+    ("stream2", 64): StreamTile(128, 4, 3, 2), ("stream2", 128): StreamTile(64, 4, 3, 2),
+    ("stream2", 256): StreamTile(32, 2, 3, 2),
+}
+VARIANTS = {"1": "v1", "2": "stream", "3": "stream2"}  # CUPY_ATTN_DECODE value -> variant ("0": decode path off)
+DEFAULT_VARIANT = "v1"  # unset CUPY_ATTN_DECODE; the streaming variant is opt-in until measured
 
 
 def _params_dtype(source: str, struct: str = "FlashDecodeParams") -> np.dtype:
@@ -94,6 +139,28 @@ FLASH_DECODE = KernelFamily(
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
+_MAP = np.dtype((np.uint8, 128))
+# FlashDecodeSm90Params: two CUtensorMaps (64-byte aligned) and FlashDecodeParams; the C struct's size is rounded to
+# 64 bytes like this one's (asserted when the family compiles).
+_SM90_PARAMS = _fa3._c_struct([("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("p", _PARAMS, 8)])
+
+FLASH_DECODE_SM90 = KernelFamily(
+    name="flash_decode_sm90",
+    source=_SOURCE,
+    template=("cupy_attn::flash_decode_sm90<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              "{tile.ctas_per_sm}, {has_mask}>"),
+    axes={
+        "dtype": tuple(_C_TYPES.values()),
+        "head_dim": HEAD_DIMS,
+        "tile": tuple(sorted(set(STREAM_TILES.values()), key=dataclasses.astuple)),
+        "has_mask": ("false", "true"),
+    },
+    where=lambda row: any(t == row["tile"] for (_, d), t in STREAM_TILES.items() if d == row["head_dim"]),
+    archs=("sm_90a",),
+    arch="sm_90a",
+    structs=(("cupy_attn::FlashDecodeSm90Params", _SM90_PARAMS),),
+)
+
 FLASH_DECODE_COMBINE = KernelFamily(
     name="flash_decode_combine",
     source=_SOURCE,
@@ -125,6 +192,80 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
 def enabled() -> bool:
     """False when ``CUPY_ATTN_DECODE=0``: the dispatcher never takes the decode kernel."""
     return os.environ.get(ENV_DECODE, "1") != "0"
+
+
+def requested_variant() -> str:
+    """The decode kernel ``CUPY_ATTN_DECODE`` asks for: "v1" (1: flash_decode), "stream" (2: flash_decode_sm90, one
+    CTA per SM), "stream2" (3: two CTAs per SM); unset or 0: DEFAULT_VARIANT (0 turns the path off: ``enabled``).
+    ValueError for any other value."""
+    value = os.environ.get(ENV_DECODE)
+    if value in (None, "", "0"):
+        return DEFAULT_VARIANT
+    if value not in VARIANTS:
+        raise ValueError(f"{ENV_DECODE} must be 0, 1, 2 or 3, got {value!r}")
+    return VARIANTS[value]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeChoice:
+    """Which decode kernel runs a call: the family, its tile (DecodeTile or StreamTile), and why the streaming variant
+    was asked for but not taken (None otherwise). Made once by the plan (``choose_kernel``), used by ``prepare``."""
+    family: KernelFamily
+    tile: object
+    variant: str
+    fallback: str | None = None
+
+    def describe(self) -> str:
+        t = self.tile
+        if self.family is FLASH_DECODE_SM90:
+            text = (f"{self.family.name}: 16 packed rows x {t.block_n} keys, {t.warps} consumer warps + 1 TMA "
+                    f"producer warp, {t.stages}-stage mbarrier ring, {t.ctas_per_sm} CTA(s)/SM")
+        else:
+            text = f"{self.family.name}: 16 packed rows x {t.block_n} keys, {t.warps} warps, {t.stages} K/V stages"
+        return text + (f" (CUPY_ATTN_DECODE asked for {self.variant}: {self.fallback})" if self.fallback else "")
+
+
+def stream_layout_reason(k, v) -> str | None:
+    """None when TMA can read k and v (B, Hkv, S, E) in place: 16-byte aligned bases, and batch / head / row strides
+    positive multiples of 16 bytes below 2^40 (BHSD and BSHD with E·2 a multiple of 16 qualify). Axes of size 1 are
+    not checked (their stride is never used)."""
+    for name, a in (("key", k), ("value", v)):
+        if a.data.ptr % 16:
+            return f"{name} is not 16-byte aligned (TMA)"
+        for axis, n, s in zip("bhs", a.shape[:-1], a.strides[:-1]):
+            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
+                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    return None
+
+
+def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str | None = None) -> DecodeChoice:
+    """The decode kernel for a call at this head-dim bucket: ``variant`` ("v1", "stream", "stream2"; None: from
+    CUPY_ATTN_DECODE, ``requested_variant``). The streaming variants need sm_90 (sm_90a code), cuda-bindings
+    (cuTensorMapEncodeTiled) and a TMA-readable layout (``stream_layout_reason``; not checked when key/value are None,
+    as in plans made without arrays); otherwise flash_decode runs and ``fallback`` says why.
+
+    >>> choose_kernel(128, 80, variant="stream").fallback
+    'sm_80: flash_decode_sm90 needs sm_90a (H100/H200)'
+    """
+    variant = requested_variant() if variant is None else variant
+    if variant not in ("v1", "stream", "stream2"):
+        raise ValueError(f"decode variant must be 'v1', 'stream' or 'stream2', got {variant!r}")
+    v1 = DecodeChoice(FLASH_DECODE, tile_for(head_dim, arch), variant)
+    if variant == "v1":
+        return v1
+    why = None
+    if arch // 10 != 9:
+        why = f"sm_{arch}: flash_decode_sm90 needs sm_90a (H100/H200)"
+    elif key is not None:
+        why = stream_layout_reason(key, value)
+    if why is None:
+        try:
+            from cuda.bindings import driver  # noqa: F401
+        except ImportError:
+            why = "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+    if why is not None:
+        return dataclasses.replace(v1, fallback=why)
+    return DecodeChoice(FLASH_DECODE_SM90, STREAM_TILES[(variant, head_dim)], variant)
 
 
 def prefer_decode(seqlen_q: int, seqlen_k: int, groups: int) -> tuple[bool, str]:
@@ -192,16 +333,18 @@ def device_sms(device_id: int) -> int:
 
 
 def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
-               num_splits: int | None = None) -> tuple[int, int]:
+               num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
     """(splits actually launched, keys per split). A requested count is honoured up to one key tile per split: the
-    split length is rounded up to a multiple of the tile, so S=100 with 16 requested gives 2 splits of 64 keys."""
-    tile = tile_for(head_dim, arch)
+    split length is rounded up to a multiple of the tile (block_n keys; None: flash_decode's tile_for), so S=100 with
+    16 requested gives 2 splits of 64 keys. The same rule serves flash_decode_sm90 (its CTAs stream one split each,
+    like flash_decode's; with one CTA per SM, waves per SM are its waves exactly)."""
+    block_n = tile_for(head_dim, arch).block_n if block_n is None else block_n
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
     # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
     # second split only adds a combine (H200, bench/NOTES_decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
     # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309).
     n = num_splits_for(ctas, S, num_sms, 1) if num_splits is None else int(num_splits)
-    chunk = math.ceil(math.ceil(S / n) / tile.block_n) * tile.block_n
+    chunk = math.ceil(math.ceil(S / n) / block_n) * block_n
     return math.ceil(S / chunk), chunk
 
 
@@ -220,11 +363,12 @@ def _partials(ctx, nbytes: int):
     return a, a.data.ptr
 
 
-def prepare_problem(p, num_splits, out, lse):
+def prepare_problem(p, num_splits, choice, out, lse):
     """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` of the decode kernel for a checked problem, on the
-    call's device and stream, partials from the caller's allocator (what dispatch's plan returns)."""
+    call's device and stream, partials from the caller's allocator (what dispatch's plan returns). choice: the plan's
+    DecodeChoice (None: made here)."""
     launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
-                     num_splits=num_splits)
+                     num_splits=num_splits, choice=choice)
     launch.ctx = ctx = p.ctx
 
     def run(*ptrs):
@@ -234,21 +378,26 @@ def prepare_problem(p, num_splits, out, lse):
 
 
 def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
-                   num_splits: int | None = None) -> None:
-    """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's)."""
-    prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits)(
+                   num_splits: int | None = None, variant: str | None = None) -> "DecodeLaunch":
+    """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's;
+    variant as choose_kernel's). Returns the launch (its ``choice`` says which kernel ran)."""
+    launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant)
+    launch(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
+    return launch
 
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
-            num_splits: int | None = None) -> "DecodeLaunch":
+            num_splits: int | None = None, choice: DecodeChoice | None = None,
+            variant: str | None = None) -> "DecodeLaunch":
     """Check a decode call and build its launch (all but the pointers), as fused.prepare.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
     Hq, L, Ev) in q's dtype, last-dim stride 1; lse None or (B, Hq, L) fp32; mask None or broadcast to (B, Hq, L, S);
     causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
-    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan).
+    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan). choice: the kernel the
+    plan chose (None: ``choose_kernel(..., variant)`` here, from CUPY_ATTN_DECODE when variant is None).
     """
     import cupy
 
@@ -260,16 +409,19 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     dtype = q.dtype
 
     head_dim = head_dim_bucket(E, Ev)
-    tile = tile_for(head_dim, arch)
+    if choice is None:
+        choice = choose_kernel(head_dim, arch, k, v, variant)
+    tile = choice.tile
     groups = Hq // Hkv
     row_blocks = math.ceil(L * groups / ROWS)
-    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, device_sms(cupy.cuda.Device().id), num_splits)
+    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, device_sms(cupy.cuda.Device().id), num_splits,
+                               tile.block_n)
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
     c_type = _C_TYPES[dtype_name(dtype)]
-    kernel = FLASH_DECODE.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
-                                 has_mask="false" if mask is None else "true")
+    kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
+                                  has_mask="false" if mask is None else "true")
     combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
     smem = tile.smem_bytes(head_dim)
     if kernel.max_dynamic_shared_size_bytes < smem:
@@ -298,8 +450,13 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
             p[f"mask_stride_{axis}"] = stride
     rows = B * Hq * L
     part_bytes = 0 if splits == 1 else splits * rows * (Ev + 1) * 4
-    return DecodeLaunch(kernel, combine, p, (splits, Hkv * row_blocks, B), (tile.warps * 32,), smem, rows,
-                        splits * rows * Ev * 4, part_bytes)
+    grid = (splits, Hkv * row_blocks, B)
+    if choice.family is FLASH_DECODE_SM90:
+        maps = (_fa3._MapSpec.of(k, tile.block_n), _fa3._MapSpec.of(v, tile.block_n))
+        return DecodeSm90Launch(kernel, combine, p, grid, (tile.threads,), smem, rows, splits * rows * Ev * 4,
+                                part_bytes, choice, maps)
+    return DecodeLaunch(kernel, combine, p, grid, (tile.warps * 32,), smem, rows, splits * rows * Ev * 4, part_bytes,
+                        choice)
 
 
 @dataclasses.dataclass
@@ -315,6 +472,7 @@ class DecodeLaunch:
     rows: int                # B · Hq · L: the combine kernel's grid
     o_part_bytes: int        # offset of lse_part inside the workspace
     part_bytes: int          # 0 for one split
+    choice: DecodeChoice
 
     @property
     def num_splits(self) -> int:
@@ -329,7 +487,34 @@ class DecodeLaunch:
         if self.part_bytes:
             work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
             p["o_part"], p["lse_part"] = ptr, ptr + self.o_part_bytes
-        self.kernel(self.grid, self.block, (struct_arg(p),), shared_mem=self.smem)
+        kp = self.kernel_params(p)  # held until the launch returns (struct_arg)
+        self.kernel(self.grid, self.block, (struct_arg(kp),), shared_mem=self.smem)
         if self.combine is not None:
             self.combine((self.rows,), (128,), (struct_arg(p),))
         del work
+
+    def kernel_params(self, p: np.ndarray) -> np.ndarray:
+        """The split kernel's parameter struct for complete FlashDecodeParams ``p`` (flash_decode's: ``p`` itself)."""
+        return p
+
+
+@dataclasses.dataclass
+class DecodeSm90Launch(DecodeLaunch):
+    """A flash_decode_sm90 launch: as DecodeLaunch, plus the K and V tensor-map layouts. The maps embed the base
+    addresses, so they are encoded again when k_ptr or v_ptr change (the last pair is remembered: a decode loop over
+    one KV cache encodes once; ~10 µs of host time otherwise)."""
+
+    maps: tuple = ()
+    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # ((k_ptr, v_ptr), their two maps)
+
+    def kernel_params(self, p: np.ndarray) -> np.ndarray:
+        """FlashDecodeSm90Params: the tensor maps of p's k and v pointers, and p."""
+        ptrs, encoded = self._encoded
+        key = (int(p["k"]), int(p["v"]))
+        if ptrs != key:
+            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, key))
+            self._encoded = (key, encoded)  # one tuple: a concurrent caller sees old or new
+        a = np.zeros((), dtype=_SM90_PARAMS)
+        a["tma_k"], a["tma_v"] = encoded
+        a["p"] = p
+        return a

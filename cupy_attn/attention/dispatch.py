@@ -144,15 +144,14 @@ def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: in
     if num_sms is None:
         num_sms = _decode.device_sms(p.ctx.device_id)
     head_dim = _decode.head_dim_bucket(p.head_dim, p.head_dim_v)
+    choice = _decode.choose_kernel(head_dim, arch, p.key, p.value)
     n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, max(p.seqlen_k, 1), head_dim, arch,
-                                  num_sms, num_splits)
-    tile = _decode.tile_for(head_dim, arch)
-    details = {"kernel": _decode.FLASH_DECODE.name, "head-dim bucket": head_dim,
-               "tile": f"16 packed rows x {tile.block_n} keys, {tile.warps} warps, {tile.stages} K/V stages",
+                                  num_sms, num_splits, choice.tile.block_n)
+    details = {"kernel": choice.family.name, "head-dim bucket": head_dim, "tile": choice.describe(),
                "packed rows": f"{p.seqlen_q} query rows x {p.groups} heads per K/V head",
                "splits": f"{n} of {chunk} keys" + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
     return Plan("decode", f"decode (split-KV, {n} splits): {why}", describe=lambda: details, copies=copies,
-                num_splits=n, prepare=functools.partial(_decode.prepare_problem, p, num_splits))
+                num_splits=n, prepare=functools.partial(_decode.prepare_problem, p, num_splits, choice))
 
 
 def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:

@@ -58,7 +58,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
     rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
     SM count; a positive int sends any call the kernel supports (fp16/bf16, head dims ≤ 256; backend "auto" or
-    "fused") to it with that many splits, at most one per key tile (64 keys). CUPY_ATTN_DECODE=0 turns it off.
+    "fused") to it with that many splits, at most one per key tile (64 keys). CUPY_ATTN_DECODE=0 turns it off;
+    =2 (=3) runs its Hopper streaming variant (TMA into an mbarrier ring; one (two) CTAs per SM), opt-in for now.
     Repeated calls with torch CUDA tensors (or CuPy arrays) of the same layout, flags and stream replay the first
     call's prepared launch (checks and planning skipped: ~14-16 µs of host time instead of ~127 for a small fused
     call with torch tensors, where torch's own SDPA took 16-18 µs on the same hosts).
