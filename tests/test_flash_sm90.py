@@ -409,8 +409,9 @@ def test_padded_head_dims(fa3, dtype, E, Ev, causal):
 def test_many_tiles(fa3, E, L, S, causal):
     """More tiles than SMs (2 × 48 query heads, GQA on 12 K/V heads: 288-768 tiles on 132 SMs), so the persistent
     variant's CTAs loop: up to 6 tiles each, K/V ring phases and the Q buffer handed over across tiles, causal
-    m-blocks in pairs (odd M = 3 at L = 333: the middle block alone). (700, 300) bottom-right: m-blocks 0-2 see no key, so every
-    pair's second tile is an empty one written without loads or ping-pong turns; L = 640 a multiple of 128."""
+    m-blocks in pairs (odd M = 3 at L = 333: the middle block alone). (700, 300) bottom-right: m-blocks 0-2 see no
+    key, so every pair's second tile is an empty one, written without loads or ping-pong turns; L = 640 is a multiple
+    of 128."""
     g = _torch().Generator("cuda").manual_seed(L * 7 + S + E)
     q, k, v = _rand((2, 48, L, E), "float16", g), _rand((2, 12, S, E), "float16", g), _rand((2, 12, S, E), "float16", g)
     _check_fa3(q, k, v, "float16", causal=causal, what=f"many tiles E={E} L={L} S={S} causal={causal}")

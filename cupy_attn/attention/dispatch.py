@@ -190,8 +190,8 @@ def fa3_mode(p, arch: int) -> str | None:
     """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap), "3" ("2" as a persistent kernel, opt-in until
     measured) or None (flash_fwd.cu) for a call on ``arch``.
 
-    CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto): "2" on Hopper for calls of
-    at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
+    CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto): "2" on Hopper for calls
+    of at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
     causal, (8,16,1024,256), bench/experiments/fa3_fwd.py).
     """
     env = os.environ.get("CUPY_ATTN_FA3")
