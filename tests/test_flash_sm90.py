@@ -2,11 +2,19 @@
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA, TMA
 loads (UTMALDG), mbarrier operations (SYNCS), setmaxnreg (USETMAXREG) and no local memory (skipped without
-cuobjdump: ``pip install nvidia-cuda-cuobjdump``); the params dtype matches the C struct's declaration; tile table and
-eligibility rules. GPU (``gpu`` marker, CUPY_ATTN_FA3=1): outputs and lse against the float64 reference with the
+cuobjdump: ``pip install nvidia-cuda-cuobjdump``); the params dtype matches the C struct's declaration; tile table,
+the persistent variant's grid and tile order, and eligibility rules. GPU (``gpu`` marker; every test under
+CUPY_ATTN_FA3=1, 2 and 3: ping-pong, overlap, persistent): outputs and lse against the float64 reference with the
 tolerance rule of tests/_tolerance.py (NaN-poisoned outputs; tests/test_flash.py's _check), after asserting that
-fused.prepare really chose this kernel.
+fused.prepare really chose this kernel and variant (and, persistent, its grid).
+
+    PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_sm90.py
+    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_sm90.py -k persistent   # the variant alone
+
+A hang (a barrier protocol mistake) is ended by ``timeout``; the persistent variant's barrier invariants are in
+cuda_src/attention/sm90/mainloop.cuh.
 """
+import dataclasses
 import glob
 import os
 import re
@@ -29,8 +37,9 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())  # (bucket, qk_dim) pairs
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * qk_dims  # dtypes × overlap
+    # dtypes × variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs
+    qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.MODE_TILES) * qk_dims
     # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
     assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
     spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
@@ -77,15 +86,17 @@ def sass_text(cubin: bytes) -> dict:
     return {b.split("\n", 1)[0].strip(): b for b in re.split(r"\n\s*Function : ", text)[1:]}
 
 
-def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits():
+@pytest.mark.parametrize("table", ["SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"])
+def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     """FlashAttention-3's intra-warpgroup overlap, in the SASS: after ``wait_group 1`` (S_i done) the exponentials of
     the softmax run before ``wait_group 0`` (P_{i-1} V_{i-1} done), for D = 64 and 128 (mainloop.cuh explains the
-    scheduling barrier that keeps ptxas from hoisting the second wait; D = 256 is not overlapped yet)."""
+    scheduling barrier that keeps ptxas from hoisting the second wait; D = 256 is not overlapped yet), in the one-tile
+    and in the persistent variant."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     for dtype in _sm90._C_TYPES.values():
         for d in (64, 128):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.SM90_OVERLAP_TILES[d], qk_dim=d)
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=d)
             text = next(iter(sass_text(_compile.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -110,10 +121,14 @@ def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
 
 def test_tiles():
     declared = set(FAMILY.name_expressions())
-    for table, overlap in ((_sm90.SM90_TILES, False), (_sm90.SM90_OVERLAP_TILES, True)):
+    assert set(_sm90.MODE_TILES) == {"1", "2", "3"}
+    for mode, table in _sm90.MODE_TILES.items():
+        overlap, persistent = mode in ("2", "3"), mode == "3"
         assert set(table) == {64, 128, 256}
         for d, tile in table.items():
-            assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2 and tile.overlap == overlap
+            assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2
+            assert (tile.overlap, tile.persistent) == (overlap, persistent)
+            assert dataclasses.replace(tile, overlap=False, persistent=False) == _sm90.SM90_TILES[d]
             assert tile.smem_bytes(d) <= 232448, (d, tile)
             for dtype in _sm90._C_TYPES.values():
                 for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
@@ -222,11 +237,69 @@ def test_launch_params(monkeypatch):
     assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
     assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
     raw = got.tobytes()
-    assert len(raw) == 512 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
+    assert len(raw) == 576 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
     launch.params_for(1000, 2000, 3000, 4001)
     assert len(calls) == 3, "same q/k/v pointers: maps reused"
     launch.params_for(1016, 2000, 3000, 4001)
     assert len(calls) == 6
+
+
+def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool) -> list:
+    """The (m_block, h, b) tiles each CTA runs, in order: cuda_src/attention/sm90/tile_scheduler.cuh's
+    StaticTileScheduler, transcribed (a check of the order it documents; the GPU tests run the real one)."""
+    M = -(-L // 128)
+    pairs = pairs and causal
+    per_head = -(-M // 2) if pairs else M
+    ctas = []
+    for cta in range(grid):
+        tiles = []
+        for unit in range(cta, per_head * Hq * B, grid):
+            bh, k = divmod(unit, per_head)
+            h, b = bh % Hq, bh // Hq
+            if pairs:
+                tiles.append((M - 1 - k, h, b))
+                if k < M - 1 - k:
+                    tiles.append((k, h, b))
+            else:
+                tiles.append((M - 1 - k if causal else k, h, b))
+        ctas.append(tiles)
+    return ctas
+
+
+@pytest.mark.parametrize("B,Hq,L", [(1, 1, 1), (1, 2, 1000), (2, 16, 8192), (1, 8, 1024), (3, 5, 700), (2, 48, 333),
+                                    (1, 1, 128 * 300 + 5)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("num_sms", [132, 7])
+def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms):
+    """The persistent grid covers every tile exactly once; causal calls with more tiles than SMs run equal-cost pairs
+    (m-blocks M-1-k and k: M + 1 key blocks at L = S), the longer first; consecutive units are m-blocks of one head."""
+    tile = _sm90.SM90_PERSISTENT_TILES[128]
+    grid, pairs = _sm90.grid_for(tile, B, Hq, L, causal, num_sms)
+    M = -(-L // 128)
+    assert grid[1:] == (1, 1) and 1 <= grid[0] <= num_sms
+    assert pairs == (causal and M * Hq * B > num_sms)
+    ctas = _schedule(grid[0], pairs, B, Hq, L, causal)
+    every = [t for tiles in ctas for t in tiles]
+    assert sorted(every) == sorted((m, h, b) for m in range(M) for h in range(Hq) for b in range(B))
+    assert all(ctas), "every CTA has work"
+    if pairs:
+        for tiles in ctas:
+            firsts = [i for i, (m, _, _) in enumerate(tiles) if m >= M - 1 - m]
+            for i in firsts:
+                m, h, b = tiles[i]
+                if m != M - 1 - m:  # not the middle m-block of an odd M
+                    assert tiles[i + 1] == (M - 1 - m, h, b)
+        costs = [sum(m + 1 for m, _, _ in tiles) for tiles in ctas]
+        units = Hq * B * -(-M // 2)
+        assert max(costs) <= -(-units // grid[0]) * (M + 1)
+    elif causal:
+        assert ctas[0][0][0] == M - 1, "longest first"
+    if grid[0] > 1 and (-(-M // 2) if pairs else M) > 1:
+        assert ctas[1][0][1:] == ctas[0][0][1:], "adjacent CTAs start on m-blocks of one head"
+
+
+def test_one_tile_grid():
+    assert _sm90.grid_for(_sm90.SM90_OVERLAP_TILES[64], 3, 5, 700, True, 132) == ((6, 5, 3), False)
 
 
 def _gpu():
@@ -240,9 +313,9 @@ def _gpu():
 DTYPES = ("float16", "bfloat16")
 
 
-@pytest.fixture(params=["1", "2"], ids=["fa3", "fa3-overlap"])
+@pytest.fixture(params=["1", "2", "3"], ids=["fa3", "fa3-overlap", "fa3-persistent"])
 def fa3(request, monkeypatch):
-    """CUPY_ATTN_FA3=1 (the kernel) and =2 (its intra-warpgroup-overlap variant)."""
+    """CUPY_ATTN_FA3=1 (the kernel), =2 (its intra-warpgroup-overlap variant), =3 (that variant, persistent)."""
     monkeypatch.setenv(_flash.ENV_FA3, request.param)
     return request.param
 
@@ -266,11 +339,20 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     launch = _flash.prepare(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
     if expect_fa3:
-        overlap = os.environ[_flash.ENV_FA3] == "2"
         D = _sm90.head_bucket(E, v.shape[-1])
-        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=(
-            _sm90.SM90_OVERLAP_TILES if overlap else _sm90.SM90_TILES)[D], qk_dim=_sm90.qk_dim(E, D)), \
-            f"{what}: wrong variant"
+        tile = _sm90.MODE_TILES[os.environ[_flash.ENV_FA3]][D]
+        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=tile,
+                                              qk_dim=_sm90.qk_dim(E, D)), f"{what}: variant"
+        m_blocks = -(-L // tile.block_m)
+        if tile.persistent:
+            from cupy_attn.runtime.interop import device_sms
+            sms = device_sms(cupy.cuda.Device().id)
+            pairs = causal is not None and m_blocks * Hq * B > sms
+            units = Hq * B * (-(-m_blocks // 2) if pairs else m_blocks)
+            assert launch.grid == (min(sms, units), 1, 1), f"{what}: persistent grid {launch.grid}"
+            assert int(launch.params["tile_pairs"]) == pairs, what
+        else:
+            assert launch.grid == (m_blocks, Hq, B), f"{what}: grid {launch.grid}"
     return _check(q, k, v, dtype, causal=causal, what=what)
 
 
@@ -321,6 +403,31 @@ def test_padded_head_dims(fa3, dtype, E, Ev, causal):
     g = _torch().Generator("cuda").manual_seed(E * 3 + Ev)
     q, k, v = _rand((2, 4, 257, E), dtype, g), _rand((2, 4, 190, E), dtype, g), _rand((2, 4, 190, Ev), dtype, g)
     _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} E={E} Ev={Ev} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("L,S", [(700, 300), (640, 640), (333, 1000), (1000, 333)])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_many_tiles(fa3, E, L, S, causal):
+    """More tiles than SMs (2 × 48 query heads, GQA on 12 K/V heads: 288-768 tiles on 132 SMs), so the persistent
+    variant's CTAs loop: up to 6 tiles each, K/V ring phases and the Q buffer handed over across tiles, causal
+    m-blocks in pairs (odd M = 3 at L = 333: the middle block alone). (700, 300) bottom-right: m-blocks 0-2 see no
+    key, so every pair's second tile is an empty one, written without loads or ping-pong turns; L = 640 is a multiple
+    of 128."""
+    g = _torch().Generator("cuda").manual_seed(L * 7 + S + E)
+    q, k, v = _rand((2, 48, L, E), "float16", g), _rand((2, 12, S, E), "float16", g), _rand((2, 12, S, E), "float16", g)
+    _check_fa3(q, k, v, "float16", causal=causal, what=f"many tiles E={E} L={L} S={S} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_many_tiles_long_causal(fa3, dtype):
+    """(1, 24, 2048, 128) causal: 16 m-blocks × 24 heads = 384 tiles, 192 pairs of (15-k, k): 132 CTAs, some with two
+    pairs (17 key blocks each)."""
+    g = _torch().Generator("cuda").manual_seed(2048)
+    q, k, v = (_rand((1, 24, 2048, 128), dtype, g) for _ in range(3))
+    _check_fa3(q, k, v, dtype, causal="top_left", what=f"{dtype} (1,24,2048,128) causal")
 
 
 @pytest.mark.gpu
@@ -388,10 +495,11 @@ def test_explain_details(monkeypatch):
     assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap)"
     monkeypatch.setenv(_flash.ENV_FA3, "0")
     assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90a"
-    for mode, overlap in (("1", False), ("2", True)):
+    for mode, overlap in (("1", False), ("2", True), ("3", True)):
         monkeypatch.setenv(_flash.ENV_FA3, mode)
         got = details()
         assert got["kernel"].startswith("flash_fwd_sm90_tma") and ("overlap" in got["tile"]) == overlap
+        assert ("persistent" in got["kernel"]) == ("persistent" in got["tile"]) == (mode == "3")
     p.key = _bhsd(2, 8, 100, 128, ptr=(1 << 20) + 8)
     got = details()
     assert got["kernel"] == "flash_fwd_sm90a" and "16-byte" in got["FA3 kernel"]

@@ -14,8 +14,13 @@
 //     barriers), so one's softmax runs while the other's GEMMs occupy the tensor cores;
 //   * kOverlap (the variant under CUPY_ATTN_FA3=2): intra-warpgroup overlap, the turn issues S_i = Q K_iᵀ and then
 //     O += P_{i-1} V_{i-1}, and the softmax of S_i may run while the second is in flight (sm90/mainloop.cuh).
-// Not (yet) here: TMA stores of O, a persistent tile scheduler, clusters, attn_mask, head dims other than 64/128/256
-// (flash_fwd.cu serves those calls).
+//   * kPersistent (the variant under CUPY_ATTN_FA3=3, with kOverlap): FlashAttention-3's persistent kernel: grid =
+//     min(#SMs, #work units), each CTA loops over its tiles (static striding, sm90/tile_scheduler.cuh: the m-blocks of
+//     one head adjacent for L2 reuse of K/V, causal tiles in equal-cost pairs (M−1−k, k)); the producer loads the next
+//     tile's first K and its Q while the consumers finish the current tile's last P·V and epilogue (q_empty barrier,
+//     K/V ring phases running on across tiles, one ping-pong turn sequence over all tiles: sm90/mainloop.cuh).
+// Not (yet) here: TMA stores of O, a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims other
+// than 64/128/256 (flash_fwd.cu serves those calls).
 //
 // Thread mapping: 384 threads. Warpgroup w = 1, 2 owns query rows m0 + 64(w−1) ... + 63 of the block: S and O are
 // wgmma m64 accumulators, whose per-warp layout is mma.sync's (lane 4g+t: rows g, g+8; columns 8j+2t, +1), so the
@@ -33,13 +38,15 @@
 //
 // Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
-//                                                                               untimed (compiled and checked on CPU)
+//                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
+//   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       untimed (compiled and checked on CPU)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/mainloop.cuh"
+#include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
 
@@ -48,7 +55,10 @@ namespace cupy_attn {
 constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 240;
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
+// Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
+// fused_sm90.grid_for).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
+          int kHeadDimQK>
 __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -57,34 +67,42 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
 
-  // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z;
-  const int m0 = m_block * kBlockM;
-  const int L = static_cast<int>(p.seqlen_q);
-  const int rows_valid = min(kBlockM, L - m0);
+  // One tile per CTA (the persistent variant's CTAs take theirs from the scheduler inside produce_persistent and
+  // consume_persistent).
+  int m0 = 0, h = 0, b = 0, n_blocks = 0;
+  if constexpr (!kPersistent) {
+    // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
+    const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+    h = blockIdx.y;
+    b = blockIdx.z;
+    m0 = m_block * kBlockM;
+    const int L = static_cast<int>(p.seqlen_q);
+    const int rows_valid = min(kBlockM, L - m0);
 
-  // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
-  // writes the empty-row result (out 0, lse -inf) directly.
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
-  if (last_key < 0) {
-    T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
-    const int Ev = static_cast<int>(p.head_dim_v);
-    for (int i = threadIdx.x; i < rows_valid * Ev; i += blockDim.x)
-      out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
-    if (p.lse) {
-      float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
-      for (int i = threadIdx.x; i < rows_valid; i += blockDim.x) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
+    // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
+    // writes the empty-row result (out 0, lse -inf) directly. (sm90::key_blocks and store_empty_rows, spelled out here:
+    // calling them changed this variant's SASS, which is kept byte-identical to before the persistent variant.)
+    long long last_key = p.seqlen_k - 1;
+    if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+    if (last_key < 0) {
+      T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
+      const int Ev = static_cast<int>(p.head_dim_v);
+      for (int i = threadIdx.x; i < rows_valid * Ev; i += blockDim.x)
+        out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
+      if (p.lse) {
+        float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
+        for (int i = threadIdx.x; i < rows_valid; i += blockDim.x) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
+      }
+      return;
     }
-    return;
+    n_blocks = static_cast<int>(last_key / kBlockN) + 1;
   }
-  const int n_blocks = static_cast<int>(last_key / kBlockN) + 1;
 
   if (threadIdx.x == 0) {
     tma::mbar_init(ss.q_full, 1);
@@ -95,17 +113,28 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
       tma::mbar_init(&ss.k_empty[s], 8);  // lane 0 of each of the 8 consumer warps
       tma::mbar_init(&ss.v_empty[s], 8);
     }
+    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 8);  // lane 0 of each consumer warp, once per tile
     tma::fence_barrier_init();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
     tma::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) produce(p, ss, m0, h, b, n_blocks);
+    if (threadIdx.x == 0) {
+      if constexpr (kPersistent) {
+        produce_persistent(p, ss);
+      } else {
+        produce(p, ss, m0, h, b, n_blocks);
+      }
+    }
   } else {
     tma::setmaxnreg_inc<kConsumerRegs>();
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, m0, h, b, n_blocks,
-                                                                          threadIdx.x - 128);
+    if constexpr (kPersistent) {
+      consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, threadIdx.x - 128);
+    } else {
+      consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128,
+                                                                        0, 0u);
+    }
   }
 }
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from ..runtime import workspace
 from ..runtime.compile import KernelFamily, source_dir, struct_arg
-from ..runtime.interop import dtype_name
+from ..runtime.interop import device_sms, dtype_name
 from . import fused as _fused
 from . import fused_sm90 as _fa3
 
@@ -326,12 +326,6 @@ def check_num_splits(num_splits) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def device_sms(device_id: int) -> int:
-    """Multiprocessor count of a device (132 on an H200)."""
-    import cupy
-    return int(cupy.cuda.Device(device_id).attributes["MultiProcessorCount"])
-
-
 def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
                num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
     """(splits actually launched, keys per split). A requested count is honoured up to one key tile per split: the

@@ -186,14 +186,15 @@ FA3_MIN_FLOPS = 2 ** 34
 
 
 def fa3_mode(p, arch: int) -> str | None:
-    """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap) or None (flash_fwd.cu) for a call on ``arch``.
+    """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap), "3" ("2" as a persistent kernel, opt-in until
+    measured) or None (flash_fwd.cu) for a call on ``arch``.
 
-    CUPY_ATTN_FA3=0 turns it off, 1 or 2 force it for every call it can take; unset (auto): "2" on Hopper for calls of
-    at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
+    CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto): "2" on Hopper for calls
+    of at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
     causal, (8,16,1024,256), bench/experiments/fa3_fwd.py).
     """
     env = os.environ.get("CUPY_ATTN_FA3")
-    if env in ("1", "2"):
+    if env in ("1", "2", "3"):
         return env
     if env == "0" or arch != 90:
         return None
@@ -202,13 +203,14 @@ def fa3_mode(p, arch: int) -> str | None:
 
 
 def fa3_details(head_dim: int, mode: str) -> dict:
-    """The FA3-design kernel's configuration (mode "1" or "2", see fa3_mode)."""
-    tile = _fa3_tile(head_dim)
-    overlap = mode == "2"
+    """The FA3-design kernel's configuration (mode "1", "2" or "3", see fa3_mode)."""
+    tile = _fa3_tile(head_dim, mode)
+    variant = "overlap, persistent" if tile.persistent else "overlap" if tile.overlap else "ping-pong"
     return {"head-dim bucket": head_dim,
-            "kernel": f"flash_fwd_sm90_tma ({'overlap' if overlap else 'ping-pong'})",
+            "kernel": f"flash_fwd_sm90_tma ({variant})",
             "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
-                    "stages, TMA + wgmma" + (", intra-warpgroup overlap" if overlap else "")}
+                    "stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
+                    + (", persistent (one CTA per SM)" if tile.persistent else "")}
 
 
 def fused_details(choice, extra: dict | None = None) -> dict:
@@ -224,9 +226,9 @@ def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
     return fused_sm90.head_bucket(head_dim, head_dim_v)
 
 
-def _fa3_tile(head_dim: int):
+def _fa3_tile(head_dim: int, mode: str):
     from . import fused_sm90
-    return fused_sm90.SM90_TILES[head_dim]
+    return fused_sm90.MODE_TILES[mode][head_dim]
 
 
 def split_details(p) -> dict:

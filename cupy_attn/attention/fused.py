@@ -217,7 +217,8 @@ ENV_FA3 = "CUPY_ATTN_FA3"
 
 def fa3_reason(q, k, v, out, *, scale: float, arch: int, mask_kind: str = "none") -> str | None:
     """None when the opt-in FA3-design kernel (cupy_attn/attention/fused_sm90.py) runs this call under
-    ``CUPY_ATTN_FA3=1`` (or ``2``: with intra-warpgroup overlap), else why prepare() keeps flash_fwd.cu (explain())."""
+    ``CUPY_ATTN_FA3=1`` (or ``2``: with intra-warpgroup overlap; ``3``: that as a persistent kernel), else why
+    prepare() keeps flash_fwd.cu (explain())."""
     from . import fused_sm90
     return (fused_sm90.unsupported_reason(q.dtype, q.shape[-1], v.shape[-1], mask_kind, arch, scale)
             or fused_sm90.layout_reason(q, k, v, out))
@@ -291,11 +292,11 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
 
     if dropout_p > 0 and (rng is None or rng.dtype != np.int64 or rng.size != 2):
         raise ValueError("fused attention: dropout_p > 0 needs rng, the call's int64 {seed, offset} CuPy array")
-    if mask is None and not dropout_p and os.environ.get(ENV_FA3) in ("1", "2"):  # opt-in: FA3-design kernel
+    mode = os.environ.get(ENV_FA3)
+    if mask is None and not dropout_p and mode in ("1", "2", "3"):  # opt-in: FA3-design kernel
         from . import fused_sm90
         if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
-            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal,
-                                      overlap=os.environ[ENV_FA3] == "2")
+            return fused_sm90.prepare(q, k, v, out, lse, scale=scale, causal=causal, mode=mode)
     return _build(select(dtype, head_dim_bucket(E, Ev), arch, dropout=dropout_p > 0), q, k, v, out, lse,
                   scale=scale, causal=causal, mask=mask, dropout_p=dropout_p, rng=rng)
 
@@ -335,10 +336,10 @@ def prepare_problem(p, choice, out, lse):
     """The launch for a checked problem (checks.SDPAProblem) and the choice dispatch made (``select``'s result, or
     ("fa3", mode) for the FA3-design kernel), bound to the call's stream: ``run(q_ptr, k_ptr, v_ptr, out_ptr,
     lse_ptr, mask_ptr)``. Nothing is re-checked."""
-    if choice[0] == "fa3":  # ("fa3", mode): dispatch.fa3_mode's "1" (ping-pong) or "2" (intra-warpgroup overlap)
+    if choice[0] == "fa3":  # ("fa3", mode): dispatch.fa3_mode's "1" (ping-pong), "2" (overlap), "3" (persistent)
         from . import fused_sm90
         launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
-                                    overlap=choice[1] == "2")
+                                    mode=choice[1])
         stream = p.ctx.stream
 
         def run(*ptrs):

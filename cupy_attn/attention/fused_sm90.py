@@ -1,9 +1,16 @@
 """The FlashAttention-3-design forward kernel for Hopper (cuda_src/attention/flash_fwd_sm90.cu), opt-in.
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
-bf16, E = Ev in {64, 128, 256}, no attn_mask, causal or not, GQA, on compute capability 9.0, and only when
-``CUPY_ATTN_FA3=1`` (``=2``: the variant with FA3's intra-warpgroup overlap): everything else keeps flash_fwd.cu
-(``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
+bf16, head dims 33-256 (run at 64, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0. Variants,
+by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset: "2" for calls of at least dispatch.FA3_MIN_FLOPS on Hopper):
+
+* ``1``: one 128-row tile per CTA, ping-pong consumers (SM90_TILES);
+* ``2``: the same with FA3's intra-warpgroup overlap (SM90_OVERLAP_TILES);
+* ``3``: ``2`` as a persistent kernel (SM90_PERSISTENT_TILES): min(#SMs, #work units) CTAs, each looping over its
+  tiles in the static order of cuda_src/attention/sm90/tile_scheduler.cuh, the producer loading the next tile's Q and
+  K/V during the current tile's epilogue (:func:`grid_for`). Opt-in until measured against ``2``.
+
+Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
 Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
 addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying a call on
@@ -14,12 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import numpy as np
 
 from ..runtime.compile import KernelFamily, struct_arg
-from ..runtime.interop import dtype_name
+from ..runtime.interop import device_sms, dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
@@ -33,15 +39,21 @@ class Sm90Tile:
     block_n: int
     stages: int = 2
     overlap: bool = False  # FA3's intra-warpgroup overlap (softmax of S_i during P_{i-1} V_{i-1}; mainloop.cuh)
+    persistent: bool = False  # one CTA per SM looping over tiles (tile_scheduler.cuh); only with overlap
 
     @property
     def overlap_flag(self) -> str:
         return "true" if self.overlap else "false"
 
+    @property
+    def persistent_flag(self) -> str:
+        return "true" if self.persistent else "false"
+
     def smem_bytes(self, head_dim: int) -> int:
-        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (1 + 4·stages), 1 KB of slack for the 1024-byte alignment
-        of the swizzle atoms: SharedStorage::kBytes in cuda_src/attention/sm90/mainloop.cuh."""
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (1 + 4 * self.stages) + 1024
+        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (2 + 4·stages: q_full, q_empty and four per stage), 1 KB of
+        slack for the 1024-byte alignment of the swizzle atoms: SharedStorage::kBytes in
+        cuda_src/attention/sm90/mainloop.cuh."""
+        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (2 + 4 * self.stages) + 1024
 
 
 # (head dim) -> tile; both dtypes alike. Registers per consumer thread: S block_n/2 + O head_dim/2 fp32 + P block_n/4,
@@ -57,6 +69,11 @@ SM90_TILES = {
 # The same tiles with the intra-warpgroup overlap (CUPY_ATTN_FA3=2): the same registers (S stays fp32 while the
 # previous P·V runs, P is packed after it) and shared memory.
 SM90_OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in SM90_TILES.items()}
+# The overlap tiles as a persistent kernel (CUPY_ATTN_FA3=3): the same shared memory (q_empty is in every variant's
+# barrier block), a few consumer registers for the tile loop.
+SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in SM90_OVERLAP_TILES.items()}
+# CUPY_ATTN_FA3 mode (dispatch.fa3_mode) -> its tile table.
+MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
 
 
 def _c_struct(fields) -> np.dtype:
@@ -79,7 +96,7 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 6
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l")])
+                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 and 81-96 in the 128 bucket skip
 # the zero-filled k steps (5 and 6 of 8; P·V keeps N = 128). Other E run every k step of their bucket.
 SM90_QK_DIMS = {128: (80, 96)}
@@ -87,14 +104,14 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-              "{tile.overlap_flag}, {qk_dim}>"),
+              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
-        "tile": tuple(sorted(set(SM90_TILES.values()) | set(SM90_OVERLAP_TILES.values()), key=dataclasses.astuple)),
+        "tile": tuple(sorted({t for table in MODE_TILES.values() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
     },
-    where=lambda row: (row["tile"] in (SM90_TILES[row["head_dim"]], SM90_OVERLAP_TILES[row["head_dim"]])
+    where=lambda row: (any(row["tile"] == table[row["head_dim"]] for table in MODE_TILES.values())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
@@ -173,13 +190,37 @@ def layout_reason(q, k, v, out) -> str | None:
     return None
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: bool = False) -> "Sm90Launch":
+def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int) -> tuple[tuple, bool]:
+    """(grid, tile_pairs) of a launch. One tile per CTA: (⌈L / block_m⌉, Hq, B). Persistent: min(num_sms, units) CTAs
+    that stride over the work units of sm90/tile_scheduler.cuh; causal calls with more tiles than SMs pair the m-blocks
+    (M−1−k, k) of a head into units of equal cost (tile_pairs), others have one m-block per unit.
+
+    Examples on 132 SMs: (2, 16, 8192) causal: 64 m-blocks per head, 2048 tiles → 1024 pairs, 132 CTAs of 7-8 pairs
+    (the last round 100 of 132 busy: makespan 8 pairs against 7.76 ideal, 1.03); (1, 8, 1024) causal: 64 tiles, one
+    per CTA, no pairs; (8, 16, 2048) not causal: 2048 tiles, 132 CTAs of 15-16.
+
+    >>> t = SM90_PERSISTENT_TILES[128]
+    >>> grid_for(t, 2, 16, 8192, True, 132), grid_for(t, 1, 8, 1024, True, 132), grid_for(t, 8, 16, 2048, False, 132)
+    (((132, 1, 1), True), ((64, 1, 1), False), ((132, 1, 1), False))
+    >>> grid_for(SM90_OVERLAP_TILES[128], 2, 16, 8192, True, 132)
+    ((64, 16, 2), False)
+    """
+    m_blocks = -(-L // tile.block_m)
+    if not tile.persistent:
+        return (m_blocks, Hq, B), False
+    pairs = causal and m_blocks * Hq * B > num_sms
+    units = Hq * B * (-(-m_blocks // 2) if pairs else m_blocks)
+    return (min(num_sms, units), 1, 1), pairs
+
+
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> "Sm90Launch":
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
-    layout_reason; overlap: the intra-warpgroup-overlap variant (SM90_OVERLAP_TILES)."""
+    layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
+    and persistent)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
-    tile = (SM90_OVERLAP_TILES if overlap else SM90_TILES)[D]
+    tile = MODE_TILES[mode][D]
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)
@@ -190,13 +231,19 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, overlap: boo
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["scale_log2"] = float(scale) * _LOG2E
+    num_sms = 0
+    if tile.persistent:
+        import cupy
+        num_sms = device_sms(cupy.cuda.Device().id)
+    grid, pairs = grid_for(tile, B, Hq, L, causal is not None, num_sms)
+    p["batch"], p["num_heads"], p["tile_pairs"] = B, Hq, pairs
     for axis, stride in zip("bhl", _estrides(out)):
         p[f"out_stride_{axis}"] = stride
     if lse is not None:
         for axis, stride in zip("bhl", _estrides(lse)):
             p[f"lse_stride_{axis}"] = stride
     maps = tuple(_MapSpec.of(a, rows) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
-    return Sm90Launch(kernel, p, maps, (math.ceil(L / tile.block_m), Hq, B), (THREADS,), smem)
+    return Sm90Launch(kernel, p, maps, grid, (THREADS,), smem)
 
 
 @dataclasses.dataclass(frozen=True)

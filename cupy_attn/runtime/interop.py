@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 from typing import Any
 
@@ -109,6 +110,13 @@ def device_of(x: Any, kind: str) -> int | None:
     if kind == DLPACK:
         return int(x.__dlpack_device__()[1])
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def device_sms(device_id: int) -> int:
+    """Multiprocessor count of a device (132 on an H100 SXM or H200), looked up once per device."""
+    import cupy
+    return int(cupy.cuda.runtime.deviceGetAttribute(cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, device_id))
 
 
 def dtype_of(x: Any, kind: str) -> np.dtype:

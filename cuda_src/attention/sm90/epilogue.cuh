@@ -4,6 +4,7 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "attention/sm90/params.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -34,6 +35,21 @@ __device__ __forceinline__ void store_output(const float (&o)[kHeadDim / 2], con
       }
     }
     if (lse != nullptr && t == 0) lse[r * lse_stride_l] = sum > 0.f ? (m[half] + __log2f(sum)) * kLn2 : neg_inf();
+  }
+}
+
+// A tile whose rows see no key (bottom-right alignment with L > S): out 0 and lse -inf for its `rows` rows from query
+// row m0 of (b, h), written by `threads` threads (tid = 0 ... threads - 1) without loading anything. (The one-tile
+// variant's kernel has the same loops inline, with all 384 threads.)
+template <typename T>
+__device__ __forceinline__ void store_empty_rows(const FlashFwdSm90Params& p, int m0, int h, int b, int rows, int tid,
+                                                 int threads) {
+  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
+  const int Ev = static_cast<int>(p.head_dim_v);
+  for (int i = tid; i < rows * Ev; i += threads) out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
+  if (p.lse) {
+    float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
+    for (int i = tid; i < rows; i += threads) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
   }
 }
 

@@ -1,6 +1,7 @@
 // Mainloop of flash_fwd_sm90.cu, by role: the producer (one thread issuing TMA loads of Q and of the K/V tiles into a
 // kStages-deep mbarrier ring) and the consumers (two warpgroups of 64 query rows each: S = Q Kᵀ, softmax, O += P V).
-// Owns the shared-memory layout and the pipeline protocol; math of the softmax in softmax.cuh.
+// Owns the shared-memory layout and the pipeline protocol, for one tile per CTA and for the persistent variant's loop
+// over tiles (tile order in tile_scheduler.cuh); math of the softmax in softmax.cuh.
 //
 // Shared-memory tiles are stored as kHeadDim/64 column blocks of rows × 128 bytes, each written by one TMA box in the
 // 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)): the canonical K-major layout of a wgmma operand
@@ -10,12 +11,20 @@
 // Barriers per stage s: k_full[s] / v_full[s] (1 arrival: the producer's expect_tx, plus the TMA bytes) and
 // k_empty[s] / v_empty[s] (8 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has completed).
 // Iteration i uses stage i % kStages in round i / kStages; the full barriers' phase parity in round r is r & 1.
+//
+// Persistent variant (kPersistent): the iteration count runs on across the CTA's tiles (a tile's block i is iteration
+// it0 + i, it0 = the key blocks of the CTA's earlier tiles), so the ring needs no reset or drain between tiles. Q has
+// one buffer and two barriers: q_full (phase k: the k-th non-empty tile's Q has landed) and q_empty (8 arrivals, lane 0
+// of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has completed). The producer
+// loads the next tile's first K, then waits on q_empty, then loads its Q: the load overlaps the consumers' last P·V
+// GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and count in neither barrier.
 #pragma once
 #include "common/tma.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/softmax.cuh"
 #include "attention/sm90/epilogue.cuh"
+#include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -25,7 +34,9 @@ struct SharedStorage {
   static constexpr int kColBlocks = kHeadDim / 64;            // 128-byte swizzle atoms hold 64 16-bit columns
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // one K or V stage
-  static constexpr int kBarriers = 1 + 4 * kStages;            // q_full; k_full, v_full, k_empty, v_empty per stage
+  // q_full; k_full, v_full, k_empty, v_empty per stage; q_empty (the persistent variant's, last so that the others keep
+  // their addresses in both variants).
+  static constexpr int kBarriers = 2 + 4 * kStages;
   // The dynamic shared memory the launcher must request: tiles, barriers, and 1 KB of slack to align the base to
   // 1024 bytes (the swizzle atoms' alignment; the runtime only guarantees 16).
   static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + 1024;
@@ -38,6 +49,7 @@ struct SharedStorage {
   unsigned long long* v_full;
   unsigned long long* k_empty;
   unsigned long long* v_empty;
+  unsigned long long* q_empty;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
@@ -49,39 +61,102 @@ struct SharedStorage {
     v_full = k_full + kStages;
     k_empty = v_full + kStages;
     v_empty = k_empty + kStages;
+    q_empty = v_empty + kStages;
   }
 };
 
-// One thread. Q once, then the K and V tiles of key blocks n_blocks-1 down to 0 (the order the consumers visit
-// them), each stage reused once both consumer warpgroups have released it.
+// Key blocks the kBlockM-row tile at query row m0 visits (key blocks n_blocks-1 down to 0, up to the last key any of
+// its rows may see); 0 for a tile whose rows see no key (bottom-right alignment with L > S). The same rule as the
+// one-tile kernel's prologue (flash_fwd_sm90.cu).
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
+  const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
+  long long last_key = p.seqlen_k - 1;
+  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+}
+
+// The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes of one tile. K or V of iteration
+// it (key rows n0 ...): wait until both consumer warpgroups have released the stage's previous contents (round 0 waits
+// on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release of round r - 1), then load.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+struct Producer {
+  using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  const FlashFwdSm90Params& p;
+  const Smem& ss;
+
+  __device__ __forceinline__ void prefetch_maps() const {
+    tma::prefetch_map(&p.tma_q);
+    tma::prefetch_map(&p.tma_k);
+    tma::prefetch_map(&p.tma_v);
+  }
+  __device__ __forceinline__ void load_q(int m0, int h, int b) const {
+    tma::mbar_arrive_expect_tx(ss.q_full, Smem::kQBytes);
+    #pragma unroll
+    for (int c = 0; c < Smem::kColBlocks; ++c)
+      tma::load_4d(ss.q + c * kBlockM * 64, &p.tma_q, ss.q_full, c * 64, m0, h, b);
+  }
+  __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, unsigned long long* full,
+                                          unsigned long long* empty, int it, int n0, int h_kv, int b) const {
+    const int s = it % kStages;
+    tma::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
+    tma::mbar_arrive_expect_tx(&full[s], Smem::kKVBytes);
+    T* dst = tiles + s * kBlockN * kHeadDim;
+    #pragma unroll
+    for (int c = 0; c < Smem::kColBlocks; ++c) tma::load_4d(dst + c * kBlockN * 64, map, &full[s], c * 64, n0, h_kv, b);
+  }
+  __device__ __forceinline__ void load_k(int it, int n0, int h_kv, int b) const {
+    load_kv(ss.k, &p.tma_k, ss.k_full, ss.k_empty, it, n0, h_kv, b);
+  }
+  __device__ __forceinline__ void load_v(int it, int n0, int h_kv, int b) const {
+    load_kv(ss.v, &p.tma_v, ss.v_full, ss.v_empty, it, n0, h_kv, b);
+  }
+};
+
+// One thread, one tile. Q once, then the K and V tiles of key blocks n_blocks-1 down to 0 (the order the consumers
+// visit them), each stage reused once both consumer warpgroups have released it.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, int m0, int h, int b, int n_blocks) {
-  using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
-  tma::prefetch_map(&p.tma_q);
-  tma::prefetch_map(&p.tma_k);
-  tma::prefetch_map(&p.tma_v);
-  tma::mbar_arrive_expect_tx(ss.q_full, Smem::kQBytes);
-  #pragma unroll
-  for (int c = 0; c < Smem::kColBlocks; ++c) tma::load_4d(ss.q + c * kBlockM * 64, &p.tma_q, ss.q_full, c * 64, m0, h, b);
+  const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
+  load.prefetch_maps();
+  load.load_q(m0, h, b);
   const int h_kv = h / static_cast<int>(p.groups);
   for (int i = 0; i < n_blocks; ++i) {
-    const int s = i % kStages, n0 = (n_blocks - 1 - i) * kBlockN;
-    const unsigned parity = (i / kStages) & 1;
-    // Round 0 waits on parity 1 of a fresh barrier, which returns at once; round r > 0 waits for the consumers'
-    // release of round r - 1.
-    tma::mbar_wait(&ss.k_empty[s], parity ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.k_full[s], Smem::kKVBytes);
-    T* k_dst = ss.k + s * kBlockN * kHeadDim;
-    #pragma unroll
-    for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(k_dst + c * kBlockN * 64, &p.tma_k, &ss.k_full[s], c * 64, n0, h_kv, b);
-    tma::mbar_wait(&ss.v_empty[s], parity ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.v_full[s], Smem::kKVBytes);
-    T* v_dst = ss.v + s * kBlockN * kHeadDim;
-    #pragma unroll
-    for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(v_dst + c * kBlockN * 64, &p.tma_v, &ss.v_full[s], c * 64, n0, h_kv, b);
+    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    load.load_k(i, n0, h_kv, b);
+    load.load_v(i, n0, h_kv, b);
+  }
+}
+
+// One thread, the persistent variant: every tile of the CTA in the scheduler's order, the K/V iteration count running
+// on across tiles. Per tile: K of its first block (its stage was freed by an S GEMM of the tile before, so this need
+// not wait for that tile to end), then Q once the consumers have released the previous tile's (q_empty), then V and
+// the remaining blocks. Tiles with no key to visit are skipped (the consumers write their rows).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
+                                                   kBlockM, kBlockN, kStages>& ss) {
+  const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
+  load.prefetch_maps();
+  int it = 0;     // K/V iterations issued so far
+  int tiles = 0;  // non-empty tiles so far: Q phases
+  for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
+    const WorkTile w = sched.tile();
+    const int m0 = w.m_block * kBlockM;
+    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
+    if (n_blocks == 0) continue;
+    const int h_kv = w.h / static_cast<int>(p.groups);
+    load.load_k(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
+    if (tiles > 0) tma::mbar_wait(ss.q_empty, (tiles - 1) & 1);
+    load.load_q(m0, w.h, w.b);
+    load.load_v(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
+    for (int i = 1; i < n_blocks; ++i) {
+      const int n0 = (n_blocks - 1 - i) * kBlockN;
+      load.load_k(it + i, n0, h_kv, w.b);
+      load.load_v(it + i, n0, h_kv, w.b);
+    }
+    it += n_blocks;
+    ++tiles;
   }
 }
 
@@ -89,12 +164,21 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 // turn is S_i, or with kOverlap S_i and P_{i-1} V_{i-1}): warpgroup w waits on barrier 1 + w, issues, then arrives
 // on the other's. Warpgroup 1 gives warpgroup 0 the first turn and skips its last arrive, so each barrier sees
 // exactly as many arrives as syncs (n_blocks turns each; a named barrier left half-arrived at exit is avoided).
+//
+// Persistent variant: the turns of all the CTA's tiles form one sequence (both warpgroups walk the same tiles with
+// the same n_blocks, and tiles with no key take no turn). Warpgroup 1 grants the first turn once, before the first
+// tile; every turn, the last of a tile included, ends with the arrive on the other's barrier (so warpgroup 0 may take
+// the next tile's first turn while warpgroup 1 is still in its epilogue); after its last tile warpgroup 0 takes one
+// empty turn (a sync on barrier 1) that absorbs warpgroup 1's last arrive. Invariant, per barrier: arrives = syncs
+// (barrier 1: 1 + N arrives by warpgroup 1, N + 1 syncs by warpgroup 0; barrier 2: N and N, N = the CTA's turns,
+// 0 included), and the turns alternate strictly, so a barrier never holds two generations of arrivals.
 constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
-// rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0, then the epilogue. kHeadDimQK (a multiple
-// of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 or 96 in the kHeadDim = 128 tiles run 5 or 6
-// of its 8 k steps (the rest are zeros), while P·V keeps N = kHeadDim.
+// rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
+// kPersistent: one tile of consume_persistent's loop: it0 = the K/V iterations of the CTA's earlier tiles, q_parity =
+// the q_full phase of this tile's Q; the ping-pong's first grant and last turn are consume_persistent's, and the
+// warps release Q (q_empty) once their last S GEMM has completed.
 //
 // kOverlap = false: per block i, S_i = Q K_iᵀ (in the ping-pong turn), softmax, O += P_i V_i, each GEMM waited for.
 // kOverlap = true (FlashAttention-3's intra-warpgroup overlap, §3.2): the turn issues S_i and then O += P_{i-1}
@@ -102,9 +186,13 @@ constexpr int kPingPongBarrier = 1;
 // the P·V GEMM of block i-1 still occupies the tensor cores. P_{i-1}'s registers are read by that GEMM until
 // wait_group 0, so S_i stays fp32 until then; only after it are O rescaled and P_i packed (fence_operands on S after
 // the wait keeps the compiler from hoisting the packing above it). One S and one P register set, as without overlap.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK = kHeadDim>
+// kHeadDimQK (a multiple of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 or 96 in the
+// kHeadDim = 128 tiles run 5 or 6 of its 8 k steps (the rest are TMA's zeros), while P·V keeps N = kHeadDim.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
+          int kHeadDimQK = kHeadDim>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, int n_blocks, int tid) {
+                                        kStages>& ss, int m0, int h, int b, int n_blocks, int tid, int it0,
+                                        unsigned q_parity) {
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wg_row0 = m0 + wg * 64;          // first query row of this warpgroup
@@ -127,13 +215,16 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
 
+  // Block i of this tile is K/V iteration it0 + i: its stage and its full barriers' phase parity.
+  auto stage = [&](int i) { return (it0 + i) % kStages; };
+  auto parity = [&](int i) { return static_cast<unsigned>(((it0 + i) / kStages) & 1); };
   // K_i has landed (waited for before taking the ping-pong turn: the turn is not held while TMA is pending).
-  auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[i % kStages], (i / kStages) & 1); };
+  auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[stage(i)], parity(i)); };
   // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDim/16 k steps of 16 elements = 32 bytes
   // inside a 128-byte swizzled row (the hardware applies the XOR to the computed address); every 4 steps the next
   // 64-column block.
   auto issue_s = [&](int i) {
-    const int s = i % kStages;
+    const int s = stage(i);
     #pragma unroll
     for (int j = 0; j < kBlockN / 2; ++j) acc_s[j] = 0.f;
     const unsigned k_st = k_base + s * kKVBytes;
@@ -149,8 +240,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // O (64 × kHeadDim) += P V_i, issued and committed: P from registers (A-fragment layout), V as an MN-major B operand
   // (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
   auto issue_pv = [&](int i) {
-    const int s = i % kStages;
-    tma::mbar_wait(&ss.v_full[s], (i / kStages) & 1);
+    const int s = stage(i);
+    tma::mbar_wait(&ss.v_full[s], parity(i));
     const unsigned v_st = v_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
@@ -161,7 +252,14 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // The stage's K or V may be overwritten once all 8 consumer warps have waited for the wgmma reading it.
   auto release = [&](unsigned long long* empty, int i) {
     __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&empty[i % kStages]);
+    if (lane == 0) tma::mbar_arrive(&empty[stage(i)]);
+  };
+  // After release(k_empty, i): the S GEMM of the tile's last block was Q's last reader (persistent: the producer
+  // loads the next tile's Q once all 8 warps are here).
+  auto release_q = [&](int i) {
+    if constexpr (kPersistent) {
+      if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_empty);
+    }
   };
   // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
   auto mask = [&](int i) {
@@ -169,15 +267,18 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
       mask_tile<kBlockN>(acc_s, row0, n0, t, p.seqlen_k, causal, causal_offset);
   };
-  // End of ping-pong turn i: warpgroup 1 skips its last arrive (see kPingPongBarrier).
+  // End of ping-pong turn i: warpgroup 1 skips its last arrive (see kPingPongBarrier; not in the persistent variant).
   auto pass_turn = [&](int i) {
-    if (wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
+    if (kPersistent || wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
   };
 
-  if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
-  tma::mbar_wait(ss.q_full, 0);
+  if constexpr (!kPersistent) {
+    if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
+  }
+  tma::mbar_wait(ss.q_full, q_parity);
 
   if constexpr (!kOverlap) {
+    static_assert(!kPersistent, "the persistent variant is built on the overlap mainloop only");
     for (int i = 0; i < n_blocks; ++i) {
       wait_k(i);
       tma::named_barrier_sync(kPingPongBarrier + wg, 256);
@@ -202,6 +303,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     wgmma::wait<0>();
     wgmma::fence_operands(acc_s);
     release(ss.k_empty, 0);
+    release_q(0);
     mask(0);
     softmax.template step<T>(acc_s, pa, o, sc);
     for (int i = 1; i < n_blocks; ++i) {
@@ -213,6 +315,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       wgmma::wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
       wgmma::fence_operands(acc_s);
       release(ss.k_empty, i);
+      release_q(i);
       mask(i);
       float alpha[2];
       bool moved[2];
@@ -244,6 +347,33 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
   store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, row0, t,
                             static_cast<int>(p.seqlen_q), static_cast<int>(p.head_dim_v));
+}
+
+// The two consumer warpgroups of the persistent variant: every tile of the CTA in the scheduler's order (the
+// producer walks the same sequence), each through consume()'s mainloop and epilogue; a tile whose rows see no key
+// writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
+// closing empty turn are here (kPingPongBarrier).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
+__device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
+                                                   kBlockM, kBlockN, kStages>& ss, int tid) {
+  const int wg = tid / 128;
+  if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
+  int it = 0;     // K/V iterations consumed so far
+  int tiles = 0;  // non-empty tiles so far: Q phases
+  for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
+    const WorkTile w = sched.tile();
+    const int m0 = w.m_block * kBlockM;
+    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
+    if (n_blocks == 0) {
+      store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 256);
+      continue;
+    }
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tid, it,
+                                                                     static_cast<unsigned>(tiles & 1));
+    it += n_blocks;
+    ++tiles;
+  }
+  if (wg == 0) tma::named_barrier_sync(kPingPongBarrier, 256);
 }
 
 }  // namespace sm90

@@ -6,7 +6,7 @@
 
 namespace cupy_attn {
 
-// Passed by value as one __grid_constant__ parameter (512 bytes): the tensor maps must stay in the parameter space,
+// Passed by value as one __grid_constant__ parameter (576 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashFwdSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, kBlockM, 1, 1), 128-byte swizzle
@@ -21,6 +21,8 @@ struct FlashFwdSm90Params {
   double scale_log2;        // scale · log2(e), > 0
   long long out_stride_b, out_stride_h, out_stride_l;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
+  long long batch, num_heads;  // B, Hq: the persistent variant's tile count (sm90/tile_scheduler.cuh)
+  long long tile_pairs;        // persistent and causal: 1 = units of two m-blocks (M-1-k, k), 0 = single m-blocks
 };
 
 }  // namespace cupy_attn

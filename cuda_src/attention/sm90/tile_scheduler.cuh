@@ -1,0 +1,84 @@
+// Tile scheduler of flash_fwd_sm90.cu's persistent variant (kPersistent): which 128-row output tiles a CTA runs, and in
+// which order. Owns the tile order; the producer thread and the consumer warpgroups each walk their own copy of it and
+// see the same sequence (it depends on the parameters and blockIdx.x only).
+//
+// Static striding over work units (FlashAttention-3's StaticPersistentTileScheduler: unit = blockIdx.x + i·gridDim.x,
+// gridDim.x = min(#SMs, #units)). Units are numbered (batch, head, m) with m fastest, so the CTAs running at the same
+// time work on the m-blocks of a few adjacent (batch, head) pairs (adjacent query heads of a GQA group share one K/V
+// head) and their K/V stays in L2.
+//   * Not causal: a unit is one m-block, m ascending; all tiles cost the same.
+//   * Causal, more tiles than CTAs (p.tile_pairs = 1): a unit is the pair of m-blocks (M−1−k, k) of one head (M =
+//     m-blocks per head, k < ⌈M/2⌉), the longer one first; under a causal mask an m-block's cost is linear in its
+//     index, so every pair costs the same (M+1 key blocks for top-left L = S; the middle m-block of an odd M runs
+//     alone). With equal units static striding balances as well as a greedy order: bench/experiments/
+//     tile_order_sim.py (132 CTAs, cost = key blocks + ½ per tile) gives makespan / ideal 1.03 for (B,H,L) =
+//     (2,16,8192), (8,16,2048), (1,16,4096), (2,8,2048) against 1.06-1.60 for the one-tile launch's hardware order
+//     and 1.08-1.66 for a static stride over longest-first single tiles (CTA 0 always drew the longest tile of its
+//     round). Weak spot: the tail, when units / CTAs is just above an integer ((1,24,2048): 192 pairs on 132 CTAs,
+//     1.375, as the hardware order; a static boustrophedon over all tiles sorted longest first gets 1.09 there, but
+//     spreads each round over all heads and loses the L2 reuse of K/V on large calls).
+//   * Causal, at most one tile per CTA (p.tile_pairs = 0): one m-block per unit, the last m-blocks of each head first.
+// A dynamic scheduler (an atomic tile counter, FlashAttention-3's DynamicPersistentTileScheduler) would track the
+// greedy order's 1.00-1.09 but needs a counter zeroed before every launch (a memset, or a self-reset that two launches
+// on different streams sharing one counter would race on) and a shared-memory broadcast of the next tile from the
+// producer to the consumers behind two more named barriers; with equal-cost units static is within the tail's
+// quantization of it.
+#pragma once
+#include "attention/sm90/params.cuh"
+
+namespace cupy_attn {
+namespace sm90 {
+
+struct WorkTile {
+  int m_block, h, b;
+};
+
+template <int kBlockM>
+struct StaticTileScheduler {
+  int m_blocks;        // query blocks per (batch, head): ceil(L / kBlockM)
+  int units_per_head;  // m_blocks, or ceil(m_blocks / 2) with pairs
+  int num_units;       // units_per_head · heads · batch (< 2^31: that many 128-row tiles of Q would not fit in memory)
+  int heads;
+  bool causal, pairs;
+  int unit;            // current unit (< num_units while valid)
+  bool second;         // on the second m-block of a pair
+
+  __device__ __forceinline__ explicit StaticTileScheduler(const FlashFwdSm90Params& p) {
+    m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+    heads = static_cast<int>(p.num_heads);
+    causal = p.is_causal != 0;
+    pairs = causal && p.tile_pairs != 0;
+    units_per_head = pairs ? (m_blocks + 1) / 2 : m_blocks;
+    num_units = units_per_head * heads * static_cast<int>(p.batch);
+    unit = blockIdx.x;
+    second = false;
+  }
+
+  __device__ __forceinline__ bool valid() const { return unit < num_units; }
+
+  __device__ __forceinline__ WorkTile tile() const {
+    const int bh = unit / units_per_head, k = unit % units_per_head;
+    int m_block;
+    if (pairs) {
+      m_block = second ? k : m_blocks - 1 - k;
+    } else {
+      m_block = causal ? m_blocks - 1 - k : k;
+    }
+    return {m_block, bh % heads, bh / heads};
+  }
+
+  __device__ __forceinline__ void advance() {
+    if (pairs && !second) {
+      const int k = unit % units_per_head;
+      if (k < m_blocks - 1 - k) {  // the pair has a second m-block (not the middle one of an odd m_blocks)
+        second = true;
+        return;
+      }
+    }
+    second = false;
+    unit += gridDim.x;
+  }
+};
+
+}  // namespace sm90
+}  // namespace cupy_attn
