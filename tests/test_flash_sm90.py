@@ -484,7 +484,7 @@ def test_explain_details(monkeypatch):
         pytest.skip("cuda-bindings missing")
     q = _bhsd(2, 8, 100, 128)
     p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128,
-                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100, dropout_p=0.0)
+                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100, dropout_p=0.0, causal=None)
 
     def details():
         return dispatch._fused_plan(p, 90, "test", []).details
@@ -492,7 +492,14 @@ def test_explain_details(monkeypatch):
     monkeypatch.delenv(_flash.ENV_FA3, raising=False)
     assert details()["kernel"] == "flash_fwd_sm90a"  # auto: a small call keeps the wgmma kernel
     big = types.SimpleNamespace(**{**vars(p), "seqlen_q": 4096, "seqlen_k": 4096})
-    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap)"
+    # auto: the persistent variant above head dim 64 and for causal calls, the overlap variant at 64 (dispatch.fa3_mode)
+    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
+    q64 = _bhsd(2, 8, 4096, 64)
+    big64 = types.SimpleNamespace(**{**vars(big), "query": q64, "key": q64, "value": q64, "head_dim": 64,
+                                     "head_dim_v": 64})
+    assert dispatch._fused_plan(big64, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap)"
+    big64.causal = "top_left"
+    assert dispatch._fused_plan(big64, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
     monkeypatch.setenv(_flash.ENV_FA3, "0")
     assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90a"
     for mode, overlap in (("1", False), ("2", True), ("3", True)):

@@ -186,12 +186,14 @@ FA3_MIN_FLOPS = 2 ** 34
 
 
 def fa3_mode(p, arch: int) -> str | None:
-    """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap), "3" ("2" as a persistent kernel, opt-in until
-    measured) or None (flash_fwd.cu) for a call on ``arch``.
+    """"1" (FA3 kernel), "2" (FA3 with intra-warpgroup overlap), "3" ("2" as a persistent kernel) or None
+    (flash_fwd.cu) for a call on ``arch``.
 
-    CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto): "2" on Hopper for calls
-    of at least FA3_MIN_FLOPS (measured 1.2-1.7x the wgmma kernel at (8,16,2048,128), (4,32,4096,64), (2,16,8192,128)
-    causal, (8,16,1024,256), bench/experiments/fa3_fwd.py).
+    CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto), on Hopper for calls of
+    at least FA3_MIN_FLOPS: "3" for causal calls and head dims above 64, else "2". Measured on an H200 (session 7,
+    bench/experiments/fa3_fwd.py, fp16, rounds back to back; "3" against "2"): (8,16,2048,128) 1.017x,
+    (2,16,8192,128) causal 1.018x, (8,16,1024,256) 1.019x, (1,16,4096,128) causal 1.163x, (16,16,1024,64) 1.024x,
+    (4,32,4096,64) 0.947x; "2" itself is 1.2-1.9x the wgmma kernel.
     """
     env = os.environ.get("CUPY_ATTN_FA3")
     if env in ("1", "2", "3"):
@@ -199,7 +201,9 @@ def fa3_mode(p, arch: int) -> str | None:
     if env == "0" or arch != 90:
         return None
     flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * max(p.head_dim, p.head_dim_v)
-    return "2" if flops >= FA3_MIN_FLOPS else None
+    if flops < FA3_MIN_FLOPS:
+        return None
+    return "3" if p.causal is not None or max(p.head_dim, p.head_dim_v) > 64 else "2"
 
 
 def fa3_details(head_dim: int, mode: str) -> dict:
