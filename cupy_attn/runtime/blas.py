@@ -95,8 +95,13 @@ class StridedGemm:
                                              self._beta_ptr, stream)
             return
         from cupy.cuda import cublas, device
+        stream_ptr = stream.ptr if stream_ptr is None else stream_ptr
+        if workspace.capturing(stream_ptr):
+            raise RuntimeError("CUDA-graph capture of a cuBLAS GEMM needs cuBLASLt through nvmath-python (a dependency "
+                               "of cupy_attn: pip install 'nvmath-python>=1.0,<2'); CuPy's classic cuBLAS handle cannot "
+                               "be used while a stream is captured")
         handle = device.get_cublas_handle()
-        cublas.setStream(handle, stream.ptr if stream_ptr is None else stream_ptr)
+        cublas.setStream(handle, stream_ptr)
         cublas.gemmStridedBatchedEx(handle, *self._ops, self._alpha_ptr, b_ptr, *self._b, a_ptr, *self._a,
                                     self._beta_ptr, c_ptr, *self._c, *self._tail)
 
