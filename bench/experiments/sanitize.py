@@ -1,10 +1,11 @@
-"""Small calls of the kernels added in session 5, for compute-sanitizer (memcheck / racecheck / synccheck):
+"""Small calls of the kernels added in sessions 5-7, for compute-sanitizer (memcheck / racecheck / synccheck):
 
     compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
 
-The FA3-design forward (forced), the fused and split backward, the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
-head dims 64, 128, 256 and 160 (bucket 256), causal both alignments, GQA), the decode kernel with several splits and a padding mask, each
+The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
+split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
+head dims 64, 128, 256 and 160 (bucket 256), causal both alignments, GQA), the decode kernel (v1 and the Hopper streaming v2) with several splits and a padding mask, each
 once on odd sizes; the Linear-BN-softmax backward kernels.
 """
 import os
@@ -20,9 +21,18 @@ import cupy_attn  # noqa: E402
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
-    os.environ["CUPY_ATTN_FA3"] = "2"
-    q, k, v = (torch.randn(1, 2, 200, 128, device="cuda", dtype=f16) for _ in range(3))
-    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    # The FA3-design forward in its three modes (3: persistent, with more tiles than SMs so CTAs loop, and a
+    # bottom-right call with empty tiles), head dims 128, 96 (qk_dim 96) and 80 (qk_dim 80).
+    for mode in ("1", "2", "3"):
+        os.environ["CUPY_ATTN_FA3"] = mode
+        for E in (128, 96, 80):
+            q, k, v = (torch.randn(1, 2, 200, E, device="cuda", dtype=f16) for _ in range(3))
+            cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
+    os.environ["CUPY_ATTN_FA3"] = "3"
+    q = torch.randn(3, 48, 300, 64, device="cuda", dtype=f16)
+    k, v = (torch.randn(3, 12, 200, 64, device="cuda", dtype=f16) for _ in range(2))
+    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", enable_gqa=True, return_lse=True)
+    cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
     os.environ["CUPY_ATTN_FA3"] = "0"
     for E, causal in ((64, True), (128, False), (320, True)):
         q, k, v = (torch.randn(1, 4, 77, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(3))
@@ -36,15 +46,19 @@ def main():
         for E, causal in ((64, "bottom_right"), (128, True), (128, False), (256, "bottom_right"), (160, True)):
             q = torch.randn(1, 4, 150, E, device="cuda", dtype=f16, requires_grad=True)
             k2, v2 = (torch.randn(1, 2, 200, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(2))
-            out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
-            out.float().sum().backward()
+            for _ in range(2):  # the second step replays the prepared backward (autograd's call cache)
+                out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
+                out.float().sum().backward()
         del os.environ["CUPY_ATTN_BWD"]
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
     k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=f16) for _ in range(2))
     mask = torch.rand(2, 1, 1, 3000, device="cuda") > 0.2
     mask[1] = False
-    for splits in (1, 3, 7):
-        cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
+    for variant in ("1", "2", "3"):  # the decode kernel v1 and the Hopper streaming variant v2 (1 and 2 CTAs/SM)
+        os.environ["CUPY_ATTN_DECODE"] = variant
+        for splits in (1, 3, 7):
+            cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
+    del os.environ["CUPY_ATTN_DECODE"]
     # Linear-BN-softmax backward (issue 11): 16-byte and scalar tiles, a partial strip, one-element and per-feature
     # scale (the last-block sum), train and eval.
     from cupy_attn.torch import LinearBatchNormSoftmax
