@@ -1,14 +1,16 @@
-"""The FlashAttention-3-design forward kernel for Hopper (cuda_src/attention/flash_fwd_sm90.cu), opt-in.
+"""The FlashAttention-3-design forward kernel for Hopper (cuda_src/attention/flash_fwd_sm90.cu).
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
 bf16, head dims 33-256 (run at 64, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0. Variants,
-by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset: "2" for calls of at least dispatch.FA3_MIN_FLOPS on Hopper):
+by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper: "3" for
+causal calls and head dims above 64, else "2"):
 
 * ``1``: one 128-row tile per CTA, ping-pong consumers (SM90_TILES);
 * ``2``: the same with FA3's intra-warpgroup overlap (SM90_OVERLAP_TILES);
 * ``3``: ``2`` as a persistent kernel (SM90_PERSISTENT_TILES): min(#SMs, #work units) CTAs, each looping over its
   tiles in the static order of cuda_src/attention/sm90/tile_scheduler.cuh, the producer loading the next tile's Q and
-  K/V during the current tile's epilogue (:func:`grid_for`). Opt-in until measured against ``2``.
+  K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
+  (4,32,4096,64) (bench/NOTES_flash.md).
 
 Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
