@@ -21,7 +21,7 @@ from cupy_attn.attention import scores_sm90 as _scores
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _cuobjdump, sass_summary, sass_text
+from test_flash_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
 
 FAMILY = _scores.SCORES_SOFTMAX_SM90
 DTYPES = ("float16", "bfloat16")
@@ -186,6 +186,36 @@ def test_epilogue_emulation_matches_softmax(S, rows):
     np.testing.assert_allclose(P[:rows, :S], ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(lse[:rows], ref_lse, rtol=1e-5, atol=1e-5)
     assert np.isnan(lse[rows:]).all()
+
+
+def _problem(**kw):
+    import types
+    q = _bhsd(2, 4, 100, 1024)
+    p = dict(query=q, key=_bhsd(2, 4, 300, 1024), value=_bhsd(2, 4, 300, 1024), mask=None, causal=None,
+             dropout_p=0.0, scale=0.03, dtype=np.dtype("float16"), seqlen_k=300)
+    return types.SimpleNamespace(**{**p, **kw})
+
+
+def test_unsupported_reasons():
+    if _scores.unsupported_reason(_problem(), 90) is not None:
+        pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
+    assert _scores.unsupported_reason(_problem(dtype=np.dtype("bfloat16")), 90) is None
+    for kw, arch, words in (({}, 80, "sm_80"), ({"dtype": np.dtype("float32")}, 90, "float32"),
+                            ({"seqlen_k": 513}, 90, "512"), ({"causal": "top_left"}, 90, "is_causal"),
+                            ({"mask": object()}, 90, "attn_mask"), ({"dropout_p": 0.1}, 90, "dropout"),
+                            ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
+                                                             "16-byte")):
+        why = _scores.unsupported_reason(_problem(**kw), arch)
+        assert why is not None and words in why, (kw, why)
+
+
+def test_switch_reads_the_environment(monkeypatch):
+    monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
+    assert not _scores.enabled()
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
+    assert _scores.enabled()
+    from cupy_attn.runtime import callcache
+    assert _scores.ENV_SPLIT_FUSED in callcache.ENV_KEYS, "a cached call must not replay the other schedule"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -131,14 +131,19 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_const
       tma::prefetch_map(&p.tma_q);
       tma::prefetch_map(&p.tma_k);
       const int h_kv = h / static_cast<int>(p.groups);
+      // S ≤ kHalfN (only at kHalfN = 64): the second warpgroup's keys all lie past S. Its box would be entirely
+      // outside the map, so it is not loaded; that warpgroup multiplies whatever its stage holds and masks every
+      // column to −inf (an assignment, so even NaN from stale bits is gone).
+      const bool load_hi = kHalfN < p.seqlen_k;
+      const unsigned bytes = Smem::kQBytes + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int s = kb % kStages;
         tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        tma::mbar_arrive_expect_tx(&ss.full[s], Smem::kQBytes + Smem::kKBytes);
+        tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
         tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
         T* k = ss.k + s * 2 * kHalfN * 64;
         tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
-        tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
+        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
       }
     }
     return;
