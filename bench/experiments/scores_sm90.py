@@ -1,10 +1,10 @@
 """Issue 14 A/B: the split path with and without the Hopper scores kernel (scores_softmax_sm90: Q·Kᵀ with the softmax
 in its epilogue, then cuBLAS P·V), same process, interleaved rounds; and the kernel alone.
 
-Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms (common.device_ms)
-for CUPY_ATTN_SPLIT_FUSED=0 and =1, each round both; the kernel alone (ms, TFLOP/s counting 2·B·H·L·S·D); max |out −
-ref| of both against torch's fp32 attention on the same inputs (TF32 off). A hang (mbarrier/TMA) ends the run after
-60 s (common.wait_or_die).
+Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms
+(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0 and =1, each round both; the kernel alone (ms, TFLOP/s counting
+2·B·H·L·S·D); max |out − ref| of both against torch's fp32 attention on the same inputs (TF32 off). A hang
+(mbarrier/TMA) ends the run after 60 s (common.wait_or_die).
 
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py            # seed (32, 32, 512, 1024), fp16 + bf16
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --quick    # one round, fp16 only

@@ -31,7 +31,7 @@
 // epilogue with the next tile's mainloop, TMA stores of P, causal and attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue   untimed (CPU checks only)
+//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    untimed (CPU checks)
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
@@ -40,7 +40,7 @@
 namespace cupy_attn {
 
 // Kernel parameters, declared once in NumPy (cupy_attn/attention/scores_sm90.py: _PARAMS; sizes asserted at compile
-// time, field order by tests/test_structs.py). Passed as one __grid_constant__ parameter: TMA reads the maps by address.
+// time, field order by tests/test_structs.py). One __grid_constant__ parameter: TMA reads the maps by address.
 struct ScoresSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, 64, 1, 1), 128-byte swizzle
   tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1)

@@ -1,4 +1,4 @@
-"""Attention probabilities on Hopper with the softmax in the GEMM's epilogue (cuda_src/attention/scores_softmax_sm90.cu).
+"""Attention probabilities on Hopper, the softmax in the GEMM's epilogue (cuda_src/attention/scores_softmax_sm90.cu).
 
     P   = softmax(scale · Q Kᵀ)        (B, Hq, L, S) in the input dtype, rows ``ld`` elements apart
     lse = log Σ_j exp(scale · q·k_j)   (B, Hq, L) float32, natural log
