@@ -226,14 +226,17 @@ def _torch():
 
 
 def _run_kernel(q, k, scale, ld):
-    """The kernel alone on CuPy arrays: (P (B, Hq, L, ld) NaN-poisoned before the launch, lse (B, Hq, L))."""
+    """The kernel alone on torch CUDA tensors (passed as CuPy views): (P (B, Hq, L, ld) NaN-poisoned before the
+    launch, lse (B, Hq, L) likewise), as torch tensors."""
     import cupy
+    torch = _torch()
     B, Hq, L, _ = q.shape
-    P = cupy.full((B, Hq, L, ld), np.nan, dtype=q.dtype)
-    lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
-    launch = _scores.prepare(q, k, lse, scale=scale, ld=ld)
-    launch(q.data.ptr, k.data.ptr, P.data.ptr, lse.data.ptr)
-    cupy.cuda.get_current_stream().synchronize()
+    P = torch.full((B, Hq, L, ld), float("nan"), dtype=q.dtype, device=q.device)
+    lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
+    cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
+    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld)
+    launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
+    torch.cuda.synchronize()
     return P, lse
 
 
@@ -251,22 +254,21 @@ def _reference(q, k, scale):
 def _torch_softmax(q, k, scale):
     """torch's same-precision P: softmax(Q Kᵀ · scale) with the GEMM and the softmax in the input dtype."""
     torch = _torch()
-    tq, tk = torch.from_dlpack(q), torch.from_dlpack(k)
-    groups = tq.shape[1] // tk.shape[1]
-    tk = tk.repeat_interleave(groups, dim=1)
-    return torch.softmax(torch.matmul(tq, tk.transpose(-1, -2)) * scale, dim=-1)
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
 
 
 def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0):
-    import cupy
-    rs = cupy.random.RandomState(seed)
-    shape_q, shape_k = (B, Hq, L, D), (B, Hkv, S, D)
-    if layout == "bshd":  # read in place through the tensor maps' strides
-        q = rs.standard_normal((B, L, Hq, D), dtype=cupy.float32).astype(dtype).transpose(0, 2, 1, 3)
-        k = rs.standard_normal((B, S, Hkv, D), dtype=cupy.float32).astype(dtype).transpose(0, 2, 1, 3)
-    else:
-        q = rs.standard_normal(shape_q, dtype=cupy.float32).astype(dtype)
-        k = rs.standard_normal(shape_k, dtype=cupy.float32).astype(dtype)
+    torch = _torch()
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+
+    def rand(b, h, n):
+        if layout == "bshd":  # read in place through the tensor maps' strides
+            return torch.randn(b, n, h, D, generator=gen, device="cuda").to(dt).transpose(1, 2)
+        return torch.randn(b, h, n, D, generator=gen, device="cuda").to(dt)
+
+    q, k = rand(B, Hq, L), rand(B, Hkv, S)
     scale = D ** -0.5
     ld = -(-S // 8) * 8
     P, lse = _run_kernel(q, k, scale, ld)
@@ -274,7 +276,7 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0):
     what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {dtype} {layout}"
     assert_close(P[..., :S], ref, dtype, _torch_softmax(q, k, scale), what)
     if ld > S:
-        assert bool(cupy.isnan(P[..., S:]).all()), f"{what}: the kernel wrote padding columns past S"
+        assert bool(torch.isnan(P[..., S:]).all()), f"{what}: the kernel wrote padding columns past S"
     np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3, err_msg=what)
 
 
@@ -317,21 +319,20 @@ def test_public_api_with_switch(monkeypatch, dtype):
     """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 at a head dim no fused kernel serves: the split
     path's schedule is this kernel → cuBLAS P·V (explain() says so); out and lse against float64; a second call on new
     arrays replays the cached launch (new tensor maps)."""
-    import cupy
     import cupy_attn
     from cupy_attn import reference
+    torch = _torch()
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
-    rs = cupy.random.RandomState(1)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    dt = getattr(torch, dtype)
     for seed in range(2):
-        q, k, v = (rs.standard_normal(s, dtype=cupy.float32).astype(dtype)
+        q, k, v = (torch.randn(*s, generator=gen, device="cuda").to(dt)
                    for s in ((2, 4, 200, 512), (2, 4, 300, 512), (2, 4, 300, 384)))
         plan = cupy_attn.explain(q, k, v)
         assert plan.backend == "split" and plan.details["schedule"].startswith("scores_softmax_sm90"), str(plan)
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
         ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), return_lse=True)
-        torch = _torch()
-        tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
-        torch_out = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv)
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
         assert_close(out, ref, dtype, torch_out, what=f"public call {seed}")
         np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3)
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "0")
