@@ -240,7 +240,21 @@ def split_details(p) -> dict:
     ld = -(-p.seqlen_k // 8) * 8
     per_item = p.seqlen_q * ld * 4
     budget = _split.workspace_bytes_default()
+    why_not = _split.fused_reason(p, budget)
+    if why_not is None:
+        from . import scores_sm90
+        tile = scores_sm90.tile_for(p.seqlen_k)
+        ld_p = -(-p.seqlen_k // 8) * 8
+        return {
+            "schedule": "scores_softmax_sm90 (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → cuBLAS P·V "
+                        f"({scores_sm90.ENV_SPLIT_FUSED}=1)",
+            "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages",
+            "P buffer": f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head, all heads in one "
+                        f"buffer of {p.batch * p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20:.0f} MiB",
+        }
     return {
+        "schedule": "cuBLAS Q·Kᵀ (fp32 scores) → softmax kernel → cuBLAS P·V",
+        "scores kernel": f"not used: {why_not}",
         "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
         "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(

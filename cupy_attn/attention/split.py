@@ -130,6 +130,7 @@ class _Chunk:
     grid: int
     gemm_qk: blas.StridedGemm
     gemm_pv: blas.StridedGemm
+    p: int = 0  # under the scores kernel: byte offset of the chunk's P in the scratch buffer
 
 
 @dataclasses.dataclass
@@ -138,6 +139,11 @@ class _Schedule:
     kernel: object
     block: int
     chunks: list
+    # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
+    # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
+    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1, see fused_reason).
+    scores: object = None
+    itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
 
 
 _SCHEDULES: dict = {}
@@ -148,6 +154,7 @@ def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
     """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget; not pointers."""
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
+            _scores_sm90().enabled(),
             *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -207,7 +214,13 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
     synchronizes, so the call can be captured into a CUDA graph (after a first call outside capture has tuned the
     GEMMs: cuBLASLt's tuning times candidates and synchronizes, so under capture the heuristic's first choice runs)."""
     with ctx.activate():
-        scores, s0 = workspace.scratch(ctx, sched.scores_elems * 4)
+        scores, s0 = workspace.scratch(ctx, sched.scores_elems * sched.itemsize)
+        if sched.scores is not None:
+            sched.scores(q0, k0, s0, l0)
+            for c in sched.chunks:
+                c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v)
+            del scores
+            return
         for c in sched.chunks:
             c.gemm_qk(s0, q0 + c.q, k0 + c.k)
             params = c.params.copy()
@@ -266,9 +279,20 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
 
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
     gemms: dict = {}
+    # Under the scores kernel P is packed by (batch, query head): flat index bh = b·Hq + h at bh·L·ld_p elements,
+    # rows ld_p apart (16-byte aligned for cuBLAS); a GEMM batch step moves bh by inner.bh.
+    scores_launch = None
+    if fused_reason(p, budget) is None:
+        ld_p = -(-S // 8) * 8
+        scores_launch = _scores_sm90().prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p)
 
     def gemm_pair(nb: int, lc: int):
         """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
+        if (nb, lc) not in gemms and scores_launch is not None:
+            gemms[nb, lc] = (None, blas.StridedGemm(
+                c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=ld_p, stride_a=inner.bh * L * ld_p,
+                trans_a=False, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb,
+                allow_tf32=allow_tf32))
         if (nb, lc) not in gemms:
             gemms[nb, lc] = (
                 blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
@@ -298,6 +322,33 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc)[0], gemm_pv=gemm_pair(nb, lc)[1]))
+                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc)[0], gemm_pv=gemm_pair(nb, lc)[1],
+                    p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0))
+    if scores_launch is not None:
+        return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, kernel=None, block=0, chunks=chunks,
+                         scores=scores_launch, itemsize=isz)
     return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, kernel=kernel, block=max(tile[0], 128),
                      chunks=chunks)
+
+
+def _scores_sm90():
+    from . import scores_sm90
+    return scores_sm90
+
+
+def fused_reason(p, budget: int) -> str | None:
+    """None when the split path runs the Hopper scores kernel (scores_sm90: Q·Kᵀ with the softmax in its epilogue,
+    P written in the input dtype) followed by the P·V GEMM, else why not: CUPY_ATTN_SPLIT_FUSED=1 must be set, the
+    kernel must take the call (scores_sm90.unsupported_reason) and P for all batch·heads (B·Hq·L·⌈S/8⌉·8 elements)
+    must fit the workspace budget (the kernel writes it in one launch; seed (32, 32, 512, 1024) fp16: 512 MiB)."""
+    scores = _scores_sm90()
+    if not scores.enabled():
+        return f"{scores.ENV_SPLIT_FUSED} is not 1"
+    from .dispatch import device_arch
+    why = scores.unsupported_reason(p, device_arch(p))
+    if why is not None:
+        return why
+    need = p.batch * p.num_heads * p.seqlen_q * (-(-p.seqlen_k // 8) * 8) * p.dtype.itemsize
+    if need > budget:
+        return f"P of all batch·heads needs {need / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace budget"
+    return None

@@ -1,0 +1,271 @@
+// Attention probabilities for Hopper (sm_90a), whole rows on chip: P = softmax(scale · Q Kᵀ) in the input dtype and
+// lse = log Σ_j exp(scale · q·k_j) (fp32, natural log), for seqlen_k ≤ 512. The split path (cupy_attn/attention/
+// split.py) feeds P to its cuBLAS P·V GEMM: this kernel replaces its Q·Kᵀ GEMM into an fp32 score buffer and the
+// softmax pass over that buffer (issue 14: head dims above 256, where no fused kernel of ours applies).
+//
+// Algorithm: a GEMM with the softmax in its epilogue. S is never written: a CTA holds whole score rows (64 query rows ×
+// all S ≤ 512 keys) in wgmma accumulators, so the epilogue knows each row's exact max m and sum l before it writes
+// P = 2^(S·c − m) / l (c = scale·log2 e, folded into one FFMA) and lse = (m + log2 l)·ln 2. No online rescaling.
+// The mainloop is FlashAttention-3's producer/consumer pattern (Shah et al. 2024, §3.1; sm90/mainloop.cuh): a producer
+// warpgroup (setmaxnreg.dec to 24) whose one thread issues TMA loads into a kStages-deep mbarrier ring, two consumer
+// warpgroups (setmaxnreg.inc to 240) issuing wgmma.
+//
+// Thread mapping: 384 threads. Warpgroup 0 produces. Consumer warpgroup w = 0, 1 (warpgroups 1, 2) computes the 64 ×
+// kHalfN block of S for keys w·kHalfN ... w·kHalfN + kHalfN − 1, K-loop over the head dim in 64-column steps (one
+// 128-byte swizzle atom wide), four m64nkHalfNk16 wgmma per step, accumulators in fp32 (kHalfN/2 registers per thread:
+// lane 4g+t of warp v holds rows 16v+g and 16v+g+8, columns 8j+2t and 8j+2t+1). Row statistics: a quad shuffle inside
+// the warpgroup, then one exchange through shared memory between the two warpgroups (each owns half of every row).
+//
+// Stage s of the ring: Q rows m0..m0+63 × head-dim columns 64·kb..64·kb+63 (8 KB) and K rows 0..2·kHalfN−1 × the same
+// columns (two TMA boxes of kHalfN rows, one per consumer warpgroup), both in the 128-byte swizzle; full[s] (1 arrival:
+// the producer's expect_tx, plus the TMA bytes) and empty[s] (8 arrivals: lane 0 of each consumer warp once the wgmma
+// reading the stage has completed). Rows past L or S and columns past E are outside the tensor maps and land as zeros;
+// key columns past S are set to −inf before the max, rows past L are not stored.
+//
+// Tiles (cupy_attn/attention/scores_sm90.py, SCORES_TILES): kHalfN ∈ {64, 128, 192, 256} = the smallest multiple of
+// 64 with 2·kHalfN ≥ S; kStages = 4 (3 at kHalfN = 256: 3 × 72 KB fills the 227 KB per block). One CTA per SM (its
+// accumulators take half the register file).
+//
+// Not (yet) here: a cluster of 2 CTAs sharing K tiles by TMA multicast (each CTA reads its head's whole K: 1 MB per
+// 64 rows at the seed shape; halving that L2 → SM traffic is the next step), a persistent grid overlapping one tile's
+// epilogue with the next tile's mainloop, TMA stores of P, causal and attn_mask.
+//
+// Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
+//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    untimed (CPU checks)
+#include "common/types.cuh"
+#include "common/mask.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
+
+namespace cupy_attn {
+
+// Kernel parameters, declared once in NumPy (cupy_attn/attention/scores_sm90.py: _PARAMS; sizes asserted at compile
+// time, field order by tests/test_structs.py). One __grid_constant__ parameter: TMA reads the maps by address.
+struct ScoresSm90Params {
+  tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, 64, 1, 1), 128-byte swizzle
+  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1)
+  void* p;               // P (B, Hq, L, S) in the input dtype, rows ld elements apart (ld even)
+  float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
+  long long seqlen_q, seqlen_k, head_dim;
+  long long groups;      // Hq / Hkv: query head h reads key head h / groups
+  double scale_log2;     // scale · log2(e), > 0
+  long long p_stride_b, p_stride_h, ld;
+  long long lse_stride_b, lse_stride_h, lse_stride_l;
+};
+
+namespace scores_sm90 {
+
+constexpr int kBlockM = 64;
+
+template <typename T, int kHalfN, int kStages>
+struct SharedStorage {
+  static constexpr int kQBytes = kBlockM * 128;       // 64 rows × 64 16-bit columns
+  static constexpr int kKBytes = 2 * kHalfN * 128;    // both warpgroups' keys × 64 columns
+  // Ring tiles, full and empty barriers, the two warpgroups' row maxima and sums (2 × 64 floats each), and 1 KB of
+  // slack to align the base to 1024 bytes (the swizzle atoms' alignment; the runtime only guarantees 16).
+  static constexpr int kBytes = kStages * (kQBytes + kKBytes) + 16 * kStages + 2 * 2 * kBlockM * 4 + 1024;
+
+  T* q;  // kStages tiles
+  T* k;
+  unsigned long long* full;
+  unsigned long long* empty;
+  float* row_max;  // [warpgroup][row]
+  float* row_sum;
+
+  __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
+    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    q = reinterpret_cast<T*>(smem);
+    k = reinterpret_cast<T*>(smem + kStages * kQBytes);
+    full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
+    empty = full + kStages;
+    row_max = reinterpret_cast<float*>(empty + kStages);
+    row_sum = row_max + 2 * kBlockM;
+  }
+};
+
+template <typename T> struct Pair;
+template <> struct Pair<__half> {
+  using type = __half2;
+  __device__ __forceinline__ static type make(float a, float b) { return __floats2half2_rn(a, b); }
+};
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+
+// Named barrier 1: the 256 consumer threads, around each exchange of row statistics.
+constexpr int kStatsBarrier = 1;
+
+}  // namespace scores_sm90
+
+constexpr int kScoresProducerRegs = 24;
+constexpr int kScoresConsumerRegs = 240;
+
+// Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
+template <typename T, int kHalfN, int kStages>
+__global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_constant__ ScoresSm90Params p) {
+  using namespace scores_sm90;
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+  const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
+  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
+
+  if (threadIdx.x == 0) {
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&ss.full[s], 1);
+      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each of the 8 consumer warps
+    }
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {
+    tma::setmaxnreg_dec<kScoresProducerRegs>();
+    if (threadIdx.x == 0) {
+      tma::prefetch_map(&p.tma_q);
+      tma::prefetch_map(&p.tma_k);
+      const int h_kv = h / static_cast<int>(p.groups);
+      // S ≤ kHalfN (only at kHalfN = 64): the second warpgroup's keys all lie past S. Its box would be entirely
+      // outside the map, so it is not loaded; that warpgroup multiplies whatever its stage holds and masks every
+      // column to −inf (an assignment, so even NaN from stale bits is gone).
+      const bool load_hi = kHalfN < p.seqlen_k;
+      const unsigned bytes = Smem::kQBytes + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = kb % kStages;
+        tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
+        tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
+        tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
+        T* k = ss.k + s * 2 * kHalfN * 64;
+        tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
+        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
+      }
+    }
+    return;
+  }
+  tma::setmaxnreg_inc<kScoresConsumerRegs>();
+
+  const int tid = threadIdx.x - 128;
+  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
+  const int S = static_cast<int>(p.seqlen_k);
+
+  // S block (64 × kHalfN) = Q K_wgᵀ over the head dim. Each stage: four k steps of 16 columns = 32 bytes inside the
+  // 128-byte swizzled rows (the hardware applies the XOR to the computed address); 8-row atoms 1024 bytes apart.
+  // wait<1> after a stage's commit: the previous stage's wgmma has completed, so that stage is released while this
+  // one runs (two groups in flight).
+  float acc[kHalfN / 2];
+  #pragma unroll
+  for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
+  const unsigned q_base = tma::smem_u32(ss.q);
+  const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int s = kb % kStages;
+    tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
+    const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::Mma<T, kHalfN>::ss(acc, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+                                wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
+    wgmma::commit();
+    wgmma::wait<1>();
+    if (kb > 0) {
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+    }
+  }
+  wgmma::wait<0>();
+  wgmma::fence_operands(acc);
+  // The last stage needs no release: the producer has nothing left to load.
+
+  // Keys past S (zero rows of K from TMA's fill) take no part: −inf before the max. acc[4j + 2·half + e] is row
+  // r0 + 8·half, column n0 + 8j + 2t + e.
+  const int n0 = wg * kHalfN;
+  if (n0 + kHalfN > S) {
+    const int lim = S - n0 - 2 * t;  // column 8j + e of this lane is a key iff 8j + e < lim
+    #pragma unroll
+    for (int j = 0; j < kHalfN / 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (8 * j + e >= lim) acc[4 * j + e] = acc[4 * j + 2 + e] = neg_inf();
+  }
+
+  // Row max over both warpgroups. Column 0 is a key (S ≥ 1), so each row's max is finite for finite inputs; the
+  // scale c > 0 makes max(S)·c the max of the scaled scores.
+  float mx[2] = {neg_inf(), neg_inf()};
+  #pragma unroll
+  for (int j = 0; j < kHalfN / 8; ++j)
+    #pragma unroll
+    for (int half = 0; half < 2; ++half)
+      mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+    if (t == 0) ss.row_max[wg * kBlockM + r0 + 8 * half] = mx[half];
+  }
+  tma::named_barrier_sync(kStatsBarrier, 256);
+  const float c = static_cast<float>(p.scale_log2);
+  float m_c[2], sum[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int half = 0; half < 2; ++half)
+    m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
+
+  // P unnormalized in place: 2^(s·c − m·c), one FFMA and one MUFU.EX2 per score (−inf → 0).
+  #pragma unroll
+  for (int j = 0; j < kHalfN / 8; ++j)
+    #pragma unroll
+    for (int half = 0; half < 2; ++half)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = acc[4 * j + 2 * half + e];
+        x = exp2f(fmaf(x, c, -m_c[half]));
+        sum[half] += x;
+      }
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+    if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
+  }
+  tma::named_barrier_sync(kStatsBarrier, 256);
+  float inv[2];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float l = sum[half] + ss.row_sum[(wg ^ 1) * kBlockM + r0 + 8 * half];
+    inv[half] = 1.f / l;
+    const int row = m0 + r0 + 8 * half;
+    if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] = (m_c[half] + __log2f(l)) * kLn2;
+  }
+
+  // Stores: a quad writes 16 contiguous bytes of a row per j (columns 8j..8j+7); pairs are 4-byte aligned (ld and
+  // the column even). The column past an odd S is not written.
+  using P2 = typename Pair<T>::type;
+  T* out = static_cast<T*>(p.p) + b * p.p_stride_b + h * p.p_stride_h;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + r0 + 8 * half;
+    if (row >= p.seqlen_q) continue;
+    T* out_row = out + row * p.ld + n0 + 2 * t;
+    const int lim = S - n0 - 2 * t;
+    #pragma unroll
+    for (int j = 0; j < kHalfN / 8; ++j) {
+      const float x0 = acc[4 * j + 2 * half] * inv[half], x1 = acc[4 * j + 2 * half + 1] * inv[half];
+      if (8 * j + 1 < lim) {
+        *reinterpret_cast<P2*>(out_row + 8 * j) = Pair<T>::make(x0, x1);
+      } else if (8 * j < lim) {
+        out_row[8 * j] = from_float<T>(x0);
+      }
+    }
+  }
+}
+
+}  // namespace cupy_attn

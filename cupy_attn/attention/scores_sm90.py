@@ -1,0 +1,165 @@
+"""Attention probabilities on Hopper, the softmax in the GEMM's epilogue (cuda_src/attention/scores_softmax_sm90.cu).
+
+    P   = softmax(scale · Q Kᵀ)        (B, Hq, L, S) in the input dtype, rows ``ld`` elements apart
+    lse = log Σ_j exp(scale · q·k_j)   (B, Hq, L) float32, natural log
+
+for seqlen_k ≤ 512 (a CTA holds whole score rows: 64 query rows × all keys in wgmma accumulators), fp16/bf16, any head
+dim E with 16-byte row strides, no mask, no causal, GQA by head index. The split path (split.py) runs it in place of
+its Q·Kᵀ GEMM + softmax pass when ``CUPY_ATTN_SPLIT_FUSED=1`` (opt-in until measured: :func:`enabled`), and its
+cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
+(32, 32, 512, 1024)).
+
+Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
+q/k pointers change (the last pair is remembered).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.interop import dtype_name
+from .fused_sm90 import _MAP, _MapSpec, _c_struct, _F64, _I64
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+_LOG2E = 1.4426950408889634
+THREADS = 384        # a producer warpgroup and two consumer warpgroups
+BLOCK_M = 64         # query rows per CTA
+MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
+ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoresTile:
+    """Keys per consumer warpgroup (kHalfN: the CTA covers 2·half_n ≥ S keys) and stages in the TMA ring."""
+    half_n: int
+    stages: int
+
+    def smem_bytes(self) -> int:
+        """stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row statistics,
+        1 KB of alignment slack: SharedStorage::kBytes in scores_softmax_sm90.cu."""
+        return self.stages * (BLOCK_M * 128 + 2 * self.half_n * 128) + 16 * self.stages + 2 * 2 * BLOCK_M * 4 + 1024
+
+
+# half_n -> tile, the smallest half_n with 2·half_n ≥ S taken. Shared memory of the 227 KB (232448 B) per block:
+SCORES_TILES = {
+    64: ScoresTile(64, 4),     # 4 × 24 KB = 98 KB (more stages would not help: the ring covers 4 head-dim steps)
+    128: ScoresTile(128, 4),   # 4 × 40 KB = 162 KB
+    192: ScoresTile(192, 4),   # 4 × 56 KB = 226 KB: the most that fits
+    256: ScoresTile(256, 3),   # 3 × 72 KB = 218 KB (4 stages would need 290 KB)
+}
+
+# ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
+_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64)]
+                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
+                        "p", "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
+                        "p_stride_b", "p_stride_h", "ld", "lse_stride_b", "lse_stride_h", "lse_stride_l")])
+
+SCORES_SOFTMAX_SM90 = KernelFamily(
+    name="scores_softmax_sm90",
+    source="attention/scores_softmax_sm90.cu",
+    template="cupy_attn::scores_softmax_sm90<{dtype}, {tile.half_n}, {tile.stages}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(SCORES_TILES.values())},
+    archs=("sm_90a",),
+    structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
+    arch="sm_90a",
+)
+
+
+def enabled() -> bool:
+    """``CUPY_ATTN_SPLIT_FUSED=1``: the split path runs this kernel wherever :func:`unsupported_reason` allows (off by
+    default until measured against the cuBLAS + softmax-pass schedule)."""
+    return os.environ.get(ENV_SPLIT_FUSED, "0") == "1"
+
+
+def tile_for(seqlen_k: int) -> ScoresTile:
+    """The tile whose two warpgroups cover seqlen_k keys with the least padding (1 ≤ seqlen_k ≤ 512).
+
+    >>> [tile_for(s).half_n for s in (1, 64, 100, 128, 129, 256, 300, 384, 385, 512)]
+    [64, 64, 64, 64, 128, 128, 192, 192, 256, 256]
+    """
+    if not 1 <= seqlen_k <= MAX_SEQLEN_K:
+        raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
+    return next(SCORES_TILES[n] for n in sorted(SCORES_TILES) if 2 * n >= seqlen_k)
+
+
+def unsupported_reason(p, arch: int) -> str | None:
+    """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
+    capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
+
+    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no causal, no dropout, scale > 0 (folded into
+    exp2), q and k readable by TMA in place (fused_sm90.layout_reason) and a grid within (2^31−1, 65535, 65535).
+    """
+    if arch != 90:
+        return f"sm_{arch}: the scores kernel needs sm_90a"
+    if dtype_name(p.dtype) not in _C_TYPES:
+        return f"dtype {dtype_name(p.dtype)}: the scores kernel serves fp16 and bf16"
+    if not 1 <= p.seqlen_k <= MAX_SEQLEN_K:
+        return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
+    if p.mask is not None or p.causal is not None or p.dropout_p > 0:
+        return "attn_mask, is_causal and dropout are not in the scores kernel (v1)"
+    if not p.scale > 0:
+        return f"scale {p.scale}: the scores kernel folds the scale into exp2 and needs scale > 0"
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+    from .fused_sm90 import layout_reason
+    why = layout_reason(p.query, p.key, p.key, None)
+    if why is not None:
+        return why
+    return None
+
+
+def prepare(q, k, lse, *, scale: float, ld: int) -> "ScoresLaunch":
+    """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
+    :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
+    elements apart."""
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    if ld < S or ld % 2:
+        raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
+    tile = tile_for(S)
+    kernel = SCORES_SOFTMAX_SM90.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    smem = tile.smem_bytes()
+    if kernel.max_dynamic_shared_size_bytes < smem:
+        kernel.max_dynamic_shared_size_bytes = smem
+    p = np.zeros((), dtype=_PARAMS)
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
+    p["scale_log2"] = float(scale) * _LOG2E
+    p["p_stride_b"], p["p_stride_h"], p["ld"] = Hq * L * ld, L * ld, ld
+    if lse is not None:
+        for axis, stride in zip("bhl", lse.strides):
+            p[f"lse_stride_{axis}"] = stride // lse.itemsize
+    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n))
+    grid = (-(-L // BLOCK_M), Hq, B)
+    return ScoresLaunch(kernel, p, maps, grid, tile)
+
+
+@dataclasses.dataclass
+class ScoresLaunch:
+    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile."""
+
+    kernel: object
+    params: np.ndarray
+    maps: tuple
+    grid: tuple
+    tile: ScoresTile
+    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their two maps)
+
+    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
+        ptrs, encoded = self._encoded
+        if ptrs != (q_ptr, k_ptr):
+            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr)))
+            self._encoded = ((q_ptr, k_ptr), encoded)  # one tuple: a concurrent caller sees old or new
+        params = self.params.copy()
+        params["tma_q"], params["tma_k"] = encoded
+        params["p"], params["lse"] = p_ptr, lse_ptr
+        self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
+
+    def describe(self) -> str:
+        return (f"scores_softmax_sm90 (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA stages, "
+                f"wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue; grid {self.grid})")
