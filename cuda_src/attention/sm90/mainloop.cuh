@@ -87,9 +87,9 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
-// tile. K or V of iteration
-// it (key rows n0 ...): wait until both consumer warpgroups have released the stage's previous contents (round 0 waits
-// on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release of round r - 1), then load.
+// tile. K or V of iteration it (key rows n0 ...): wait until both consumer warpgroups have released the stage's
+// previous contents (round 0 waits on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release
+// of round r - 1), then load.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Producer {
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
