@@ -89,14 +89,14 @@ def sass_text(cubin: bytes) -> dict:
 @pytest.mark.parametrize("table", ["SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"])
 def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     """FlashAttention-3's intra-warpgroup overlap, in the SASS: after ``wait_group 1`` (S_i done) the exponentials of
-    the softmax run before ``wait_group 0`` (P_{i-1} V_{i-1} done), for D = 64 and 128 (mainloop.cuh explains the
+    the softmax run before ``wait_group 0`` (P_{i-1} V_{i-1} done), for D = 64, 96 and 128 (mainloop.cuh explains the
     scheduling barrier that keeps ptxas from hoisting the second wait; D = 256 is not overlapped yet), in the one-tile
-    and in the persistent variant."""
+    and in the persistent variant; at D = 96 also with the S GEMM stopping at 80 columns."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     for dtype in _sm90._C_TYPES.values():
-        for d in (64, 128):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=d)
+        for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk)
             text = next(iter(sass_text(_compile.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -119,12 +119,33 @@ def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
 
 
+@pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
+def test_head_dim_96_sass_shapes(dtype):
+    """The 96 bucket in the SASS: S = Q Kᵀ as HGMMA.64x128x16 (6 k steps, 5 at qk_dim 80), P·V as HGMMA.64x96x16 (8
+    k steps of 16 keys), descriptors in the 64-byte swizzle (high word 0x80000020: mode 2 in bits 62-63, SBO 512 >> 4),
+    in every mode; no 64x128 P·V left."""
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    suffix = ".BF16" if "bfloat16" in dtype else ""
+    for table in ("SM90_TILES", "SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"):
+        for qk in (96, 80):
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=96, tile=getattr(_sm90, table)[96], qk_dim=qk)
+            text = next(iter(sass_text(_compile.whole_cubin(
+                _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
+            shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)
+            turns = 1 if table == "SM90_TILES" else 2  # overlap: S_0 before the loop and the last P·V after it
+            assert shapes.count("64x96x16") == 8 * turns, (expr, shapes)
+            assert shapes.count("64x128x16") == qk // 16 * turns, (expr, shapes)
+            assert "0x80000020" in text, f"{expr}: no 64-byte-swizzle descriptor"
+            assert "0x40000040" not in text, f"{expr}: a 128-byte-swizzle descriptor (SBO 1024)"
+
+
 def test_tiles():
     declared = set(FAMILY.name_expressions())
     assert set(_sm90.MODE_TILES) == {"1", "2", "3"}
     for mode, table in _sm90.MODE_TILES.items():
         overlap, persistent = mode in ("2", "3"), mode == "3"
-        assert set(table) == {64, 128, 256}
+        assert set(table) == {64, 96, 128, 256}
         for d, tile in table.items():
             assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2
             assert (tile.overlap, tile.persistent) == (overlap, persistent)
@@ -135,6 +156,78 @@ def test_tiles():
                     assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
 
 
+def _swizzle(addr, swz: int):
+    """CuTe's Swizzle<B,4,3> on shared-memory byte addresses (B = 3 for the 128-byte swizzle, 2 for the 64-byte one):
+    the 16-byte chunk bits 4..3+B XOR bits 7..6+B. TMA's SWIZZLE_128B / SWIZZLE_64B write a box of swz-byte rows in
+    this pattern, and wgmma applies it to the addresses its descriptor generates (swizzle mode 1 / 2; the tiles are
+    aligned to the 8-row atom, so the descriptors' base offset is 0)."""
+    return addr ^ (((addr >> 7) & (swz // 16 - 1)) << 4)
+
+
+def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block: int, sbo: int) -> int:
+    """Elements that a wgmma of the kernel reads from somewhere else than where TMA wrote them, over every operand read
+    of one K/V iteration: S = Q Kᵀ (both K-major) and O += P V (V MN-major), for one stage of the ring at D.
+
+    TMA side (the producer in sm90/mainloop.cuh): column block c of a rows × D tile holds columns c·A ... (A =
+    atom_cols, one box), at c·rows·A elements from the tile, row r at r·swz bytes, in the swz-byte swizzle. wgmma side
+    (PTX ISA "Shared Memory Matrix Layout", CUTLASS make_gmma_desc): K-major, element (m, k) of a 64 × 16 (or N × 16)
+    operand at start + (m / 8)·SBO + (m % 8)·swz + 2k; MN-major, element (k, n) of 16 × N at start + (n / A)·LBO +
+    2(n % A) + (k / 8)·SBO + (k % 8)·swz; both then swizzled. The start addresses, SBO and LBO are consume()'s, with
+    the kernel's constants passed in (kRowBytes = swz, kStepsPerBlock, kAtomBytes = sbo)."""
+    bm, bn = tile.block_m, tile.block_n
+    q_base, k_base = 0, bm * D * 2
+    v_base = k_base + tile.stages * bn * D * 2
+    s = tile.stages - 1  # the last stage: a base that is not the tile start
+    k_st, v_st = k_base + s * bn * D * 2, v_base + s * bn * D * 2
+    for base in (k_base, v_base, k_st, v_st):
+        assert base % 1024 == 0
+
+    def written(tile_base, rows, r, c):
+        return _swizzle(tile_base + (c // atom_cols) * rows * atom_cols * 2 + r * swz + (c % atom_cols) * 2, swz)
+
+    def k_major(start, m, k):
+        return _swizzle(start + (m // 8) * sbo + (m % 8) * swz + 2 * k, swz)
+
+    bad = 0
+    k16 = np.arange(16)[None, :]
+    for wg in range(2):
+        q_wg = q_base + wg * 64 * swz
+        m = np.arange(64)[:, None]
+        for kk in range(D // 16):
+            a = q_wg + (kk // steps_per_block) * bm * swz + (kk % steps_per_block) * 32
+            bad += np.count_nonzero(k_major(a, m, k16) != written(q_base, bm, wg * 64 + m, kk * 16 + k16))
+    n = np.arange(bn)[:, None]
+    for kk in range(D // 16):
+        bk = k_st + (kk // steps_per_block) * bn * swz + (kk % steps_per_block) * 32
+        bad += np.count_nonzero(k_major(bk, n, k16) != written(k_st, bn, n, kk * 16 + k16))
+    k, n = np.arange(16)[:, None], np.arange(D)[None, :]
+    for kk in range(bn // 16):
+        start, lbo = v_st + kk * 16 * swz, bn * swz
+        read = _swizzle(start + (n // atom_cols) * lbo + (n % atom_cols) * 2 + (k // 8) * sbo + (k % 8) * swz, swz)
+        bad += np.count_nonzero(read != written(v_st, bn, kk * 16 + k, n))
+    return bad
+
+
+@pytest.mark.parametrize("D", sorted(_sm90.SM90_TILES))
+def test_smem_operand_layout_matches_the_tma_swizzle(D):
+    """A NumPy emulation of the shared-memory addressing of every bucket: TMA's swizzled writes against the addresses
+    the kernel's wgmma descriptors read (_operand_mismatches), with the swizzle of fused_sm90.swizzle_bytes (the
+    launcher's tensor maps) and the kernel's constants. The 128-byte buckets run on the GPU already, so they check the
+    model; D = 96 is the 64-byte swizzle, where the 128-byte constants must fail (the check has teeth)."""
+    swz = _sm90.swizzle_bytes(D)
+    tile = _sm90.SM90_TILES[D]
+    # The chunk rule the model must agree with: 16-byte chunk c of row r at c ^ (r % 8) (128 B), c ^ ((r / 2) % 4)
+    # (64 B: two rows per 128-byte line), per 8-row atom of 8·swz bytes.
+    r, c = np.meshgrid(np.arange(16), np.arange(swz // 16), indexing="ij")
+    rule = (c ^ (r % 8)) if swz == 128 else (c ^ ((r // 2) % 4))
+    assert (_swizzle(r * swz + c * 16, swz) == r * swz + rule * 16).all()
+    assert _operand_mismatches(D, tile, swz, swz // 2, swz // 32, 8 * swz) == 0
+    assert D * 2 % swz == 0 and (tile.block_m * swz) % 1024 == 0 and (tile.block_n * swz) % 1024 == 0
+    if swz == 64:
+        assert _operand_mismatches(D, tile, 64, 32, 4, 1024) > 0  # 128-byte k-step arithmetic on 64-byte tiles
+        assert _operand_mismatches(D, tile, 64, 32, 2, 1024) > 0  # SBO of the 128-byte atom
+
+
 F16 = np.dtype("float16")
 
 
@@ -143,7 +236,8 @@ F16 = np.dtype("float16")
     ((F16, 64, 64, "none", 90, 1.0), None),
     ((F16, 256, 256, "none", 90, 0.06), None),
     ((F16, 128, 128, "none", 80, 0.1), "sm_90a"),
-    ((F16, 96, 96, "none", 90, 0.1), None),       # padded to 128 by TMA's zero fill
+    ((F16, 96, 96, "none", 90, 0.1), None),       # the 96 bucket (64-byte swizzle)
+    ((F16, 80, 64, "none", 90, 0.1), None),       # the 96 bucket on TMA's zero fill past 80
     ((F16, 128, 64, "none", 90, 0.1), None),
     ((F16, 32, 32, "none", 90, 0.1), "head dims 33-256"),
     ((F16, 320, 320, "none", 90, 0.1), "head dims 33-256"),
@@ -181,6 +275,9 @@ def _bshd(B, H, S, D, ptr=1 << 20):
 def test_tensor_map_layouts():
     spec = _sm90._MapSpec.of(_bhsd(2, 3, 100, 128), 128)
     assert spec.dims == (128, 100, 3, 2) and spec.strides == (256, 100 * 256, 300 * 256) and spec.box_rows == 128
+    assert spec.box_cols == 64
+    spec = _sm90._MapSpec.of(_bhsd(2, 3, 100, 80), 128, 32)  # E = 80 in the 96 bucket: 32-column boxes
+    assert spec.dims == (80, 100, 3, 2) and spec.strides == (160, 100 * 160, 300 * 160) and spec.box_cols == 32
     spec = _sm90._MapSpec.of(_bshd(2, 3, 100, 64), 128)
     assert spec.dims == (64, 100, 3, 2) and spec.strides == (3 * 128, 128, 300 * 128)
     # Axes of size 1 get a valid stride whatever the view says.
@@ -216,6 +313,41 @@ def test_encode_tensor_map_without_a_driver_raises_cleanly():
         pytest.skip(f"no driver: {exc}")
     else:
         assert m.shape == (128,) and m.dtype == np.uint8
+
+
+@pytest.mark.parametrize("D,cols,swizzle", [(64, 64, "SWIZZLE_128B"), (96, 32, "SWIZZLE_64B"),
+                                             (128, 64, "SWIZZLE_128B"), (256, 64, "SWIZZLE_128B")])
+def test_tensor_maps_take_the_bucket_swizzle(monkeypatch, D, cols, swizzle):
+    """What the launcher asks cuTensorMapEncodeTiled for, per bucket (the driver call faked): a box one swizzle atom
+    wide (rows of swizzle_bytes(D)) and that swizzle; the backward's stats map stays unswizzled."""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    calls = []
+
+    def fake_encode(data_type, rank, ptr, dims, strides, box, elem_strides, interleave, swz, l2, oob):
+        calls.append(([int(b) for b in box], swz))
+        return cu.CUresult.CUDA_ERROR_INVALID_VALUE, None  # a failure code: encode raises after the call
+
+    monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", fake_encode)
+    monkeypatch.setattr(_sm90, "_driver_init", lambda: None)
+    assert _sm90.swizzle_bytes(D) // 2 == cols
+    with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed"):
+        _sm90._MapSpec.of(_bhsd(2, 3, 100, 80 if D == 96 else D), 128, cols).encode(1 << 20)  # E = 80: 96 bucket
+    assert calls[-1] == ([cols, 128, 1, 1], getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_{swizzle}"))
+    with pytest.raises(RuntimeError):
+        _sm90.encode_tensor_map("float32", 1 << 20, (256, 8), (1024,), (128, 1))
+    assert calls[-1][1] == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+    with pytest.raises(ValueError, match="64 or 128 bytes"):
+        _sm90.encode_tensor_map("float16", 1 << 20, (80, 100), (160,), (16, 128))
+
+
+def test_head_buckets():
+    """E, Ev in 65-96 run the 96 bucket (E <= 80: the S GEMM's 5 k steps), a larger Ev the 128 one."""
+    cases = {(72, 72): (96, 80), (80, 80): (96, 80), (88, 96): (96, 96), (96, 96): (96, 96), (80, 64): (96, 80),
+             (96, 40): (96, 96), (64, 96): (96, 80), (40, 96): (96, 80), (65, 65): (96, 80), (97, 97): (128, 128),
+             (72, 128): (128, 80), (96, 128): (128, 96), (64, 64): (64, 64), (33, 64): (64, 64), (160, 160): (256, 256)}
+    for (E, Ev), (bucket, qk) in cases.items():
+        D = _sm90.head_bucket(E, Ev)
+        assert (D, _sm90.qk_dim(E, D)) == (bucket, qk), (E, Ev)
 
 
 def test_launch_params(monkeypatch):
@@ -396,10 +528,15 @@ def test_bshd_views(fa3, dtype, E, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E,Ev", [(80, 80), (96, 96), (40, 40), (72, 128), (160, 160), (192, 192), (200, 136)])
+@pytest.mark.parametrize("E,Ev,bucket", [
+    (80, 80, 96), (96, 96, 96), (72, 72, 96), (88, 96, 96), (80, 64, 96), (96, 40, 96), (64, 96, 96), (40, 40, 64),
+    (72, 128, 128), (96, 112, 128), (160, 160, 256), (192, 192, 256), (200, 136, 256)])
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_padded_head_dims(fa3, dtype, E, Ev, causal):
-    """Head dims between the buckets run the next bucket's kernel on TMA's zero fill past E (and Ev): no copies."""
+def test_padded_head_dims(fa3, dtype, E, Ev, bucket, causal):
+    """Head dims between the buckets run the next bucket's kernel on TMA's zero fill past E (and Ev): no copies. The
+    96 bucket (64-byte swizzle, 32-column boxes) with E or Ev short of 96: a box partly (E = 80, 72, 88) or wholly
+    (Ev = 40, 64: the third V box) past the tensor's columns, and the S GEMM stopping at 80 columns (E <= 80)."""
+    assert _sm90.head_bucket(E, Ev) == bucket
     g = _torch().Generator("cuda").manual_seed(E * 3 + Ev)
     q, k, v = _rand((2, 4, 257, E), dtype, g), _rand((2, 4, 190, E), dtype, g), _rand((2, 4, 190, Ev), dtype, g)
     _check_fa3(q, k, v, dtype, causal=causal, what=f"{dtype} E={E} Ev={Ev} causal={causal}")

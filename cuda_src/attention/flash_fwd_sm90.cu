@@ -6,7 +6,7 @@
 // S = Q Kᵀ; m' = max(m, rowmax S·c); P = 2^(S·c − m'); l = 2^(m−m')·l + rowsum P; O = 2^(m−m')·O + P V with
 // c = scale·log2(e); out = O / l, lse = (m + log2 l)·ln 2). What FA3 adds and this kernel keeps:
 //   * warp specialization: warpgroup 0 is the producer: after setmaxnreg.dec to 24 registers, one thread issues every
-//     TMA load (cp.async.bulk.tensor with 128-byte swizzle, completing on mbarriers); warpgroups 1 and 2 are the
+//     TMA load (cp.async.bulk.tensor with 128- or 64-byte swizzle, completing on mbarriers); warpgroups 1 and 2 are the
 //     consumers (setmaxnreg.inc to 240) and only compute;
 //   * a kStages-deep K/V ring with full/empty mbarriers per stage (sm90/mainloop.cuh): loads of the next tiles run
 //     while the consumers compute, with no __syncthreads in the loop;
@@ -19,18 +19,20 @@
 //     one head adjacent for L2 reuse of K/V, causal tiles in equal-cost pairs (M−1−k, k)); the producer loads the next
 //     tile's first K and its Q while the consumers finish the current tile's last P·V and epilogue (q_empty barrier,
 //     K/V ring phases running on across tiles, one ping-pong turn sequence over all tiles: sm90/mainloop.cuh).
-// Not (yet) here: TMA stores of O, a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims other
-// than 64/128/256 (flash_fwd.cu serves those calls).
+// Not (yet) here: TMA stores of O, a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims up to 32
+// (flash_fwd.cu serves those calls). Head dims between the buckets 64/96/128/256 run the next one on TMA's zero fill.
 //
 // Thread mapping: 384 threads. Warpgroup w = 1, 2 owns query rows m0 + 64(w−1) ... + 63 of the block: S and O are
 // wgmma m64 accumulators, whose per-warp layout is mma.sync's (lane 4g+t: rows g, g+8; columns 8j+2t, +1), so the
 // softmax row statistics need a quad shuffle only (sm90/softmax.cuh). P goes from the S registers into the A
 // fragments of O += P V (wgmma with A from registers).
 //
-// Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64 and 128,
-// 64 at D = 256; 2 stages. Shared memory (kBlockM + 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of alignment
-// slack: 81 KB (D=64), 161 KB (D=128), 193 KB (D=256) of the 227 KB per block. Registers per consumer thread: S
-// (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. fp32 accumulation throughout.
+// Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64, 96 and 128,
+// 64 at D = 256; 2 stages, 3 at D = 96. Shared memory (kBlockM + 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of
+// alignment slack: 81 KB (D=64), 169 KB (D=96), 161 KB (D=128), 193 KB (D=256) of the 227 KB per block. Registers per
+// consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. fp32 accumulation throughout. D = 96
+// (FlashAttention-3's hdim-96 tiles): rows of 192 bytes are no multiple of 128, so its tiles use the 64-byte swizzle
+// (3 column blocks of 32) and P·V runs N = 96 instead of the 128 bucket's padded N = 128 (sm90/mainloop.cuh).
 //
 // Inputs are read in place through 4-D tensor maps (E, seqlen, heads, batch) made by the launcher, which needs
 // 16-byte aligned bases and strides that are multiples of 16 bytes (BHSD and BSHD both qualify); rows past L or S
@@ -39,7 +41,8 @@
 // Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
 //                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
-//   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       untimed (compiled and checked on CPU)
+//   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
+//   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -63,7 +66,8 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows each");
-  static_assert(kHeadDim % 64 == 0 && kBlockN % 64 == 0 && kBlockN <= 256, "64-column swizzle atoms, TMA box <= 256");
+  static_assert(kHeadDim % Smem::kAtomCols == 0 && kBlockN % 64 == 0 && kBlockN <= 256,
+                "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");

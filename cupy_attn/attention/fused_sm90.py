@@ -1,9 +1,9 @@
 """The FlashAttention-3-design forward kernel for Hopper (cuda_src/attention/flash_fwd_sm90.cu).
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
-bf16, head dims 33-256 (run at 64, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0. Variants,
-by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper: "3" for
-causal calls and head dims above 64, else "2"):
+bf16, head dims 33-256 (run at 64, 96, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0.
+Variants, by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper: "3"
+for causal calls and head dims above 64, else "2"):
 
 * ``1``: one 128-row tile per CTA, ping-pong consumers (SM90_TILES);
 * ``2``: the same with FA3's intra-warpgroup overlap (SM90_OVERLAP_TILES);
@@ -17,7 +17,8 @@ Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_re
 Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
 addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying a call on
 the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides, so BHSD and
-BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16 bytes.
+BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16 bytes. The box
+is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swizzle, 32 in the 64-byte one (D = 96).
 """
 from __future__ import annotations
 
@@ -63,6 +64,13 @@ class Sm90Tile:
 SM90_TILES = {
     # 128×128: 64 S + 32 O + 32 P registers; 81 KB.
     64: Sm90Tile(128, 128, 2),
+    # 128×128: 64 S + 48 O + 32 P; 169 KB with 3 stages (121 KB with 2). 64-byte swizzle, P·V at N = 96
+    # (FlashAttention-3's hdim-96 layout). A K/V stage is 3/4 of D = 128's GEMM work, so two stages give the loads
+    # a quarter less time ahead of use; the third costs no occupancy (one CTA per SM either way: 384 threads at 168
+    # registers fill the register file) and a `% 3` per ring index. Ev = 80 runs N = 96 too: a 64-byte-swizzled
+    # MN-major B operand spans whole 32-column atoms (CUTLASS's canonical ((8,4,m),(8,k)) layout), N = 80 would be
+    # 2.5; it would take V in the 32-byte swizzle and an 80 bucket of its own for 1/6 of the P·V work (unmeasured).
+    96: Sm90Tile(128, 128, 3),
     # 128×128: 64 S + 64 O + 32 P; 161 KB.
     128: Sm90Tile(128, 128, 2),
     # 128×64: 32 S + 128 O + 16 P; 193 KB (kBlockN = 128 would need 321 KB for two stages).
@@ -99,9 +107,10 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 6
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs")])
-# Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 and 81-96 in the 128 bucket skip
-# the zero-filled k steps (5 and 6 of 8; P·V keeps N = 128). Other E run every k step of their bucket.
-SM90_QK_DIMS = {128: (80, 96)}
+# Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
+# filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
+# N = 128). Other E run every k step of their bucket.
+SM90_QK_DIMS = {96: (80,), 128: (80, 96)}
 FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
@@ -122,14 +131,14 @@ FLASH_FWD_SM90_TMA = KernelFamily(
 
 
 def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
-    """The instantiated head dim (64, 128 or 256) a call runs at: the smallest ≥ max(E, Ev), for 33 ≤ E, Ev ≤ 256;
-    None otherwise. Q, K and V are padded by TMA itself: the tensor maps keep the real E (Ev), and a 64-column box past
-    it is zero-filled, so E = 80 or 96 runs the D = 128 kernel on zeros beyond column E (no copy); the epilogue stores
-    Ev columns. The S GEMM skips the zero k steps (:func:`qk_dim`); P·V pays the padding (Ev 80 → 128: 1.6×). Still
-    faster than the FlashAttention-2 kernel at 80 and 96 (bench/NOTES_flash.md). Head dims ≤ 32 stay on flash_fwd.cu (2× padding).
+    """The instantiated head dim (64, 96, 128 or 256) a call runs at: the smallest ≥ max(E, Ev), for 33 ≤ E, Ev ≤ 256;
+    None otherwise. Q, K and V are padded by TMA itself: the tensor maps keep the real E (Ev), and a box past it is
+    zero-filled, so E = 80 runs the D = 96 kernel on zeros beyond column 80 (no copy); the epilogue stores Ev columns.
+    The S GEMM skips the zero k steps (:func:`qk_dim`); P·V pays the padding (Ev 80 → 96: 1.2×, against 1.6× in the
+    128 bucket that served E = 80 before the 96 one). Head dims ≤ 32 stay on flash_fwd.cu (2× padding).
 
-    >>> head_bucket(80, 80), head_bucket(96, 64), head_bucket(128, 128), head_bucket(160, 160), head_bucket(32, 32)
-    (128, 128, 128, 256, None)
+    >>> head_bucket(80, 80), head_bucket(96, 64), head_bucket(72, 128), head_bucket(160, 160), head_bucket(32, 32)
+    (96, 96, 128, 256, None)
     """
     need = max(head_dim, head_dim_v)
     if min(head_dim, head_dim_v) < 1 or need <= 32:
@@ -141,17 +150,29 @@ def qk_dim(head_dim: int, bucket: int) -> int:
     """The S GEMM's columns for query/key head dim E in this bucket: the smallest of SM90_QK_DIMS[bucket] ≥ E, else
     the bucket.
 
-    >>> qk_dim(80, 128), qk_dim(72, 128), qk_dim(96, 128), qk_dim(100, 128), qk_dim(64, 64), qk_dim(160, 256)
-    (80, 80, 96, 128, 64, 256)
+    >>> qk_dim(80, 96), qk_dim(72, 96), qk_dim(96, 96), qk_dim(72, 128), qk_dim(100, 128), qk_dim(160, 256)
+    (80, 80, 96, 80, 128, 256)
     """
     return next((d for d in SM90_QK_DIMS.get(bucket, ()) if d >= head_dim), bucket)
+
+
+def swizzle_bytes(head_dim: int) -> int:
+    """The shared-memory swizzle of a bucket's tiles, in bytes: 128 when a row (head_dim · 2 bytes) is a multiple of
+    128 bytes, else 64 (CuTe's smem selector, as FlashAttention-3 picks it); TMA boxes are one atom wide
+    (swizzle_bytes / 2 columns). The kernel's rule: SharedStorage::kSwizzleBytes in
+    cuda_src/attention/sm90/mainloop.cuh.
+
+    >>> [swizzle_bytes(d) for d in (64, 96, 128, 256)]
+    [128, 64, 128, 128]
+    """
+    return 128 if head_dim * 2 % 128 == 0 else 64
 
 
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
     """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
 
     >>> unsupported_reason(np.dtype("float16"), 32, 32, "none", 90, 0.1)
-    'head dims E=32, Ev=32: the FA3 kernel serves head dims 33-256 (padded to (64, 128, 256))'
+    'head dims E=32, Ev=32: the FA3 kernel serves head dims 33-256 (padded to (64, 96, 128, 256))'
     """
     if arch != 90:
         return f"sm_{arch}: the FA3 kernel needs sm_90a (H100/H200)"
@@ -244,21 +265,23 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     if lse is not None:
         for axis, stride in zip("bhl", _estrides(lse)):
             p[f"lse_stride_{axis}"] = stride
-    maps = tuple(_MapSpec.of(a, rows) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
+    cols = swizzle_bytes(D) // 2
+    maps = tuple(_MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
     return Sm90Launch(kernel, p, maps, grid, (THREADS,), smem)
 
 
 @dataclasses.dataclass(frozen=True)
 class _MapSpec:
     """Everything of one tensor map but its base address: element type, dims (E, seqlen, heads, batch), byte strides
-    of the last three, box (64, rows, 1, 1)."""
+    of the last three, box (box_cols, rows, 1, 1): one swizzle atom wide (64 columns: 128-byte swizzle; 32: 64-byte)."""
     dtype: str
     dims: tuple
     strides: tuple
     box_rows: int
+    box_cols: int = 64
 
     @classmethod
-    def of(cls, a, rows: int) -> "_MapSpec":
+    def of(cls, a, rows: int, cols: int = 64) -> "_MapSpec":
         b, h, s, e = a.shape
         # A stride along an axis of size 1 is never used, but the driver checks it (a multiple of 16): give such an
         # axis the packed stride, rounded up to 16 bytes. layout_reason checked the others.
@@ -267,11 +290,11 @@ class _MapSpec:
             st = st if n > 1 else -(-extent // 16) * 16
             strides.append(st)
             extent = st * n
-        return cls(dtype_name(a.dtype), (e, s, h, b), tuple(strides), rows)
+        return cls(dtype_name(a.dtype), (e, s, h, b), tuple(strides), rows, cols)
 
     def encode(self, ptr: int) -> np.ndarray:
         """The 128-byte CUtensorMap for this layout at base address ptr."""
-        return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (64, self.box_rows, 1, 1))
+        return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (self.box_cols, self.box_rows, 1, 1))
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,9 +306,10 @@ def _driver_init() -> None:
 
 
 def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
-    """cuTensorMapEncodeTiled: a 16-bit tensor in the 128-byte swizzle (box inner dim 64 elements = 128 bytes), or a
-    float32 one unswizzled (rows of statistics; box inner dim a multiple of 4 elements); zero fill out of bounds, L2
-    promotion of 256 bytes. ``strides``: byte strides of dims[1:]. Returns the map's 128 bytes."""
+    """cuTensorMapEncodeTiled: a 16-bit tensor in the swizzle as wide as a box row (box inner dim 64 elements = 128
+    bytes: SWIZZLE_128B; 32 = 64 bytes: SWIZZLE_64B, the head-dim-96 tiles), or a float32 one unswizzled (rows of
+    statistics; box inner dim a multiple of 4 elements); zero fill out of bounds, L2 promotion of 256 bytes.
+    ``strides``: byte strides of dims[1:]. Returns the map's 128 bytes. ValueError for another 16-bit box width."""
     import ctypes
     from cuda.bindings import driver as cu
 
@@ -293,8 +317,14 @@ def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
     types = cu.CUtensorMapDataType
     data_type = {"float16": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bfloat16": types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
                  "float32": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
-    swizzle = (cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE if dtype == "float32"
-               else cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B)
+    swizzles = {128: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                64: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}
+    if dtype == "float32":
+        swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+    elif box[0] * 2 in swizzles:
+        swizzle = swizzles[box[0] * 2]
+    else:
+        raise ValueError(f"box {box}: a 16-bit tensor map's box rows are 64 or 128 bytes (the swizzle width)")
     err, tmap = cu.cuTensorMapEncodeTiled(
         data_type, len(dims), ptr,
         [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],

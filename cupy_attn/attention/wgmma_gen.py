@@ -17,7 +17,7 @@ from pathlib import Path
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 # S = Q Kᵀ: kBlockN (scores_softmax_sm90.cu: kHalfN, 64-256); backward Sᵀ, dPᵀ: kBlockM (kBlockM / 2 at D = 256)
 SS_N = (32, 64, 128, 192, 256)
-RS_N = (64, 128, 192, 256)       # O += P V: kHeadDim
+RS_N = (64, 96, 128, 192, 256)   # O += P V: kHeadDim
 SS_BMN_N = (128,)                # backward dV, dK at D = 256: kHeadDim / 2 columns per warpgroup
 SS_MN_N = (64, 128)              # backward dQ = dS K: 64 columns of dQ per warpgroup (128 at D = 256)
 
@@ -63,6 +63,17 @@ __device__ __forceinline__ unsigned long long desc_sw128(unsigned smem_byte_addr
   return static_cast<unsigned long long>((smem_byte_addr & 0x3FFFF) >> 4) |
          static_cast<unsigned long long>((lbo_bytes >> 4) & 0x3FFF) << 16 |
          static_cast<unsigned long long>((sbo_bytes >> 4) & 0x3FFF) << 32 | 1ull << 62;
+}
+
+// The same in the 64-byte swizzle (swizzle mode 2; CUTLASS's GMMA::LayoutType::B64, Swizzle<2,4,3>: address bits 4-5
+// XOR bits 7-8): atoms of 8 rows × 64 bytes, 512 bytes, for tiles whose row width is a multiple of 64 but not of 128
+// bytes (head dim 96). Tiles 512-byte aligned (base offset 0). K-major: SBO = 512 between 8-row groups, LBO unused;
+// MN-major: LBO = the stride between 32-column (64-byte) atoms along N, SBO = 512 between 8-row groups along K.
+__device__ __forceinline__ unsigned long long desc_sw64(unsigned smem_byte_addr, unsigned lbo_bytes,
+                                                        unsigned sbo_bytes) {
+  return static_cast<unsigned long long>((smem_byte_addr & 0x3FFFF) >> 4) |
+         static_cast<unsigned long long>((lbo_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<unsigned long long>((sbo_bytes >> 4) & 0x3FFF) << 32 | 2ull << 62;
 }
 
 template <typename T, int kN> struct Mma;

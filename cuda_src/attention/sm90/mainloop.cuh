@@ -3,10 +3,13 @@
 // Owns the shared-memory layout and the pipeline protocol, for one tile per CTA and for the persistent variant's loop
 // over tiles (tile order in tile_scheduler.cuh); math of the softmax in softmax.cuh.
 //
-// Shared-memory tiles are stored as kHeadDim/64 column blocks of rows × 128 bytes, each written by one TMA box in the
-// 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r % 8)): the canonical K-major layout of a wgmma operand
-// (PTX ISA "Shared Memory Matrix Layout"), 8-row atoms 1024 bytes apart, so the same descriptors as flash_fwd.cu's
-// wgmma variant read them.
+// Shared-memory tiles are stored as column blocks of rows × kSwizzleBytes, each written by one TMA box in that swizzle
+// (SharedStorage: CuTe's smem selector rule, FlashAttention-3's choice): 128 bytes (64 columns) when the row width
+// kHeadDim·2 is a multiple of 128 bytes, 16-byte chunk c of row r at chunk c ^ (r % 8), 8-row atoms of 1024 bytes;
+// else 64 bytes (32 columns: kHeadDim = 96, 3 blocks), chunk c of row r at chunk c ^ ((r / 2) % 4), 8-row atoms of
+// 512 bytes. Both are canonical wgmma operand layouts (PTX ISA "Shared Memory Matrix Layout"; CUTLASS's
+// make_gmma_desc): K-major for Q and K, MN-major for V; at 128 bytes the same descriptors as flash_fwd.cu's wgmma
+// variant.
 //
 // Barriers per stage s: k_full[s] / v_full[s] (1 arrival: the producer's expect_tx, plus the TMA bytes) and
 // k_empty[s] / v_empty[s] (8 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has completed).
@@ -31,14 +34,21 @@ namespace sm90 {
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct SharedStorage {
-  static constexpr int kColBlocks = kHeadDim / 64;            // 128-byte swizzle atoms hold 64 16-bit columns
+  // The swizzle: the widest of 128 and 64 bytes that divides a row (wgmma's canonical layouts need whole atoms along
+  // the MN extent of V, N = kHeadDim); TMA boxes and descriptors follow it (fused_sm90.swizzle_bytes).
+  static constexpr int kSwizzleBytes = (kHeadDim * 2) % 128 == 0 ? 128 : 64;
+  static constexpr int kAtomCols = kSwizzleBytes / 2;          // 16-bit columns per block (one TMA box)
+  static constexpr int kColBlocks = kHeadDim / kAtomCols;
+  static constexpr int kAtomBytes = 8 * kSwizzleBytes;         // 8-row atom: a descriptor's SBO
+  static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // one K or V stage
   // q_full; k_full, v_full, k_empty, v_empty per stage; q_empty (the persistent variant's, last so that the others keep
   // their addresses in both variants).
   static constexpr int kBarriers = 2 + 4 * kStages;
   // The dynamic shared memory the launcher must request: tiles, barriers, and 1 KB of slack to align the base to
-  // 1024 bytes (the swizzle atoms' alignment; the runtime only guarantees 16).
+  // 1024 bytes (the 128-byte swizzle atoms' alignment, a multiple of the 64-byte ones' 512; the runtime only
+  // guarantees 16). Every tile and column block is a multiple of 1024 bytes, so each starts on an atom boundary.
   static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + 1024;
 
   T* q;
@@ -76,9 +86,10 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
   return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
 }
 
-// The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes of one tile. K or V of iteration
-// it (key rows n0 ...): wait until both consumer warpgroups have released the stage's previous contents (round 0 waits
-// on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release of round r - 1), then load.
+// The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
+// tile. K or V of iteration it (key rows n0 ...): wait until both consumer warpgroups have released the stage's
+// previous contents (round 0 waits on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release
+// of round r - 1), then load.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct Producer {
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -94,7 +105,7 @@ struct Producer {
     tma::mbar_arrive_expect_tx(ss.q_full, Smem::kQBytes);
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(ss.q + c * kBlockM * 64, &p.tma_q, ss.q_full, c * 64, m0, h, b);
+      tma::load_4d(ss.q + c * kBlockM * Smem::kAtomCols, &p.tma_q, ss.q_full, c * Smem::kAtomCols, m0, h, b);
   }
   __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, unsigned long long* full,
                                           unsigned long long* empty, int it, int n0, int h_kv, int b) const {
@@ -103,7 +114,8 @@ struct Producer {
     tma::mbar_arrive_expect_tx(&full[s], Smem::kKVBytes);
     T* dst = tiles + s * kBlockN * kHeadDim;
     #pragma unroll
-    for (int c = 0; c < Smem::kColBlocks; ++c) tma::load_4d(dst + c * kBlockN * 64, map, &full[s], c * 64, n0, h_kv, b);
+    for (int c = 0; c < Smem::kColBlocks; ++c)
+      tma::load_4d(dst + c * kBlockN * Smem::kAtomCols, map, &full[s], c * Smem::kAtomCols, n0, h_kv, b);
   }
   __device__ __forceinline__ void load_k(int it, int n0, int h_kv, int b) const {
     load_kv(ss.k, &p.tma_k, ss.k_full, ss.k_empty, it, n0, h_kv, b);
@@ -186,8 +198,9 @@ constexpr int kPingPongBarrier = 1;
 // the P·V GEMM of block i-1 still occupies the tensor cores. P_{i-1}'s registers are read by that GEMM until
 // wait_group 0, so S_i stays fp32 until then; only after it are O rescaled and P_i packed (fence_operands on S after
 // the wait keeps the compiler from hoisting the packing above it). One S and one P register set, as without overlap.
-// kHeadDimQK (a multiple of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 or 96 in the
-// kHeadDim = 128 tiles run 5 or 6 of its 8 k steps (the rest are TMA's zeros), while P·V keeps N = kHeadDim.
+// kHeadDimQK (a multiple of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 in the kHeadDim = 96 tiles
+// runs 5 of its 6 k steps (E = 80 or 96 with Ev > 96 in the 128 tiles: 5 or 6 of 8; the rest are TMA's zeros),
+// while P·V keeps N = kHeadDim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
           int kHeadDimQK = kHeadDim>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
@@ -211,18 +224,29 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   unsigned pa[kBlockN / 16][4];
 
   // Descriptor addresses: this warpgroup's 64 rows of Q inside each 128-row column block; K and V per stage.
-  const unsigned q_wg = tma::smem_u32(ss.q) + wg * 64 * 128;
+  using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  constexpr int kRowBytes = Smem::kSwizzleBytes, kAtomBytes = Smem::kAtomBytes;
+  constexpr int kStepsPerBlock = Smem::kAtomCols / 16;  // 16-column k steps per column block: 4 (128 B) or 2 (64 B)
+  const unsigned q_wg = tma::smem_u32(ss.q) + wg * 64 * kRowBytes;
   const unsigned k_base = tma::smem_u32(ss.k), v_base = tma::smem_u32(ss.v);
   constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  // A descriptor in the tiles' swizzle (SharedStorage::kSwizzleBytes).
+  auto desc = [](unsigned addr, unsigned lbo, unsigned sbo) {
+    if constexpr (Smem::kSwizzleBytes == 128) {
+      return wgmma::desc_sw128(addr, lbo, sbo);
+    } else {
+      return wgmma::desc_sw64(addr, lbo, sbo);
+    }
+  };
 
   // Block i of this tile is K/V iteration it0 + i: its stage and its full barriers' phase parity.
   auto stage = [&](int i) { return (it0 + i) % kStages; };
   auto parity = [&](int i) { return static_cast<unsigned>(((it0 + i) / kStages) & 1); };
   // K_i has landed (waited for before taking the ping-pong turn: the turn is not held while TMA is pending).
   auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[stage(i)], parity(i)); };
-  // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDim/16 k steps of 16 elements = 32 bytes
-  // inside a 128-byte swizzled row (the hardware applies the XOR to the computed address); every 4 steps the next
-  // 64-column block.
+  // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDimQK/16 k steps of 16 elements = 32 bytes
+  // inside a kRowBytes swizzled row (the hardware applies the XOR to the computed address); every kStepsPerBlock
+  // steps the next column block. K-major: SBO = one 8-row atom, LBO unused (16).
   auto issue_s = [&](int i) {
     const int s = stage(i);
     #pragma unroll
@@ -231,14 +255,15 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < kHeadDimQK / 16; ++kk) {  // columns past kHeadDimQK are TMA's zero fill: skipped
-      const unsigned a = q_wg + (kk / 4) * kBlockM * 128 + (kk % 4) * 32;
-      const unsigned bk = k_st + (kk / 4) * kBlockN * 128 + (kk % 4) * 32;
-      wgmma::Mma<T, kBlockN>::ss(acc_s, wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(bk, 16, 1024), kk > 0);
+      const unsigned a = q_wg + (kk / kStepsPerBlock) * kBlockM * kRowBytes + (kk % kStepsPerBlock) * 32;
+      const unsigned bk = k_st + (kk / kStepsPerBlock) * kBlockN * kRowBytes + (kk % kStepsPerBlock) * 32;
+      wgmma::Mma<T, kBlockN>::ss(acc_s, desc(a, 16, kAtomBytes), desc(bk, 16, kAtomBytes), kk > 0);
     }
     wgmma::commit();
   };
   // O (64 × kHeadDim) += P V_i, issued and committed: P from registers (A-fragment layout), V as an MN-major B operand
-  // (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
+  // (transpose-B): its column blocks (kAtomCols wide: N = kHeadDim covers whole atoms) are kBlockN·kRowBytes bytes
+  // apart (LBO), 8-row (k) groups one atom (SBO); a k step is 16 rows.
   auto issue_pv = [&](int i) {
     const int s = stage(i);
     tma::mbar_wait(&ss.v_full[s], parity(i));
@@ -246,7 +271,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk)
-      wgmma::Mma<T, kHeadDim>::rs(o, pa[kk], wgmma::desc_sw128(v_st + kk * 16 * 128, kBlockN * 128, 1024), 1);
+      wgmma::Mma<T, kHeadDim>::rs(o, pa[kk], desc(v_st + kk * 16 * kRowBytes, kBlockN * kRowBytes, kAtomBytes), 1);
     wgmma::commit();
   };
   // The stage's K or V may be overwritten once all 8 consumer warps have waited for the wgmma reading it.

@@ -9,9 +9,9 @@ namespace cupy_attn {
 // Passed by value as one __grid_constant__ parameter (576 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashFwdSm90Params {
-  tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, kBlockM, 1, 1), 128-byte swizzle
-  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kBlockN, 1, 1)
-  tma::TensorMap tma_v;  // V as (Ev, S, Hkv, B), box (64, kBlockN, 1, 1)
+  tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64 or 32, kBlockM, 1, 1): one 128- or 64-byte swizzle atom wide
+  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64 or 32, kBlockN, 1, 1)
+  tma::TensorMap tma_v;  // V as (Ev, S, Hkv, B), box (64 or 32, kBlockN, 1, 1)
   void* out;             // (B, Hq, L, Ev), element pairs 4-byte aligned
   float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
   long long seqlen_q, seqlen_k, head_dim_v;
