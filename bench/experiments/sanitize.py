@@ -34,6 +34,13 @@ def main():
     cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", enable_gqa=True, return_lse=True)
     cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
     os.environ["CUPY_ATTN_FA3"] = "0"
+    # The split path's scores kernel (Q·Kᵀ with the softmax in its epilogue; issue 14): S = 300 (a partial key tile),
+    # L = 100 (a partial row block), head dim 512.
+    os.environ["CUPY_ATTN_SPLIT_FUSED"] = "1"
+    q = torch.randn(1, 4, 100, 512, device="cuda", dtype=f16)
+    k, v = (torch.randn(1, 4, 300, 512, device="cuda", dtype=f16) for _ in range(2))
+    cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", return_lse=True)
+    del os.environ["CUPY_ATTN_SPLIT_FUSED"]
     for E, causal in ((64, True), (128, False), (320, True)):
         q, k, v = (torch.randn(1, 4, 77, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(3))
         k2 = torch.randn(1, 2, 90, E, device="cuda", dtype=f16, requires_grad=True)
