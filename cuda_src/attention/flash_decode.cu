@@ -15,6 +15,11 @@
 //   S_w = Q K_wᵀ · scale·log2(e) (+ mask·log2(e); -inf past the split's end, a causal limit or a False mask)
 //   m' = max(m, rowmax S_w);  P = 2^(S_w − m');  l = 2^(m − m')·l + rowsum P;  O_w = 2^(m − m')·O_w + P V_w
 // and at the end the warps' (m_w, l_w, O_w) are merged through shared memory, in the same way as the splits.
+// Whole tiles that every packed row sees in full (no mask, scale >= 0: the CTA's first n_fast tiles) take a short
+// path (softmax_fast): max of the raw scores, P = 2^(s·scale·log2(e) − m) by one FFMA, m moved only when it grows by
+// more than 8 (log2 units), rows 8..15 skipped when they are all padding; the per-key limit and mask path
+// (softmax_general) runs on the split's last tiles only. The loop is issue-bound (one or two warps per scheduler),
+// so its instruction count per tile is the cost: bench/NOTES_decode.md counts it in the SASS.
 //
 // Thread mapping: kNWarps warps share the 16 rows and split each key tile: warp w owns keys [w·kWarpN, (w+1)·kWarpN)
 // of the tile (mma.sync m16n8k16, fp32 accumulate; Q and K by ldmatrix, V by ldmatrix.trans, P from the S
@@ -42,6 +47,8 @@
 //                                                                         2.90-3.47 TB/s (0.74-0.83×)
 //   v2  flash_decode_sm90: TMA + mbarrier ring (6 × 32 KB at D = 128), producer warp, 1 or 2 CTAs per SM
 //                                                                         untimed (compiled and checked on CPU)
+//   v1.1 both: whole-tile cp.async by walking pointers, Q in registers, fast softmax path (above): SASS of the
+//        loop 573 -> 188-211 instructions per warp per tile (bf16, D=128)          untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
@@ -133,6 +140,7 @@ struct TileCopy {
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr unsigned kTileBytes = kRows * (kHeadDim + 8) * 2;
   static constexpr unsigned kVOffset = kStages * kTileBytes;  // V's ring after K's
+  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "every thread copies whole rows' chunks");
   const char* k_src;
   const char* v_src;
   long long k_row_bytes, v_row_bytes;
