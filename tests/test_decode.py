@@ -324,10 +324,12 @@ VARIANTS = ("v1", "stream", "stream2")  # choose_kernel's: flash_decode, flash_d
 from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
-def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what=""):
+def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what="", torch_flip=False):
     """decode_forward on NaN-poisoned out/lse for every split count in ``splits`` and every variant in VARIANTS; out
     and lse vs the reference. On compute capability 9.0 the streaming variants must run flash_decode_sm90 wherever
-    TMA can read k and v (stream_layout_reason), and fall back to flash_decode elsewhere."""
+    TMA can read k and v (stream_layout_reason), and fall back to flash_decode elsewhere. torch_flip: torch (the
+    error yardstick) gets -q and -scale, the same scores (negation is exact), so that no torch kernel sees a negative
+    scale."""
     import cupy
     torch = _torch()
     F = torch.nn.functional
@@ -345,7 +347,8 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
                                             else tmask.masked_fill(~keep, float("-inf")))
     if tmask is not None:  # some torch kernels reject broadcast masks: materialize
         tmask = tmask.expand(B, Hq, L, S).contiguous()
-    torch_out = F.scaled_dot_product_attention(q, k, v, attn_mask=tmask, scale=scale, enable_gqa=Hq != k.shape[1],
+    torch_out = F.scaled_dot_product_attention(-q if torch_flip else q, k, v, attn_mask=tmask,
+                                               scale=-scale if torch_flip else scale, enable_gqa=Hq != k.shape[1],
                                                is_causal=causal == "top_left" and mask is None)
     cmask = None if mask is None else cupy.broadcast_to(_cp(mask), (B, Hq, L, S))
     hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
@@ -391,6 +394,26 @@ def test_long_sequence(dtype):
     q, k, v = _rand((1, 32, 1, 128), dtype, g), _rand((1, 8, 65536, 128), dtype, g), _rand((1, 8, 65536, 128),
                                                                                           dtype, g)
     _check(q, k, v, dtype, splits=(None, 1, 16), what=f"{dtype} S=65536")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L", [1, 3])
+@pytest.mark.parametrize("scale", [None, -0.2, 0.0])
+def test_growing_scores_and_scale_sign(dtype, L, scale):
+    """Scores whose spread grows along the keys (K rows scaled by 0.2 .. 8): the fast path's running max must move
+    again many tiles after the first (its lazy rescale, > 8 log2 units), for g·L = 4 (rows 8..15 skipped) and 12
+    packed rows; a negative scale (no fast path: the max of the raw scores is not the max of the scaled ones) and a
+    zero one (every key weighted alike)."""
+    torch = _torch()
+    g = torch.Generator("cuda").manual_seed(77 + L)
+    S = 4096
+    ramp = torch.linspace(0.2, 8.0, S, device="cuda")[:, None]
+    q = _rand((2, 32, L, 128), dtype, g)
+    k = (torch.randn((2, 8, S, 128), generator=g, device="cuda") * ramp).to(getattr(torch, dtype))
+    v = _rand((2, 8, S, 128), dtype, g)
+    _check(q, k, v, dtype, scale=scale, splits=(None, 1, 3), what=f"{dtype} growing scores L={L} scale={scale}",
+           torch_flip=scale is not None and scale < 0)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,11 @@
 //   S_w = Q K_wᵀ · scale·log2(e) (+ mask·log2(e); -inf past the split's end, a causal limit or a False mask)
 //   m' = max(m, rowmax S_w);  P = 2^(S_w − m');  l = 2^(m − m')·l + rowsum P;  O_w = 2^(m − m')·O_w + P V_w
 // and at the end the warps' (m_w, l_w, O_w) are merged through shared memory, in the same way as the splits.
+// Whole tiles that every packed row sees in full (no mask, scale >= 0: the CTA's first n_fast tiles) take a short
+// path (softmax_fast): max of the raw scores, P = 2^(s·scale·log2(e) − m) by one FFMA, m moved only when it grows by
+// more than 8 (log2 units), rows 8..15 skipped when they are all padding; the per-key limit and mask path
+// (softmax_general) runs on the split's last tiles only. The loop is issue-bound (one or two warps per scheduler),
+// so its instruction count per tile is the cost: bench/NOTES_decode.md counts it in the SASS.
 //
 // Thread mapping: kNWarps warps share the 16 rows and split each key tile: warp w owns keys [w·kWarpN, (w+1)·kWarpN)
 // of the tile (mma.sync m16n8k16, fp32 accumulate; Q and K by ldmatrix, V by ldmatrix.trans, P from the S
@@ -42,6 +47,8 @@
 //                                                                         2.90-3.47 TB/s (0.74-0.83×)
 //   v2  flash_decode_sm90: TMA + mbarrier ring (6 × 32 KB at D = 128), producer warp, 1 or 2 CTAs per SM
 //                                                                         untimed (compiled and checked on CPU)
+//   v1.1 both: whole-tile cp.async by walking pointers, Q in registers, fast softmax path (above): SASS of the
+//        loop 573 -> 188-211 instructions per warp per tile (bf16, D=128)          untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
@@ -120,12 +127,72 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
 }
 
 
+// One thread's share of the whole-tile copies of K and V into a kStages ring (16-byte aligned rows, every row of the
+// tile below n_end): the chunks at rows r0 + j·kRowStep, columns [col, col + 8), as load_kv's, by cp.async from
+// pointers that walk the split one tile per load and a shared address that walks the ring, so a tile costs per chunk
+// a 64-bit add and a cp.async, with no bounds test and no index arithmetic. (Values the compiler can recompute from
+// threadIdx and the parameters it recomputes in the loop rather than keep in registers; the walking ones it cannot.)
+// A chunk's bytes are the same in every tile: 16, fewer at E's last chunk, 0 past E (zero-filled; the source is then
+// the row's column 0, a valid address). Tiles are copied (or, by load_kv, skipped over) in order, one per advance().
+template <int kRows, int kHeadDim, int kThreads, int kStages>
+struct TileCopy {
+  static constexpr int kChunks = kHeadDim / 8;
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr unsigned kTileBytes = kRows * (kHeadDim + 8) * 2;
+  static constexpr unsigned kVOffset = kStages * kTileBytes;  // V's ring after K's
+  static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "every thread copies whole rows' chunks");
+  const char* k_src;
+  const char* v_src;
+  long long k_row_bytes, v_row_bytes;
+  unsigned dst;           // shared address of this thread's first K chunk in the stage loaded next
+  int stage;              // that stage
+  int k_bytes, v_bytes;
+
+  __device__ __forceinline__ TileCopy(const void* k0, long long k_stride, int E, const void* v0, long long v_stride,
+                                      int Ev, unsigned smem_k) {
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    k_bytes = max(0, min(16, (E - col) * 2));
+    v_bytes = max(0, min(16, (Ev - col) * 2));
+    k_row_bytes = k_stride * 2;
+    v_row_bytes = v_stride * 2;
+    k_src = static_cast<const char*>(k0) + r0 * k_row_bytes + (k_bytes > 0 ? col * 2 : 0);
+    v_src = static_cast<const char*>(v0) + r0 * v_row_bytes + (v_bytes > 0 ? col * 2 : 0);
+    dst = smem_k + (r0 * (kHeadDim + 8) + col) * 2;
+    stage = 0;
+  }
+  // The next tile, whole. kFullCols: E = Ev = kHeadDim, every chunk 16 bytes.
+  template <bool kFullCols>
+  __device__ __forceinline__ void copy() const {
+    const char* k = k_src;
+    const char* v = v_src;
+    #pragma unroll
+    for (int j = 0; j < kRows / kRowStep; ++j) {
+      const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2;
+      cp_async_16(at, k, kFullCols ? 16 : k_bytes);
+      cp_async_16(at + kVOffset, v, kFullCols ? 16 : v_bytes);
+      k += kRowStep * k_row_bytes;
+      v += kRowStep * v_row_bytes;
+    }
+  }
+  __device__ __forceinline__ void advance() {
+    k_src += kRows * k_row_bytes;
+    v_src += kRows * v_row_bytes;
+    if (++stage == kStages) {
+      stage = 0;
+      dst -= (kStages - 1) * kTileBytes;
+    } else {
+      dst += kTileBytes;
+    }
+  }
+};
+
 // One CTA's work: 16 packed rows (row block rb) of (batch b, kv head hkv) over one split's keys [n_start, n_end),
 // n_tiles tiles of kBlockN keys. The split is cut at the last key any row of the CTA may see (causal: row i sees
 // j <= i + offset, and the largest i among the packed rows is at most L - 1): a split past it loads nothing and
-// writes empty rows.
+// writes empty rows. Keys [n_start, n_vis) are visible to every packed row (causal: up to the smallest i's limit), so
+// the first n_fast = (n_vis - n_start) / kBlockN tiles are whole and need no per-key limit (the fast softmax).
 struct Item {
-  int b, hkv, h0, r0, rows_valid, n_start, n_end, n_tiles;
+  int b, hkv, h0, r0, rows_valid, n_start, n_end, n_tiles, n_fast;
 };
 
 template <int kBlockN>
@@ -140,12 +207,19 @@ __device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split,
   w.rows_valid = min(16, G * L - w.r0);
   w.n_start = split * static_cast<int>(p.split_keys);
   w.n_end = min(S, w.n_start + static_cast<int>(p.split_keys));
+  int n_vis = w.n_end;
   if (p.is_causal) {
-    int max_i = 0;
-    for (int r = 0; r < w.rows_valid; ++r) max_i = max(max_i, (w.r0 + r) % L);
+    int max_i = 0, min_i = L;
+    for (int r = 0; r < w.rows_valid; ++r) {
+      max_i = max(max_i, (w.r0 + r) % L);
+      min_i = min(min_i, (w.r0 + r) % L);
+    }
     w.n_end = static_cast<int>(min(static_cast<long long>(w.n_end), max_i + p.causal_offset + 1));
+    n_vis = static_cast<int>(max(static_cast<long long>(w.n_start), min(static_cast<long long>(w.n_end),
+                                                                         min_i + p.causal_offset + 1)));
   }
   w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
+  w.n_fast = max(0, n_vis - w.n_start) / kBlockN;
   return w;
 }
 
@@ -212,36 +286,50 @@ __device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, cons
   return rl;
 }
 
-// One warp's kWarpN keys of a tile, first key n0w: S = Q Kᵀ, scale and mask, the online softmax, O += P V (see the
-// file header). k_at(nj, kk): the ldmatrix_x4 address of K rows [16 nj, 16 nj + 16) × columns [16 kk, 16 kk + 16) of
-// the warp's slice; v_at(kk, dn): the ldmatrix_x4_trans address of V rows [16 kk, ...) × columns [16 dn, ...). The
-// shared-memory layout (padded rows, or TMA's 128-byte swizzle) lives in these two functions only.
-template <typename T, int kHeadDim, int kWarpN, bool HasMask, typename KAt, typename VAt>
-__device__ __forceinline__ void attend(float (&acc_o)[kHeadDim / 8][4], float (&m_i)[2], float (&l_i)[2],
-                                       unsigned q_addr, KAt k_at, VAt v_at, int n0w, const RowLimits& rl,
-                                       float scale_log2, int t) {
-  constexpr int kNTiles = kWarpN / 8;
-  constexpr int kDTiles = kHeadDim / 8;
-  float s[kNTiles][4];
-  #pragma unroll
-  for (int ni = 0; ni < kNTiles; ++ni)
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
-  #pragma unroll
-  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-    unsigned a[4];
-    ldmatrix_x4(a, q_addr + kk * 16 * 2);
-    #pragma unroll
-    for (int nj = 0; nj < kWarpN / 16; ++nj) {
-      unsigned bk[4];
-      ldmatrix_x4(bk, k_at(nj, kk));
-      mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
-      mma_16816<T>(s[2 * nj + 1], a, bk[2], bk[3]);
+// Q's A fragments (16 rows × kHeadDim, by ldmatrix from its padded rows in shared memory). Up to kHeadDim = 128 they
+// are read once and kept in registers (32 at D = 128), so a key tile issues no ldmatrix for Q; at D = 256 (64
+// registers, next to O's 128) they are read again from shared memory at every k step.
+template <int kHeadDim>
+struct QFrags {
+  static constexpr bool kInRegs = kHeadDim <= 128;
+  unsigned a[kInRegs ? kHeadDim / 16 : 1][4];
+  unsigned addr;
+
+  __device__ __forceinline__ explicit QFrags(unsigned q_addr) : addr(q_addr) {
+    if constexpr (kInRegs) {
+      #pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) ldmatrix_x4(a[kk], addr + kk * 16 * 2);
     }
   }
+  __device__ __forceinline__ void get(int kk, unsigned (&r)[4]) const {
+    if constexpr (kInRegs) {
+      #pragma unroll
+      for (int x = 0; x < 4; ++x) r[x] = a[kk][x];
+    } else {
+      ldmatrix_x4(r, addr + kk * 16 * 2);
+    }
+  }
+};
 
-  // Scale, mask, and the online softmax per row half; P goes to A fragments as it is produced.
-  unsigned pa[kWarpN / 16][4];
+// How a warp treats one key tile (warp-uniform). kTileGeneral: per-key limits (split end, causal), the mask, and the
+// exact online softmax. kTileFast2 / kTileFast1: every key of the tile is visible to every packed row (one of the
+// CTA's first n_fast tiles), no mask and scale >= 0; Fast1 when rows 8..15 are all padding (g·L <= 8 packed rows:
+// their softmax is skipped and their P is 0).
+enum : int { kTileGeneral = 0, kTileFast1 = 1, kTileFast2 = 2 };
+
+// The fast path's lazy rescale (FlashAttention-4's trick): the running max m of a row moves only when a tile's max
+// exceeds it by more than this many log2 units, so P = 2^(s − m) <= 2^8 (exact in fp32 and in P's fp16/bf16 range)
+// and the kHeadDim/2 multiplies of O by 2^(m_old − m_new) run on a few tiles per row instead of on every tile where
+// the max grows a little. O and l always refer to the same m, so the result is the same.
+constexpr float kRescaleLog2 = 8.f;
+
+// Scale, mask, and the online softmax per row half (kTileGeneral); P goes to A fragments as it is produced.
+template <typename T, int kHeadDim, int kWarpN, bool HasMask>
+__device__ __forceinline__ void softmax_general(float (&s)[kWarpN / 8][4], unsigned (&pa)[kWarpN / 16][4],
+                                                float (&acc_o)[kHeadDim / 8][4], float (&m_i)[2], float (&l_i)[2],
+                                                int n0w, const RowLimits& rl, float scale_log2, int t) {
+  constexpr int kNTiles = kWarpN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     // Element (ni, e) is key n0w + 8·ni + 2t + e; visible iff that key <= limit (clamped to fit an int).
@@ -288,6 +376,104 @@ __device__ __forceinline__ void attend(float (&acc_o)[kHeadDim / 8][4], float (&
       acc_o[dt][2 * half + 1] *= alpha;
     }
   }
+}
+
+// The online softmax of a whole, unmasked tile (kTileFast1 / kTileFast2; scale_log2 >= 0). With scale >= 0 the max
+// of the scaled scores is the scaled max of the raw ones, so each score costs one FFMA (s·scale − m) and one ex2;
+// the running max moves lazily (kRescaleLog2), decided once per warp. Rows past kHalves·8 are skipped (P = 0).
+template <typename T, int kHeadDim, int kWarpN, int kHalves>
+__device__ __forceinline__ void softmax_fast(float (&s)[kWarpN / 8][4], unsigned (&pa)[kWarpN / 16][4],
+                                             float (&acc_o)[kHeadDim / 8][4], float (&m_i)[2], float (&l_i)[2],
+                                             float scale_log2) {
+  constexpr int kNTiles = kWarpN / 8;
+  constexpr int kDTiles = kHeadDim / 8;
+  float mx[kHalves];
+  bool grow = false;
+  #pragma unroll
+  for (int half = 0; half < kHalves; ++half) {
+    float x = fmaxf(s[0][2 * half], s[0][2 * half + 1]);
+    #pragma unroll
+    for (int ni = 1; ni < kNTiles; ++ni) x = fmaxf(x, fmaxf(s[ni][2 * half], s[ni][2 * half + 1]));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+    x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+    mx[half] = x * scale_log2;
+    grow |= mx[half] > m_i[half] + kRescaleLog2;  // also true on a row's first tile (m = -inf)
+  }
+  if (__any_sync(0xffffffffu, grow)) {
+    #pragma unroll
+    for (int half = 0; half < kHalves; ++half) {
+      const float m_new = fmaxf(m_i[half], mx[half]);  // finite: every key of the tile is visible
+      const float alpha = exp2_approx(m_i[half] - m_new);
+      m_i[half] = m_new;
+      l_i[half] *= alpha;
+      #pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt) {
+        acc_o[dt][2 * half] *= alpha;
+        acc_o[dt][2 * half + 1] *= alpha;
+      }
+    }
+  }
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    if (half < kHalves) {
+      const float neg_m = -m_i[half];
+      float sum = 0.f;
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[ni][2 * half + e] = exp2_approx(fmaf(s[ni][2 * half + e], scale_log2, neg_m));
+          sum += s[ni][2 * half + e];
+        }
+      }
+      l_i[half] += sum;
+      #pragma unroll
+      for (int kk = 0; kk < kWarpN / 16; ++kk) {
+        pa[kk][half] = pack2<T>(s[2 * kk][2 * half], s[2 * kk][2 * half + 1]);
+        pa[kk][2 + half] = pack2<T>(s[2 * kk + 1][2 * half], s[2 * kk + 1][2 * half + 1]);
+      }
+    } else {
+      #pragma unroll
+      for (int kk = 0; kk < kWarpN / 16; ++kk) pa[kk][half] = pa[kk][2 + half] = 0u;
+    }
+  }
+}
+
+// One warp's kWarpN keys of a tile, first key n0w: S = Q Kᵀ, the softmax of `mode` (kTileGeneral / kTileFast*),
+// O += P V (see the file header). k_at(nj, kk): the ldmatrix_x4 address of K rows [16 nj, 16 nj + 16) × columns
+// [16 kk, 16 kk + 16) of the warp's slice; v_at(kk, dn): the ldmatrix_x4_trans address of V rows [16 kk, ...) ×
+// columns [16 dn, ...). The shared-memory layout (padded rows, or TMA's 128-byte swizzle) lives in these two
+// functions only.
+template <typename T, int kHeadDim, int kWarpN, bool HasMask, typename KAt, typename VAt>
+__device__ __forceinline__ void attend(float (&acc_o)[kHeadDim / 8][4], float (&m_i)[2], float (&l_i)[2],
+                                       const QFrags<kHeadDim>& q, KAt k_at, VAt v_at, int n0w, const RowLimits& rl,
+                                       float scale_log2, int t, int mode) {
+  constexpr int kNTiles = kWarpN / 8;
+  float s[kNTiles][4];
+  #pragma unroll
+  for (int ni = 0; ni < kNTiles; ++ni)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) s[ni][e] = 0.f;
+  #pragma unroll
+  for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+    unsigned a[4];
+    q.get(kk, a);
+    #pragma unroll
+    for (int nj = 0; nj < kWarpN / 16; ++nj) {
+      unsigned bk[4];
+      ldmatrix_x4(bk, k_at(nj, kk));
+      mma_16816<T>(s[2 * nj], a, bk[0], bk[1]);
+      mma_16816<T>(s[2 * nj + 1], a, bk[2], bk[3]);
+    }
+  }
+
+  unsigned pa[kWarpN / 16][4];
+  if (HasMask || mode == kTileGeneral) {
+    softmax_general<T, kHeadDim, kWarpN, HasMask>(s, pa, acc_o, m_i, l_i, n0w, rl, scale_log2, t);
+  } else if constexpr (!HasMask) {
+    if (mode == kTileFast2) softmax_fast<T, kHeadDim, kWarpN, 2>(s, pa, acc_o, m_i, l_i, scale_log2);
+    else softmax_fast<T, kHeadDim, kWarpN, 1>(s, pa, acc_o, m_i, l_i, scale_log2);
+  }
 
   #pragma unroll
   for (int kk = 0; kk < kWarpN / 16; ++kk) {
@@ -299,6 +485,13 @@ __device__ __forceinline__ void attend(float (&acc_o)[kHeadDim / 8][4], float (&
       mma_16816<T>(acc_o[2 * dn + 1], pa[kk], bv[2], bv[3]);
     }
   }
+}
+
+// The fast mode of a CTA's first n_fast tiles (kTileGeneral where they cannot be fast: a mask, or scale < 0).
+template <bool HasMask>
+__device__ __forceinline__ int fast_mode(const Item& w, float scale_log2) {
+  if (HasMask || !(scale_log2 >= 0.f)) return kTileGeneral;
+  return w.rows_valid <= 8 ? kTileFast1 : kTileFast2;
 }
 
 // Merge the warps' partial rows through shared memory `scratch` (kNWarps × 16 × (kHeadDim + 2) floats) and write the
@@ -390,15 +583,29 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
 
+  constexpr unsigned kTileBytes = kTileElems * 2;
   const bool vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4;
   const T* kbase = static_cast<const T*>(p.k) + w.b * p.k_stride_b + w.hkv * p.k_stride_h;
   const T* vbase = static_cast<const T*>(p.v) + w.b * p.v_stride_b + w.hkv * p.v_stride_h;
-  auto load_tile = [&](int it, int stage) {
-    const int n0 = w.n_start + it * kBlockN;
-    load_kv<kBlockN, kHeadDim, kThreads>(sK + stage * kTileElems, kbase + n0 * p.k_stride_s, p.k_stride_s,
-                                         w.n_end - n0, E, vec_k);
-    load_kv<kBlockN, kHeadDim, kThreads>(sV + stage * kTileElems, vbase + n0 * p.v_stride_s, p.v_stride_s,
-                                         w.n_end - n0, Ev, vec_v);
+  // Tiles are loaded in order, one per call: whole tiles of 16-byte aligned rows by TileCopy, the split's last,
+  // partial tile and unaligned rows by load_kv.
+  TileCopy<kBlockN, kHeadDim, kThreads, kStages> copy(kbase + w.n_start * p.k_stride_s, p.k_stride_s, E,
+                                                      vbase + w.n_start * p.v_stride_s, p.v_stride_s, Ev, smem_addr(sK));
+  const bool vec_kv = vec_k && vec_v, full_cols = E == kHeadDim && Ev == kHeadDim;
+  int n_load = w.n_start;  // first key of the next tile to load
+  auto load_next = [&] {
+    if (vec_kv && n_load + kBlockN <= w.n_end) {
+      if (full_cols) copy.template copy<true>();
+      else copy.template copy<false>();
+    } else {
+      const int off = copy.stage * kTileElems;
+      load_kv<kBlockN, kHeadDim, kThreads>(sK + off, kbase + n_load * p.k_stride_s, p.k_stride_s, w.n_end - n_load, E,
+                                           vec_k);
+      load_kv<kBlockN, kHeadDim, kThreads>(sV + off, vbase + n_load * p.v_stride_s, p.v_stride_s, w.n_end - n_load, Ev,
+                                           vec_v);
+    }
+    copy.advance();
+    n_load += kBlockN;
   };
 
   load_q<kHeadDim, kThreads>(sQ, p, w, threadIdx.x);
@@ -406,7 +613,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   // last tile keep the wait_group count uniform).
   #pragma unroll
   for (int it = 0; it < kStages - 1; ++it) {
-    if (it < w.n_tiles) load_tile(it, it);
+    if (it < w.n_tiles) load_next();
     cp_async_commit();
   }
 
@@ -417,6 +624,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   const unsigned k_addr = smem_addr(sK + (warp * kWarpN + (lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8);
   const unsigned v_addr = smem_addr(sV + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * kPitch + (lane / 16) * 8);
   const float scale_log2 = static_cast<float>(p.scale_log2);
+  const int mode_fast = fast_mode<HasMask>(w, scale_log2);
 
   float acc_o[kDTiles][4];
   float m_i[2], l_i[2];  // running max (log2 units) and this lane's partial row sum
@@ -427,20 +635,36 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   m_i[0] = m_i[1] = neg_inf();
   l_i[0] = l_i[1] = 0.f;
 
+  // Q (in tile 0's group) into registers once: the loop's first wait and barrier then return at once.
+  cp_async_wait<kStages - 2>();
+  __syncthreads();
+  const QFrags<kHeadDim> q(q_addr);
+
+  // Loop-carried, so that the compiler does not recompute them from threadIdx in every iteration: the ldmatrix
+  // addresses of tile it's stage, and its softmax mode (mode_fast for the first n_fast tiles).
+  unsigned k_stage = k_addr, v_stage = v_addr;
+  int read_stage = 0, fast_left = w.n_fast, mode = w.n_fast > 0 ? mode_fast : kTileGeneral;
   #pragma unroll 1
   for (int it = 0; it < w.n_tiles; ++it) {
-    const int stage = it % kStages;
-    cp_async_wait<kStages - 2>();  // tile it (and Q) landed: at most kStages - 2 newer groups still pending
+    cp_async_wait<kStages - 2>();  // tile it landed: at most kStages - 2 newer groups still pending
     __syncthreads();               // ... for every thread; and every warp is done with tile it - 1, refilled next
-    if (it + kStages - 1 < w.n_tiles) load_tile(it + kStages - 1, (it + kStages - 1) % kStages);
+    if (it + kStages - 1 < w.n_tiles) load_next();
     cp_async_commit();
 
-    const unsigned k_stage = k_addr + stage * kTileElems * 2, v_stage = v_addr + stage * kTileElems * 2;
     attend<T, kHeadDim, kWarpN, HasMask>(
-        acc_o, m_i, l_i, q_addr,
+        acc_o, m_i, l_i, q,
         [&](int nj, int kk) { return k_stage + (nj * 16 * kPitch + kk * 16) * 2; },
         [&](int kk, int dn) { return v_stage + (kk * 16 * kPitch + dn * 16) * 2; },
-        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t);
+        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t, mode);
+    if (++read_stage == kStages) {
+      read_stage = 0;
+      k_stage -= (kStages - 1) * kTileBytes;
+      v_stage -= (kStages - 1) * kTileBytes;
+    } else {
+      k_stage += kTileBytes;
+      v_stage += kTileBytes;
+    }
+    if (--fast_left == 0) mode = kTileGeneral;
   }
 
   // The merge reuses the K/V space: no copy is pending after the wait, and no warp reads K/V after the barrier.
@@ -585,6 +809,8 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   const unsigned v_lane = smem_addr(ss.v) + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * 128;
   const unsigned xk = ((lane / 8) % 2) ^ (lane % 8), xv = (lane / 16) ^ (lane % 8);
   const float scale_log2 = static_cast<float>(p.scale_log2);
+  const int mode_fast = fast_mode<HasMask>(w, scale_log2);
+  const QFrags<kHeadDim> q(q_addr);  // Q landed (the barrier above)
 
   float acc_o[kDTiles][4];
   float m_i[2], l_i[2];
@@ -615,10 +841,10 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
     }
     const unsigned k_st = k_lane + s * Smem::kTileBytes, v_st = v_lane + s * Smem::kTileBytes;
     attend<T, kHeadDim, kWarpN, HasMask>(
-        acc_o, m_i, l_i, q_addr,
+        acc_o, m_i, l_i, q,
         [&](int nj, int kk) { return k_st + (kk / 4) * kBlockN * 128 + nj * 16 * 128 + (((kk % 4) * 2) ^ xk) * 16; },
         [&](int kk, int dn) { return v_st + (dn / 4) * kBlockN * 128 + kk * 16 * 128 + (((dn % 4) * 2) ^ xv) * 16; },
-        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t);
+        w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t, it < w.n_fast ? mode_fast : kTileGeneral);
     // Release the stage once every lane's ldmatrix of it has returned (__syncwarp orders them before lane 0's
     // arrive, which has release semantics).
     __syncwarp();
