@@ -32,6 +32,28 @@ def _reference(q, k, v):
     return torch.softmax(s, dim=-1) @ v.float()
 
 
+def _max_active_clusters(launch) -> str:
+    """cuOccupancyMaxActiveClusters for a prepared launch: how many clusters of its kernel the GPU holds at once (one
+    CTA per SM; a GPC with an odd number of free SMs leaves one idle under clusters of 2), as "N clusters = 2N SMs",
+    or why not."""
+    try:
+        from cuda.bindings import driver
+        config = driver.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = scores_sm90.THREADS, 1, 1
+        config.sharedMemBytes = launch.tile.smem_bytes()
+        attr = driver.CUlaunchAttribute()
+        attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster_m, 1, 1
+        config.attrs, config.numAttrs = [attr], 1
+        err, n = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(int(launch.kernel.kernel.ptr)), config)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            return f"n/a ({err})"
+        return f"{n} clusters = {n * launch.cluster_m} SMs"
+    except Exception as exc:  # a probe for the notes: never stops the benchmark
+        return f"n/a ({type(exc).__name__}: {exc})"
+
+
 MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V"}
 
 
@@ -87,7 +109,8 @@ def run_shape(shape, dt, rounds):
     for m, launch in launches.items():
         t = min(k_ms[m])
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
-              f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}", flush=True)
+              f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
+              f"{_max_active_clusters(launch)}", flush=True)
     print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x the one-CTA kernel; outputs "
           f"{'identical' if same else 'DIFFER'}", flush=True)
     for mode in ("1", "2"):
