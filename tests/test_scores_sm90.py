@@ -1,18 +1,23 @@
 """The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
-scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512; and the split path's schedule that runs it
-before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED=1).
+scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its two variants (one CTA per 64-row block,
+and scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast); and the split path's schedule that runs it
+before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED=1 or 2).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
-tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory (skipped without cuobjdump); the tile
-table fits shared memory; a lane-level NumPy transcription of the kernel's epilogue (the wgmma accumulator layout, the
-−inf mask past S, the quad shuffles and the shared-memory exchange between the two warpgroups, the stores) reproduces
-the float64 softmax and writes every element of P[:L, :S] exactly once and nothing else.
-GPU (``gpu`` marker): the kernel alone on NaN-poisoned P (padding columns past S must stay NaN) and lse against the
-float64 reference with tests/_tolerance.py's rule (torch's same-precision softmax(Q Kᵀ) as the comparison); and
-through cupy_attn.scaled_dot_product_attention with the switch set (explain() names the kernel; a second call replays).
+tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernel multicast loads,
+remote arrivals and cluster barriers (skipped without cuobjdump); the tile table fits shared memory; a lane-level
+NumPy transcription of the kernel's epilogue (the wgmma accumulator layout, the −inf mask past S, the quad shuffles and
+the shared-memory exchange between the two warpgroups, the stores) reproduces the float64 softmax and writes every
+element of P[:L, :S] exactly once and nothing else; a step-by-step transcription of the TMA/mbarrier protocol (one
+CTA, and a cluster of two) runs hazard-free under random interleavings, and catches deliberately broken protocols.
+GPU (``gpu`` marker), both variants: the kernel alone on NaN-poisoned P (padding columns past S, and rows past the
+last one, must stay NaN) and lse against the float64 reference with tests/_tolerance.py's rule (torch's
+same-precision softmax(Q Kᵀ) as the comparison); and through cupy_attn.scaled_dot_product_attention with the switch
+set (explain() names the kernel; a second call replays).
 
-    PYTHONPATH=. timeout 600 python3 -m pytest -m gpu tests/test_scores_sm90.py -x -k smoke    # first: one small case
-    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_scores_sm90.py
+    PYTHONPATH=. timeout 300 python3 -m pytest -m gpu tests/test_scores_sm90.py -x -k "smoke and cluster1"  # first
+    PYTHONPATH=. timeout 300 python3 -m pytest -m gpu tests/test_scores_sm90.py -x -k "smoke and cluster2"
+    PYTHONPATH=. timeout 1500 python3 -m pytest -m gpu tests/test_scores_sm90.py -x
 """
 import numpy as np
 import pytest
@@ -32,7 +37,7 @@ DTYPES = ("float16", "bfloat16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(DTYPES) * len(_scores.SCORES_TILES)
+    assert len(reports) == len(_scores.KERNELS) * len(DTYPES) * len(_scores.SCORES_TILES)
     # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
     assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
     spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
@@ -42,19 +47,32 @@ def test_every_instantiation_compiles_without_spills():
 
 
 def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
+    """Both kernels: HGMMA of the tile's width, TMA loads, mbarriers, setmaxnreg, no local memory. The cluster kernel
+    (…_cluster2) also: K loads multicast (UTMALDG…MULTICAST), remote arrivals (SYNCS.ARRIVE…RED) and the cluster
+    barrier (UCGABAR_ARV/UCGABAR_WAIT), with no MEMBAR in its mainloop (one per thread before the exit barrier's
+    release arrive only, where the remote arrivals must be performed); the one-CTA kernel none of them."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     cubin = _compile.family_cubin(FAMILY, "sm_90a")
     kernels = sass_summary(cubin)
     listings = sass_text(cubin)
     assert len(kernels) == len(listings) == len(FAMILY.name_expressions())
+    assert sum("_cluster2" in name for name in kernels) == len(DTYPES) * len(_scores.SCORES_TILES)
     for name, ops in kernels.items():
         half_n = int(name.split("ELi")[0].split("Li")[-1])  # ..._sm90I6__halfLi256ELi3EE...: the first int argument
-        assert f"HGMMA.64x{half_n}x16.F32" in listings[name], f"{name}: no HGMMA.64x{half_n}x16"
+        text = listings[name]
+        assert f"HGMMA.64x{half_n}x16.F32" in text, f"{name}: no HGMMA.64x{half_n}x16"
         for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"):
             assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
         for op in ("LDL", "STL"):
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
+        cluster = "_cluster2" in name
+        assert ("UTMALDG.4D.MULTICAST" in text) == cluster, f"{name}: multicast K loads iff the cluster kernel"
+        assert ("SYNCS.ARRIVE.TRANS64.RED" in text) == cluster, f"{name}: remote arrivals iff the cluster kernel"
+        assert (ops.get("UCGABAR_ARV", 0) == 3 and ops.get("UCGABAR_WAIT", 0) == 3) == cluster, \
+            f"{name}: cluster barriers (init, consumers' exit, producers' exit) iff the cluster kernel"
+        if cluster:
+            assert ops.get("MEMBAR", 0) == 4, f"{name}: MEMBAR.CTA+GPU before each of the two exit arrives only"
 
 
 def test_tiles():
@@ -63,7 +81,8 @@ def test_tiles():
         assert tile.half_n == half_n and half_n % 64 == 0 and half_n <= 256 and tile.stages >= 2
         assert tile.smem_bytes() <= 232448, tile
         for dtype in ("__half", "__nv_bfloat16"):
-            assert FAMILY.name_expression(dtype=dtype, tile=tile) in declared
+            for kernel in _scores.KERNELS.values():
+                assert FAMILY.name_expression(kernel=kernel, dtype=dtype, tile=tile) in declared
     for S in range(1, 513):
         half_n = _scores.tile_for(S).half_n
         assert 2 * half_n >= S and (half_n == 64 or 2 * (half_n - 64) < S), S
@@ -188,6 +207,193 @@ def test_epilogue_emulation_matches_softmax(S, rows):
     assert np.isnan(lse[rows:]).all()
 
 
+class ProtocolError(AssertionError):
+    """A hazard the pipeline emulation found: a stage overwritten while read, a stage read before its data landed, an
+    access to a CTA that has exited, or a deadlock."""
+
+
+class _MBarrier:
+    """An mbarrier as the PTX ISA defines it: a phase completes when its pending arrivals reach 0 and its transaction
+    count is 0 (the count may go negative: bytes landing before their expect_tx); try_wait.parity(P) succeeds once
+    the phase of parity P has completed, i.e. while the current phase's parity differs from P."""
+
+    def __init__(self, count):
+        self.count, self.pending, self.tx, self.phase = count, count, 0, 0
+
+    def _complete(self):
+        if self.pending == 0 and self.tx == 0:
+            self.phase, self.pending = self.phase + 1, self.count
+
+    def arrive(self, tx=0):
+        if self.pending == 0:
+            raise ProtocolError("arrival on a barrier with no pending arrivals")
+        self.tx += tx
+        self.pending -= 1
+        self._complete()
+
+    def complete_tx(self, n):
+        self.tx -= n
+        self._complete()
+
+    def ready(self, parity):
+        return (self.phase & 1) != parity
+
+
+def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True, True), half_n=256, seed=0,
+                     mutation=None):
+    """The scores kernel's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax), transcribed step by step
+    for cluster_m CTAs of one cluster and run under a random interleaving (``seed``): per CTA the producer thread and
+    the 8 consumer warps (lane 0 stands for its warp), with the kernel's barrier counts, parities, expect_tx bytes,
+    box assignment (rank r multicasts K box r; rank 1 loads none when S ≤ kHalfN, ``load_hi`` False) and cluster
+    barriers. TMA boxes land as separate events in any order, one per destination CTA; remote arrivals too, each
+    before its thread's cluster_arrive.release. rows_ok[r]: CTA r has rows below L (False: the padding CTA, no Q).
+
+    Checks: a box never lands in a stage some warp of that CTA has not finished reading (write after read); a warp
+    past full[s] finds Q (where loaded) and its K boxes of that very k block (read after write); nothing lands in or
+    arrives on an exited CTA; no deadlock. ``mutation`` breaks the protocol on purpose (the tests show each one is
+    caught): "local_empty" (empty barriers count 8 local warps, no remote arrivals), "no_exit_barrier",
+    "own_bytes_only" (full barriers expect only the bytes this CTA's producer loads). Raises ProtocolError."""
+    import random
+    rng = random.Random(seed)
+    q_bytes, box_bytes = 64 * 128, half_n * 128
+    ctas = range(cluster_m)
+    remote = cluster_m > 1 and mutation != "local_empty"
+    full = [[_MBarrier(1) for _ in range(stages)] for _ in ctas]
+    empty = [[_MBarrier(8 * (cluster_m if remote else 1)) for _ in range(stages)] for _ in ctas]
+    tags = [[{} for _ in range(stages)] for _ in ctas]  # [cta][stage][part] = k block of the data there
+    finished = [[0] * k_blocks for _ in ctas]  # warps done reading k block kb in CTA c
+    alive = [9] * cluster_m  # threads (producer + 8 warps) not yet exited, per CTA
+    events = []  # in flight: (kind, destination cta, ...)
+    unflushed = {}  # thread -> its remote arrivals still in flight
+    cluster_bar = [0]  # arrivals at the cluster barrier (two phases: after init, before exit)
+    n_threads = 9 * cluster_m
+
+    def cluster_sync(phase, me):
+        while unflushed.get(me):  # arrive.release: this thread's remote arrivals are performed first
+            yield lambda: not unflushed.get(me)
+        cluster_bar[0] += 1
+        yield lambda: cluster_bar[0] >= phase * n_threads
+
+    boxes = ["lo", "hi"] if load_hi else ["lo"]  # the K boxes a stage holds
+
+    def producer(c):
+        me = (c, "producer")
+        if cluster_m > 1:
+            yield from cluster_sync(1, me)
+        q = q_bytes if rows_ok[c] else 0
+        expect = q + box_bytes * len(boxes)
+        if mutation == "own_bytes_only":
+            expect = q + (box_bytes if c == 0 or load_hi else 0)
+        for kb in range(k_blocks):
+            s = kb % stages
+            yield lambda kb=kb, s=s: empty[c][s].ready(((kb // stages) & 1) ^ 1)
+            full[c][s].arrive(tx=expect)
+            if rows_ok[c]:
+                events.append(("box", c, s, "q", kb, q_bytes))
+            if cluster_m == 1:
+                events.extend(("box", c, s, part, kb, box_bytes) for part in boxes)
+            elif c == 0 or load_hi:  # box `rank`, multicast to both CTAs
+                events.extend(("box", d, s, ("lo", "hi")[c], kb, box_bytes) for d in ctas)
+            yield lambda: True
+        if cluster_m > 1 and mutation != "no_exit_barrier":
+            yield from cluster_sync(2, me)
+        alive[c] -= 1
+
+    def consumer(c, w):
+        me = (c, w)
+        if cluster_m > 1:
+            yield from cluster_sync(1, me)
+        for kb in range(k_blocks):
+            s = kb % stages
+            yield lambda kb=kb, s=s: full[c][s].ready((kb // stages) & 1)
+            need = (["q"] if rows_ok[c] else []) + boxes
+            if any(tags[c][s].get(part) != kb for part in need):
+                raise ProtocolError(f"CTA {c} warp {w} read stage {s} for k block {kb}: holds {tags[c][s]}")
+            if kb > 0:  # wgmma.wait_group 1: k block kb − 1 is read; release its stage
+                finished[c][kb - 1] += 1
+                empty[c][(kb - 1) % stages].arrive()
+                if remote:
+                    events.append(("arrive", c ^ 1, (kb - 1) % stages, me))
+                    unflushed[me] = unflushed.get(me, 0) + 1
+            yield lambda: True
+        finished[c][k_blocks - 1] += 1  # wait_group 0
+        if cluster_m > 1 and mutation != "no_exit_barrier":
+            yield from cluster_sync(2, me)
+        alive[c] -= 1
+
+    threads = [producer(c) for c in ctas] + [consumer(c, w) for c in ctas for w in range(8)]
+    blocked = {i: None for i in range(len(threads))}  # thread -> predicate it waits on (None: runnable)
+    done = set()
+    while len(done) < len(threads) or events:
+        runnable = [("t", i) for i in blocked if i not in done and (blocked[i] is None or blocked[i]())]
+        runnable += [("e", j) for j in range(len(events))]
+        if not runnable:
+            raise ProtocolError(f"deadlock: threads {sorted(set(blocked) - done)} wait, nothing in flight")
+        kind, i = rng.choice(runnable)
+        if kind == "t":
+            try:
+                blocked[i] = next(threads[i])
+            except StopIteration:
+                done.add(i)
+            continue
+        ev = events.pop(i)
+        c = ev[1]
+        if alive[c] == 0:
+            raise ProtocolError(f"{ev[0]} reached CTA {c} after it exited")
+        if ev[0] == "arrive":
+            empty[c][ev[2]].arrive()
+            unflushed[ev[3]] -= 1
+            continue
+        _, c, s, part, kb, n = ev
+        if kb >= stages and finished[c][kb - stages] < 8:
+            raise ProtocolError(f"k block {kb} ({part}) landed in CTA {c} stage {s} while k block {kb - stages} "
+                                f"was read by {8 - finished[c][kb - stages]} warps")
+        tags[c][s][part] = kb
+        full[c][s].complete_tx(n)
+    if any(alive):
+        raise ProtocolError(f"threads never exited: {alive}")
+
+
+PIPELINE_CASES = [  # (k_blocks, stages, load_hi, rows_ok)
+    (1, 4, True, (True, True)), (2, 3, True, (True, True)), (5, 4, True, (True, True)), (16, 3, True, (True, True)),
+    (16, 4, True, (True, False)), (7, 3, False, (True, True)), (3, 4, False, (True, False)), (4, 4, True, (True, True)),
+]
+
+
+@pytest.mark.parametrize("cluster_m", [1, 2])
+@pytest.mark.parametrize("k_blocks,stages,load_hi,rows_ok", PIPELINE_CASES)
+def test_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi, rows_ok, cluster_m):
+    """The kernel's barrier protocol, one CTA and a cluster of two (K multicast), with and without the padding CTA
+    and the S ≤ 64 case (one K box), over 150 random interleavings each: no hazard, no deadlock, clean exit."""
+    for seed in range(150):
+        emulate_pipeline(k_blocks, stages, cluster_m, load_hi=load_hi, rows_ok=rows_ok[:cluster_m], seed=seed)
+
+
+@pytest.mark.parametrize("mutation,words", [("local_empty", "while k block"), ("no_exit_barrier", "after it exited"),
+                                            ("own_bytes_only", "read stage")])
+def test_pipeline_emulation_catches_a_broken_protocol(mutation, words):
+    """Each deliberate break of the cluster protocol is caught within 300 interleavings (so the test above means
+    something): without remote releases a producer overwrites a stage the peer still reads; without the exit barrier
+    a remote arrival reaches an exited CTA; a full barrier expecting only its own producer's bytes lets the consumers
+    read before the peer's box has landed."""
+    for seed in range(300):
+        try:
+            emulate_pipeline(8, 3, 2, seed=seed, mutation=mutation)
+        except ProtocolError as exc:
+            assert words in str(exc), str(exc)
+            return
+    pytest.fail(f"mutation {mutation} went unnoticed in 300 interleavings")
+
+
+def test_grid_pads_row_blocks_to_whole_clusters():
+    for L in (1, 63, 64, 65, 128, 129, 130, 512, 513, 4097):
+        blocks = -(-L // 64)
+        assert _scores.grid_for(3, 5, L, 1) == (blocks, 5, 3)
+        assert _scores.grid_for(3, 5, L, 2) == (blocks + blocks % 2, 5, 3), L
+    with pytest.raises(ValueError, match="cluster_m"):
+        _scores.grid_for(1, 1, 64, 4)
+
+
 def _problem(**kw):
     import types
     q = _bhsd(2, 4, 100, 1024)
@@ -211,9 +417,10 @@ def test_unsupported_reasons():
 
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
-    assert not _scores.enabled()
-    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
-    assert _scores.enabled()
+    assert not _scores.enabled() and _scores.setting() == 0
+    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 0), ("yes", 0)):
+        monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
+        assert _scores.setting() == setting and _scores.enabled() == (setting > 0), value
     from cupy_attn.runtime import callcache
     assert _scores.ENV_SPLIT_FUSED in callcache.ENV_KEYS, "a cached call must not replay the other schedule"
 
@@ -225,18 +432,25 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def _run_kernel(q, k, scale, ld):
-    """The kernel alone on torch CUDA tensors (passed as CuPy views): (P (B, Hq, L, ld) NaN-poisoned before the
-    launch, lse (B, Hq, L) likewise), as torch tensors."""
+def _run_kernel(q, k, scale, ld, cluster_m=1):
+    """The kernel alone (cluster_m: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2) on torch CUDA tensors
+    (passed as CuPy views): (P (B, Hq, L, ld), lse (B, Hq, L)) as torch tensors, both NaN-poisoned before the launch
+    and each followed in memory by a poisoned tail of 64 rows that must stay NaN (the last row block, or a cluster's
+    padding CTA, writing past L would land there)."""
     import cupy
     torch = _torch()
     B, Hq, L, _ = q.shape
-    P = torch.full((B, Hq, L, ld), float("nan"), dtype=q.dtype, device=q.device)
-    lse = torch.full((B, Hq, L), float("nan"), dtype=torch.float32, device=q.device)
+    n_p, n_lse = B * Hq * L * ld, B * Hq * L
+    P_all = torch.full((n_p + 64 * ld,), float("nan"), dtype=q.dtype, device=q.device)
+    lse_all = torch.full((n_lse + 64,), float("nan"), dtype=torch.float32, device=q.device)
+    P, lse = P_all[:n_p].view(B, Hq, L, ld), lse_all[:n_lse].view(B, Hq, L)
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
-    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld)
+    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, cluster_m=cluster_m)
+    assert launch.grid[0] % cluster_m == 0 and launch.grid[0] * 64 >= L, launch.grid
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
     torch.cuda.synchronize()
+    assert bool(torch.isnan(P_all[n_p:]).all()) and bool(torch.isnan(lse_all[n_lse:]).all()), \
+        f"cluster_m={cluster_m}: the kernel wrote past the last row of P or lse"
     return P, lse
 
 
@@ -258,7 +472,7 @@ def _torch_softmax(q, k, scale):
     return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
 
 
-def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0):
+def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, cluster_m=1):
     torch = _torch()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -271,65 +485,77 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0):
     q, k = rand(B, Hq, L), rand(B, Hkv, S)
     scale = D ** -0.5
     ld = -(-S // 8) * 8
-    P, lse = _run_kernel(q, k, scale, ld)
+    P, lse = _run_kernel(q, k, scale, ld, cluster_m)
     ref, ref_lse = _reference(q, k, scale)
-    what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {dtype} {layout}"
+    what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {dtype} {layout} cluster_m={cluster_m}"
     assert_close(P[..., :S], ref, dtype, _torch_softmax(q, k, scale), what)
     if ld > S:
         assert bool(torch.isnan(P[..., S:]).all()), f"{what}: the kernel wrote padding columns past S"
     np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3, err_msg=what)
 
 
+CLUSTERS = pytest.mark.parametrize("cluster_m", sorted(_scores.KERNELS), ids=lambda m: f"cluster{m}")
+
+
 @pytest.mark.gpu
-def test_smoke():
-    """One small case: run first (a barrier mistake hangs; run under timeout)."""
-    _check_kernel(1, 2, 2, 100, 100, 320, "float16")
+@CLUSTERS
+def test_smoke(cluster_m):
+    """One small case per kernel: run first (a barrier mistake hangs; run under timeout), the one-CTA kernel
+    (-k "smoke and cluster1") before the cluster kernel (-k "smoke and cluster2"). L = 100: two row blocks, one
+    cluster."""
+    _check_kernel(1, 2, 2, 100, 100, 320, "float16", cluster_m=cluster_m)
 
 
-CASES = [  # (B, Hq, Hkv, L, S, D)
+CASES = [  # (B, Hq, Hkv, L, S, D); row blocks ⌈L/64⌉ odd in several (the cluster kernel's padding CTA)
     (2, 3, 3, 100, 1, 320),
-    (1, 2, 2, 64, 64, 512),
-    (2, 2, 2, 130, 100, 1000),
+    (1, 2, 2, 64, 64, 512),      # one row block: a cluster of it and a padding CTA
+    (2, 2, 2, 130, 100, 1000),   # 3 row blocks
     (1, 4, 4, 200, 256, 1024),
     (2, 1, 1, 77, 300, 320),
     (1, 2, 2, 128, 384, 512),
-    (1, 2, 2, 129, 512, 1024),
+    (1, 2, 2, 129, 512, 1024),   # 3 row blocks, kHalfN = 256 (3 stages)
     (2, 4, 4, 512, 512, 1024),   # the seed (32, 32, 512, 1024) with fewer heads
     (1, 8, 2, 70, 200, 512),     # GQA 8/2
     (1, 1, 1, 1, 512, 64),       # one query row, one k block
     (1, 1, 1, 65, 511, 8),       # E = 8: one zero-filled k block
+    (1, 3, 3, 150, 50, 256),     # 3 row blocks with S ≤ 64: one K box per stage (rank 1 loads none)
+    (2, 16, 16, 448, 512, 512),  # 7 row blocks × 32 heads: 224-256 CTAs, two waves on 132 SMs
 ]
 
 
 @pytest.mark.gpu
+@CLUSTERS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,Hq,Hkv,L,S,D", CASES)
-def test_kernel(B, Hq, Hkv, L, S, D, dtype):
-    _check_kernel(B, Hq, Hkv, L, S, D, dtype)
+def test_kernel(B, Hq, Hkv, L, S, D, dtype, cluster_m):
+    _check_kernel(B, Hq, Hkv, L, S, D, dtype, cluster_m=cluster_m)
 
 
 @pytest.mark.gpu
-def test_kernel_bshd_layout():
-    _check_kernel(2, 3, 3, 90, 300, 512, "bfloat16", layout="bshd")
+@CLUSTERS
+def test_kernel_bshd_layout(cluster_m):
+    _check_kernel(2, 3, 3, 90, 300, 512, "bfloat16", layout="bshd", cluster_m=cluster_m)
 
 
 @pytest.mark.gpu
+@CLUSTERS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_public_api_with_switch(monkeypatch, dtype):
-    """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 at a head dim no fused kernel serves: the split
-    path's schedule is this kernel → cuBLAS P·V (explain() says so); out and lse against float64; a second call on new
-    arrays replays the cached launch (new tensor maps)."""
+def test_public_api_with_switch(monkeypatch, dtype, cluster_m):
+    """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 (the one-CTA kernel) or 2 (the cluster kernel) at a
+    head dim no fused kernel serves: the split path's schedule is that kernel → cuBLAS P·V (explain() says so); out
+    and lse against float64; a second call on new arrays replays the cached launch (new tensor maps)."""
     import cupy_attn
     from cupy_attn import reference
     torch = _torch()
-    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(cluster_m))
     gen = torch.Generator(device="cuda").manual_seed(1)
     dt = getattr(torch, dtype)
     for seed in range(2):
         q, k, v = (torch.randn(*s, generator=gen, device="cuda").to(dt)
                    for s in ((2, 4, 200, 512), (2, 4, 300, 512), (2, 4, 300, 384)))
         plan = cupy_attn.explain(q, k, v)
-        assert plan.backend == "split" and plan.details["schedule"].startswith("scores_softmax_sm90"), str(plan)
+        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[cluster_m] + " "), \
+            str(plan)
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
         ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), return_lse=True)
         torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v)

@@ -19,19 +19,26 @@
 // Stage s of the ring: Q rows m0..m0+63 × head-dim columns 64·kb..64·kb+63 (8 KB) and K rows 0..2·kHalfN−1 × the same
 // columns (two TMA boxes of kHalfN rows, one per consumer warpgroup), both in the 128-byte swizzle; full[s] (1 arrival:
 // the producer's expect_tx, plus the TMA bytes) and empty[s] (8 arrivals: lane 0 of each consumer warp once the wgmma
-// reading the stage has completed). Rows past L or S and columns past E are outside the tensor maps and land as zeros;
-// key columns past S are set to −inf before the max, rows past L are not stored.
+// reading the stage has completed; 16 in a cluster of two). Rows past L or S and columns past E are outside the
+// tensor maps and land as zeros; key columns past S are set to −inf before the max, rows past L are not stored.
 //
 // Tiles (cupy_attn/attention/scores_sm90.py, SCORES_TILES): kHalfN ∈ {64, 128, 192, 256} = the smallest multiple of
 // 64 with 2·kHalfN ≥ S; kStages = 4 (3 at kHalfN = 256: 3 × 72 KB fills the 227 KB per block). One CTA per SM (its
 // accumulators take half the register file).
 //
-// Not (yet) here: a cluster of 2 CTAs sharing K tiles by TMA multicast (each CTA reads its head's whole K: 1 MB per
-// 64 rows at the seed shape; halving that L2 → SM traffic is the next step), a persistent grid overlapping one tile's
-// epilogue with the next tile's mainloop, TMA stores of P, causal and attn_mask.
+// K multicast (scores_softmax_sm90_cluster2, v2): every CTA reads its head's whole K, 1 MB per 64 rows at the seed
+// shape (9.7 GB of L2 → SM traffic per call, ~7.5 TB/s at v1's 1.3 ms: the likely limit). In a cluster of two CTAs
+// (adjacent row blocks of one head) each producer loads one of the stage's two K boxes and multicasts it to both, so
+// K crosses from L2 once per 128 rows (5.4 GB per call). The protocol (scores_softmax below, tma.cuh's cluster
+// section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
+// (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
+//
+// Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, TMA stores of P,
+// causal and attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    untimed (CPU checks)
+//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
+//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              untimed (CPU checks)
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
@@ -101,29 +108,47 @@ constexpr int kStatsBarrier = 1;
 constexpr int kScoresProducerRegs = 24;
 constexpr int kScoresConsumerRegs = 240;
 
-// Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
-template <typename T, int kHalfN, int kStages>
-__global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_constant__ ScoresSm90Params p) {
-  using namespace scores_sm90;
+namespace scores_sm90 {
+
+// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
+// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
+// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
+// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
+// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
+// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
+// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
+template <typename T, int kHalfN, int kStages, int kClusterM>
+__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
+  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
   const Smem ss(smem_raw);
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
+  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
 
   if (threadIdx.x == 0) {
     #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each of the 8 consumer warps
+      tma::mbar_init(&ss.empty[s], 8 * kClusterM);  // lane 0 of each consumer warp, of every CTA in the cluster
     }
     tma::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (kClusterM > 1) {
+    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
+    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
+    tma::cluster_arrive_relaxed();
+    tma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
 
   if (threadIdx.x < 128) {
     tma::setmaxnreg_dec<kScoresProducerRegs>();
@@ -135,16 +160,29 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_const
       // outside the map, so it is not loaded; that warpgroup multiplies whatever its stage holds and masks every
       // column to −inf (an assignment, so even NaN from stale bits is gone).
       const bool load_hi = kHalfN < p.seqlen_k;
-      const unsigned bytes = Smem::kQBytes + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+      const bool load_q = kClusterM == 1 || m0 < p.seqlen_q;  // false only in a cluster's padding CTA
+      const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int s = kb % kStages;
         tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
+        // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
+        // while, and the phase still needs this arrival to complete.
         tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-        tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
+        if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
         T* k = ss.k + s * 2 * kHalfN * 64;
-        tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
-        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
+        if constexpr (kClusterM > 1) {
+          if (rank == 0 || load_hi)
+            tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
+                                   h_kv, b);
+        } else {
+          tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
+          if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
+        }
       }
+    }
+    if constexpr (kClusterM > 1) {
+      tma::cluster_arrive();
+      tma::cluster_wait();
     }
     return;
   }
@@ -178,12 +216,17 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_const
     wgmma::wait<1>();
     if (kb > 0) {
       __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+      if (lane == 0) {
+        tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+      }
     }
   }
   wgmma::wait<0>();
   wgmma::fence_operands(acc);
-  // The last stage needs no release: the producer has nothing left to load.
+  // The last stage needs no release: the producers have nothing left to load. This CTA's last access to the peer's
+  // shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
+  if constexpr (kClusterM > 1) tma::cluster_arrive();
 
   // Keys past S (zero rows of K from TMA's fill) take no part: −inf before the max. acc[4j + 2·half + e] is row
   // r0 + 8·half, column n0 + 8j + 2t + e.
@@ -266,6 +309,22 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_const
       }
     }
   }
+  if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
+}
+
+}  // namespace scores_sm90
+
+// Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
+template <typename T, int kHalfN, int kStages>
+__global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_constant__ ScoresSm90Params p) {
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 1>(p);
+}
+
+// Grid (2·⌈L / 128⌉, Hq, B) in clusters of (2, 1, 1): CTAs 2i and 2i + 1 (row blocks of the same head) share K.
+template <typename T, int kHalfN, int kStages>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+    scores_softmax_sm90_cluster2(const __grid_constant__ ScoresSm90Params p) {
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 2>(p);
 }
 
 }  // namespace cupy_attn

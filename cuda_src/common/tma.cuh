@@ -1,6 +1,6 @@
-// Hopper (sm_90a) asynchronous-copy vocabulary: tensor maps, TMA loads, mbarriers, proxy fences, register
-// reallocation and named barriers. Thin PTX wrappers (PTX ISA 8.0+), one instruction each, so that a kernel reads as
-// its algorithm and compiles in seconds (no CUTLASS/CuTe headers).
+// Hopper (sm_90a) asynchronous-copy vocabulary: tensor maps, TMA loads (multicast included), mbarriers, proxy fences,
+// thread-block clusters, register reallocation and named barriers. Thin PTX wrappers (PTX ISA 8.0+), one instruction
+// each, so that a kernel reads as its algorithm and compiles in seconds (no CUTLASS/CuTe headers).
 //
 // The pattern they serve (FlashAttention-3's producer/consumer pipeline):
 //   producer thread:  mbar_wait(empty[s], phase ^ 1); mbar_arrive_expect_tx(full[s], bytes); load_4d(..., full[s])
@@ -98,6 +98,64 @@ __device__ __forceinline__ void load_2d(void* dst, const TensorMap* map, unsigne
 // (wgmma operand reads, TMA stores). TMA writes read by wgmma need no fence: both are async proxy, and the mbarrier
 // wait orders them.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// ---- thread-block clusters (sm_90: CTAs of one cluster run side by side on one GPC and reach each other's shared
+// memory). A TMA load multicast to several CTAs writes the same box at the same CTA-relative offset in each and
+// completes its bytes on the mbarrier at the same offset in each; so a consumer stage shared that way is refilled only
+// after the consumers of every receiving CTA have released it (each consumer arrives on the empty barrier of every
+// CTA that writes into its stage: mbar_arrive_cluster), and no CTA exits while a peer may still write into it or
+// arrive on its barriers (cluster_arrive after the last remote access, cluster_wait before exit). ----
+
+// This CTA's rank in its cluster (0 .. cluster size − 1; along x for a (n, 1, 1) cluster: blockIdx.x % n).
+__device__ __forceinline__ unsigned cluster_ctarank() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// One arrival on the mbarrier at `bar`'s offset in the shared memory of CTA `cta` of this cluster (mapa gives its
+// shared::cluster address): a consumer releasing a stage that CTA's producer multicasts into. The default semantics
+// (.release at .cta scope), as CUTLASS's ClusterBarrier::arrive(cta_id): the stage's only readers are wgmma, complete
+// at wgmma.wait_group before the arrive; .release.cluster would put a MEMBAR.ALL.GPU before every arrival (seen in
+// the SASS), in the mainloop.
+__device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* bar, unsigned cta) {
+  asm volatile(
+      "{\n"
+      ".reg .b32 remote;\n"
+      "mapa.shared::cluster.u32 remote, %0, %1;\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+      "}\n" ::"r"(smem_u32(bar)),
+      "r"(cta)
+      : "memory");
+}
+
+// load_4d into every CTA of the cluster whose bit is set in cta_mask (bit r: rank r), at dst's offset in each, the
+// bytes completing on the mbarrier at bar's offset in each. One L2 read feeds them all (sm_90a).
+__device__ __forceinline__ void load_4d_multicast(void* dst, const TensorMap* map, unsigned long long* bar,
+                                                  unsigned short cta_mask, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster [%0], "
+      "[%1, {%4, %5, %6, %7}], [%2], %3;\n" ::"r"(smem_u32(dst)),
+      "l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(bar)), "h"(cta_mask), "r"(c0), "r"(c1), "r"(c2),
+      "r"(c3)
+      : "memory");
+}
+
+// The cluster barrier, split: arrive marks this thread's arrival without waiting; wait (acquire) returns once every
+// thread of every CTA in the cluster has arrived. Each thread pairs one arrive with one wait; a CTA's threads that
+// have not arrived hold back the whole cluster. arrive.release orders this thread's earlier memory accesses (remote
+// arrivals included) before the peers' return from wait (a MEMBAR.ALL.GPU: once per thread, not in a loop);
+// arrive.relaxed does not (after fence_barrier_init, which has released the barrier initializations). Not the
+// .aligned forms: callers may have diverged.
+__device__ __forceinline__ void cluster_arrive() {
+  asm volatile("barrier.cluster.arrive.release;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_arrive_relaxed() {
+  asm volatile("barrier.cluster.arrive.relaxed;\n" ::: "memory");
+}
+__device__ __forceinline__ void cluster_wait() {
+  asm volatile("barrier.cluster.wait.acquire;\n" ::: "memory");
+}
 
 // ---- warp-group register reallocation (executed by all 128 threads of a warpgroup) ----
 

@@ -7,7 +7,8 @@ for seqlen_k ≤ 512 (a CTA holds whole score rows: 64 query rows × all keys in
 dim E with 16-byte row strides, no mask, no causal, GQA by head index. The split path (split.py) runs it in place of
 its Q·Kᵀ GEMM + softmax pass when ``CUPY_ATTN_SPLIT_FUSED=1`` (opt-in until measured: :func:`enabled`), and its
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
-(32, 32, 512, 1024)).
+(32, 32, 512, 1024)). ``CUPY_ATTN_SPLIT_FUSED=2`` runs the cluster variant instead (:data:`KERNELS`: two CTAs of
+adjacent row blocks share each K tile by TMA multicast, half the L2 → shared-memory traffic), for the A/B.
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -29,6 +30,9 @@ THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
 ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
+# CTAs per cluster (along the row blocks of one head) -> the kernel. 2: each CTA's producer loads one of a stage's two
+# K boxes and multicasts it to both CTAs, so K crosses from L2 once per 128 query rows instead of once per 64.
+KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,18 +64,38 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64)]
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
     source="attention/scores_softmax_sm90.cu",
-    template="cupy_attn::scores_softmax_sm90<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(SCORES_TILES.values())},
+    template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
+    axes={"kernel": tuple(KERNELS.values()), "dtype": tuple(_C_TYPES.values()), "tile": tuple(SCORES_TILES.values())},
     archs=("sm_90a",),
     structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
     arch="sm_90a",
 )
 
 
+def setting() -> int:
+    """``CUPY_ATTN_SPLIT_FUSED``: 0 (unset or anything else: the split path keeps its cuBLAS Q·Kᵀ + softmax pass),
+    1 (this kernel, one CTA per 64-row block), 2 (its cluster variant: CTA pairs sharing K by TMA multicast). Off by
+    default until measured against the cuBLAS + softmax-pass schedule."""
+    return {"1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "0"), 0)
+
+
 def enabled() -> bool:
-    """``CUPY_ATTN_SPLIT_FUSED=1``: the split path runs this kernel wherever :func:`unsupported_reason` allows (off by
-    default until measured against the cuBLAS + softmax-pass schedule)."""
-    return os.environ.get(ENV_SPLIT_FUSED, "0") == "1"
+    """``CUPY_ATTN_SPLIT_FUSED`` is 1 or 2: the split path runs this kernel wherever :func:`unsupported_reason`
+    allows (:func:`setting` picks the variant)."""
+    return setting() > 0
+
+
+def grid_for(batch: int, num_heads: int, seqlen_q: int, cluster_m: int = 1) -> tuple:
+    """(row blocks, Hq, B): ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of ``cluster_m`` (a cluster's
+    CTAs are adjacent along x; an odd count gets one CTA past L, which loads its share of K and stores nothing).
+
+    >>> grid_for(32, 32, 512, 2), grid_for(2, 3, 130, 2), grid_for(2, 3, 130, 1), grid_for(1, 1, 1, 2)
+    ((8, 32, 32), (4, 3, 2), (3, 3, 2), (2, 1, 1))
+    """
+    if cluster_m not in KERNELS:
+        raise ValueError(f"cluster_m={cluster_m}: the scores kernel runs in clusters of {sorted(KERNELS)} CTAs")
+    blocks = -(-seqlen_q // BLOCK_M)
+    return (-(-blocks // cluster_m) * cluster_m, num_heads, batch)
 
 
 def tile_for(seqlen_k: int) -> ScoresTile:
@@ -113,16 +137,19 @@ def unsupported_reason(p, arch: int) -> str | None:
     return None
 
 
-def prepare(q, k, lse, *, scale: float, ld: int) -> "ScoresLaunch":
+def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
-    elements apart."""
+    elements apart. cluster_m: 1 (scores_softmax_sm90) or 2 (scores_softmax_sm90_cluster2, K shared by TMA
+    multicast; its grid comes from :func:`grid_for`). Raises ValueError for an odd or short ld or another
+    cluster_m."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 2:
         raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
+    grid = grid_for(B, Hq, L, cluster_m)
     tile = tile_for(S)
-    kernel = SCORES_SOFTMAX_SM90.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[cluster_m], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     smem = tile.smem_bytes()
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -134,19 +161,20 @@ def prepare(q, k, lse, *, scale: float, ld: int) -> "ScoresLaunch":
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n))
-    grid = (-(-L // BLOCK_M), Hq, B)
-    return ScoresLaunch(kernel, p, maps, grid, tile)
+    return ScoresLaunch(kernel, p, maps, grid, tile, cluster_m)
 
 
 @dataclasses.dataclass
 class ScoresLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile."""
+    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, CTAs per
+    cluster (compiled into the kernel by __cluster_dims__: a plain launch of a grid whose x is a multiple of it)."""
 
     kernel: object
     params: np.ndarray
     maps: tuple
     grid: tuple
     tile: ScoresTile
+    cluster_m: int = 1
     _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their two maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
@@ -161,5 +189,7 @@ class ScoresLaunch:
         self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
 
     def describe(self) -> str:
-        return (f"scores_softmax_sm90 (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA stages, "
-                f"wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue; grid {self.grid})")
+        shared = ", clusters of 2 CTAs sharing K by TMA multicast" if self.cluster_m == 2 else ""
+        return (f"{KERNELS[self.cluster_m]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
+                f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
+                f"{self.grid})")

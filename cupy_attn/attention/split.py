@@ -141,7 +141,7 @@ class _Schedule:
     chunks: list
     # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
     # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
-    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1, see fused_reason).
+    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
 
@@ -154,7 +154,7 @@ def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
     """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget; not pointers."""
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
-            _scores_sm90().enabled(),
+            _scores_sm90().setting(),
             *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -284,7 +284,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     scores_launch = None
     if fused_reason(p, budget) is None:
         ld_p = -(-S // 8) * 8
-        scores_launch = _scores_sm90().prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p)
+        scores = _scores_sm90()
+        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, cluster_m=scores.setting())
 
     def gemm_pair(nb: int, lc: int):
         """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
@@ -338,12 +339,13 @@ def _scores_sm90():
 
 def fused_reason(p, budget: int) -> str | None:
     """None when the split path runs the Hopper scores kernel (scores_sm90: Q·Kᵀ with the softmax in its epilogue,
-    P written in the input dtype) followed by the P·V GEMM, else why not: CUPY_ATTN_SPLIT_FUSED=1 must be set, the
-    kernel must take the call (scores_sm90.unsupported_reason) and P for all batch·heads (B·Hq·L·⌈S/8⌉·8 elements)
-    must fit the workspace budget (the kernel writes it in one launch; seed (32, 32, 512, 1024) fp16: 512 MiB)."""
+    P written in the input dtype) followed by the P·V GEMM, else why not: CUPY_ATTN_SPLIT_FUSED=1 (or 2: the cluster
+    variant, scores_sm90.setting) must be set, the kernel must take the call (scores_sm90.unsupported_reason) and P
+    for all batch·heads (B·Hq·L·⌈S/8⌉·8 elements) must fit the workspace budget (the kernel writes it in one launch;
+    seed (32, 32, 512, 1024) fp16: 512 MiB)."""
     scores = _scores_sm90()
     if not scores.enabled():
-        return f"{scores.ENV_SPLIT_FUSED} is not 1"
+        return f"{scores.ENV_SPLIT_FUSED} is not 1 or 2"
     from .dispatch import device_arch
     why = scores.unsupported_reason(p, device_arch(p))
     if why is not None:
