@@ -1,7 +1,7 @@
 """The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
 scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its two variants (one CTA per 64-row block,
 and scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast); and the split path's schedule that runs it
-before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED=1 or 2).
+before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 1; 2 the cluster variant; 0 off).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
 tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernel multicast loads,
@@ -417,8 +417,8 @@ def test_unsupported_reasons():
 
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
-    assert not _scores.enabled() and _scores.setting() == 0
-    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 0), ("yes", 0)):
+    assert _scores.enabled() and _scores.setting() == 1  # on by default (measured: scores_sm90.setting)
+    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 1), ("yes", 1)):
         monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
         assert _scores.setting() == setting and _scores.enabled() == (setting > 0), value
     from cupy_attn.runtime import callcache

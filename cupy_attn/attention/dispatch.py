@@ -123,7 +123,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
     if p.dropout_p > 0:
         reason += f"; dropout_p={p.dropout_p} applied by the softmax kernel (P written dropped and scaled)"
-    return Plan("split", reason, describe=functools.partial(split_details, p), copies=copies,
+    return Plan("split", reason, describe=functools.partial(split_details, p, arch), copies=copies,
                 prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
 
 
@@ -235,12 +235,13 @@ def _fa3_tile(head_dim: int, mode: str):
     return fused_sm90.MODE_TILES[mode][head_dim]
 
 
-def split_details(p) -> dict:
-    """Chunking of the split path's score buffer, as split_forward will do it."""
+def split_details(p, arch: int | None = None) -> dict:
+    """The split path's schedule as split.prepare will run it: the scores kernel and its P buffer, or the chunking of
+    the fp32 score buffer (``arch``: the plan's compute capability; None: the call's device's)."""
     ld = -(-p.seqlen_k // 8) * 8
     per_item = p.seqlen_q * ld * 4
     budget = _split.workspace_bytes_default()
-    why_not = _split.fused_reason(p, budget)
+    why_not = _split.fused_reason(p, budget, arch)
     if why_not is None:
         from . import scores_sm90
         tile = scores_sm90.tile_for(p.seqlen_k)

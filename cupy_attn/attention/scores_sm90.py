@@ -73,15 +73,17 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
 
 
 def setting() -> int:
-    """``CUPY_ATTN_SPLIT_FUSED``: 0 (unset or anything else: the split path keeps its cuBLAS Q·Kᵀ + softmax pass),
-    1 (this kernel, one CTA per 64-row block), 2 (its cluster variant: CTA pairs sharing K by TMA multicast). Off by
-    default until measured against the cuBLAS + softmax-pass schedule."""
-    return {"1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "0"), 0)
+    """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
+    64-row block; the default, unset or any other value), 2 (its cluster variant: CTA pairs sharing K by TMA
+    multicast). Measured on an H200 (session 7, bench/experiments/scores_sm90.py, device time against the cuBLAS +
+    softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at (8,16,1024,512,512), 1.36x at
+    (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md)."""
+    return {"0": 0, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
 
 
 def enabled() -> bool:
-    """``CUPY_ATTN_SPLIT_FUSED`` is 1 or 2: the split path runs this kernel wherever :func:`unsupported_reason`
-    allows (:func:`setting` picks the variant)."""
+    """``CUPY_ATTN_SPLIT_FUSED`` is not 0: the split path runs this kernel wherever :func:`unsupported_reason` allows
+    (:func:`setting` picks the variant)."""
     return setting() > 0
 
 
