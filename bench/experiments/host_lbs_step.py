@@ -49,6 +49,22 @@ def main():
         print(f"{name:6s} step from idle {median_ms(step, 30, 5):.3f} ms, device {device_ms(step):.3f} ms; host: "
               f"forward {f:.0f} us, autograd.grad {b:.0f} us", flush=True)
     params = tuple(fused.parameters())
+    if "--cprofile" in sys.argv:  # the forward on this thread; the backward where autograd runs it (its own profile)
+        import cProfile
+        import pstats
+
+        from cupy_attn.linear_bn_softmax import backward as lbs_backward
+        fwd, bwd = cProfile.Profile(), cProfile.Profile()
+        inner = lbs_backward.grad_inputs
+        lbs_backward.grad_inputs = lambda *a, **k: bwd.runcall(inner, *a, **k)
+        for _ in range(50):
+            torch.cuda.synchronize()
+            y = fwd.runcall(fused, x)
+            torch.autograd.grad(y, params, dout)
+        lbs_backward.grad_inputs = inner
+        for name, prof in (("forward", fwd), ("backward.grad_inputs", bwd)):
+            print(name)
+            pstats.Stats(prof).sort_stats("tottime").print_stats(18)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(5):
