@@ -27,6 +27,7 @@ from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
 from test_flash_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
+from _compile_checks import assert_clean
 
 FAMILY = _scores.SCORES_SOFTMAX_SM90
 DTYPES = ("float16", "bfloat16")
@@ -38,12 +39,7 @@ DTYPES = ("float16", "bfloat16")
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
     assert len(reports) == len(_scores.KERNELS) * len(DTYPES) * len(_scores.SCORES_TILES)
-    # 168 = the launch-time allocation at 384 threads; the consumers' 240 after setmaxnreg is not in this report.
-    assert all(r.registers is not None and r.registers <= 168 for r in reports), reports
-    spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
-    assert not spilled, f"register spills / stack: {spilled}"
-    warned = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
-    assert not warned, f"ptxas performance warnings: {warned}"
+    assert_clean(reports, max_registers=168)
 
 
 def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
