@@ -118,8 +118,9 @@ def test_stream_layout_reason(ptr, shape, strides, why):
         assert (got is None) if why is None else (why in got), got
 
 
-def test_choose_kernel():
+def test_choose_kernel(monkeypatch):
     pytest.importorskip("cuda.bindings")
+    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
     for variant, ctas in (("stream", 1), ("stream2", 2)):
         for d in _decode.HEAD_DIMS:
             c = _decode.choose_kernel(d, 90, variant=variant)
