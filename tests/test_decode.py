@@ -2,9 +2,10 @@
 validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_tolerance.py).
 
 GPU tests poison out and lse with NaN, run decode_forward on CuPy views of torch tensors (strides kept) with every
-forced split count and every kernel variant (flash_decode; flash_decode_sm90 with one and two CTAs per SM, which on
-an H100/H200 must really run where TMA can read the layout), and check lse; a few run through
-scaled_dot_product_attention (auto dispatch, num_splits, CUPY_ATTN_DECODE=1/2/3).
+forced split count and every kernel variant (flash_decode with its 4- and its 8-warp tile, the latter on Hopper at
+head dims 64 and 128; flash_decode_sm90 with one and two CTAs per SM, which on an H100/H200 must really run where TMA
+can read the layout), and check lse; a few run through scaled_dot_product_attention (auto dispatch, num_splits,
+CUPY_ATTN_DECODE=1/2/3, CUPY_ATTN_DECODE_WARPS=4/8).
 """
 import numpy as np
 import pytest
@@ -117,8 +118,9 @@ def test_stream_layout_reason(ptr, shape, strides, why):
         assert (got is None) if why is None else (why in got), got
 
 
-def test_choose_kernel():
+def test_choose_kernel(monkeypatch):
     pytest.importorskip("cuda.bindings")
+    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
     for variant, ctas in (("stream", 1), ("stream2", 2)):
         for d in _decode.HEAD_DIMS:
             c = _decode.choose_kernel(d, 90, variant=variant)
@@ -131,6 +133,64 @@ def test_choose_kernel():
         assert c.family is _decode.FLASH_DECODE and "16-byte aligned" in c.fallback
     c = _decode.choose_kernel(128, 90, variant="v1")
     assert c.family is _decode.FLASH_DECODE and c.fallback is None and c.tile == _decode.tile_for(128, 90)
+
+
+def test_wide_tile_table():
+    """flash_decode's 8-warp tiles: Hopper only, D = 64 and 128, 16 keys per warp, one CTA per SM by shared memory,
+    the merge scratch (8 warps × 16 rows × (D + 2) fp32) in the K/V ring, declared in the family's table."""
+    declared = set(_decode.FLASH_DECODE.name_expressions())
+    assert set(_decode.WIDE_TILES) == {(64, 9), (128, 9)}
+    for (d, arch), tile in _decode.WIDE_TILES.items():
+        assert tile.warps == 8 and tile.block_n // tile.warps == 16 and tile.ctas_per_sm == 1
+        assert _SMEM_LIMIT[arch] >= tile.smem_bytes(d) > _SMEM_LIMIT[arch] // 2, (d, tile)  # 1 CTA/SM
+        assert 8 * 16 * (d + 2) * 4 <= 2 * tile.stages * tile.block_n * (d + 8) * 2
+        assert tile == _decode.tile_for(d, arch * 10, 8)
+        for dtype in _decode._C_TYPES.values():
+            for has_mask in ("false", "true"):
+                assert _decode.FLASH_DECODE.name_expression(dtype=dtype, head_dim=d, tile=tile,
+                                                            has_mask=has_mask) in declared
+    assert _decode.tile_for(256, 90, 8) is None and _decode.tile_for(128, 86, 8) is None
+
+
+@pytest.mark.parametrize("value,warps", [(None, None), ("", None), ("4", 4), ("8", 8)])
+def test_requested_warps(value, warps, monkeypatch):
+    if value is None:
+        monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
+    else:
+        monkeypatch.setenv(_decode.ENV_WARPS, value)
+    assert _decode.requested_warps() == warps
+
+
+def test_requested_warps_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv(_decode.ENV_WARPS, "16")
+    with pytest.raises(ValueError, match="CUPY_ATTN_DECODE_WARPS must be 4 or 8"):
+        _decode.requested_warps()
+    monkeypatch.delenv(_decode.ENV_WARPS)
+    with pytest.raises(ValueError, match="decode warps"):
+        _decode.v1_tile(128, 90, warps=2)
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,S,splits,ctas,warps", [
+    (64, 32, 32, 4096, None, 2048, 4), (8, 32, 32, 32768, None, 256, 4),   # MHA decode: many CTAs per SM
+    (8, 32, 8, 32768, None, 128, 8), (16, 64, 8, 8192, None, 128, 8),      # the GQA rows: one CTA per SM
+    (8, 32, 8, 32768, 3, 192, 8), (8, 32, 8, 32768, 4, 256, 4),            # forced splits: up to 1.5 x 132 SMs
+    (1, 8, 8, 4096, None, 56, 8)])                                         # 8 CTAs x 7 splits
+def test_warps_rule(B, Hq, Hkv, S, splits, ctas, warps, monkeypatch):
+    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
+    assert _decode.launch_ctas(B, Hkv, 1, Hq // Hkv, S, 132, splits) == ctas
+    tile, note = _decode.v1_tile(128, 90, ctas, 132)
+    assert tile.warps == warps and (note is None) == (warps == 4), note
+    assert _decode.v1_tile(256, 90, ctas, 132)[0].warps == 4       # no 8-warp tile at D = 256
+    assert _decode.v1_tile(128, 86, ctas, 84)[0].warps == 4        # nor on sm_8x
+    for env in ("4", "8"):                                          # the override wins over the rule
+        monkeypatch.setenv(_decode.ENV_WARPS, env)
+        assert _decode.v1_tile(128, 90, ctas, 132)[0].warps == int(env)
+        assert _decode.choose_kernel(128, 90, variant="v1", grid_ctas=ctas, num_sms=132).tile.warps == int(env)
+        c = _decode.choose_kernel(256, 90, variant="v1", grid_ctas=ctas, num_sms=132)
+        assert c.tile.warps == 4 and (env == "4" or "no 8-warp tile" in c.describe()), c.describe()
+        monkeypatch.delenv(_decode.ENV_WARPS)
+    assert _decode.v1_tile(128, 90, ctas, 132, warps=8)[0].warps == 8
+    assert _decode.v1_tile(128, 90, ctas, 132, warps=4)[0].warps == 4
 
 
 def test_params_dtype_is_parsed_from_the_kernel_source():
@@ -227,7 +287,7 @@ def test_num_splits_accepted_on_the_cpu_path():
 
 def test_call_cache_key_includes_num_splits_and_env():
     from cupy_attn.runtime import callcache as _callcache
-    assert "CUPY_ATTN_DECODE" in _callcache.ENV_KEYS
+    assert "CUPY_ATTN_DECODE" in _callcache.ENV_KEYS and _decode.ENV_WARPS in _callcache.ENV_KEYS
     import inspect
     assert list(inspect.signature(_callcache.key).parameters)[-1] == "num_splits"
 
@@ -242,9 +302,9 @@ def _problem(dtype="float16", E=128, Ev=128, mask_kind="none", B=8, H=32, Hkv=8,
 
 
 @pytest.mark.parametrize("kw,expected,splits", [
-    (dict(), "decode", 2),                                   # GQA decode, 64 CTAs → 2 splits (waves per SM)
-    (dict(B=64, H=32, Hkv=32, S=4096), "decode", 1),         # 2048 CTAs: one split
-    (dict(B=16, H=64, Hkv=8, S=8192), "decode", 1),          # 128 CTAs: 0.97 of the SMs
+    (dict(), "decode", 2),                                   # GQA decode, 64 CTAs → 2 splits (waves per SM), 8 warps
+    (dict(B=64, H=32, Hkv=32, S=4096), "decode", 1),         # 2048 CTAs: one split, 4 warps
+    (dict(B=16, H=64, Hkv=8, S=8192), "decode", 1),          # 128 CTAs: 0.97 of the SMs, 8 warps
     (dict(dtype="bfloat16", L=7, H=32, Hkv=8, mask_kind="bool"), "decode", None),  # 28 packed rows
     (dict(L=2, H=64, Hkv=8, E=64, Ev=64, causal="bottom_right"), "decode", None),
     (dict(L=17, H=8, Hkv=8), "fused", None),                  # L > 16
@@ -256,6 +316,8 @@ def _problem(dtype="float16", E=128, Ev=128, mask_kind="none", B=8, H=32, Hkv=8,
 ])
 def test_decode_dispatch(kw, expected, splits, monkeypatch):
     monkeypatch.setenv("CUPY_ATTN_FA3", "0")  # the problems here have no arrays for the FA3 kernel's layout checks
+    monkeypatch.delenv(_decode.ENV_DECODE, raising=False)
+    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
     p = _problem(**kw)
     plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
     assert plan.backend == expected, str(plan)
@@ -264,6 +326,8 @@ def test_decode_dispatch(kw, expected, splits, monkeypatch):
         assert "splits" in plan.details and plan.details["kernel"] == "flash_decode"
         if splits is not None:
             assert plan.num_splits == splits, str(plan)
+            wide = p.batch * p.num_kv_heads * splits <= 1.5 * 132  # L = 1: one row block per kv head
+            assert (", 8 warps," in plan.details["tile"]) == wide, plan.details["tile"]
 
 
 def test_decode_dispatch_env_off_and_forced_splits(monkeypatch):
@@ -294,9 +358,12 @@ def test_decode_dispatch_variant_env(value, kernel, monkeypatch):
     pytest.importorskip("cuda.bindings")
     monkeypatch.setenv("CUPY_ATTN_FA3", "0")
     monkeypatch.setenv(_decode.ENV_DECODE, value)
+    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
     plan = _dispatch.plan_sdpa(_problem(E=64, Ev=64), "auto", arch=90, num_sms=132, num_splits=3)
     assert plan.backend == "decode" and plan.details["kernel"] == kernel, str(plan)
-    block_n = 128 if kernel == "flash_decode_sm90" else 64  # D = 64: the streaming tiles take 128 keys per stage
+    # D = 64: the streaming tiles take 128 keys per stage, and so does flash_decode's 8-warp tile, which the rule
+    # takes for this grid (64 CTAs x 3 splits = 192 <= 1.5 x 132 SMs)
+    block_n = 128
     assert plan.details["splits"] == f"3 of {block_n * -(-32768 // (3 * block_n))} keys (3 requested)"
     if value != "1":
         assert "mbarrier ring" in plan.details["tile"]
@@ -318,7 +385,9 @@ def test_prefer_decode(L, S, groups, take):
 
 DTYPES = ("float16", "bfloat16")
 SPLITS = (None, 1, 2, 3, 7, 16)
-VARIANTS = ("v1", "stream", "stream2")  # choose_kernel's: flash_decode, flash_decode_sm90 (1 and 2 CTAs per SM)
+# (variant, warps) of choose_kernel: flash_decode with 4 and 8 warps (the 8-warp tile forced, as by
+# CUPY_ATTN_DECODE_WARPS=8, wherever it exists), flash_decode_sm90 with 1 and 2 CTAs per SM
+VARIANTS = (("v1", 4), ("v1", 8), ("stream", None), ("stream2", None))
 
 
 from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
@@ -327,7 +396,8 @@ from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fu
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what="", torch_flip=False):
     """decode_forward on NaN-poisoned out/lse for every split count in ``splits`` and every variant in VARIANTS; out
     and lse vs the reference. On compute capability 9.0 the streaming variants must run flash_decode_sm90 wherever
-    TMA can read k and v (stream_layout_reason), and fall back to flash_decode elsewhere. torch_flip: torch (the
+    TMA can read k and v (stream_layout_reason), and fall back to flash_decode elsewhere; flash_decode with warps=8
+    must run its 8-warp tile at head-dim buckets 64 and 128 (and 4 warps elsewhere). torch_flip: torch (the
     error yardstick) gets -q and -scale, the same scores (negation is exact), so that no torch kernel sees a negative
     scale."""
     import cupy
@@ -353,15 +423,19 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
     cmask = None if mask is None else cupy.broadcast_to(_cp(mask), (B, Hq, L, S))
     hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
     tma_ok = _decode.stream_layout_reason(_cp(k), _cp(v)) is None
-    for variant in VARIANTS:
+    wide_ok = hopper and _decode.head_dim_bucket(E, Ev) in (64, 128)
+    for variant, warps in VARIANTS:
         for n in splits:
             out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
             lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
             launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
-                                            num_splits=n, variant=variant)
+                                            num_splits=n, variant=variant, warps=warps)
             streaming = variant != "v1" and hopper and tma_ok
             assert (launch.choice.family is _decode.FLASH_DECODE_SM90) == streaming, launch.choice.describe()
-            assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, f"{what} {variant} splits={n}")
+            if warps is not None:
+                assert launch.choice.tile.warps == (8 if warps == 8 and wide_ok else 4), launch.choice.describe()
+            assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out,
+                           f"{what} {variant} warps={launch.choice.tile.warps} splits={n}")
     return out
 
 
@@ -496,15 +570,21 @@ def test_large_magnitude_scores():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", ["1", "2", "3"])
+@pytest.mark.parametrize("env,warps_env", [("1", None), ("1", "4"), ("1", "8"), ("2", None), ("3", None)])
 @pytest.mark.parametrize("num_splits", [None, 5])
-def test_through_sdpa_with_call_cache(num_splits, env, monkeypatch):
-    """The public entry point takes the decode kernel CUPY_ATTN_DECODE names; a repeated call replays it (call cache)
-    on new data: new q each time, and on the last call new k and v (flash_decode_sm90 encodes its tensor maps again)."""
+def test_through_sdpa_with_call_cache(num_splits, env, warps_env, monkeypatch):
+    """The public entry point takes the decode kernel CUPY_ATTN_DECODE names, and flash_decode's tile
+    CUPY_ATTN_DECODE_WARPS names (unset: the rule, 8 warps for these 32 CTAs × 4 or 5 splits on an H100/H200); a
+    repeated call replays it (call cache) on new data: new q each time, and on the last call new k and v
+    (flash_decode_sm90 encodes its tensor maps again)."""
     import cupy
     torch = _torch()
     F = torch.nn.functional
     monkeypatch.setenv(_decode.ENV_DECODE, env)
+    if warps_env is None:
+        monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
+    else:
+        monkeypatch.setenv(_decode.ENV_WARPS, warps_env)
     g = torch.Generator("cuda").manual_seed(40)
     q, k, v = _rand((4, 32, 1, 128), "bfloat16", g), _rand((4, 8, 4096, 128), "bfloat16", g), _rand(
         (4, 8, 4096, 128), "bfloat16", g)
@@ -512,6 +592,9 @@ def test_through_sdpa_with_call_cache(num_splits, env, monkeypatch):
     assert plan.backend == "decode", str(plan)
     hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
     assert plan.details["kernel"] == ("flash_decode_sm90" if env != "1" and hopper else "flash_decode"), str(plan)
+    if env == "1":
+        warps = 4 if warps_env == "4" or not hopper else 8  # D = 128: the 8-warp tile exists on Hopper
+        assert f", {warps} warps," in plan.details["tile"], str(plan)
     for step in range(3):
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True,
                                                           num_splits=num_splits)

@@ -1,6 +1,8 @@
-"""Decode (split-KV) benchmark: cupy_attn's decode kernels side by side — flash_decode (CUPY_ATTN_DECODE=1) and the
-streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per SM, each at auto splits and over a split sweep — vs
-torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read and ratios.
+"""Decode (split-KV) benchmark: cupy_attn's decode kernels side by side — flash_decode (CUPY_ATTN_DECODE=1) with its
+4-warp and its 8-warp tile (CUPY_ATTN_DECODE_WARPS=4 / 8) and with the default rule choosing (unset; auto splits
+only), and the streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per SM, each at auto splits and over a
+split sweep — vs torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read
+and ratios.
 
     PYTHONPATH=. python3 bench/experiments/decode.py [--quick]    (--quick: auto splits only, no sweep)
 
@@ -29,22 +31,35 @@ CASES = (
     ("gqa (16,64q/8kv,1,8192,128)", 16, 64, 8, 1, 8192, 128),
 )
 SWEEP = (1, 2, 4, 8, 16, 32)
-# (label, CUPY_ATTN_DECODE): the decode kernels compared in every case
-VARIANTS = (("v1 flash_decode", "1"), ("sm90 stream 1cta", "2"), ("sm90 stream 2cta", "3"))
+# (label, CUPY_ATTN_DECODE, CUPY_ATTN_DECODE_WARPS (None: unset), split sweep?): the decode kernels of every case
+VARIANTS = (
+    ("v1 flash_decode rule", "1", None, False),   # the default: 8 warps up to 1.5 CTAs per SM, else 4
+    ("v1 flash_decode 4 warps", "1", "4", True),
+    ("v1 flash_decode 8 warps", "1", "8", True),  # D = 64 and 128 on Hopper (4 warps elsewhere, explain says so)
+    ("sm90 stream 1cta", "2", None, True),
+    ("sm90 stream 2cta", "3", None, True),
+)
 
 
 @contextlib.contextmanager
-def decode_env(value: str):
-    """CUPY_ATTN_DECODE=value inside the block (the call cache keys on it, so each value has its own plan)."""
-    old = os.environ.get("CUPY_ATTN_DECODE")
-    os.environ["CUPY_ATTN_DECODE"] = value
+def decode_env(value: str, warps: str | None = None):
+    """CUPY_ATTN_DECODE=value and CUPY_ATTN_DECODE_WARPS=warps (None: unset) inside the block (the call cache keys on
+    both, so each pair has its own plan)."""
+    new = {"CUPY_ATTN_DECODE": value, "CUPY_ATTN_DECODE_WARPS": warps}
+    old = {name: os.environ.get(name) for name in new}
     try:
+        for name, val in new.items():
+            if val is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = val
         yield
     finally:
-        if old is None:
-            del os.environ["CUPY_ATTN_DECODE"]
-        else:
-            os.environ["CUPY_ATTN_DECODE"] = old
+        for name, val in old.items():
+            if val is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = val
 
 
 def median_ms(fn, n_repeat=30, n_warmup=5) -> float:
@@ -79,17 +94,17 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
             ms = median_ms(fn)
             tbps = kv_bytes / ms / 1e9
             vs = f"  {base_ms / ms:5.2f}x torch" if base_ms else ""
-            print(f"  {label:<34} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
+            print(f"  {label:<40} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
                   f"  err {err:.2e}", flush=True)
             return ms
         except Exception as exc:  # one failure must not hide the other rows
-            print(f"  {label:<34} FAILED: {type(exc).__name__}: {exc}", flush=True)
+            print(f"  {label:<40} FAILED: {type(exc).__name__}: {exc}", flush=True)
             return None
 
     print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB", flush=True)
     t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
-    for label, env in VARIANTS:
-        with decode_env(env):
+    for label, env, warps, sweep in VARIANTS:
+        with decode_env(env, warps):
             try:
                 plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
                 print(f"  [{label}] {plan.reason}; {plan.details.get('kernel')}: {plan.details.get('tile')}",
@@ -97,7 +112,7 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
             except Exception as exc:
                 print(f"  [{label}] explain FAILED: {type(exc).__name__}: {exc}", flush=True)
             row(f"{label} auto", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa), t_torch)
-            for n in (() if quick else SWEEP):
+            for n in (() if quick or not sweep else SWEEP):
                 row(f"{label} num_splits={n}",
                     lambda n=n: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, num_splits=n),
                     t_torch)

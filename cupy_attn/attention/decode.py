@@ -6,7 +6,8 @@ into an mbarrier ring fed by a producer warp; sm_90a) and ``FLASH_DECODE_COMBINE
 partials by their lse). The query heads that share a K/V head are packed into the rows of one tile (GQA), so K/V is
 read once. ``prefer_decode`` says when the dispatcher takes the decode path, ``num_splits_for`` how many splits,
 ``choose_kernel`` which of the two kernels (``CUPY_ATTN_DECODE``: 0 off, 1 flash_decode, 2 and 3 flash_decode_sm90
-with one or two CTAs per SM; unset: ``DEFAULT_VARIANT``).
+with one or two CTAs per SM; unset: ``DEFAULT_VARIANT``) and, for flash_decode, its 4- or 8-warp tile
+(``CUPY_ATTN_DECODE_WARPS``: 4 or 8; unset: ``use_wide_tile``, 8 warps where the grid has about one CTA per SM or fewer).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from . import fused_sm90 as _fa3
 HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
 ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
 ENV_DECODE = "CUPY_ATTN_DECODE"
+ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES), "8" (WIDE_TILES); unset: use_wide_tile
+WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
 MAX_SPLITS = 128
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -57,6 +60,17 @@ DECODE_TILES = {
     (128, 9): DecodeTile(64, 4, 3, 2), (128, 8): DecodeTile(64, 4, 2, 1),
     # D=256: 3 stages, 211 KB: 1 CTA/SM, 2 × 66 KB in flight. Arch 8: 32 keys over 2 warps, 2 stages, 76 KB.
     (256, 9): DecodeTile(64, 4, 3, 1), (256, 8): DecodeTile(32, 2, 2, 1),
+}
+
+# (head-dim bucket, arch major) -> flash_decode's 8-warp tile, for grids of about one CTA per SM or fewer
+# (use_wide_tile): there a 4-warp CTA leaves each of the SM's 4 schedulers one warp, and the loop is issue-bound
+# (bench/NOTES_decode.md, session 7: IPC 1.15 at 4 warps per SM). 128 keys per tile, 16 per warp: each warp's work
+# per tile is the 4-warp tile's (the same loop), and the SM holds 8 warps, 2 per scheduler. One CTA per SM (shared
+# memory), (stages - 1) · 128 keys in flight: D=128 3 stages, 213 KB, 2 × 68 KB in flight (4 stages would be 282 KB);
+# D=64 4 stages, 150 KB, 3 × 37 KB. D=256 has none (two 128-key stages alone are 270 KB), nor arch 8 (99 KB on
+# sm_86/sm_89: one 128-key stage at D=128 is 70 KB).
+WIDE_TILES = {
+    (64, 9): DecodeTile(128, 8, 4, 1), (128, 9): DecodeTile(128, 8, 3, 1),
 }
 
 
@@ -132,10 +146,11 @@ FLASH_DECODE = KernelFamily(
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": HEAD_DIMS,
-        "tile": tuple(sorted(set(DECODE_TILES.values()), key=dataclasses.astuple)),
+        "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
     },
-    where=lambda row: any(t == row["tile"] for (d, _), t in DECODE_TILES.items() if d == row["head_dim"]),
+    where=lambda row: any(t == row["tile"] for (d, _), t in (*DECODE_TILES.items(), *WIDE_TILES.items())
+                          if d == row["head_dim"]),
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
@@ -179,8 +194,70 @@ def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
     return next((d for d in HEAD_DIMS if d >= need), None)
 
 
-def tile_for(head_dim: int, arch: int) -> DecodeTile:
-    return DECODE_TILES[(head_dim, 9 if arch // 10 == 9 else 8)]
+def tile_for(head_dim: int, arch: int, warps: int = 4) -> DecodeTile | None:
+    """flash_decode's tile at this head-dim bucket and arch: the 4-warp DECODE_TILES entry, or with warps=8 the
+    WIDE_TILES one (None where there is none: D=256, arch 8)."""
+    key = (head_dim, 9 if arch // 10 == 9 else 8)
+    return DECODE_TILES[key] if warps == 4 else WIDE_TILES.get(key)
+
+
+def requested_warps() -> int | None:
+    """flash_decode's warps per CTA that ``CUPY_ATTN_DECODE_WARPS`` asks for: 4, 8, or None (unset or empty: the rule,
+    ``use_wide_tile``). ValueError for any other value."""
+    value = os.environ.get(ENV_WARPS)
+    if value in (None, ""):
+        return None
+    if value not in ("4", "8"):
+        raise ValueError(f"{ENV_WARPS} must be 4 or 8 (or unset: chosen per call), got {value!r}")
+    return int(value)
+
+
+def launch_ctas(B: int, Hkv: int, L: int, groups: int, S: int, num_sms: int, num_splits: int | None = None) -> int:
+    """CTAs of a decode launch before split_plan rounds the split length to a tile: B · Hkv · row blocks × the split
+    count (the requested one, or num_splits_for's counted in waves per SM, as split_plan does). The rounding only
+    lowers the count, so a tile chosen on this number sees at most this many CTAs."""
+    ctas = B * Hkv * math.ceil(L * groups / ROWS)
+    return ctas * (num_splits_for(ctas, S, num_sms, 1) if num_splits is None else int(num_splits))
+
+
+def use_wide_tile(grid_ctas: int, num_sms: int) -> bool:
+    """Rule for flash_decode's 8-warp tile (WIDE_TILES): take it when the launch has at most WIDE_MAX_WAVES CTAs per
+    SM. With about one CTA per SM a 4-warp CTA gives each scheduler one warp and its issue rate is the loop's speed
+    (the GQA decode rows, H200: 128 CTAs on 132 SMs at 79-86% of copy bandwidth, IPC 1.15); the 8-warp CTA runs the
+    same per-warp loop on 128-key tiles with two warps per scheduler and twice the bytes in flight. Past one wave the
+    two tie at first (an SM holding two 4-warp CTAs has 8 warps as well), and with many CTAs per SM (MHA decode:
+    2048) the 4-warp tile's two CTAs per SM overlap one's start with the other's stream.
+    Examples, H200 (132 SMs, up to 198 CTAs): (8, 32 q / 8 kv, L=1, S=32768) 64 CTAs × 2 auto splits = 128 → 8 warps;
+    (16, 64 q / 8 kv, L=1, S=8192) 128 × 1 → 8 warps; (8, 32 heads, L=1, S=32768) 256 × 1 → 4 warps; the GQA row with
+    4 splits forced, 256 → 4 warps. Untimed when written (bench/NOTES_decode.md)."""
+    return grid_ctas <= WIDE_MAX_WAVES * num_sms
+
+
+def v1_tile(head_dim: int, arch: int, grid_ctas: int | None = None, num_sms: int | None = None,
+            warps: int | None = None) -> tuple[DecodeTile, str | None]:
+    """flash_decode's tile and a note on the choice (None for the 4-warp tile by default). warps: 4 or 8, or None for
+    ``CUPY_ATTN_DECODE_WARPS`` (``requested_warps``), which, unset, leaves it to ``use_wide_tile`` over the launch's
+    CTAs (``launch_ctas``; without them, 4 warps). Asked for 8 where no 8-warp tile exists: 4, and the note says why.
+
+    >>> v1_tile(128, 90, warps=8)[0]
+    DecodeTile(block_n=128, warps=8, stages=3, ctas_per_sm=1)
+    >>> v1_tile(256, 90, warps=8)[1]
+    'CUPY_ATTN_DECODE_WARPS asked for 8 warps: no 8-warp tile at head-dim bucket 256 on sm_90 (4 warps)'
+    """
+    forced = requested_warps() if warps is None else warps
+    if forced not in (None, 4, 8):
+        raise ValueError(f"decode warps must be 4 or 8, got {forced!r}")
+    wide = tile_for(head_dim, arch, 8)
+    if forced is None:
+        if wide is not None and grid_ctas is not None and num_sms and use_wide_tile(grid_ctas, num_sms):
+            return wide, (f"8 warps: {grid_ctas} CTAs <= {WIDE_MAX_WAVES} x {num_sms} SMs")
+        return tile_for(head_dim, arch), None
+    if forced == 8:
+        if wide is not None:
+            return wide, "8 warps (forced)"
+        return tile_for(head_dim, arch), (f"{ENV_WARPS} asked for 8 warps: no 8-warp tile at head-dim bucket "
+                                          f"{head_dim} on sm_{arch} (4 warps)")
+    return tile_for(head_dim, arch), "4 warps (forced)"
 
 
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int) -> str | None:
@@ -214,6 +291,7 @@ class DecodeChoice:
     tile: object
     variant: str
     fallback: str | None = None
+    warps_note: str | None = None  # flash_decode: why this tile's warps (v1_tile), where not the 4-warp default
 
     def describe(self) -> str:
         t = self.tile
@@ -222,6 +300,7 @@ class DecodeChoice:
                     f"producer warp, {t.stages}-stage mbarrier ring, {t.ctas_per_sm} CTA(s)/SM")
         else:
             text = f"{self.family.name}: 16 packed rows x {t.block_n} keys, {t.warps} warps, {t.stages} K/V stages"
+            text += f" ({self.warps_note})" if self.warps_note else ""
         return text + (f" (CUPY_ATTN_DECODE asked for {self.variant}: {self.fallback})" if self.fallback else "")
 
 
@@ -238,11 +317,13 @@ def stream_layout_reason(k, v) -> str | None:
     return None
 
 
-def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str | None = None) -> DecodeChoice:
+def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str | None = None, *,
+                  grid_ctas: int | None = None, num_sms: int | None = None, warps: int | None = None) -> DecodeChoice:
     """The decode kernel for a call at this head-dim bucket: ``variant`` ("v1", "stream", "stream2"; None: from
     CUPY_ATTN_DECODE, ``requested_variant``). The streaming variants need sm_90 (sm_90a code), cuda-bindings
     (cuTensorMapEncodeTiled) and a TMA-readable layout (``stream_layout_reason``; not checked when key/value are None,
-    as in plans made without arrays); otherwise flash_decode runs and ``fallback`` says why.
+    as in plans made without arrays); otherwise flash_decode runs and ``fallback`` says why. flash_decode's tile:
+    ``v1_tile`` (grid_ctas = launch_ctas of the call, num_sms, warps 4 / 8 / None: CUPY_ATTN_DECODE_WARPS or the rule).
 
     >>> choose_kernel(128, 80, variant="stream").fallback
     'sm_80: flash_decode_sm90 needs sm_90a (H100/H200)'
@@ -250,7 +331,8 @@ def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str |
     variant = requested_variant() if variant is None else variant
     if variant not in ("v1", "stream", "stream2"):
         raise ValueError(f"decode variant must be 'v1', 'stream' or 'stream2', got {variant!r}")
-    v1 = DecodeChoice(FLASH_DECODE, tile_for(head_dim, arch), variant)
+    tile, note = v1_tile(head_dim, arch, grid_ctas, num_sms, warps)
+    v1 = DecodeChoice(FLASH_DECODE, tile, variant, warps_note=note)
     if variant == "v1":
         return v1
     why = None
@@ -372,10 +454,12 @@ def prepare_problem(p, num_splits, choice, out, lse):
 
 
 def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
-                   num_splits: int | None = None, variant: str | None = None) -> "DecodeLaunch":
+                   num_splits: int | None = None, variant: str | None = None,
+                   warps: int | None = None) -> "DecodeLaunch":
     """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's;
-    variant as choose_kernel's). Returns the launch (its ``choice`` says which kernel ran)."""
-    launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant)
+    variant and warps as choose_kernel's). Returns the launch (its ``choice`` says which kernel and tile ran)."""
+    launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant,
+                     warps=warps)
     launch(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
@@ -384,14 +468,15 @@ def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None =
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
             num_splits: int | None = None, choice: DecodeChoice | None = None,
-            variant: str | None = None) -> "DecodeLaunch":
+            variant: str | None = None, warps: int | None = None) -> "DecodeLaunch":
     """Check a decode call and build its launch (all but the pointers), as fused.prepare.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
     Hq, L, Ev) in q's dtype, last-dim stride 1; lse None or (B, Hq, L) fp32; mask None or broadcast to (B, Hq, L, S);
     causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
     small ones. num_splits: None (num_splits_for) or the requested count (see split_plan). choice: the kernel the
-    plan chose (None: ``choose_kernel(..., variant)`` here, from CUPY_ATTN_DECODE when variant is None).
+    plan chose (None: ``choose_kernel(..., variant, warps=warps)`` here, from CUPY_ATTN_DECODE when variant is None and
+    CUPY_ATTN_DECODE_WARPS when warps is None).
     """
     import cupy
 
@@ -403,13 +488,14 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     dtype = q.dtype
 
     head_dim = head_dim_bucket(E, Ev)
-    if choice is None:
-        choice = choose_kernel(head_dim, arch, k, v, variant)
-    tile = choice.tile
     groups = Hq // Hkv
     row_blocks = math.ceil(L * groups / ROWS)
-    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, device_sms(cupy.cuda.Device().id), num_splits,
-                               tile.block_n)
+    num_sms = device_sms(cupy.cuda.Device().id)
+    if choice is None:
+        choice = choose_kernel(head_dim, arch, k, v, variant, num_sms=num_sms, warps=warps,
+                               grid_ctas=launch_ctas(B, Hkv, L, groups, S, num_sms, num_splits))
+    tile = choice.tile
+    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, num_sms, num_splits, tile.block_n)
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")

@@ -144,9 +144,11 @@ def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: in
     if num_sms is None:
         num_sms = _decode.device_sms(p.ctx.device_id)
     head_dim = _decode.head_dim_bucket(p.head_dim, p.head_dim_v)
-    choice = _decode.choose_kernel(head_dim, arch, p.key, p.value)
-    n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, max(p.seqlen_k, 1), head_dim, arch,
-                                  num_sms, num_splits, choice.tile.block_n)
+    S = max(p.seqlen_k, 1)
+    choice = _decode.choose_kernel(head_dim, arch, p.key, p.value, num_sms=num_sms, grid_ctas=_decode.launch_ctas(
+        p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, num_sms, num_splits))
+    n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, head_dim, arch, num_sms,
+                                  num_splits, choice.tile.block_n)
     details = {"kernel": choice.family.name, "head-dim bucket": head_dim, "tile": choice.describe(),
                "packed rows": f"{p.seqlen_q} query rows x {p.groups} heads per K/V head",
                "splits": f"{n} of {chunk} keys" + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
