@@ -558,6 +558,17 @@ __device__ __forceinline__ void merge_store(float* scratch, const float (&acc_o)
   }
 }
 
+// A lane's online-softmax state at the start of its key range: O = 0, running max −inf, row sums 0.
+template <int kDTiles>
+__device__ __forceinline__ void zero_state(float (&acc_o)[kDTiles][4], float (&m_i)[2], float (&l_i)[2]) {
+  #pragma unroll
+  for (int dt = 0; dt < kDTiles; ++dt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
+  m_i[0] = m_i[1] = neg_inf();
+  l_i[0] = l_i[1] = 0.f;
+}
+
 }  // namespace decode
 
 // One CTA: 16 packed rows of one (batch, kv head) over one split's keys, every thread loading K/V by cp.async into a
@@ -632,12 +643,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
 
   float acc_o[kDTiles][4];
   float m_i[2], l_i[2];  // running max (log2 units) and this lane's partial row sum
-  #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
-  m_i[0] = m_i[1] = neg_inf();
-  l_i[0] = l_i[1] = 0.f;
+  zero_state(acc_o, m_i, l_i);
 
   // Q (in tile 0's group) into registers once: the loop's first wait and barrier then return at once.
   cp_async_wait<kStages - 2>();
@@ -818,12 +824,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
 
   float acc_o[kDTiles][4];
   float m_i[2], l_i[2];
-  #pragma unroll
-  for (int dt = 0; dt < kDTiles; ++dt)
-    #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_o[dt][e] = 0.f;
-  m_i[0] = m_i[1] = neg_inf();
-  l_i[0] = l_i[1] = 0.f;
+  zero_state(acc_o, m_i, l_i);
 
   #pragma unroll 1
   for (int it = 0; it < w.n_tiles; ++it) {
