@@ -17,6 +17,7 @@ cuda.bindings (~4 µs each on the host) when their base address differs from the
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -186,22 +187,15 @@ class Sm90Backward(_bwd.FusedBackward):
         do = _bwd._Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
-        self.maps = tuple(_fa3._MapSpec.of(a, rows) for a, rows in (
+        self.maps = _fa3.TensorMaps(_fa3._MapSpec.of(a, rows).encode for a, rows in (
             (p.query, tile.block_m), (p.key, tile.block_n), (p.value, tile.block_n), (do, tile.block_m)))
-        self.stats_map = ("float32", (l_pad, 2 * B * Hq), (4 * l_pad,), (tile.block_m, 1))
-        self._encoded: dict = {}  # map index -> (base address, encoded map): the last encode of each
+        # Its own: the scratch's base moves between calls while the inputs' often do not.
+        stats = functools.partial(_fa3.encode_tensor_map, "float32", dims=(l_pad, 2 * B * Hq), strides=(4 * l_pad,),
+                                  box=(tile.block_m, 1))
+        self.stats_map = _fa3.TensorMaps((stats,))
         self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
                                    (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
         self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
-
-    def _map(self, i: int, ptr: int) -> np.ndarray:
-        last = self._encoded.get(i)
-        if last is not None and last[0] == ptr:
-            return last[1]
-        tmap = (self.maps[i].encode(ptr) if i < len(self.maps)
-                else _fa3.encode_tensor_map(self.stats_map[0], ptr, *self.stats_map[1:]))
-        self._encoded[i] = (ptr, tmap)  # one tuple: a concurrent caller sees the old pair or the new one
-        return tmap
 
     def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
         stats_log2, delta = scratch, scratch + self.delta_offset
@@ -209,8 +203,8 @@ class Sm90Backward(_bwd.FusedBackward):
         pre["dout"], pre["o"], pre["lse"], pre["delta"], pre["lse_log2"] = dout, out, lse, delta, stats_log2
         self.pre(stream, pre)
         prm = self.params.copy()
-        prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"], prm["tma_stats"] = (
-            self._map(i, ptr) for i, ptr in enumerate((q, k, v, dout, scratch)))
+        prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"] = self.maps(q, k, v, dout)
+        prm["tma_stats"], = self.stats_map(scratch)
         prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
         prm["lse_log2"], prm["delta"] = stats_log2, delta
         self.kernel(stream, prm)

@@ -585,16 +585,13 @@ class DecodeSm90Launch(DecodeLaunch):
     one KV cache encodes once; ~10 µs of host time otherwise)."""
 
     maps: tuple = ()
-    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # ((k_ptr, v_ptr), their two maps)
+
+    def __post_init__(self):
+        self._tensor_maps = _fa3.TensorMaps(spec.encode for spec in self.maps)
 
     def kernel_params(self, p: np.ndarray) -> np.ndarray:
         """FlashDecodeSm90Params: the tensor maps of p's k and v pointers, and p."""
-        ptrs, encoded = self._encoded
-        key = (int(p["k"]), int(p["v"]))
-        if ptrs != key:
-            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, key))
-            self._encoded = (key, encoded)  # one tuple: a concurrent caller sees old or new
         a = np.zeros((), dtype=_SM90_PARAMS)
-        a["tma_k"], a["tma_v"] = encoded
+        a["tma_k"], a["tma_v"] = self._tensor_maps(int(p["k"]), int(p["v"]))
         a["p"] = p
         return a

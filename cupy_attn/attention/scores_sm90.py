@@ -22,7 +22,7 @@ import numpy as np
 
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
-from .fused_sm90 import _MAP, _MapSpec, _c_struct, _F64, _I64
+from .fused_sm90 import _MAP, _MapSpec, TensorMaps, _c_struct, _F64, _I64
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
@@ -177,16 +177,14 @@ class ScoresLaunch:
     grid: tuple
     tile: ScoresTile
     cluster_m: int = 1
-    _encoded: tuple = dataclasses.field(default=(None, None), repr=False)  # (pointers, their two maps)
+
+    def __post_init__(self):
+        self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
         """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
-        ptrs, encoded = self._encoded
-        if ptrs != (q_ptr, k_ptr):
-            encoded = tuple(spec.encode(ptr) for spec, ptr in zip(self.maps, (q_ptr, k_ptr)))
-            self._encoded = ((q_ptr, k_ptr), encoded)  # one tuple: a concurrent caller sees old or new
         params = self.params.copy()
-        params["tma_q"], params["tma_k"] = encoded
+        params["tma_q"], params["tma_k"] = self._tensor_maps(q_ptr, k_ptr)
         params["p"], params["lse"] = p_ptr, lse_ptr
         self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
 
