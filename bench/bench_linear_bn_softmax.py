@@ -18,9 +18,12 @@ Training-step rows (mode "train step", fp16 and bf16; ``benchmark_training``): o
 gradient rotating over 3 fresh random buffers. ``ms``, ``device_ms``, ``torch_ms``, ``speedup``, ``host_us`` /
 ``torch_host_us`` as above for the whole step; ``tflops`` counts the GEMMs (4·N·K·F, 6·N·K·F with dx); ``max_err`` /
 ``torch_err``: the largest over the gradients (the Linear bias's excepted: it is 0 in training) of max |g − ref| /
-max |ref|, ref from torch float64 on the GPU, all from the same starting state. ``loop_ms`` / ``torch_loop_ms``: per
-step, 20 steps enqueued back to back between two CUDA events (a training loop's steady state: the host's time of a
-step is hidden behind the device's queue unless it is the longer of the two), median of 5 such loops.
+max |ref|, ref from torch float64 on the GPU, all from the same starting state. ``ms`` and ``torch_ms`` of these rows
+come from five alternating rounds of ours and torch's (``_interleaved_ms``): the steps are host-bound, and blocks
+measured one after the other would compare two moments of the host as much as two libraries. ``loop_ms`` /
+``torch_loop_ms``: per step, 20 steps enqueued back to back between two CUDA events (a training loop's steady state:
+the host's time of a step is hidden behind the device's queue unless it is the longer of the two), median of 5 such
+loops.
 
     PYTHONPATH=. python3 bench/bench_linear_bn_softmax.py [--quick] [--sweep]
 """
@@ -48,6 +51,22 @@ def _median_ms(fn, repeat: int, warmup: int, host: bool = False):
     res = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
     ms = float(np.median(res.gpu_times[0]) * 1e3)
     return (ms, float(np.median(res.cpu_times) * 1e6)) if host else ms
+
+
+def _interleaved_ms(fns, rounds: int, repeat: int, warmup: int) -> list[tuple[float, float]]:
+    """(median GPU-event ms, median host µs) of each of ``fns``, measured in ``rounds`` alternating rounds of
+    ``repeat`` calls each (after ``warmup``), so that every function sees the same host and GPU conditions; the
+    medians are over all rounds' samples. For host-bound rows (the training steps), where a block of one library's
+    calls followed by a block of the other's compares two moments of a noisy host as much as two libraries."""
+    from cupyx.profiler import benchmark
+    gpu = [[] for _ in fns]
+    cpu = [[] for _ in fns]
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            res = benchmark(fn, n_repeat=repeat, n_warmup=warmup if r == 0 else 2)
+            gpu[i].extend(res.gpu_times[0])
+            cpu[i].extend(res.cpu_times)
+    return [(float(np.median(g) * 1e3), float(np.median(c) * 1e6)) for g, c in zip(gpu, cpu)]
 
 
 def _loop_ms(fn, steps: int = 20, samples: int = 5) -> float:
@@ -280,9 +299,8 @@ def benchmark_training(quick: bool = False) -> list[dict]:
                 return run
 
             ours, theirs = step(fused), step(plain)
-            ms, host_us = _median_ms(ours, repeat, warmup, host=True)
+            (ms, host_us), (torch_ms, torch_host_us) = _interleaved_ms((ours, theirs), 5, repeat // 5, warmup)
             dev_ms = device_ms(ours)
-            torch_ms, torch_host_us = _median_ms(theirs, repeat, warmup, host=True)
             loop_ms, torch_loop_ms = _loop_ms(ours), _loop_ms(theirs)
             plain.load_state_dict(initial)  # the next rows start from the same running stats
             flops = (6.0 if with_x else 4.0) * N * K * F
@@ -295,18 +313,20 @@ def benchmark_training(quick: bool = False) -> list[dict]:
 
 
 def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
-    """The kernels after the GEMM, in place on ``out_ptr``, as (Function, grid, block, params), on CuPy's current
-    stream when run."""
+    """The kernels after the GEMM, in place on ``out_ptr``, as (StructLaunch, params), on CuPy's current stream when
+    run."""
     prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
     vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
     affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
     params = prepared.params(out_ptr, out_ptr, lbs.workspace.pointer(affine), vectors)
-    return [(fn, grid, block, params) for fn, grid, block in prepared.launches]
+    return [(launch, params[:-1]) for launch in prepared.launches]  # (params' last word: StructLaunchGroup's)
 
 
 def run_launches(launches) -> None:
-    for fn, grid, block, params in launches:
-        fn(grid, block, (struct_arg(params),))
+    import cupy
+    stream = cupy.cuda.get_current_stream().ptr
+    for launch, params in launches:
+        launch(stream, params)
 
 
 def post_first(launches) -> None:

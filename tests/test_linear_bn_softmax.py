@@ -9,6 +9,7 @@ dominates where large logits nearly tie.
 from __future__ import annotations
 
 import copy
+import ctypes
 import zlib
 
 import numpy as np
@@ -419,6 +420,26 @@ def test_backward_plans_are_declared_variants(dtype):
     assert lbs_bwd.column_tile(8192, np.float16) == (8, 4, 256) and lbs_bwd.column_tile(999, np.float32) == (1, 32, 256)
 
 
+_NUMPY_OF_CODE = {code: dt for dt, code in lbs_checks.CODE_OF.items()}
+_PATTERN_BASE = {"dbias": 100.0, "dgamma": 200.0, "dbeta": 300.0, "dscale": 400.0}
+_TYPE_OF_FIELD = {"dgamma": "gamma_t", "dbeta": "beta_t", "dscale": "scale_t"}
+
+
+def _write_feature_pattern(p, x_dtype=np.float16):
+    """What the fake bwd_columns writes: gradient g's element i = _PATTERN_BASE[g] + i, in its argument's dtype (dbias
+    in x's, fp16 in these tests), at the pointers in its params (0: not needed)."""
+    n_cols = int(p["n_cols"])
+    for name, base in _PATTERN_BASE.items():
+        ptr = int(p[name])
+        if ptr == 0:
+            continue
+        dtype = x_dtype if name == "dbias" else _NUMPY_OF_CODE[int(p[_TYPE_OF_FIELD[name]])]
+        count = 1 if name == "dscale" and int(p["scale_stride"]) == 0 else n_cols
+        itemsize = np.dtype(dtype).itemsize
+        view = np.frombuffer((ctypes.c_char * (count * itemsize)).from_address(ptr), dtype=dtype)
+        view[:] = base + np.arange(count)
+
+
 class _FakeGemm:
     """Stands for backward._Gemm on CPU: records its calls and binds to the stream like the real one."""
 
@@ -435,16 +456,28 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
     by recorders. Returns (ctx, record): record["params"] the BwdParams of each launch, ["work"] workspace sizes,
     ["gemms"] (dx, dw) fakes, ["activations"] how often the CuPy context was entered."""
     import contextlib
-    record = {"params": [], "work": [], "activations": 0}
+    record = {"params": [], "work": [], "activations": 0, "copies": []}
 
     def plan(device_id, dtype, n, k, f, ldx, ldw, allow_tf32, need_dx, need_dw):
         record["gemms"] = (_FakeGemm() if need_dx else None, _FakeGemm() if need_dw else None)
-        return lbs_bwd._Plan(row_dot=(lambda *a: None, (1,), (256,)), columns=(lambda *a: None, (1,), (256,)),
+        return lbs_bwd._Plan(row_dot=("row_dot", (1,), (256,)), columns=("columns", (1,), (256,)),
                              dx=record["gemms"][0], dw=record["gemms"][1])
 
-    def struct_arg(words):
-        record["params"].append(words.view(lbs_bwd._BWD_PARAMS)[0].copy())
-        return None
+    class Group:  # StructLaunchGroup of the plan's two kernels: records the params of each launch (the words but
+        # the spare last one); "columns" writes a known pattern to the per-feature gradients
+        def __init__(self, launches):
+            self.fns = list(launches)
+
+        def __call__(self, stream_ptr, words):
+            for fn in self.fns:
+                p = words[:-1].view(lbs_bwd._BWD_PARAMS)[0].copy()
+                record["params"].append(p)
+                if fn == "columns":
+                    _write_feature_pattern(p)
+
+    def copy(dst, src, nbytes, kind, stream_ptr):
+        record["copies"].append((dst, src, nbytes, kind, stream_ptr))
+        ctypes.memmove(dst, src, nbytes)
 
     def work(device_id, stream, name, nbytes):
         record["work"].append(nbytes)
@@ -459,7 +492,9 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
             record["activations"] += 1
             yield
     monkeypatch.setattr(lbs_bwd, "_plan", plan)
-    monkeypatch.setattr(lbs_bwd, "struct_arg", struct_arg)
+    monkeypatch.setattr(lbs_bwd, "StructLaunch", lambda fn, grid, block: fn)
+    monkeypatch.setattr(lbs_bwd, "StructLaunchGroup", Group)
+    monkeypatch.setattr(lbs_bwd, "_memcpy_fn", lambda: copy)
     monkeypatch.setattr(lbs_bwd, "_workspace", work)
     monkeypatch.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
     monkeypatch.setattr(interop, "current_torch_stream", lambda device_id: stream_ptr)
@@ -502,9 +537,16 @@ def test_backward_call_params_and_gradient_buffers_cpu(monkeypatch, mixed, scale
         assert p["dscale_partial"] == base + 16 * 3 and p["counter"] == base + 4 * (12 + 24)  # N, F rounded up to 4
         assert p["dy"] == base + call.dy_off and call.dy_off % 256 == 0 and call.dy_off >= 4 * (12 + 24 + 4)
         assert record["work"][-1] == call.dy_off + n * f * 2
-        assert [int(p[name]) for name in ("dbias", "dgamma", "dbeta", "dscale", "dout", "out", "y", "stats", "gamma",
-                                          "beta", "scale")] == [
-            t.data_ptr() for t in (dbias, dgamma, dbeta, dscale, dout, out, y, stats, gamma, beta, scale)]
+        # The kernels write the per-feature gradients into the workspace (between the counter and dy); they are copied
+        # into their own allocations, one copy per dtype, after the GEMM.
+        for name in _PATTERN_BASE:
+            assert base + 4 * (12 + 24) + 16 <= int(p[name]) < base + call.dy_off
+        assert len(record["copies"]) == 2 * (step + 1) if mixed else len(record["copies"]) == step + 1
+        for g, name in ((dbias, "dbias"), (dgamma, "dgamma"), (dbeta, "dbeta"), (dscale, "dscale")):
+            expect = _PATTERN_BASE[name] + np.arange(g.numel())
+            assert np.array_equal(g.double().numpy().ravel(), expect), name
+        assert [int(p[name]) for name in ("dout", "out", "y", "stats", "gamma", "beta", "scale")] == [
+            t.data_ptr() for t in (dout, out, y, stats, gamma, beta, scale)]
         assert (int(p["n_rows"]), int(p["n_cols"]), int(p["scale_stride"]), int(p["flags"])) == (
             n, f, 1 if scale_shape == (f,) else 0, 1)
         code = lbs_checks.CODE_OF[interop.torch_to_numpy_dtype(vec)]

@@ -21,7 +21,7 @@ import sys
 import numpy as np
 
 from ..runtime import blas, interop, workspace
-from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup
 from .checks import CODE_OF as _CODE_OF
 from .launch import AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _C_TYPES, _WIDE, _dtype_name_of_c, _sm_count, _workspace
 
@@ -93,7 +93,7 @@ class _Gemm:
 class _Plan:
     """What a backward call needs besides pointers, for one (device, dtype, N, K, F, strides, TF32, needs)."""
 
-    row_dot: tuple    # (Function, grid, block)
+    row_dot: tuple    # (RawKernel, grid, block)
     columns: tuple
     dx: _Gemm | None  # dX (N, K) = dY (N, F) · W (F, K)
     dw: _Gemm | None  # dW (F, K) = dYᵀ · X (N, K)
@@ -116,8 +116,8 @@ def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw
                                     b_dtype=dtype, ldb=ldx, stride_b=0, trans_b=False, m=f, n=k, k=n, batch=1,
                                     allow_tf32=allow_tf32))
     # Up to 16 row blocks per SM resident (256 threads): more rows than that take the grid-stride loop.
-    return _Plan(row_dot=(row_dot.kernel, (min(n, 16 * _sm_count(device_id)),), (ROW_DOT_THREADS,)),
-                 columns=(columns.kernel, (-(-f // (tile[0] * tile[1])),), (tile[2],)), dx=dx, dw=dw)
+    return _Plan(row_dot=(row_dot, (min(n, 16 * _sm_count(device_id)),), (ROW_DOT_THREADS,)),
+                 columns=(columns, (-(-f // (tile[0] * tile[1])),), (tile[2],)), dx=dx, dw=dw)
 
 
 def _aligned(t, torch):
@@ -145,17 +145,20 @@ assert _POINTERS * 8 + _TAIL.itemsize == _BWD_PARAMS.itemsize
 class _Call:
     """A prepared backward for one layout (device, stream, dtypes, N, K, F, the GEMM operands' row strides, the
     scale's shape, batch or running statistics, which gradients, TF32): the plan, the params words that do not depend
-    on addresses, and how the outputs are allocated. Built once per layout (``_prepared``); a recorded forward keeps
-    the call for its layout (api.forward_saving_entry), so the backward of a repeated training step only allocates,
-    fills fifteen pointers and launches.
+    on the inputs' addresses, and how the outputs are allocated. Built once per layout (``_prepared``); a recorded
+    forward keeps the call for its layout (api.forward_saving_entry), so the backward of a repeated training step only
+    allocates, fills seven pointers and launches.
 
-    Host work per call: the gradients from torch's allocator on the current stream (dW, dx when needed, and one
-    allocation per dtype for the per-feature gradients, split into views: one in all when they have x's dtype); dy
-    and the scratch (delta, the dscale terms, the counter) in the stream's persistent Linear-BN-softmax workspace
-    (launch._workspace "work", which the forward-only path uses for y: calls on one stream are ordered, so they may
-    share it; a per-call buffer while the stream is captured), dy there only up to launch.Y_WORKSPACE_MAX_BYTES; the
-    CuPy device and stream are entered only when another device is current or a GEMM has not been bound to the stream
-    yet (its first call plans on CuPy's current stream).
+    Order of host work per call, chosen so that the dW GEMM (on the device's critical path when the step starts from
+    an idle GPU: the host's time until it is enqueued shows as idle GPU) is enqueued as early as possible: dW and dx
+    from torch's allocator on the current stream; the two kernels, which write dy and the per-feature gradients into
+    the stream's persistent Linear-BN-softmax workspace (launch._workspace "work", which the forward-only path uses
+    for y: calls on one stream are ordered, so they may share it; a per-call buffer while the stream is captured);
+    the GEMMs; then one allocation per dtype of the per-feature gradients (split into views when it holds several)
+    and one stream-ordered device copy each from the workspace. dy is in the workspace only up to
+    launch.Y_WORKSPACE_MAX_BYTES, a per-call allocation beyond. The CuPy device and stream are entered only when
+    another device is current or a GEMM has not been bound to the stream yet (its first call plans on CuPy's current
+    stream).
     """
 
     def __init__(self, ctx, device_id: int, stream_ptr: int, x_dtype, n: int, k: int, f: int, ldx: int, ldw: int,
@@ -172,33 +175,54 @@ class _Call:
         gamma_t, beta_t, scale_t = (0 if t is None else _CODE_OF[interop.torch_to_numpy_dtype(t)]
                                     for t in vector_dtypes)
         scale_stride = 1 if tuple(scale_shape) == (f,) and f > 1 else 0
-        self.tail = np.array((n, f, scale_stride, gamma_t, beta_t, scale_t,
-                              _FLAG_BATCH_STATS if use_batch_stats else 0), dtype=_TAIL).reshape(1).view(np.uint64)
-        # Scratch: delta (N,) and the dscale terms (F,) in fp32, then the counter, each 16-byte aligned; dy after it
-        # at a 256-byte boundary, in the workspace when it fits there.
-        n4, f4 = -(-n // 4) * 4, -(-f // 4) * 4
-        self.partial_off, self.counter_off = 4 * n4, 4 * (n4 + f4)
-        scratch_bytes = -(-4 * (n4 + f4 + 4) // 256) * 256
-        dy_bytes = n * f * dtype.itemsize
-        self.dy_in_work = self.need_dy and dy_bytes <= Y_WORKSPACE_MAX_BYTES
-        self.work_bytes = scratch_bytes + (dy_bytes if self.dy_in_work else 0)
-        self.dy_off = scratch_bytes
-        self.f = f
-        # The per-feature gradients (dbias, dbn_weight, dbn_bias, dscale: result positions 2-5) grouped by dtype: one
-        # allocation per dtype, split into views when it holds several (one allocation in all when they share x's).
+        tail = np.array((n, f, scale_stride, gamma_t, beta_t, scale_t,
+                         _FLAG_BATCH_STATS if use_batch_stats else 0), dtype=_TAIL).reshape(1).view(np.uint64)
+        # The per-feature gradients (dbias, dbn_weight, dbn_bias, dscale: result positions 2-5, params words 1-4)
+        # grouped by dtype: one allocation per dtype, split into views when it holds several (one in all when they
+        # share x's dtype).
         groups: dict = {}
         for pos, need, dt, shape in ((2, need_db, x_dtype, (f,)), (3, need_dg, vector_dtypes[0], (f,)),
                                      (4, need_dbeta, vector_dtypes[1], (f,)), (5, need_ds, vector_dtypes[2],
                                                                               tuple(scale_shape))):
             if need:
                 groups.setdefault(dt, []).append((pos, shape))
+        # Workspace layout: delta (N,) and the dscale terms (F,) in fp32, the counter, then each dtype group's
+        # gradients packed as in their allocation (the copy out is one per group; the kernels write the gradients
+        # element by element, so parts need no alignment), each group 16-byte aligned; dy after them at a 256-byte
+        # boundary when it fits in the workspace.
+        n4, f4 = -(-n // 4) * 4, -(-f // 4) * 4
+        offsets = {"delta": 0, "partial": 4 * n4, "counter": 4 * (n4 + f4)}
+        end = offsets["counter"] + 16
+        grad_offsets = {}
         self.groups = []
         for dt, members in groups.items():
             sizes = [int(np.prod(shape)) for _, shape in members]
-            self.groups.append((dt, tuple(members), sizes, sum(sizes)))
+            itemsize = torch.empty((), dtype=dt).element_size()
+            end = -(-end // 16) * 16
+            group_off = end
+            for (pos, _), size in zip(members, sizes):
+                grad_offsets[pos] = end
+                end += size * itemsize
+            self.groups.append((dt, tuple(members), sizes, sum(sizes), group_off, sum(sizes) * itemsize))
+        scratch_bytes = -(-end // 256) * 256
+        dy_bytes = n * f * dtype.itemsize
+        self.dy_in_work = self.need_dy and dy_bytes <= Y_WORKSPACE_MAX_BYTES
+        self.work_bytes = scratch_bytes + (dy_bytes if self.dy_in_work else 0)
+        self.f = f
+        self.dy_off = scratch_bytes
+        # Params words relative to the workspace's base (refilled when the base moves), and the tail.
+        self._relative = [(0, self.dy_off if self.dy_in_work else None)]
+        self._relative += [(1 + pos - 2, grad_offsets.get(pos)) for pos in (2, 3, 4, 5)]
+        self._relative += [(5, offsets["delta"]), (6, offsets["partial"]), (7, offsets["counter"])]
+        self._words = np.zeros(_POINTERS + 5 + 1, dtype=np.uint64)  # + StructLaunchGroup's spare word
+        self._words[_POINTERS:_POINTERS + 5] = tail
+        self._base = None
         self.ready = False  # the GEMMs are bound to the stream: the CuPy context is needed only for another device
         self._get_device = _get_device_fn()
         self._split = torch.split_with_sizes
+        self._launch_all = StructLaunchGroup(StructLaunch(fn, grid, block)
+                                             for fn, grid, block in (self.plan.row_dot, self.plan.columns))
+        self._copy = _memcpy_fn()
 
     def takes(self, grad_out) -> bool:
         """grad_out can be read as is (x's dtype, contiguous, 16-byte aligned) and the current stream is the call's."""
@@ -216,46 +240,51 @@ class _Call:
         self.ready = all(self.stream_ptr in g.bound for g in self.gemms)
         return grads
 
+    def _words_for(self, base: int) -> np.ndarray:
+        """The params words' template for a workspace at ``base`` (rebuilt only when the workspace moves)."""
+        if base != self._base:
+            for i, off in self._relative:
+                self._words[i] = 0 if off is None else base + off
+            self._base = base
+        return self._words.copy()
+
     def _run(self, grad_out, x, weight, y, out, stats, gamma, beta, scale):
         need_dx, need_dw = self.needs[0], self.needs[1]
-        # Outputs first (torch's allocator, current stream): dW, dx, then the per-feature gradients.
         dw = weight.new_empty(self.w_shape) if need_dw else None
         dx = x.new_empty(self.x_shape) if need_dx else None
-        grads = [None] * 6  # in the result's order; positions 2-5 from the groups
-        for dt, members, sizes, total in self.groups:
-            if len(members) == 1:
-                pos, shape = members[0]
-                grads[pos] = x.new_empty(shape, dtype=dt)
-                continue
-            for (pos, shape), part in zip(members, self._split(x.new_empty((total,), dtype=dt), sizes)):
-                grads[pos] = part if len(shape) == 1 else part.view(shape)  # () for a 0-d scale
-        dbias, dgamma, dbeta, dscale = grads[2:]
         work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
         base = workspace.pointer(work)
+        words = self._words_for(base)
         dy = None
-        if not self.need_dy:
-            dy_ptr = 0
-        elif self.dy_in_work:
-            dy_ptr = base + self.dy_off
-        else:
+        if self.need_dy and not self.dy_in_work:
             dy = x.new_empty((self.x_shape[0], self.f))
-            dy_ptr = dy.data_ptr()
-        words = np.empty(_POINTERS + 5, dtype=np.uint64)
-        words[:_POINTERS] = (dy_ptr, _ptr(dbias), _ptr(dgamma), _ptr(dbeta), _ptr(dscale), base,
-                             base + self.partial_off, base + self.counter_off, grad_out.data_ptr(), out.data_ptr(),
-                             y.data_ptr(), stats.data_ptr(), _ptr(gamma), _ptr(beta), scale.data_ptr())
-        words[_POINTERS:] = self.tail
-        arg = (struct_arg(words),)
-        stream = self.ctx.stream
+            words[0] = dy.data_ptr()
+        dy_ptr = int(words[0])
+        words[8:_POINTERS] = (grad_out.data_ptr(), out.data_ptr(), y.data_ptr(), stats.data_ptr(), _ptr(gamma),
+                              _ptr(beta), scale.data_ptr())
+        stream_ptr = self.stream_ptr
+        self._launch_all(stream_ptr, words)
         plan = self.plan
-        for fn, grid, block in (plan.row_dot, plan.columns):
-            fn(grid, block, arg, 0, stream)
         if plan.dx is not None:  # (K = 0: dx and dw are empty, no GEMM)
-            plan.dx(dx.data_ptr(), dy_ptr, weight.data_ptr(), self.stream_ptr)
+            plan.dx(dx.data_ptr(), dy_ptr, weight.data_ptr(), stream_ptr)
         if plan.dw is not None:
-            plan.dw(dw.data_ptr(), dy_ptr, x.data_ptr(), self.stream_ptr)
+            plan.dw(dw.data_ptr(), dy_ptr, x.data_ptr(), stream_ptr)
+        # The per-feature gradients, from the workspace into their own allocations (stream-ordered).
+        grads = [dx, dw, None, None, None, None]
+        for dt, members, sizes, total, off, nbytes in self.groups:
+            if len(members) == 1:
+                pos, shape = members[0]
+                buf = grads[pos] = x.new_empty(shape, dtype=dt)
+            else:
+                buf = x.new_empty((total,), dtype=dt)
+                for (pos, shape), part in zip(members, self._split(buf, sizes)):
+                    grads[pos] = part if len(shape) == 1 else part.view(shape)  # () for a 0-d scale
+            self._copy(buf.data_ptr(), base + off, nbytes, _DEVICE_TO_DEVICE, stream_ptr)
         del work, dy  # held until the work reading them is enqueued
-        return dx, dw, dbias, dgamma, dbeta, dscale
+        return tuple(grads)
+
+
+_DEVICE_TO_DEVICE = 3  # cudaMemcpyDeviceToDevice
 
 
 def _ptr(t) -> int:
@@ -270,6 +299,11 @@ def _get_device_fn():
         import cupy
         _GET_DEVICE.append(cupy.cuda.runtime.getDevice)
     return _GET_DEVICE[0]
+
+
+def _memcpy_fn():
+    import cupy
+    return cupy.cuda.runtime.memcpyAsync
 
 
 _CALLS: dict = {}  # layout key -> _Call

@@ -157,6 +157,26 @@ class StructLaunch:
         self._launch(self._fn_ptr, *self._dims, stream_ptr, argv.ctypes.data, 0)
 
 
+class StructLaunchGroup:
+    """Kernels launched one after the other on one by-value struct (StructLaunch each), from a params buffer with a
+    spare last word: ``words`` is a uint64 array whose words[:-1] are the struct's bytes; the last word is written
+    with the struct's address and serves as cuLaunchKernel's one-pointer kernelParams array. One address lookup
+    (``ndarray.ctypes``, ~1 µs) per group call instead of two allocations and lookups per launch."""
+
+    __slots__ = ("_launches",)
+
+    def __init__(self, launches):
+        self._launches = tuple((s._launch, s._fn_ptr, s._dims) for s in launches)
+
+    def __call__(self, stream_ptr: int, words: np.ndarray) -> None:
+        addr = words.ctypes.data
+        last = words.shape[0] - 1
+        words[last] = addr
+        argv = addr + 8 * last
+        for launch, fn_ptr, dims in self._launches:
+            launch(fn_ptr, *dims, stream_ptr, argv, 0)
+
+
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel variant; the message carries the variant's name and the NVRTC log."""
 
