@@ -4,12 +4,14 @@ only), and the streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per S
 split sweep — vs torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read
 and ratios.
 
-    PYTHONPATH=. python3 bench/experiments/decode.py [--quick]    (--quick: auto splits only, no sweep)
+    PYTHONPATH=. python3 bench/experiments/decode.py [--quick] [--default]
+    (--quick: auto splits only, no sweep; --default: the default kernel only)
 
 Every row: median ms (cupyx.profiler.benchmark, CUDA events on the shared default stream), TB/s of K and V bytes
 read (B·Hkv·S·(E+Ev)·2; Q, out and the partials are < 1% of it), the ratio to the measured copy bandwidth (a 2 GiB
 device copy, read + write bytes), speedup vs torch in the same run, and max |err| vs torch's fp32 math on the same
-inputs. Each case runs in its own try/except so one failure does not hide the rest. K/V are 0.5-4.3 GB, far past
+inputs; then the call's device time alone (common.device_ms: queued behind a spin kernel, so the host time before
+the launch is not in it) and its share of the copy bandwidth. Each case runs in its own try/except so one failure does not hide the rest. K/V are 0.5-4.3 GB, far past
 the 50 MB L2, so no buffer rotation is needed.
 """
 import contextlib
@@ -22,6 +24,9 @@ import numpy as np
 from cupyx.profiler import benchmark
 
 import cupy_attn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import device_ms  # noqa: E402
 
 # (name, B, Hq, Hkv, L, S, D)
 CASES = (
@@ -92,10 +97,12 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
             out = fn()
             err = float((out.float() - ref).abs().max())
             ms = median_ms(fn)
+            dev = device_ms(fn)  # the call's device time alone (queued behind a spin kernel: no host time in it)
             tbps = kv_bytes / ms / 1e9
             vs = f"  {base_ms / ms:5.2f}x torch" if base_ms else ""
             print(f"  {label:<40} {ms:8.3f} ms  {tbps:5.2f} TB/s  {100 * tbps / copy_bw:5.1f}% copy{vs}"
-                  f"  err {err:.2e}", flush=True)
+                  f"  err {err:.2e}  device {dev:.3f} ms ({100 * kv_bytes / dev / 1e9 / copy_bw:5.1f}% copy)",
+                  flush=True)
             return ms
         except Exception as exc:  # one failure must not hide the other rows
             print(f"  {label:<40} FAILED: {type(exc).__name__}: {exc}", flush=True)
@@ -103,7 +110,7 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
 
     print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB", flush=True)
     t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
-    for label, env, warps, sweep in VARIANTS:
+    for label, env, warps, sweep in (VARIANTS[:1] if "--default" in sys.argv else VARIANTS):
         with decode_env(env, warps):
             try:
                 plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)

@@ -446,6 +446,8 @@ def prepare_problem(p, num_splits, choice, out, lse):
     launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
                      num_splits=num_splits, choice=choice)
     launch.ctx = ctx = p.ctx
+    if not isinstance(launch, DecodeSm90Launch):  # cuLaunchKernel on the call's stream (the caller has the device)
+        return functools.partial(launch.launch_on, ctx.stream.ptr)
 
     def run(*ptrs):
         with ctx.activate():
@@ -559,8 +561,52 @@ class DecodeLaunch:
         return int(self.params["num_splits"])
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream; the partials come from _partials and go back to the pool after the
-        combine kernel is enqueued (stream-ordered reuse)."""
+        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
+        self.launch_on(_fused._current_stream_ptr(), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
+
+    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
+                  mask_ptr: int = 0) -> None:
+        """cuLaunchKernel of the split kernel, then of the combine kernel, on a raw stream handle, on the device the
+        launch was built for (which must be current). Every FlashDecodeParams field is 8 bytes wide: the six pointers
+        (out, lse, q, k, v, mask) and the partials' two (o_part, lse_part) are the first eight words of this launch's
+        own parameter buffer, and both kernels read the one struct; the driver copies it during each call, and the
+        lock keeps two threads replaying one launch from interleaving their writes (fused.FlashLaunch's scheme: ~1 µs
+        of host time a launch against ~6 through CuPy's RawKernel call, and no field-by-field structured-array
+        writes). The partials come from _partials (the caller's allocator on the call's stream) and go back after
+        the combine kernel is enqueued (stream-ordered reuse)."""
+        work = None
+        with self._lock:
+            buf = self._buf
+            buf[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
+            if self.part_bytes:
+                work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
+                buf[6:8] = (ptr, ptr + self.o_part_bytes)
+            self._launch(self._fn_ptr, *self._dims, stream_ptr, self._argv_ptr, 0)
+            if self._combine_ptr:
+                self._launch(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
+        del work
+
+    def __post_init__(self):
+        # Resolved once, on the device the launch is built for: the parameter words, the kernelParams array holding
+        # their address, the CUfunctions (the RawKernels keep their modules alive).
+        import threading
+
+        from cupy.cuda import driver
+        assert self.params.dtype.names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
+        self._launch = driver.launchKernel
+        self._buf = self.params.reshape(1).view(np.uint64).copy()
+        self._argv = np.array([self._buf.ctypes.data], dtype=np.uint64)
+        self._argv_ptr = int(self._argv.ctypes.data)
+        self._fn_ptr = int(self.kernel.kernel.ptr)
+        self._combine_ptr = 0 if self.combine is None else int(self.combine.kernel.ptr)
+        grid3 = tuple(self.grid) + (1,) * (3 - len(self.grid))
+        self._dims = (*grid3, *self.block, *(1,) * (3 - len(self.block)), self.smem)
+        self._lock = threading.Lock()
+
+    def call_current_stream(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
+                            mask_ptr: int = 0) -> None:
+        """The launch through CuPy's RawKernel call on CuPy's current stream, the struct built per call (the
+        tensor-map variant's path: its struct embeds the maps of the call's k and v)."""
         p = self.params.copy()
         p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
         work = None
@@ -588,6 +634,13 @@ class DecodeSm90Launch(DecodeLaunch):
 
     def __post_init__(self):
         self._tensor_maps = _fa3.TensorMaps(spec.encode for spec in self.maps)
+
+    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
+        """Launch on CuPy's current stream (the struct, with the tensor maps, built per call)."""
+        self.call_current_stream(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
+
+    def launch_on(self, stream_ptr: int, *ptrs) -> None:
+        raise NotImplementedError("flash_decode_sm90 launches through __call__ on CuPy's current stream")
 
     def kernel_params(self, p: np.ndarray) -> np.ndarray:
         """FlashDecodeSm90Params: the tensor maps of p's k and v pointers, and p."""
