@@ -346,30 +346,54 @@ def test_head_buckets():
         assert (D, _sm90.qk_dim(E, D)) == (bucket, qk), (E, Ev)
 
 
+class _FakeKernel:
+    """Stands for a RawKernel on CPU: a CUfunction address and the dynamic shared memory attribute."""
+    kernel = type("Function", (), {"ptr": 0xF00})()
+    max_dynamic_shared_size_bytes = 0
+
+
 def test_launch_params(monkeypatch):
-    """The bytes the kernel gets: three maps (encoded once per pointer triple), pointers, sizes, strides."""
-    calls = []
+    """The bytes the kernel gets, as cuLaunchKernel reads them through kernelParams: three maps (encoded once per
+    pointer triple, written again only when they change), pointers, sizes, strides; grid, block, shared memory and
+    stream as prepared."""
+    import ctypes
+    calls, launched = [], []
 
     def fake_encode(spec, ptr):
         calls.append(ptr)
         return np.full(128, ptr % 251, np.uint8)
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        struct = ctypes.c_uint64.from_address(argv).value
+        launched.append(((fn, gx, gy, gz, bx, by, bz, smem, stream, extra),
+                         ctypes.string_at(struct, _sm90._PARAMS.itemsize)))
 
     monkeypatch.setattr(_sm90._MapSpec, "encode", fake_encode)
     q, k = _bhsd(2, 8, 100, 128), _bhsd(2, 2, 70, 128)
     p = np.zeros((), _sm90._PARAMS)
     p["seqlen_q"], p["groups"] = 100, 4
     maps = tuple(_sm90._MapSpec.of(a, 128) for a in (q, k, k))
-    launch = _sm90.Sm90Launch(None, p, maps, (1, 8, 2), (384,), 1000)
-    got = launch.params_for(1000, 2000, 3000, 4000, 5000)
+    launch = _sm90.Sm90Launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000)
+    launch._launch = fake_launch
+    launch.launch_on(77, 1000, 2000, 3000, 4000, 5000)
     assert calls == [1000, 2000, 3000]
+    dims, raw = launched[-1]
+    assert dims == (0xF00, 1, 8, 2, 384, 1, 1, 1000, 77, 0)
+    got = np.frombuffer(raw, _sm90._PARAMS)[0]
     assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
     assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
-    raw = got.tobytes()
     assert len(raw) == 576 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
-    launch.params_for(1000, 2000, 3000, 4001)
+    launch.launch_on(77, 1000, 2000, 3000, 4001)
     assert len(calls) == 3, "same q/k/v pointers: maps reused"
-    launch.params_for(1016, 2000, 3000, 4001)
+    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    assert (got["out"], got["lse"]) == (4001, 0) and (got["tma_k"] == 2000 % 251).all()
+    launch.launch_on(78, 1016, 2000, 3000, 4001)
     assert len(calls) == 6
+    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    assert (got["tma_q"] == 1016 % 251).all() and launched[-1][0][8] == 78
+    assert not p["out"] and not p["tma_q"].any(), "the prepared parameters are not written"
+    with pytest.raises(ValueError, match="attn_mask"):
+        launch.launch_on(77, 1000, 2000, 3000, 4001, 0, 9)
 
 
 def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool) -> list:

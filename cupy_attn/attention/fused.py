@@ -340,12 +340,7 @@ def prepare_problem(p, choice, out, lse):
         from . import fused_sm90
         launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
                                     mode=choice[1])
-        stream = p.ctx.stream
-
-        def run(*ptrs):
-            with stream:
-                launch(*ptrs)
-        return run
+        return functools.partial(launch.launch_on, p.ctx.stream.ptr)
     return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
                   mask=p.mask, dropout_p=p.dropout_p, rng=p.rng).bind(p.ctx.stream)
 
