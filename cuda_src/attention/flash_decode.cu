@@ -172,8 +172,9 @@ struct TileCopy {
     #pragma unroll
     for (int j = 0; j < kRows / kRowStep; ++j) {
       const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2;
-      cp_async_16(at, k, kFullCols ? 16 : k_bytes);
-      cp_async_16(at + kVOffset, v, kFullCols ? 16 : v_bytes);
+      // L2::128B: measured on the H200 (bench/NOTES_decode.md, session 8) against none and 256 bytes.
+      cp_async_16_prefetch<128>(at, k, kFullCols ? 16 : k_bytes);
+      cp_async_16_prefetch<128>(at + kVOffset, v, kFullCols ? 16 : v_bytes);
       k += kRowStep * k_row_bytes;
       v += kRowStep * v_row_bytes;
     }

@@ -24,6 +24,19 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
+// cp_async_16 with an L2 prefetch-size hint (PTX ISA: cp.async's .L2::128B / .L2::256B): the L2 brings the whole
+// aligned span around the 16 bytes in from DRAM, for data read once in long runs (decode's K/V streams).
+template <int kPrefetchBytes>
+__device__ __forceinline__ void cp_async_16_prefetch(unsigned dst, const void* src, int src_bytes) {
+  static_assert(kPrefetchBytes == 0 || kPrefetchBytes == 128 || kPrefetchBytes == 256, "prefetch 0, 128 or 256");
+  if constexpr (kPrefetchBytes == 256) {
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else if constexpr (kPrefetchBytes == 128) {
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+  } else {
+    cp_async_16(dst, src, src_bytes);
+  }
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }
