@@ -2,8 +2,9 @@
 scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its variants (CUPY_ATTN_SPLIT_FUSED unset
 or 1: one CTA per 64-row block; 2: scores_softmax_sm90_cluster2, CTA pairs sharing K by TMA multicast; 3: v3,
 scores_softmax_sm90_m128 with 128 rows × ≤ 256 keys per CTA and, for S > 256, _m128_cluster2: the keys over a
-cluster of two CTAs that share Q by multicast and merge their row statistics through distributed shared memory; 0
-off); and the split path's schedule that runs it before the cuBLAS P·V GEMM.
+cluster of two CTAs that share Q by multicast and merge their row statistics through distributed shared memory; 4:
+v3 whose key cluster loads Q in each CTA, no multicast; 0 off); and the split path's schedule that runs it before
+the cuBLAS P·V GEMM.
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
 tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernels multicast loads,
@@ -406,25 +407,27 @@ M128_FAMILY = _scores.SCORES_SOFTMAX_SM90_M128
 
 
 def test_m128_every_instantiation_compiles_without_spills():
-    """The one-CTA kernel at the four tiles and the key cluster at n = 192 and 256, both dtypes: 12 variants, clean."""
+    """The one-CTA kernel at the four tiles and the two key clusters (Q multicast or not) at n = 192 and 256, both
+    dtypes: 16 variants, clean."""
     reports = _compile.compile_family(M128_FAMILY, "sm_90a")
-    assert len(reports) == (len(_scores.M128_TILES) + 2) * len(DTYPES)
+    assert len(reports) == (len(_scores.M128_TILES) + 2 + 2) * len(DTYPES)
     assert_clean(reports, max_registers=168)
 
 
 def test_m128_sass():
     """v3: HGMMA.64xNx16 with N the CTA's keys, not serialized (DEPBAR.LE gsb0 0x1), TMA loads, setmaxnreg, no local
-    memory. The key cluster also: Q loads multicast, remote arrivals, the two remote statistics stores (ST.E.64 through
-    the cluster window) and their two shared-memory reads, three cluster barriers (init; the exchange, in the
-    consumers' and the producer's code), MEMBAR (CTA + GPU, the release arrive) and CCTL.IVALL (the acquire wait)
-    only after the mainloop's last HGMMA; the one-CTA kernel none of these."""
+    memory. The key clusters also: the two remote statistics stores (ST.E.64 through the cluster window) and their
+    two shared-memory reads, three cluster barriers (init; the exchange, in the consumers' and the producer's code),
+    MEMBAR (CTA + GPU before each release arrive) and CCTL.IVALL (after each acquire wait) outside the mainloop; with
+    the Q multicast (…_cluster2) multicast loads and remote arrivals, without it (…_localq) neither; the one-CTA
+    kernel none of these."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     cubin = _compile.family_cubin(M128_FAMILY, "sm_90a")
     kernels = sass_summary(cubin)
     listings = sass_text(cubin)
     assert len(kernels) == len(listings) == len(M128_FAMILY.name_expressions())
-    assert sum("_cluster2" in name for name in kernels) == 2 * len(DTYPES)
+    assert sum("_cluster2" in name for name in kernels) == 2 * 2 * len(DTYPES)
     for name, ops in kernels.items():
         n = int(name.split("ELi")[0].split("Li")[-1])
         text = listings[name]
@@ -435,14 +438,15 @@ def test_m128_sass():
         for op in ("LDL", "STL"):
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
         cluster = "_cluster2" in name
-        assert ("UTMALDG.4D.MULTICAST" in text) == cluster, f"{name}: multicast Q loads iff the key cluster"
-        assert ("SYNCS.ARRIVE.TRANS64.RED" in text) == cluster, f"{name}: remote arrivals iff the key cluster"
+        multicast = cluster and "_localq" not in name
+        assert ("UTMALDG.4D.MULTICAST" in text) == multicast, f"{name}: multicast Q loads iff the multicast cluster"
+        assert ("SYNCS.ARRIVE.TRANS64.RED" in text) == multicast, f"{name}: remote arrivals iff the multicast cluster"
         barriers = (ops.get("UCGABAR_ARV", 0), ops.get("UCGABAR_WAIT", 0))
         assert barriers == ((3, 3) if cluster else (0, 0)), f"{name}: cluster barriers {barriers}"
         if not cluster:
             assert not {"MEMBAR", "CCTL", "ST", "LDS"} & set(ops), f"{name}: {ops}"
             continue
-        assert ops.get("ST") == 2 and ops.get("LDS") == 2, f"{name}: statistics exchange {ops.get('ST')} {ops.get('LDS')}"
+        assert ops.get("ST") == 2 and ops.get("LDS") == 2, f"{name}: the statistics exchange: {ops}"
         lines = [line for line in text.split("\n") if re.search(r"/\*[0-9a-f]{4}\*/", line)]
         for op, count in (("MEMBAR", 4), ("CCTL.IVALL", 3)):
             assert sum(op in line for line in lines) == count, f"{name}: {op} count"
@@ -462,14 +466,15 @@ def test_m128_tiles():
         assert cluster * tile.n >= S and tile.n - 64 < -(-S // cluster), (S, tile)
         assert (cluster - 1) * tile.n < S, f"S={S}: the last CTA of the cluster holds no key"
         for dtype in ("__half", "__nv_bfloat16"):
-            assert M128_FAMILY.name_expression(kernel=_scores.M128_KERNELS[cluster], dtype=dtype,
-                                               tile=tile) in declared
+            assert M128_FAMILY.name_expression(kernel=_scores.kernel_name(3, S), dtype=dtype, tile=tile) in declared
+            assert M128_FAMILY.name_expression(kernel=_scores.kernel_name(4, S), dtype=dtype, tile=tile) in declared
         assert _scores.kernel_name(3, S) == _scores.M128_KERNELS[cluster]
+        assert _scores.kernel_name(4, S) == (_scores.M128_LOCAL_Q_KERNEL if cluster == 2 else _scores.M128_KERNELS[1])
     for S in (0, 513):
         with pytest.raises(ValueError, match="seqlen_k"):
             _scores.m128_tile_for(S)
     with pytest.raises(ValueError, match="variant"):
-        _scores.kernel_name(4, 100)
+        _scores.kernel_name(5, 100)
     for L in (1, 64, 127, 128, 129, 513):
         for S, cluster in ((200, 1), (300, 2)):
             assert _scores.m128_grid_for(3, 5, L, S) == (cluster * -(-L // 128), 5, 3)
@@ -611,7 +616,7 @@ def test_m128_epilogue_emulation_matches_softmax(S, rows):
             assert merged[(0, r)] == merged[(1, r)], f"row {r}: the two CTAs merged to different (m, l)"
 
 
-def emulate_pipeline_m128(k_blocks, stages, cluster, *, q_hi=True, n=256, seed=0, mutation=None):
+def emulate_pipeline_m128(k_blocks, stages, cluster, *, q_hi=True, multicast=True, n=256, seed=0, mutation=None):
     """v3's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax_m128), step by step for the CTAs of one
     cluster (``cluster`` 1 or 2) under a random interleaving (``seed``): per CTA the producer thread (thread 0, which
     also initializes the barriers) and the 8 consumer warps. With a key cluster rank r multicasts Q box r (rows
@@ -619,8 +624,8 @@ def emulate_pipeline_m128(k_blocks, stages, cluster, *, q_hi=True, n=256, seed=0
     locally; full[s] expects both Q boxes (one without q_hi) and the K box; empty[s] takes 16 arrivals (each warp
     arrives locally and on the peer); after the mainloop each warp stores its rows' statistics into the peer and
     every thread meets at the cluster barrier (remote arrivals and stores performed first: arrive.release), then
-    reads the statistics the peer stored and exits. TMA boxes, remote arrivals and stores land as separate events in
-    any order.
+    reads the statistics the peer stored and exits. ``multicast`` False (…_localq): each CTA loads both its Q boxes,
+    empty[s] takes the 8 local arrivals. TMA boxes, remote arrivals and stores land as separate events in any order.
 
     Checks as emulate_pipeline's (write after read, read before land, access to an exited CTA, deadlock), and: no
     box or remote arrival reaches barriers not yet initialized; a warp reads its rows' statistics only after the
@@ -630,7 +635,8 @@ def emulate_pipeline_m128(k_blocks, stages, cluster, *, q_hi=True, n=256, seed=0
     rng = random.Random(seed)
     q_box, k_box = 64 * 128, n * 128
     ctas = range(cluster)
-    remote = cluster > 1 and mutation != "local_empty"
+    multicast = multicast and cluster > 1
+    remote = multicast and mutation != "local_empty"
     full = [[_MBarrier(1) for _ in range(stages)] for _ in ctas]
     empty = [[_MBarrier(8 * (cluster if remote else 1)) for _ in range(stages)] for _ in ctas]
     ready = [False] * cluster  # barriers initialized (thread 0, before the first cluster barrier)
@@ -662,13 +668,13 @@ def emulate_pipeline_m128(k_blocks, stages, cluster, *, q_hi=True, n=256, seed=0
         if mutation != "no_init_barrier":
             yield from sync(1, me)
         expect = q_box * len(q_parts) + k_box
-        if mutation == "own_bytes_only" and cluster > 1:
+        if mutation == "own_bytes_only" and multicast:
             expect = (q_box if c == 0 or q_hi else 0) + k_box
         for kb in range(k_blocks):
             s = kb % stages
             yield lambda kb=kb, s=s: empty[c][s].ready(((kb // stages) & 1) ^ 1)
             full[c][s].arrive(tx=expect)
-            if cluster == 1:
+            if not multicast:
                 events.extend(("box", c, s, part, kb, q_box, None) for part in q_parts)
             elif c == 0 or q_hi:  # Q box `rank`, multicast to both CTAs
                 events.extend(("box", d, s, f"q{c}", kb, q_box, None) for d in ctas)
@@ -750,20 +756,22 @@ M128_PIPELINE_CASES = [  # (k_blocks, stages, q_hi)
 ]
 
 
-@pytest.mark.parametrize("cluster", [1, 2])
+@pytest.mark.parametrize("cluster,multicast", [(1, False), (2, True), (2, False)],
+                         ids=["one_cta", "key_cluster", "key_cluster_localq"])
 @pytest.mark.parametrize("k_blocks,stages,q_hi", M128_PIPELINE_CASES)
-def test_m128_pipeline_protocol_under_random_interleavings(k_blocks, stages, q_hi, cluster):
-    """v3's barrier protocol, one CTA and the key cluster (Q multicast, statistics exchange), with and without the
-    second Q box, over 150 random interleavings each: no hazard, no deadlock, clean exit."""
+def test_m128_pipeline_protocol_under_random_interleavings(k_blocks, stages, q_hi, cluster, multicast):
+    """v3's barrier protocol, one CTA and the key clusters (Q multicast or loaded by each CTA; statistics exchange),
+    with and without the second Q box, over 150 random interleavings each: no hazard, no deadlock, clean exit."""
     for seed in range(150):
-        emulate_pipeline_m128(k_blocks, stages, cluster, q_hi=q_hi, seed=seed)
+        emulate_pipeline_m128(k_blocks, stages, cluster, q_hi=q_hi, multicast=multicast, seed=seed)
 
 
-@pytest.mark.parametrize("mutation,words", [
-    ("local_empty", ("while k block",)), ("own_bytes_only", ("read stage",)),
-    ("no_init_barrier", ("before its barriers were initialized",)),
-    ("no_exchange_barrier", ("before they landed", "after it exited"))])
-def test_m128_pipeline_emulation_catches_a_broken_protocol(mutation, words):
+@pytest.mark.parametrize("mutation,words,multicast", [
+    ("local_empty", ("while k block",), True), ("own_bytes_only", ("read stage",), True),
+    ("no_init_barrier", ("before its barriers were initialized",), True),
+    ("no_exchange_barrier", ("before they landed", "after it exited"), True),
+    ("no_exchange_barrier", ("before they landed", "after it exited"), False)])
+def test_m128_pipeline_emulation_catches_a_broken_protocol(mutation, words, multicast):
     """Each deliberate break of v3's cluster protocol is caught within 300 interleavings: without remote releases
     the peer's multicast Q overwrites a stage still read; a full barrier expecting only its own producer's bytes lets
     the consumers read before the peer's Q box landed; without the barrier after the initialization a box or an
@@ -771,7 +779,7 @@ def test_m128_pipeline_emulation_catches_a_broken_protocol(mutation, words):
     (or a store reaches an exited CTA)."""
     for seed in range(300):
         try:
-            emulate_pipeline_m128(8, 3, 2, seed=seed, mutation=mutation)
+            emulate_pipeline_m128(8, 3, 2, multicast=multicast, seed=seed, mutation=mutation)
         except ProtocolError as exc:
             assert any(w in str(exc) for w in words), str(exc)
             return
@@ -802,7 +810,7 @@ def test_unsupported_reasons():
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
     assert _scores.enabled() and _scores.setting() == 1  # on by default (measured: scores_sm90.setting)
-    for value, setting in (("1", 1), ("2", 2), ("3", 3), ("0", 0), ("4", 1), ("yes", 1)):
+    for value, setting in (("1", 1), ("2", 2), ("3", 3), ("4", 4), ("0", 0), ("5", 1), ("yes", 1)):
         monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
         assert _scores.setting() == setting and _scores.enabled() == (setting > 0), value
     from cupy_attn.runtime import callcache
@@ -810,20 +818,22 @@ def test_switch_reads_the_environment(monkeypatch):
 
 
 def test_split_details_name_the_variant(monkeypatch):
-    """explain()'s split-path details under CUPY_ATTN_SPLIT_FUSED=1, 2, 3: the kernel the switch and S take, its tile."""
+    """explain()'s split-path details under CUPY_ATTN_SPLIT_FUSED=1-4: the kernel the switch and S take, its tile."""
     from cupy_attn.attention import dispatch
-    for S, v3 in ((300, "scores_softmax_sm90_m128_cluster2"), (200, "scores_softmax_sm90_m128")):
+    for S, v3, v4 in ((300, "scores_softmax_sm90_m128_cluster2", "scores_softmax_sm90_m128_cluster2_localq"),
+                      (200, "scores_softmax_sm90_m128", "scores_softmax_sm90_m128")):
         p = _problem(seqlen_k=S, key=_bhsd(2, 4, S, 1024), value=_bhsd(2, 4, S, 1024), batch=2, num_heads=4,
                      seqlen_q=100)
         if _scores.unsupported_reason(p, 90) is not None:
             pytest.skip(_scores.unsupported_reason(p, 90))  # cuda-bindings missing
         for value, name, tile in (("1", "scores_softmax_sm90", "64 rows x"), ("2", "scores_softmax_sm90_cluster2",
-                                                                              "64 rows x"), ("3", v3, "128 rows x")):
+                                                                              "64 rows x"), ("3", v3, "128 rows x"),
+                                  ("4", v4, "128 rows x")):
             monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
             details = dispatch.split_details(p, 90)
             assert details["schedule"].startswith(name + " ") and f"={value})" in details["schedule"], details
             assert details["scores kernel"].startswith(tile), details
-        assert ("along the keys" in details["scores kernel"]) == (S > 256), details
+            assert ("along the keys" in details["scores kernel"]) == (S > 256 and value in "34"), details
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -834,8 +844,8 @@ def _torch():
 
 
 def _run_kernel(q, k, scale, ld, variant=1):
-    """The kernel alone (variant: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2, 3 = v3, the
-    scores_softmax_sm90_m128 kernel its seqlen_k takes) on torch CUDA tensors (passed as CuPy views): (P (B, Hq, L, ld),
+    """The kernel alone (variant: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2, 3 / 4 = the v3 kernel
+    its seqlen_k takes, scores_sm90.kernel_name) on torch CUDA tensors (passed as CuPy views): (P (B, Hq, L, ld),
     lse (B, Hq, L)) as torch tensors, both NaN-poisoned before the launch and each followed in memory by a poisoned
     tail of 64 rows that must stay NaN (the last row block, or a cluster's padding CTA, writing past L would land
     there)."""
@@ -849,8 +859,8 @@ def _run_kernel(q, k, scale, ld, variant=1):
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
     launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant)
     assert launch.grid[0] % launch.cluster == 0, launch.grid
-    rows = launch.grid[0] // launch.cluster * 128 if variant == 3 else launch.grid[0] * 64
-    assert rows >= L > rows - (128 if variant == 3 else 64 * launch.cluster), (launch.grid, L)
+    rows = launch.grid[0] // launch.cluster * 128 if variant >= 3 else launch.grid[0] * 64
+    assert rows >= L > rows - (128 if variant >= 3 else 64 * launch.cluster), (launch.grid, L)
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
     torch.cuda.synchronize()
     assert bool(torch.isnan(P_all[n_p:]).all()) and bool(torch.isnan(lse_all[n_lse:]).all()), \
@@ -902,7 +912,7 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, variant=1, 
     np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3, err_msg=what)
 
 
-VARIANT_IDS = {1: "cluster1", 2: "cluster2", 3: "m128"}
+VARIANT_IDS = {1: "cluster1", 2: "cluster2", 3: "m128", 4: "m128_localq"}
 VARIANTS = pytest.mark.parametrize("variant", _scores.VARIANTS, ids=lambda v: VARIANT_IDS[v])
 
 
@@ -916,9 +926,11 @@ def test_smoke(variant):
 
 
 @pytest.mark.gpu
-def test_smoke_m128_key_cluster():
-    """v3's key cluster (S = 300 > 256: two CTAs of 192 keys) on one row block of 100 rows (-k "smoke and m128")."""
-    _check_kernel(1, 2, 2, 100, 300, 320, "float16", variant=3)
+@pytest.mark.parametrize("variant", [3, 4], ids=lambda v: VARIANT_IDS[v])
+def test_smoke_m128_key_cluster(variant):
+    """v3's key clusters (S = 300 > 256: two CTAs of 192 keys; Q multicast or not) on one row block of 100 rows
+    (-k "smoke and m128")."""
+    _check_kernel(1, 2, 2, 100, 300, 320, "float16", variant=variant)
 
 
 CASES = [  # (B, Hq, Hkv, L, S, D); row blocks ⌈L/64⌉ odd in several (the cluster kernel's padding CTA)
@@ -961,10 +973,13 @@ M128_CASES = [  # (B, Hq, Hkv, L, S, D) for v3: odd L, S ∈ {1, 64, 200, 256, 3
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [3, 4], ids=lambda v: VARIANT_IDS[v])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,Hq,Hkv,L,S,D", M128_CASES)
-def test_kernel_m128(B, Hq, Hkv, L, S, D, dtype):
-    _check_kernel(B, Hq, Hkv, L, S, D, dtype, variant=3, seed=L + S)
+def test_kernel_m128(B, Hq, Hkv, L, S, D, dtype, variant):
+    if variant == 4 and S <= 256:
+        pytest.skip("S ≤ 256: variant 4 runs variant 3's one-CTA kernel")
+    _check_kernel(B, Hq, Hkv, L, S, D, dtype, variant=variant, seed=L + S)
 
 
 @pytest.mark.gpu
@@ -987,10 +1002,10 @@ def test_kernel_bshd_layout(variant):
 @VARIANTS
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_public_api_with_switch(monkeypatch, dtype, variant):
-    """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 (the one-CTA kernel), 2 (the cluster kernel) or 3
-    (v3; S = 300: its key cluster) at a head dim no fused kernel serves: the split path's schedule is that kernel →
-    cuBLAS P·V (explain() says so); out and lse against float64; a second call on new arrays replays the cached
-    launch (new tensor maps)."""
+    """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 (the one-CTA kernel), 2 (the cluster kernel), 3
+    (v3; S = 300: its key cluster) or 4 (v3's key cluster without multicast) at a head dim no fused kernel serves:
+    the split path's schedule is that kernel → cuBLAS P·V (explain() says so); out and lse against float64; a second
+    call on new arrays replays the cached launch (new tensor maps)."""
     import cupy_attn
     from cupy_attn import reference
     torch = _torch()
@@ -1014,25 +1029,28 @@ def test_public_api_with_switch(monkeypatch, dtype, variant):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("variant", [3, 4], ids=lambda v: VARIANT_IDS[v])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("S", [1, 64, 200, 256, 300, 512])
 @pytest.mark.parametrize("q_scale", [1.0, 8.0], ids=["normal", "large_logits"])
-def test_public_api_m128(monkeypatch, dtype, S, q_scale):
-    """v3 forced (CUPY_ATTN_SPLIT_FUSED=3) through scaled_dot_product_attention on the split path: GQA (8 query heads
-    on 2), odd L = 133 (two row blocks, the second with 5 rows: one Q box), E = 320, Ev = 200; explain() names the
-    kernel its S takes; out and lse against float64 and torch's same-precision error. Outputs poisoned first (NaN
-    blocks of their sizes freed into torch's allocator), so an unwritten element fails."""
+def test_public_api_m128(monkeypatch, dtype, S, q_scale, variant):
+    """v3 forced (CUPY_ATTN_SPLIT_FUSED=3, or 4 for S > 256) through scaled_dot_product_attention on the split path:
+    GQA (8 query heads on 2), odd L = 133 (two row blocks, the second with 5 rows: one Q box), E = 320, Ev = 200;
+    explain() names the kernel its S takes; out and lse against float64 and torch's same-precision error. Outputs
+    poisoned first (NaN blocks of their sizes freed into torch's allocator), so an unwritten element fails."""
     import cupy_attn
     from cupy_attn import reference
+    if variant == 4 and S <= 256:
+        pytest.skip("S ≤ 256: variant 4 runs variant 3's one-CTA kernel")
     torch = _torch()
-    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "3")
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(variant))
     gen = torch.Generator(device="cuda").manual_seed(S)
     dt = getattr(torch, dtype)
     q = (torch.randn(2, 8, 133, 320, generator=gen, device="cuda") * q_scale).to(dt)
     k = torch.randn(2, 2, S, 320, generator=gen, device="cuda").to(dt)
     v = torch.randn(2, 2, S, 200, generator=gen, device="cuda").to(dt)
     plan = cupy_attn.explain(q, k, v, enable_gqa=True, backend="split")
-    assert plan.details["schedule"].startswith(_scores.kernel_name(3, S) + " "), str(plan)
+    assert plan.details["schedule"].startswith(_scores.kernel_name(variant, S) + " "), str(plan)
     ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), enable_gqa=True,
                                                           return_lse=True)
     if q_scale > 1:
@@ -1043,5 +1061,5 @@ def test_public_api_m128(monkeypatch, dtype, S, q_scale):
     del junk
     out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, backend="split", return_lse=True)
     torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    assert_close(out, ref, dtype, torch_out, what=f"v3 public S={S} q_scale={q_scale} {dtype}")
+    assert_close(out, ref, dtype, torch_out, what=f"variant {variant} public S={S} q_scale={q_scale} {dtype}")
     np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3)

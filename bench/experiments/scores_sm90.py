@@ -1,16 +1,19 @@
 """Issue 14 A/B: the split path without the Hopper scores kernel, with it (scores_softmax_sm90: Q·Kᵀ with the
 softmax in its epilogue, then cuBLAS P·V), with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs sharing
 K by TMA multicast) and with v3 (scores_softmax_sm90_m128[_cluster2]: 128 rows × ≤ 256 keys per CTA, keys over a
-cluster of two for S > 256), same process, interleaved rounds; and the three kernels alone, interleaved.
+cluster of two for S > 256; CUPY_ATTN_SPLIT_FUSED=4 the same cluster loading Q in each CTA instead of by
+multicast), same process, rotated rounds; and the kernels alone, rotated.
 
 Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms
-(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0, 1, 2 and 3, each round all four; each kernel alone (ms, TFLOP/s
+(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0-4, each round all five; each kernel alone (ms, TFLOP/s
 counting 2·B·H·L·S·D; best of the rounds, which rotate the kernels); max |out − ref| against torch's fp32
-attention on the same inputs (TF32 off). v1 and v2 must agree bit for bit; v3 (another exp2 and the cluster's merge)
-is shown as its max |ΔP| and |Δlse| against v1. A hang (mbarrier/TMA) ends the run after 60 s (common.wait_or_die).
+attention on the same inputs (TF32 off). v1 and v2 must agree bit for bit; v3 and 4 (another exp2 and the
+cluster's merge) are shown as their max |ΔP| and |Δlse| against v1. A hang (mbarrier/TMA) ends the run after 60 s
+(common.wait_or_die).
 
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py            # three shapes, fp16 + bf16
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --quick    # seed (32,32,512,1024) fp16, 1 round
+    PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --fp16     # three shapes, fp16 only
 """
 import os
 import sys
@@ -57,7 +60,8 @@ def _max_active_clusters(launch) -> str:
 
 
 MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V",
-         "3": "v3 scores kernel (128 rows, key cluster) + P·V"}
+         "3": "v3 scores kernel (128 rows, key cluster) + P·V",
+         "4": "v3 scores kernel, Q loaded by each CTA of the key cluster + P·V"}
 
 
 def run_shape(shape, dt, rounds):
@@ -99,8 +103,9 @@ def run_shape(shape, dt, rounds):
         wait_or_die(f"{scores_sm90.kernel_name(m, S)} alone")
         outs[m] = (P, lse)
     same = all(bool((outs[1][i][..., :S] == outs[2][i][..., :S]).all()) for i in (0, 1))
-    d_p = float(cupy.abs(outs[3][0][..., :S].astype(cupy.float32) - outs[1][0][..., :S].astype(cupy.float32)).max())
-    d_lse = float(cupy.abs(outs[3][1] - outs[1][1]).max())
+    d_p = {m: float(cupy.abs(outs[m][0][..., :S].astype(cupy.float32) - outs[1][0][..., :S].astype(cupy.float32))
+                    .max()) for m in (3, 4)}
+    d_lse = {m: float(cupy.abs(outs[m][1] - outs[1][1]).max()) for m in (3, 4)}
     k_ms = {m: [] for m in kernels}
     for r in range(max(rounds, 3)):
         order = list(kernels)[r % len(kernels):] + list(kernels)[:r % len(kernels)]  # rotated: no fixed first
@@ -118,10 +123,11 @@ def run_shape(shape, dt, rounds):
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
               f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
               f"{_max_active_clusters(launch)}", flush=True)
-    print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x the one-CTA kernel, v3 "
-          f"{min(k_ms[1]) / min(k_ms[3]):.3f}x; v1/v2 outputs {'identical' if same else 'DIFFER'}; v3 vs v1: max "
-          f"|dP| {d_p:.2e}, max |dlse| {d_lse:.2e}", flush=True)
-    for mode in ("1", "2", "3"):
+    print(f"{name} kernels alone, speed over the one-CTA kernel: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x, v3 "
+          f"{min(k_ms[1]) / min(k_ms[3]):.3f}x, v3 without multicast {min(k_ms[1]) / min(k_ms[4]):.3f}x; v1/v2 outputs "
+          f"{'identical' if same else 'DIFFER'}; against v1, v3: max |dP| {d_p[3]:.2e}, |dlse| {d_lse[3]:.2e}; "
+          f"without multicast: {d_p[4]:.2e}, {d_lse[4]:.2e}", flush=True)
+    for mode in ("1", "2", "3", "4"):
         print(f"{name} speedup over cuBLAS + softmax ({MODES[mode]}): whole {min(whole['0']) / min(whole[mode]):.3f}x, "
               f"device {min(dev['0']) / min(dev[mode]):.3f}x", flush=True)
 
@@ -129,7 +135,7 @@ def run_shape(shape, dt, rounds):
 def main():
     quick = "--quick" in sys.argv
     for shape in SHAPES[:1] if quick else SHAPES:
-        for dt in (torch.float16,) if quick else (torch.float16, torch.bfloat16):
+        for dt in (torch.float16,) if quick or "--fp16" in sys.argv else (torch.float16, torch.bfloat16):
             run_shape(shape, dt, 1 if quick else 3)
 
 

@@ -351,7 +351,8 @@ struct SharedStorageM128 {
 // The v3 kernel body: a CTA computes 128 query rows × kN keys (keys rank·kN ... rank·kN + kN − 1 of the row block
 // m0 ... m0 + 127), consumer warpgroup w the 64 rows m0 + 64w ...: the same m64nkNk16 wgmma and kN/2 accumulators
 // per thread as v1, but each k step brings 16 KB of Q and kN·128 bytes of K (48 KB at kN = 256) for both warpgroups'
-// 2·64·kN·64 multiply-adds: 87 FLOP per byte of shared-memory ingress at kN = 256 (v1: 58; cuBLAS's 128 × 256: 85).
+// 2·64·kN·64 multiply-adds: 85 FLOP per byte of shared-memory ingress at kN = 256, cuBLAS's 128 × 256 tile's ratio
+// (v1: 57).
 // A warpgroup owns whole rows of the CTA's keys, so a row's statistics need no exchange inside the CTA.
 //
 // kClusterN = 1 (S ≤ kN ≤ 256): the CTA holds whole rows; P = 2^(s·c − m·c) / l as in v1.
@@ -365,18 +366,23 @@ struct SharedStorageM128 {
 // on its own, not contracted into an FMA, so both add the same two floats and get identical m and l) and write
 // exact P = 2^(s·c − m_r·c)·2^(m_r·c − m·c) / l for their kN keys; rank 0 writes lse. One exchange (both statistics
 // at once) instead of max, barrier, sum, barrier: one cluster barrier less on the epilogue's critical path.
+// kMulticastQ = false (the A/B against v2's experience, where coupling two CTAs' rings by multicast measured slower):
+// each CTA of the key cluster loads both Q boxes itself, its ring is its own (empty[s]: 8 local arrivals, no remote
+// ones), and the cluster meets only at the initialization and the exchange.
 // The barrier is also the exit barrier: every remote access (multicast Q, remote arrivals, the statistics store)
 // precedes its thread's arrive.release, so no CTA exits while its peer may still touch it. Every thread of both CTAs
 // reaches it: the grid has no padding CTAs (both CTAs of a cluster share the row block), and a row block whose
 // second 64 rows lie past L loads no second Q box (warpgroup 1 multiplies stale shared memory; its rows are not
 // stored).
-template <typename T, int kN, int kStages, int kClusterN>
+template <typename T, int kN, int kStages, int kClusterN, bool kMulticastQ>
 __device__ __forceinline__ void scores_softmax_m128(const ScoresSm90Params& p) {
   using Smem = SharedStorageM128<T, kN, kStages>;
   static_assert(kN % 64 == 0 && kN <= 256, "K boxes of at most 256 rows, 64-row multiples");
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
   static_assert(kClusterN == 1 || kClusterN == 2, "one CTA per row block, or two splitting the keys");
+  static_assert(kClusterN > 1 || !kMulticastQ, "multicast needs a cluster");
+  constexpr int kShared = kMulticastQ ? kClusterN : 1;  // CTAs whose producers write into each stage
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);  // the same offsets in both CTAs of a cluster: multicast and remote stores rely on it
@@ -389,12 +395,14 @@ __device__ __forceinline__ void scores_softmax_m128(const ScoresSm90Params& p) {
     #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8 * kClusterN);  // lane 0 of each consumer warp, of every CTA in the cluster
+      tma::mbar_init(&ss.empty[s], 8 * kShared);  // lane 0 of each consumer warp, of every CTA writing stage s
     }
     tma::fence_barrier_init();
   }
   if constexpr (kClusterN > 1) {
-    tma::cluster_arrive_relaxed();  // the peer's multicast and remote arrivals find initialized barriers
+    // The peer's multicast and remote arrivals find initialized barriers; and both CTAs have started before either
+    // stores into the other's shared memory.
+    tma::cluster_arrive_relaxed();
     tma::cluster_wait();
   } else {
     __syncthreads();
@@ -415,7 +423,7 @@ __device__ __forceinline__ void scores_softmax_m128(const ScoresSm90Params& p) {
         // In a cluster the peer's Q box may land before this expect_tx (the transaction count goes negative).
         tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
         T* q = ss.q + s * kBlockM128 * 64;
-        if constexpr (kClusterN > 1) {
+        if constexpr (kMulticastQ) {
           if (rank == 0 || q_hi)
             tma::load_4d_multicast(q + rank * 64 * 64, &p.tma_q, &ss.full[s], 0x3, kb * 64, m0 + 64 * rank, h, b);
         } else {
@@ -461,7 +469,7 @@ __device__ __forceinline__ void scores_softmax_m128(const ScoresSm90Params& p) {
       __syncwarp();
       if (lane == 0) {
         tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-        if constexpr (kClusterN > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+        if constexpr (kMulticastQ) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
       }
     }
   }
@@ -589,7 +597,7 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
 // v3. Grid (⌈L / 128⌉, Hq, B): 128 query rows × kN ≥ S keys per CTA (S ≤ 256).
 template <typename T, int kN, int kStages>
 __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_m128(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_m128<T, kN, kStages, 1>(p);
+  scores_sm90::scores_softmax_m128<T, kN, kStages, 1, false>(p);
 }
 
 // v3 for 256 < S ≤ 2·kN. Grid (2·⌈L / 128⌉, Hq, B) in clusters of (2, 1, 1): CTAs 2i and 2i + 1 = keys 0 ... kN − 1
@@ -597,7 +605,14 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_m128(const __grid_
 template <typename T, int kN, int kStages>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
     scores_softmax_sm90_m128_cluster2(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_m128<T, kN, kStages, 2>(p);
+  scores_sm90::scores_softmax_m128<T, kN, kStages, 2, true>(p);
+}
+
+// The same without the Q multicast: each CTA loads its row block's Q itself (CUPY_ATTN_SPLIT_FUSED=4, the A/B).
+template <typename T, int kN, int kStages>
+__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
+    scores_softmax_sm90_m128_cluster2_localq(const __grid_constant__ ScoresSm90Params p) {
+  scores_sm90::scores_softmax_m128<T, kN, kStages, 2, false>(p);
 }
 
 }  // namespace cupy_attn

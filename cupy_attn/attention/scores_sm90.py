@@ -12,7 +12,8 @@ adjacent row blocks share each K tile by TMA multicast, half the L2 → shared-m
 ``CUPY_ATTN_SPLIT_FUSED=3`` runs v3 (:data:`M128_KERNELS`, family SCORES_SOFTMAX_SM90_M128): 128 query rows × at most
 256 keys per CTA, for S > 256 the keys split over a cluster of two CTAs that share Q by multicast and merge their rows'
 max and sum through distributed shared memory (48 KB of shared-memory ingress per 64-column k step instead of 72 KB
-for the same 4.2 MFLOP).
+for the same 4.2 MFLOP). ``CUPY_ATTN_SPLIT_FUSED=4``: v3 whose key cluster loads Q in each CTA (no multicast: the
+two CTAs' rings stay apart; :data:`M128_LOCAL_Q_KERNEL`), for the A/B.
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -41,7 +42,10 @@ BLOCK_M128 = 128     # query rows per CTA in v3 (two consumer warpgroups of 64 r
 # v3: CTAs per cluster along the keys -> the kernel. 1: S ≤ 256, the CTA holds whole rows; 2: 256 < S ≤ 512, CTA
 # rank r holds keys r·n ... r·n + n − 1 of 128 rows and the two merge their row statistics.
 M128_KERNELS = {1: "scores_softmax_sm90_m128", 2: "scores_softmax_sm90_m128_cluster2"}
-VARIANTS = (1, 2, 3)  # CUPY_ATTN_SPLIT_FUSED values that run a scores kernel: v1, v2 (KERNELS[1], [2]), v3
+# The key cluster without the Q multicast (each CTA loads its row block's Q; the CTAs meet only to merge statistics):
+# v2's multicast measured slower than v1, so the coupling of two rings is a suspect of its own.
+M128_LOCAL_Q_KERNEL = "scores_softmax_sm90_m128_cluster2_localq"
+VARIANTS = (1, 2, 3, 4)  # CUPY_ATTN_SPLIT_FUSED values that run a scores kernel: v1, v2, v3, v3 without multicast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +105,13 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
     arch="sm_90a",
 )
 
-# v3 (same source and parameters): the one-CTA kernel at every tile (S ≤ 256), the key cluster at the tiles that
-# 256 < S ≤ 512 takes (n = 192, 256: m128_tile_for).
+# v3 (same source and parameters): the one-CTA kernel at every tile (S ≤ 256), the key clusters (with and without
+# the Q multicast) at the tiles that 256 < S ≤ 512 takes (n = 192, 256: m128_tile_for).
 SCORES_SOFTMAX_SM90_M128 = KernelFamily(
     name="scores_softmax_sm90_m128",
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.n}, {tile.stages}>",
-    axes={"kernel": tuple(M128_KERNELS.values()), "dtype": tuple(_C_TYPES.values()),
+    axes={"kernel": (*M128_KERNELS.values(), M128_LOCAL_Q_KERNEL), "dtype": tuple(_C_TYPES.values()),
           "tile": tuple(M128_TILES.values())},
     where=lambda row: row["kernel"] == M128_KERNELS[1] or row["tile"].n >= 192,
     archs=("sm_90a",),
@@ -119,11 +123,12 @@ SCORES_SOFTMAX_SM90_M128 = KernelFamily(
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
     64-row block; the default, unset or any other value), 2 (its cluster variant: CTA pairs sharing K by TMA
-    multicast), 3 (v3: 128 rows per CTA, keys over a cluster of two for S > 256; untimed). Measured on an H200
+    multicast), 3 (v3: 128 rows per CTA, keys over a cluster of two for S > 256; untimed), 4 (v3 with each CTA of
+    the key cluster loading Q itself, no multicast; untimed). Measured on an H200
     (session 7, bench/experiments/scores_sm90.py, device time against the cuBLAS + softmax-pass schedule): 1 at
     0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at
     0.84-0.97x of 1 (bench/NOTES_split.md)."""
-    return {"0": 0, "2": 2, "3": 3}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
+    return {"0": 0, "2": 2, "3": 3, "4": 4}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
 
 
 def enabled() -> bool:
@@ -212,22 +217,26 @@ def m128_grid_for(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int) -> t
 
 
 def kernel_name(variant: int, seqlen_k: int) -> str:
-    """The kernel a :func:`setting` value (1, 2, 3) runs at seqlen_k keys.
+    """The kernel a :func:`setting` value (1-4) runs at seqlen_k keys.
 
-    >>> kernel_name(1, 512), kernel_name(3, 256), kernel_name(3, 257)
-    ('scores_softmax_sm90', 'scores_softmax_sm90_m128', 'scores_softmax_sm90_m128_cluster2')
+    >>> kernel_name(1, 512), kernel_name(3, 256), kernel_name(3, 257), kernel_name(4, 256), kernel_name(4, 512)
+    ('scores_softmax_sm90', 'scores_softmax_sm90_m128', 'scores_softmax_sm90_m128_cluster2', \
+'scores_softmax_sm90_m128', 'scores_softmax_sm90_m128_cluster2_localq')
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant={variant}: the scores kernel's variants are {VARIANTS}")
-    return KERNELS[variant] if variant < 3 else M128_KERNELS[m128_tile_for(seqlen_k)[0]]
+    if variant < 3:
+        return KERNELS[variant]
+    cluster = m128_tile_for(seqlen_k)[0]
+    return M128_LOCAL_Q_KERNEL if variant == 4 and cluster == 2 else M128_KERNELS[cluster]
 
 
 def describe_tile(variant: int, seqlen_k: int) -> str:
     """One line on the CTA tile of a variant at seqlen_k keys (explain()'s "scores kernel")."""
-    if variant == 3:
+    if variant >= 3:
         cluster, tile = m128_tile_for(seqlen_k)
-        keys = (", clusters of 2 CTAs along the keys (Q multicast, row max and sum merged through distributed shared "
-                "memory)" if cluster == 2 else "")
+        keys = (f", clusters of 2 CTAs along the keys ({'Q multicast' if variant == 3 else 'Q loaded by each'}, row "
+                f"max and sum merged through distributed shared memory)" if cluster == 2 else "")
         return f"{BLOCK_M128} rows x {tile.n} keys per CTA, {tile.stages} TMA stages{keys}"
     tile = tile_for(seqlen_k)
     return (f"{BLOCK_M} rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
@@ -238,15 +247,15 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1) -> "ScoresLau
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
     elements apart. variant: 1 (scores_softmax_sm90), 2 (scores_softmax_sm90_cluster2, K shared by TMA multicast;
-    its grid from :func:`grid_for`) or 3 (v3, :func:`m128_tile_for` and :func:`m128_grid_for`). Raises ValueError for
-    an odd or short ld or another variant."""
+    its grid from :func:`grid_for`), 3 (v3, :func:`m128_tile_for` and :func:`m128_grid_for`) or 4 (v3 without the Q
+    multicast). Raises ValueError for an odd or short ld or another variant."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 2:
         raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
     name = kernel_name(variant, S)
     dtype = _C_TYPES[dtype_name(q.dtype)]
-    if variant == 3:
+    if variant >= 3:
         cluster, tile = m128_tile_for(S)
         grid = m128_grid_for(B, Hq, L, S)
         kernel = SCORES_SOFTMAX_SM90_M128.kernel(kernel=name, dtype=dtype, tile=tile)
@@ -299,7 +308,7 @@ class ScoresLaunch:
 
     def describe(self) -> str:
         seqlen_k = int(self.params["seqlen_k"])
-        if self.variant == 3:
+        if self.variant >= 3:
             gemm = f"wgmma m64n{self.tile.n} x 2 warpgroups of 64 rows"
         else:
             gemm = f"wgmma m64n{self.tile.half_n} x 2 warpgroups"
