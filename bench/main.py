@@ -3,7 +3,7 @@
     python bench/main.py [--quick]
 
 With a CUDA GPU: SDPA on the headline shape (32, 32, 512, 1024) in fp16/bf16/fp32 plus sweeps, the fused attention
-benchmark, and Linear → BatchNorm1d → scale → softmax on x (1024, 8192); tables printed, JSON and plots in bench/out/.
+benchmark, Linear → BatchNorm1d → scale → softmax on x (1024, 8192), the training step and decode; tables printed, JSON and plots in bench/out/.
 Without one: says so, runs the float64 reference on a small problem (checked against torch's CPU float64 SDPA when
 torch is installed) and the NVRTC compile check of every kernel variant for sm_80 and sm_90 (and sm_90a for the wgmma
 kernel), compiled in parallel into the compile cache that the tests and first kernel calls then read; exits 0 when both
@@ -59,14 +59,15 @@ TITLES = {"bench_sdpa": "scaled_dot_product_attention (seed shape (32, 32, 512, 
           "bench_flash": "Fused attention kernel (head dims ≤ 256)",
           "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192 (forward; "
                                      "train step: forward + backward)",
-          "bench_backward": "Training: forward + backward of scaled_dot_product_attention"}
+          "bench_backward": "Training: forward + backward of scaled_dot_product_attention",
+          "bench_decode": "Decode (one query row against a long KV cache), K+V bandwidth"}
 
 
 def gpu_job(quick: bool) -> int:
     env = environment()
     print(env, flush=True)
     sections = []
-    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax", "bench_backward"):
+    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax", "bench_backward", "bench_decode"):
         try:
             mod = importlib.import_module(name)
         except ImportError as exc:
