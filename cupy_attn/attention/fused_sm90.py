@@ -337,14 +337,16 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> "Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1",
+            block_n: int | None = None) -> "Sm90Launch":
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
     layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
-    and persistent)."""
+    and persistent); block_n: the key-tile width to run where offered (:func:`tile_for`; None: CUPY_ATTN_FA3_BLOCK_N,
+    or the default). ValueError for a CUPY_ATTN_FA3_BLOCK_N offered nowhere."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
-    tile, _ = tile_for(mode, D, causal is not None)
+    tile, _ = tile_for(mode, D, causal is not None, block_n)
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)
