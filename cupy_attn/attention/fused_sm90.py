@@ -90,6 +90,7 @@ SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, ti
 # CUPY_ATTN_FA3 mode (dispatch.fa3_mode) -> its tile table.
 MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
 
+
 @dataclasses.dataclass(frozen=True)
 class WideBlockN:
     """Where a wider key tile of SM90_WIDE_BLOCK_N is offered: the CUPY_ATTN_FA3 modes it is built for, and whether
@@ -119,7 +120,7 @@ SM90_WIDE_BLOCK_N = {
         # 88 S + 44 P + 64 O = 196 (R200 / R231 / R237); 209 KB. Causal calls keep 128, as FlashAttention-3's do.
         176: WideBlockN(),
         # 96 S + 48 P + 64 O = 208 (R212); 225 KB. Ping-pong only: the overlap spills 40 bytes (FlashAttention-3
-        # offers 128×192 without its RS P·V and overlap only, "{128, 192, false, false} ... quite good too").
+        # names 128×192 only with P through shared memory and no overlap: "{128, 192, false, false} ... quite good").
         192: WideBlockN(modes="1"),
     },
     256: {
