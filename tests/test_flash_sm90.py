@@ -10,12 +10,6 @@ fused.prepare really chose this kernel and variant (and, persistent, its grid).
 
     PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_sm90.py
     PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_sm90.py -k persistent   # the variant alone
-    PYTHONPATH=. timeout 2400 python3 -m pytest -m gpu tests/test_flash_sm90.py -k wide   # the wider key tiles alone
-
-The wider key tiles (CUPY_ATTN_FA3_BLOCK_N, fused_sm90.SM90_WIDE_BLOCK_N) are tested in every mode they are built
-for, on CPU (compile, SASS shapes and the overlap's placement of the exponentials, the shared-memory addressing in
-NumPy, the tile choice) and on the GPU (test_wide_*: partial last key blocks, causal masks where offered, GQA, padded
-head dims, many tiles, BSHD views, the public API with its call cache).
 
 A hang (a barrier protocol mistake) is ended by ``timeout``; the persistent variant's barrier invariants are in
 cuda_src/attention/sm90/mainloop.cuh.
@@ -31,12 +25,10 @@ import sys
 import numpy as np
 import pytest
 
-from cupy_attn import reference
 from cupy_attn.attention import fused as _flash
 from cupy_attn.attention import fused_sm90 as _sm90
 from cupy_attn.runtime import compile as _compile
 from _compile_checks import assert_clean
-from _tolerance import as_f64
 
 FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
@@ -46,11 +38,9 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    # dtypes × (bucket, qk_dim) pairs × (the modes' default tiles, and the wider key tiles of their modes)
-    qk_dims = {d: 1 + len(_sm90.SM90_QK_DIMS.get(d, ())) for d in _sm90.SM90_TILES}
-    defaults = len(_sm90.MODE_TILES) * sum(qk_dims.values())
-    wide = sum(len(w.modes) * qk_dims[d] for d, ns in _sm90.SM90_WIDE_BLOCK_N.items() for w in ns.values())
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * (defaults + wide)
+    # dtypes × variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs
+    qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.MODE_TILES) * qk_dims
     assert_clean(reports, max_registers=168)
 
 
@@ -100,40 +90,16 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     and in the persistent variant; at D = 96 also with the S GEMM stopping at 80 columns."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    mode = {"SM90_OVERLAP_TILES": "2", "SM90_PERSISTENT_TILES": "3"}[table]
     for dtype in _sm90._C_TYPES.values():
         for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
             expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk)
-            between = _ex2_between_waits(_variant_sass(expr))
+            text = next(iter(sass_text(_compile.whole_cubin(
+                _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
+            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+            first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
+            second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+            between = sum(op.startswith("MUFU.EX2") for op in ops[first:second])
             assert between >= d // 2, f"{expr}: {between} MUFU.EX2 between the waits"
-        # The wider key tiles (mainloop.cuh: kWideTile pins the exponentials): every one of S's block_n / 2 per thread,
-        # D = 256 × 80 included, and at D = 128 × 176 with the S GEMM stopping at 80 columns as well.
-        for d, n in _wide(mode):
-            for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
-                expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.wide_tile(mode, d, n), qk_dim=qk)
-                between = _ex2_between_waits(_variant_sass(expr))
-                assert between >= n // 2, f"{expr}: {between} MUFU.EX2 between the waits"
-
-
-def _wide(mode: str) -> list:
-    """(bucket, block_n) of the wider key tiles offered in a CUPY_ATTN_FA3 mode."""
-    return [(d, n) for d, ns in sorted(_sm90.SM90_WIDE_BLOCK_N.items()) for n, w in sorted(ns.items())
-            if mode in w.modes]
-
-
-def _variant_sass(expr: str) -> str:
-    """The ``cuobjdump -sass`` listing of one variant of the family (compiled or read from the cache)."""
-    return next(iter(sass_text(_compile.whole_cubin(
-        _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
-
-
-def _ex2_between_waits(text: str) -> int:
-    """MUFU.EX2 instructions between the overlap mainloop's first ``wgmma.wait_group 1`` and the ``wait_group 0``
-    after it (the softmax of S_i while P_{i-1} V_{i-1} runs)."""
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
-    first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
-    second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
-    return sum(op.startswith("MUFU.EX2") for op in ops[first:second])
 
 
 def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
@@ -170,30 +136,6 @@ def test_head_dim_96_sass_shapes(dtype):
             assert "0x40000040" not in text, f"{expr}: a 128-byte-swizzle descriptor (SBO 1024)"
 
 
-@pytest.mark.parametrize("mode", sorted(_sm90.MODE_TILES))
-@pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
-def test_wide_tile_sass_shapes(dtype, mode):
-    """The wider key tiles in the SASS: S = Q Kᵀ as HGMMA.64x{block_n}x16 (qk_dim / 16 k steps: 64x176x16 and 64x80x16
-    exist, wgmma's N being any multiple of 8), P·V as HGMMA.64x{D}x16 over block_n / 16 k steps of 16 keys (11 at
-    176, 5 at 80), A from registers, B transposed (V MN-major); no local memory; the 128-byte-swizzle descriptors."""
-    if _cuobjdump() is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    suffix = ".BF16" if "bfloat16" in dtype else ""
-    turns = 1 if mode == "1" else 2  # overlap: S_0 before the loop and the last P·V after it
-    for d, n in _wide(mode):
-        for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=_sm90.wide_tile(mode, d, n), qk_dim=qk)
-            text = _variant_sass(expr)
-            shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)
-            assert shapes.count(f"64x{n}x16") == qk // 16 * turns, (expr, shapes)
-            assert shapes.count(f"64x{d}x16") == n // 16 * turns, (expr, shapes)
-            assert len(shapes) == (qk + n) // 16 * turns, (expr, shapes)
-            assert len(re.findall(rf"HGMMA\.64x{d}x16\S* R\d+, R\d+, gdesc\[UR\d+\]\.tnspB", text)) == n // 16 * turns
-            for op in ("LDL", "STL"):
-                assert not re.search(rf"\b{op}\b", text), f"{expr}: local memory ({op})"
-            assert "0x40000040" in text, f"{expr}: no 128-byte-swizzle descriptor (SBO 1024)"
-
-
 def test_tiles():
     declared = set(FAMILY.name_expressions())
     assert set(_sm90.MODE_TILES) == {"1", "2", "3"}
@@ -210,110 +152,6 @@ def test_tiles():
                     assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
 
 
-def test_wide_tiles():
-    """Every wider key tile: a multiple of 16 keys (the P·V k step) up to 256 (TMA's box, wgmma's N), an S GEMM shape
-    the wgmma header has, at most setmaxnreg's 240 registers in its arrays, shared memory within 227 KB in every mode
-    it is offered in, and declared for both dtypes and every qk_dim of its bucket; the default tiles unchanged."""
-    from cupy_attn.attention import wgmma_gen
-    declared = set(FAMILY.name_expressions())
-    assert set(_sm90.SM90_WIDE_BLOCK_N) <= set(_sm90.SM90_TILES) - {96}
-    assert {d: t.block_n for d, t in _sm90.SM90_TILES.items()} == {64: 128, 96: 128, 128: 128, 256: 64}
-    for d, ns in _sm90.SM90_WIDE_BLOCK_N.items():
-        for n, wide in ns.items():
-            assert n % 16 == 0 and n <= 256 and n != _sm90.SM90_TILES[d].block_n and n in wgmma_gen.SS_N
-            assert wide.modes and set(wide.modes) <= set(_sm90.MODE_TILES)
-            assert n // 2 + n // 4 + d // 2 <= 240 - 16, (d, n)
-            for mode in wide.modes:
-                tile = _sm90.wide_tile(mode, d, n)
-                assert tile.block_n == n and tile.block_m == 128
-                assert dataclasses.replace(tile, block_n=_sm90.SM90_TILES[d].block_n) == _sm90.MODE_TILES[mode][d]
-                assert tile.smem_bytes(d) <= 232448, (d, n, mode, tile.smem_bytes(d))
-                assert tile in _sm90.offered_tiles(d)
-                for dtype in _sm90._C_TYPES.values():
-                    for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
-                        assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
-    # FlashAttention-3's picks (hopper/tile_size.h): 128×176 at D = 128 without a causal mask, 128×80 at D = 256.
-    assert not _sm90.SM90_WIDE_BLOCK_N[128][176].causal and _sm90.SM90_WIDE_BLOCK_N[256][80].causal
-    assert _sm90.SM90_WIDE_BLOCK_N[128][176].modes == _sm90.SM90_WIDE_BLOCK_N[256][80].modes == "123"
-    smem = {(d, n): _sm90.wide_tile("1", d, n).smem_bytes(d) for d, ns in _sm90.SM90_WIDE_BLOCK_N.items() for n in ns}
-    assert smem == {(64, 192): 115792, (64, 256): 148560, (128, 176): 214096, (128, 192): 230480,
-                    (256, 80): 230480}
-
-
-def test_tile_for(monkeypatch):
-    """CUPY_ATTN_FA3_BLOCK_N: a width the bucket offers in this mode (and, causal, for causal calls) replaces the
-    default's; any other keeps the default with a note; unset or empty, the default; a width offered nowhere (or
-    not a number) is a ValueError naming the variable."""
-    monkeypatch.delenv(_sm90.ENV_BLOCK_N, raising=False)
-    for mode in _sm90.MODE_TILES:
-        for d in _sm90.SM90_TILES:
-            for causal in (False, True):
-                assert _sm90.tile_for(mode, d, causal) == (_sm90.MODE_TILES[mode][d], None)
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "")
-    assert _sm90.tile_for("3", 128, False) == (_sm90.SM90_PERSISTENT_TILES[128], None)
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "176")
-    tile, note = _sm90.tile_for("3", 128, False)
-    assert tile == _sm90.Sm90Tile(128, 176, 2, overlap=True, persistent=True) and note == "block_n 176 (forced)"
-    tile, note = _sm90.tile_for("3", 128, True)
-    assert tile == _sm90.SM90_PERSISTENT_TILES[128] and "causal" in note
-    for d in (64, 96, 256):  # one setting for a whole A/B run: other buckets keep their defaults
-        tile, note = _sm90.tile_for("2", d, False)
-        assert tile == _sm90.SM90_OVERLAP_TILES[d] and "not offered" in note
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "80")
-    for mode in "123":
-        for causal in (False, True):
-            assert _sm90.tile_for(mode, 256, causal)[0] == _sm90.wide_tile(mode, 256, 80)
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "192")
-    assert _sm90.tile_for("1", 128, False)[0].block_n == 192
-    assert _sm90.tile_for("2", 128, False)[0].block_n == 128 and "mode 1 only" in _sm90.tile_for("2", 128, False)[1]
-    assert _sm90.tile_for("3", 64, False)[0] == _sm90.wide_tile("3", 64, 192)
-    assert _sm90.tile_for("3", 64, True)[0] == _sm90.SM90_PERSISTENT_TILES[64]
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "128")  # a default's width: the default, without a note where it is one
-    assert _sm90.tile_for("1", 128, False) == (_sm90.SM90_TILES[128], None)
-    assert _sm90.tile_for("1", 256, False)[0] == _sm90.SM90_TILES[256]
-    assert _sm90.tile_for("2", 64, True, block_n=256)[1].startswith("block_n 256 asked for")
-    for bad in ("100", "abc", "-176", "176.0"):
-        monkeypatch.setenv(_sm90.ENV_BLOCK_N, bad)
-        with pytest.raises(ValueError, match="CUPY_ATTN_FA3_BLOCK_N"):
-            _sm90.tile_for("1", 128, False)
-    assert _sm90.tile_for("1", 128, False, block_n=176)[0].block_n == 176  # an explicit width ignores the variable
-
-
-def test_block_n_is_a_call_cache_key():
-    from cupy_attn.runtime import callcache
-    assert _sm90.ENV_BLOCK_N in callcache.ENV_KEYS, "a cached call must not replay another tile's launch"
-
-
-def test_prepare_takes_the_requested_tile(monkeypatch):
-    """fused_sm90.prepare under CUPY_ATTN_FA3_BLOCK_N (kernel loading faked, no GPU): the variant it asks the family
-    for, the K and V tensor maps' box of block_n rows (Q's of 128), the shared memory it requests, and the grid."""
-    requested = []
-
-    class FakeKernel:
-        max_dynamic_shared_size_bytes = 0
-
-    def fake_kernel(family, **row):
-        requested.append(row)
-        assert family.name_expression(**row) in set(family.name_expressions())
-        return FakeKernel()
-
-    monkeypatch.setattr(type(FAMILY), "kernel", fake_kernel)
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "176")
-    q, k = _bhsd(2, 8, 300, 128), _bhsd(2, 2, 353, 128)
-    launch = _sm90.prepare(q, k, k, _bhsd(2, 8, 300, 128), None, scale=0.1, causal=None, mode="2")
-    assert requested[-1]["tile"] == _sm90.wide_tile("2", 128, 176) and requested[-1]["qk_dim"] == 128
-    assert [m.box_rows for m in launch.maps] == [128, 176, 176] and launch.grid == (3, 8, 2)
-    assert launch.smem == _sm90.wide_tile("2", 128, 176).smem_bytes(128) == 214096
-    assert launch.kernel.max_dynamic_shared_size_bytes == launch.smem
-    launch = _sm90.prepare(q, k, k, _bhsd(2, 8, 300, 128), None, scale=0.1, causal="bottom_right", mode="2")
-    assert requested[-1]["tile"] == _sm90.SM90_OVERLAP_TILES[128] and [m.box_rows for m in launch.maps] == [128] * 3
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "80")
-    q, k, v = _bhsd(1, 4, 200, 160), _bhsd(1, 4, 161, 160), _bhsd(1, 4, 161, 200)  # E 160, Ev 200: the 256 bucket
-    launch = _sm90.prepare(q, k, v, _bhsd(1, 4, 200, 200), None, scale=0.1, causal="top_left", mode="1")
-    assert requested[-1]["tile"] == _sm90.wide_tile("1", 256, 80) and requested[-1]["head_dim"] == 256
-    assert [m.box_rows for m in launch.maps] == [128, 80, 80] and launch.smem == 230480
-
-
 def _swizzle(addr, swz: int):
     """CuTe's Swizzle<B,4,3> on shared-memory byte addresses (B = 3 for the 128-byte swizzle, 2 for the 64-byte one):
     the 16-byte chunk bits 4..3+B XOR bits 7..6+B. TMA's SWIZZLE_128B / SWIZZLE_64B write a box of swz-byte rows in
@@ -322,8 +160,7 @@ def _swizzle(addr, swz: int):
     return addr ^ (((addr >> 7) & (swz // 16 - 1)) << 4)
 
 
-def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block: int, sbo: int,
-                        v_lbo_rows: int | None = None) -> int:
+def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block: int, sbo: int) -> int:
     """Elements that a wgmma of the kernel reads from somewhere else than where TMA wrote them, over every operand read
     of one K/V iteration: S = Q Kᵀ (both K-major) and O += P V (V MN-major), for one stage of the ring at D.
 
@@ -332,8 +169,7 @@ def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block:
     (PTX ISA "Shared Memory Matrix Layout", CUTLASS make_gmma_desc): K-major, element (m, k) of a 64 × 16 (or N × 16)
     operand at start + (m / 8)·SBO + (m % 8)·swz + 2k; MN-major, element (k, n) of 16 × N at start + (n / A)·LBO +
     2(n % A) + (k / 8)·SBO + (k % 8)·swz; both then swizzled. The start addresses, SBO and LBO are consume()'s, with
-    the kernel's constants passed in (kRowBytes = swz, kStepsPerBlock, kAtomBytes = sbo; V's LBO is
-    kBlockN·kRowBytes, v_lbo_rows standing in for kBlockN there when given)."""
+    the kernel's constants passed in (kRowBytes = swz, kStepsPerBlock, kAtomBytes = sbo)."""
     bm, bn = tile.block_m, tile.block_n
     q_base, k_base = 0, bm * D * 2
     v_base = k_base + tile.stages * bn * D * 2
@@ -362,7 +198,7 @@ def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block:
         bad += np.count_nonzero(k_major(bk, n, k16) != written(k_st, bn, n, kk * 16 + k16))
     k, n = np.arange(16)[:, None], np.arange(D)[None, :]
     for kk in range(bn // 16):
-        start, lbo = v_st + kk * 16 * swz, (bn if v_lbo_rows is None else v_lbo_rows) * swz
+        start, lbo = v_st + kk * 16 * swz, bn * swz
         read = _swizzle(start + (n // atom_cols) * lbo + (n % atom_cols) * 2 + (k // 8) * sbo + (k % 8) * swz, swz)
         bad += np.count_nonzero(read != written(v_st, bn, kk * 16 + k, n))
     return bad
@@ -386,21 +222,6 @@ def test_smem_operand_layout_matches_the_tma_swizzle(D):
     if swz == 64:
         assert _operand_mismatches(D, tile, 64, 32, 4, 1024) > 0  # 128-byte k-step arithmetic on 64-byte tiles
         assert _operand_mismatches(D, tile, 64, 32, 2, 1024) > 0  # SBO of the 128-byte atom
-
-
-@pytest.mark.parametrize("D,block_n", [(d, n) for d, ns in sorted(_sm90.SM90_WIDE_BLOCK_N.items()) for n in sorted(ns)])
-def test_smem_operand_layout_of_the_wide_tiles(D, block_n):
-    """The same emulation for the wider key tiles: K's 176 (80, 192, 256) rows as 22 (10, 24, 32) 8-row atoms per
-    column block, V read MN-major over block_n / 16 k steps (11 at 176, 5 at 80) with column blocks block_n·128 bytes
-    apart (LBO), every block and stage on a 1024-byte atom boundary. The check has teeth: V's LBO of a 128-row tile
-    misreads every wide tile whose V has more than one column block (D = 64 has one: N = 64 reads no LBO)."""
-    swz = _sm90.swizzle_bytes(D)
-    for mode in _sm90.SM90_WIDE_BLOCK_N[D][block_n].modes:
-        tile = _sm90.wide_tile(mode, D, block_n)
-        assert (tile.block_n * swz) % 1024 == 0 and (tile.block_n * D * 2) % 1024 == 0
-        assert _operand_mismatches(D, tile, swz, swz // 2, swz // 32, 8 * swz) == 0
-        wrong_lbo = _operand_mismatches(D, tile, swz, swz // 2, swz // 32, 8 * swz, v_lbo_rows=128)
-        assert (wrong_lbo > 0) == (D > swz // 2), wrong_lbo
 
 
 F16 = np.dtype("float16")
@@ -671,7 +492,7 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
     if expect_fa3:
         D = _sm90.head_bucket(E, v.shape[-1])
-        tile, _ = _sm90.tile_for(os.environ[_flash.ENV_FA3], D, causal is not None)  # CUPY_ATTN_FA3_BLOCK_N, if set
+        tile = _sm90.MODE_TILES[os.environ[_flash.ENV_FA3]][D]
         assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=tile,
                                               qk_dim=_sm90.qk_dim(E, D)), f"{what}: variant"
         m_blocks = -(-L // tile.block_m)
@@ -811,160 +632,6 @@ def test_public_api_and_replay(fa3):
         np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=2e-3)
 
 
-# ---------------------------------------------------------------------------------------------------------------------
-# GPU: the wider key tiles (CUPY_ATTN_FA3_BLOCK_N, fused_sm90.SM90_WIDE_BLOCK_N), each in every mode it is built for
-
-WIDE = [(mode, d, n) for d, ns in sorted(_sm90.SM90_WIDE_BLOCK_N.items()) for n, w in sorted(ns.items())
-        for mode in w.modes]
-# L, S around the wide tiles' key blocks: one key, a partial first block, S = block_n ± 1 and 2·block_n + 1 (176: 175,
-# 177, 353; 80: 79, 81, 161), L > S (bottom-right: rows that see no key), a single query row, 1000².
-LS_WIDE = [(1, 1), (17, 17), (129, 177), (128, 176), (300, 353), (257, 81), (200, 161), (1000, 1000), (1, 1000),
-           (1000, 17), (79, 79)]
-
-
-@pytest.fixture(params=WIDE, ids=[f"fa3-{m}-{d}x{n}" for m, d, n in WIDE])
-def wide(request, monkeypatch):
-    """CUPY_ATTN_FA3=mode and CUPY_ATTN_FA3_BLOCK_N=block_n: (mode, bucket, block_n)."""
-    mode, d, n = request.param
-    monkeypatch.setenv(_flash.ENV_FA3, mode)
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, str(n))
-    return request.param
-
-
-def _check_wide(q, k, v, dtype, wide, *, causal=None, what=""):
-    """_check_fa3 (poisoned outputs, float64 reference, the variant fused.prepare builds) after asserting that the
-    call runs the wide tile: causal calls only on tiles marked for them (test_wide_causal_keeps_the_default runs the
-    others)."""
-    mode, d, n = wide
-    if causal is not None and not _sm90.SM90_WIDE_BLOCK_N[d][n].causal:
-        pytest.skip(f"causal calls keep block_n {_sm90.SM90_TILES[d].block_n} at head-dim bucket {d}")
-    assert _sm90.head_bucket(q.shape[-1], v.shape[-1]) == d
-    assert _sm90.tile_for(mode, d, causal is not None)[0] == _sm90.wide_tile(mode, d, n)
-    return _check_fa3(q, k, v, dtype, causal=causal, what=f"mode {mode} 128x{n} {what}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("L,S", LS_WIDE)
-@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_wide_shapes(wide, dtype, L, S, causal):
-    """The partial last key block (S not a multiple of block_n: the sequence-end mask and TMA's zero rows), causal
-    masks of both alignments crossing several 80-key blocks per warpgroup, rows with no key."""
-    d = wide[1]
-    g = _torch().Generator("cuda").manual_seed(L * 31 + S + d)
-    q, k, v = _rand((2, 2, L, d), dtype, g), _rand((2, 2, S, d), dtype, g), _rand((2, 2, S, d), dtype, g)
-    _check_wide(q, k, v, dtype, wide, causal=causal, what=f"{dtype} L={L} S={S} causal={causal}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_wide_gqa(wide, dtype, causal):
-    """8 query heads on 2 key/value heads (query head h reads kv head h // 4), S = 333: a partial last block."""
-    d = wide[1]
-    g = _torch().Generator("cuda").manual_seed(d + 8)
-    q, k, v = _rand((2, 8, 300, d), dtype, g), _rand((2, 2, 333, d), dtype, g), _rand((2, 2, 333, d), dtype, g)
-    _check_wide(q, k, v, dtype, wide, causal=causal, what=f"{dtype} GQA 8/2 causal={causal}")
-
-
-# Head dims of each bucket below it, on TMA's zero fill (at 128: the S GEMM stopping at 80 and 96 columns).
-WIDE_PADDED = {64: [(40, 40), (64, 48), (48, 64)], 128: [(72, 128), (96, 112), (100, 100), (128, 72)],
-               256: [(160, 160), (200, 136), (192, 256)]}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("causal", [None, "bottom_right"])
-def test_wide_padded_head_dims(wide, dtype, causal):
-    d = wide[1]
-    for E, Ev in WIDE_PADDED[d]:
-        g = _torch().Generator("cuda").manual_seed(E * 3 + Ev)
-        q, k, v = _rand((2, 4, 257, E), dtype, g), _rand((2, 4, 190, E), dtype, g), _rand((2, 4, 190, Ev), dtype, g)
-        _check_wide(q, k, v, dtype, wide, causal=causal, what=f"{dtype} E={E} Ev={Ev} causal={causal}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("L,S", [(700, 300), (640, 640), (333, 1000), (1000, 333)])
-@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
-def test_wide_many_tiles(wide, L, S, causal):
-    """More tiles than SMs (2 × 48 query heads on 12 K/V heads): the persistent variant's CTAs loop over several
-    tiles, K/V ring phases running on across tiles of 2-12 wide key blocks (tile_order and pairs as test_many_tiles);
-    BSHD views of K and V (row stride H·D)."""
-    d = wide[1]
-    g = _torch().Generator("cuda").manual_seed(L * 7 + S + d)
-    q = _rand((2, 48, L, d), "float16", g)
-    k = _rand((2, S, 12, d), "float16", g).transpose(1, 2)
-    v = _rand((2, S, 12, d), "float16", g).transpose(1, 2)
-    _check_wide(q, k, v, "float16", wide, causal=causal, what=f"many tiles L={L} S={S} causal={causal}")
-
-
-@pytest.mark.gpu
-def test_wide_long(wide):
-    """4250 keys: 25 key blocks of 176 (54 of 80, 23 of 192, 17 of 256), the last partial; causal where offered."""
-    mode, d, n = wide
-    g = _torch().Generator("cuda").manual_seed(4250 + d)
-    q, k, v = (_rand((1, 2, 4250, d), "bfloat16", g) for _ in range(3))
-    causal = "top_left" if _sm90.SM90_WIDE_BLOCK_N[d][n].causal else None
-    _check_wide(q, k, v, "bfloat16", wide, causal=causal, what=f"4250² causal={causal}")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("causal", ["top_left", "bottom_right"])
-def test_wide_causal_keeps_the_default(wide, causal):
-    """A causal call under a CUPY_ATTN_FA3_BLOCK_N its bucket offers for non-causal calls only runs the default tile
-    (and is right); explain() says so."""
-    import cupy_attn
-    mode, d, n = wide
-    if _sm90.SM90_WIDE_BLOCK_N[d][n].causal:
-        pytest.skip("this tile takes causal calls")
-    g = _torch().Generator("cuda").manual_seed(d + 3)
-    q, k, v = (_rand((2, 4, 333, d), "float16", g) for _ in range(3))
-    assert _sm90.tile_for(mode, d, True)[0] == _sm90.MODE_TILES[mode][d]
-    _check_fa3(q, k, v, "float16", causal=causal, what=f"mode {mode} {d}x{n} asked, causal={causal}")
-    tile = cupy_attn.explain(q, k, v, is_causal=causal, backend="fused").details["tile"]
-    assert tile.startswith(f"128x{_sm90.SM90_TILES[d].block_n}, ") and "not offered for causal calls" in tile, tile
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_wide_public_api_and_replay(wide, dtype):
-    """Through cupy_attn.scaled_dot_product_attention (torch tensors, backend "fused"; explain() names the wide
-    tile): a non-causal GQA call with a partial last key block and, where the tile takes them, causal calls of both
-    alignments; each call twice on new data (the second replays the cached launch on new pointers). Outputs are
-    poisoned as far as the public call allows: NaN-filled blocks of the output's sizes are freed just before it, for
-    torch's caching allocator to hand out again."""
-    import cupy_attn
-    from test_flash import assert_out_lse
-    torch = _torch()
-    mode, d, n = wide
-    cases = [(None, 8, 2, 300, 353)]
-    if _sm90.SM90_WIDE_BLOCK_N[d][n].causal:
-        cases += [("top_left", 4, 4, 333, 333), ("bottom_right", 4, 2, 200, 419)]
-    for causal, Hq, Hkv, L, S in cases:
-        g = _torch().Generator("cuda").manual_seed(L + S + d)
-        for call in range(2):
-            q = _rand((2, Hq, L, d), dtype, g)
-            k, v = _rand((2, Hkv, S, d), dtype, g), _rand((2, Hkv, S, d), dtype, g)
-            is_causal = causal or False
-            what = f"mode {mode} 128x{n} {dtype} causal={causal} call {call}"
-            plan = cupy_attn.explain(q, k, v, is_causal=is_causal, enable_gqa=Hq != Hkv, backend="fused")
-            assert plan.details["kernel"].startswith("flash_fwd_sm90_tma"), (what, plan.details)
-            assert plan.details["tile"].startswith(f"128x{n}, "), (what, plan.details["tile"])
-            ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=is_causal,
-                                                                  enable_gqa=True, return_lse=True)
-            keep = None
-            if causal == "bottom_right":
-                keep = torch.ones(L, S, dtype=torch.bool, device="cuda").tril(S - L)
-            torch_out = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=keep, is_causal=causal == "top_left", enable_gqa=Hq != Hkv)
-            poison = (torch.full((2, Hq, L, d), float("nan"), dtype=q.dtype, device="cuda"),
-                      torch.full((2, Hq, L), float("nan"), dtype=torch.float32, device="cuda"))
-            del poison
-            out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=Hq != Hkv,
-                                                              return_lse=True, backend="fused")
-            assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, what)
-
-
 def test_explain_details(monkeypatch):
     """The fused plan's details (explain()) name the FA3 kernel under CUPY_ATTN_FA3 (and, unset, for calls of at
     least dispatch.FA3_MIN_FLOPS), or say why not."""
@@ -997,15 +664,6 @@ def test_explain_details(monkeypatch):
         got = details()
         assert got["kernel"].startswith("flash_fwd_sm90_tma") and ("overlap" in got["tile"]) == overlap
         assert ("persistent" in got["kernel"]) == ("persistent" in got["tile"]) == (mode == "3")
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "176")  # the wider key tile, and why a causal call keeps 128
-    assert details()["tile"].startswith("128x176, ") and details()["tile"].endswith("; block_n 176 (forced)")
-    p.causal = "top_left"
-    assert details()["tile"].startswith("128x128, ") and "not offered for causal calls" in details()["tile"]
-    p.causal = None
-    monkeypatch.setenv(_flash.ENV_FA3, "1")
-    monkeypatch.setenv(_sm90.ENV_BLOCK_N, "192")
-    assert details()["tile"].startswith("128x192, ")
-    monkeypatch.delenv(_sm90.ENV_BLOCK_N)
     p.key = _bhsd(2, 8, 100, 128, ptr=(1 << 20) + 8)
     got = details()
     assert got["kernel"] == "flash_fwd_sm90a" and "16-byte" in got["FA3 kernel"]

@@ -30,14 +30,9 @@
 // Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64, 96 and 128,
 // 64 at D = 256; 2 stages, 3 at D = 96. Shared memory (kBlockM + 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of
 // alignment slack: 81 KB (D=64), 169 KB (D=96), 161 KB (D=128), 193 KB (D=256) of the 227 KB per block. Registers per
-// consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. Wider key tiles for A/B
-// (CUPY_ATTN_FA3_BLOCK_N, fused_sm90.SM90_WIDE_BLOCK_N; FlashAttention-3's hopper/tile_size.h picks): kBlockN = 176 at
-// D = 128 and 80 at D = 256 (any multiple of 16 works: S at N = kBlockN, P·V over kBlockN/16 k steps, TMA boxes of
-// kBlockN rows), 192 at D = 64; 192 at D = 128 and 256 at D = 64 without the overlap only (it would spill). Above 176
-// registers of arrays the mainloop takes two measures against ptxas (sm90/mainloop.cuh: kWideTile). fp32 accumulation
-// throughout. D = 96 (FlashAttention-3's hdim-96 tiles): rows of 192 bytes are no multiple of 128, so its tiles use
-// the 64-byte swizzle (3 column blocks of 32) and P·V runs N = 96 instead of the 128 bucket's padded N = 128
-// (sm90/mainloop.cuh).
+// consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. fp32 accumulation throughout. D = 96
+// (FlashAttention-3's hdim-96 tiles): rows of 192 bytes are no multiple of 128, so its tiles use the 64-byte swizzle
+// (3 column blocks of 32) and P·V runs N = 96 instead of the 128 bucket's padded N = 128 (sm90/mainloop.cuh).
 //
 // Inputs are read in place through 4-D tensor maps (E, seqlen, heads, batch) made by the launcher, which needs
 // 16-byte aligned bases and strides that are multiples of 16 bytes (BHSD and BSHD both qualify); rows past L or S
@@ -48,7 +43,6 @@
 //                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
 //   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
 //   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
-//   v4  wider key tiles, opt-in (CUPY_ATTN_FA3_BLOCK_N): 128×176 (D = 128), 128×80 (D = 256), 128×192 (D = 64)  untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -72,10 +66,8 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows each");
-  // kBlockN: any multiple of 16 (the P·V GEMM's k step; also whole 8-row swizzle atoms, so every K/V column block and
-  // stage stays atom-aligned) up to 256 (TMA's box limit and wgmma's largest N): 176 and 80 run as well as 128.
-  static_assert(kHeadDim % Smem::kAtomCols == 0 && kBlockN % 16 == 0 && kBlockN <= 256,
-                "whole swizzle atoms, P·V k steps of 16 keys, TMA box <= 256 rows");
+  static_assert(kHeadDim % Smem::kAtomCols == 0 && kBlockN % 64 == 0 && kBlockN <= 256,
+                "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");

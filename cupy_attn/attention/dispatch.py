@@ -171,8 +171,7 @@ def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
         why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
         if why_not is None:
             bucket = _fa3_bucket(p.head_dim, p.head_dim_v)
-            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode, p.causal is not None),
-                        copies=copies,
+            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode), copies=copies,
                         prepare=functools.partial(flash.prepare_problem, p, ("fa3", mode)))
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
@@ -209,17 +208,15 @@ def fa3_mode(p, arch: int) -> str | None:
     return "3" if p.causal is not None or max(p.head_dim, p.head_dim_v) > 64 else "2"
 
 
-def fa3_details(head_dim: int, mode: str, causal: bool = False) -> dict:
-    """The FA3-design kernel's configuration (mode "1", "2" or "3", see fa3_mode; the tile by fused_sm90.tile_for,
-    which reads CUPY_ATTN_FA3_BLOCK_N)."""
-    tile, note = _fa3_tile(head_dim, mode, causal)
+def fa3_details(head_dim: int, mode: str) -> dict:
+    """The FA3-design kernel's configuration (mode "1", "2" or "3", see fa3_mode)."""
+    tile = _fa3_tile(head_dim, mode)
     variant = "overlap, persistent" if tile.persistent else "overlap" if tile.overlap else "ping-pong"
     return {"head-dim bucket": head_dim,
             "kernel": f"flash_fwd_sm90_tma ({variant})",
             "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
                     "stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
-                    + (", persistent (one CTA per SM)" if tile.persistent else "")
-                    + (f"; {note}" if note else "")}
+                    + (", persistent (one CTA per SM)" if tile.persistent else "")}
 
 
 def fused_details(choice, extra: dict | None = None) -> dict:
@@ -235,9 +232,9 @@ def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
     return fused_sm90.head_bucket(head_dim, head_dim_v)
 
 
-def _fa3_tile(head_dim: int, mode: str, causal: bool):
+def _fa3_tile(head_dim: int, mode: str):
     from . import fused_sm90
-    return fused_sm90.tile_for(mode, head_dim, causal)
+    return fused_sm90.MODE_TILES[mode][head_dim]
 
 
 def split_details(p, arch: int | None = None) -> dict:

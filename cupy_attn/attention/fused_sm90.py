@@ -12,10 +12,6 @@ for causal calls and head dims above 64, else "2"):
   K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
   (4,32,4096,64) (bench/NOTES_flash.md).
 
-``CUPY_ATTN_FA3_BLOCK_N`` (:func:`tile_for`) runs a wider key tile than the table's where SM90_WIDE_BLOCK_N offers one
-(128×176 at head dim 128 and 128×80 at 256, FlashAttention-3's choices; 128×192 and 128×256 at 64; 128×192 at 128),
-for A/B; untimed when written, the defaults unchanged.
-
 Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
 Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
@@ -28,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import numpy as np
 
@@ -91,103 +86,6 @@ SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, ti
 MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
 
 
-@dataclasses.dataclass(frozen=True)
-class WideBlockN:
-    """Where a wider key tile of SM90_WIDE_BLOCK_N is offered: the CUPY_ATTN_FA3 modes it is built for, and whether
-    causal calls may take it."""
-    modes: str = "123"
-    causal: bool = False
-
-
-# Wider key tiles, offered for A/B against the defaults above (``CUPY_ATTN_FA3_BLOCK_N``, :func:`tile_for`), each with
-# its mode's flags and the bucket's stages. FlashAttention-3's table (hopper/tile_size.h, tile_size_fwd_sm90, two
-# consumer warpgroups) picks 128×176 at D = 128 without a causal mask (128 with one) and 128×80 at D = 256: a wider
-# block amortizes each key block's softmax, barriers and ping-pong hand-offs over more keys. Registers per consumer
-# thread, under setmaxnreg's 240: S block_n/2 + P block_n/4 + O D/2, all live at once under the overlap (modes 2 and
-# 3: S_i stays fp32 while P_{i-1}·V runs); ptxas's highest register in the SASS in brackets (mode 1 / 2 / 3, fp16).
-# Above 176 (the widest default, D = 256 × 64) the kernel re-reads its thread index and pins the exponentials above
-# the second wgmma wait (sm90/mainloop.cuh, kWideTile). Shared memory: Sm90Tile.smem_bytes of 232448.
-# bucket -> {block_n: WideBlockN}
-SM90_WIDE_BLOCK_N = {
-    64: {
-        # 96 S + 48 P + 32 O = 176 (R172 / R207 / R209); 113 KB. FlashAttention-3 runs 192×192 on three consumer
-        # warpgroups; this keeps our two. Causal calls keep 128, as FlashAttention-3's do.
-        192: WideBlockN(),
-        # 128 S + 64 P + 32 O = 224 (R214); 145 KB. Ping-pong only: the overlap spills 344 bytes.
-        256: WideBlockN(modes="1"),
-    },
-    128: {
-        # 88 S + 44 P + 64 O = 196 (R200 / R231 / R237); 209 KB. Causal calls keep 128, as FlashAttention-3's do.
-        176: WideBlockN(),
-        # 96 S + 48 P + 64 O = 208 (R212); 225 KB. Ping-pong only: the overlap spills 40 bytes (FlashAttention-3
-        # names 128×192 only with P through shared memory and no overlap: "{128, 192, false, false} ... quite good").
-        192: WideBlockN(modes="1"),
-    },
-    256: {
-        # 40 S + 20 P + 128 O = 188 (R220 / R237 / R237); 225 KB (two stages of 80 rows; 96 would need 257 KB).
-        # Causal calls too, as FlashAttention-3's.
-        80: WideBlockN(causal=True),
-    },
-}
-ENV_BLOCK_N = "CUPY_ATTN_FA3_BLOCK_N"
-
-
-def wide_tile(mode: str, head_dim: int, block_n: int) -> Sm90Tile:
-    """The tile of MODE_TILES[mode][head_dim] with block_n key rows per K/V stage."""
-    return dataclasses.replace(MODE_TILES[mode][head_dim], block_n=block_n)
-
-
-def offered_tiles(head_dim: int) -> set:
-    """Every tile the family instantiates at a bucket: the modes' defaults and the wider ones of their modes."""
-    return ({table[head_dim] for table in MODE_TILES.values()}
-            | {wide_tile(mode, head_dim, n) for n, wide in SM90_WIDE_BLOCK_N.get(head_dim, {}).items()
-               for mode in wide.modes})
-
-
-def requested_block_n() -> int | None:
-    """The key-tile width ``CUPY_ATTN_FA3_BLOCK_N`` asks for: an integer, or None (unset or empty: the default tiles).
-    ValueError for a value that is no block_n of SM90_WIDE_BLOCK_N or of the default tiles at any bucket."""
-    value = os.environ.get(ENV_BLOCK_N)
-    if value in (None, ""):
-        return None
-    known = {t.block_n for t in SM90_TILES.values()} | {n for ns in SM90_WIDE_BLOCK_N.values() for n in ns}
-    if not value.isdigit() or int(value) not in known:
-        raise ValueError(f"{ENV_BLOCK_N} must be one of {sorted(known)} (or unset: the default tiles), got {value!r}")
-    return int(value)
-
-
-def tile_for(mode: str, head_dim: int, causal: bool, block_n: int | None = None) -> tuple[Sm90Tile, str | None]:
-    """The tile a call of this mode, bucket and causality runs, and a note on the choice (None: the default, not
-    asked otherwise). block_n: the key-tile width wanted, None for ``CUPY_ATTN_FA3_BLOCK_N``
-    (:func:`requested_block_n`; unset: MODE_TILES). A width that SM90_WIDE_BLOCK_N offers at this bucket, in this
-    mode and (if causal) for causal calls replaces the default's; any other keeps the default, and the note says why:
-    one setting can serve a whole A/B run over several buckets.
-
-    >>> tile_for("3", 128, False, 176)
-    (Sm90Tile(block_m=128, block_n=176, stages=2, overlap=True, persistent=True), 'block_n 176 (forced)')
-    >>> tile_for("3", 128, True, 176)[1]
-    'block_n 176 asked for: not offered for causal calls at head-dim bucket 128 (block_n 128)'
-    >>> tile_for("3", 128, False, 192)[1]
-    'block_n 192 asked for: offered at head-dim bucket 128 in CUPY_ATTN_FA3 mode 1 only (block_n 128)'
-    >>> tile_for("2", 256, True, 80)[0].block_n, tile_for("2", 64, False, 80)[1]
-    (80, 'block_n 80 asked for: not offered at head-dim bucket 64 (block_n 128)')
-    """
-    default = MODE_TILES[mode][head_dim]
-    n = requested_block_n() if block_n is None else block_n
-    if n is None or n == default.block_n:
-        return default, None
-    wide = SM90_WIDE_BLOCK_N.get(head_dim, {}).get(n)
-    if wide is None:
-        why = f"not offered at head-dim bucket {head_dim}"
-    elif mode not in wide.modes:
-        why = f"offered at head-dim bucket {head_dim} in CUPY_ATTN_FA3 mode {' and '.join(wide.modes)} only"
-    elif causal and not wide.causal:
-        why = f"not offered for causal calls at head-dim bucket {head_dim}"
-    else:
-        return wide_tile(mode, head_dim, n), f"block_n {n} (forced)"
-    return default, f"block_n {n} asked for: {why} (block_n {default.block_n})"
-
-
 def _c_struct(fields) -> np.dtype:
     """A NumPy dtype laid out as the C struct with these (name, dtype, alignment) members, in order."""
     offsets, off, align = [], 0, 1
@@ -221,10 +119,10 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
-        "tile": tuple(sorted({t for d in SM90_TILES for t in offered_tiles(d)}, key=dataclasses.astuple)),
+        "tile": tuple(sorted({t for table in MODE_TILES.values() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
     },
-    where=lambda row: (row["tile"] in offered_tiles(row["head_dim"])
+    where=lambda row: (any(row["tile"] == table[row["head_dim"]] for table in MODE_TILES.values())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
@@ -338,16 +236,14 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1",
-            block_n: int | None = None) -> "Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> "Sm90Launch":
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
     layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
-    and persistent); block_n: the key-tile width to run where offered (:func:`tile_for`; None: CUPY_ATTN_FA3_BLOCK_N,
-    or the default). ValueError for a CUPY_ATTN_FA3_BLOCK_N offered nowhere."""
+    and persistent)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
-    tile, _ = tile_for(mode, D, causal is not None, block_n)
+    tile = MODE_TILES[mode][D]
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)

@@ -50,8 +50,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     always run the reference), "fused" (FlashAttention-2 kernel, Dao 2023; on Hopper, unmasked calls of at least 2^34
     FLOPs at head dims 33-256 run the FlashAttention-3-design kernel, Shah et al. 2024: TMA, a producer warpgroup,
     ping-pong and intra-warpgroup overlap, persistent for causal calls and head dims above 64, CUPY_ATTN_FA3=0 turns
-    it off, =2 forces the one-tile-per-CTA overlap variant, =3 the persistent one, CUPY_ATTN_FA3_BLOCK_N=176, 80,
-    192 or 256 a wider key tile where its head-dim bucket offers one, for A/B; the others
+    it off, =2 forces the one-tile-per-CTA overlap variant, =3 the persistent one; the others
     use warpgroup MMAs, CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused
     mask+softmax kernel, cuBLAS P·V; the buffer is processed in chunks of batch·heads under ``workspace_bytes``,
     default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper, unmasked non-causal fp16/bf16 calls with S ≤ 512 run one

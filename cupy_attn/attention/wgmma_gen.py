@@ -15,10 +15,8 @@ from pathlib import Path
 # Pᵀ dO and dK += dSᵀ Q with N = kHeadDim (rs) or, at D = 256, N = the warpgroup's 128 columns with Pᵀ and dSᵀ read
 # from shared memory (ss_bmn: B MN-major), dQ = dS K with N = the warpgroup's dQ columns (ss_mn: both MN-major).
 TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
-# S = Q Kᵀ: kBlockN (the forward's wider key tiles, fused_sm90.SM90_WIDE_BLOCK_N: 80 at D = 256, 176 and 192 at
-# D = 128, 192 and 256 at D = 64; scores_softmax_sm90.cu: kHalfN, 64-256); backward Sᵀ, dPᵀ: kBlockM (kBlockM / 2 at
-# D = 256). PTX ISA: f16/bf16 wgmma with fp32 accumulators has every N = 8, 16, ..., 256.
-SS_N = (32, 64, 80, 128, 176, 192, 256)
+# S = Q Kᵀ: kBlockN (scores_softmax_sm90.cu: kHalfN, 64-256); backward Sᵀ, dPᵀ: kBlockM (kBlockM / 2 at D = 256)
+SS_N = (32, 64, 128, 192, 256)
 RS_N = (64, 96, 128, 192, 256)   # O += P V: kHeadDim
 SS_BMN_N = (128,)                # backward dV, dK at D = 256: kHeadDim / 2 columns per warpgroup
 SS_MN_N = (64, 128)              # backward dQ = dS K: 64 columns of dQ per warpgroup (128 at D = 256)

@@ -50,8 +50,6 @@ struct SharedStorage {
   // 1024 bytes (the 128-byte swizzle atoms' alignment, a multiple of the 64-byte ones' 512; the runtime only
   // guarantees 16). Every tile and column block is a multiple of 1024 bytes, so each starts on an atom boundary.
   static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + 1024;
-  static_assert((kBlockM * kSwizzleBytes) % 1024 == 0 && (kBlockN * kSwizzleBytes) % 1024 == 0,
-                "column blocks of whole 1024-byte units (kBlockN a multiple of 8, or of 16 in the 64-byte swizzle)");
 
   T* q;
   T* k;  // kStages tiles of kBlockN rows
@@ -188,26 +186,6 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
 // 0 included), and the turns alternate strictly, so a barrier never holds two generations of arrivals.
 constexpr int kPingPongBarrier = 1;
 
-// A consumer thread's fp32 and packed registers in its arrays: S (kBlockN/2) + P (kBlockN/4) + O (kHeadDim/2), all
-// live at once in the overlap mainloop. Above 176, the widest default tile's (D = 256 × 64), are the wider key tiles
-// of fused_sm90.SM90_WIDE_BLOCK_N (up to 196 with the overlap), where ptxas, short of registers, (1) spilled values it
-// keeps across the mainloop rather than recompute them (D = 256 × 80, overlap: the ping-pong barrier ids, one LDL per
-// key block; persistent: the thread's row indices, one per tile) and (2) sank the softmax's exponentials below
-// wgmma.wait_group 0, into P's registers once the P·V GEMM had released them, which undoes the intra-warpgroup overlap
-// (D = 128 × 176: 0 of 88 MUFU.EX2 between the two waits; pinned, all 88). These tiles re-read the thread index where
-// it is needed (consumer_tid) and pin the exponentials (OnlineSoftmax's kPinExp); the default tiles keep their measured
-// SASS. (D = 256 × 64 sinks them too, 0 of 32: pinning it is an A/B of its own, not made yet.)
-template <int kHeadDim, int kBlockN>
-constexpr bool kWideTile = kBlockN / 2 + kBlockN / 4 + kHeadDim / 2 > 176;
-
-// The calling thread's index among the 256 consumer threads (0..255), read from %tid.x at each call: asm volatile is
-// neither hoisted nor merged, so the value lives from here to its use only.
-__device__ __forceinline__ int consumer_tid() {
-  unsigned tid;
-  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
-  return static_cast<int>(tid) - 128;
-}
-
 // One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
 // rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
 // kPersistent: one tile of consume_persistent's loop: it0 = the K/V iterations of the CTA's earlier tiles, q_parity =
@@ -237,7 +215,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   const long long causal_offset = p.causal_offset;
   const float sc = static_cast<float>(p.scale_log2);
 
-  OnlineSoftmax<kBlockN, kHeadDim, kWideTile<kHeadDim, kBlockN>> softmax;
+  OnlineSoftmax<kBlockN, kHeadDim> softmax;
   softmax.init();
   float o[kHeadDim / 2];
   #pragma unroll
@@ -314,18 +292,9 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
       mask_tile<kBlockN>(acc_s, row0, n0, t, p.seqlen_k, causal, causal_offset);
   };
-  // This warpgroup's ping-pong barrier (kPingPongBarrier + wg) and the other's (kWideTile: from a fresh thread index).
-  auto own_barrier = [&]() {
-    return kPingPongBarrier + (kWideTile<kHeadDim, kBlockN> ? consumer_tid() / 128 : wg);
-  };
-  auto other_barrier = [&]() {
-    return kPingPongBarrier + (kWideTile<kHeadDim, kBlockN> ? 1 - consumer_tid() / 128 : wg ^ 1);
-  };
-  // Take ping-pong turn: wait until the other warpgroup has passed it.
-  auto take_turn = [&]() { tma::named_barrier_sync(own_barrier(), 256); };
   // End of ping-pong turn i: warpgroup 1 skips its last arrive (see kPingPongBarrier; not in the persistent variant).
   auto pass_turn = [&](int i) {
-    if (kPersistent || wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(other_barrier(), 256);
+    if (kPersistent || wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
   };
 
   if constexpr (!kPersistent) {
@@ -337,7 +306,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     static_assert(!kPersistent, "the persistent variant is built on the overlap mainloop only");
     for (int i = 0; i < n_blocks; ++i) {
       wait_k(i);
-      take_turn();
+      tma::named_barrier_sync(kPingPongBarrier + wg, 256);
       issue_s(i);
       pass_turn(i);
       wgmma::wait<0>();
@@ -353,7 +322,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   } else {
     // Block 0: S_0 and its softmax (O is still 0: nothing to rescale).
     wait_k(0);
-    take_turn();
+    tma::named_barrier_sync(kPingPongBarrier + wg, 256);
     issue_s(0);
     pass_turn(0);
     wgmma::wait<0>();
@@ -364,7 +333,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     softmax.template step<T>(acc_s, pa, o, sc);
     for (int i = 1; i < n_blocks; ++i) {
       wait_k(i);
-      take_turn();
+      tma::named_barrier_sync(kPingPongBarrier + wg, 256);
       issue_s(i);
       issue_pv(i - 1);
       pass_turn(i);
@@ -381,8 +350,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       // A scheduling barrier for ptxas (MEMBAR.SC.CTA; the consumers have no memory operations pending here): without
       // it ptxas hoists the wait below to the top of the softmax, so the exponentials ran only after P_{i-1} V_{i-1}
       // finished. With it, D = 64 and 128 run all their MUFU.EX2 between the two waits (checked in the SASS by
-      // tests/test_flash_sm90.py). D = 256 still waits first: ptxas places the exponentials in P_{i-1}'s registers
-      // (as it did in the wider key tiles, which pin them: kWideTile).
+      // tests/test_flash_sm90.py). D = 256 still waits first: ptxas places the exponentials in P_{i-1}'s registers.
       __threadfence_block();
       wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
       wgmma::fence_operands(o);
@@ -425,10 +393,8 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
       store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 256);
       continue;
     }
-    // kWideTile: the thread index afresh for each tile, so that its row indices are not held across tiles.
-    const int tile_tid = kWideTile<kHeadDim, kBlockN> ? consumer_tid() : tid;
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tile_tid,
-                                                                                it, static_cast<unsigned>(tiles & 1));
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tid, it,
+                                                                     static_cast<unsigned>(tiles & 1));
     it += n_blocks;
     ++tiles;
   }

@@ -35,11 +35,7 @@ __device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row
 // the exponent's FFMA, so max(raw)·sc is the scaled max (the launcher only selects this kernel for scale > 0).
 // An empty row so far keeps m = -inf; 0 replaces it inside the exponentials, so P = 0, α = 0 and l = 0, and the
 // epilogue writes out = 0, lse = -inf (not NaN).
-// kPinExp: the warp vote on a moved max also reads the row sum (a test that is false for every sum but NaN, which
-// sets *moved and only costs a rescale), so the vote waits for all the half's exponentials. The overlap mainloop needs
-// them before its wgmma.wait_group 0; without this, ptxas sank them below the wait in the register-tight tiles
-// (mainloop.cuh: kWideTile).
-template <int kBlockN, int kHeadDim, bool kPinExp = false>
+template <int kBlockN, int kHeadDim>
 struct OnlineSoftmax {
   float m[2];  // running max of the scaled scores, log2 units
   float l[2];  // this lane's partial row sum (the quad's four partials are summed in the epilogue)
@@ -73,7 +69,7 @@ struct OnlineSoftmax {
     }
     const float alpha = exp2_approx(m_old - m_use);
     l[half] = l[half] * alpha + sum;
-    moved = __any_sync(0xffffffffu, m_new != m_old || (kPinExp && !(sum >= 0.f)));
+    moved = __any_sync(0xffffffffu, m_new != m_old);
     return alpha;
   }
 
