@@ -1,19 +1,14 @@
 """Issue 14 A/B: the split path without the Hopper scores kernel, with it (scores_softmax_sm90: Q·Kᵀ with the
-softmax in its epilogue, then cuBLAS P·V), with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs sharing
-K by TMA multicast) and with v3 (scores_softmax_sm90_m128[_cluster2]: 128 rows × ≤ 256 keys per CTA, keys over a
-cluster of two for S > 256; CUPY_ATTN_SPLIT_FUSED=4 the same cluster loading Q in each CTA instead of by
-multicast), same process, rotated rounds; and the kernels alone, rotated.
+softmax in its epilogue, then cuBLAS P·V), and with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs
+sharing K by TMA multicast), same process, interleaved rounds; and both kernels alone, interleaved.
 
 Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms
-(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0-4, each round all five; each kernel alone (ms, TFLOP/s
-counting 2·B·H·L·S·D; best of the rounds, which rotate the kernels); max |out − ref| against torch's fp32
-attention on the same inputs (TF32 off). v1 and v2 must agree bit for bit; v3 and 4 (another exp2 and the
-cluster's merge) are shown as their max |ΔP| and |Δlse| against v1. A hang (mbarrier/TMA) ends the run after 60 s
-(common.wait_or_die).
+(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0, 1 and 2, each round all three; each kernel alone (ms, TFLOP/s
+counting 2·B·H·L·S·D; best of the rounds, which alternate the two kernels); max |out − ref| against torch's fp32
+attention on the same inputs (TF32 off). A hang (mbarrier/TMA) ends the run after 60 s (common.wait_or_die).
 
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py            # three shapes, fp16 + bf16
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --quick    # seed (32,32,512,1024) fp16, 1 round
-    PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --fp16     # three shapes, fp16 only
 """
 import os
 import sys
@@ -46,22 +41,20 @@ def _max_active_clusters(launch) -> str:
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
         config.blockDimX, config.blockDimY, config.blockDimZ = scores_sm90.THREADS, 1, 1
-        config.sharedMemBytes = launch.smem
+        config.sharedMemBytes = launch.tile.smem_bytes()
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster, 1, 1
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster_m, 1, 1
         config.attrs, config.numAttrs = [attr], 1
         err, n = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(int(launch.kernel.kernel.ptr)), config)
         if err != driver.CUresult.CUDA_SUCCESS:
             return f"n/a ({err})"
-        return f"{n} clusters = {n * launch.cluster} SMs"
+        return f"{n} clusters = {n * launch.cluster_m} SMs"
     except Exception as exc:  # a probe for the notes: never stops the benchmark
         return f"n/a ({type(exc).__name__}: {exc})"
 
 
-MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V",
-         "3": "v3 scores kernel (128 rows, key cluster) + P·V",
-         "4": "v3 scores kernel, Q loaded by each CTA of the key cluster + P·V"}
+MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V"}
 
 
 def run_shape(shape, dt, rounds):
@@ -80,36 +73,31 @@ def run_shape(shape, dt, rounds):
         wait_or_die(f"split path, CUPY_ATTN_SPLIT_FUSED={mode}")
         errs[mode] = float((out.float() - ref).abs().max())
     del ref
-    for r in range(rounds):
-        for mode in list(MODES)[r % len(MODES):] + list(MODES)[:r % len(MODES)]:  # rotated: no fixed first
+    for _ in range(rounds):
+        for mode in MODES:
             os.environ[scores_sm90.ENV_SPLIT_FUSED] = mode
             whole[mode].append(median_ms(call))
             dev[mode].append(device_ms(call))
     os.environ.pop(scores_sm90.ENV_SPLIT_FUSED)
 
-    # The kernels alone, P into a buffer of the split path's layout. v1 and v2 must agree bit for bit (same wgmma
-    # sequence per row block, the same epilogue); v3 differs in its exp2 (one MUFU, no denormal fix-up) and, with
-    # the key cluster, in its merge of the two CTAs' statistics.
+    # The kernels alone, P into a buffer of the split path's layout; their outputs must agree bit for bit (same
+    # wgmma sequence per row block, the same epilogue).
     cq, ck = cupy.from_dlpack(q), cupy.from_dlpack(k)
     ld = -(-S // 8) * 8
     launches, kernels, outs = {}, {}, {}
-    for m in scores_sm90.VARIANTS:
+    for m in sorted(scores_sm90.KERNELS):
         P = cupy.empty((B, H, L, ld), dtype=cq.dtype)
         lse = cupy.empty((B, H, L), dtype=cupy.float32)
-        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, variant=m)
+        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, cluster_m=m)
         launches[m] = launch
         kernels[m] = lambda launch=launch, P=P, lse=lse: launch(cq.data.ptr, ck.data.ptr, P.data.ptr, lse.data.ptr)
         kernels[m]()
-        wait_or_die(f"{scores_sm90.kernel_name(m, S)} alone")
+        wait_or_die(f"{scores_sm90.KERNELS[m]} alone")
         outs[m] = (P, lse)
-    same = all(bool((outs[1][i][..., :S] == outs[2][i][..., :S]).all()) for i in (0, 1))
-    d_p = {m: float(cupy.abs(outs[m][0][..., :S].astype(cupy.float32) - outs[1][0][..., :S].astype(cupy.float32))
-                    .max()) for m in (3, 4)}
-    d_lse = {m: float(cupy.abs(outs[m][1] - outs[1][1]).max()) for m in (3, 4)}
+    same = all(bool((outs[1][i][..., :S] == outs[m][i][..., :S]).all()) for m in outs for i in (0, 1))
     k_ms = {m: [] for m in kernels}
-    for r in range(max(rounds, 3)):
-        order = list(kernels)[r % len(kernels):] + list(kernels)[:r % len(kernels)]  # rotated: no fixed first
-        for m in order:
+    for _ in range(max(rounds, 3)):
+        for m in kernels:
             k_ms[m].append(median_ms(kernels[m]))
 
     fl = 4.0 * B * H * L * S * D
@@ -123,11 +111,9 @@ def run_shape(shape, dt, rounds):
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
               f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
               f"{_max_active_clusters(launch)}", flush=True)
-    print(f"{name} kernels alone, speed over the one-CTA kernel: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x, v3 "
-          f"{min(k_ms[1]) / min(k_ms[3]):.3f}x, v3 without multicast {min(k_ms[1]) / min(k_ms[4]):.3f}x; v1/v2 outputs "
-          f"{'identical' if same else 'DIFFER'}; against v1, v3: max |dP| {d_p[3]:.2e}, |dlse| {d_lse[3]:.2e}; "
-          f"without multicast: {d_p[4]:.2e}, {d_lse[4]:.2e}", flush=True)
-    for mode in ("1", "2", "3", "4"):
+    print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x the one-CTA kernel; outputs "
+          f"{'identical' if same else 'DIFFER'}", flush=True)
+    for mode in ("1", "2"):
         print(f"{name} speedup over cuBLAS + softmax ({MODES[mode]}): whole {min(whole['0']) / min(whole[mode]):.3f}x, "
               f"device {min(dev['0']) / min(dev[mode]):.3f}x", flush=True)
 
@@ -135,7 +121,7 @@ def run_shape(shape, dt, rounds):
 def main():
     quick = "--quick" in sys.argv
     for shape in SHAPES[:1] if quick else SHAPES:
-        for dt in (torch.float16,) if quick or "--fp16" in sys.argv else (torch.float16, torch.bfloat16):
+        for dt in (torch.float16,) if quick else (torch.float16, torch.bfloat16):
             run_shape(shape, dt, 1 if quick else 3)
 
 

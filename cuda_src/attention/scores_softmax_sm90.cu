@@ -24,7 +24,7 @@
 //
 // Tiles (cupy_attn/attention/scores_sm90.py, SCORES_TILES): kHalfN ∈ {64, 128, 192, 256} = the smallest multiple of
 // 64 with 2·kHalfN ≥ S; kStages = 4 (3 at kHalfN = 256: 3 × 72 KB fills the 227 KB per block). One CTA per SM (its
-// accumulators take half the register file). v3: M128_TILES there (kN keys per CTA, 4-8 stages of 16 KB + kN·128 B).
+// accumulators take half the register file).
 //
 // K multicast (scores_softmax_sm90_cluster2, v2): every CTA reads its head's whole K, 1 MB per 64 rows at the seed
 // shape (9.7 GB of L2 → SM traffic per call, ~7.5 TB/s at v1's 1.3 ms: the likely limit). In a cluster of two CTAs
@@ -33,22 +33,14 @@
 // section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
 // (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
 //
-// 128-row tiles (scores_softmax_sm90_m128 and _m128_cluster2, v3; scores_softmax_m128 below): v2 measured slower than
-// v1, so L2 egress was not the limit; what each SM ingests per FLOP is (v1: 72 KB of Q + K per 4.2 MFLOP k step). A
-// v3 CTA computes 128 query rows (one per consumer warpgroup: 64) × kN ≤ 256 keys, 48 KB per 4.2 MFLOP k step at
-// kN = 256. For S > 256 a row's keys span a cluster of two CTAs (along x), which share Q by multicast and merge
-// each row's max and sum through distributed shared memory before writing exact probabilities.
-//
 // Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, TMA stores of P,
 // causal and attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
-//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              1.545 ms (0.84x v1)
-//   v3  128 rows × 256 keys per CTA, keys over a cluster of 2 (Q multicast, DSMEM row-stat merge) untimed (CPU checks)
+//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              untimed (CPU checks)
 #include "common/types.cuh"
 #include "common/mask.cuh"
-#include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 
@@ -320,265 +312,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
 }
 
-// ---- v3: 128 query rows per CTA, keys split over a cluster ----
-
-constexpr int kBlockM128 = 128;
-
-template <typename T, int kN, int kStages>
-struct SharedStorageM128 {
-  static constexpr int kQHalfBytes = 64 * 128;          // one warpgroup's 64 rows × 64 16-bit columns: one Q box
-  static constexpr int kQBytes = 2 * kQHalfBytes;       // both warpgroups' rows (one 128-row swizzled tile)
-  static constexpr int kKBytes = kN * 128;              // the CTA's kN keys × 64 columns
-  // Ring tiles, full and empty barriers, the peer CTA's (m·c, l) per row (128 float2), 1 KB of alignment slack.
-  static constexpr int kBytes = kStages * (kQBytes + kKBytes) + 16 * kStages + kBlockM128 * 8 + 1024;
-
-  T* q;  // kStages tiles
-  T* k;
-  unsigned long long* full;
-  unsigned long long* empty;
-  float2* peer_stats;  // [row of the CTA]: written by the other CTA of the cluster (st.shared::cluster)
-
-  __device__ __forceinline__ explicit SharedStorageM128(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    q = reinterpret_cast<T*>(smem);
-    k = reinterpret_cast<T*>(smem + kStages * kQBytes);
-    full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
-    empty = full + kStages;
-    peer_stats = reinterpret_cast<float2*>(empty + kStages);
-  }
-};
-
-// The v3 kernel body: a CTA computes 128 query rows × kN keys (keys rank·kN ... rank·kN + kN − 1 of the row block
-// m0 ... m0 + 127), consumer warpgroup w the 64 rows m0 + 64w ...: the same m64nkNk16 wgmma and kN/2 accumulators
-// per thread as v1, but each k step brings 16 KB of Q and kN·128 bytes of K (48 KB at kN = 256) for both warpgroups'
-// 2·64·kN·64 multiply-adds: 85 FLOP per byte of shared-memory ingress at kN = 256, cuBLAS's 128 × 256 tile's ratio
-// (v1: 57).
-// A warpgroup owns whole rows of the CTA's keys, so a row's statistics need no exchange inside the CTA.
-//
-// kClusterN = 1 (S ≤ kN ≤ 256): the CTA holds whole rows; P = 2^(s·c − m·c) / l as in v1.
-// kClusterN = 2 (256 < S ≤ 2·kN): the rows' keys span the two CTAs of a cluster (x-adjacent, same row block). The
-// CTA of rank r loads Q box r (rows m0 + 64r ...: warpgroup r's rows) of every stage with .multicast::cluster into
-// both CTAs, and its own K box (keys r·kN ...) locally; full[s] in each CTA expects both Q boxes and its K box;
-// empty[s] counts the 8 consumer warps of both CTAs (16 arrivals: either producer writes into both CTAs' stage s),
-// as in v2. After the mainloop each row's partial statistics (m_r·c, l_r = Σ 2^(s·c − m_r·c) over the CTA's keys)
-// go to the peer (st.shared::cluster) and, after one cluster barrier, both CTAs merge them the same way
-// (FlashAttention's merge: m = max(m_0, m_1), l = l_0·2^(m_0·c − m·c) + l_1·2^(m_1·c − m·c), each product rounded
-// on its own, not contracted into an FMA, so both add the same two floats and get identical m and l) and write
-// exact P = 2^(s·c − m_r·c)·2^(m_r·c − m·c) / l for their kN keys; rank 0 writes lse. One exchange (both statistics
-// at once) instead of max, barrier, sum, barrier: one cluster barrier less on the epilogue's critical path.
-// kMulticastQ = false (the A/B against v2's experience, where coupling two CTAs' rings by multicast measured slower):
-// each CTA of the key cluster loads both Q boxes itself, its ring is its own (empty[s]: 8 local arrivals, no remote
-// ones), and the cluster meets only at the initialization and the exchange.
-// The barrier is also the exit barrier: every remote access (multicast Q, remote arrivals, the statistics store)
-// precedes its thread's arrive.release, so no CTA exits while its peer may still touch it. Every thread of both CTAs
-// reaches it: the grid has no padding CTAs (both CTAs of a cluster share the row block), and a row block whose
-// second 64 rows lie past L loads no second Q box (warpgroup 1 multiplies stale shared memory; its rows are not
-// stored).
-template <typename T, int kN, int kStages, int kClusterN, bool kMulticastQ>
-__device__ __forceinline__ void scores_softmax_m128(const ScoresSm90Params& p) {
-  using Smem = SharedStorageM128<T, kN, kStages>;
-  static_assert(kN % 64 == 0 && kN <= 256, "K boxes of at most 256 rows, 64-row multiples");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kClusterN == 1 || kClusterN == 2, "one CTA per row block, or two splitting the keys");
-  static_assert(kClusterN > 1 || !kMulticastQ, "multicast needs a cluster");
-  constexpr int kShared = kMulticastQ ? kClusterN : 1;  // CTAs whose producers write into each stage
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);  // the same offsets in both CTAs of a cluster: multicast and remote stores rely on it
-  const int m0 = static_cast<int>(blockIdx.x / kClusterN) * kBlockM128, h = blockIdx.y, b = blockIdx.z;
-  const unsigned rank = kClusterN > 1 ? tma::cluster_ctarank() : 0;
-  const int n0 = static_cast<int>(rank) * kN;
-  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
-
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8 * kShared);  // lane 0 of each consumer warp, of every CTA writing stage s
-    }
-    tma::fence_barrier_init();
-  }
-  if constexpr (kClusterN > 1) {
-    // The peer's multicast and remote arrivals find initialized barriers; and both CTAs have started before either
-    // stores into the other's shared memory.
-    tma::cluster_arrive_relaxed();
-    tma::cluster_wait();
-  } else {
-    __syncthreads();
-  }
-
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kScoresProducerRegs>();
-    if (threadIdx.x == 0) {
-      tma::prefetch_map(&p.tma_q);
-      tma::prefetch_map(&p.tma_k);
-      const int h_kv = h / static_cast<int>(p.groups);
-      // Rows m0 + 64 ... all past L: that Q box would lie wholly outside the map; not loaded (in either CTA).
-      const bool q_hi = m0 + 64 < p.seqlen_q;
-      const unsigned bytes = (q_hi ? 2 : 1) * Smem::kQHalfBytes + Smem::kKBytes;
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = kb % kStages;
-        tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        // In a cluster the peer's Q box may land before this expect_tx (the transaction count goes negative).
-        tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-        T* q = ss.q + s * kBlockM128 * 64;
-        if constexpr (kMulticastQ) {
-          if (rank == 0 || q_hi)
-            tma::load_4d_multicast(q + rank * 64 * 64, &p.tma_q, &ss.full[s], 0x3, kb * 64, m0 + 64 * rank, h, b);
-        } else {
-          tma::load_4d(q, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
-          if (q_hi) tma::load_4d(q + 64 * 64, &p.tma_q, &ss.full[s], kb * 64, m0 + 64, h, b);
-        }
-        tma::load_4d(ss.k + s * kN * 64, &p.tma_k, &ss.full[s], kb * 64, n0, h_kv, b);
-      }
-    }
-    if constexpr (kClusterN > 1) {  // the statistics exchange's barrier: every thread of the cluster takes part
-      tma::cluster_arrive();
-      tma::cluster_wait();
-    }
-    return;
-  }
-  tma::setmaxnreg_inc<kScoresConsumerRegs>();
-
-  const int tid = threadIdx.x - 128;
-  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int r0 = wg * 64 + warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
-  const int S = static_cast<int>(p.seqlen_k);
-
-  // S block (64 × kN) = Q_wg K_rankᵀ over the head dim, as in v1: the warpgroup's Q rows are the 64-row half of the
-  // stage's 128-row tile (8 KB in, a whole number of 1024-byte swizzle atoms); both warpgroups read the same K.
-  float acc[kN / 2];
-  #pragma unroll
-  for (int i = 0; i < kN / 2; ++i) acc[i] = 0.f;
-  const unsigned q_base = tma::smem_u32(ss.q) + wg * Smem::kQHalfBytes;
-  const unsigned k_base = tma::smem_u32(ss.k);
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    const int s = kb % kStages;
-    tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
-    const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
-    wgmma::fence();
-    #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma::Mma<T, kN>::ss(acc, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
-                            wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
-    wgmma::commit();
-    wgmma::wait<1>();
-    if (kb > 0) {
-      __syncwarp();
-      if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-        if constexpr (kMulticastQ) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
-      }
-    }
-  }
-  wgmma::wait<0>();
-  wgmma::fence_operands(acc);
-
-  // Keys past S: −inf before the max. acc[4j + 2·half + e] is row r0 + 8·half, key n0 + 8j + 2t + e. Every CTA
-  // holds at least one key, so its row max is finite for finite inputs: rank 1 runs only for S > 256, with kN the
-  // smallest multiple of 64 ≥ S/2 (scores_sm90.m128_tile_for), so n0 = kN < S.
-  if (n0 + kN > S) {
-    const int lim = S - n0 - 2 * t;
-    #pragma unroll
-    for (int j = 0; j < kN / 8; ++j)
-      #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (8 * j + e >= lim) acc[4 * j + e] = acc[4 * j + 2 + e] = neg_inf();
-  }
-
-  // This CTA's row max (quad shuffle) and the unnormalized 2^(s·c − m·c) in place, with their sum.
-  const float c = static_cast<float>(p.scale_log2);
-  float m_c[2], sum[2] = {0.f, 0.f};
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float mx = neg_inf();
-    #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) mx = fmaxf(mx, fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    m_c[half] = mx * c;
-  }
-  #pragma unroll
-  for (int j = 0; j < kN / 8; ++j)
-    #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = acc[4 * j + 2 * half + e];
-        x = exp2_approx(fmaf(x, c, -m_c[half]));  // one MUFU.EX2 (exp2f adds a denormal fix-up: 3 instructions)
-        sum[half] += x;
-      }
-  float f[2], lse_c[2];  // P = x · f; lse = lse_c · ln 2
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-  }
-  if constexpr (kClusterN > 1) {
-    if (t == 0) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        tma::st_cluster_f32x2(&ss.peer_stats[r0 + 8 * half], rank ^ 1, m_c[half], sum[half]);
-    }
-    tma::cluster_arrive();  // release: this thread's remote arrivals and store are performed before the peer's wait
-    tma::cluster_wait();
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float2 peer = ss.peer_stats[r0 + 8 * half];
-      const float m = fmaxf(m_c[half], peer.x);
-      const float alpha = exp2_approx(m_c[half] - m);
-      const float own = __fmul_rn(sum[half], alpha);
-      const float other = __fmul_rn(peer.y, exp2_approx(peer.x - m));
-      const float l = own + other;  // the peer adds the same two floats: its l is this l, bit for bit
-      f[half] = alpha / l;
-      lse_c[half] = m + __log2f(l);
-    }
-  } else {
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      f[half] = 1.f / sum[half];
-      lse_c[half] = m_c[half] + __log2f(sum[half]);
-    }
-  }
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = m0 + r0 + 8 * half;
-    if (rank == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
-      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] = lse_c[half] * kLn2;
-  }
-
-  // Stores as in v1: a quad writes 16 contiguous bytes of a row per j; the column past an odd S is not written.
-  // A CTA whose keys all lie below S (the seed's: S = 2·kN) stores without a test per pair.
-  using P2 = typename Pair<T>::type;
-  T* out = static_cast<T*>(p.p) + b * p.p_stride_b + h * p.p_stride_h;
-  const bool full_tile = n0 + kN <= S;
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = m0 + r0 + 8 * half;
-    if (row >= p.seqlen_q) continue;
-    T* out_row = out + row * p.ld + n0 + 2 * t;
-    if (full_tile) {
-      #pragma unroll
-      for (int j = 0; j < kN / 8; ++j)
-        *reinterpret_cast<P2*>(out_row + 8 * j) =
-            Pair<T>::make(acc[4 * j + 2 * half] * f[half], acc[4 * j + 2 * half + 1] * f[half]);
-      continue;
-    }
-    const int lim = S - n0 - 2 * t;
-    #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-      const float x0 = acc[4 * j + 2 * half] * f[half], x1 = acc[4 * j + 2 * half + 1] * f[half];
-      if (8 * j + 1 < lim) {
-        *reinterpret_cast<P2*>(out_row + 8 * j) = Pair<T>::make(x0, x1);
-      } else if (8 * j < lim) {
-        out_row[8 * j] = from_float<T>(x0);
-      }
-    }
-  }
-}
-
 }  // namespace scores_sm90
 
 // Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
@@ -592,27 +325,6 @@ template <typename T, int kHalfN, int kStages>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
     scores_softmax_sm90_cluster2(const __grid_constant__ ScoresSm90Params p) {
   scores_sm90::scores_softmax<T, kHalfN, kStages, 2>(p);
-}
-
-// v3. Grid (⌈L / 128⌉, Hq, B): 128 query rows × kN ≥ S keys per CTA (S ≤ 256).
-template <typename T, int kN, int kStages>
-__global__ void __launch_bounds__(384, 1) scores_softmax_sm90_m128(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_m128<T, kN, kStages, 1, false>(p);
-}
-
-// v3 for 256 < S ≤ 2·kN. Grid (2·⌈L / 128⌉, Hq, B) in clusters of (2, 1, 1): CTAs 2i and 2i + 1 = keys 0 ... kN − 1
-// and kN ... of row block i, sharing its Q by multicast and their row statistics through distributed shared memory.
-template <typename T, int kN, int kStages>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
-    scores_softmax_sm90_m128_cluster2(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_m128<T, kN, kStages, 2, true>(p);
-}
-
-// The same without the Q multicast: each CTA loads its row block's Q itself (CUPY_ATTN_SPLIT_FUSED=4, the A/B).
-template <typename T, int kN, int kStages>
-__global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
-    scores_softmax_sm90_m128_cluster2_localq(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_m128<T, kN, kStages, 2, false>(p);
 }
 
 }  // namespace cupy_attn

@@ -129,20 +129,6 @@ __device__ __forceinline__ void mbar_arrive_cluster(unsigned long long* bar, uns
       : "memory");
 }
 
-// Store (x, y) at p's offset in the shared memory of CTA `cta` of this cluster (distributed shared memory: mapa,
-// then st.shared::cluster, 8 bytes; p 8-byte aligned). Weak: a cluster barrier (arrive.release, wait.acquire) between
-// this store and the peer's read of it makes it visible, and keeps the peer from exiting before it has landed.
-__device__ __forceinline__ void st_cluster_f32x2(const void* p, unsigned cta, float x, float y) {
-  asm volatile(
-      "{\n"
-      ".reg .b32 remote;\n"
-      "mapa.shared::cluster.u32 remote, %0, %1;\n"
-      "st.shared::cluster.v2.f32 [remote], {%2, %3};\n"
-      "}\n" ::"r"(smem_u32(p)),
-      "r"(cta), "f"(x), "f"(y)
-      : "memory");
-}
-
 // load_4d into every CTA of the cluster whose bit is set in cta_mask (bit r: rank r), at dst's offset in each, the
 // bytes completing on the mbarrier at bar's offset in each. One L2 read feeds them all (sm_90a).
 __device__ __forceinline__ void load_4d_multicast(void* dst, const TensorMap* map, unsigned long long* bar,

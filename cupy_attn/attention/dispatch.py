@@ -246,12 +246,14 @@ def split_details(p, arch: int | None = None) -> dict:
     why_not = _split.fused_reason(p, budget, arch)
     if why_not is None:
         from . import scores_sm90
+        tile = scores_sm90.tile_for(p.seqlen_k)
         ld_p = -(-p.seqlen_k // 8) * 8
-        variant = scores_sm90.setting()
+        cluster_m = scores_sm90.setting()
         return {
-            "schedule": f"{scores_sm90.kernel_name(variant, p.seqlen_k)} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) "
-                        f"→ cuBLAS P·V ({scores_sm90.ENV_SPLIT_FUSED}={variant})",
-            "scores kernel": scores_sm90.describe_tile(variant, p.seqlen_k),
+            "schedule": f"{scores_sm90.KERNELS[cluster_m]} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → cuBLAS "
+                        f"P·V ({scores_sm90.ENV_SPLIT_FUSED}={cluster_m})",
+            "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
+                             + (", clusters of 2 CTAs sharing K by TMA multicast" if cluster_m == 2 else ""),
             "P buffer": f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head, all heads in one "
                         f"buffer of {p.batch * p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20:.0f} MiB",
         }

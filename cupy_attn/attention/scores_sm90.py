@@ -9,11 +9,6 @@ its Q·Kᵀ GEMM + softmax pass when ``CUPY_ATTN_SPLIT_FUSED=1`` (opt-in until m
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
 (32, 32, 512, 1024)). ``CUPY_ATTN_SPLIT_FUSED=2`` runs the cluster variant instead (:data:`KERNELS`: two CTAs of
 adjacent row blocks share each K tile by TMA multicast, half the L2 → shared-memory traffic), for the A/B.
-``CUPY_ATTN_SPLIT_FUSED=3`` runs v3 (:data:`M128_KERNELS`, family SCORES_SOFTMAX_SM90_M128): 128 query rows × at most
-256 keys per CTA, for S > 256 the keys split over a cluster of two CTAs that share Q by multicast and merge their rows'
-max and sum through distributed shared memory (48 KB of shared-memory ingress per 64-column k step instead of 72 KB
-for the same 4.2 MFLOP). ``CUPY_ATTN_SPLIT_FUSED=4``: v3 whose key cluster loads Q in each CTA (no multicast: the
-two CTAs' rings stay apart; :data:`M128_LOCAL_Q_KERNEL`), for the A/B.
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -38,14 +33,6 @@ ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
 # CTAs per cluster (along the row blocks of one head) -> the kernel. 2: each CTA's producer loads one of a stage's two
 # K boxes and multicasts it to both CTAs, so K crosses from L2 once per 128 query rows instead of once per 64.
 KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2"}
-BLOCK_M128 = 128     # query rows per CTA in v3 (two consumer warpgroups of 64 rows × the CTA's keys)
-# v3: CTAs per cluster along the keys -> the kernel. 1: S ≤ 256, the CTA holds whole rows; 2: 256 < S ≤ 512, CTA
-# rank r holds keys r·n ... r·n + n − 1 of 128 rows and the two merge their row statistics.
-M128_KERNELS = {1: "scores_softmax_sm90_m128", 2: "scores_softmax_sm90_m128_cluster2"}
-# The key cluster without the Q multicast (each CTA loads its row block's Q; the CTAs meet only to merge statistics):
-# v2's multicast measured slower than v1, so the coupling of two rings is a suspect of its own.
-M128_LOCAL_Q_KERNEL = "scores_softmax_sm90_m128_cluster2_localq"
-VARIANTS = (1, 2, 3, 4)  # CUPY_ATTN_SPLIT_FUSED values that run a scores kernel: v1, v2, v3, v3 without multicast
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,27 +55,6 @@ SCORES_TILES = {
     256: ScoresTile(256, 3),   # 3 × 72 KB = 218 KB (4 stages would need 290 KB)
 }
 
-@dataclasses.dataclass(frozen=True)
-class M128Tile:
-    """v3: keys per CTA (n, also each consumer warpgroup's wgmma N) and stages in the TMA ring."""
-    n: int
-    stages: int
-
-    def smem_bytes(self) -> int:
-        """stages × (Q 128×64 + K n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB for the peer's row
-        statistics (128 float2), 1 KB of alignment slack: SharedStorageM128::kBytes in scores_softmax_sm90.cu."""
-        return self.stages * (BLOCK_M128 * 128 + self.n * 128) + 16 * self.stages + BLOCK_M128 * 8 + 1024
-
-
-# n -> v3 tile. A stage is 16 KB of Q + n·128 bytes of K; the ring takes what fits the 227 KB (232448 B) per block,
-# at most 8 stages (8 head-dim steps in flight cover the load latency at the smallest tile):
-M128_TILES = {
-    64: M128Tile(64, 8),     # 8 × 24 KB = 192 KB
-    128: M128Tile(128, 6),   # 6 × 32 KB = 192 KB (7 would leave 1 KB)
-    192: M128Tile(192, 5),   # 5 × 40 KB = 200 KB
-    256: M128Tile(256, 4),   # 4 × 48 KB = 192 KB (5 would need 240 KB)
-}
-
 # ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
 _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
@@ -105,30 +71,14 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
     arch="sm_90a",
 )
 
-# v3 (same source and parameters): the one-CTA kernel at every tile (S ≤ 256), the key clusters (with and without
-# the Q multicast) at the tiles that 256 < S ≤ 512 takes (n = 192, 256: m128_tile_for).
-SCORES_SOFTMAX_SM90_M128 = KernelFamily(
-    name="scores_softmax_sm90_m128",
-    source="attention/scores_softmax_sm90.cu",
-    template="cupy_attn::{kernel}<{dtype}, {tile.n}, {tile.stages}>",
-    axes={"kernel": (*M128_KERNELS.values(), M128_LOCAL_Q_KERNEL), "dtype": tuple(_C_TYPES.values()),
-          "tile": tuple(M128_TILES.values())},
-    where=lambda row: row["kernel"] == M128_KERNELS[1] or row["tile"].n >= 192,
-    archs=("sm_90a",),
-    structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
-    arch="sm_90a",
-)
-
 
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
     64-row block; the default, unset or any other value), 2 (its cluster variant: CTA pairs sharing K by TMA
-    multicast), 3 (v3: 128 rows per CTA, keys over a cluster of two for S > 256; untimed), 4 (v3 with each CTA of
-    the key cluster loading Q itself, no multicast; untimed). Measured on an H200
-    (session 7, bench/experiments/scores_sm90.py, device time against the cuBLAS + softmax-pass schedule): 1 at
-    0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at
-    0.84-0.97x of 1 (bench/NOTES_split.md)."""
-    return {"0": 0, "2": 2, "3": 3, "4": 4}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
+    multicast). Measured on an H200 (session 7, bench/experiments/scores_sm90.py, device time against the cuBLAS +
+    softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at (8,16,1024,512,512), 1.36x at
+    (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md)."""
+    return {"0": 0, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
 
 
 def enabled() -> bool:
@@ -148,22 +98,6 @@ def grid_for(batch: int, num_heads: int, seqlen_q: int, cluster_m: int = 1) -> t
         raise ValueError(f"cluster_m={cluster_m}: the scores kernel runs in clusters of {sorted(KERNELS)} CTAs")
     blocks = -(-seqlen_q // BLOCK_M)
     return (-(-blocks // cluster_m) * cluster_m, num_heads, batch)
-
-
-def m128_tile_for(seqlen_k: int) -> tuple:
-    """v3's (CTAs per cluster along the keys, tile) for seqlen_k keys (1 ≤ seqlen_k ≤ 512): S ≤ 256 one CTA of
-    n = S rounded up to 64 keys; above, two CTAs of n = ⌈S/2⌉ rounded up to 64 (192 or 256), so that rank 1's keys
-    n ... S − 1 are never empty (S > 256 ≥ n).
-
-    >>> [(c, m128_tile_for(s)[1].n) for s in (1, 64, 65, 200, 256, 257, 300, 384, 385, 512) for c in
-    ...  [m128_tile_for(s)[0]]]
-    [(1, 64), (1, 64), (1, 128), (1, 256), (1, 256), (2, 192), (2, 192), (2, 192), (2, 256), (2, 256)]
-    """
-    if not 1 <= seqlen_k <= MAX_SEQLEN_K:
-        raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
-    cluster = 1 if seqlen_k <= 256 else 2
-    per_cta = -(-seqlen_k // cluster)
-    return cluster, M128_TILES[-(-per_cta // 64) * 64]
 
 
 def tile_for(seqlen_k: int) -> ScoresTile:
@@ -205,66 +139,19 @@ def unsupported_reason(p, arch: int) -> str | None:
     return None
 
 
-def m128_grid_for(batch: int, num_heads: int, seqlen_q: int, seqlen_k: int) -> tuple:
-    """v3's grid: (clusters along the keys × ⌈L / 128⌉ row blocks, Hq, B); the CTAs of a cluster (x-adjacent) hold
-    the same row block, so no CTA of the grid is padding.
-
-    >>> m128_grid_for(32, 32, 512, 512), m128_grid_for(2, 3, 129, 200), m128_grid_for(1, 1, 1, 300)
-    ((8, 32, 32), (2, 3, 2), (2, 1, 1))
-    """
-    cluster, _ = m128_tile_for(seqlen_k)
-    return (cluster * -(-seqlen_q // BLOCK_M128), num_heads, batch)
-
-
-def kernel_name(variant: int, seqlen_k: int) -> str:
-    """The kernel a :func:`setting` value (1-4) runs at seqlen_k keys.
-
-    >>> kernel_name(1, 512), kernel_name(3, 256), kernel_name(3, 257), kernel_name(4, 256), kernel_name(4, 512)
-    ('scores_softmax_sm90', 'scores_softmax_sm90_m128', 'scores_softmax_sm90_m128_cluster2', \
-'scores_softmax_sm90_m128', 'scores_softmax_sm90_m128_cluster2_localq')
-    """
-    if variant not in VARIANTS:
-        raise ValueError(f"variant={variant}: the scores kernel's variants are {VARIANTS}")
-    if variant < 3:
-        return KERNELS[variant]
-    cluster = m128_tile_for(seqlen_k)[0]
-    return M128_LOCAL_Q_KERNEL if variant == 4 and cluster == 2 else M128_KERNELS[cluster]
-
-
-def describe_tile(variant: int, seqlen_k: int) -> str:
-    """One line on the CTA tile of a variant at seqlen_k keys (explain()'s "scores kernel")."""
-    if variant >= 3:
-        cluster, tile = m128_tile_for(seqlen_k)
-        keys = (f", clusters of 2 CTAs along the keys ({'Q multicast' if variant == 3 else 'Q loaded by each'}, row "
-                f"max and sum merged through distributed shared memory)" if cluster == 2 else "")
-        return f"{BLOCK_M128} rows x {tile.n} keys per CTA, {tile.stages} TMA stages{keys}"
-    tile = tile_for(seqlen_k)
-    return (f"{BLOCK_M} rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
-            + (", clusters of 2 CTAs sharing K by TMA multicast" if variant == 2 else ""))
-
-
-def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1) -> "ScoresLaunch":
+def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
-    elements apart. variant: 1 (scores_softmax_sm90), 2 (scores_softmax_sm90_cluster2, K shared by TMA multicast;
-    its grid from :func:`grid_for`), 3 (v3, :func:`m128_tile_for` and :func:`m128_grid_for`) or 4 (v3 without the Q
-    multicast). Raises ValueError for an odd or short ld or another variant."""
+    elements apart. cluster_m: 1 (scores_softmax_sm90) or 2 (scores_softmax_sm90_cluster2, K shared by TMA
+    multicast; its grid comes from :func:`grid_for`). Raises ValueError for an odd or short ld or another
+    cluster_m."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 2:
         raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
-    name = kernel_name(variant, S)
-    dtype = _C_TYPES[dtype_name(q.dtype)]
-    if variant >= 3:
-        cluster, tile = m128_tile_for(S)
-        grid = m128_grid_for(B, Hq, L, S)
-        kernel = SCORES_SOFTMAX_SM90_M128.kernel(kernel=name, dtype=dtype, tile=tile)
-        k_rows = tile.n
-    else:
-        cluster, tile = variant, tile_for(S)
-        grid = grid_for(B, Hq, L, cluster)
-        kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=dtype, tile=tile)
-        k_rows = tile.half_n
+    grid = grid_for(B, Hq, L, cluster_m)
+    tile = tile_for(S)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[cluster_m], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     smem = tile.smem_bytes()
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -275,26 +162,21 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1) -> "ScoresLau
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
-    # Q boxes of 64 rows in every variant (v3 loads a 128-row stage as two of them: one per warpgroup, one per CTA
-    # of a key cluster); K boxes of the keys one warpgroup multiplies.
-    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, k_rows))
-    return ScoresLaunch(kernel, p, maps, grid, tile, cluster, variant, smem)
+    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n))
+    return ScoresLaunch(kernel, p, maps, grid, tile, cluster_m)
 
 
 @dataclasses.dataclass
 class ScoresLaunch:
     """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, CTAs per
-    cluster (compiled into the kernel by __cluster_dims__: a plain launch of a grid whose x is a multiple of it), the
-    :func:`setting` value it runs and its dynamic shared memory in bytes."""
+    cluster (compiled into the kernel by __cluster_dims__: a plain launch of a grid whose x is a multiple of it)."""
 
     kernel: object
     params: np.ndarray
     maps: tuple
     grid: tuple
-    tile: object  # ScoresTile (variants 1, 2) or M128Tile (3)
-    cluster: int = 1
-    variant: int = 1
-    smem: int = 0
+    tile: ScoresTile
+    cluster_m: int = 1
 
     def __post_init__(self):
         self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
@@ -304,13 +186,10 @@ class ScoresLaunch:
         params = self.params.copy()
         params["tma_q"], params["tma_k"] = self._tensor_maps(q_ptr, k_ptr)
         params["p"], params["lse"] = p_ptr, lse_ptr
-        self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.smem)
+        self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
 
     def describe(self) -> str:
-        seqlen_k = int(self.params["seqlen_k"])
-        if self.variant >= 3:
-            gemm = f"wgmma m64n{self.tile.n} x 2 warpgroups of 64 rows"
-        else:
-            gemm = f"wgmma m64n{self.tile.half_n} x 2 warpgroups"
-        return (f"{kernel_name(self.variant, seqlen_k)} ({describe_tile(self.variant, seqlen_k)}, {gemm}, softmax in "
-                f"the epilogue; grid {self.grid})")
+        shared = ", clusters of 2 CTAs sharing K by TMA multicast" if self.cluster_m == 2 else ""
+        return (f"{KERNELS[self.cluster_m]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
+                f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
+                f"{self.grid})")

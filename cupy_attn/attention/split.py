@@ -141,7 +141,7 @@ class _Schedule:
     chunks: list
     # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
     # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
-    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1, 2 or 3, see fused_reason).
+    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
 
@@ -285,7 +285,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     if fused_reason(p, budget) is None:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
-        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting())
+        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, cluster_m=scores.setting())
 
     def gemm_pair(nb: int, lc: int):
         """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
