@@ -35,8 +35,12 @@ __device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row
 // the exponent's FFMA, so max(raw)·sc is the scaled max (the launcher only selects this kernel for scale > 0).
 // An empty row so far keeps m = -inf; 0 replaces it inside the exponentials, so P = 0, α = 0 and l = 0, and the
 // epilogue writes out = 0, lse = -inf (not NaN).
+// The lazy rescale's threshold, log2 units (see OnlineSoftmax::update_half).
+constexpr float kRescaleLog2 = 8.f;
+
 template <int kBlockN, int kHeadDim>
 struct OnlineSoftmax {
+  static constexpr bool kLazyRescale = kHeadDim >= 128;
   float m[2];  // running max of the scaled scores, log2 units
   float l[2];  // this lane's partial row sum (the quad's four partials are summed in the epilogue)
 
@@ -45,9 +49,15 @@ struct OnlineSoftmax {
     l[0] = l[1] = 0.f;
   }
 
-  // Rows g + 8·half: row max, s -> 2^(s·sc − m_new) in place (fp32), m and l updated. Returns α = 2^(m_old − m_new);
-  // *moved: whether any row of the warp's 16 changed its max (else the O rescale may be skipped: once the running
-  // max settles it rarely moves).
+  // Rows g + 8·half: row max, s -> 2^(s·sc − m) in place (fp32), m and l updated. Returns α = 2^(m_old − m) and
+  // *moved: whether the warp's 16 rows took a new max (else α = 1 and the O rescale may be skipped).
+  // From head dim 128 on (kLazyRescale) the max moves lazily (FlashAttention-4's trick, flash_decode.cu's
+  // kRescaleLog2): only when some row of the warp sees a block max above its running max by more than kRescaleLog2
+  // (log2 units; also a row's first visible block, m = -inf); then every row of the warp takes its exact new max.
+  // Otherwise P = 2^(s·sc − m) <= 2^8, exact in fp32 and within P's fp16/bf16 range, and the kHeadDim/2 multiplies
+  // of O run on a few blocks per row instead of on every block where some max grows a little. O, l and m always
+  // agree, so out = O / l and lse = m + log2 l are as with an exact running max. Below 128 the O rescale is cheap
+  // and the eager max measured faster (bench/NOTES_flash.md, session 8).
   __device__ __forceinline__ float update_half(float (&s)[kBlockN / 2], int half, float sc, bool& moved) {
     float mx = neg_inf();
     #pragma unroll
@@ -55,9 +65,19 @@ struct OnlineSoftmax {
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
     const float m_old = m[half];
-    const float m_new = fmaxf(m_old, mx * sc);
-    const float m_use = m_new == neg_inf() ? 0.f : m_new;
-    m[half] = m_new;
+    const float block_max = mx * sc;  // -inf for a row that sees no key of this block
+    float alpha = 1.f;
+    if constexpr (kLazyRescale) {
+      moved = __any_sync(0xffffffffu, block_max > m_old + kRescaleLog2);
+      if (moved) {
+        const float m_new = fmaxf(m_old, block_max);
+        alpha = exp2_approx(m_old - (m_new == neg_inf() ? 0.f : m_new));
+        m[half] = m_new;
+      }
+    } else {
+      m[half] = fmaxf(m_old, block_max);
+    }
+    const float m_use = m[half] == neg_inf() ? 0.f : m[half];
     float sum = 0.f;
     #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j) {
@@ -67,9 +87,9 @@ struct OnlineSoftmax {
         sum += s[4 * j + 2 * half + e];
       }
     }
-    const float alpha = exp2_approx(m_old - m_use);
+    if constexpr (!kLazyRescale) alpha = exp2_approx(m_old - m_use);
     l[half] = l[half] * alpha + sum;
-    moved = __any_sync(0xffffffffu, m_new != m_old);
+    if constexpr (!kLazyRescale) moved = __any_sync(0xffffffffu, m[half] != m_old);
     return alpha;
   }
 
