@@ -4,9 +4,8 @@ validation (CPU); against the float64 reference with torch's error as the yardst
 GPU tests poison out and lse with NaN, run decode_forward on CuPy views of torch tensors (strides kept) with every
 forced split count and every kernel variant (flash_decode with its 4- and its 8-warp tile, the latter on Hopper at
 head dims 64 and 128; flash_decode_sm90 with one and two CTAs per SM, which on an H100/H200 must really run where TMA
-can read the layout; flash_decode's bandwidth variants of CUPY_ATTN_DECODE_BW, which must run at head-dim bucket 128
-on Hopper), and check lse; a few run through scaled_dot_product_attention (auto dispatch, num_splits,
-CUPY_ATTN_DECODE=1/2/3, CUPY_ATTN_DECODE_WARPS=4/8, CUPY_ATTN_DECODE_BW).
+can read the layout), and check lse; a few run through scaled_dot_product_attention (auto dispatch, num_splits,
+CUPY_ATTN_DECODE=1/2/3, CUPY_ATTN_DECODE_WARPS=4/8).
 """
 import numpy as np
 import pytest
@@ -194,136 +193,10 @@ def test_warps_rule(B, Hq, Hkv, S, splits, ctas, warps, monkeypatch):
     assert _decode.v1_tile(128, 90, ctas, 132, warps=4)[0].warps == 4
 
 
-@pytest.mark.parametrize("value,bw", [(None, None), ("", None), *((v, v) for v in _decode.BW_VARIANTS)])
-def test_requested_bw(value, bw, monkeypatch):
-    if value is None:
-        monkeypatch.delenv(_decode.ENV_BW, raising=False)
-    else:
-        monkeypatch.setenv(_decode.ENV_BW, value)
-    assert _decode.requested_bw() == bw
-
-
-def test_requested_bw_rejects_unknown_values(monkeypatch):
-    monkeypatch.setenv(_decode.ENV_BW, "fast")
-    with pytest.raises(ValueError, match="CUPY_ATTN_DECODE_BW must be one of"):
-        _decode.requested_bw()
-    with pytest.raises(ValueError, match="bandwidth variant"):
-        _decode.bw_tile(_decode.tile_for(128, 90), 128, 90, "x")
-
-
-def test_bw_tiles():
-    """The bandwidth variants: declared at head-dim bucket 128 for both dtypes and mask states; the flags on the 4- and
-    8-warp Hopper tiles unchanged otherwise; the 3-CTA tile fits 3 CTAs per SM (shared memory, and registers by its
-    __launch_bounds__ minimum); elsewhere the default tile and a note."""
-    declared = set(_decode.FLASH_DECODE.name_expressions())
-    for tile in _decode._bw_tiles():
-        for dtype in _decode._C_TYPES.values():
-            for has_mask in ("false", "true"):
-                expr = _decode.FLASH_DECODE.name_expression(dtype=dtype, head_dim=128, tile=tile, has_mask=has_mask)
-                assert expr in declared and expr.endswith(f"{has_mask}, {tile.flags}, {tile.min_blocks}>"), expr
-    for d in (64, 256):  # none at other buckets
-        assert not any(e.startswith(f"cupy_attn::flash_decode<__half, {d},") and e.count(",") > 5 for e in declared)
-    t3 = _decode.BW_3CTA_TILE
-    assert t3.ctas_per_sm == t3.min_blocks == 3 and t3.split_waves == 3 and t3.flags == 0
-    assert 3 * (t3.smem_bytes(128) + 1024) <= 233472                      # 228 KB per SM, 1 KB reserved per CTA
-    assert 4 * 16 * (128 + 2) * 4 <= 2 * t3.stages * t3.block_n * (128 + 8) * 2  # merge scratch in the ring
-    for warps in (4, 8):
-        base = _decode.tile_for(128, 90, warps)
-        assert base.template_tail == "" and base.split_waves == 1 and not base.lean
-        for bw, flag in _decode.BW_FLAGS.items():
-            tile, note = _decode.bw_tile(base, 128, 90, bw)
-            assert tile.flags == flag and (tile.block_n, tile.warps, tile.stages) == (base.block_n, base.warps,
-                                                                                    base.stages)
-            assert tile.lean == (bw == "lean") and f"bw {bw}" in note
-        assert _decode.bw_tile(base, 128, 90, "3cta")[0] == t3
-        assert _decode.bw_tile(base, 128, 90, None) == (base, None)
-    for d, arch in ((64, 90), (256, 90), (128, 86)):
-        base = _decode.tile_for(d, arch)
-        tile, note = _decode.bw_tile(base, d, arch, "lean")
-        assert tile == base and tile.flags == 0 and "only at head-dim bucket 128 on sm_90" in note
-
-
-def test_bw_3cta_registers_allow_three_ctas_per_sm():
-    for dtype in _decode._C_TYPES.values():
-        for has_mask in ("false", "true"):
-            expr = _decode.FLASH_DECODE.name_expression(dtype=dtype, head_dim=128, tile=_decode.BW_3CTA_TILE,
-                                                        has_mask=has_mask)
-            report = _compile.compile_variant(_decode.FLASH_DECODE, expr, "sm_90").report
-            assert report.registers <= 168 and not report.spill_bytes, report  # 3 x 128 threads x 168 <= 64 K
-
-
-@pytest.mark.parametrize("B,Hq,Hkv,S,splits", [
-    (64, 32, 32, 4096, 1), (8, 32, 32, 32768, 3), (8, 32, 8, 32768, 6), (16, 64, 8, 8192, 3)])
-def test_bw_3cta_split_rule_fills_three_ctas_per_sm(B, Hq, Hkv, S, splits):
-    # H200 (132 SMs, 396 slots of the 3-CTA tile), D = 128, L = 1
-    n, chunk = _decode.split_plan(B, Hkv, 1, Hq // Hkv, S, 128, 90, 132, None, 64, _decode.BW_3CTA_TILE.split_waves)
-    assert n == splits and n * chunk >= S and chunk % 64 == 0
-
-
-@pytest.mark.parametrize("B,Hkv,L,groups,S,block_n,per_sm,num_splits", [
-    (8, 8, 1, 4, 32768, 128, 1, None), (16, 8, 1, 8, 8192, 128, 1, None), (64, 32, 1, 1, 4096, 64, 2, None),
-    (8, 32, 1, 1, 32768, 64, 2, None), (2, 4, 3, 4, 777, 128, 1, 16), (1, 1, 1, 1, 1, 64, 2, None),
-    (2, 8, 7, 4, 100, 64, 2, 3), (6, 8, 1, 4, 4096, 64, 2, 7)])
-def test_lean_partition_covers_every_tile_once(B, Hkv, L, groups, S, block_n, per_sm, num_splits):
-    """lean_plan and the kernel's LeanSplit (mirrored here): the CTAs' runs tile [0, U) in order, each of q or q + 1
-    units; an item's slots (c - c0 of each CTA touching it) are 0 .. c1 - c0 < the planned slot count; items held by
-    one CTA (written directly) have one slot."""
-    N, T, slots = _decode.lean_plan(B, Hkv, L, groups, S, block_n, 132, per_sm, num_splits)
-    items = B * Hkv * -(-L * groups // 16)
-    U = items * T
-    assert T == -(-S // block_n) and N == min(U, (num_splits or per_sm) * 132)
-    q, r = divmod(U, N)
-    start = [c * q + min(c, r) for c in range(N + 1)]
-    assert start[0] == 0 and start[-1] == U and {start[c + 1] - start[c] for c in range(N)} <= {q, q + 1}
-    seen = {}
-    for c in range(N):
-        u = start[c]
-        while u < start[c + 1]:  # the kernel's loop
-            item, first = u // T, u // T * T
-            t1 = min(T, start[c + 1] - first)
-            c0 = int(_decode.lean_cta_of(first, U, N))
-            assert c0 <= c and int(_decode.lean_cta_of(u, U, N)) == c
-            seen.setdefault(item, []).append((c - c0, u - first, t1))
-            u = first + t1
-    assert sorted(seen) == list(range(items))
-    most = 0
-    for item, segs in seen.items():
-        c1 = int(_decode.lean_cta_of(item * T + T - 1, U, N))
-        assert [s for s, _, _ in segs] == list(range(len(segs))) == list(range(c1 - int(_decode.lean_cta_of(
-            item * T, U, N)) + 1))
-        assert segs[0][1] == 0 and segs[-1][2] == T and all(a[2] == b[1] for a, b in zip(segs, segs[1:]))
-        most = max(most, len(segs))
-    assert most == slots
-
-
-def test_bw_dispatch_and_explain(monkeypatch):
-    monkeypatch.setenv("CUPY_ATTN_FA3", "0")
-    monkeypatch.delenv(_decode.ENV_DECODE, raising=False)
-    monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
-    p = _problem()  # (8, 32/8, 1, 32768, 128): 64 CTAs, 8 warps by the rule
-    monkeypatch.setenv(_decode.ENV_BW, "lean")
-    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
-    assert plan.backend == "decode" and "lean: 132 CTAs over 256 tiles of 128 keys" in plan.details["splits"], str(plan)
-    assert plan.num_splits == 4 and "bw lean" in plan.details["tile"] and ", 8 warps," in plan.details["tile"]
-    monkeypatch.setenv(_decode.ENV_BW, "3cta")
-    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
-    assert plan.num_splits == 6 and "4 warps, 2 K/V stages" in plan.details["tile"], str(plan)
-    for bw in ("kfirst", "evict"):
-        monkeypatch.setenv(_decode.ENV_BW, bw)
-        plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
-        assert plan.num_splits == 2 and f"bw {bw}" in plan.details["tile"], str(plan)
-    plan = _dispatch.plan_sdpa(_problem(E=64, Ev=64), "auto", arch=90, num_sms=132)
-    assert "only at head-dim bucket 128" in plan.details["tile"], str(plan)
-    monkeypatch.setenv(_decode.ENV_BW, "nope")
-    with pytest.raises(ValueError, match="CUPY_ATTN_DECODE_BW"):
-        _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
-
-
 def test_params_dtype_is_parsed_from_the_kernel_source():
     names = _decode._PARAMS.names
     assert names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
-    assert names[-3:] == ("mask_stride_s", "lean_ctas", "lean_item_tiles")
-    assert _decode._PARAMS.itemsize == 8 * len(names)
+    assert names[-1] == "mask_stride_s" and _decode._PARAMS.itemsize == 8 * len(names)
     assert _decode._PARAMS["scale_log2"] == np.float64
     assert _decode.FLASH_DECODE.structs == (("cupy_attn::FlashDecodeParams", _decode._PARAMS),)
 
@@ -415,7 +288,6 @@ def test_num_splits_accepted_on_the_cpu_path():
 def test_call_cache_key_includes_num_splits_and_env():
     from cupy_attn.runtime import callcache as _callcache
     assert "CUPY_ATTN_DECODE" in _callcache.ENV_KEYS and _decode.ENV_WARPS in _callcache.ENV_KEYS
-    assert _decode.ENV_BW in _callcache.ENV_KEYS
     import inspect
     assert list(inspect.signature(_callcache.key).parameters)[-1] == "num_splits"
 
@@ -513,12 +385,9 @@ def test_prefer_decode(L, S, groups, take):
 
 DTYPES = ("float16", "bfloat16")
 SPLITS = (None, 1, 2, 3, 7, 16)
-# (variant, warps, bw) of choose_kernel: flash_decode with 4 and 8 warps (the 8-warp tile forced, as by
-# CUPY_ATTN_DECODE_WARPS=8, wherever it exists), flash_decode_sm90 with 1 and 2 CTAs per SM, and flash_decode's
-# bandwidth variants (CUPY_ATTN_DECODE_BW; at head-dim bucket 128 on Hopper, the default tile elsewhere): lean with 4
-# and 8 warps (under lean a forced split count sets the CTAs per SM, so every count below is another partition)
-VARIANTS = (("v1", 4, None), ("v1", 8, None), ("stream", None, None), ("stream2", None, None),
-            ("v1", None, "3cta"), ("v1", 4, "lean"), ("v1", 8, "lean"), ("v1", None, "kfirst"), ("v1", 8, "evict"))
+# (variant, warps) of choose_kernel: flash_decode with 4 and 8 warps (the 8-warp tile forced, as by
+# CUPY_ATTN_DECODE_WARPS=8, wherever it exists), flash_decode_sm90 with 1 and 2 CTAs per SM
+VARIANTS = (("v1", 4), ("v1", 8), ("stream", None), ("stream2", None))
 
 
 from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
@@ -555,26 +424,18 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
     hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
     tma_ok = _decode.stream_layout_reason(_cp(k), _cp(v)) is None
     wide_ok = hopper and _decode.head_dim_bucket(E, Ev) in (64, 128)
-    bw_ok = hopper and _decode.head_dim_bucket(E, Ev) == 128
-    for variant, warps, bw in VARIANTS:
+    for variant, warps in VARIANTS:
         for n in splits:
             out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
             lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
             launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
-                                            num_splits=n, variant=variant, warps=warps, bw=bw)
+                                            num_splits=n, variant=variant, warps=warps)
             streaming = variant != "v1" and hopper and tma_ok
-            tile = launch.choice.tile
             assert (launch.choice.family is _decode.FLASH_DECODE_SM90) == streaming, launch.choice.describe()
-            if bw == "3cta":
-                assert (tile == _decode.BW_3CTA_TILE) == bw_ok, launch.choice.describe()
-            elif warps is not None:
-                assert tile.warps == (8 if warps == 8 and wide_ok else 4), launch.choice.describe()
-            if bw in _decode.BW_FLAGS:
-                assert tile.flags == (_decode.BW_FLAGS[bw] if bw_ok else 0), launch.choice.describe()
-                lean = bw == "lean" and bw_ok
-                assert int(launch.params["lean_ctas"]) == (launch.grid[0] if lean else 0), launch.grid
+            if warps is not None:
+                assert launch.choice.tile.warps == (8 if warps == 8 and wide_ok else 4), launch.choice.describe()
             assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out,
-                           f"{what} {variant} warps={tile.warps} bw={bw} splits={n}")
+                           f"{what} {variant} warps={launch.choice.tile.warps} splits={n}")
     return out
 
 
@@ -709,24 +570,21 @@ def test_large_magnitude_scores():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env,warps_env,bw_env", [
-    ("1", None, None), ("1", "4", None), ("1", "8", None), ("2", None, None), ("3", None, None),
-    ("1", None, "3cta"), ("1", None, "lean"), ("1", "4", "lean"), ("1", None, "kfirst"), ("1", None, "evict")])
+@pytest.mark.parametrize("env,warps_env", [("1", None), ("1", "4"), ("1", "8"), ("2", None), ("3", None)])
 @pytest.mark.parametrize("num_splits", [None, 5])
-def test_through_sdpa_with_call_cache(num_splits, env, warps_env, bw_env, monkeypatch):
+def test_through_sdpa_with_call_cache(num_splits, env, warps_env, monkeypatch):
     """The public entry point takes the decode kernel CUPY_ATTN_DECODE names, and flash_decode's tile
-    CUPY_ATTN_DECODE_WARPS names (unset: the rule, 8 warps for these 32 CTAs × 4 or 5 splits on an H100/H200) with
-    the bandwidth variant CUPY_ATTN_DECODE_BW names; a repeated call replays it (call cache) on new data: new q each
-    time, and on the last call new k and v (flash_decode_sm90 encodes its tensor maps again)."""
+    CUPY_ATTN_DECODE_WARPS names (unset: the rule, 8 warps for these 32 CTAs × 4 or 5 splits on an H100/H200); a
+    repeated call replays it (call cache) on new data: new q each time, and on the last call new k and v
+    (flash_decode_sm90 encodes its tensor maps again)."""
     import cupy
     torch = _torch()
     F = torch.nn.functional
     monkeypatch.setenv(_decode.ENV_DECODE, env)
-    for name, value in ((_decode.ENV_WARPS, warps_env), (_decode.ENV_BW, bw_env)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
+    if warps_env is None:
+        monkeypatch.delenv(_decode.ENV_WARPS, raising=False)
+    else:
+        monkeypatch.setenv(_decode.ENV_WARPS, warps_env)
     g = torch.Generator("cuda").manual_seed(40)
     q, k, v = _rand((4, 32, 1, 128), "bfloat16", g), _rand((4, 8, 4096, 128), "bfloat16", g), _rand(
         (4, 8, 4096, 128), "bfloat16", g)
@@ -735,9 +593,8 @@ def test_through_sdpa_with_call_cache(num_splits, env, warps_env, bw_env, monkey
     hopper = int(cupy.cuda.Device().compute_capability) // 10 == 9
     assert plan.details["kernel"] == ("flash_decode_sm90" if env != "1" and hopper else "flash_decode"), str(plan)
     if env == "1":
-        warps = 4 if warps_env == "4" or not hopper or bw_env == "3cta" else 8  # D = 128: 8 warps exist on Hopper
+        warps = 4 if warps_env == "4" or not hopper else 8  # D = 128: the 8-warp tile exists on Hopper
         assert f", {warps} warps," in plan.details["tile"], str(plan)
-        assert (f"bw {bw_env}" in plan.details["tile"]) == (bw_env is not None and hopper), str(plan)
     for step in range(3):
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True,
                                                           num_splits=num_splits)

@@ -1,12 +1,11 @@
 """Decode (split-KV) benchmark: cupy_attn's decode kernels side by side — flash_decode (CUPY_ATTN_DECODE=1) with its
 4-warp and its 8-warp tile (CUPY_ATTN_DECODE_WARPS=4 / 8) and with the default rule choosing (unset; auto splits
 only), and the streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per SM, each at auto splits and over a
-split sweep — and flash_decode's bandwidth variants (CUPY_ATTN_DECODE_BW=3cta / lean / kfirst / evict, auto splits)
-vs torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read and ratios.
+split sweep — vs torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read
+and ratios.
 
-    PYTHONPATH=. python3 bench/experiments/decode.py [--quick] [--default | --bw]
-    (--quick: auto splits only, no sweep; --default: the default kernel only; --bw: the default kernel and the
-    bandwidth variants only, fp16 only, no fused row)
+    PYTHONPATH=. python3 bench/experiments/decode.py [--quick] [--default]
+    (--quick: auto splits only, no sweep; --default: the default kernel only)
 
 Every row: median ms (cupyx.profiler.benchmark, CUDA events on the shared default stream), TB/s of K and V bytes
 read (B·Hkv·S·(E+Ev)·2; Q, out and the partials are < 1% of it), the ratio to the measured copy bandwidth (a 2 GiB
@@ -37,8 +36,7 @@ CASES = (
     ("gqa (16,64q/8kv,1,8192,128)", 16, 64, 8, 1, 8192, 128),
 )
 SWEEP = (1, 2, 4, 8, 16, 32)
-# (label, CUPY_ATTN_DECODE, CUPY_ATTN_DECODE_WARPS (None: unset), split sweep?[, CUPY_ATTN_DECODE_BW]): the decode
-# kernels of every case
+# (label, CUPY_ATTN_DECODE, CUPY_ATTN_DECODE_WARPS (None: unset), split sweep?): the decode kernels of every case
 VARIANTS = (
     ("v1 flash_decode rule", "1", None, False),   # the default: 8 warps up to 1.5 CTAs per SM, else 4
     ("v1 flash_decode 4 warps", "1", "4", True),
@@ -46,20 +44,13 @@ VARIANTS = (
     ("sm90 stream 1cta", "2", None, True),
     ("sm90 stream 2cta", "3", None, True),
 )
-# flash_decode's bandwidth variants (bench/NOTES_decode.md, session 8), each on the rule's tile at auto splits
-BW_VARIANTS = (
-    ("bw 3cta (4w, 2 stages, 3/SM)", "1", None, False, "3cta"),
-    ("bw lean (equal tiles per CTA)", "1", None, False, "lean"),
-    ("bw kfirst (K tile, then V)", "1", None, False, "kfirst"),
-    ("bw evict (L2 evict_first)", "1", None, False, "evict"),
-)
 
 
 @contextlib.contextmanager
-def decode_env(value: str, warps: str | None = None, bw: str | None = None):
-    """CUPY_ATTN_DECODE=value, CUPY_ATTN_DECODE_WARPS=warps and CUPY_ATTN_DECODE_BW=bw (None: unset) inside the block
-    (the call cache keys on all three, so each triple has its own plan)."""
-    new = {"CUPY_ATTN_DECODE": value, "CUPY_ATTN_DECODE_WARPS": warps, "CUPY_ATTN_DECODE_BW": bw}
+def decode_env(value: str, warps: str | None = None):
+    """CUPY_ATTN_DECODE=value and CUPY_ATTN_DECODE_WARPS=warps (None: unset) inside the block (the call cache keys on
+    both, so each pair has its own plan)."""
+    new = {"CUPY_ATTN_DECODE": value, "CUPY_ATTN_DECODE_WARPS": warps}
     old = {name: os.environ.get(name) for name in new}
     try:
         for name, val in new.items():
@@ -119,14 +110,8 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
 
     print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB", flush=True)
     t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
-    if "--default" in sys.argv:
-        variants = VARIANTS[:1]
-    elif "--bw" in sys.argv:
-        variants = VARIANTS[:1] + BW_VARIANTS
-    else:
-        variants = VARIANTS + BW_VARIANTS
-    for label, env, warps, sweep, *bw in variants:
-        with decode_env(env, warps, *bw):
+    for label, env, warps, sweep in (VARIANTS[:1] if "--default" in sys.argv else VARIANTS):
+        with decode_env(env, warps):
             try:
                 plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
                 print(f"  [{label}] {plan.reason}; {plan.details.get('kernel')}: {plan.details.get('tile')}",
@@ -138,8 +123,6 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
                 row(f"{label} num_splits={n}",
                     lambda n=n: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa, num_splits=n),
                     t_torch)
-    if "--bw" in sys.argv:
-        return
     with decode_env("0"):
         row("fused (CUPY_ATTN_DECODE=0)", lambda: cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=gqa),
             t_torch)
@@ -152,7 +135,7 @@ def main():
     cupy.get_default_memory_pool().free_all_blocks()
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {copy_bw:.2f} TB/s (read + write)",
           flush=True)
-    for dtype in ("float16",) if "--bw" in sys.argv else ("float16", "bfloat16"):
+    for dtype in ("float16", "bfloat16"):
         for case in CASES:
             try:
                 run_case(torch, *case, dtype, copy_bw, quick)

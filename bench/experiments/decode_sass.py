@@ -1,7 +1,6 @@
 """SASS instruction count of flash_decode's key-tile loop, per warp per tile, by path (CPU only: NVRTC + cuobjdump).
 
-    PYTHONPATH=. python3 bench/experiments/decode_sass.py [sm_90] [--bw]
-    (--bw: the D = 128 tiles of the bandwidth variants, CUPY_ATTN_DECODE_BW, instead of the default tiles)
+    PYTHONPATH=. python3 bench/experiments/decode_sass.py [sm_90]
 
 Compiles the bf16, unmasked flash_decode tiles of DECODE_TILES and WIDE_TILES (Hopper entries) into one cubin,
 disassembles it (cuobjdump, pip install nvidia-cuda-cuobjdump), takes the largest loop holding a BAR.SYNC and HMMAs
@@ -66,11 +65,8 @@ def loop_paths(sass: str) -> dict:
 
 def main():
     from test_flash_sm90 import _cuobjdump
-    args = [a for a in sys.argv[1:] if not a.startswith("--")]
-    arch = args[0] if args else "sm_90"
+    arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90"
     tiles = [(d, t) for (d, a), t in (*_decode.DECODE_TILES.items(), *_decode.WIDE_TILES.items()) if a == 9]
-    if "--bw" in sys.argv:
-        tiles = [(128, t) for t in _decode._bw_tiles()]
     names = [_decode.FLASH_DECODE.name_expression(dtype="__nv_bfloat16", head_dim=d, tile=t, has_mask="false")
              for d, t in tiles]
     family = _decode.FLASH_DECODE

@@ -53,10 +53,6 @@
 //        loop 573 -> 188-211 instructions per warp per tile (bf16, D=128)          GQA 79-86% of copy, MHA 96-98%
 //   v1.2 flash_decode: 8 warps × 16 keys (128-key tiles, 1 CTA/SM) where the grid has <= 1.5 CTAs per SM; the
 //        loop unchanged per warp (188-211 SASS instructions at D=128)              untimed
-//   v1.3 flash_decode: K/V cp.async with .L2::128B                                 2-3% less device time
-//   bw  flash_decode's opt-in bandwidth variants (CUPY_ATTN_DECODE_BW, D = 128 on Hopper): 3cta (4 warps, 2 stages,
-//        3 CTAs/SM), lean (equal tiles per CTA over k·SMs CTAs), kfirst (K tile before V tile), evict (L2
-//        evict-first)                                                              untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
@@ -92,8 +88,6 @@ struct FlashDecodeParams {
   long long out_stride_b, out_stride_h, out_stride_l;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
-  long long lean_ctas;        // flash_decode's lean partition (kBwLean): its CTAs N = grid.x; 0 otherwise
-  long long lean_item_tiles;  // lean: key tiles T per item (ceil(S / kBlockN)); an item is (b, kv head, row block)
 };
 
 
@@ -137,13 +131,6 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
 }
 
 
-// flash_decode's bandwidth variants (CUPY_ATTN_DECODE_BW, bench/NOTES_decode.md session 8; the template's kFlags, 0 by
-// default): kBwKFirst copies a whole K tile before its V tile (each thread's chunks in address order per tensor, so
-// the CTA's requests run through K's contiguous kRows rows and then V's, not alternating between them every
-// kRowStep rows); kBwEvictFirst marks the K/V lines as L2 evict-first (read once); kBwLean runs the lean partition
-// (flash_decode's comment).
-enum : int { kBwKFirst = 1, kBwEvictFirst = 2, kBwLean = 4 };
-
 // One thread's share of the whole-tile copies of K and V into a kStages ring (16-byte aligned rows, every row of the
 // tile below n_end): the chunks at rows r0 + j·kRowStep, columns [col, col + 8), as load_kv's, by cp.async from
 // pointers that walk the split one tile per load and a shared address that walks the ring, so a tile costs per chunk
@@ -151,7 +138,7 @@ enum : int { kBwKFirst = 1, kBwEvictFirst = 2, kBwLean = 4 };
 // threadIdx and the parameters it recomputes in the loop rather than keep in registers; the walking ones it cannot.)
 // A chunk's bytes are the same in every tile: 16, fewer at E's last chunk, 0 past E (zero-filled; the source is then
 // the row's column 0, a valid address). Tiles are copied (or, by load_kv, skipped over) in order, one per advance().
-template <int kRows, int kHeadDim, int kThreads, int kStages, int kFlags = 0>
+template <int kRows, int kHeadDim, int kThreads, int kStages>
 struct TileCopy {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kRowStep = kThreads / kChunks;
@@ -182,28 +169,14 @@ struct TileCopy {
   __device__ __forceinline__ void copy() const {
     const char* k = k_src;
     const char* v = v_src;
-    if constexpr ((kFlags & (kBwKFirst | kBwEvictFirst)) == 0) {
-      #pragma unroll
-      for (int j = 0; j < kRows / kRowStep; ++j) {
-        const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2;
-        // L2::128B: measured on the H200 (bench/NOTES_decode.md, session 8) against none and 256 bytes.
-        cp_async_16_prefetch<128>(at, k, kFullCols ? 16 : k_bytes);
-        cp_async_16_prefetch<128>(at + kVOffset, v, kFullCols ? 16 : v_bytes);
-        k += kRowStep * k_row_bytes;
-        v += kRowStep * v_row_bytes;
-      }
-    } else {
-      #pragma unroll
-      for (int x = 0; x < 2 * (kRows / kRowStep); ++x) {
-        // kBwKFirst: every K chunk, then every V chunk; else K and V alternate, as above.
-        const bool is_v = (kFlags & kBwKFirst) ? x >= kRows / kRowStep : (x % 2 == 1);
-        const int j = (kFlags & kBwKFirst) ? x % (kRows / kRowStep) : x / 2;
-        const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2 + (is_v ? kVOffset : 0);
-        const char* src = is_v ? v + j * kRowStep * v_row_bytes : k + j * kRowStep * k_row_bytes;
-        const int bytes = kFullCols ? 16 : (is_v ? v_bytes : k_bytes);
-        if constexpr (kFlags & kBwEvictFirst) cp_async_16_prefetch128_policy(at, src, bytes, l2_evict_first_policy());
-        else cp_async_16_prefetch<128>(at, src, bytes);
-      }
+    #pragma unroll
+    for (int j = 0; j < kRows / kRowStep; ++j) {
+      const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2;
+      // L2::128B: measured on the H200 (bench/NOTES_decode.md, session 8) against none and 256 bytes.
+      cp_async_16_prefetch<128>(at, k, kFullCols ? 16 : k_bytes);
+      cp_async_16_prefetch<128>(at + kVOffset, v, kFullCols ? 16 : v_bytes);
+      k += kRowStep * k_row_bytes;
+      v += kRowStep * v_row_bytes;
     }
   }
   __device__ __forceinline__ void advance() {
@@ -227,9 +200,8 @@ struct Item {
   int b, hkv, h0, r0, rows_valid, n_start, n_end, n_tiles, n_fast;
 };
 
-// The item's keys [n_start, min(S, n_start + n_len)) (a split, or a lean segment), y = kv head · row_blocks + rb.
 template <int kBlockN>
-__device__ __forceinline__ Item make_item_range(const FlashDecodeParams& p, int n_start, int n_len, int y, int b) {
+__device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split, int y, int b) {
   Item w;
   const int rb = y % static_cast<int>(p.row_blocks);
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k), G = static_cast<int>(p.groups);
@@ -238,8 +210,8 @@ __device__ __forceinline__ Item make_item_range(const FlashDecodeParams& p, int 
   w.h0 = w.hkv * G;
   w.r0 = rb * 16;
   w.rows_valid = min(16, G * L - w.r0);
-  w.n_start = n_start;
-  w.n_end = min(S, w.n_start + n_len);
+  w.n_start = split * static_cast<int>(p.split_keys);
+  w.n_end = min(S, w.n_start + static_cast<int>(p.split_keys));
   int n_vis = w.n_end;
   if (p.is_causal) {
     int max_i = 0, min_i = L;
@@ -254,11 +226,6 @@ __device__ __forceinline__ Item make_item_range(const FlashDecodeParams& p, int 
   w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
   w.n_fast = max(0, n_vis - w.n_start) / kBlockN;
   return w;
-}
-
-template <int kBlockN>
-__device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split, int y, int b) {
-  return make_item_range<kBlockN>(p, split * static_cast<int>(p.split_keys), static_cast<int>(p.split_keys), y, b);
 }
 
 // Q into sQ (16 rows, pitch kHeadDim + 8) by threads tid = 0 .. kThreads - 1: packed row r is (head h0 + (r0 + r) / L,
@@ -533,13 +500,13 @@ __device__ __forceinline__ int fast_mode(const Item& w, float scale_log2) {
 }
 
 // Merge the warps' partial rows through shared memory `scratch` (kNWarps × 16 × (kHeadDim + 2) floats) and write the
-// CTA's rows: out and lse (direct: the item's only split) or the split's normalized partials at slot `split`. Per row: m = max_w m_w, l = Σ_w
+// CTA's rows: out and lse (one split) or the split's normalized partials. Per row: m = max_w m_w, l = Σ_w
 // 2^(m_w - m)·l_w, O = Σ_w 2^(m_w - m)·O_w / l; l = 0 (no visible key) gives O = 0 and lse = -inf. Threads tid =
 // 0 .. kThreads - 1 (kNWarps warps) take part; sync() is their barrier between the writes and the reads.
 template <typename T, int kHeadDim, int kNWarps, typename Sync>
 __device__ __forceinline__ void merge_store(float* scratch, const float (&acc_o)[kHeadDim / 8][4], const float (&m_i)[2],
                                             const float (&l_i)[2], const FlashDecodeParams& p, const Item& w,
-                                            int split, bool direct, int tid, Sync sync) {
+                                            int split, int tid, Sync sync) {
   constexpr int kRows = 16, kThreads = kNWarps * 32;
   const int warp = tid / 32, lane = tid % 32, g = lane / 4, t = lane % 4;
   float* sO = scratch;                                    // [kNWarps][16][kHeadDim]
@@ -563,6 +530,7 @@ __device__ __forceinline__ void merge_store(float* scratch, const float (&acc_o)
   sync();
 
   const int L = static_cast<int>(p.seqlen_q), Ev = static_cast<int>(p.head_dim_v);
+  const bool direct = p.num_splits == 1;
   const long long R = p.batch * p.num_heads * L;  // rows of the workspace, (b, h, i) order
   for (int x = tid; x < w.rows_valid * Ev; x += kThreads) {
     const int r = x / Ev, c = x % Ev;
@@ -602,13 +570,13 @@ __device__ __forceinline__ void zero_state(float (&acc_o)[kDTiles][4], float (&m
   l_i[0] = l_i[1] = 0.f;
 }
 
-// One item's work in flash_decode: 16 packed rows of one (batch, kv head) over keys [w.n_start, w.n_end), every thread
-// loading K/V by cp.async into a kStages ring of padded rows (see the header for the mapping); the rows go to out and
-// lse (direct) or to the partials at slot `split`. Leaves no copy pending; the caller syncs before reusing the
-// shared memory.
-template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask, int kFlags>
-__device__ __forceinline__ void decode_item(const FlashDecodeParams& p, const Item& w, int split, bool direct,
-                                            unsigned char* smem_raw) {
+}  // namespace decode
+
+// One CTA: 16 packed rows of one (batch, kv head) over one split's keys, every thread loading K/V by cp.async into a
+// kStages ring of padded rows. See the header for the mapping.
+template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask>
+__global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodeParams p) {
+  using namespace decode;
   constexpr int kThreads = kNWarps * 32;
   constexpr int kRows = 16;
   constexpr int kWarpN = kBlockN / kNWarps;  // keys per warp per tile
@@ -620,12 +588,15 @@ __device__ __forceinline__ void decode_item(const FlashDecodeParams& p, const It
   // The merge scratch (per warp: m, l and a 16 × kHeadDim fp32 O) reuses the K/V buffers.
   static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kTileElems * 2, "merge scratch fits");
 
+  extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sQ = reinterpret_cast<T*>(smem_raw);
   T* sK = sQ + kRows * kPitch;           // kStages K tiles
   T* sV = sK + kStages * kTileElems;     // kStages V tiles
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
+  const int split = blockIdx.x;
+  const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
 
   constexpr unsigned kTileBytes = kTileElems * 2;
@@ -634,7 +605,7 @@ __device__ __forceinline__ void decode_item(const FlashDecodeParams& p, const It
   const T* vbase = static_cast<const T*>(p.v) + w.b * p.v_stride_b + w.hkv * p.v_stride_h;
   // Tiles are loaded in order, one per call: whole tiles of 16-byte aligned rows by TileCopy, the split's last,
   // partial tile and unaligned rows by load_kv.
-  TileCopy<kBlockN, kHeadDim, kThreads, kStages, kFlags> copy(kbase + w.n_start * p.k_stride_s, p.k_stride_s, E,
+  TileCopy<kBlockN, kHeadDim, kThreads, kStages> copy(kbase + w.n_start * p.k_stride_s, p.k_stride_s, E,
                                                       vbase + w.n_start * p.v_stride_s, p.v_stride_s, Ev, smem_addr(sK));
   const bool vec_kv = vec_k && vec_v, full_cols = E == kHeadDim && Ev == kHeadDim;
   int n_load = w.n_start;  // first key of the next tile to load
@@ -710,63 +681,9 @@ __device__ __forceinline__ void decode_item(const FlashDecodeParams& p, const It
   // The merge reuses the K/V space: no copy is pending after the wait, and no warp reads K/V after the barrier.
   cp_async_wait<0>();
   __syncthreads();
-  // (Outside the lean partition, direct is read from p here rather than kept in a register through the loop.)
-  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(sK), acc_o, m_i, l_i, p, w, split,
-                                    (kFlags & kBwLean) ? direct : p.num_splits == 1, threadIdx.x,
+  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(sK), acc_o, m_i, l_i, p, w, split, threadIdx.x,
                                     [] { __syncthreads(); });
 }
-
-// The lean partition of U units over N CTAs (U < 2^31, asserted by the launcher; 32-bit, so that no division is a
-// 64-bit subroutine call): with q = U / N and r = U % N, CTA c holds [c·q + min(c, r), ...) of q + 1 units (c < r)
-// or q units (c >= r).
-struct LeanSplit {
-  int q, r;
-  __device__ __forceinline__ LeanSplit(int units, int ctas) : q(units / ctas), r(units % ctas) {}
-  __device__ __forceinline__ int start(int c) const { return c * q + min(c, r); }
-  __device__ __forceinline__ int cta_of(int x) const {  // the CTA holding unit x
-    return x < r * (q + 1) ? x / (q + 1) : r + (x - r * (q + 1)) / q;
-  }
-};
-
-}  // namespace decode
-
-// One CTA: one item (16 packed rows of one (batch, kv head)) over one split's keys (decode_item). kFlags: the
-// bandwidth variants (kBw*, CUPY_ATTN_DECODE_BW; 0 by default); kMinBlocks: CTAs per SM that the registers must allow
-// (0, the default: none given; even a minimum of 1 changes ptxas' register allocation of the default kernels).
-// kBwLean, the lean partition (Stream-K's and Lean Attention's even split of the work, Osama et al. 2023, applied to
-// decode): the grid is N = p.lean_ctas CTAs (a multiple of the SM count) and the U = items × T key tiles (T =
-// p.lean_item_tiles per item, items in (b, kv head, row block) order) are cut into N runs of U / N tiles (+ 0 or 1), so
-// every SM streams the same bytes; a CTA's run crosses items, one segment (decode_item) per item it touches. An item
-// held by one CTA is written directly; otherwise segment slot c - c0 (c0: the item's first CTA) holds its partials,
-// and flash_decode_combine merges the item's c1 - c0 + 1 slots (p.num_splits = the most of any item).
-template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask, int kFlags = 0,
-          int kMinBlocks = 0>
-__global__ void __launch_bounds__(kNWarps * 32, kMinBlocks) flash_decode(const FlashDecodeParams p) {
-  using namespace decode;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  if constexpr ((kFlags & kBwLean) == 0) {
-    const int split = blockIdx.x;
-    decode_item<T, kHeadDim, kBlockN, kNWarps, kStages, HasMask, kFlags>(
-        p, make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z), split, p.num_splits == 1, smem_raw);
-  } else {
-    const int T_item = static_cast<int>(p.lean_item_tiles);
-    const int Y = static_cast<int>(p.row_blocks * (p.num_heads / p.groups));  // items per batch entry
-    const LeanSplit ls(static_cast<int>(p.batch) * Y * T_item, static_cast<int>(p.lean_ctas));
-    const int c = blockIdx.x, u_end = ls.start(c + 1);
-    #pragma unroll 1
-    for (int u = ls.start(c); u < u_end;) {
-      const int item = u / T_item, first = item * T_item;
-      const int t0 = u - first, t1 = min(T_item, u_end - first);
-      const int c0 = ls.cta_of(first);
-      const bool direct = c0 == ls.cta_of(first + T_item - 1);
-      const Item w = make_item_range<kBlockN>(p, t0 * kBlockN, (t1 - t0) * kBlockN, item % Y, item / Y);
-      decode_item<T, kHeadDim, kBlockN, kNWarps, kStages, HasMask, kFlags>(p, w, c - c0, direct, smem_raw);
-      u = first + t1;
-      __syncthreads();  // the merge's scratch and Q's buffer are the next segment's
-    }
-  }
-}
-
 
 // Parameters of flash_decode_sm90: the K and V tensor maps, then FlashDecodeParams (its pointers k and v unused).
 // Passed as one __grid_constant__ parameter, so that the maps stay in the parameter space, where TMA reads them by
@@ -943,8 +860,8 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   // The merge reuses the ring: every TMA load issued has landed (each full barrier was waited for), and after the
   // barrier no consumer warp reads K/V any more; the producer has issued its last load.
   tma::named_barrier_sync(kConsumerBarrier, kThreads);
-  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(ss.k), acc_o, m_i, l_i, p, w, split, p.num_splits == 1,
-                                    tid, [] { tma::named_barrier_sync(kConsumerBarrier, kThreads); });
+  merge_store<T, kHeadDim, kNWarps>(reinterpret_cast<float*>(ss.k), acc_o, m_i, l_i, p, w, split, tid,
+                                    [] { tma::named_barrier_sync(kConsumerBarrier, kThreads); });
 }
 
 // Merge the splits' partials of one output row per CTA: lse = log Σ_s exp(lse_s) (max-shifted), out = Σ_s
@@ -954,25 +871,14 @@ __global__ void __launch_bounds__(128) flash_decode_combine(const FlashDecodePar
   using namespace decode;
   const long long L = p.seqlen_q, R = p.batch * p.num_heads * L;
   const long long row = blockIdx.x;
-  const long long b = row / (p.num_heads * L), h = (row / L) % p.num_heads, i = row % L;
-  const int Ev = static_cast<int>(p.head_dim_v);
-  int n = static_cast<int>(p.num_splits);
-  if (p.lean_ctas > 0) {
-    // The lean partition (flash_decode): the row's item was held by CTAs c0 .. c1, whose segments wrote slots
-    // 0 .. c1 - c0; one CTA wrote out and lse itself.
-    const int Hkv = static_cast<int>(p.num_heads / p.groups), T_item = static_cast<int>(p.lean_item_tiles);
-    const LeanSplit ls(static_cast<int>(p.batch * Hkv * p.row_blocks) * T_item, static_cast<int>(p.lean_ctas));
-    const int item = static_cast<int>((b * Hkv + h / p.groups) * p.row_blocks + ((h % p.groups) * L + i) / 16);
-    const int c0 = ls.cta_of(item * T_item), c1 = ls.cta_of(item * T_item + T_item - 1);
-    if (c0 == c1) return;
-    n = c1 - c0 + 1;
-  }
+  const int Ev = static_cast<int>(p.head_dim_v), n = static_cast<int>(p.num_splits);
   float m = neg_inf();
   for (int s = 0; s < n; ++s) m = fmaxf(m, p.lse_part[s * R + row]);
   float denom = 0.f;
   if (m != neg_inf())
     for (int s = 0; s < n; ++s) denom += __expf(p.lse_part[s * R + row] - m);  // exp(-inf) = 0
   const float lse = m == neg_inf() ? neg_inf() : m + __logf(denom);
+  const long long b = row / (p.num_heads * L), h = (row / L) % p.num_heads, i = row % L;
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + i * p.out_stride_l;
   for (int c = threadIdx.x; c < Ev; c += blockDim.x) {
     float o = 0.f;

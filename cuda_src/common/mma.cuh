@@ -37,18 +37,6 @@ __device__ __forceinline__ void cp_async_16_prefetch(unsigned dst, const void* s
     cp_async_16(dst, src, src_bytes);
   }
 }
-// An L2 cache policy that marks the lines a load brings in as the first to evict (PTX createpolicy; data read once).
-__device__ __forceinline__ unsigned long long l2_evict_first_policy() {
-  unsigned long long policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));  // pure: may be hoisted
-  return policy;
-}
-// cp_async_16 with the .L2::128B prefetch-size hint and an L2 cache policy (.L2::cache_hint).
-__device__ __forceinline__ void cp_async_16_prefetch128_policy(unsigned dst, const void* src, int src_bytes,
-                                                               unsigned long long policy) {
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %2, %3;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes), "l"(policy));
-}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory"); }

@@ -7,8 +7,7 @@ partials by their lse). The query heads that share a K/V head are packed into th
 read once. ``prefer_decode`` says when the dispatcher takes the decode path, ``num_splits_for`` how many splits,
 ``choose_kernel`` which of the two kernels (``CUPY_ATTN_DECODE``: 0 off, 1 flash_decode, 2 and 3 flash_decode_sm90
 with one or two CTAs per SM; unset: ``DEFAULT_VARIANT``) and, for flash_decode, its 4- or 8-warp tile
-(``CUPY_ATTN_DECODE_WARPS``: 4 or 8; unset: ``use_wide_tile``, 8 warps where the grid has about one CTA per SM or fewer),
-and opt-in bandwidth variants of flash_decode for A/B runs (``CUPY_ATTN_DECODE_BW``: ``bw_tile``; unset: none).
+(``CUPY_ATTN_DECODE_WARPS``: 4 or 8; unset: ``use_wide_tile``, 8 warps where the grid has about one CTA per SM or fewer).
 """
 from __future__ import annotations
 
@@ -31,7 +30,6 @@ ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
 ENV_DECODE = "CUPY_ATTN_DECODE"
 ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES), "8" (WIDE_TILES); unset: use_wide_tile
 WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
-ENV_BW = "CUPY_ATTN_DECODE_BW"        # flash_decode's bandwidth variants (BW_VARIANTS, bw_tile); unset: none
 MAX_SPLITS = 128
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -45,28 +43,10 @@ class DecodeTile:
     warps: int
     stages: int
     ctas_per_sm: int = dataclasses.field(default=1, compare=False)  # not a template value
-    # Template values of the bandwidth variants (bw_tile; 0 in DECODE_TILES and WIDE_TILES): the kernel's kFlags
-    # (BW_FLAGS) and kMinBlocks (__launch_bounds__' minimum CTAs per SM; 0: none).
-    flags: int = dataclasses.field(default=0, repr=False)
-    min_blocks: int = dataclasses.field(default=0, repr=False)
 
     def smem_bytes(self, head_dim: int) -> int:
         """Q (16 rows) + stages × (K and V tiles), rows padded by 8 elements (see the kernel header)."""
         return (ROWS + 2 * self.stages * self.block_n) * (head_dim + 8) * 2
-
-    @property
-    def template_tail(self) -> str:
-        """The template arguments after HasMask: none for the default tiles (the kernel's defaults 0, 0)."""
-        return f", {self.flags}, {self.min_blocks}" if self.flags or self.min_blocks else ""
-
-    @property
-    def split_waves(self) -> int:
-        """CTAs per SM the split rule fills (split_plan): 1 (waves per SM, measured), min_blocks where it is set."""
-        return max(1, self.min_blocks)
-
-    @property
-    def lean(self) -> bool:
-        return bool(self.flags & BW_FLAGS["lean"])
 
 
 # (head-dim bucket, arch major) -> DecodeTile. Hopper: 227 KB per block, 228 KB per SM; arch 8 must fit the 99 KB of
@@ -94,26 +74,6 @@ WIDE_TILES = {
 }
 
 
-# flash_decode's bandwidth variants (CUPY_ATTN_DECODE_BW; bench/NOTES_decode.md, session 8): opt-in, for A/B runs of
-# the device-level K/V streaming rate against torch's kernel, at head-dim bucket 128 on Hopper (the issue's rows; the
-# others fall back to the default tile, and bw_tile's note says so). Values of the kernel's kFlags:
-BW_FLAGS = {"kfirst": 1,   # each thread copies its K chunks of a tile, then its V chunks (not K, V alternating)
-            "evict": 2,    # K/V cp.async with an L2 evict-first cache policy (read once)
-            "lean": 4}     # the lean partition: equal key tiles per CTA over k x SMs CTAs, across items
-# "3cta": the 4-warp 64-key tile with 2 stages (74 KB: 3 CTAs per SM, 3 x 1 tile = 102 KB in flight per SM while each
-# CTA computes, against 2 x 2 x 34 = 136 KB now; FlashAttention-2's split-KV kernel keeps one K or V tile in flight),
-# __launch_bounds__(128, 3) (168 registers at most), and the split rule filling 3 CTAs per SM.
-BW_3CTA_TILE = DecodeTile(64, 4, 2, 3, min_blocks=3)
-BW_VARIANTS = ("3cta", *BW_FLAGS)
-
-
-def _bw_tiles() -> list[DecodeTile]:
-    """Every bandwidth-variant tile the family declares: the flags on both Hopper D=128 tiles (4 and 8 warps), and
-    the 3-CTA tile."""
-    bases = (DECODE_TILES[(128, 9)], WIDE_TILES[(128, 9)])
-    return [dataclasses.replace(t, flags=f) for f in BW_FLAGS.values() for t in bases] + [BW_3CTA_TILE]
-
-
 @dataclasses.dataclass(frozen=True)
 class StreamTile:
     """flash_decode_sm90's launch shape: key rows per ring stage (block_n / warps per consumer warp, a multiple of 16),
@@ -132,11 +92,6 @@ class StreamTile:
         """1 KB of alignment slack (the swizzle's 1024-byte atoms), stages × (K and V tiles, unpadded), Q (16 rows
         padded by 8 elements), two mbarriers per stage: StreamSmem::kBytes in cuda_src/attention/flash_decode.cu."""
         return 1024 + 2 * self.stages * self.block_n * head_dim * 2 + ROWS * (head_dim + 8) * 2 + 16 * self.stages
-
-    @property
-    def split_waves(self) -> int:
-        """CTAs per SM the split rule fills: 1 (waves per SM; as flash_decode's default tiles)."""
-        return 1
 
     def in_flight_bytes(self, head_dim: int) -> int:
         """K+V bytes a CTA keeps in flight while one stage is being consumed: (stages - 1) tiles."""
@@ -187,16 +142,15 @@ FLASH_DECODE = KernelFamily(
     name="flash_decode",
     source=_SOURCE,
     template=("cupy_attn::flash_decode<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
-              "{has_mask}{tile.template_tail}>"),
+              "{has_mask}>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": HEAD_DIMS,
-        "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()) | set(_bw_tiles()),
-                             key=dataclasses.astuple)),
+        "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
     },
     where=lambda row: any(t == row["tile"] for (d, _), t in (*DECODE_TILES.items(), *WIDE_TILES.items())
-                          if d == row["head_dim"]) or (row["head_dim"] == 128 and row["tile"] in _bw_tiles()),
+                          if d == row["head_dim"]),
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
@@ -306,71 +260,6 @@ def v1_tile(head_dim: int, arch: int, grid_ctas: int | None = None, num_sms: int
     return tile_for(head_dim, arch), "4 warps (forced)"
 
 
-def requested_bw() -> str | None:
-    """The bandwidth variant ``CUPY_ATTN_DECODE_BW`` asks for (one of BW_VARIANTS), or None (unset or empty).
-    ValueError for any other value."""
-    value = os.environ.get(ENV_BW)
-    if value in (None, ""):
-        return None
-    if value not in BW_VARIANTS:
-        raise ValueError(f"{ENV_BW} must be one of {', '.join(BW_VARIANTS)} (or unset), got {value!r}")
-    return value
-
-
-def bw_tile(tile: DecodeTile, head_dim: int, arch: int, bw: str | None) -> tuple[DecodeTile, str | None]:
-    """flash_decode's tile under bandwidth variant ``bw`` (None: ``tile`` unchanged) and a note for explain. The
-    variants exist at head-dim bucket 128 on Hopper only: elsewhere ``tile`` and a note saying why. "3cta" replaces
-    the tile (BW_3CTA_TILE: 4 warps, whatever CUPY_ATTN_DECODE_WARPS says); the flags keep the 4- or 8-warp tile.
-
-    >>> bw_tile(tile_for(128, 90, 8), 128, 90, "lean")[0].flags
-    4
-    >>> bw_tile(tile_for(64, 90), 64, 90, "kfirst")[1]
-    'CUPY_ATTN_DECODE_BW=kfirst: only at head-dim bucket 128 on sm_90 (default tile)'
-    """
-    if bw is None:
-        return tile, None
-    if bw not in BW_VARIANTS:
-        raise ValueError(f"decode bandwidth variant must be one of {BW_VARIANTS} or None, got {bw!r}")
-    if head_dim != 128 or arch // 10 != 9:
-        return tile, f"{ENV_BW}={bw}: only at head-dim bucket 128 on sm_90 (default tile)"
-    if bw == "3cta":
-        return BW_3CTA_TILE, "bw 3cta: 3 CTAs/SM, split rule over 3 per SM"
-    note = {"kfirst": "K tile before V tile", "evict": "L2 evict-first K/V",
-            "lean": f"lean partition over {tile.ctas_per_sm} CTA(s)/SM"}[bw]
-    return dataclasses.replace(tile, flags=BW_FLAGS[bw]), f"bw {bw}: {note}"
-
-
-def lean_plan(B: int, Hkv: int, L: int, groups: int, S: int, block_n: int, num_sms: int, ctas_per_sm: int,
-              num_splits: int | None = None) -> tuple[int, int, int]:
-    """(CTAs N, key tiles T per item, most partial slots of any item) of the lean partition (bw "lean"; the kernel's
-    comment): items = B · Hkv · row blocks, each T = ceil(S / block_n) tiles; N = min(units, k · num_sms) with k =
-    num_splits when given (under the lean variant a requested split count sets the CTAs per SM), else the tile's
-    CTAs per SM. With q, r = divmod(U, N) over the U = items · T units, CTA c holds q + 1 units from c·(q + 1) when
-    c < r, else q from c·q + r (the kernel's LeanSplit); an item held by CTAs c0 .. c1 has c1 - c0 + 1 slots (1:
-    written directly, no combine). ValueError past 2^31 units (the kernel's 32-bit arithmetic).
-
-    >>> lean_plan(8, 8, 1, 4, 32768, 128, 132, 1)   # GQA (8, 32/8, 1, 32768): 64 items of 256 tiles on 132 CTAs
-    (132, 256, 4)
-    >>> lean_plan(64, 32, 1, 1, 4096, 64, 132, 2)   # MHA (64, 32, 1, 4096): 2048 items of 64 tiles on 264 CTAs
-    (264, 64, 2)
-    """
-    items = B * Hkv * math.ceil(L * groups / ROWS)
-    T = max(1, math.ceil(S / block_n))
-    U = items * T
-    if U >= 2 ** 31:
-        raise ValueError(f"decode attention: the lean partition needs fewer than 2^31 key tiles, got {U}")
-    N = min(U, (ctas_per_sm if num_splits is None else int(num_splits)) * num_sms)
-    first = np.arange(items, dtype=np.int64) * T
-    c0, c1 = lean_cta_of(first, U, N), lean_cta_of(first + T - 1, U, N)
-    return N, T, int((c1 - c0).max()) + 1
-
-
-def lean_cta_of(x, units: int, ctas: int):
-    """The CTA of the lean partition holding unit(s) x (int or int64 array): LeanSplit::cta_of in the kernel."""
-    q, r = divmod(units, ctas)
-    return np.where(x < r * (q + 1), x // (q + 1), r + (x - r * (q + 1)) // max(q, 1))
-
-
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int) -> str | None:
     """None when the decode kernel can run the call, else why not (the fused kernel's limits: fp16/bf16, sm_80+,
     head dims ≤ 256)."""
@@ -403,7 +292,6 @@ class DecodeChoice:
     variant: str
     fallback: str | None = None
     warps_note: str | None = None  # flash_decode: why this tile's warps (v1_tile), where not the 4-warp default
-    bw_note: str | None = None     # flash_decode: the bandwidth variant (bw_tile), where CUPY_ATTN_DECODE_BW asks
 
     def describe(self) -> str:
         t = self.tile
@@ -413,7 +301,6 @@ class DecodeChoice:
         else:
             text = f"{self.family.name}: 16 packed rows x {t.block_n} keys, {t.warps} warps, {t.stages} K/V stages"
             text += f" ({self.warps_note})" if self.warps_note else ""
-            text += f" ({self.bw_note})" if self.bw_note else ""
         return text + (f" (CUPY_ATTN_DECODE asked for {self.variant}: {self.fallback})" if self.fallback else "")
 
 
@@ -431,14 +318,12 @@ def stream_layout_reason(k, v) -> str | None:
 
 
 def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str | None = None, *,
-                  grid_ctas: int | None = None, num_sms: int | None = None, warps: int | None = None,
-                  bw: str | None = None) -> DecodeChoice:
+                  grid_ctas: int | None = None, num_sms: int | None = None, warps: int | None = None) -> DecodeChoice:
     """The decode kernel for a call at this head-dim bucket: ``variant`` ("v1", "stream", "stream2"; None: from
     CUPY_ATTN_DECODE, ``requested_variant``). The streaming variants need sm_90 (sm_90a code), cuda-bindings
     (cuTensorMapEncodeTiled) and a TMA-readable layout (``stream_layout_reason``; not checked when key/value are None,
     as in plans made without arrays); otherwise flash_decode runs and ``fallback`` says why. flash_decode's tile:
-    ``v1_tile`` (grid_ctas = launch_ctas of the call, num_sms, warps 4 / 8 / None: CUPY_ATTN_DECODE_WARPS or the rule),
-    then ``bw_tile`` (bw: one of BW_VARIANTS, or None: CUPY_ATTN_DECODE_BW, ``requested_bw``).
+    ``v1_tile`` (grid_ctas = launch_ctas of the call, num_sms, warps 4 / 8 / None: CUPY_ATTN_DECODE_WARPS or the rule).
 
     >>> choose_kernel(128, 80, variant="stream").fallback
     'sm_80: flash_decode_sm90 needs sm_90a (H100/H200)'
@@ -447,10 +332,7 @@ def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str |
     if variant not in ("v1", "stream", "stream2"):
         raise ValueError(f"decode variant must be 'v1', 'stream' or 'stream2', got {variant!r}")
     tile, note = v1_tile(head_dim, arch, grid_ctas, num_sms, warps)
-    tile, bw_note = bw_tile(tile, head_dim, arch, requested_bw() if bw is None else bw)
-    if tile == BW_3CTA_TILE:
-        note = None  # the rule's or the override's warps do not apply
-    v1 = DecodeChoice(FLASH_DECODE, tile, variant, warps_note=note, bw_note=bw_note)
+    v1 = DecodeChoice(FLASH_DECODE, tile, variant, warps_note=note)
     if variant == "v1":
         return v1
     why = None
@@ -527,18 +409,17 @@ def check_num_splits(num_splits) -> None:
 
 @functools.lru_cache(maxsize=None)
 def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
-               num_splits: int | None = None, block_n: int | None = None, waves: int = 1) -> tuple[int, int]:
+               num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
     """(splits actually launched, keys per split). A requested count is honoured up to one key tile per split: the
     split length is rounded up to a multiple of the tile (block_n keys; None: flash_decode's tile_for), so S=100 with
     16 requested gives 2 splits of 64 keys. The same rule serves flash_decode_sm90 (its CTAs stream one split each,
-    like flash_decode's; with one CTA per SM, waves per SM are its waves exactly). waves: the CTAs per SM the auto
-    count fills (DecodeTile.split_waves: 1, or 3 for bw "3cta")."""
+    like flash_decode's; with one CTA per SM, waves per SM are its waves exactly)."""
     block_n = tile_for(head_dim, arch).block_n if block_n is None else block_n
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
     # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
     # second split only adds a combine (H200, bench/NOTES_decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
     # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309).
-    n = num_splits_for(ctas, S, num_sms, waves) if num_splits is None else int(num_splits)
+    n = num_splits_for(ctas, S, num_sms, 1) if num_splits is None else int(num_splits)
     chunk = math.ceil(math.ceil(S / n) / block_n) * block_n
     return math.ceil(S / chunk), chunk
 
@@ -576,11 +457,11 @@ def prepare_problem(p, num_splits, choice, out, lse):
 
 def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
                    num_splits: int | None = None, variant: str | None = None,
-                   warps: int | None = None, bw: str | None = None) -> "DecodeLaunch":
+                   warps: int | None = None) -> "DecodeLaunch":
     """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's;
-    variant, warps and bw as choose_kernel's). Returns the launch (its ``choice`` says which kernel and tile ran)."""
+    variant and warps as choose_kernel's). Returns the launch (its ``choice`` says which kernel and tile ran)."""
     launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant,
-                     warps=warps, bw=bw)
+                     warps=warps)
     launch(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
@@ -589,16 +470,15 @@ def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None =
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
             num_splits: int | None = None, choice: DecodeChoice | None = None,
-            variant: str | None = None, warps: int | None = None, bw: str | None = None) -> "DecodeLaunch":
+            variant: str | None = None, warps: int | None = None) -> "DecodeLaunch":
     """Check a decode call and build its launch (all but the pointers), as fused.prepare.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
     Hq, L, Ev) in q's dtype, last-dim stride 1; lse None or (B, Hq, L) fp32; mask None or broadcast to (B, Hq, L, S);
     causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
-    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan; under the lean variant,
-    lean_plan's CTAs per SM). choice: the kernel the plan chose (None: ``choose_kernel(..., variant, warps=warps,
-    bw=bw)`` here, from CUPY_ATTN_DECODE when variant is None, CUPY_ATTN_DECODE_WARPS when warps is None and
-    CUPY_ATTN_DECODE_BW when bw is None).
+    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan). choice: the kernel the
+    plan chose (None: ``choose_kernel(..., variant, warps=warps)`` here, from CUPY_ATTN_DECODE when variant is None and
+    CUPY_ATTN_DECODE_WARPS when warps is None).
     """
     import cupy
 
@@ -614,17 +494,10 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     row_blocks = math.ceil(L * groups / ROWS)
     num_sms = device_sms(cupy.cuda.Device().id)
     if choice is None:
-        choice = choose_kernel(head_dim, arch, k, v, variant, num_sms=num_sms, warps=warps, bw=bw,
+        choice = choose_kernel(head_dim, arch, k, v, variant, num_sms=num_sms, warps=warps,
                                grid_ctas=launch_ctas(B, Hkv, L, groups, S, num_sms, num_splits))
     tile = choice.tile
-    lean = choice.family is FLASH_DECODE and tile.lean
-    if lean:
-        lean_ctas, lean_tiles, splits = lean_plan(B, Hkv, L, groups, S, tile.block_n, num_sms, tile.ctas_per_sm,
-                                                  num_splits)
-        chunk = lean_tiles * tile.block_n
-    else:
-        splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, num_sms, num_splits, tile.block_n,
-                                   tile.split_waves)
+    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, num_sms, num_splits, tile.block_n)
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
@@ -643,8 +516,6 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     p["batch"], p["num_heads"], p["seqlen_q"], p["seqlen_k"] = B, Hq, L, S
     p["head_dim"], p["head_dim_v"], p["groups"], p["row_blocks"] = E, Ev, groups, row_blocks
     p["num_splits"], p["split_keys"] = splits, chunk
-    if lean:  # grid.x = lean_ctas; num_splits = the most partial slots of any item (the workspace's leading axis)
-        p["lean_ctas"], p["lean_item_tiles"] = lean_ctas, lean_tiles
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
@@ -661,7 +532,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
             p[f"mask_stride_{axis}"] = stride
     rows = B * Hq * L
     part_bytes = 0 if splits == 1 else splits * rows * (Ev + 1) * 4
-    grid = (lean_ctas, 1, 1) if lean else (splits, Hkv * row_blocks, B)
+    grid = (splits, Hkv * row_blocks, B)
     if choice.family is FLASH_DECODE_SM90:
         maps = (_fa3._MapSpec.of(k, tile.block_n), _fa3._MapSpec.of(v, tile.block_n))
         return DecodeSm90Launch(kernel, combine, p, grid, (tile.threads,), smem, rows, splits * rows * Ev * 4,

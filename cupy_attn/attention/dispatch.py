@@ -147,18 +147,11 @@ def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: in
     S = max(p.seqlen_k, 1)
     choice = _decode.choose_kernel(head_dim, arch, p.key, p.value, num_sms=num_sms, grid_ctas=_decode.launch_ctas(
         p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, num_sms, num_splits))
-    tile = choice.tile
-    if choice.family is _decode.FLASH_DECODE and tile.lean:
-        ctas, tiles, n = _decode.lean_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, tile.block_n, num_sms,
-                                           tile.ctas_per_sm, num_splits)
-        splits = f"lean: {ctas} CTAs over {tiles} tiles of {tile.block_n} keys per item, at most {n} per item"
-    else:
-        n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, head_dim, arch, num_sms,
-                                      num_splits, tile.block_n, tile.split_waves)
-        splits = f"{n} of {chunk} keys"
+    n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, head_dim, arch, num_sms,
+                                  num_splits, choice.tile.block_n)
     details = {"kernel": choice.family.name, "head-dim bucket": head_dim, "tile": choice.describe(),
                "packed rows": f"{p.seqlen_q} query rows x {p.groups} heads per K/V head",
-               "splits": splits + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
+               "splits": f"{n} of {chunk} keys" + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
     return Plan("decode", f"decode (split-KV, {n} splits): {why}", describe=lambda: details, copies=copies,
                 num_splits=n, prepare=functools.partial(_decode.prepare_problem, p, num_splits, choice))
 
