@@ -675,6 +675,25 @@ def test_gpu_matches_reference_and_torch(dtype, shape, training, scale_shape):
 
 
 @pytest.mark.gpu
+def test_gpu_create_graph_backward_then_double_backward_raises():
+    """backward(create_graph=True) runs the same backward (once_differentiable's path) and gives the same gradients
+    as a plain backward; differentiating those gradients again raises, as documented."""
+    torch.manual_seed(3)
+    fused = LinearBatchNormSoftmax(64, 48).cuda().half().train()
+    x = torch.randn(32, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    dout = torch.randn(32, 48, device="cuda", dtype=torch.float16)
+    state = {k: v.clone() for k, v in fused.state_dict().items()}
+    plain = torch.autograd.grad(fused(x), (x, fused.gemm.weight), dout)
+    fused.load_state_dict(state)
+    graph = torch.autograd.grad(fused(x), (x, fused.gemm.weight), dout, create_graph=True)
+    for a, b in zip(plain, graph):
+        assert torch.equal(a, b)
+    assert graph[0].requires_grad
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        graph[0].float().sum().backward()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("dtype", list(DTYPES))
 @pytest.mark.parametrize("bn_kw", BN_CONFIGS, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
 def test_gpu_five_training_steps_track_running_stats(dtype, bn_kw):
