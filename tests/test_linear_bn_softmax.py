@@ -677,11 +677,12 @@ def test_gpu_matches_reference_and_torch(dtype, shape, training, scale_shape):
 @pytest.mark.gpu
 def test_gpu_create_graph_backward_then_double_backward_raises():
     """backward(create_graph=True) runs the same backward (once_differentiable's path) and gives the same gradients
-    as a plain backward; differentiating those gradients again raises, as documented."""
+    as a plain backward; differentiating those gradients again raises, as documented (the output gradient requires
+    grad here: otherwise once_differentiable leaves the gradients without a graph, as for any such Function)."""
     torch.manual_seed(3)
     fused = LinearBatchNormSoftmax(64, 48).cuda().half().train()
     x = torch.randn(32, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-    dout = torch.randn(32, 48, device="cuda", dtype=torch.float16)
+    dout = torch.randn(32, 48, device="cuda", dtype=torch.float16, requires_grad=True)
     state = {k: v.clone() for k, v in fused.state_dict().items()}
     plain = torch.autograd.grad(fused(x), (x, fused.gemm.weight), dout)
     fused.load_state_dict(state)
