@@ -115,6 +115,38 @@ def test_parallel_compiles_store_reports_for_the_parent(empty_cache):
         ["cache"] * len(results) and not calls
 
 
+def test_worker_entry_under_another_key_is_compiled_here(empty_cache, monkeypatch):
+    """A worker that reports success but whose cache entry this process cannot find under its own key (a source file
+    changed while the pool ran, so the keys differ) does not crash the check: the parent compiles the variant."""
+    import concurrent.futures
+
+    class Done:
+        def result(self):
+            return None  # "compiled and stored", though nothing was stored under this process's key
+
+    class Pool:
+        def __init__(self, *a, **k):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def submit(self, fn, *args):
+            return Done()
+
+    monkeypatch.setattr(concurrent.futures, "ProcessPoolExecutor", Pool)
+    monkeypatch.setattr(concurrent.futures, "as_completed", lambda futures: list(futures))
+    root, calls = empty_cache
+    family = lbs.SOFTMAX_ROWS_STREAMING
+    exprs = family.name_expressions()[:2]
+    results = _compile.compile_all([(family, e, "sm_80") for e in exprs], jobs=2)
+    assert [r.error for r in results] == [None, None] and all(r.report is not None for r in results)
+    assert len(calls) == 2, "compiled in this process"
+
+
 def test_failing_variant_fails_the_check(empty_cache):
     root, _ = empty_cache
     broken = _compile.KernelFamily(name="broken", source=lbs.FOLD_RUNNING_STATS.source,

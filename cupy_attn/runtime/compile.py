@@ -531,9 +531,12 @@ def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | N
                 error = future.result()
                 if error is not None:
                     finish(i, None, error)
-                else:  # the worker stored it: read the report back, nothing compiles here
+                else:  # the worker stored it: read the report back, nothing compiles here...
                     variant = _cached(*variants[i])
-                    finish(i, dataclasses.replace(variant, compiled=True))
+                    if variant is None:  # ...unless its key is not this process's (a source file changed while
+                        finish(i, *_compile_or_error(*variants[i]))  # the pool ran): compile it here
+                    else:
+                        finish(i, dataclasses.replace(variant, compiled=True))
     return results
 
 
