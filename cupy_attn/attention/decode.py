@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..runtime import workspace
-from ..runtime.compile import KernelFamily, source_dir, struct_arg
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims, source_dir, struct_arg
 from ..runtime.interop import device_sms, dtype_name
 from . import fused as _fused
 from . import fused_sm90 as _fa3
@@ -575,33 +575,27 @@ class DecodeLaunch:
         writes). The partials come from _partials (the caller's allocator on the call's stream) and go back after
         the combine kernel is enqueued (stream-ordered reuse)."""
         work = None
-        with self._lock:
-            buf = self._buf
-            buf[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
+        own = self._own
+        with own.lock:
+            own.words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
             if self.part_bytes:
                 work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
-                buf[6:8] = (ptr, ptr + self.o_part_bytes)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, self._argv_ptr, 0)
+                own.words[6:8] = (ptr, ptr + self.o_part_bytes)
+            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
             if self._combine_ptr:
-                self._launch(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, self._argv_ptr, 0)
+                self._launch(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, own.argv_ptr, 0)
         del work
 
     def __post_init__(self):
-        # Resolved once, on the device the launch is built for: the parameter words, the kernelParams array holding
-        # their address, the CUfunctions (the RawKernels keep their modules alive).
-        import threading
-
+        # Resolved once, on the device the launch is built for: the parameter words with their kernelParams array and
+        # lock (OwnParams), the CUfunctions (the RawKernels keep their modules alive).
         from cupy.cuda import driver
         assert self.params.dtype.names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
         self._launch = driver.launchKernel
-        self._buf = self.params.reshape(1).view(np.uint64).copy()
-        self._argv = np.array([self._buf.ctypes.data], dtype=np.uint64)
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._own = OwnParams(self.params)
         self._fn_ptr = int(self.kernel.kernel.ptr)
         self._combine_ptr = 0 if self.combine is None else int(self.combine.kernel.ptr)
-        grid3 = tuple(self.grid) + (1,) * (3 - len(self.grid))
-        self._dims = (*grid3, *self.block, *(1,) * (3 - len(self.block)), self.smem)
-        self._lock = threading.Lock()
+        self._dims = launch_dims(self.grid, self.block, self.smem)
 
     def call_current_stream(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
                             mask_ptr: int = 0) -> None:

@@ -15,7 +15,7 @@ import os
 import numpy as np
 
 from .. import philox
-from ..runtime.compile import KernelFamily
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import dtype_name
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
@@ -386,9 +386,10 @@ class FlashLaunch:
         (out, lse, q, k, v, mask), written into this launch's own parameter buffer; the driver copies the parameters
         during the call, and the lock keeps two threads replaying one launch from interleaving their writes. One
         driver call: CuPy's RawKernel/Function launch costs ~6 µs of host time per call here (H200 host), this ~1."""
-        with self._lock:
-            self._buf[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, self._argv_ptr, 0)
+        own = self._own
+        with own.lock:
+            own.words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
+            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
     def bind(self, stream):
         """``run(q, k, v, out, lse, mask)`` launching on ``stream`` (a CuPy stream): what the call cache replays."""
@@ -396,20 +397,13 @@ class FlashLaunch:
 
     def __post_init__(self):
         # Resolved once, on the device the launch is built for: the parameter words (every field of FlashFwdParams
-        # is 8 bytes wide), a pointer array holding the buffer's address (cuLaunchKernel's kernelParams), and the
-        # kernel's CUfunction. The RawKernel keeps the module, and with it the function, alive.
-        import threading
-
+        # is 8 bytes wide) with their kernelParams array and lock (OwnParams), and the kernel's CUfunction. The
+        # RawKernel keeps the module, and with it the function, alive.
         from cupy.cuda import driver
         self._launch = driver.launchKernel
-        self.words = self.params.reshape(1).view(np.uint64)
-        self._buf = self.words.copy()
-        self._argv = np.array([self._buf.ctypes.data], dtype=np.uint64)
-        self._argv_ptr = int(self._argv.ctypes.data)
+        self._own = OwnParams(self.params)
         self._fn_ptr = int(self.kernel.kernel.ptr)
-        grid3 = tuple(self.grid) + (1,) * (3 - len(self.grid))
-        self._dims = (*grid3, *self.block, *(1,) * (3 - len(self.block)), self.smem)  # grid xyz, block xyz, smem
-        self._lock = threading.Lock()
+        self._dims = launch_dims(self.grid, self.block, self.smem)
 
     @classmethod
     def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,

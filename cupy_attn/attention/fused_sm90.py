@@ -27,7 +27,7 @@ import functools
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import device_sms, dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -381,25 +381,18 @@ class Sm90Launch:
 
     def __post_init__(self):
         # Resolved once, on the device the launch is built for (fused.FlashLaunch's scheme): this launch's own copy of
-        # the parameter bytes, a kernelParams array holding its address, the CUfunction, the launch dimensions.
-        import threading
-
+        # the parameter bytes with its kernelParams array and lock (OwnParams), the CUfunction, the launch dimensions.
         from cupy.cuda import driver
         self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
         self._launch = driver.launchKernel
-        self._buf = self.params.reshape(1).view(np.uint8).copy()
-        self._words = self._buf.view(np.uint64)
+        self._own = OwnParams(self.params)
         fields = self.params.dtype.fields
         self._map_offsets = tuple(fields[name][1] for name in ("tma_q", "tma_k", "tma_v"))
         self._out_word = fields["out"][1] // 8
         assert fields["lse"][1] == fields["out"][1] + 8
         self._maps_written = None
-        self._argv = np.array([self._buf.ctypes.data], dtype=np.uint64)
-        self._argv_ptr = int(self._argv.ctypes.data)
         self._fn_ptr = int(self.kernel.kernel.ptr)
-        grid3 = tuple(self.grid) + (1,) * (3 - len(self.grid))
-        self._dims = (*grid3, *self.block, *(1,) * (3 - len(self.block)), self.smem)
-        self._lock = threading.Lock()
+        self._dims = launch_dims(self.grid, self.block, self.smem)
         if self.kernel.max_dynamic_shared_size_bytes < self.smem:
             self.kernel.max_dynamic_shared_size_bytes = self.smem
 
@@ -418,11 +411,12 @@ class Sm90Launch:
         512-byte struct."""
         if mask_ptr:
             raise ValueError("the FA3 kernel takes no attn_mask")
-        with self._lock:
+        own = self._own
+        with own.lock:
             maps = self._tensor_maps(q_ptr, k_ptr, v_ptr)
             if maps is not self._maps_written:
                 for off, m in zip(self._map_offsets, maps):
-                    self._buf[off:off + 128] = m
+                    own.bytes[off:off + 128] = m
                 self._maps_written = maps
-            self._words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, self._argv_ptr, 0)
+            own.words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
+            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)

@@ -212,7 +212,7 @@ class _Call:
         self.dy_off = scratch_bytes
         # Params words relative to the workspace's base (refilled when the base moves), and the tail.
         self._relative = [(0, self.dy_off if self.dy_in_work else None)]
-        self._relative += [(1 + pos - 2, grad_offsets.get(pos)) for pos in (2, 3, 4, 5)]
+        self._relative += [(pos - 1, grad_offsets.get(pos)) for pos in (2, 3, 4, 5)]
         self._relative += [(5, offsets["delta"]), (6, offsets["partial"]), (7, offsets["counter"])]
         self._words = np.zeros(_POINTERS + 5 + 1, dtype=np.uint64)  # + StructLaunchGroup's spare word
         self._words[_POINTERS:_POINTERS + 5] = tail

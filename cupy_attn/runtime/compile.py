@@ -134,6 +134,29 @@ def struct_arg(params):
     return CPointer(params.ctypes.data)
 
 
+def launch_dims(grid: tuple, block: tuple, smem: int) -> tuple:
+    """cuLaunchKernel's nine launch integers: grid x, y, z, block x, y, z (missing axes 1), dynamic shared memory."""
+    return (*tuple(grid) + (1,) * (3 - len(grid)), *tuple(block) + (1,) * (3 - len(block)), smem)
+
+
+class OwnParams:
+    """A prepared launch's own copy of its by-value struct, for one cuLaunchKernel per replay: ``bytes`` (uint8) and
+    ``words`` (the same memory as uint64) to write the call's pointers into, ``argv_ptr`` (cuLaunchKernel's
+    one-pointer kernelParams array, holding the copy's address), and ``lock``, held while a replay writes and launches
+    so that two threads replaying one launch do not interleave their writes (the driver copies the struct during the
+    call). ``params``: a 0-d structured NumPy array whose size is a multiple of 8 bytes."""
+
+    __slots__ = ("bytes", "words", "argv_ptr", "lock", "_argv")
+
+    def __init__(self, params: np.ndarray):
+        import threading
+        self.bytes = params.reshape(1).view(np.uint8).copy()
+        self.words = self.bytes.view(np.uint64)
+        self._argv = np.array([self.bytes.ctypes.data], dtype=np.uint64)
+        self.argv_ptr = int(self._argv.ctypes.data)
+        self.lock = threading.Lock()
+
+
 class StructLaunch:
     """A kernel whose one argument is a by-value struct, launched by one cuLaunchKernel on a raw stream handle with
     grid, block and shared memory fixed at construction: ~1 µs of host time a launch against ~6 µs through CuPy's
@@ -149,8 +172,7 @@ class StructLaunch:
             kernel.max_dynamic_shared_size_bytes = smem
         self._launch = driver.launchKernel
         self._fn_ptr = int(kernel.kernel.ptr)  # the RawKernel (cached by KernelFamily) keeps the module alive
-        grid3, block3 = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        self._dims = (*grid3, *block3, smem)
+        self._dims = launch_dims(grid, block, smem)
 
     def __call__(self, stream_ptr: int, params: np.ndarray) -> None:
         argv = np.array([params.ctypes.data], dtype=np.uint64)  # cuLaunchKernel's kernelParams: one pointer
