@@ -38,10 +38,13 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    # dtypes × variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs
+    # dtypes × (variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles)
     qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.MODE_TILES) * qk_dims
+    m192 = sum(len(table) for table in _sm90.M192_MODE_TILES.values())
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192)
     assert_clean(reports, max_registers=168)
+    # 512 threads at one block per SM: 128 registers per thread at launch (the consumers' 160 come from setmaxnreg).
+    assert all(r.registers <= 128 for r in reports if " 192," in r.name_expression), reports
 
 
 def _cuobjdump():
@@ -115,6 +118,35 @@ def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
 
 
+@pytest.mark.parametrize("mode", sorted(_sm90.M192_MODE_TILES))
+@pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
+def test_m192_sass(dtype, mode):
+    """The 192-row tile (three consumer warpgroups) in the SASS: the consumers' setmaxnreg to 160 (0xa0) and the
+    producer's to 32 (0x20); S = Q Kᵀ as HGMMA.64x128x16 (4 k steps) and P·V as HGMMA.64x64x16 (8 k steps of 16 keys),
+    each once in the loop and once outside it (S_0 before, the last P·V after); all 64 exponentials of a block between
+    wait_group 1 and wait_group 0 (the row-sum anchor of mainloop.cuh); ping-pong turns on named barriers of 256
+    threads; no local memory."""
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    suffix = ".BF16" if "bfloat16" in dtype else ""
+    tile = _sm90.M192_MODE_TILES[mode][64]
+    expr = FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64)
+    text = next(iter(sass_text(_compile.whole_cubin(
+        _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+    ops = [op.strip() for op in ops]
+    assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xa0" in ops and "USETMAXREG.DEALLOC.CTAPOOL 0x20" in ops, expr
+    shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)
+    assert shapes.count("64x128x16") == 4 * 2 and shapes.count("64x64x16") == 8 * 2, (expr, shapes)
+    first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
+    second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
+    between = sum(op.startswith("MUFU.EX2") for op in ops[first:second])
+    assert between >= 64, f"{expr}: {between} MUFU.EX2 between the waits"
+    assert any(op.startswith("BAR.ARV") and op.endswith(", 0x100") for op in ops), expr
+    assert any(op.startswith("BAR.SYNC") and op.endswith(", 0x100") for op in ops), expr
+    assert not any(op.startswith(("LDL", "STL")) for op in ops), f"{expr}: local memory"
+
+
 @pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
 def test_head_dim_96_sass_shapes(dtype):
     """The 96 bucket in the SASS: S = Q Kᵀ as HGMMA.64x128x16 (6 k steps, 5 at qk_dim 80), P·V as HGMMA.64x96x16 (8
@@ -150,6 +182,37 @@ def test_tiles():
             for dtype in _sm90._C_TYPES.values():
                 for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
                     assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
+    # The 192-row tiles: the 128-row overlap / persistent tile of head dim 64 with three consumer warpgroups.
+    assert set(_sm90.M192_MODE_TILES) == {"2", "3"}
+    for mode, table in _sm90.M192_MODE_TILES.items():
+        assert set(table) == {64}
+        tile = table[64]
+        assert dataclasses.replace(tile, block_m=128) == _sm90.MODE_TILES[mode][64]
+        assert tile.block_m == 192 and tile.threads == 512 and _sm90.MODE_TILES[mode][64].threads == 384
+        # (192 + 2·2·128)·64·2 + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
+        assert tile.smem_bytes(64) == 90112 + 80 + 3072 + 1024
+        for dtype in _sm90._C_TYPES.values():
+            assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64) in declared
+
+
+def test_tile_for_m192_override(monkeypatch):
+    """CUPY_ATTN_FA3_M192=1 selects the 192-row tile for head dim 64 in modes "2" and "3" only; it is part of the call
+    cache's key (a cached call must not replay the other tile) and named in the plan's details."""
+    from cupy_attn.runtime import callcache
+    assert _sm90.ENV_M192 in callcache.ENV_KEYS
+    monkeypatch.delenv(_sm90.ENV_M192, raising=False)
+    assert all(_sm90.tile_for(m, d) is _sm90.MODE_TILES[m][d] for m in _sm90.MODE_TILES for d in _sm90.SM90_TILES)
+    monkeypatch.setenv(_sm90.ENV_M192, "0")
+    assert _sm90.tile_for("2", 64).block_m == 128
+    monkeypatch.setenv(_sm90.ENV_M192, "1")
+    for m in _sm90.MODE_TILES:
+        for d in _sm90.SM90_TILES:
+            want = _sm90.M192_MODE_TILES[m][64] if (m in ("2", "3") and d == 64) else _sm90.MODE_TILES[m][d]
+            assert _sm90.tile_for(m, d) == want, (m, d)
+    from cupy_attn.attention import dispatch
+    got = dispatch.fa3_details(64, "3")
+    assert got["tile"].startswith("192x128, producer + 3 consumer warpgroups") and "persistent" in got["tile"]
+    assert dispatch.fa3_details(128, "3")["tile"].startswith("128x128, producer + 2 consumer warpgroups")
 
 
 def _swizzle(addr, swz: int):
@@ -186,7 +249,7 @@ def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block:
 
     bad = 0
     k16 = np.arange(16)[None, :]
-    for wg in range(2):
+    for wg in range(bm // 64):
         q_wg = q_base + wg * 64 * swz
         m = np.arange(64)[:, None]
         for kk in range(D // 16):
@@ -204,14 +267,16 @@ def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block:
     return bad
 
 
-@pytest.mark.parametrize("D", sorted(_sm90.SM90_TILES))
-def test_smem_operand_layout_matches_the_tma_swizzle(D):
-    """A NumPy emulation of the shared-memory addressing of every bucket: TMA's swizzled writes against the addresses
-    the kernel's wgmma descriptors read (_operand_mismatches), with the swizzle of fused_sm90.swizzle_bytes (the
+@pytest.mark.parametrize("D,block_m", [(d, 128) for d in sorted(_sm90.SM90_TILES)] + [(64, 192)])
+def test_smem_operand_layout_matches_the_tma_swizzle(D, block_m):
+    """A NumPy emulation of the shared-memory addressing of every bucket (and of the 192-row tile: three warpgroups'
+    Q rows, K/V stages after 24 KB of Q): TMA's swizzled writes against the addresses the kernel's wgmma descriptors
+    read (_operand_mismatches), with the swizzle of fused_sm90.swizzle_bytes (the
     launcher's tensor maps) and the kernel's constants. The 128-byte buckets run on the GPU already, so they check the
     model; D = 96 is the 64-byte swizzle, where the 128-byte constants must fail (the check has teeth)."""
     swz = _sm90.swizzle_bytes(D)
-    tile = _sm90.SM90_TILES[D]
+    tile = _sm90.SM90_TILES[D] if block_m == 128 else _sm90.M192_MODE_TILES["2"][D]
+    assert tile.block_m == block_m
     # The chunk rule the model must agree with: 16-byte chunk c of row r at c ^ (r % 8) (128 B), c ^ ((r / 2) % 4)
     # (64 B: two rows per 128-byte line), per 8-row atom of 8·swz bytes.
     r, c = np.meshgrid(np.arange(16), np.arange(swz // 16), indexing="ij")
@@ -222,6 +287,8 @@ def test_smem_operand_layout_matches_the_tma_swizzle(D):
     if swz == 64:
         assert _operand_mismatches(D, tile, 64, 32, 4, 1024) > 0  # 128-byte k-step arithmetic on 64-byte tiles
         assert _operand_mismatches(D, tile, 64, 32, 2, 1024) > 0  # SBO of the 128-byte atom
+    if block_m == 192:  # three warpgroups' Q rows; also with two column blocks of 192 rows (D = 128's layout)
+        assert _operand_mismatches(128, tile, 128, 64, 4, 1024) == 0
 
 
 F16 = np.dtype("float16")
@@ -396,10 +463,10 @@ def test_launch_params(monkeypatch):
         launch.launch_on(77, 1000, 2000, 3000, 4001, 0, 9)
 
 
-def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool) -> list:
+def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool, block_m: int = 128) -> list:
     """The (m_block, h, b) tiles each CTA runs, in order: cuda_src/attention/sm90/tile_scheduler.cuh's
-    StaticTileScheduler, transcribed (a check of the order it documents; the GPU tests run the real one)."""
-    M = -(-L // 128)
+    StaticTileScheduler<block_m>, transcribed (a check of the order it documents; the GPU tests run the real one)."""
+    M = -(-L // block_m)
     pairs = pairs and causal
     per_head = -(-M // 2) if pairs else M
     ctas = []
@@ -422,15 +489,18 @@ def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool) -> 
                                     (1, 1, 128 * 300 + 5)])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("num_sms", [132, 7])
-def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms):
+@pytest.mark.parametrize("block_m", [128, 192])
+def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms, block_m):
     """The persistent grid covers every tile exactly once; causal calls with more tiles than SMs run equal-cost pairs
-    (m-blocks M-1-k and k: M + 1 key blocks at L = S), the longer first; consecutive units are m-blocks of one head."""
-    tile = _sm90.SM90_PERSISTENT_TILES[128]
+    (m-blocks M-1-k and k: M + 1 key blocks at L = S), the longer first; consecutive units are m-blocks of one head.
+    Also for the 192-row tile (M = ⌈L / 192⌉ m-blocks; a pair's key blocks ⌈1.5(M-1-k+1)⌉ + ⌈1.5(k+1)⌉ vary by one)."""
+    tile = _sm90.SM90_PERSISTENT_TILES[128] if block_m == 128 else _sm90.M192_MODE_TILES["3"][64]
+    assert tile.block_m == block_m
     grid, pairs = _sm90.grid_for(tile, B, Hq, L, causal, num_sms)
-    M = -(-L // 128)
+    M = -(-L // block_m)
     assert grid[1:] == (1, 1) and 1 <= grid[0] <= num_sms
     assert pairs == (causal and M * Hq * B > num_sms)
-    ctas = _schedule(grid[0], pairs, B, Hq, L, causal)
+    ctas = _schedule(grid[0], pairs, B, Hq, L, causal, block_m)
     every = [t for tiles in ctas for t in tiles]
     assert sorted(every) == sorted((m, h, b) for m in range(M) for h in range(Hq) for b in range(B))
     assert all(ctas), "every CTA has work"
@@ -452,6 +522,7 @@ def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms):
 
 def test_one_tile_grid():
     assert _sm90.grid_for(_sm90.SM90_OVERLAP_TILES[64], 3, 5, 700, True, 132) == ((6, 5, 3), False)
+    assert _sm90.grid_for(_sm90.M192_MODE_TILES["2"][64], 3, 5, 700, True, 132) == ((4, 5, 3), False)
 
 
 def _gpu():
@@ -492,7 +563,10 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
     if expect_fa3:
         D = _sm90.head_bucket(E, v.shape[-1])
-        tile = _sm90.MODE_TILES[os.environ[_flash.ENV_FA3]][D]
+        tile = _sm90.tile_for(os.environ[_flash.ENV_FA3], D)
+        assert launch.block == (tile.threads,) and launch.smem == tile.smem_bytes(D), what
+        if os.environ.get(_sm90.ENV_M192) == "1" and D == 64:
+            assert tile.block_m == 192, f"{what}: the 192-row tile forced"
         assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=tile,
                                               qk_dim=_sm90.qk_dim(E, D)), f"{what}: variant"
         m_blocks = -(-L // tile.block_m)
@@ -630,6 +704,107 @@ def test_public_api_and_replay(fa3):
                                                               is_causal=True, return_lse=True)
         assert_close(out, ref, "float16", what=f"public call {seed}")
         np.testing.assert_allclose(cupy.asnumpy(lse), ref_lse, rtol=1e-4, atol=2e-3)
+
+
+# The opt-in 192-row tile (CUPY_ATTN_FA3_M192=1: three consumer warpgroups at head dim 64, modes "2" and "3").
+
+
+@pytest.fixture(params=["2", "3"], ids=["m192-overlap", "m192-persistent"])
+def fa3_m192(request, monkeypatch):
+    """CUPY_ATTN_FA3=2 or 3 with CUPY_ATTN_FA3_M192=1: head dim 64 runs the 192-row tile (_check_fa3 asserts it)."""
+    monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    monkeypatch.setenv(_sm90.ENV_M192, "1")
+    return request.param
+
+
+# LS and lengths around the 192-row m-blocks: one row short of a block, exactly one, one past; two and three blocks
+# with rows past L in the last (rows >= L computed, not stored); S not a multiple of the 128-key blocks.
+LS_M192 = LS + [(191, 191), (192, 192), (193, 193), (385, 1000), (1000, 385), (577, 577), (383, 129)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("L,S", LS_M192)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_m192_shapes(fa3_m192, dtype, L, S, causal):
+    """Out and lse of the 192-row tile against the float64 reference: odd L and S, both causal alignments (bottom-
+    right with L > S: the first m-blocks see no key; a causal block's first warpgroup may see none of the key block
+    that its last warpgroup needs)."""
+    g = _torch().Generator("cuda").manual_seed(L * 31 + S + 192)
+    q, k, v = _rand((2, 2, L, 64), dtype, g), _rand((2, 2, S, 64), dtype, g), _rand((2, 2, S, 64), dtype, g)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"m192 {dtype} L={L} S={S} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_m192_gqa_and_padded_head_dims(fa3_m192, dtype, causal):
+    """GQA (8 query heads on 2 key/value heads), BSHD views, and head dims 40 and 48/64 in the 64 bucket (TMA's zero
+    fill past E and Ev) on the 192-row tile."""
+    g = _torch().Generator("cuda").manual_seed(193)
+    q, k, v = _rand((2, 8, 300, 64), dtype, g), _rand((2, 2, 333, 64), dtype, g), _rand((2, 2, 333, 64), dtype, g)
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"m192 {dtype} GQA 8/2 causal={causal}")
+    q = _rand((2, 257, 4, 64), dtype, g).transpose(1, 2)
+    k, v = (_rand((2, 190, 4, 64), dtype, g).transpose(1, 2) for _ in range(2))
+    _check_fa3(q, k, v, dtype, causal=causal, what=f"m192 {dtype} BSHD causal={causal}")
+    for E, Ev in ((40, 40), (48, 64)):
+        q, k, v = _rand((2, 4, 257, E), dtype, g), _rand((2, 4, 190, E), dtype, g), _rand((2, 4, 190, Ev), dtype, g)
+        _check_fa3(q, k, v, dtype, causal=causal, what=f"m192 {dtype} E={E} Ev={Ev} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("L,S", [(700, 300), (640, 640), (333, 1000), (1000, 333), (1152, 1152)])
+@pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
+def test_m192_many_tiles(fa3_m192, L, S, causal):
+    """More 192-row tiles than SMs (2 × 48 query heads on 12 K/V heads, M = ⌈L / 192⌉ = 4, 4, 2, 6, 6 m-blocks: 192-576
+    tiles on 132 SMs): the persistent CTAs loop over tiles and causal pairs. (700, 300) bottom-right: m-blocks 0 and 1
+    see no key (every pair's second tile is an empty one); L = 1152 = 6 · 192."""
+    g = _torch().Generator("cuda").manual_seed(L * 7 + S + 192)
+    q = _rand((2, 48, L, 64), "float16", g)
+    k, v = _rand((2, 12, S, 64), "float16", g), _rand((2, 12, S, 64), "float16", g)
+    _check_fa3(q, k, v, "float16", causal=causal, what=f"m192 many tiles L={L} S={S} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_m192_long_causal(fa3_m192, dtype):
+    """(1, 24, 2048, 64) causal: 11 m-blocks of 192 rows × 24 heads = 264 tiles in pairs (10-k, k), the middle m-block
+    5 alone; and one long head pair (1, 2, 4224, 64): 22 m-blocks of up to 33 key blocks."""
+    g = _torch().Generator("cuda").manual_seed(2049)
+    q, k, v = (_rand((1, 24, 2048, 64), dtype, g) for _ in range(3))
+    _check_fa3(q, k, v, dtype, causal="top_left", what=f"m192 {dtype} (1,24,2048,64) causal")
+    q, k, v = (_rand((1, 2, 4224, 64), dtype, g) for _ in range(3))
+    _check_fa3(q, k, v, dtype, causal="top_left", what=f"m192 {dtype} 4224² causal")
+
+
+@pytest.mark.gpu
+def test_m192_public_sdpa(fa3_m192, monkeypatch):
+    """Through cupy_attn.scaled_dot_product_attention on torch tensors: the plan names the 192-row tile, out and lse
+    match the reference, and switching CUPY_ATTN_FA3_M192 off for the same call (a call-cache key) gives the 128-row
+    tile's result, equal within the same tolerance."""
+    import torch
+    import cupy_attn
+    from cupy_attn import reference
+    from _tolerance import assert_close
+    g = torch.Generator("cuda").manual_seed(64)
+    q, k, v = _rand((2, 8, 1000, 64), "bfloat16", g), _rand((2, 2, 777, 64), "bfloat16", g), \
+        _rand((2, 2, 777, 64), "bfloat16", g)
+    plan = cupy_attn.explain(q, k, v, is_causal=True, enable_gqa=True)
+    assert plan.details["tile"].startswith("192x128, producer + 3 consumer warpgroups"), plan.details
+    ref, ref_lse = reference.scaled_dot_product_attention(
+        *(x.float().cpu().numpy().astype(np.float64) for x in (q, k, v)), is_causal=True, enable_gqa=True,
+        return_lse=True)
+    outs = []
+    for m192 in ("1", "0", "1"):
+        monkeypatch.setenv(_sm90.ENV_M192, m192)
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, return_lse=True)
+        assert isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16
+        assert_close(out, ref, "bfloat16", what=f"public call, CUPY_ATTN_FA3_M192={m192}")
+        np.testing.assert_allclose(lse.cpu().numpy(), ref_lse, rtol=1e-4, atol=2e-3)
+        outs.append(out)
+    assert torch.equal(outs[0], outs[2]), "the same tile twice: the same bits"
+    monkeypatch.setenv(_sm90.ENV_M192, "0")
+    assert cupy_attn.explain(q, k, v, is_causal=True, enable_gqa=True).details["tile"].startswith("128x128")
 
 
 def test_explain_details(monkeypatch):

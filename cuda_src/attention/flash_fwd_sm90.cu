@@ -6,12 +6,12 @@
 // S = Q Kᵀ; m' = max(m, rowmax S·c); P = 2^(S·c − m'); l = 2^(m−m')·l + rowsum P; O = 2^(m−m')·O + P V with
 // c = scale·log2(e); out = O / l, lse = (m + log2 l)·ln 2). What FA3 adds and this kernel keeps:
 //   * warp specialization: warpgroup 0 is the producer: after setmaxnreg.dec to 24 registers, one thread issues every
-//     TMA load (cp.async.bulk.tensor with 128- or 64-byte swizzle, completing on mbarriers); warpgroups 1 and 2 are the
-//     consumers (setmaxnreg.inc to 240) and only compute;
+//     TMA load (cp.async.bulk.tensor with 128- or 64-byte swizzle, completing on mbarriers); warpgroups 1 and 2 (and 3
+//     in the 192-row tile) are the consumers (setmaxnreg.inc to 240, or 160 with three: RegisterSplit) and only compute;
 //   * a kStages-deep K/V ring with full/empty mbarriers per stage (sm90/mainloop.cuh): loads of the next tiles run
 //     while the consumers compute, with no __syncthreads in the loop;
-//   * ping-pong: the two consumer warpgroups issue their S GEMMs (with kOverlap: both GEMMs) in turn (named
-//     barriers), so one's softmax runs while the other's GEMMs occupy the tensor cores;
+//   * ping-pong: the consumer warpgroups issue their S GEMMs (with kOverlap: both GEMMs) in turn, round robin (named
+//     barriers), so one's softmax runs while another's GEMMs occupy the tensor cores;
 //   * kOverlap (the variant under CUPY_ATTN_FA3=2): intra-warpgroup overlap, the turn issues S_i = Q K_iᵀ and then
 //     O += P_{i-1} V_{i-1}, and the softmax of S_i may run while the second is in flight (sm90/mainloop.cuh).
 //   * kPersistent (the variant under CUPY_ATTN_FA3=3, with kOverlap): FlashAttention-3's persistent kernel: grid =
@@ -22,15 +22,19 @@
 // Not (yet) here: TMA stores of O, a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims up to 32
 // (flash_fwd.cu serves those calls). Head dims between the buckets 64/96/128/256 run the next one on TMA's zero fill.
 //
-// Thread mapping: 384 threads. Warpgroup w = 1, 2 owns query rows m0 + 64(w−1) ... + 63 of the block: S and O are
+// Thread mapping: 384 threads (512 with kBlockM = 192). Warpgroup w = 1 ... kBlockM/64 owns query rows m0 + 64(w−1)
+// ... + 63 of the block: S and O are
 // wgmma m64 accumulators, whose per-warp layout is mma.sync's (lane 4g+t: rows g, g+8; columns 8j+2t, +1), so the
 // softmax row statistics need a quad shuffle only (sm90/softmax.cuh). P goes from the S registers into the A
 // fragments of O += P V (wgmma with A from registers).
 //
 // Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64, 96 and 128,
-// 64 at D = 256; 2 stages, 3 at D = 96. Shared memory (kBlockM + 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of
-// alignment slack: 81 KB (D=64), 169 KB (D=96), 161 KB (D=128), 193 KB (D=256) of the 227 KB per block. Registers per
-// consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240. fp32 accumulation throughout. D = 96
+// 64 at D = 256; 2 stages, 3 at D = 96. Opt-in (CUPY_ATTN_FA3_M192=1, M192_MODE_TILES): kBlockM = 192 (3 × 64) at
+// D = 64 in the overlap and persistent variants, FlashAttention-3's hdim-64 tile. Shared memory (kBlockM +
+// 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of alignment slack: 81 KB (D=64), 169 KB (D=96), 161 KB (D=128),
+// 193 KB (D=256) of the 227 KB per block; 92 KB for 192 × 128 (3 KB of it the row-sum anchor of sm90/mainloop.cuh).
+// Registers per consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240 (160 with three consumer
+// warpgroups: 128 of them at D = 64, no spills). fp32 accumulation throughout. D = 96
 // (FlashAttention-3's hdim-96 tiles): rows of 192 bytes are no multiple of 128, so its tiles use the 64-byte swizzle
 // (3 column blocks of 32) and P·V runs N = 96 instead of the 128 bucket's padded N = 128 (sm90/mainloop.cuh).
 //
@@ -43,6 +47,7 @@
 //                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
 //   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
 //   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
+//   v4  opt-in 192-row tile at D = 64: three consumer warpgroups, round-robin turns (CUPY_ATTN_FA3_M192=1)  untimed
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -53,20 +58,30 @@
 
 namespace cupy_attn {
 
-// Register split (FlashAttention-3's for two consumer warpgroups): 128·24 + 256·240 = 64512 <= 65536 per SM, the
-// launch-time allocation (168 per thread at 384 threads, 1 block per SM) being 64512 as well.
-constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
+// Register split by the number of consumer warpgroups (FlashAttention-3's, hopper/flash_fwd_kernel_sm90.h), the
+// launch-time allocation being 65536 / threads per thread at one block per SM (__launch_bounds__):
+//   two (kBlockM = 128, 384 threads): 128·24 + 256·240 = 64512 <= 65536 (168 per thread at launch);
+//   three (kBlockM = 192, 512 threads): 128·32 + 384·160 = 65536 (128 per thread at launch).
+template <int kConsumerWarpgroups>
+struct RegisterSplit {
+  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
+  static constexpr int kProducer = kConsumerWarpgroups == 2 ? 24 : 32;
+  static constexpr int kConsumer = kConsumerWarpgroups == 2 ? 240 : 160;
+  static_assert(128 * kProducer + 128 * kConsumerWarpgroups * kConsumer <= 65536, "one block's registers per SM");
+};
 
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
-// fused_sm90.grid_for).
+// fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
           int kHeadDimQK>
-__global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
+                                                                              FlashFwdSm90Params p) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
-  static_assert(kBlockM == 128, "two consumer warpgroups of 64 rows each");
-  static_assert(kHeadDim % Smem::kAtomCols == 0 && kBlockN % 64 == 0 && kBlockN <= 256,
+  constexpr int kConsumerWarpgroups = kBlockM / 64;
+  using Regs = RegisterSplit<kConsumerWarpgroups>;
+  static_assert(kBlockM == 128 || kBlockM == 192, "two or three consumer warpgroups of 64 rows each");
+  static_assert(kHeadDim % Smem::kAtomCols == 0 && kBlockN % 64 == 0 && kBlockN <= 256 && kBlockM <= 256,
                 "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
@@ -114,16 +129,16 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(&ss.k_full[s], 1);
       tma::mbar_init(&ss.v_full[s], 1);
-      tma::mbar_init(&ss.k_empty[s], 8);  // lane 0 of each of the 8 consumer warps
-      tma::mbar_init(&ss.v_empty[s], 8);
+      tma::mbar_init(&ss.k_empty[s], 4 * kConsumerWarpgroups);  // lane 0 of each consumer warp
+      tma::mbar_init(&ss.v_empty[s], 4 * kConsumerWarpgroups);
     }
-    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 8);  // lane 0 of each consumer warp, once per tile
+    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
     tma::fence_barrier_init();
   }
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kProducerRegs>();
+    tma::setmaxnreg_dec<Regs::kProducer>();
     if (threadIdx.x == 0) {
       if constexpr (kPersistent) {
         produce_persistent(p, ss);
@@ -132,7 +147,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_sm90(const __grid_constant__
       }
     }
   } else {
-    tma::setmaxnreg_inc<kConsumerRegs>();
+    tma::setmaxnreg_inc<Regs::kConsumer>();
     if constexpr (kPersistent) {
       consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, threadIdx.x - 128);
     } else {

@@ -214,8 +214,8 @@ def fa3_details(head_dim: int, mode: str) -> dict:
     variant = "overlap, persistent" if tile.persistent else "overlap" if tile.overlap else "ping-pong"
     return {"head-dim bucket": head_dim,
             "kernel": f"flash_fwd_sm90_tma ({variant})",
-            "tile": f"{tile.block_m}x{tile.block_n}, producer + 2 consumer warpgroups, {tile.stages} K/V "
-                    "stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
+            "tile": f"{tile.block_m}x{tile.block_n}, producer + {tile.block_m // 64} consumer warpgroups, "
+                    f"{tile.stages} K/V stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
                     + (", persistent (one CTA per SM)" if tile.persistent else "")}
 
 
@@ -234,7 +234,7 @@ def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
 
 def _fa3_tile(head_dim: int, mode: str):
     from . import fused_sm90
-    return fused_sm90.MODE_TILES[mode][head_dim]
+    return fused_sm90.tile_for(mode, head_dim)
 
 
 def split_details(p, arch: int | None = None) -> dict:

@@ -12,6 +12,9 @@ for causal calls and head dims above 64, else "2"):
   K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
   (4,32,4096,64) (bench/NOTES_flash.md).
 
+``CUPY_ATTN_FA3_M192=1`` (opt-in, an A/B switch): head dim 64 in modes ``2`` and ``3`` runs FlashAttention-3's own
+hdim-64 tile, 192 rows with three consumer warpgroups (M192_MODE_TILES, :func:`tile_for`).
+
 Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
 Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import numpy as np
 
@@ -32,17 +36,25 @@ from ..runtime.interop import device_sms, dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
-THREADS = 384  # a producer warpgroup and two consumer warpgroups
+# CUPY_ATTN_FA3_M192=1: head dim 64 runs the 192-row tile (three consumer warpgroups, M192_MODE_TILES) in modes "2"
+# and "3"; unset or 0: the 128-row tile. An A/B switch (bench/experiments/m192_ab.py), part of the call cache's key.
+ENV_M192 = "CUPY_ATTN_FA3_M192"
 
 
 @dataclasses.dataclass(frozen=True)
 class Sm90Tile:
-    """Query rows per block (two consumer warpgroups of 64), key rows per K/V stage, stages in the ring."""
+    """Query rows per block (block_m / 64 consumer warpgroups of 64 rows: two or three), key rows per K/V stage, stages
+    in the ring."""
     block_m: int
     block_n: int
     stages: int = 2
     overlap: bool = False  # FA3's intra-warpgroup overlap (softmax of S_i during P_{i-1} V_{i-1}; mainloop.cuh)
     persistent: bool = False  # one CTA per SM looping over tiles (tile_scheduler.cuh); only with overlap
+
+    @property
+    def threads(self) -> int:
+        """Threads per block: the producer warpgroup and block_m / 64 consumer warpgroups (384 or 512)."""
+        return 128 * (self.block_m // 64 + 1)
 
     @property
     def overlap_flag(self) -> str:
@@ -53,10 +65,13 @@ class Sm90Tile:
         return "true" if self.persistent else "false"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (2 + 4·stages: q_full, q_empty and four per stage), 1 KB of
+        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (2 + 4·stages: q_full, q_empty and four per stage), with
+        three consumer warpgroups 8 bytes per consumer thread (the row-sum anchor of the overlap mainloop), 1 KB of
         slack for the 1024-byte alignment of the swizzle atoms: SharedStorage::kBytes in
         cuda_src/attention/sm90/mainloop.cuh."""
-        return (self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (2 + 4 * self.stages) + 1024
+        sink = (self.threads - 128) * 8 if self.block_m == 192 else 0
+        return ((self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (2 + 4 * self.stages) + sink
+                + 1024)
 
 
 # (head dim) -> tile; both dtypes alike. Registers per consumer thread: S block_n/2 + O head_dim/2 fp32 + P block_n/4,
@@ -84,6 +99,33 @@ SM90_OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in 
 SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in SM90_OVERLAP_TILES.items()}
 # CUPY_ATTN_FA3 mode (dispatch.fa3_mode) -> its tile table.
 MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
+# FlashAttention-3's head-dim-64 tile for causal calls (hopper/tile_size.h: 192 × 128, three consumer warpgroups + the
+# producer, 512 threads; FA3 runs 192 × 192 with P through shared memory when not causal), opt-in under
+# CUPY_ATTN_FA3_M192=1 for modes "2" and "3" (:func:`tile_for`). Registers: setmaxnreg 32 for the producer, 160 for
+# the consumers (128·32 + 384·160 = 65536; S 64 + O 32 + P 32 registers as in the 128-row tile, 80 fewer of headroom;
+# no spills). Shared memory 92 KB: Q 24 KB + 2 stages × (K + V) 64 KB + barriers + the 3 KB row-sum anchor
+# (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two GEMMs; a third warpgroup keeps the
+# tensor cores fed while two others run theirs (bench/NOTES_flash.md, session 8 helper).
+M192_MODE_TILES = {"2": {64: Sm90Tile(192, 128, 2, overlap=True)},
+                   "3": {64: Sm90Tile(192, 128, 2, overlap=True, persistent=True)}}
+
+
+def tile_for(mode: str, head_dim: int) -> Sm90Tile:
+    """The tile a call of this mode ("1", "2", "3") and head-dim bucket runs: MODE_TILES[mode][head_dim], or under
+    CUPY_ATTN_FA3_M192=1 the 192-row tile of M192_MODE_TILES where there is one (head dim 64, modes "2" and "3").
+
+    >>> tile_for("2", 64).block_m, tile_for("3", 128).block_m
+    (128, 128)
+    """
+    if os.environ.get(ENV_M192) == "1":
+        tile = M192_MODE_TILES.get(mode, {}).get(head_dim)
+        if tile is not None:
+            return tile
+    return MODE_TILES[mode][head_dim]
+
+
+def _all_tables() -> tuple:
+    return (*MODE_TILES.values(), *M192_MODE_TILES.values())
 
 
 def _c_struct(fields) -> np.dtype:
@@ -119,10 +161,10 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
-        "tile": tuple(sorted({t for table in MODE_TILES.values() for t in table.values()}, key=dataclasses.astuple)),
+        "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
     },
-    where=lambda row: (any(row["tile"] == table[row["head_dim"]] for table in MODE_TILES.values())
+    where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
@@ -227,6 +269,8 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     (((132, 1, 1), True), ((64, 1, 1), False), ((132, 1, 1), False))
     >>> grid_for(SM90_OVERLAP_TILES[128], 2, 16, 8192, True, 132)
     ((64, 16, 2), False)
+    >>> grid_for(M192_MODE_TILES["3"][64], 4, 32, 4096, True, 132), grid_for(M192_MODE_TILES["2"][64], 1, 1, 1000, False, 132)
+    (((132, 1, 1), True), ((6, 1, 1), False))
     """
     m_blocks = -(-L // tile.block_m)
     if not tile.persistent:
@@ -243,7 +287,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
-    tile = MODE_TILES[mode][D]
+    tile = tile_for(mode, D)
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)
@@ -267,7 +311,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
             p[f"lse_stride_{axis}"] = stride
     cols = swizzle_bytes(D) // 2
     maps = tuple(_MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
-    return Sm90Launch(kernel, p, maps, grid, (THREADS,), smem)
+    return Sm90Launch(kernel, p, maps, grid, (tile.threads,), smem)
 
 
 @dataclasses.dataclass(frozen=True)

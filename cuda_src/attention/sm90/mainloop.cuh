@@ -1,7 +1,8 @@
 // Mainloop of flash_fwd_sm90.cu, by role: the producer (one thread issuing TMA loads of Q and of the K/V tiles into a
 // kStages-deep mbarrier ring) and the consumers (two warpgroups of 64 query rows each: S = Q Kᵀ, softmax, O += P V).
 // Owns the shared-memory layout and the pipeline protocol, for one tile per CTA and for the persistent variant's loop
-// over tiles (tile order in tile_scheduler.cuh); math of the softmax in softmax.cuh.
+// over tiles (tile order in tile_scheduler.cuh); math of the softmax in softmax.cuh. kBlockM / 64 consumer warpgroups:
+// two (kBlockM = 128) or three (192, FlashAttention-3's hdim-64 tile).
 //
 // Shared-memory tiles are stored as column blocks of rows × kSwizzleBytes, each written by one TMA box in that swizzle
 // (SharedStorage: CuTe's smem selector rule, FlashAttention-3's choice): 128 bytes (64 columns) when the row width
@@ -12,13 +13,14 @@
 // variant.
 //
 // Barriers per stage s: k_full[s] / v_full[s] (1 arrival: the producer's expect_tx, plus the TMA bytes) and
-// k_empty[s] / v_empty[s] (8 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has completed).
+// k_empty[s] / v_empty[s] (4·kBlockM/64 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has
+// completed).
 // Iteration i uses stage i % kStages in round i / kStages; the full barriers' phase parity in round r is r & 1.
 //
 // Persistent variant (kPersistent): the iteration count runs on across the CTA's tiles (a tile's block i is iteration
 // it0 + i, it0 = the key blocks of the CTA's earlier tiles), so the ring needs no reset or drain between tiles. Q has
-// one buffer and two barriers: q_full (phase k: the k-th non-empty tile's Q has landed) and q_empty (8 arrivals, lane 0
-// of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has completed). The producer
+// one buffer and two barriers: q_full (phase k: the k-th non-empty tile's Q has landed) and q_empty (one arrival from
+// lane 0 of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has completed). The producer
 // loads the next tile's first K, then waits on q_empty, then loads its Q: the load overlaps the consumers' last P·V
 // GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and count in neither barrier.
 #pragma once
@@ -46,10 +48,13 @@ struct SharedStorage {
   // q_full; k_full, v_full, k_empty, v_empty per stage; q_empty (the persistent variant's, last so that the others keep
   // their addresses in both variants).
   static constexpr int kBarriers = 2 + 4 * kStages;
+  // Three consumer warpgroups only: two fp32 words per consumer thread, after the barriers, that the overlap mainloop
+  // stores its row sums to ahead of its scheduling barrier (never read: see consume).
+  static constexpr int kSinkBytes = kBlockM == 192 ? (kBlockM / 64) * 128 * 2 * 4 : 0;
   // The dynamic shared memory the launcher must request: tiles, barriers, and 1 KB of slack to align the base to
   // 1024 bytes (the 128-byte swizzle atoms' alignment, a multiple of the 64-byte ones' 512; the runtime only
   // guarantees 16). Every tile and column block is a multiple of 1024 bytes, so each starts on an atom boundary.
-  static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + 1024;
+  static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + kSinkBytes + 1024;
 
   T* q;
   T* k;  // kStages tiles of kBlockN rows
@@ -60,6 +65,7 @@ struct SharedStorage {
   unsigned long long* k_empty;
   unsigned long long* v_empty;
   unsigned long long* q_empty;
+  float* sink;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
@@ -72,6 +78,7 @@ struct SharedStorage {
     k_empty = v_full + kStages;
     v_empty = k_empty + kStages;
     q_empty = v_empty + kStages;
+    sink = reinterpret_cast<float*>(q_empty + 1);
   }
 };
 
@@ -87,7 +94,7 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
-// tile. K or V of iteration it (key rows n0 ...): wait until both consumer warpgroups have released the stage's
+// tile. K or V of iteration it (key rows n0 ...): wait until all consumer warpgroups have released the stage's
 // previous contents (round 0 waits on parity 1 of a fresh barrier, which returns at once; round r > 0 for the release
 // of round r - 1), then load.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
@@ -126,7 +133,7 @@ struct Producer {
 };
 
 // One thread, one tile. Q once, then the K and V tiles of key blocks n_blocks-1 down to 0 (the order the consumers
-// visit them), each stage reused once both consumer warpgroups have released it.
+// visit them), each stage reused once all consumer warpgroups have released it.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, int m0, int h, int b, int n_blocks) {
@@ -172,22 +179,28 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
   }
 }
 
-// Named barriers 1 and 2: the two consumer warpgroups issue their GEMMs in turns (FlashAttention-3's ping-pong; a
-// turn is S_i, or with kOverlap S_i and P_{i-1} V_{i-1}): warpgroup w waits on barrier 1 + w, issues, then arrives
-// on the other's. Warpgroup 1 gives warpgroup 0 the first turn and skips its last arrive, so each barrier sees
-// exactly as many arrives as syncs (n_blocks turns each; a named barrier left half-arrived at exit is avoided).
+// Named barriers 1 ... kWGs (kWGs = kBlockM / 64 consumer warpgroups: 2, or 3 in the 192-row tile): the consumer
+// warpgroups issue their GEMMs in turns, round robin (FlashAttention-3's ping-pong, generalized as its three-warpgroup
+// hdim-64 tile does; a turn is S_i, or with kOverlap S_i and P_{i-1} V_{i-1}): warpgroup w waits on barrier 1 + w,
+// issues, then arrives on the next one's, 1 + (w + 1) % kWGs. Each barrier has 256 participants: the 128 threads of
+// its owner's sync and the 128 of its predecessor's arrive. The last warpgroup gives warpgroup 0 the first turn and
+// skips its own last arrive, so each barrier sees exactly as many arrives as syncs (n_blocks turns each; a named
+// barrier left half-arrived at exit is avoided). The turns go 0, 1, ..., kWGs-1, 0, ... strictly: warpgroup w's next
+// arrive on barrier 1 + (w + 1) % kWGs needs its next turn, which needs every other warpgroup's turn in between, the
+// successor's sync included, so a barrier never holds two generations of arrivals. While one warpgroup issues,
+// the others run their softmax: with three, the tensor cores have two other warpgroups' GEMMs queued behind a softmax.
 //
-// Persistent variant: the turns of all the CTA's tiles form one sequence (both warpgroups walk the same tiles with
-// the same n_blocks, and tiles with no key take no turn). Warpgroup 1 grants the first turn once, before the first
-// tile; every turn, the last of a tile included, ends with the arrive on the other's barrier (so warpgroup 0 may take
-// the next tile's first turn while warpgroup 1 is still in its epilogue); after its last tile warpgroup 0 takes one
-// empty turn (a sync on barrier 1) that absorbs warpgroup 1's last arrive. Invariant, per barrier: arrives = syncs
-// (barrier 1: 1 + N arrives by warpgroup 1, N + 1 syncs by warpgroup 0; barrier 2: N and N, N = the CTA's turns,
-// 0 included), and the turns alternate strictly, so a barrier never holds two generations of arrivals.
+// Persistent variant: the turns of all the CTA's tiles form one sequence (every warpgroup walks the same tiles with
+// the same n_blocks, and tiles with no key take no turn). The last warpgroup grants the first turn once, before the
+// first tile; every turn, the last of a tile included, ends with the arrive on the next one's barrier (so warpgroup 0
+// may take the next tile's first turn while the others are still in their epilogue); after its last tile warpgroup 0
+// takes one empty turn (a sync on barrier 1) that absorbs the last warpgroup's last arrive. Invariant, per barrier:
+// arrives = syncs (barrier 1: 1 + N arrives by the last warpgroup, N + 1 syncs by warpgroup 0; the others: N and N,
+// N = the CTA's turns, 0 included), and the turns go round strictly as above.
 constexpr int kPingPongBarrier = 1;
 
-// One consumer warpgroup (wg = 0 or 1; tid = thread index within the two consumer warpgroups, 0..255): 64 query
-// rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
+// One consumer warpgroup (wg = 0 ... kBlockM/64 - 1; tid = thread index within the consumer warpgroups, from 0): 64
+// query rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
 // kPersistent: one tile of consume_persistent's loop: it0 = the K/V iterations of the CTA's earlier tiles, q_parity =
 // the q_full phase of this tile's Q; the ping-pong's first grant and last turn are consume_persistent's, and the
 // warps release Q (q_empty) once their last S GEMM has completed.
@@ -206,10 +219,25 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool 
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, int m0, int h, int b, int n_blocks, int tid, int it0,
                                         unsigned q_parity) {
+  constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int wg_row0 = m0 + wg * 64;          // first query row of this warpgroup
   const int row0 = wg_row0 + warp * 16 + g;  // this lane's rows: row0 and row0 + 8
+  // row0 where the mask and the epilogue use it. Three consumer warpgroups run at 160 registers, and ptxas kept row0
+  // live across the mainloop in a spill slot (4 bytes of STL, 4 LDL): there it is derived again from %tid.x (asm
+  // volatile, so it is not hoisted and kept; both callers pass tid = threadIdx.x - 128);
+  // m0 + (tid / 32)·16 + lane / 4 = m0 + 64·wg + 16·warp + g.
+  auto lane_row0 = [&]() {
+    if constexpr (kWGs == 2) {
+      return row0;
+    } else {
+      unsigned x;
+      asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
+      const int c = static_cast<int>(x) - 128;
+      return m0 + (c >> 5) * 16 + ((c & 31) >> 2);
+    }
+  };
   const int S = static_cast<int>(p.seqlen_k);
   const bool causal = p.is_causal != 0;
   const long long causal_offset = p.causal_offset;
@@ -223,7 +251,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   float acc_s[kBlockN / 2];
   unsigned pa[kBlockN / 16][4];
 
-  // Descriptor addresses: this warpgroup's 64 rows of Q inside each 128-row column block; K and V per stage.
+  // Descriptor addresses: this warpgroup's 64 rows of Q inside each kBlockM-row column block; K and V per stage.
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   constexpr int kRowBytes = Smem::kSwizzleBytes, kAtomBytes = Smem::kAtomBytes;
   constexpr int kStepsPerBlock = Smem::kAtomCols / 16;  // 16-column k steps per column block: 4 (128 B) or 2 (64 B)
@@ -274,13 +302,13 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       wgmma::Mma<T, kHeadDim>::rs(o, pa[kk], desc(v_st + kk * 16 * kRowBytes, kBlockN * kRowBytes, kAtomBytes), 1);
     wgmma::commit();
   };
-  // The stage's K or V may be overwritten once all 8 consumer warps have waited for the wgmma reading it.
+  // The stage's K or V may be overwritten once all 4·kWGs consumer warps have waited for the wgmma reading it.
   auto release = [&](unsigned long long* empty, int i) {
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(&empty[stage(i)]);
   };
   // After release(k_empty, i): the S GEMM of the tile's last block was Q's last reader (persistent: the producer
-  // loads the next tile's Q once all 8 warps are here).
+  // loads the next tile's Q once all 4·kWGs warps are here).
   auto release_q = [&](int i) {
     if constexpr (kPersistent) {
       if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_empty);
@@ -290,15 +318,18 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   auto mask = [&](int i) {
     const int n0 = (n_blocks - 1 - i) * kBlockN;
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, row0, n0, t, p.seqlen_k, causal, causal_offset);
+      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, p.seqlen_k, causal, causal_offset);
   };
-  // End of ping-pong turn i: warpgroup 1 skips its last arrive (see kPingPongBarrier; not in the persistent variant).
+  // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
+  // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
   auto pass_turn = [&](int i) {
-    if (kPersistent || wg == 0 || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + (wg ^ 1), 256);
+    const bool not_last_wg = kWGs == 2 ? wg == 0 : wg != kWGs - 1;
+    const int next_wg = kWGs == 2 ? wg ^ 1 : (wg + 1 == kWGs ? 0 : wg + 1);
+    if (kPersistent || not_last_wg || i + 1 < n_blocks) tma::named_barrier_arrive(kPingPongBarrier + next_wg, 256);
   };
 
   if constexpr (!kPersistent) {
-    if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
+    if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
   }
   tma::mbar_wait(ss.q_full, q_parity);
 
@@ -347,10 +378,19 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       #pragma unroll
       for (int half = 0; half < 2; ++half) alpha[half] = softmax.update_half(acc_s, half, sc, moved[half]);
       wgmma::fence_operands(acc_s);
+      // Three consumer warpgroups (160 registers): ptxas sank all 64 exponentials (and the row sums) below the
+      // MEMBAR and the wait, so the softmax ran after P_{i-1} V_{i-1} again. Two shared-memory stores of the row sums
+      // l, which depend on every exponential and may not pass the MEMBAR, pin them above it (2 STS per block; the
+      // words are never read). The two-warpgroup tiles need no such anchor and keep their SASS.
+      if constexpr (kWGs == 3) {
+        ss.sink[2 * tid] = softmax.l[0];
+        ss.sink[2 * tid + 1] = softmax.l[1];
+      }
       // A scheduling barrier for ptxas (MEMBAR.SC.CTA; the consumers have no memory operations pending here): without
       // it ptxas hoists the wait below to the top of the softmax, so the exponentials ran only after P_{i-1} V_{i-1}
       // finished. With it, D = 64 and 128 run all their MUFU.EX2 between the two waits (checked in the SASS by
-      // tests/test_flash_sm90.py). D = 256 still waits first: ptxas places the exponentials in P_{i-1}'s registers.
+      // tests/test_flash_sm90.py), the 192-row tile with the anchor above. D = 256 still waits first: ptxas places
+      // the exponentials in P_{i-1}'s registers.
       __threadfence_block();
       wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
       wgmma::fence_operands(o);
@@ -370,19 +410,20 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
   float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
-  store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, row0, t,
+  store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, lane_row0(), t,
                             static_cast<int>(p.seqlen_q), static_cast<int>(p.head_dim_v));
 }
 
-// The two consumer warpgroups of the persistent variant: every tile of the CTA in the scheduler's order (the
+// The consumer warpgroups (kBlockM / 64) of the persistent variant: every tile of the CTA in the scheduler's order (the
 // producer walks the same sequence), each through consume()'s mainloop and epilogue; a tile whose rows see no key
 // writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
 // closing empty turn are here (kPingPongBarrier).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss, int tid) {
+  constexpr int kWGs = kBlockM / 64;
   const int wg = tid / 128;
-  if (wg == 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
+  if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
   int it = 0;     // K/V iterations consumed so far
   int tiles = 0;  // non-empty tiles so far: Q phases
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
@@ -390,7 +431,7 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
     const int m0 = w.m_block * kBlockM;
     const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
     if (n_blocks == 0) {
-      store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 256);
+      store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
       continue;
     }
     consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tid, it,
