@@ -196,19 +196,25 @@ def test_tiles():
 
 
 def test_tile_for_m192_override(monkeypatch):
-    """CUPY_ATTN_FA3_M192=1 selects the 192-row tile for head dim 64 in modes "2" and "3" only; it is part of the call
-    cache's key (a cached call must not replay the other tile) and named in the plan's details."""
+    """Unset, CUPY_ATTN_FA3_M192 gives the 192-row tile to non-causal calls at head dim 64 in modes "2" and "3"; 1
+    forces it for causal calls too, 0 turns it off. It is part of the call cache's key (a cached call must not replay
+    the other tile) and the tile is named in the plan's details."""
     from cupy_attn.runtime import callcache
     assert _sm90.ENV_M192 in callcache.ENV_KEYS
-    monkeypatch.delenv(_sm90.ENV_M192, raising=False)
-    assert all(_sm90.tile_for(m, d) is _sm90.MODE_TILES[m][d] for m in _sm90.MODE_TILES for d in _sm90.SM90_TILES)
-    monkeypatch.setenv(_sm90.ENV_M192, "0")
-    assert _sm90.tile_for("2", 64).block_m == 128
-    monkeypatch.setenv(_sm90.ENV_M192, "1")
-    for m in _sm90.MODE_TILES:
-        for d in _sm90.SM90_TILES:
-            want = _sm90.M192_MODE_TILES[m][64] if (m in ("2", "3") and d == 64) else _sm90.MODE_TILES[m][d]
-            assert _sm90.tile_for(m, d) == want, (m, d)
+
+    def m192(m, d, causal):
+        return _sm90.M192_MODE_TILES[m][64] if (m in ("2", "3") and d == 64) else _sm90.MODE_TILES[m][d]
+
+    for env, rule in ((None, lambda causal: not causal), ("0", lambda causal: False), ("1", lambda causal: True)):
+        if env is None:
+            monkeypatch.delenv(_sm90.ENV_M192, raising=False)
+        else:
+            monkeypatch.setenv(_sm90.ENV_M192, env)
+        for m in _sm90.MODE_TILES:
+            for d in _sm90.SM90_TILES:
+                for causal in (False, True):
+                    want = m192(m, d, causal) if rule(causal) else _sm90.MODE_TILES[m][d]
+                    assert _sm90.tile_for(m, d, causal) == want, (env, m, d, causal)
     from cupy_attn.attention import dispatch
     got = dispatch.fa3_details(64, "3")
     assert got["tile"].startswith("192x128, producer + 3 consumer warpgroups") and "persistent" in got["tile"]
@@ -538,8 +544,10 @@ DTYPES = ("float16", "bfloat16")
 
 @pytest.fixture(params=["1", "2", "3"], ids=["fa3", "fa3-overlap", "fa3-persistent"])
 def fa3(request, monkeypatch):
-    """CUPY_ATTN_FA3=1 (the kernel), =2 (its intra-warpgroup-overlap variant), =3 (that variant, persistent)."""
+    """CUPY_ATTN_FA3=1 (the kernel), =2 (its intra-warpgroup-overlap variant), =3 (that variant, persistent), with
+    the 128-row tiles (CUPY_ATTN_FA3_M192=0; fa3_m192 below forces the 192-row tile, the non-causal default at 64)."""
     monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    monkeypatch.setenv(_sm90.ENV_M192, "0")
     return request.param
 
 
@@ -563,7 +571,7 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
     if expect_fa3:
         D = _sm90.head_bucket(E, v.shape[-1])
-        tile = _sm90.tile_for(os.environ[_flash.ENV_FA3], D)
+        tile = _sm90.tile_for(os.environ[_flash.ENV_FA3], D, causal is not None)
         assert launch.block == (tile.threads,) and launch.smem == tile.smem_bytes(D), what
         if os.environ.get(_sm90.ENV_M192) == "1" and D == 64:
             assert tile.block_m == 192, f"{what}: the 192-row tile forced"
@@ -824,14 +832,17 @@ def test_explain_details(monkeypatch):
     monkeypatch.delenv(_flash.ENV_FA3, raising=False)
     assert details()["kernel"] == "flash_fwd_sm90a"  # auto: a small call keeps the wgmma kernel
     big = types.SimpleNamespace(**{**vars(p), "seqlen_q": 4096, "seqlen_k": 4096})
-    # auto: the persistent variant above head dim 64 and for causal calls, the overlap variant at 64 (dispatch.fa3_mode)
+    # auto: the persistent variant (dispatch.fa3_mode); at head dim 64 the 192-row tile unless causal (tile_for)
+    monkeypatch.delenv(_sm90.ENV_M192, raising=False)
     assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
     q64 = _bhsd(2, 8, 4096, 64)
     big64 = types.SimpleNamespace(**{**vars(big), "query": q64, "key": q64, "value": q64, "head_dim": 64,
                                      "head_dim_v": 64})
-    assert dispatch._fused_plan(big64, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap)"
+    got = dispatch._fused_plan(big64, 90, "test", []).details
+    assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("192x128")
     big64.causal = "top_left"
-    assert dispatch._fused_plan(big64, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
+    got = dispatch._fused_plan(big64, 90, "test", []).details
+    assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("128x128")
     monkeypatch.setenv(_flash.ENV_FA3, "0")
     assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90a"
     for mode, overlap in (("1", False), ("2", True), ("3", True)):

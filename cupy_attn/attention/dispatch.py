@@ -171,7 +171,7 @@ def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
         why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
         if why_not is None:
             bucket = _fa3_bucket(p.head_dim, p.head_dim_v)
-            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode), copies=copies,
+            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode, p.causal is not None), copies=copies,
                         prepare=functools.partial(flash.prepare_problem, p, ("fa3", mode)))
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
@@ -192,10 +192,11 @@ def fa3_mode(p, arch: int) -> str | None:
     (flash_fwd.cu) for a call on ``arch``.
 
     CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto), on Hopper for calls of
-    at least FA3_MIN_FLOPS: "3" for causal calls and head dims above 64, else "2". Measured on an H200 (session 7,
-    bench/experiments/fa3_fwd.py, fp16, rounds back to back; "3" against "2"): (8,16,2048,128) 1.017x,
-    (2,16,8192,128) causal 1.018x, (8,16,1024,256) 1.019x, (1,16,4096,128) causal 1.163x, (16,16,1024,64) 1.024x,
-    (4,32,4096,64) 0.947x; "2" itself is 1.2-1.9x the wgmma kernel.
+    at least FA3_MIN_FLOPS: "3". Measured on an H200 (session 7, bench/experiments/fa3_fwd.py, fp16, rounds back to
+    back; "3" against "2", 128-row tiles): (8,16,2048,128) 1.017x, (2,16,8192,128) causal 1.018x, (8,16,1024,256)
+    1.019x, (1,16,4096,128) causal 1.163x, (16,16,1024,64) 1.024x, (4,32,4096,64) 0.947x; "2" itself is 1.2-1.9x the
+    wgmma kernel. Non-causal head dim 64 runs the 192-row tile (fused_sm90.tile_for), where "3" measured 0.99x "2" at
+    (4,32,4096,64) and 1.03-1.06x at (8,16,2048,64) and (16,16,1024,64) (session 9, bench/experiments/m192_ab.py).
     """
     env = os.environ.get("CUPY_ATTN_FA3")
     if env in ("1", "2", "3"):
@@ -205,12 +206,12 @@ def fa3_mode(p, arch: int) -> str | None:
     flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * max(p.head_dim, p.head_dim_v)
     if flops < FA3_MIN_FLOPS:
         return None
-    return "3" if p.causal is not None or max(p.head_dim, p.head_dim_v) > 64 else "2"
+    return "3"
 
 
-def fa3_details(head_dim: int, mode: str) -> dict:
+def fa3_details(head_dim: int, mode: str, causal: bool = False) -> dict:
     """The FA3-design kernel's configuration (mode "1", "2" or "3", see fa3_mode)."""
-    tile = _fa3_tile(head_dim, mode)
+    tile = _fa3_tile(head_dim, mode, causal)
     variant = "overlap, persistent" if tile.persistent else "overlap" if tile.overlap else "ping-pong"
     return {"head-dim bucket": head_dim,
             "kernel": f"flash_fwd_sm90_tma ({variant})",
@@ -232,9 +233,9 @@ def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
     return fused_sm90.head_bucket(head_dim, head_dim_v)
 
 
-def _fa3_tile(head_dim: int, mode: str):
+def _fa3_tile(head_dim: int, mode: str, causal: bool):
     from . import fused_sm90
-    return fused_sm90.tile_for(mode, head_dim)
+    return fused_sm90.tile_for(mode, head_dim, causal)
 
 
 def split_details(p, arch: int | None = None) -> dict:

@@ -12,8 +12,9 @@ for causal calls and head dims above 64, else "2"):
   K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
   (4,32,4096,64) (bench/NOTES_flash.md).
 
-``CUPY_ATTN_FA3_M192=1`` (opt-in, an A/B switch): head dim 64 in modes ``2`` and ``3`` runs FlashAttention-3's own
-hdim-64 tile, 192 rows with three consumer warpgroups (M192_MODE_TILES, :func:`tile_for`).
+Non-causal calls at head dim 64 in modes ``2`` and ``3`` run FlashAttention-3's own hdim-64 tile, 192 rows with
+three consumer warpgroups (M192_MODE_TILES, :func:`tile_for`); ``CUPY_ATTN_FA3_M192=1`` forces it for causal calls
+too, ``0`` turns it off.
 
 Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
@@ -36,8 +37,9 @@ from ..runtime.interop import device_sms, dtype_name
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
-# CUPY_ATTN_FA3_M192=1: head dim 64 runs the 192-row tile (three consumer warpgroups, M192_MODE_TILES) in modes "2"
-# and "3"; unset or 0: the 128-row tile. An A/B switch (bench/experiments/m192_ab.py), part of the call cache's key.
+# CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
+# M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
+# cache's key (bench/experiments/m192_ab.py is the A/B).
 ENV_M192 = "CUPY_ATTN_FA3_M192"
 
 
@@ -100,8 +102,8 @@ SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, ti
 # CUPY_ATTN_FA3 mode (dispatch.fa3_mode) -> its tile table.
 MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
 # FlashAttention-3's head-dim-64 tile for causal calls (hopper/tile_size.h: 192 × 128, three consumer warpgroups + the
-# producer, 512 threads; FA3 runs 192 × 192 with P through shared memory when not causal), opt-in under
-# CUPY_ATTN_FA3_M192=1 for modes "2" and "3" (:func:`tile_for`). Registers: setmaxnreg 32 for the producer, 160 for
+# producer, 512 threads; FA3 runs 192 × 192 with P through shared memory when not causal), the default for
+# non-causal calls in modes "2" and "3" (:func:`tile_for`). Registers: setmaxnreg 32 for the producer, 160 for
 # the consumers (128·32 + 384·160 = 65536; S 64 + O 32 + P 32 registers as in the 128-row tile, 80 fewer of headroom;
 # no spills). Shared memory 92 KB: Q 24 KB + 2 stages × (K + V) 64 KB + barriers + the 3 KB row-sum anchor
 # (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two GEMMs; a third warpgroup keeps the
@@ -110,14 +112,20 @@ M192_MODE_TILES = {"2": {64: Sm90Tile(192, 128, 2, overlap=True)},
                    "3": {64: Sm90Tile(192, 128, 2, overlap=True, persistent=True)}}
 
 
-def tile_for(mode: str, head_dim: int) -> Sm90Tile:
-    """The tile a call of this mode ("1", "2", "3") and head-dim bucket runs: MODE_TILES[mode][head_dim], or under
-    CUPY_ATTN_FA3_M192=1 the 192-row tile of M192_MODE_TILES where there is one (head dim 64, modes "2" and "3").
+def tile_for(mode: str, head_dim: int, causal: bool = False) -> Sm90Tile:
+    """The tile a call of this mode ("1", "2", "3"), head-dim bucket and causality runs: the 192-row tile of
+    M192_MODE_TILES (head dim 64, modes "2" and "3") for non-causal calls, else MODE_TILES[mode][head_dim].
+    CUPY_ATTN_FA3_M192=1 forces the 192-row tile where there is one (causal calls too), 0 turns it off.
 
-    >>> tile_for("2", 64).block_m, tile_for("3", 128).block_m
-    (128, 128)
+    Measured on an H200 (session 9, bench/experiments/m192_ab.py, same process, rounds rotated; × the 128-row tile in
+    its mode, fp16): non-causal (4,32,4096,64) 1.09-1.10×, (8,16,2048,64) 1.12-1.15×, (16,16,1024,64) 1.05-1.11×;
+    causal 0.82-1.06× (a 192-row tile masks more on the diagonal blocks), so causal calls keep 128 rows.
+
+    >>> tile_for("2", 64).block_m, tile_for("3", 64, causal=True).block_m, tile_for("3", 128).block_m
+    (192, 128, 128)
     """
-    if os.environ.get(ENV_M192) == "1":
+    env = os.environ.get(ENV_M192)
+    if env == "1" or (env != "0" and not causal):
         tile = M192_MODE_TILES.get(mode, {}).get(head_dim)
         if tile is not None:
             return tile
@@ -287,7 +295,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
-    tile = tile_for(mode, D)
+    tile = tile_for(mode, D, causal is not None)
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
     smem = tile.smem_bytes(D)
