@@ -87,16 +87,19 @@ def test_tiles():
             _scores.tile_for(S)
 
 
-def emulate_epilogue(s_block, S, rows, c, half_n, ld):
+def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
     """The kernel's epilogue, lane by lane, in float32: s_block (64, 2·half_n) = one CTA's raw scores (columns past S
-    are the products with TMA's zero rows of K: 0); rows = valid query rows of the block; c = scale·log2 e. Returns
-    (P (64, ld) float64 with NaN where nothing was written, lse (64,), writes per element)."""
+    are the products with TMA's zero rows of K: 0); rows = valid query rows of the block; c = scale·log2 e; m0 = the
+    block's first query row and causal_offset (None: not causal) the causal limit (key j visible to row i iff
+    j <= i + causal_offset). Returns (P (64, ld) float64 with NaN where nothing was written, lse (64,), writes per
+    element)."""
     f32 = np.float32
     P = np.full((64, ld), np.nan)
     writes = np.zeros((64, ld), int)
     lse = np.full(64, np.nan)
     n_acc = half_n // 2
     acc = np.zeros((2, 4, 32, n_acc), f32)  # [warpgroup][warp][lane][register]
+    n_vis = S if causal_offset is None else max(0, min(S, m0 + rows - 1 + causal_offset + 1))
     for wg in range(2):
         for warp in range(4):
             for lane in range(32):
@@ -106,16 +109,25 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld):
                         for e in range(2):
                             acc[wg, warp, lane, 4 * j + 2 * half + e] = s_block[warp * 16 + g + 8 * half,
                                                                                  wg * half_n + 8 * j + 2 * t + e]
-    # Mask past S, per warpgroup whose keys reach past it.
+    # Mask past S and past each row's causal limit, per warpgroup whose keys reach past them; an inactive warpgroup
+    # (no key below n_vis: it issued no wgmma) is all −inf.
     for wg in range(2):
         n0 = wg * half_n
-        if n0 + half_n > S:
+        active = n0 < n_vis
+        if not (not active or n0 + half_n > S or (causal_offset is not None and n0 + half_n - 1 > m0 + causal_offset)):
+            continue
+        for warp in range(4):
             for lane in range(32):
-                lim = S - n0 - 2 * (lane % 4)
-                for j in range(half_n // 8):
-                    for e in range(2):
-                        if 8 * j + e >= lim:
-                            acc[wg, :, lane, 4 * j + e] = acc[wg, :, lane, 4 * j + 2 + e] = -np.inf
+                g, t = lane // 4, lane % 4
+                for h in range(2):
+                    limit = S
+                    if causal_offset is not None:
+                        limit = min(limit, m0 + warp * 16 + g + 8 * h + causal_offset + 1)
+                    lim = max(-1, min(half_n, limit - n0 - 2 * t)) if active else -1
+                    for j in range(half_n // 8):
+                        for e in range(2):
+                            if 8 * j + e >= lim:
+                                acc[wg, warp, lane, 4 * j + 2 * h + e] = -np.inf
     lanes = np.arange(32)
 
     def quad(x, op):  # __shfl_xor_sync with 1, then 2, along the lane axis
@@ -138,6 +150,8 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld):
                 for h in range(2):
                     m_c[wg, warp, lane, h] = f32(max(mx[wg, warp, lane, h],
                                                      row_max[wg ^ 1, warp * 16 + lane // 4 + 8 * h]) * f32(c))
+                    if m_c[wg, warp, lane, h] == -np.inf:  # a row that sees no key
+                        m_c[wg, warp, lane, h] = 0
     x = acc.copy()
     sums = np.zeros_like(mx)
     for j in range(half_n // 8):
@@ -162,9 +176,9 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld):
                 for h in range(2):
                     r = warp * 16 + g + 8 * h
                     l_sum = sums[wg, warp, lane, h] + row_sum[wg ^ 1, r]
-                    inv = f32(1) / l_sum
+                    inv = f32(1) / l_sum if l_sum > 0 else f32(0)
                     if wg == 0 and t == 0 and r < rows:
-                        lse[r] = (m_c[wg, warp, lane, h] + np.log2(l_sum)) * np.log(2)
+                        lse[r] = (m_c[wg, warp, lane, h] + np.log2(l_sum)) * np.log(2) if l_sum > 0 else -np.inf
                     if r >= rows:
                         continue
                     col0 = n0 + 2 * t
@@ -201,6 +215,41 @@ def test_epilogue_emulation_matches_softmax(S, rows):
     np.testing.assert_allclose(P[:rows, :S], ref, rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(lse[:rows], ref_lse, rtol=1e-5, atol=1e-5)
     assert np.isnan(lse[rows:]).all()
+
+
+@pytest.mark.parametrize("S,L,m0,align", [(512, 512, 0, "top_left"), (512, 512, 192, "top_left"),
+                                           (512, 512, 448, "top_left"), (300, 300, 256, "top_left"),
+                                           (100, 300, 0, "bottom_right"), (100, 300, 192, "bottom_right"),
+                                           (100, 300, 256, "bottom_right"), (512, 200, 128, "bottom_right"),
+                                           (7, 7, 0, "top_left"), (129, 77, 64, "top_left")])
+def test_epilogue_emulation_causal(S, L, m0, align):
+    """The causal epilogue: P = the masked softmax of the block's rows (0 past each row's limit, written), lse; rows
+    that see no key (bottom-right with L > S) get P = 0 and lse = −inf, no NaN; a warpgroup whose keys all lie past
+    the block's last row's limit (inactive: the kernel skips its wgmma, its accumulators hold stale zeros) still
+    writes its zeros."""
+    rng = np.random.default_rng(S + L + m0)
+    half_n = _scores.tile_for(S).half_n
+    ld = -(-S // 8) * 8
+    rows = min(64, L - m0)
+    offset = 0 if align == "top_left" else S - L
+    n_vis = max(0, min(S, m0 + rows + offset))
+    s = np.zeros((64, 2 * half_n), np.float32)
+    s[:, :S] = rng.standard_normal((64, S)).astype(np.float32) * 6
+    s[:, n_vis:] = 0  # an inactive warpgroup's accumulators: never written by a wgmma
+    scale = 0.37
+    P, lse, writes = emulate_epilogue(s, S, rows, scale * 1.4426950408889634, half_n, ld, m0=m0, causal_offset=offset)
+    assert (writes[:rows, :S] == 1).all() and (writes[rows:] == 0).all() and (writes[:, S:] == 0).all()
+    assert not np.isnan(P[:rows, :S]).any() and not np.isnan(lse[:rows]).any()
+    for r in range(rows):
+        see = min(S, m0 + r + offset + 1)  # keys 0 ... see − 1
+        if see <= 0:
+            assert (P[r, :S] == 0).all() and lse[r] == -np.inf, r
+            continue
+        z = s[r, :see].astype(np.float64) * scale
+        ref = np.exp(z - z.max())
+        np.testing.assert_allclose(P[r, :see], ref / ref.sum(), rtol=1e-5, atol=1e-7)
+        assert (P[r, see:S] == 0).all(), r
+        np.testing.assert_allclose(lse[r], np.log(ref.sum()) + z.max(), rtol=1e-5, atol=1e-5)
 
 
 class ProtocolError(AssertionError):
@@ -299,9 +348,18 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
         me = (c, w)
         if cluster_m > 1:
             yield from cluster_sync(1, me)
+        inactive = w >= 4 and not load_hi  # warpgroup 1 sees no key: no wgmma, each stage released as it comes
         for kb in range(k_blocks):
             s = kb % stages
             yield lambda kb=kb, s=s: full[c][s].ready((kb // stages) & 1)
+            if inactive:
+                finished[c][kb] += 1
+                empty[c][s].arrive()
+                if remote:
+                    events.append(("arrive", c ^ 1, s, me))
+                    unflushed[me] = unflushed.get(me, 0) + 1
+                yield lambda: True
+                continue
             need = (["q"] if rows_ok[c] else []) + boxes
             if any(tags[c][s].get(part) != kb for part in need):
                 raise ProtocolError(f"CTA {c} warp {w} read stage {s} for k block {kb}: holds {tags[c][s]}")
@@ -312,7 +370,8 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
                     events.append(("arrive", c ^ 1, (kb - 1) % stages, me))
                     unflushed[me] = unflushed.get(me, 0) + 1
             yield lambda: True
-        finished[c][k_blocks - 1] += 1  # wait_group 0
+        if not inactive:
+            finished[c][k_blocks - 1] += 1  # wait_group 0
         if cluster_m > 1 and mutation != "no_exit_barrier":
             yield from cluster_sync(2, me)
         alive[c] -= 1
@@ -403,7 +462,7 @@ def test_unsupported_reasons():
         pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
     assert _scores.unsupported_reason(_problem(dtype=np.dtype("bfloat16")), 90) is None
     for kw, arch, words in (({}, 80, "sm_80"), ({"dtype": np.dtype("float32")}, 90, "float32"),
-                            ({"seqlen_k": 513}, 90, "512"), ({"causal": "top_left"}, 90, "is_causal"),
+                            ({"seqlen_k": 513}, 90, "512"),
                             ({"mask": object()}, 90, "attn_mask"), ({"dropout_p": 0.1}, 90, "dropout"),
                             ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
                                                              "16-byte")):
@@ -560,3 +619,60 @@ def test_public_api_with_switch(monkeypatch, dtype, cluster_m):
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "0")
     plan = cupy_attn.explain(q, k, v)
     assert plan.details["scores kernel"].startswith("not used"), str(plan)
+
+
+def test_unsupported_reason_causal(monkeypatch):
+    """is_causal runs on the one-CTA kernel (CUPY_ATTN_SPLIT_FUSED unset or 1), not on the cluster variant (2)."""
+    monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
+    if _scores.unsupported_reason(_problem(), 90) is not None:
+        pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
+    for align in ("top_left", "bottom_right"):
+        assert _scores.unsupported_reason(_problem(causal=align), 90) is None
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "2")
+    assert "is_causal" in _scores.unsupported_reason(_problem(causal="top_left"), 90)
+    with pytest.raises(ValueError, match="causal"):
+        _scores.prepare(_bhsd(1, 1, 64, 64), _bhsd(1, 1, 64, 64), None, scale=0.1, ld=64, cluster_m=2,
+                        causal="top_left")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,align", [
+    (1, 4, 4, 512, 512, 1024, "top_left"),       # the seed's causal variant with fewer heads: 4 P·V bands
+    (2, 4, 4, 512, 512, 1024, "bottom_right"),   # L = S: the same mask
+    (2, 4, 4, 200, 300, 512, "top_left"),
+    (2, 4, 4, 200, 300, 512, "bottom_right"),
+    (2, 4, 4, 300, 100, 512, "bottom_right"),    # L > S: the first 200 rows see no key (out 0, lse -inf)
+    (1, 8, 2, 257, 257, 320, "top_left"),        # GQA 8/2, odd L: 2 bands of 129 and 128 rows
+    (1, 2, 2, 77, 40, 384, "top_left"),          # S ≤ 64: one K box
+    (1, 2, 2, 640, 512, 640, "bottom_right"),    # L > S, 5 bands
+])
+def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype):
+    """is_causal through the scores kernel (row blocks left of the diagonal skip the second warpgroup's wgmma, P is 0
+    past each row's limit) and the banded P·V GEMMs: out and lse against float64 (torch's same-precision causal
+    error as the bound where torch has the alignment), a second call on new arrays replays."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    gen = torch.Generator(device="cuda").manual_seed(L + S)
+    dt = getattr(torch, dtype)
+    causal = True if align == "top_left" else "bottom_right"
+    for seed in range(2):
+        q, k, v = (torch.randn(*s, generator=gen, device="cuda").to(dt)
+                   for s in ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D)))
+        plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
+        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[1] + " "), str(plan)
+        assert "row bands" in plan.details["causal"], str(plan)
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv,
+                                                          return_lse=True)
+        ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal,
+                                                              enable_gqa=Hq != Hkv, return_lse=True)
+        torch_out = None
+        if align == "top_left" or L == S:
+            torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                         enable_gqa=Hq != Hkv)
+        assert_close(out, ref, dtype, torch_out, what=f"causal {align} call {seed}")
+        got = as_f64(lse)
+        assert (np.isneginf(got) == np.isneginf(ref_lse)).all(), f"lse -inf rows differ ({align}, call {seed})"
+        fin = np.isfinite(ref_lse)
+        np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)

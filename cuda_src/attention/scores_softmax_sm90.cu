@@ -33,8 +33,14 @@
 // section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
 // (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
 //
+// Causal (one-CTA kernel only; the launcher keeps the cluster variant non-causal): a block's keys end at n_vis, the
+// limit of its last row. A consumer warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the
+// ring's phases) and its producer box is not loaded: at the seed's causal shape the first half of the row blocks does
+// half the tensor work. Every key past a row's limit gets P = 0 (the split path's banded P·V GEMMs read zeros there);
+// a row that sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
+//
 // Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, TMA stores of P,
-// causal and attn_mask.
+// attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
@@ -58,6 +64,8 @@ struct ScoresSm90Params {
   double scale_log2;     // scale · log2(e), > 0
   long long p_stride_b, p_stride_h, ld;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
+  long long is_causal;      // 1: key j is visible to query row i iff j <= i + causal_offset
+  long long causal_offset;  // 0 (top-left) or S - L (bottom-right)
 };
 
 namespace scores_sm90 {
@@ -132,6 +140,13 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
   const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
+  // Keys 0 ... n_vis − 1 are visible to some row of this block: all S, or under a causal mask those up to the limit
+  // of its last row (0 when no row sees a key).
+  int n_vis = static_cast<int>(p.seqlen_k);
+  if (p.is_causal) {
+    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
+    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+  }
 
   if (threadIdx.x == 0) {
     #pragma unroll
@@ -156,10 +171,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       tma::prefetch_map(&p.tma_q);
       tma::prefetch_map(&p.tma_k);
       const int h_kv = h / static_cast<int>(p.groups);
-      // S ≤ kHalfN (only at kHalfN = 64): the second warpgroup's keys all lie past S. Its box would be entirely
-      // outside the map, so it is not loaded; that warpgroup multiplies whatever its stage holds and masks every
-      // column to −inf (an assignment, so even NaN from stale bits is gone).
-      const bool load_hi = kHalfN < p.seqlen_k;
+      // n_vis ≤ kHalfN (S ≤ 64, or a causal block left of the middle): the second warpgroup sees no key. Its box
+      // is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
+      const bool load_hi = kHalfN < n_vis;
       const bool load_q = kClusterM == 1 || m0 < p.seqlen_q;  // false only in a cluster's padding CTA
       const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -193,6 +207,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
   const int S = static_cast<int>(p.seqlen_k);
+  const int n0 = wg * kHalfN;
+  const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
 
   // S block (64 × kHalfN) = Q K_wgᵀ over the head dim. Each stage: four k steps of 16 columns = 32 bytes inside the
   // 128-byte swizzled rows (the hardware applies the XOR to the computed address); 8-row atoms 1024 bytes apart.
@@ -203,45 +219,69 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
-  for (int kb = 0; kb < k_blocks; ++kb) {
-    const int s = kb % kStages;
-    tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
-    const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
-    wgmma::fence();
-    #pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma::Mma<T, kHalfN>::ss(acc, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
-                                wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
-    wgmma::commit();
-    wgmma::wait<1>();
-    if (kb > 0) {
+  if (active) {
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % kStages;
+      tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
+      const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
+      wgmma::fence();
+      #pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::Mma<T, kHalfN>::ss(acc, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+                                  wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
+      wgmma::commit();
+      wgmma::wait<1>();
+      if (kb > 0) {
+        __syncwarp();
+        if (lane == 0) {
+          tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+        }
+      }
+    }
+    wgmma::wait<0>();
+  } else {
+    // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the ring's
+    // phases, releasing each stage (in a cluster, in both CTAs) as soon as it has come, so the empty barriers keep
+    // their count.
+    for (int kb = 0; kb < k_blocks; ++kb) {
+      const int s = kb % kStages;
+      tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
       __syncwarp();
       if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+        tma::mbar_arrive(&ss.empty[s]);
+        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
       }
     }
   }
-  wgmma::wait<0>();
   wgmma::fence_operands(acc);
   // The last stage needs no release: the producers have nothing left to load. This CTA's last access to the peer's
   // shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
   if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-  // Keys past S (zero rows of K from TMA's fill) take no part: −inf before the max. acc[4j + 2·half + e] is row
+  // Keys past S (zero rows of K from TMA's fill) and past a row's causal limit take no part: −inf before the max
+  // (an assignment: an inactive warpgroup's accumulators are never written). acc[4j + 2·half + e] is row
   // r0 + 8·half, column n0 + 8j + 2t + e.
-  const int n0 = wg * kHalfN;
-  if (n0 + kHalfN > S) {
-    const int lim = S - n0 - 2 * t;  // column 8j + e of this lane is a key iff 8j + e < lim
+  const bool causal = p.is_causal != 0;
+  if (!active || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
     #pragma unroll
-    for (int j = 0; j < kHalfN / 8; ++j)
+    for (int half = 0; half < 2; ++half) {
+      long long limit = S;  // keys < limit are visible to this row
+      if (causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
+      // column 8j + e of this lane is visible iff 8j + e < lim
+      const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - n0 - 2 * t)))
+                             : -1;
       #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (8 * j + e >= lim) acc[4 * j + e] = acc[4 * j + 2 + e] = neg_inf();
+      for (int j = 0; j < kHalfN / 8; ++j)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e)
+          if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
+    }
   }
 
-  // Row max over both warpgroups. Column 0 is a key (S ≥ 1), so each row's max is finite for finite inputs; the
-  // scale c > 0 makes max(S)·c the max of the scaled scores.
+  // Row max over both warpgroups. Without a causal mask column 0 is a key (S ≥ 1), so each row's max is finite for
+  // finite inputs; the scale c > 0 makes max(S)·c the max of the scaled scores. A causal row may see no key at all
+  // (bottom-right, L > S): its max is −inf and 0 stands in for it in the exponent, so its P is 0 (no NaN).
   float mx[2] = {neg_inf(), neg_inf()};
   #pragma unroll
   for (int j = 0; j < kHalfN / 8; ++j)
@@ -258,8 +298,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const float c = static_cast<float>(p.scale_log2);
   float m_c[2], sum[2] = {0.f, 0.f};
   #pragma unroll
-  for (int half = 0; half < 2; ++half)
+  for (int half = 0; half < 2; ++half) {
     m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
+    if (m_c[half] == neg_inf()) m_c[half] = 0.f;
+  }
 
   // P unnormalized in place: 2^(s·c − m·c), one FFMA and one MUFU.EX2 per score (−inf → 0).
   #pragma unroll
@@ -283,10 +325,11 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const float l = sum[half] + ss.row_sum[(wg ^ 1) * kBlockM + r0 + 8 * half];
-    inv[half] = 1.f / l;
+    inv[half] = l > 0.f ? 1.f / l : 0.f;
     const int row = m0 + r0 + 8 * half;
     if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
-      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] = (m_c[half] + __log2f(l)) * kLn2;
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
+          l > 0.f ? (m_c[half] + __log2f(l)) * kLn2 : neg_inf();
   }
 
   // Stores: a quad writes 16 contiguous bytes of a row per j (columns 8j..8j+7); pairs are 4-byte aligned (ld and

@@ -257,6 +257,9 @@ def split_details(p, arch: int | None = None) -> dict:
                              + (", clusters of 2 CTAs sharing K by TMA multicast" if cluster_m == 2 else ""),
             "P buffer": f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head, all heads in one "
                         f"buffer of {p.batch * p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20:.0f} MiB",
+            **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; P·V in "
+                          f"{_split.causal_row_bands(p.seqlen_q)} row bands, each stopping at its last visible key"}
+               if p.causal is not None else {}),
         }
     return {
         "schedule": "cuBLAS Q·Kᵀ (fp32 scores) → softmax kernel → cuBLAS P·V",

@@ -4,8 +4,9 @@
     lse = log Σ_j exp(scale · q·k_j)   (B, Hq, L) float32, natural log
 
 for seqlen_k ≤ 512 (a CTA holds whole score rows: 64 query rows × all keys in wgmma accumulators), fp16/bf16, any head
-dim E with 16-byte row strides, no mask, no causal, GQA by head index. The split path (split.py) runs it in place of
-its Q·Kᵀ GEMM + softmax pass when ``CUPY_ATTN_SPLIT_FUSED=1`` (opt-in until measured: :func:`enabled`), and its
+dim E with 16-byte row strides, no mask, is_causal in both alignments (the one-CTA kernel; P is 0 past each row's
+limit), GQA by head index. The split path (split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass unless
+``CUPY_ATTN_SPLIT_FUSED=0`` (:func:`enabled`), and its
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
 (32, 32, 512, 1024)). ``CUPY_ATTN_SPLIT_FUSED=2`` runs the cluster variant instead (:data:`KERNELS`: two CTAs of
 adjacent row blocks share each K tile by TMA multicast, half the L2 → shared-memory traffic), for the A/B.
@@ -59,7 +60,8 @@ SCORES_TILES = {
 _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "p", "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
-                        "p_stride_b", "p_stride_h", "ld", "lse_stride_b", "lse_stride_h", "lse_stride_l")])
+                        "p_stride_b", "p_stride_h", "ld", "lse_stride_b", "lse_stride_h", "lse_stride_l",
+                        "is_causal", "causal_offset")])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -115,8 +117,9 @@ def unsupported_reason(p, arch: int) -> str | None:
     """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
     capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
 
-    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no causal, no dropout, scale > 0 (folded into
-    exp2), q and k readable by TMA in place (fused_sm90.layout_reason) and a grid within (2^31−1, 65535, 65535).
+    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no dropout, is_causal only in the one-CTA
+    kernel (CUPY_ATTN_SPLIT_FUSED=2's clusters pair row blocks that would see different keys), scale > 0 (folded
+    into exp2), q and k readable by TMA in place (fused_sm90.layout_reason).
     """
     if arch != 90:
         return f"sm_{arch}: the scores kernel needs sm_90a"
@@ -124,8 +127,10 @@ def unsupported_reason(p, arch: int) -> str | None:
         return f"dtype {dtype_name(p.dtype)}: the scores kernel serves fp16 and bf16"
     if not 1 <= p.seqlen_k <= MAX_SEQLEN_K:
         return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
-    if p.mask is not None or p.causal is not None or p.dropout_p > 0:
-        return "attn_mask, is_causal and dropout are not in the scores kernel (v1)"
+    if p.mask is not None or p.dropout_p > 0:
+        return "attn_mask and dropout are not in the scores kernel"
+    if p.causal is not None and setting() == 2:
+        return f"is_causal: the scores kernel's cluster variant ({ENV_SPLIT_FUSED}=2) is not causal"
     if not p.scale > 0:
         return f"scale {p.scale}: the scores kernel folds the scale into exp2 and needs scale > 0"
     try:
@@ -139,16 +144,19 @@ def unsupported_reason(p, arch: int) -> str | None:
     return None
 
 
-def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1) -> "ScoresLaunch":
+def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1, causal: str | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
     elements apart. cluster_m: 1 (scores_softmax_sm90) or 2 (scores_softmax_sm90_cluster2, K shared by TMA
-    multicast; its grid comes from :func:`grid_for`). Raises ValueError for an odd or short ld or another
-    cluster_m."""
+    multicast; its grid comes from :func:`grid_for`). causal: None, "top_left" or "bottom_right" (key j visible to
+    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for an odd or short ld,
+    another cluster_m, or causal with cluster_m = 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 2:
         raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
+    if causal is not None and cluster_m != 1:
+        raise ValueError(f"causal={causal!r}: the cluster variant (cluster_m={cluster_m}) is not causal")
     grid = grid_for(B, Hq, L, cluster_m)
     tile = tile_for(S)
     kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[cluster_m], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
@@ -159,6 +167,8 @@ def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1) -> "ScoresL
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
     p["p_stride_b"], p["p_stride_h"], p["ld"] = Hq * L * ld, L * ld, ld
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize

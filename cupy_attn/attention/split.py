@@ -233,6 +233,33 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
         del scores  # back to its allocator, ordered after the work above on this stream
 
 
+def causal_row_bands(seqlen_q: int) -> int:
+    """How many row bands the P·V GEMMs of a causal call on the scores kernel are cut into, so that band i's GEMM
+    stops at its last row's visible key: with n equal bands of a square causal problem P·V does (n + 1) / (2n) of the
+    full work (n = 4: 62.5%, 8: 56%), in GEMMs of L / n rows. n = L // 128, at most 8: the seed's causal variant
+    (L = 512) takes 4 bands of 128 rows.
+
+    >>> [causal_row_bands(L) for L in (1, 127, 128, 512, 1000, 1024, 4096)]
+    [1, 1, 1, 4, 7, 8, 8]
+    """
+    return max(1, min(8, seqlen_q // 128))
+
+
+def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]:
+    """(first row, rows) of each block of query rows: chunks of rows_per_chunk (the workspace budget), each cut into
+    ``bands`` near-equal pieces.
+
+    >>> _row_bands(512, 512, 4), _row_bands(130, 130, 2), _row_bands(10, 4, 1)
+    ([(0, 128), (128, 128), (256, 128), (384, 128)], [(0, 65), (65, 65)], [(0, 4), (4, 4), (8, 2)])
+    """
+    blocks = []
+    for r0 in range(0, L, rows_per_chunk):
+        lc = min(rows_per_chunk, L - r0)
+        step = -(-lc // max(1, min(bands, lc)))
+        blocks += [(r, min(step, r0 + lc - r)) for r in range(r0, r0 + lc, step)]
+    return blocks
+
+
 def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     dtype = p.dtype
@@ -285,25 +312,31 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     if fused_reason(p, budget) is None:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
-        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, cluster_m=scores.setting())
+        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, cluster_m=scores.setting(),
+                                       causal=p.causal)
 
-    def gemm_pair(nb: int, lc: int):
-        """(QKᵀ, PV) for nb batches of lc query rows; chunks of equal size share them."""
-        if (nb, lc) not in gemms and scores_launch is not None:
-            gemms[nb, lc] = (None, blas.StridedGemm(
+    def gemm_pair(nb: int, lc: int, sc: int = S):
+        """(QKᵀ, PV) for nb batches of lc query rows (against the first sc keys under the scores kernel); chunks of
+        equal size share them."""
+        if (nb, lc, sc) not in gemms and scores_launch is not None:
+            gemms[nb, lc, sc] = (None, blas.StridedGemm(
                 c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=ld_p, stride_a=inner.bh * L * ld_p,
-                trans_a=False, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb,
-                allow_tf32=allow_tf32))
-        if (nb, lc) not in gemms:
-            gemms[nb, lc] = (
+                trans_a=False, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc,
+                batch=nb, allow_tf32=allow_tf32))
+        if (nb, lc, sc) not in gemms:
+            gemms[nb, lc, sc] = (
                 blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
                                     stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
                                     trans_b=True, m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
                 blas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
                                     stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
                                     stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32))
-        return gemms[nb, lc]
+        return gemms[nb, lc, sc]
 
+    # Causal on the scores kernel: P is 0 past each row's limit, so the P·V GEMM of a band of rows r0 ... r0+lc-1
+    # stops at sc = r0 + lc + causal_offset keys (at least 1: a band whose rows see no key multiplies zeros).
+    banded = scores_launch is not None and p.causal is not None
+    row_bands = _row_bands(L, rows_per_chunk, causal_row_bands(L) if banded else 1)
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse", "bh")}
@@ -314,8 +347,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 idx //= ax.size
         for c0 in range(0, n_batch, per_chunk):
             nb = min(per_chunk, n_batch - c0)
-            for r0 in range(0, L, rows_per_chunk):
-                lc = min(rows_per_chunk, L - r0)
+            for r0, lc in row_bands:
+                sc = max(1, min(S, r0 + lc + causal_offset)) if banded else S
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
                 params["bh0"] = off["bh"]
@@ -323,7 +356,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc)[0], gemm_pv=gemm_pair(nb, lc)[1],
+                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc, sc)[0],
+                    gemm_pv=gemm_pair(nb, lc, sc)[1],
                     p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0))
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, kernel=None, block=0, chunks=chunks,
