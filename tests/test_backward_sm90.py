@@ -56,7 +56,7 @@ def _sass(expr):
 def test_sass(row):
     expr = FAMILY.name_expression(**row)
     text = _sass(expr)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     names = [op.split()[0] for op in ops]
     for op in ("UTMALDG", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2", "STSM"):
         assert any(n.startswith(op) for n in names), f"{expr}: no {op} in the SASS"

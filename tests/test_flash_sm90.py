@@ -69,7 +69,7 @@ def sass_summary(cubin: bytes) -> dict:
     for block in re.split(r"\n\s*Function : ", text)[1:]:
         name = block.split("\n", 1)[0].strip()
         ops = {}
-        for m in re.finditer(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", block):
+        for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", block):
             ops[m.group(1)] = ops.get(m.group(1), 0) + 1
         out[name] = ops
     return out
@@ -98,7 +98,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
             expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk)
             text = next(iter(sass_text(_compile.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
-            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+            ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
             first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
             second = next(i for i, op in enumerate(ops[first:], first) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0"))
             between = sum(op.startswith("MUFU.EX2") for op in ops[first:second])
@@ -133,7 +133,7 @@ def test_m192_sass(dtype, mode):
     expr = FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64)
     text = next(iter(sass_text(_compile.whole_cubin(
         _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     ops = [op.strip() for op in ops]
     assert "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xa0" in ops and "USETMAXREG.DEALLOC.CTAPOOL 0x20" in ops, expr
     shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)

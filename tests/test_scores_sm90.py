@@ -100,6 +100,8 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
     n_acc = half_n // 2
     acc = np.zeros((2, 4, 32, n_acc), f32)  # [warpgroup][warp][lane][register]
     n_vis = S if causal_offset is None else max(0, min(S, m0 + rows - 1 + causal_offset + 1))
+    # Keys per warpgroup: half_n, or under a causal mask half of n_vis rounded up to 64 (the second K box from key nw).
+    nw = half_n if causal_offset is None else min(half_n, max(64, -(-n_vis // 128) * 64))
     for wg in range(2):
         for warp in range(4):
             for lane in range(32):
@@ -107,20 +109,22 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                 for j in range(half_n // 8):
                     for half in range(2):
                         for e in range(2):
-                            acc[wg, warp, lane, 4 * j + 2 * half + e] = s_block[warp * 16 + g + 8 * half,
-                                                                                 wg * half_n + 8 * j + 2 * t + e]
+                            key = wg * nw + 8 * j + 2 * t + e  # past nw: the box's further rows (masked)
+                            acc[wg, warp, lane, 4 * j + 2 * half + e] = (
+                                s_block[warp * 16 + g + 8 * half, key] if 8 * j + 2 * t + e < nw else 0)
     # Mask past S and past each row's causal limit, per warpgroup whose keys reach past them; an inactive warpgroup
     # (no key below n_vis: it issued no wgmma) is all −inf.
     for wg in range(2):
-        n0 = wg * half_n
+        n0 = wg * nw
         active = n0 < n_vis
-        if not (not active or n0 + half_n > S or (causal_offset is not None and n0 + half_n - 1 > m0 + causal_offset)):
+        if not (not active or nw < half_n or n0 + half_n > S
+                or (causal_offset is not None and n0 + half_n - 1 > m0 + causal_offset)):
             continue
         for warp in range(4):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
                 for h in range(2):
-                    limit = S
+                    limit = min(S, n0 + nw)
                     if causal_offset is not None:
                         limit = min(limit, m0 + warp * 16 + g + 8 * h + causal_offset + 1)
                     lim = max(-1, min(half_n, limit - n0 - 2 * t)) if active else -1
@@ -169,7 +173,7 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                 for h in range(2):
                     row_sum[wg, warp * 16 + lane // 4 + 8 * h] = sums[wg, warp, lane, h]
     for wg in range(2):
-        n0 = wg * half_n
+        n0 = wg * nw
         for warp in range(4):
             for lane in range(32):
                 g, t = lane // 4, lane % 4
@@ -182,7 +186,7 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                     if r >= rows:
                         continue
                     col0 = n0 + 2 * t
-                    lim = S - n0 - 2 * t
+                    lim = min(S - n0, nw) - 2 * t
                     for j in range(half_n // 8):
                         x0 = x[wg, warp, lane, 4 * j + 2 * h] * inv
                         x1 = x[wg, warp, lane, 4 * j + 2 * h + 1] * inv
@@ -193,6 +197,9 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                         elif 8 * j < lim:
                             P[r, col0 + 8 * j] = x0
                             writes[r, col0 + 8 * j] += 1
+    # Causal: keys 2·nw ... S − 1 of the valid rows are zero-filled.
+    P[:rows, 2 * nw:S] = 0
+    writes[:rows, 2 * nw:S] += 1
     return P, lse, writes
 
 

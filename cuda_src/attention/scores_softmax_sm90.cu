@@ -34,10 +34,13 @@
 // (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
 //
 // Causal (one-CTA kernel only; the launcher keeps the cluster variant non-causal): a block's keys end at n_vis, the
-// limit of its last row. A consumer warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the
-// ring's phases) and its producer box is not loaded: at the seed's causal shape the first half of the row blocks does
-// half the tensor work. Every key past a row's limit gets P = 0 (the split path's banded P·V GEMMs read zeros there);
-// a row that sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
+// limit of its last row. Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups, nw = ⌈n_vis / 128⌉·64
+// each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a runtime choice among
+// the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A warpgroup's chain of
+// wgmma is what a block waits for (measured: idling one warpgroup of a half-work block saved ~10%), so both shorten.
+// A warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the ring's phases). Every key past
+// a row's limit gets P = 0, keys 2·nw ... S − 1 by plain 16-byte stores (the P·V GEMM reads whole rows); a row that
+// sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
 //
 // Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, TMA stores of P,
 // attn_mask.
@@ -118,6 +121,53 @@ constexpr int kScoresConsumerRegs = 240;
 
 namespace scores_sm90 {
 
+// The consumer's K loop: S block (64 × kN) = Q K_wgᵀ over the head dim, into the first kN/2 accumulators. Each stage:
+// four k steps of 16 columns = 32 bytes inside the 128-byte swizzled rows (the hardware applies the XOR to the
+// computed address); 8-row atoms 1024 bytes apart. wait<1> after a stage's commit: the previous stage's wgmma has
+// completed, so that stage is released while this one runs (two groups in flight). Returns after wait<0>.
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
+__device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
+                                       unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+  float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    const int s = kb % kStages;
+    tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
+    const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+                            wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
+    wgmma::commit();
+    wgmma::wait<1>();
+    if (kb > 0) {
+      __syncwarp();
+      if (lane == 0) {
+        tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
+        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+      }
+    }
+  }
+  wgmma::wait<0>();
+}
+
+// k_loop at the runtime width nw (a multiple of 64, 64 ≤ nw ≤ kN): one instantiation per width.
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
+__device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
+                                             const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
+                                             unsigned k_base, int k_blocks, int lane, unsigned rank) {
+  if constexpr (kN == 64) {
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank);
+  } else {
+    if (nw == kN) {
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank);
+    } else {
+      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank);
+    }
+  }
+}
+
 // The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
 // one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
 // r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
@@ -147,6 +197,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
     n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
   }
+  // Keys per warpgroup: kHalfN, or under a causal mask half of n_vis rounded up to 64 (warpgroup w takes keys
+  // w·nw ... w·nw + nw − 1; the producer loads the second box from key nw).
+  const int nw = p.is_causal ? min(kHalfN, max(64, (n_vis + 127) / 128 * 64)) : kHalfN;
 
   if (threadIdx.x == 0) {
     #pragma unroll
@@ -171,9 +224,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       tma::prefetch_map(&p.tma_q);
       tma::prefetch_map(&p.tma_k);
       const int h_kv = h / static_cast<int>(p.groups);
-      // n_vis ≤ kHalfN (S ≤ 64, or a causal block left of the middle): the second warpgroup sees no key. Its box
+      // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its box
       // is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-      const bool load_hi = kHalfN < n_vis;
+      const bool load_hi = nw < n_vis;
       const bool load_q = kClusterM == 1 || m0 < p.seqlen_q;  // false only in a cluster's padding CTA
       const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
       for (int kb = 0; kb < k_blocks; ++kb) {
@@ -190,7 +243,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
                                    h_kv, b);
         } else {
           tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
-          if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, kHalfN, h_kv, b);
+          if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, nw, h_kv, b);
         }
       }
     }
@@ -207,39 +260,17 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
   const int S = static_cast<int>(p.seqlen_k);
-  const int n0 = wg * kHalfN;
+  const int n0 = wg * nw;
   const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
 
-  // S block (64 × kHalfN) = Q K_wgᵀ over the head dim. Each stage: four k steps of 16 columns = 32 bytes inside the
-  // 128-byte swizzled rows (the hardware applies the XOR to the computed address); 8-row atoms 1024 bytes apart.
-  // wait<1> after a stage's commit: the previous stage's wgmma has completed, so that stage is released while this
-  // one runs (two groups in flight).
+  // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
   float acc[kHalfN / 2];
   #pragma unroll
   for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
   if (active) {
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const int s = kb % kStages;
-      tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
-      const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
-      wgmma::fence();
-      #pragma unroll
-      for (int kk = 0; kk < 4; ++kk)
-        wgmma::Mma<T, kHalfN>::ss(acc, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
-                                  wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
-      wgmma::commit();
-      wgmma::wait<1>();
-      if (kb > 0) {
-        __syncwarp();
-        if (lane == 0) {
-          tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
-        }
-      }
-    }
-    wgmma::wait<0>();
+    k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank);
   } else {
     // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the ring's
     // phases, releasing each stage (in a cluster, in both CTAs) as soon as it has come, so the empty barriers keep
@@ -263,10 +294,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   // (an assignment: an inactive warpgroup's accumulators are never written). acc[4j + 2·half + e] is row
   // r0 + 8·half, column n0 + 8j + 2t + e.
   const bool causal = p.is_causal != 0;
-  if (!active || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
+  if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      long long limit = S;  // keys < limit are visible to this row
+      long long limit = min(S, n0 + nw);  // keys < limit are this warpgroup's and visible to this row
       if (causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
       // column 8j + e of this lane is visible iff 8j + e < lim
       const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - n0 - 2 * t)))
@@ -341,7 +372,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     const int row = m0 + r0 + 8 * half;
     if (row >= p.seqlen_q) continue;
     T* out_row = out + row * p.ld + n0 + 2 * t;
-    const int lim = S - n0 - 2 * t;
+    const int lim = min(S - n0, nw) - 2 * t;
     #pragma unroll
     for (int j = 0; j < kHalfN / 8; ++j) {
       const float x0 = acc[4 * j + 2 * half] * inv[half], x1 = acc[4 * j + 2 * half + 1] * inv[half];
@@ -349,6 +380,20 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
         *reinterpret_cast<P2*>(out_row + 8 * j) = Pair<T>::make(x0, x1);
       } else if (8 * j < lim) {
         out_row[8 * j] = from_float<T>(x0);
+      }
+    }
+  }
+  // Causal: keys 2·nw ... S − 1 lie past every row's limit; zeros, 16 bytes per store (2·nw and ld are multiples of
+  // 8 elements), the last partial chunk element by element (nothing past S is written).
+  if (2 * nw < S) {
+    const int rows = min(kBlockM, static_cast<int>(p.seqlen_q) - m0), chunks = (S - 2 * nw + 7) / 8;
+    for (int i = tid; i < rows * chunks; i += 256) {
+      const int c = 2 * nw + 8 * (i % chunks);
+      T* dst = out + (m0 + i / chunks) * p.ld + c;
+      if (c + 8 <= S) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      } else {
+        for (int e = 0; c + e < S; ++e) dst[e] = from_float<T>(0.f);
       }
     }
   }
