@@ -43,10 +43,11 @@ def test_every_instantiation_compiles_without_spills():
 
 
 def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
-    """Both kernels: HGMMA of the tile's width, TMA loads, mbarriers, setmaxnreg, no local memory. The cluster kernel
-    (…_cluster2) also: K loads multicast (UTMALDG…MULTICAST), remote arrivals (SYNCS.ARRIVE…RED) and the cluster
-    barrier (UCGABAR_ARV/UCGABAR_WAIT), with no MEMBAR in its mainloop (one per thread before the exit barrier's
-    release arrive only, where the remote arrivals must be performed); the one-CTA kernel none of them."""
+    """Both kernels: HGMMA of the tile's width, TMA loads and stores (P), mbarriers, setmaxnreg, no local memory.
+    The cluster kernel (…_cluster2) also: K loads multicast (UTMALDG…MULTICAST), remote arrivals
+    (SYNCS.ARRIVE…RED) and the cluster barrier (UCGABAR_ARV/UCGABAR_WAIT), with no MEMBAR in its mainloop (before
+    the exit barrier's release arrives, where the remote arrivals must be performed, and in the proxy fence
+    before P's TMA stores only); the one-CTA kernel none of them."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     cubin = _compile.family_cubin(FAMILY, "sm_90a")
@@ -58,7 +59,7 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
         half_n = int(name.split("ELi")[0].split("Li")[-1])  # ..._sm90I6__halfLi256ELi3EE...: the first int argument
         text = listings[name]
         assert f"HGMMA.64x{half_n}x16.F32" in text, f"{name}: no HGMMA.64x{half_n}x16"
-        for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"):
+        for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG"):
             assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
         for op in ("LDL", "STL"):
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
@@ -68,7 +69,8 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
         assert (ops.get("UCGABAR_ARV", 0) == 3 and ops.get("UCGABAR_WAIT", 0) == 3) == cluster, \
             f"{name}: cluster barriers (init, consumers' exit, producers' exit) iff the cluster kernel"
         if cluster:
-            assert ops.get("MEMBAR", 0) == 4, f"{name}: MEMBAR.CTA+GPU before each of the two exit arrives only"
+            assert ops.get("MEMBAR", 0) == 5, \
+                f"{name}: MEMBAR.CTA+GPU before each exit arrive, MEMBAR.CTA in the proxy fence before P's TMA stores"
 
 
 def test_tiles():

@@ -60,12 +60,12 @@ namespace cupy_attn {
 struct ScoresSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, 64, 1, 1), 128-byte swizzle
   tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1)
-  void* p;               // P (B, Hq, L, S) in the input dtype, rows ld elements apart (ld even)
+  tma::TensorMap tma_p;  // P (B, Hq, L, S) in the input dtype as (S, L, Hq, B), rows ld elements apart (ld a
+                         // multiple of 8), box (64, 64, 1, 1), 128-byte swizzle: the epilogue's TMA stores
   float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
   long long seqlen_q, seqlen_k, head_dim;
   long long groups;      // Hq / Hkv: query head h reads key head h / groups
   double scale_log2;     // scale · log2(e), > 0
-  long long p_stride_b, p_stride_h, ld;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long is_causal;      // 1: key j is visible to query row i iff j <= i + causal_offset
   long long causal_offset;  // 0 (top-left) or S - L (bottom-right)
@@ -111,8 +111,10 @@ template <> struct Pair<__nv_bfloat16> {
   __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 
-// Named barrier 1: the 256 consumer threads, around each exchange of row statistics.
+// Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
+// warpgroup's 128 threads, between their writes of P into shared memory and the TMA stores.
 constexpr int kStatsBarrier = 1;
+constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
 
@@ -363,39 +365,40 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
           l > 0.f ? (m_c[half] + __log2f(l)) * kLn2 : neg_inf();
   }
 
-  // Stores: a quad writes 16 contiguous bytes of a row per j (columns 8j..8j+7); pairs are 4-byte aligned (ld and
-  // the column even). The column past an odd S is not written.
+  // Stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its K slot of stage 0
+  // (every stage's loads have landed and every wgmma has completed: both warpgroups passed the first statistics
+  // barrier after their last wait), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte chunk c of row r
+  // at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the boxes by TMA. The
+  // copies run asynchronously, so the CTA's last P bytes drain while the SM's next CTA starts (4-byte global stores
+  // measured 18% of the kernel's time at the seed). TMA clips the boxes to (S, L): nothing past either is written.
+  // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros (the warpgroup's K
+  // slot of stage 1), the boxes split between the warpgroups.
   using P2 = typename Pair<T>::type;
-  T* out = static_cast<T*>(p.p) + b * p.p_stride_b + h * p.p_stride_h;
+  unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + wg * kHalfN * 128;
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = m0 + r0 + 8 * half;
-    if (row >= p.seqlen_q) continue;
-    T* out_row = out + row * p.ld + n0 + 2 * t;
-    const int lim = min(S - n0, nw) - 2 * t;
+    const int r = r0 + 8 * half;
     #pragma unroll
     for (int j = 0; j < kHalfN / 8; ++j) {
-      const float x0 = acc[4 * j + 2 * half] * inv[half], x1 = acc[4 * j + 2 * half + 1] * inv[half];
-      if (8 * j + 1 < lim) {
-        *reinterpret_cast<P2*>(out_row + 8 * j) = Pair<T>::make(x0, x1);
-      } else if (8 * j < lim) {
-        out_row[8 * j] = from_float<T>(x0);
-      }
+      if (8 * j >= nw) break;  // columns past the warpgroup's keys (causal blocks)
+      const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
+      *reinterpret_cast<P2*>(slot + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + 4 * t) = v;
     }
   }
-  // Causal: keys 2·nw ... S − 1 lie past every row's limit; zeros, 16 bytes per store (2·nw and ld are multiples of
-  // 8 elements), the last partial chunk element by element (nothing past S is written).
-  if (2 * nw < S) {
-    const int rows = min(kBlockM, static_cast<int>(p.seqlen_q) - m0), chunks = (S - 2 * nw + 7) / 8;
-    for (int i = tid; i < rows * chunks; i += 256) {
-      const int c = 2 * nw + 8 * (i % chunks);
-      T* dst = out + (m0 + i / chunks) * p.ld + c;
-      if (c + 8 <= S) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-      } else {
-        for (int e = 0; c + e < S; ++e) dst[e] = from_float<T>(0.f);
-      }
-    }
+  const int zero_boxes = 2 * nw < S ? (S - 2 * nw + 63) / 64 : 0;
+  unsigned char* zeros = reinterpret_cast<unsigned char*>(ss.k) + Smem::kKBytes + wg * kHalfN * 128;
+  if (zero_boxes > wg) {
+    const int c = tid % 128;
+    #pragma unroll
+    for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(zeros)[c + 128 * i] = make_uint4(0, 0, 0, 0);
+  }
+  tma::fence_proxy_async();
+  tma::named_barrier_sync(kStoreBarrier + wg, 128);
+  if (tid % 128 == 0) {
+    for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
+    for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
+    tma::bulk_commit();
+    tma::bulk_wait_read();
   }
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
 }

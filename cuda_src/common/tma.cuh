@@ -94,6 +94,19 @@ __device__ __forceinline__ void load_2d(void* dst, const TensorMap* map, unsigne
       : "memory");
 }
 
+// Copy shared memory at src into the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map (TMA store; box
+// elements outside the tensor's bounds are not written), in this thread's bulk async-group. src: as load_4d's dst.
+// The writing threads' fence_proxy_async and a barrier must precede it; issued by one thread, which then commits
+// (bulk_commit) and, before the shared memory is reused or the CTA exits, waits until the copies have read it
+// (bulk_wait_read).
+__device__ __forceinline__ void store_4d(const TensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+               ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(c3) : "memory");
+}
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+
 // Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later async-proxy accesses
 // (wgmma operand reads, TMA stores). TMA writes read by wgmma need no fence: both are async proxy, and the mbarrier
 // wait orders them.

@@ -57,11 +57,10 @@ SCORES_TILES = {
 }
 
 # ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
-_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64)]
+_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
-                        "p", "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
-                        "p_stride_b", "p_stride_h", "ld", "lse_stride_b", "lse_stride_h", "lse_stride_l",
-                        "is_causal", "causal_offset")])
+                        "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
+                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset")])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -146,15 +145,17 @@ def unsupported_reason(p, arch: int) -> str | None:
 
 def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1, causal: str | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
-    :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (even, ≥ S)
-    elements apart. cluster_m: 1 (scores_softmax_sm90) or 2 (scores_softmax_sm90_cluster2, K shared by TMA
-    multicast; its grid comes from :func:`grid_for`). causal: None, "top_left" or "bottom_right" (key j visible to
-    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for an odd or short ld,
-    another cluster_m, or causal with cluster_m = 2."""
+    :func:`unsupported_reason`. P is written packed by heads (TMA stores): (b, h) at (b·Hq + h)·L·ld elements,
+    rows ld (≥ S, a multiple of 8) elements apart. cluster_m: 1 (scores_softmax_sm90) or 2
+    (scores_softmax_sm90_cluster2, K shared by TMA multicast; its grid comes from :func:`grid_for`). causal:
+    None, "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each
+    row's limit. Raises ValueError for a short ld or one not a multiple of 8, another cluster_m, or causal with
+    cluster_m = 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
-    if ld < S or ld % 2:
-        raise ValueError(f"ld={ld}: P rows need an even pitch of at least seqlen_k={S}")
+    if ld < S or ld % 8:
+        raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8 (TMA "
+                         "stores: 16-byte row strides)")
     if causal is not None and cluster_m != 1:
         raise ValueError(f"causal={causal!r}: the cluster variant (cluster_m={cluster_m}) is not causal")
     grid = grid_for(B, Hq, L, cluster_m)
@@ -166,13 +167,14 @@ def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1, causal: str
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
-    p["p_stride_b"], p["p_stride_h"], p["ld"] = Hq * L * ld, L * ld, ld
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
-    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n))
+    isz = q.dtype.itemsize
+    p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
     return ScoresLaunch(kernel, p, maps, grid, tile, cluster_m)
 
 
@@ -194,8 +196,8 @@ class ScoresLaunch:
     def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
         """Launch on CuPy's current stream (the parameters are copied first, so concurrent callers do not race)."""
         params = self.params.copy()
-        params["tma_q"], params["tma_k"] = self._tensor_maps(q_ptr, k_ptr)
-        params["p"], params["lse"] = p_ptr, lse_ptr
+        params["tma_q"], params["tma_k"], params["tma_p"] = self._tensor_maps(q_ptr, k_ptr, p_ptr)
+        params["lse"] = lse_ptr
         self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
 
     def describe(self) -> str:
