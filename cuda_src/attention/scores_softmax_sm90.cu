@@ -370,7 +370,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   // barrier after their last wait), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte chunk c of row r
   // at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the boxes by TMA. The
   // copies run asynchronously, so the CTA's last P bytes drain while the SM's next CTA starts (4-byte global stores
-  // measured 18% of the kernel's time at the seed). TMA clips the boxes to (S, L): nothing past either is written.
+  // measured 18% of the kernel's time at the seed). TMA clips the boxes to L rows, and to S keys in whole 16-byte
+  // chunks: the chunk holding key S − 1 is written in full (P = 0 past S; ld is a multiple of 8, so never past the row
+  // pitch), nothing else.
   // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros (the warpgroup's K
   // slot of stage 1), the boxes split between the warpgroups.
   using P2 = typename Pair<T>::type;
