@@ -234,15 +234,16 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
 
 
 def causal_row_bands(seqlen_q: int) -> int:
-    """How many row bands the P·V GEMMs of a causal call on the scores kernel are cut into, so that band i's GEMM
-    stops at its last row's visible key: with n equal bands of a square causal problem P·V does (n + 1) / (2n) of the
-    full work (n = 4: 62.5%, 8: 56%), in GEMMs of L / n rows. n = L // 128, at most 8: the seed's causal variant
-    (L = 512) takes 4 bands of 128 rows.
+    """How many row bands the P·V GEMM of a causal call on the scores kernel is cut into, so that band i's GEMM stops
+    at its last row's visible key: with n equal bands of a square causal problem P·V does (n + 1) / (2n) of the full
+    work, in GEMMs of L / n rows. Measured at the seed's causal variant (32, 32, 512, 512, 1024) fp16 on an H200
+    (session 9, bench/experiments/kernel_times.py, cuBLAS's device time): one GEMM 0.89-0.95 ms, 2 bands 0.78 ms,
+    4 bands 0.99-1.04 ms (its 128-row GEMMs run at half the rate). So 2 bands from L = 256 on, else 1.
 
-    >>> [causal_row_bands(L) for L in (1, 127, 128, 512, 1000, 1024, 4096)]
-    [1, 1, 1, 4, 7, 8, 8]
+    >>> [causal_row_bands(L) for L in (1, 255, 256, 512, 4096)]
+    [1, 1, 2, 2, 2]
     """
-    return max(1, min(8, seqlen_q // 128))
+    return 2 if seqlen_q >= 256 else 1
 
 
 def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]:
