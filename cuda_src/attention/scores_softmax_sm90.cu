@@ -114,10 +114,6 @@ template <> struct Pair<__nv_bfloat16> {
 // Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
 // warpgroup's 128 threads, between their writes of P into shared memory and the TMA stores.
 constexpr int kStatsBarrier = 1;
-#ifndef CUPY_ATTN_SCORES_PREFETCH_Q
-#define CUPY_ATTN_SCORES_PREFETCH_Q 1
-#endif
-constexpr bool kPrefetchQ = CUPY_ATTN_SCORES_PREFETCH_Q;  // an A/B switch (bench/experiments/scores_ablate.sh)
 constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
@@ -235,12 +231,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       const bool load_hi = nw < n_vis;
       const bool load_q = kClusterM == 1 || m0 < p.seqlen_q;  // false only in a cluster's padding CTA
       const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
-      // Q is read once per call, from DRAM; each stage waits for its slice. The ring holds kStages − 1 stages in
-      // flight, too few to cover DRAM's latency (the mainloop measured ~0.9 µs per 64-column step at the seed,
-      // the same with half the keys: latency, not bytes). So every slice of the block's Q is prefetched into L2
-      // first, and the stages' Q loads wait on L2's latency like K's (K is shared by the head's row blocks).
-      if (load_q && kPrefetchQ)
-        for (int kb = kStages; kb < k_blocks; ++kb) tma::prefetch_4d(&p.tma_q, kb * 64, m0, h, b);
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int s = kb % kStages;
         tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once

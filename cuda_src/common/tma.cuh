@@ -94,13 +94,6 @@ __device__ __forceinline__ void load_2d(void* dst, const TensorMap* map, unsigne
       : "memory");
 }
 
-// Bring the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map into L2 (no shared memory, no barrier):
-// a later load_4d of it waits on L2's latency instead of DRAM's. Issued by one thread.
-__device__ __forceinline__ void prefetch_4d(const TensorMap* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n"
-               ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3) : "memory");
-}
-
 // Copy shared memory at src into the box at coordinates (c0 innermost, ..., c3) of a 4-D tensor map (TMA store; box
 // elements outside the tensor's bounds are not written), in this thread's bulk async-group. src: as load_4d's dst.
 // The writing threads' fence_proxy_async and a barrier must precede it; issued by one thread, which then commits
