@@ -10,5 +10,7 @@ run() { echo "== $1"; timeout 120 python3 bench/experiments/kernel_times.py --sh
   | grep -A1 "causal=" | grep -v "^--"; }
 run baseline
 sed -i 's/x = exp2f(fmaf(x, c, -m_c\[half\]));/x = exp2_approx(fmaf(x, c, -m_c[half]));/; s/#include "common\/tma.cuh"/#include "common\/tma.cuh"\n#include "common\/mma.cuh"/' $SRC && run "ex2.approx"
-sed -i 's/        \*reinterpret_cast<P2\*>(out_row + 8 \* j) = Pair<T>::make(x0, x1);/        if (x0 == 12345.f) *reinterpret_cast<P2*>(out_row + 8 * j) = Pair<T>::make(x0, x1);/' $SRC && run "ex2.approx, no P stores"
+# Session 9 (H200, seed fp16, kernel alone): baseline 1.355-1.365 ms, ex2.approx 1.369, and with the 4-byte global
+# P stores of that version removed 1.125 (so P moved to TMA stores: 1.18-1.21); a prefetch of Q into L2 1.27 against
+# 1.20 without (reverted).
 cp /tmp/scores_orig.cu $SRC
