@@ -2,8 +2,8 @@
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
 bf16, head dims 33-256 (run at 64, 96, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0.
-Variants, by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper: "3"
-for causal calls and head dims above 64, else "2"):
+Variants, by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper:
+"3"):
 
 * ``1``: one 128-row tile per CTA, ping-pong consumers (SM90_TILES);
 * ``2``: the same with FA3's intra-warpgroup overlap (SM90_OVERLAP_TILES);

@@ -49,12 +49,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     backend: "auto" (``explain`` says what it picks; env CUPY_ATTN_BACKEND overrides it for GPU calls; CPU inputs
     always run the reference), "fused" (FlashAttention-2 kernel, Dao 2023; on Hopper, unmasked calls of at least 2^34
     FLOPs at head dims 33-256 run the FlashAttention-3-design kernel, Shah et al. 2024: TMA, a producer warpgroup,
-    ping-pong and intra-warpgroup overlap, persistent for causal calls and head dims above 64, CUPY_ATTN_FA3=0 turns
-    it off, =2 forces the one-tile-per-CTA overlap variant, =3 the persistent one; the others
+    ping-pong and intra-warpgroup overlap, persistent, 192-row tiles of three consumer warpgroups for non-causal
+    calls at head dim 64, CUPY_ATTN_FA3=0 turns it off, =2 forces the one-tile-per-CTA overlap variant, =3 the
+    persistent one; the others
     use warpgroup MMAs, CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused
     mask+softmax kernel, cuBLAS P·V; the buffer is processed in chunks of batch·heads under ``workspace_bytes``,
-    default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper, unmasked non-causal fp16/bf16 calls with S ≤ 512 run one
-    kernel for Q·Kᵀ and the softmax instead, writing P in the input dtype, CUPY_ATTN_SPLIT_FUSED=0 turns it off), or
+    default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper, fp16/bf16 calls with S ≤ 512 and no attn_mask (causal
+    or not) run one kernel for Q·Kᵀ and the softmax instead, writing P in the input dtype, CUPY_ATTN_SPLIT_FUSED=0
+    turns it off), or
     "reference". "fused" and "split" need CUDA inputs.
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
