@@ -189,8 +189,8 @@ def test_tiles():
         tile = table[64]
         assert dataclasses.replace(tile, block_m=128) == _sm90.MODE_TILES[mode][64]
         assert tile.block_m == 192 and tile.threads == 512 and _sm90.MODE_TILES[mode][64].threads == 384
-        # (192 + 2·2·128)·64·2 + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
-        assert tile.smem_bytes(64) == 90112 + 80 + 3072 + 1024
+        # (192 + 2·2·128)·64·2 + 3·64·64·2 O staging + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
+        assert tile.smem_bytes(64) == 90112 + 24576 + 80 + 3072 + 1024
         for dtype in _sm90._C_TYPES.values():
             assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64) in declared
 
@@ -455,7 +455,8 @@ def test_launch_params(monkeypatch):
     got = np.frombuffer(raw, _sm90._PARAMS)[0]
     assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
     assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
-    assert len(raw) == 576 and raw[128] == 2000 % 251 and int.from_bytes(raw[384:392], "little") == 4000
+    assert len(raw) == 704 and raw[128] == 2000 % 251 and int.from_bytes(raw[512:520], "little") == 4000
+    assert got["o_tma"] == 0 and not got["tma_o"].any(), "no out map prepared: 4-byte stores"
     launch.launch_on(77, 1000, 2000, 3000, 4001)
     assert len(calls) == 3, "same q/k/v pointers: maps reused"
     got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
@@ -467,6 +468,21 @@ def test_launch_params(monkeypatch):
     assert not p["out"] and not p["tma_q"].any(), "the prepared parameters are not written"
     with pytest.raises(ValueError, match="attn_mask"):
         launch.launch_on(77, 1000, 2000, 3000, 4001, 0, 9)
+    # With an out map (prepare: Ev a multiple of 8, 16-byte strides): TMA stores where the call's out is 16-byte
+    # aligned, its map encoded once per out pointer; 4-byte stores (o_tma 0) for a base that is not.
+    o = _bhsd(2, 8, 100, 128)
+    assert _sm90.o_tma_reason(o) is None and "multiple of 8" in _sm90.o_tma_reason(_bhsd(2, 8, 100, 100))
+    launch = _sm90.Sm90Launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000, _sm90._MapSpec.of(o, 64))
+    launch._launch = fake_launch
+    calls.clear()
+    launch.launch_on(77, 1000, 2000, 3000, 4096, 0)
+    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    assert calls == [1000, 2000, 3000, 4096] and got["o_tma"] == 1 and (got["tma_o"] == 4096 % 251).all()
+    launch.launch_on(77, 1000, 2000, 3000, 4096, 0)
+    assert len(calls) == 4, "same out pointer: its map reused"
+    launch.launch_on(77, 1000, 2000, 3000, 4104, 0)
+    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    assert len(calls) == 4 and got["o_tma"] == 0 and got["out"] == 4104, "an 8-byte aligned out: 4-byte stores"
 
 
 def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool, block_m: int = 128) -> list:

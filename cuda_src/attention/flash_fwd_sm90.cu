@@ -154,6 +154,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128,
                                                                         0, 0u);
     }
+    if (p.o_tma) sm90::epilogue_drain((threadIdx.x - 128) % 128);
   }
 }
 

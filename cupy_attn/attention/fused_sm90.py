@@ -67,13 +67,14 @@ class Sm90Tile:
         return "true" if self.persistent else "false"
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q + stages × (K + V) tiles, 8 bytes per mbarrier (2 + 4·stages: q_full, q_empty and four per stage), with
-        three consumer warpgroups 8 bytes per consumer thread (the row-sum anchor of the overlap mainloop), 1 KB of
-        slack for the 1024-byte alignment of the swizzle atoms: SharedStorage::kBytes in
-        cuda_src/attention/sm90/mainloop.cuh."""
+        """Q + stages × (K + V) tiles, the epilogue's O staging (per consumer warpgroup 64 rows × min(head_dim, 128)
+        columns), 8 bytes per mbarrier (2 + 4·stages: q_full, q_empty and four per stage), with three consumer
+        warpgroups 8 bytes per consumer thread (the row-sum anchor of the overlap mainloop), 1 KB of slack for the
+        1024-byte alignment of the swizzle atoms: SharedStorage::kBytes in cuda_src/attention/sm90/mainloop.cuh."""
         sink = (self.threads - 128) * 8 if self.block_m == 192 else 0
-        return ((self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + 8 * (2 + 4 * self.stages) + sink
-                + 1024)
+        o_stage = (self.block_m // 64) * 64 * min(head_dim, 128) * 2
+        return ((self.block_m + 2 * self.stages * self.block_n) * head_dim * 2 + o_stage + 8 * (2 + 4 * self.stages)
+                + sink + 1024)
 
 
 # (head dim) -> tile; both dtypes alike. Registers per consumer thread: S block_n/2 + O head_dim/2 fp32 + P block_n/4,
@@ -152,11 +153,12 @@ _MAP = np.dtype((np.uint8, 128))
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: its size and field sizes are asserted
 # at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
-_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64)]
+_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("tma_o", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs")])
+                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
+                        "o_tma")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -319,7 +321,25 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
             p[f"lse_stride_{axis}"] = stride
     cols = swizzle_bytes(D) // 2
     maps = tuple(_MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
-    return Sm90Launch(kernel, p, maps, grid, (tile.threads,), smem)
+    # The epilogue stores out by TMA (through shared memory) where TMA can write it exactly: Ev a multiple of 8 (the
+    # 16-byte chunk at the Ev edge stays inside the row) and 16-byte row, head and batch strides; the base's
+    # alignment is checked per launch (Sm90Launch.launch_on). Else 4-byte stores from registers.
+    o_map = None
+    if o_tma_reason(out) is None:
+        o_map = _MapSpec.of(out, 64, cols)
+    return Sm90Launch(kernel, p, maps, grid, (tile.threads,), smem, o_map)
+
+
+def o_tma_reason(out) -> str | None:
+    """None when the epilogue can store ``out`` (B, Hq, L, Ev) by TMA at a 16-byte aligned base, else why not."""
+    if out.shape[-1] % 8:
+        return f"head_dim_v {out.shape[-1]} is not a multiple of 8"
+    for axis, (n, st) in zip("bhl", zip(out.shape[:-1], out.strides[:-1])):
+        if n > 1 and (st % 16 or st <= 0 or st >= 2 ** 40):
+            return f"out stride along {axis} is {st} bytes"
+    if out.strides[-1] != out.itemsize:
+        return "out's last dimension is not contiguous"
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -430,16 +450,21 @@ class Sm90Launch:
     grid: tuple
     block: tuple
     smem: int
+    o_map: object = None  # _MapSpec of out when the epilogue may store it by TMA (prepare), else None
 
     def __post_init__(self):
         # Resolved once, on the device the launch is built for (fused.FlashLaunch's scheme): this launch's own copy of
         # the parameter bytes with its kernelParams array and lock (OwnParams), the CUfunction, the launch dimensions.
         from cupy.cuda import driver
         self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
+        self._o_maps = TensorMaps((self.o_map.encode,)) if self.o_map is not None else None
         self._launch = driver.launchKernel
         self._own = OwnParams(self.params)
         fields = self.params.dtype.fields
         self._map_offsets = tuple(fields[name][1] for name in ("tma_q", "tma_k", "tma_v"))
+        self._o_map_offset = fields["tma_o"][1]
+        self._o_tma_word = fields["o_tma"][1] // 8
+        self._o_written = None
         self._out_word = fields["out"][1] // 8
         assert fields["lse"][1] == fields["out"][1] + 8
         self._maps_written = None
@@ -471,4 +496,13 @@ class Sm90Launch:
                     own.bytes[off:off + 128] = m
                 self._maps_written = maps
             own.words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
+            # out by TMA where prepare allowed it and this call's base is 16-byte aligned (its map encoded again only
+            # when out moved).
+            o_tma = self._o_maps is not None and out_ptr % 16 == 0
+            if o_tma:
+                (o_map,) = self._o_maps(out_ptr)
+                if o_map is not self._o_written:
+                    own.bytes[self._o_map_offset:self._o_map_offset + 128] = o_map
+                    self._o_written = o_map
+            own.words[self._o_tma_word] = int(o_tma)
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)

@@ -38,6 +38,79 @@ __device__ __forceinline__ void store_output(const float (&o)[kHeadDim / 2], con
   }
 }
 
+// Named barriers kOStoreBarrier + wg (wg = 0 ... 2): one consumer warpgroup's 128 threads around its O staging buffer
+// (the ping-pong uses 1 ... 3).
+constexpr int kOStoreBarrier = 4;
+
+// The same result through shared memory and TMA (o_tma = 1: out's rows 16-byte strided and aligned, Ev a multiple of
+// 8, so that TMA's 16-byte granularity at the Ev edge stays inside a row). Per chunk of kChunkCols head-dim columns:
+// the lanes write out = O / l converted to T into this warpgroup's staging buffer `stage` (64 rows, boxes of
+// kSwizzleBytes / 2 columns in the tiles' swizzle: 16-byte chunk c of row r at c ^ (r % 8) for 128 bytes,
+// c ^ ((r / 2) % 4) for 64; the 32 lanes of a 4-byte store hit 32 distinct banks), a proxy fence and a warpgroup
+// barrier, then lane 0 of the warpgroup (tid_wg 0) issues one TMA store per box (rows past L and columns past Ev are
+// clipped) and commits. Before the buffer is written again (the next chunk, or the next tile's epilogue) that thread
+// waits until the stores have read it; the kernel's last wait is epilogue_drain. So a tile's stores drain while the
+// warpgroup starts its next tile. lse as store_output.
+template <typename T, int kHeadDim, int kSwizzleBytes, int kChunkCols>
+__device__ __forceinline__ void store_output_tma(const float (&o)[kHeadDim / 2], const float (&m)[2],
+                                                 const float (&l)[2], unsigned char* stage_base,
+                                                 const FlashFwdSm90Params& p, int m0, int h, int b, float* lse) {
+  constexpr int kAtomCols = kSwizzleBytes / 2;
+  constexpr int kBoxBytes = 64 * kSwizzleBytes;
+  // The thread's place, read again from %tid.x here (asm volatile: not hoisted into the mainloop, where the 160- and
+  // 240-register consumers have no room to keep it).
+  unsigned x;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(x));
+  const int c = static_cast<int>(x) - 128;
+  const int wg = c >> 7, tid_wg = c & 127, warp = tid_wg >> 5, g = (c & 31) >> 2, t = c & 3;
+  const int wg_row0 = m0 + 64 * wg, row0 = wg_row0 + 16 * warp + g;
+  unsigned char* stage = stage_base + wg * (64 * kChunkCols * 2);
+  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  float inv[2];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float sum = l[half];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    inv[half] = sum > 0.f ? 1.f / sum : 0.f;
+    const int r = row0 + 8 * half;
+    if (lse != nullptr && t == 0 && r < seqlen_q)
+      lse[r * p.lse_stride_l] = sum > 0.f ? (m[half] + __log2f(sum)) * kLn2 : neg_inf();
+  }
+  #pragma unroll
+  for (int chunk = 0; chunk < kHeadDim / kChunkCols; ++chunk) {
+    if (tid_wg == 0) tma::bulk_wait_read();  // the buffer's previous stores have read it
+    tma::named_barrier_sync(kOStoreBarrier + wg, 128);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = warp * 16 + g + 8 * half;  // row within the warpgroup's 64
+      const int sw = kSwizzleBytes == 128 ? r % 8 : (r / 2) % 4;
+      #pragma unroll
+      for (int dd = 0; dd < kChunkCols / 8; ++dd) {
+        const int d = chunk * (kChunkCols / 8) + dd;  // column block 8d ... 8d + 7 of the head dim
+        const int col = dd * 8;                       // within the chunk
+        const int box = col / kAtomCols, c16 = (col % kAtomCols) / 8;
+        const unsigned v = pack2<T>(o[4 * d + 2 * half] * inv[half], o[4 * d + 2 * half + 1] * inv[half]);
+        *reinterpret_cast<unsigned*>(stage + box * kBoxBytes + r * kSwizzleBytes + ((c16 ^ sw) * 16) + 4 * t) = v;
+      }
+    }
+    tma::fence_proxy_async();
+    tma::named_barrier_sync(kOStoreBarrier + wg, 128);
+    if (tid_wg == 0) {
+      #pragma unroll
+      for (int box = 0; box < kChunkCols / kAtomCols; ++box)
+        tma::store_4d(&p.tma_o, stage + box * kBoxBytes, chunk * kChunkCols + box * kAtomCols, wg_row0, h, b);
+      tma::bulk_commit();
+    }
+  }
+}
+
+// Before a consumer warpgroup exits: its last TMA stores have read the staging buffer (shared memory stays valid
+// until then).
+__device__ __forceinline__ void epilogue_drain(int tid_wg) {
+  if (tid_wg == 0) tma::bulk_wait_read();
+}
+
 // A tile whose rows see no key (bottom-right alignment with L > S): out 0 and lse -inf for its `rows` rows from query
 // row m0 of (b, h), written by `threads` threads (tid = 0 ... threads - 1) without loading anything. (The one-tile
 // variant's kernel has the same loops inline, with all 384 threads.)

@@ -51,14 +51,20 @@ struct SharedStorage {
   // Three consumer warpgroups only: two fp32 words per consumer thread, after the barriers, that the overlap mainloop
   // stores its row sums to ahead of its scheduling barrier (never read: see consume).
   static constexpr int kSinkBytes = kBlockM == 192 ? (kBlockM / 64) * 128 * 2 * 4 : 0;
+  // The epilogue's staging of O for its TMA stores (epilogue.cuh): per consumer warpgroup 64 rows × kOChunkCols
+  // columns (the head dim in chunks of at most 128 columns: two at 256), in the tiles' swizzle; after the V stages.
+  static constexpr int kOChunkCols = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kOStageBytes = 64 * kOChunkCols * 2;
+  static constexpr int kOBytes = (kBlockM / 64) * kOStageBytes;
   // The dynamic shared memory the launcher must request: tiles, barriers, and 1 KB of slack to align the base to
   // 1024 bytes (the 128-byte swizzle atoms' alignment, a multiple of the 64-byte ones' 512; the runtime only
   // guarantees 16). Every tile and column block is a multiple of 1024 bytes, so each starts on an atom boundary.
-  static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers + kSinkBytes + 1024;
+  static constexpr int kBytes = kQBytes + 2 * kStages * kKVBytes + kOBytes + 8 * kBarriers + kSinkBytes + 1024;
 
   T* q;
   T* k;  // kStages tiles of kBlockN rows
   T* v;
+  unsigned char* o_stage;  // kBlockM / 64 buffers of kOStageBytes
   unsigned long long* q_full;
   unsigned long long* k_full;
   unsigned long long* v_full;
@@ -72,7 +78,8 @@ struct SharedStorage {
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kQBytes);
     v = reinterpret_cast<T*>(smem + kQBytes + kStages * kKVBytes);
-    q_full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes);
+    o_stage = smem + kQBytes + 2 * kStages * kKVBytes;
+    q_full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes + kOBytes);
     k_full = q_full + 1;
     v_full = k_full + kStages;
     k_empty = v_full + kStages;
@@ -410,8 +417,13 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
   float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
-  store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, lane_row0(), t,
-                            static_cast<int>(p.seqlen_q), static_cast<int>(p.head_dim_v));
+  if (p.o_tma) {
+    store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p, m0,
+                                                                          h, b, lse);
+  } else {
+    store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, lane_row0(), t,
+                              static_cast<int>(p.seqlen_q), static_cast<int>(p.head_dim_v));
+  }
 }
 
 // The consumer warpgroups (kBlockM / 64) of the persistent variant: every tile of the CTA in the scheduler's order (the

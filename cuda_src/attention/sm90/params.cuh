@@ -6,12 +6,13 @@
 
 namespace cupy_attn {
 
-// Passed by value as one __grid_constant__ parameter (576 bytes): the tensor maps must stay in the parameter space,
+// Passed by value as one __grid_constant__ parameter (704 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashFwdSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64 or 32, kBlockM, 1, 1): one 128- or 64-byte swizzle atom wide
   tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64 or 32, kBlockN, 1, 1)
   tma::TensorMap tma_v;  // V as (Ev, S, Hkv, B), box (64 or 32, kBlockN, 1, 1)
+  tma::TensorMap tma_o;  // out as (Ev, L, Hq, B), box (64 or 32, 64, 1, 1): the epilogue's TMA stores (o_tma = 1)
   void* out;             // (B, Hq, L, Ev), element pairs 4-byte aligned
   float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
   long long seqlen_q, seqlen_k, head_dim_v;
@@ -23,6 +24,7 @@ struct FlashFwdSm90Params {
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long batch, num_heads;  // B, Hq: the persistent variant's tile count (sm90/tile_scheduler.cuh)
   long long tile_pairs;        // persistent and causal: 1 = units of two m-blocks (M-1-k, k), 0 = single m-blocks
+  long long o_tma;             // 1: out stored through shared memory by TMA (tma_o); 0: 4-byte global stores
 };
 
 }  // namespace cupy_attn
