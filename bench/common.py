@@ -155,3 +155,47 @@ def save_json(name: str, payload) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1, default=str)
     return path
+
+
+def case_main(run_case, cases) -> None:
+    """The main() of an A/B script over (shape, causal) cases: ``--quick`` (fp16 only, 10 repeats; else fp16 and
+    bf16, 20), the GPU's name, then run_case(shape, causal, dtype_name, repeats) per case, each in its own
+    try/except so that one failing case does not hide the others."""
+    import argparse
+    import traceback
+
+    import cupy
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    dtypes = ("float16",) if args.quick else ("float16", "bfloat16")
+    print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), flush=True)
+    for dtype_name in dtypes:
+        for shape, causal in cases:
+            try:
+                run_case(shape, causal, dtype_name, 10 if args.quick else 20)
+            except Exception:
+                print(f"{dtype_name} {shape} causal={causal}: FAILED")
+                traceback.print_exc()
+
+
+def fa3_case_inputs(shape, dtype_name, names):
+    """Inputs of an FA3-kernel A/B case: seeded random q, k, v (B, H, L, D) as torch tensors and their CuPy views,
+    the scale D^-0.5, NaN-filled outputs per variant name (so a launch that writes nothing shows), and the q/k/v
+    pointers. RuntimeError when the FA3-design kernel cannot take the call."""
+    import cupy
+    import torch
+
+    from cupy_attn.attention import fused as _flash
+    B, H, L, D = shape
+    g = torch.Generator("cuda").manual_seed(0)
+    tdt = getattr(torch, dtype_name)
+    q, k, v = (torch.randn((B, H, L, D), generator=g, device="cuda", dtype=torch.float32).to(tdt) for _ in range(3))
+    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
+    scale = D ** -0.5
+    outs = {name: cupy.full((B, H, L, D), np.nan, dtype=cq.dtype) for name in names}
+    reason = _flash.fa3_reason(cq, ck, cv, outs[names[0]], scale=scale,
+                               arch=int(cupy.cuda.Device().compute_capability))
+    if reason:
+        raise RuntimeError(f"FA3 kernel not eligible: {reason}")
+    return (q, k, v), (cq, ck, cv), scale, outs, (cq.data.ptr, ck.data.ptr, cv.data.ptr)

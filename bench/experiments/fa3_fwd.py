@@ -13,18 +13,16 @@ the outputs, and the host cost of encoding the three tensor maps (what a call wi
 same arrays pay none). Every case runs in its own try/except, so one failure prints its error and the others still
 run; a hang of a first launch exits after 60 s (common.wait_or_die).
 """
-import argparse
 import os
 import sys
 import time
-import traceback
 
 import cupy
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import median_ms, wait_or_die  # noqa: E402
+from common import case_main, fa3_case_inputs, median_ms, wait_or_die  # noqa: E402
 from cupy_attn.attention import fused as _flash  # noqa: E402
 from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
 
@@ -45,17 +43,7 @@ def run_case(shape, causal, dtype_name, n_repeat):
     import torch
 
     B, H, L, D = shape
-    tdt = getattr(torch, dtype_name)
-    g = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (torch.randn((B, H, L, D), generator=g, device="cuda", dtype=torch.float32).to(tdt) for _ in range(3))
-    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
-    scale = D ** -0.5
-    outs = {name: cupy.full((B, H, L, D), np.nan, dtype=cq.dtype) for name in (*VARIANTS, "wgmma")}
-
-    reason = _flash.fa3_reason(cq, ck, cv, outs["fa3"], scale=scale, arch=int(cupy.cuda.Device().compute_capability))
-    if reason:
-        raise RuntimeError(f"FA3 kernel not eligible: {reason}")
-    ptrs = (cq.data.ptr, ck.data.ptr, cv.data.ptr)
+    (q, k, v), (cq, ck, cv), scale, outs, ptrs = fa3_case_inputs(shape, dtype_name, [*VARIANTS, "wgmma"])
     launches = {name: _sm90.prepare(cq, ck, cv, outs[name], None, scale=scale, causal=causal, mode=mode)
                 for name, mode in VARIANTS.items()}
     runs = {}
@@ -106,18 +94,7 @@ def run_case(shape, causal, dtype_name, n_repeat):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    dtypes = ("float16",) if args.quick else ("float16", "bfloat16")
-    print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), flush=True)
-    for dtype_name in dtypes:
-        for shape, causal in CASES:
-            try:
-                run_case(shape, causal, dtype_name, 10 if args.quick else 20)
-            except Exception:  # one failing case must not hide the others
-                print(f"{dtype_name} {shape} causal={causal}: FAILED")
-                traceback.print_exc()
+    case_main(run_case, CASES)
 
 
 if __name__ == "__main__":

@@ -12,18 +12,15 @@ common.median_ms), TFLOP/s with FLOPs = 4·B·H·L·S·D (halved for causal), th
 faster than it), the per-round medians of default and m192, max |variant − default| of the outputs and a NaN count.
 Every case runs in its own try/except; a hang of a first launch exits after 60 s (common.wait_or_die).
 """
-import argparse
 import os
 import sys
-import traceback
 
 import cupy
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import median_ms, wait_or_die  # noqa: E402
-from cupy_attn.attention import fused as _flash  # noqa: E402
+from common import case_main, fa3_case_inputs, median_ms, wait_or_die  # noqa: E402
 from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
 
 # Issue 10's case (0.94x cuDNN with the 128-row tile), a short-sequence one, and a causal one; each causal and not.
@@ -53,20 +50,10 @@ def run_case(shape, causal, dtype_name, n_repeat):
     import torch
 
     B, H, L, D = shape
-    tdt = getattr(torch, dtype_name)
-    g = torch.Generator("cuda").manual_seed(0)
-    q, k, v = (torch.randn((B, H, L, D), generator=g, device="cuda", dtype=torch.float32).to(tdt) for _ in range(3))
-    cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
-    scale = D ** -0.5
-    auto = "3" if causal is not None else "2"  # dispatch.fa3_mode at D = 64 for calls this large
+    auto = "3" if causal is not None else "2"  # dispatch.fa3_mode at D = 64 before the 192-row tile became its default
     other = "2" if auto == "3" else "3"
     variants = {"default": (auto, "0"), "m192": (auto, "1"), "m192-other": (other, "1")}
-    outs = {name: cupy.full((B, H, L, D), np.nan, dtype=cq.dtype) for name in variants}
-    reason = _flash.fa3_reason(cq, ck, cv, outs["default"], scale=scale,
-                               arch=int(cupy.cuda.Device().compute_capability))
-    if reason:
-        raise RuntimeError(f"FA3 kernel not eligible: {reason}")
-    ptrs = (cq.data.ptr, ck.data.ptr, cv.data.ptr)
+    (q, k, v), (cq, ck, cv), scale, outs, ptrs = fa3_case_inputs(shape, dtype_name, list(variants))
     runs, tiles = {}, {}
     for name, (mode, m192) in variants.items():
         launch = prepare(cq, ck, cv, outs[name], scale=scale, causal=causal, mode=mode, m192=m192)
@@ -101,18 +88,7 @@ def run_case(shape, causal, dtype_name, n_repeat):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
-    dtypes = ("float16",) if args.quick else ("float16", "bfloat16")
-    print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), flush=True)
-    for dtype_name in dtypes:
-        for shape, causal in CASES:
-            try:
-                run_case(shape, causal, dtype_name, 10 if args.quick else 20)
-            except Exception:  # one failing case must not hide the others
-                print(f"{dtype_name} {shape} causal={causal}: FAILED")
-                traceback.print_exc()
+    case_main(run_case, CASES)
 
 
 if __name__ == "__main__":
