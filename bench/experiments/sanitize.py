@@ -2,6 +2,7 @@
 
     compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
+    compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --forward   # the forward kernels only
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -33,6 +34,12 @@ def main():
     k, v = (torch.randn(3, 12, 200, 64, device="cuda", dtype=f16) for _ in range(2))
     cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", enable_gqa=True, return_lse=True)
     cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True)
+    # Session 9: the TMA-store epilogue at head dim 256 (two chunks through the staging buffer), the 192-row tile
+    # (non-causal head dim 64, above), and an out whose Ev is not a multiple of 8 (the 4-byte stores).
+    q, k, v = (torch.randn(1, 2, 200, 256, device="cuda", dtype=f16) for _ in range(3))
+    cupy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
+    q, k = (torch.randn(1, 2, 200, 100, device="cuda", dtype=f16) for _ in range(2))
+    cupy_attn.scaled_dot_product_attention(q, k, torch.randn(1, 2, 200, 100, device="cuda", dtype=f16))
     os.environ["CUPY_ATTN_FA3"] = "0"
     # The split path's scores kernel (Q·Kᵀ with the softmax in its epilogue; issue 14): S = 300 (a partial key tile),
     # L = 100 (a partial row block), head dim 512.
@@ -40,6 +47,16 @@ def main():
     q = torch.randn(1, 4, 100, 512, device="cuda", dtype=f16)
     k, v = (torch.randn(1, 4, 300, 512, device="cuda", dtype=f16) for _ in range(2))
     cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", return_lse=True)
+    # Session 9: its TMA stores of P, causal in both alignments (row blocks that skip a warpgroup's wgmma, the zero
+    # boxes past 2·nw, rows that see no key).
+    for causal in (True, "bottom_right"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
+    q = torch.randn(1, 2, 300, 512, device="cuda", dtype=f16)
+    cupy_attn.scaled_dot_product_attention(q, q[:, :, :100], q[:, :, :100], backend="split", is_causal="bottom_right")
+    if len(sys.argv) > 1 and sys.argv[1] == "--forward":
+        torch.cuda.synchronize()
+        print("sanitize calls done (forward kernels only)")
+        return
     del os.environ["CUPY_ATTN_SPLIT_FUSED"]
     for E, causal in ((64, True), (128, False), (320, True)):
         q, k, v = (torch.randn(1, 4, 77, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(3))
