@@ -856,6 +856,7 @@ def test_explain_details(monkeypatch):
                                      "head_dim_v": 64})
     got = dispatch._fused_plan(big64, 90, "test", []).details
     assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("192x128")
+    assert got["epilogue"].startswith("out through shared memory by TMA")
     big64.causal = "top_left"
     got = dispatch._fused_plan(big64, 90, "test", []).details
     assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("128x128")

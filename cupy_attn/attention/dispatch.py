@@ -217,7 +217,9 @@ def fa3_details(head_dim: int, mode: str, causal: bool = False) -> dict:
             "kernel": f"flash_fwd_sm90_tma ({variant})",
             "tile": f"{tile.block_m}x{tile.block_n}, producer + {tile.block_m // 64} consumer warpgroups, "
                     f"{tile.stages} K/V stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
-                    + (", persistent (one CTA per SM)" if tile.persistent else "")}
+                    + (", persistent (one CTA per SM)" if tile.persistent else ""),
+            "epilogue": "out through shared memory by TMA stores (4-byte stores where head_dim_v is not a multiple "
+                        "of 8 or out's strides or base are not 16-byte aligned)"}
 
 
 def fused_details(choice, extra: dict | None = None) -> dict:
