@@ -42,12 +42,13 @@
 // a row's limit gets P = 0, keys 2·nw ... S − 1 by plain 16-byte stores (the P·V GEMM reads whole rows); a row that
 // sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
 //
-// Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, TMA stores of P,
-// attn_mask.
+// Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
-//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              untimed (CPU checks)
+//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              1.571 ms (0.83× v1)
+//   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
+//   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
