@@ -297,6 +297,52 @@ def test_smem_operand_layout_matches_the_tma_swizzle(D, block_m):
         assert _operand_mismatches(128, tile, 128, 64, 4, 1024) == 0
 
 
+@pytest.mark.parametrize("D", sorted(_sm90.SM90_TILES))
+def test_epilogue_staging_matches_the_tma_store_box(D):
+    """A NumPy emulation of store_output_tma (cuda_src/attention/sm90/epilogue.cuh): the st.shared address each lane
+    writes O's element (row, column) to, per chunk of min(D, 128) columns of one warpgroup's 64 rows, against the
+    address a TMA store of the box (64 rows × swz/2 columns, the bucket's swizzle) reads that element from. Every
+    element of the chunk is written once, where the box expects it, and the writes of one 4-byte store instruction
+    (fixed half and column block, 32 lanes) hit 32 distinct banks."""
+    swz = _sm90.swizzle_bytes(D)
+    atom, chunk_cols = swz // 2, min(D, 128)
+    box_bytes = 64 * swz
+    assert D % chunk_cols == 0 and chunk_cols % atom == 0
+    for chunk in range(D // chunk_cols):
+        seen = {}
+        for warp in range(4):
+            for lane in range(32):
+                g, t = lane // 4, lane % 4
+                for half in range(2):
+                    r = warp * 16 + g + 8 * half
+                    sw = r % 8 if swz == 128 else (r // 2) % 4
+                    for dd in range(chunk_cols // 8):
+                        col = dd * 8
+                        box, c16 = col // atom, (col % atom) // 8
+                        addr = box * box_bytes + r * swz + ((c16 ^ sw) * 16) + 4 * t
+                        for e in range(2):
+                            c = col + 2 * t + e  # the element's column within the chunk
+                            want = _swizzle(box * box_bytes + r * swz + (c % atom) * 2, swz)
+                            assert addr + 2 * e == want, (D, chunk, r, c)
+                            assert (r, c) not in seen
+                            seen[r, c] = addr + 2 * e
+        assert len(seen) == 64 * chunk_cols
+    # Banks of one store instruction: warp 0, half 0, each column block.
+    for dd in range(chunk_cols // 8):
+        banks = set()
+        for lane in range(32):
+            g, t = lane // 4, lane % 4
+            sw = g % 8 if swz == 128 else (g // 2) % 4
+            col = dd * 8
+            banks.add(((col // atom) * box_bytes + g * swz + (((col % atom) // 8) ^ sw) * 16 + 4 * t) // 4 % 32)
+        assert len(banks) == 32, (D, dd, sorted(banks))
+    # The staging buffers (one per consumer warpgroup) in the shared-memory size the launcher requests.
+    for tile in (_sm90.SM90_TILES[D], _sm90.SM90_PERSISTENT_TILES[D]):
+        without = (tile.block_m + 2 * tile.stages * tile.block_n) * D * 2 + 8 * (2 + 4 * tile.stages) + 1024
+        assert tile.smem_bytes(D) - without == (tile.block_m // 64) * 64 * chunk_cols * 2 <= 32768
+        assert tile.smem_bytes(D) <= 232448
+
+
 F16 = np.dtype("float16")
 
 
