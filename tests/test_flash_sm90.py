@@ -657,6 +657,54 @@ LS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (1, 1000), (1000, 17), (17, 12
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("E", [64, 96, 128, 256])
+@pytest.mark.parametrize("layout", ["padded", "bshd", "offset8"])
+def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
+    """out as a strided view into a NaN-poisoned buffer, through flash_forward: rows with a padded pitch
+    (buf[..., :Ev], 16-byte row stride: TMA stores, whose 16-byte clipping at Ev must not touch the pad), a BSHD view
+    (TMA stores along a head stride of Ev), and a base 8 bytes past a 16-byte boundary (the launch falls back to
+    4-byte stores, o_tma = 0). out against the float64 reference; every poisoned element outside the view stays NaN.
+    L = 200 (a partial last row block), S = 150."""
+    import cupy
+    from _tolerance import as_f64
+    from cupy_attn import reference
+    from test_flash import _cp, assert_out_lse
+    torch = _torch()
+    g = torch.Generator("cuda").manual_seed(E + len(layout))
+    B, H, L, S = 2, 3, 200, 150
+    q, k, v = _rand((B, H, L, E), dtype, g), _rand((B, H, S, E), dtype, g), _rand((B, H, S, E), dtype, g)
+    cdt = _cp(q).dtype
+    if layout == "padded":
+        buf = cupy.full((B, H, L, E + 8), np.nan, dtype=cdt)
+        out = buf[..., :E]
+    elif layout == "bshd":
+        buf = cupy.full((B, L, H, E), np.nan, dtype=cdt)
+        out = buf.transpose(0, 2, 1, 3)
+    else:
+        buf = cupy.full(B * H * L * E + 16, np.nan, dtype=cdt)
+        start = (-(buf.data.ptr // 2) % 8) + 4  # 8 bytes past a 16-byte boundary
+        out = buf[start:start + B * H * L * E].reshape(B, H, L, E)
+        assert out.data.ptr % 16 == 8
+    lse = cupy.full((B, H, L), np.nan, dtype=cupy.float32)
+    _flash.flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=E ** -0.5, causal=None)
+    ref, ref_lse = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), scale=E ** -0.5,
+                                                          return_lse=True)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=E ** -0.5)
+    assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, f"{layout} E={E} {dtype}")
+    written = cupy.zeros(buf.shape, dtype=cupy.bool_)
+    if layout == "padded":
+        written[..., :E] = True
+    elif layout == "bshd":
+        written[...] = True
+    else:
+        written[start:start + B * H * L * E] = True
+    assert np.isnan(as_f64(buf)[~cupy.asnumpy(written)]).all(), f"{layout} E={E}: an element outside out was written"
+
+
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
 @pytest.mark.parametrize("L,S", LS)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])

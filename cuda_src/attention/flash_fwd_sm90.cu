@@ -19,7 +19,9 @@
 //     one head adjacent for L2 reuse of K/V, causal tiles in equal-cost pairs (M−1−k, k)); the producer loads the next
 //     tile's first K and its Q while the consumers finish the current tile's last P·V and epilogue (q_empty barrier,
 //     K/V ring phases running on across tiles, one ping-pong turn sequence over all tiles: sm90/mainloop.cuh).
-// Not (yet) here: TMA stores of O, a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims up to 32
+// Epilogue: O through a per-warpgroup shared-memory staging buffer and TMA stores (sm90/epilogue.cuh; 4-byte global
+// stores where TMA cannot write out exactly).
+// Not (yet) here: a dynamic (atomic-counter) tile scheduler, clusters, attn_mask, head dims up to 32
 // (flash_fwd.cu serves those calls). Head dims between the buckets 64/96/128/256 run the next one on TMA's zero fill.
 //
 // Thread mapping: 384 threads (512 with kBlockM = 192). Warpgroup w = 1 ... kBlockM/64 owns query rows m0 + 64(w−1)
@@ -29,10 +31,11 @@
 // fragments of O += P V (wgmma with A from registers).
 //
 // Tiles (cupy_attn/attention/fused_sm90.py, SM90_TILES): kBlockM = 128 (2 × 64), kBlockN = 128 at D = 64, 96 and 128,
-// 64 at D = 256; 2 stages, 3 at D = 96. Opt-in (CUPY_ATTN_FA3_M192=1, M192_MODE_TILES): kBlockM = 192 (3 × 64) at
-// D = 64 in the overlap and persistent variants, FlashAttention-3's hdim-64 tile. Shared memory (kBlockM +
-// 2·kStages·kBlockN)·D·2 bytes + barriers + 1 KB of alignment slack: 81 KB (D=64), 169 KB (D=96), 161 KB (D=128),
-// 193 KB (D=256) of the 227 KB per block; 92 KB for 192 × 128 (3 KB of it the row-sum anchor of sm90/mainloop.cuh).
+// 64 at D = 256; 2 stages, 3 at D = 96. M192_MODE_TILES (non-causal calls at D = 64 in the overlap and persistent
+// variants; CUPY_ATTN_FA3_M192 overrides): kBlockM = 192 (3 × 64), FlashAttention-3's hdim-64 tile. Shared memory
+// (kBlockM + 2·kStages·kBlockN)·D·2 bytes + the O staging (kBlockM/64 × 64 rows × min(D, 128) columns × 2 bytes) +
+// barriers + 1 KB of alignment slack: 97 KB (D=64), 193 KB (D=96), 193 KB (D=128), 225 KB (D=256) of the 227 KB per
+// block; 116 KB for 192 × 128 (3 KB of it the row-sum anchor of sm90/mainloop.cuh).
 // Registers per consumer thread: S (kBlockN/2) + O (D/2) fp32 + P (kBlockN/4) within 240 (160 with three consumer
 // warpgroups: 128 of them at D = 64, no spills). fp32 accumulation throughout. D = 96
 // (FlashAttention-3's hdim-96 tiles): rows of 192 bytes are no multiple of 128, so its tiles use the 64-byte swizzle
@@ -47,7 +50,8 @@
 //                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
 //   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
 //   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
-//   v4  opt-in 192-row tile at D = 64: three consumer warpgroups, round-robin turns (CUPY_ATTN_FA3_M192=1)  untimed
+//   v4  192-row tile at D = 64: three consumer warpgroups, round-robin turns    1.09-1.15x v2 non-causal (session 9)
+//   v5  epilogue through shared memory and TMA stores                  −7% time at D = 128, −15% at D = 256 (session 9)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"

@@ -277,7 +277,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   } else {
     // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the ring's
     // phases, releasing each stage (in a cluster, in both CTAs) as soon as it has come, so the empty barriers keep
-    // their count.
+    // their count. This also arrives on the last stage's empty barrier, which k_loop never does: that phase is never
+    // waited on (the producer has nothing left to load), and a round's arrivals cannot mix into the one before, as
+    // each first waits for the stage's full barrier of its own round.
     for (int kb = 0; kb < k_blocks; ++kb) {
       const int s = kb % kStages;
       tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);

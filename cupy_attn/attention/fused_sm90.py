@@ -106,9 +106,10 @@ MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TIL
 # producer, 512 threads; FA3 runs 192 × 192 with P through shared memory when not causal), the default for
 # non-causal calls in modes "2" and "3" (:func:`tile_for`). Registers: setmaxnreg 32 for the producer, 160 for
 # the consumers (128·32 + 384·160 = 65536; S 64 + O 32 + P 32 registers as in the 128-row tile, 80 fewer of headroom;
-# no spills). Shared memory 92 KB: Q 24 KB + 2 stages × (K + V) 64 KB + barriers + the 3 KB row-sum anchor
-# (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two GEMMs; a third warpgroup keeps the
-# tensor cores fed while two others run theirs (bench/NOTES_flash.md, session 8 helper).
+# no spills). Shared memory 116 KB: Q 24 KB + 2 stages × (K + V) 64 KB + 24 KB of O staging (epilogue.cuh) +
+# barriers + the 3 KB row-sum anchor (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two
+# GEMMs; a third warpgroup keeps the tensor cores fed while two others run theirs (bench/NOTES_flash.md, sessions 8-9:
+# 1.09-1.15× the 128-row tile on non-causal calls, 0.82-1.06× on causal ones).
 M192_MODE_TILES = {"2": {64: Sm90Tile(192, 128, 2, overlap=True)},
                    "3": {64: Sm90Tile(192, 128, 2, overlap=True, persistent=True)}}
 
@@ -485,7 +486,7 @@ class Sm90Launch:
         bytes only when they changed) and the out and lse words go into this launch's own parameter buffer, which the
         driver copies during the call; the lock keeps two threads replaying one launch from interleaving their
         writes. ~1 µs of host time for the launch against ~6 through CuPy's RawKernel call and a per-call copy of the
-        512-byte struct."""
+        704-byte struct."""
         if mask_ptr:
             raise ValueError("the FA3 kernel takes no attn_mask")
         own = self._own

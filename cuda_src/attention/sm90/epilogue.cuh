@@ -1,6 +1,7 @@
-// Epilogue of flash_fwd_sm90.cu: out = O / l from one warpgroup's accumulators straight to global memory (4-byte
-// stores of element pairs; the launcher requires 4-byte aligned pairs), and lse = (m + log2 l)·ln 2. Owns the
-// output indexing. Rows past L (zero-filled by TMA, computed but meaningless) are not stored.
+// Epilogue of flash_fwd_sm90.cu: out = O / l from one warpgroup's accumulators, and lse = (m + log2 l)·ln 2. Two
+// ways (the launcher's o_tma word): through a shared-memory staging buffer and TMA stores (store_output_tma), or
+// straight to global memory by 4-byte stores of element pairs (store_output; the launcher requires 4-byte aligned
+// pairs). Owns the output indexing. Rows past L (zero-filled by TMA, computed but meaningless) are not stored.
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -41,6 +42,7 @@ __device__ __forceinline__ void store_output(const float (&o)[kHeadDim / 2], con
 // Named barriers kOStoreBarrier + wg (wg = 0 ... 2): one consumer warpgroup's 128 threads around its O staging buffer
 // (the ping-pong uses 1 ... 3).
 constexpr int kOStoreBarrier = 4;
+static_assert(kOStoreBarrier > 3 && kOStoreBarrier + 2 <= 15, "after the ping-pong's barriers 1-3, within 0-15");
 
 // The same result through shared memory and TMA (o_tma = 1: out's rows 16-byte strided and aligned, Ev a multiple of
 // 8, so that TMA's 16-byte granularity at the Ev edge stays inside a row). Per chunk of kChunkCols head-dim columns:
