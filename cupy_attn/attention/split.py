@@ -353,12 +353,12 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
                 params["bh0"] = off["bh"]
+                gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_pair(nb, lc, sc)[0],
-                    gemm_pv=gemm_pair(nb, lc, sc)[1],
+                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
                     p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0))
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, kernel=None, block=0, chunks=chunks,
