@@ -1,7 +1,9 @@
 """One decode call, repeated, for a profiler (ncu): (B, Hq, Hkv, S) from argv, L = 1, D = 128, bf16,
-CUPY_ATTN_DECODE as set by the caller.
+CUPY_ATTN_DECODE as set by the caller. A fifth argument `torch` profiles torch's own SDPA call instead
+(its default backend), to compare the two kernels' launch shape and memory traffic.
 
     ncu --section SpeedOfLight ... python3 bench/experiments/decode_one.py 16 64 8 8192
+    ncu --set full ... python3 bench/experiments/decode_one.py 8 32 32 32768 torch
 """
 import os
 import sys
@@ -13,14 +15,18 @@ import torch  # noqa: E402
 import cupy_attn  # noqa: E402
 
 
-def main(B=16, Hq=64, Hkv=8, S=8192, reps=3):
+def main(B=16, Hq=64, Hkv=8, S=8192, who="ours", reps=3):
     q = torch.randn(B, Hq, 1, 128, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(B, Hkv, S, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    call = (torch.nn.functional.scaled_dot_product_attention if who == "torch"
+            else cupy_attn.scaled_dot_product_attention)
     for _ in range(reps):
-        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=Hq != Hkv)
+        call(q, k, v, enable_gqa=Hq != Hkv)
     torch.cuda.synchronize()
-    print(cupy_attn.explain(q, k, v, enable_gqa=Hq != Hkv))
+    if who != "torch":
+        print(cupy_attn.explain(q, k, v, enable_gqa=Hq != Hkv))
 
 
 if __name__ == "__main__":
-    main(*(int(x) for x in sys.argv[1:5]))
+    args = sys.argv[1:]
+    main(*(int(x) for x in args[:4]), *args[4:5])

@@ -34,8 +34,12 @@
 // on Hopper). Grids of about one CTA per SM or fewer take the 8-warp tile (WIDE_TILES: 128 keys, still 16 per warp,
 // one CTA per SM): the same per-warp loop, but two warps per scheduler instead of one (the loop is issue-bound) and
 // twice the bytes in flight per SM. Registers: O is kHeadDim/2 fp32 per thread, S kWarpN/2.
-// Shared memory: Q (16 rows), kStages × (K and V, kBlockN rows each), row pitch kHeadDim + 8 (conflict-free ldmatrix,
-// as flash_fwd.cu); the K/V space is reused for the cross-warp merge at the end.
+// Shared memory: kStages × (K and V, kBlockN rows each), then Q (16 rows, pitch kHeadDim + 8). K/V rows are unpadded
+// (kHeadDim elements) with their 16-byte chunks XOR-swizzled by the row (kv_offset): ldmatrix stays conflict-free,
+// and the 8 threads that copy one 128-byte line of global memory write one 128-byte span of shared memory. With the
+// padded pitch (kHeadDim + 8) a warp's cp.async of two 256-byte rows cost the L2 24 sector reads instead of 16, 1.5×
+// the bytes read (Nsight Compute, bench/NOTES_decode.md, session 10). The K/V space is reused for the cross-warp
+// merge at the end.
 // Head dims: Q/K zero-padded from E, V from Ev to kHeadDim (cp.async zero-fill); keys past the split's loaded range
 // are zero-filled rows (their V must not be garbage: P = 0 times NaN is NaN).
 // Layouts: any int64 element strides for batch, head and row; last dimension contiguous. 16-byte aligned rows go by
@@ -53,6 +57,9 @@
 //        loop 573 -> 188-211 instructions per warp per tile (bf16, D=128)          GQA 79-86% of copy, MHA 96-98%
 //   v1.2 flash_decode: 8 warps × 16 keys (128-key tiles, 1 CTA/SM) where the grid has <= 1.5 CTAs per SM; the
 //        loop unchanged per warp (188-211 SASS instructions at D=128)              untimed
+//   v1.3 flash_decode: K/V rows unpadded and swizzled (kv_offset): the L2 reads 16 sectors per warp cp.async of
+//        512 bytes instead of 24, DRAM 86-88% -> 95% of peak (ncu); the loop 206-229 SASS instructions
+//                                                                          MHA and GQA at torch's device time (±1%)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
@@ -93,7 +100,16 @@ struct FlashDecodeParams {
 
 namespace decode {
 
-// Rows [0, kRows) × columns [0, kHeadDim) of a row-major global tile into shared memory (pitch kHeadDim + 8); rows
+// Byte offset of 16-byte chunk c of row r in a K/V tile of unpadded rows (kHeadDim elements): the chunk index is
+// XOR-ed with r % 8, so the 8 rows an ldmatrix reads at one logical chunk fall in 8 distinct bank groups, and the
+// chunks of a 128-byte global line stay in one 128-byte span (kHeadDim >= 64: a row has >= 8 chunks).
+template <int kHeadDim>
+__device__ __forceinline__ unsigned kv_offset(int r, int c) {
+  static_assert(kHeadDim % 64 == 0, "the swizzle permutes 8 chunks within each 128-byte span");
+  return r * kHeadDim * 2 + ((c ^ (r & 7)) << 4);
+}
+
+// Rows [0, kRows) × columns [0, kHeadDim) of a row-major global tile into a swizzled K/V tile (kv_offset); rows
 // >= rows_valid and columns >= cols_valid become zeros. vec: 16-byte cp.async (the caller commits); else plain loads.
 // kThreads is a multiple of the row's chunk count for every tile here, so a thread's chunks share one column.
 template <int kRows, int kHeadDim, int kThreads, typename T>
@@ -111,7 +127,8 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
       const int r = r0 + j * kRowStep;
       // A zero-byte copy reads nothing, but its address must still be valid and aligned: use the tile's start.
       const bool ok = r < rows_valid && bytes > 0;
-      cp_async_16(smem_addr(dst + r * (kHeadDim + 8) + col), ok ? src + r * row_stride + col : src, ok ? bytes : 0);
+      cp_async_16(smem_addr(dst) + kv_offset<kHeadDim>(r, col / 8), ok ? src + r * row_stride + col : src,
+                  ok ? bytes : 0);
     }
   } else {
     // One row at a time: unrolled, the 2-byte loads of every row would be batched into ~128 registers.
@@ -125,7 +142,7 @@ __device__ __forceinline__ void load_kv(T* dst, const T* src, long long row_stri
       uint4 packed;
       packed.x = e[0] | (unsigned(e[1]) << 16); packed.y = e[2] | (unsigned(e[3]) << 16);
       packed.z = e[4] | (unsigned(e[5]) << 16); packed.w = e[6] | (unsigned(e[7]) << 16);
-      *reinterpret_cast<uint4*>(dst + r * (kHeadDim + 8) + col) = packed;
+      *reinterpret_cast<uint4*>(reinterpret_cast<char*>(dst) + kv_offset<kHeadDim>(r, col / 8)) = packed;
     }
   }
 }
@@ -142,13 +159,13 @@ template <int kRows, int kHeadDim, int kThreads, int kStages>
 struct TileCopy {
   static constexpr int kChunks = kHeadDim / 8;
   static constexpr int kRowStep = kThreads / kChunks;
-  static constexpr unsigned kTileBytes = kRows * (kHeadDim + 8) * 2;
+  static constexpr unsigned kTileBytes = kRows * kHeadDim * 2;
   static constexpr unsigned kVOffset = kStages * kTileBytes;  // V's ring after K's
   static_assert(kThreads % kChunks == 0 && kRows % kRowStep == 0, "every thread copies whole rows' chunks");
   const char* k_src;
   const char* v_src;
   long long k_row_bytes, v_row_bytes;
-  unsigned dst;           // shared address of this thread's first K chunk in the stage loaded next
+  unsigned dst;           // shared address of the K tile of the stage loaded next
   int stage;              // that stage
   int k_bytes, v_bytes;
 
@@ -161,7 +178,7 @@ struct TileCopy {
     v_row_bytes = v_stride * 2;
     k_src = static_cast<const char*>(k0) + r0 * k_row_bytes + (k_bytes > 0 ? col * 2 : 0);
     v_src = static_cast<const char*>(v0) + r0 * v_row_bytes + (v_bytes > 0 ? col * 2 : 0);
-    dst = smem_k + (r0 * (kHeadDim + 8) + col) * 2;
+    dst = smem_k;
     stage = 0;
   }
   // The next tile, whole. kFullCols: E = Ev = kHeadDim, every chunk 16 bytes.
@@ -171,7 +188,11 @@ struct TileCopy {
     const char* v = v_src;
     #pragma unroll
     for (int j = 0; j < kRows / kRowStep; ++j) {
-      const unsigned at = dst + j * kRowStep * (kHeadDim + 8) * 2;
+      // Row r0 + j·kRowStep: its swizzle is row r0 + (j·kRowStep) % 8's, a per-thread constant (one or two per
+      // thread at the tiles here), so the address is that row's offset plus an immediate.
+      const int jm = (j * kRowStep) % 8;
+      const unsigned at = dst + (j * kRowStep - jm) * kHeadDim * 2 +
+                          kv_offset<kHeadDim>(threadIdx.x / kChunks + jm, threadIdx.x % kChunks);
       // L2::128B: measured on the H200 (bench/NOTES_decode.md, session 8) against none and 256 bytes.
       cp_async_16_prefetch<128>(at, k, kFullCols ? 16 : k_bytes);
       cp_async_16_prefetch<128>(at + kVOffset, v, kFullCols ? 16 : v_bytes);
@@ -581,17 +602,20 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   constexpr int kRows = 16;
   constexpr int kWarpN = kBlockN / kNWarps;  // keys per warp per tile
   constexpr int kDTiles = kHeadDim / 8;      // 8-column O tiles
-  constexpr int kPitch = kHeadDim + 8;
-  constexpr int kTileElems = kBlockN * kPitch;
+  constexpr int kPitch = kHeadDim + 8;            // Q rows
+  constexpr int kTileElems = kBlockN * kHeadDim;  // one K or V tile (swizzled rows, kv_offset)
+  constexpr int kRowBytes = kHeadDim * 2;
   static_assert(kWarpN % 16 == 0 && kHeadDim % 16 == 0, "mma k steps are 16 wide (P·V needs 16 keys per warp)");
   static_assert(kStages >= 2, "at least one tile in flight while one is consumed");
   // The merge scratch (per warp: m, l and a 16 × kHeadDim fp32 O) reuses the K/V buffers.
   static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kTileElems * 2, "merge scratch fits");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* sQ = reinterpret_cast<T*>(smem_raw);
-  T* sK = sQ + kRows * kPitch;           // kStages K tiles
-  T* sV = sK + kStages * kTileElems;     // kStages V tiles
+  // K/V from the base aligned up to a row (kRowBytes; DecodeTile.smem_bytes holds the slack), so that a lane's
+  // swizzled ldmatrix address is its row's address XOR-ed with an immediate (below).
+  T* sK = reinterpret_cast<T*>(smem_raw + (kRowBytes - smem_addr(smem_raw) % kRowBytes) % kRowBytes);  // kStages K
+  T* sV = sK + kStages * kTileElems;        // kStages V tiles
+  T* sQ = sV + kStages * kTileElems;        // 16 rows, pitch kPitch
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
@@ -635,10 +659,15 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
 
   const RowLimits rl = row_limits<HasMask>(p, w, g);
 
-  // ldmatrix lane addresses (common/mma.cuh); K and V at this warp's key slice of the tile.
+  // ldmatrix lane addresses (common/mma.cuh); K and V at this warp's key slice of the tile. A lane's K/V row is
+  // ≡ lane % 8 (mod 8) at every k step, so its swizzled chunk (kv_offset) at logical chunk 2·step + c is at byte
+  // ((c ^ lane % 8) << 4) ^ (step · 32) of the row: with rows aligned to kRowBytes, the address of step 0 XOR-ed
+  // with the immediate step · 32 (one LOP3 per step, shared by the step's ldmatrix).
   const unsigned q_addr = smem_addr(sQ + (lane % 16) * kPitch + (lane / 16) * 8);
-  const unsigned k_addr = smem_addr(sK + (warp * kWarpN + (lane / 16) * 8 + lane % 8) * kPitch + ((lane / 8) % 2) * 8);
-  const unsigned v_addr = smem_addr(sV + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * kPitch + (lane / 16) * 8);
+  const unsigned k_addr = smem_addr(sK) + (warp * kWarpN + (lane / 16) * 8 + lane % 8) * kRowBytes +
+                          ((((lane / 8) % 2) ^ (lane % 8)) << 4);
+  const unsigned v_addr = smem_addr(sV) + (warp * kWarpN + ((lane / 8) % 2) * 8 + lane % 8) * kRowBytes +
+                          (((lane / 16) ^ (lane % 8)) << 4);
   const float scale_log2 = static_cast<float>(p.scale_log2);
   const int mode_fast = fast_mode<HasMask>(w, scale_log2);
 
@@ -664,8 +693,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
 
     attend<T, kHeadDim, kWarpN, HasMask>(
         acc_o, m_i, l_i, q,
-        [&](int nj, int kk) { return k_stage + (nj * 16 * kPitch + kk * 16) * 2; },
-        [&](int kk, int dn) { return v_stage + (kk * 16 * kPitch + dn * 16) * 2; },
+        [&](int nj, int kk) { return (k_stage ^ (kk * 32)) + nj * 16 * kRowBytes; },
+        [&](int kk, int dn) { return (v_stage ^ (dn * 32)) + kk * 16 * kRowBytes; },
         w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t, mode);
     if (++read_stage == kStages) {
       read_stage = 0;

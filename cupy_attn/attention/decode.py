@@ -45,20 +45,21 @@ class DecodeTile:
     ctas_per_sm: int = dataclasses.field(default=1, compare=False)  # not a template value
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Q (16 rows) + stages × (K and V tiles), rows padded by 8 elements (see the kernel header)."""
-        return (ROWS + 2 * self.stages * self.block_n) * (head_dim + 8) * 2
+        """Slack to align the base to a row (head_dim · 2 bytes), stages × (K and V tiles, unpadded swizzled rows), Q
+        (16 rows padded by 8 elements): the kernel header."""
+        return head_dim * 2 + 2 * self.stages * self.block_n * head_dim * 2 + ROWS * (head_dim + 8) * 2
 
 
 # (head-dim bucket, arch major) -> DecodeTile. Hopper: 227 KB per block, 228 KB per SM; arch 8 must fit the 99 KB of
 # sm_86/sm_89 (and is untimed). Decode is memory-bound, so the entries maximize bytes in flight per SM:
-# (stages - 1) · block_n · 2 · (D + 8) · 2 bytes per CTA × CTAs per SM.
+# (stages - 1) · block_n · 2 · D · 2 bytes per CTA × CTAs per SM. (Sizes are DecodeTile.smem_bytes.)
 DECODE_TILES = {
-    # D=64: 4 stages, 76 KB: 2 CTAs/SM (3 by shared memory; 2 assumed for the split rule), 2 × 3 × 18 KB in flight.
+    # D=64: 4 stages, 66 KB: 2 CTAs/SM (3 by shared memory; 2 assumed for the split rule), 2 × 3 × 16 KB in flight.
     (64, 9): DecodeTile(64, 4, 4, 2), (64, 8): DecodeTile(64, 4, 4, 1),
-    # D=128: 3 stages, 109 KB: 2 CTAs/SM on Hopper, 2 × 2 × 34 KB in flight (4 stages, 144 KB, would allow 1).
-    # Arch 8: 2 stages, 74 KB.
+    # D=128: 3 stages, 101 KB: 2 CTAs/SM on Hopper, 2 × 2 × 32 KB in flight (4 stages, 133 KB, would allow 1).
+    # Arch 8: 2 stages, 69 KB.
     (128, 9): DecodeTile(64, 4, 3, 2), (128, 8): DecodeTile(64, 4, 2, 1),
-    # D=256: 3 stages, 211 KB: 1 CTA/SM, 2 × 66 KB in flight. Arch 8: 32 keys over 2 warps, 2 stages, 76 KB.
+    # D=256: 3 stages, 201 KB: 1 CTA/SM, 2 × 64 KB in flight. Arch 8: 32 keys over 2 warps, 2 stages, 73 KB.
     (256, 9): DecodeTile(64, 4, 3, 1), (256, 8): DecodeTile(32, 2, 2, 1),
 }
 
@@ -66,9 +67,9 @@ DECODE_TILES = {
 # (use_wide_tile): there a 4-warp CTA leaves each of the SM's 4 schedulers one warp, and the loop is issue-bound
 # (bench/NOTES_decode.md, session 7: IPC 1.15 at 4 warps per SM). 128 keys per tile, 16 per warp: each warp's work
 # per tile is the 4-warp tile's (the same loop), and the SM holds 8 warps, 2 per scheduler. One CTA per SM (shared
-# memory), (stages - 1) · 128 keys in flight: D=128 3 stages, 213 KB, 2 × 68 KB in flight (4 stages would be 282 KB);
-# D=64 4 stages, 150 KB, 3 × 37 KB. D=256 has none (two 128-key stages alone are 270 KB), nor arch 8 (99 KB on
-# sm_86/sm_89: one 128-key stage at D=128 is 70 KB).
+# memory), (stages - 1) · 128 keys in flight: D=128 3 stages, 197 KB, 2 × 64 KB in flight (4 stages would be 261 KB);
+# D=64 4 stages, 130 KB, 3 × 32 KB. D=256 has none (two 128-key stages alone are 256 KB), nor arch 8 (99 KB on
+# sm_86/sm_89: one 128-key stage at D=128 is 64 KB).
 WIDE_TILES = {
     (64, 9): DecodeTile(128, 8, 4, 1), (128, 9): DecodeTile(128, 8, 3, 1),
 }
