@@ -4,8 +4,9 @@ only), and the streaming flash_decode_sm90 with one (=2) and two (=3) CTAs per S
 split sweep — vs torch's default SDPA and vs the fused kernel (CUPY_ATTN_DECODE=0), reporting TB/s of K+V bytes read
 and ratios.
 
-    PYTHONPATH=. python3 bench/experiments/decode.py [--quick] [--default]
-    (--quick: auto splits only, no sweep; --default: the default kernel only)
+    PYTHONPATH=. python3 bench/experiments/decode.py [--quick] [--default] [--variants=TEXT] [--cases=TEXT]
+    (--quick: auto splits only, no sweep; --default: the default kernel only; --variants / --cases: only the
+    variants / cases whose label contains TEXT)
 
 Every row: median ms (cupyx.profiler.benchmark, CUDA events on the shared default stream), TB/s of K and V bytes
 read (B·Hkv·S·(E+Ev)·2; Q, out and the partials are < 1% of it), the ratio to the measured copy bandwidth (a 2 GiB
@@ -110,7 +111,11 @@ def run_case(torch, name, B, H, Hkv, L, S, D, dtype, copy_bw, quick):
 
     print(f"{name} {dtype}: K+V {kv_bytes / 1e9:.2f} GB", flush=True)
     t_torch = row("torch SDPA (default)", lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa))
-    for label, env, warps, sweep in (VARIANTS[:1] if "--default" in sys.argv else VARIANTS):
+    variants = VARIANTS[:1] if "--default" in sys.argv else VARIANTS
+    only = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--variants=")]
+    if only:
+        variants = [v for v in variants if only[0] in v[0]]
+    for label, env, warps, sweep in variants:
         with decode_env(env, warps):
             try:
                 plan = cupy_attn.explain(q, k, v, enable_gqa=gqa)
@@ -135,8 +140,9 @@ def main():
     cupy.get_default_memory_pool().free_all_blocks()
     print(f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}: copy {copy_bw:.2f} TB/s (read + write)",
           flush=True)
-    for dtype in ("float16", "bfloat16"):
-        for case in CASES:
+    cases = [a.split("=", 1)[1] for a in sys.argv if a.startswith("--cases=")]
+    for dtype in ("float16",) if cases else ("float16", "bfloat16"):
+        for case in (c for c in CASES if not cases or cases[0] in c[0]):
             try:
                 run_case(torch, *case, dtype, copy_bw, quick)
             except Exception:

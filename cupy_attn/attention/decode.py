@@ -31,6 +31,7 @@ ENV_DECODE = "CUPY_ATTN_DECODE"
 ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES), "8" (WIDE_TILES); unset: use_wide_tile
 WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
 MAX_SPLITS = 128
+ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -228,7 +229,7 @@ def use_wide_tile(grid_ctas: int, num_sms: int) -> bool:
     same per-warp loop on 128-key tiles with two warps per scheduler and twice the bytes in flight. Past one wave the
     two tie at first (an SM holding two 4-warp CTAs has 8 warps as well), and with many CTAs per SM (MHA decode:
     2048) the 4-warp tile's two CTAs per SM overlap one's start with the other's stream.
-    Examples, H200 (132 SMs, up to 198 CTAs): (8, 32 q / 8 kv, L=1, S=32768) 64 CTAs × 2 auto splits = 128 → 8 warps;
+    Examples, H200 (132 SMs, up to 198 CTAs): (8, 32 q / 8 kv, L=1, S=32768) 64 CTAs × 1 auto split → 8 warps;
     (16, 64 q / 8 kv, L=1, S=8192) 128 × 1 → 8 warps; (8, 32 heads, L=1, S=32768) 256 × 1 → 4 warps; the GQA row with
     4 splits forced, 256 → 4 warps. Untimed when written (bench/NOTES_decode.md)."""
     return grid_ctas <= WIDE_MAX_WAVES * num_sms
@@ -372,11 +373,12 @@ def prefer_decode(seqlen_q: int, seqlen_k: int, groups: int) -> tuple[bool, str]
     return True, f"L·groups = {seqlen_q * groups} ≤ 64 packed rows read each K/V tile once; S={seqlen_k} split"
 
 
-def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2, min_keys: int = 512) -> int:
+def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2, min_keys: int = 512,
+                   fill: float = 0.8) -> int:
     """Splits of the key axis so that the CTAs fill the GPU, FlashAttention-2's wave-efficiency rule.
 
     ``ctas`` = B · Hkv · row blocks (the CTAs of one split), slots = num_sms · ctas_per_sm. Enough CTAs already
-    (≥ 0.8 of the slots): 1 split. Otherwise, for n = 1 .. min(128, S // min_keys) (each split keeps ≥ min_keys keys,
+    (≥ ``fill`` of the slots): 1 split. Otherwise, for n = 1 .. min(128, S // min_keys) (each split keeps ≥ min_keys keys,
     so its set-up and its partial write stay small next to its K/V stream), the wave efficiency
     n·ctas/slots / ceil(n·ctas/slots), and take the smallest n within 0.85 of the best.
     split_plan calls it with ctas_per_sm = 1 (waves per SM; measured, see there). Examples, H200 (132 SMs), D=128,
@@ -389,7 +391,7 @@ def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2,
       gives 0.21 ≥ 0.85·0.24 → 7 splits (a latency-bound call either way).
     """
     slots = max(1, num_sms * ctas_per_sm)
-    if ctas >= 0.8 * slots:
+    if ctas >= fill * slots:
         return 1
     max_splits = max(1, min(MAX_SPLITS, seqlen_k // min_keys))
     eff = []
@@ -419,8 +421,10 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
     # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
     # second split only adds a combine (H200, bench/NOTES_decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
-    # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309).
-    n = num_splits_for(ctas, S, num_sms, 1) if num_splits is None else int(num_splits)
+    # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309). Since the swizzled K/V
+    # tiles (session 10) one CTA streams faster still, and half the SMs suffice: (8, 32/8, 1, 32768), 64 CTAs of
+    # 8 warps on 132 SMs, 1 split 0.239 ms of device time against 2 splits 0.243 and 4 splits 0.247 (torch 0.242).
+    n = num_splits_for(ctas, S, num_sms, 1, fill=ONE_SPLIT_FILL) if num_splits is None else int(num_splits)
     chunk = math.ceil(math.ceil(S / n) / block_n) * block_n
     return math.ceil(S / chunk), chunk
 
@@ -429,11 +433,22 @@ def _estrides(a) -> list[int]:
     return [s // a.itemsize for s in a.strides]
 
 
+# Partials up to this size live in a per-stream buffer kept across calls (runtime.workspace.persistent: one dict
+# look-up, where an allocation through torch's caching allocator costs a few µs before the launch, 2% of a 0.25 ms
+# GQA decode call); larger ones are per-call scratch, so that a rare huge call does not pin its memory.
+PERSISTENT_PARTIALS_MAX = 32 << 20
+
+
 def _partials(ctx, nbytes: int):
-    """(holder, pointer) of the splits' fp32 partials: from the caller's allocator on the call's stream
-    (runtime.workspace.scratch; freed stream-ordered after the combine kernel has read them), or from CuPy's pool on
-    its current stream when the launch has no call context (decode_forward, tests)."""
+    """(holder, pointer) of the splits' fp32 partials: up to PERSISTENT_PARTIALS_MAX bytes the call stream's kept
+    buffer (stream order: the next call's split kernel runs after this call's combine kernel has read it), else from
+    the caller's allocator on the call's stream (runtime.workspace.scratch; freed stream-ordered after the combine
+    kernel has read them), or from CuPy's pool on its current stream when the launch has no call context
+    (decode_forward, tests)."""
     if ctx is not None:
+        if nbytes <= PERSISTENT_PARTIALS_MAX:
+            buf = workspace.persistent(ctx.device_id, ctx.stream.ptr, "decode_partials", nbytes)
+            return buf, workspace.pointer(buf)
         return workspace.scratch(ctx, nbytes)
     import cupy
     a = cupy.empty(nbytes, dtype=cupy.uint8)
