@@ -96,6 +96,10 @@ def benchmark(quick: bool = False) -> list[dict]:
         return rows
     rows.append(bench_case("seed x4 batch", 4 * B, H, L, L, D, check_heads=1, n_repeat=5))
     rows.append(bench_case("seed causal", B, H, L, L, D, causal=True))
+    # issue 14's second causal row: the causal call against the same call without causal (≤ 0.6× its time)
+    for causal in (False, True):
+        rows.append(bench_case("(2,8,4096,4096,512)" + (" causal" if causal else ""), 2, 8, 4096, 4096, 512,
+                               dtype="bfloat16", causal=causal))
     pad = torch.rand(B, 1, 1, L, device="cuda") > 0.1
     rows.append(bench_case("seed key-padding mask", B, H, L, L, D, mask=pad))
     for dt in ("float16", "bfloat16"):

@@ -122,6 +122,26 @@ def test_causal(dtype, alignment, L, S):
     _run(q, k, v, dtype, is_causal=alignment, what=f"{dtype} causal={alignment} L={L} S={S}")
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("alignment", [True, "bottom_right"])
+@pytest.mark.parametrize("L,S", [(600, 700), (1030, 1030), (1100, 900), (700, 1500)])
+def test_causal_row_bands(dtype, alignment, L, S):
+    # L ≥ 512: the cuBLAS split path cuts causal calls into row bands (split.cublas_causal_bands), each band's GEMMs
+    # and softmax stopping at its last row's visible key; bottom-right with L > S has rows that see no key.
+    g = torch.Generator("cuda").manual_seed(L + 2 * S)
+    q, k, v = _rand((1, 3, L, 96), dtype, g), _rand((1, 3, S, 96), dtype, g), _rand((1, 3, S, 80), dtype, g)
+    _run(q, k, v, dtype, is_causal=alignment, what=f"{dtype} causal={alignment} L={L} S={S}")
+
+
+@pytest.mark.parametrize("alignment", [True, "bottom_right"])
+def test_causal_row_bands_in_small_workspace_chunks(alignment, monkeypatch):
+    # Bands inside budget-limited row chunks (rows_per_chunk = 300 < L: chunks of 300 rows, each cut into 4 bands).
+    monkeypatch.setenv("CUPY_ATTN_WORKSPACE_BYTES", str(300 * 1024 * 4))  # 300 fp32 rows of 1024 keys
+    g = torch.Generator("cuda").manual_seed(5)
+    q, k, v = _rand((2, 2, 1100, 64), "float16", g), *(_rand((2, 2, 1024, 64), "float16", g) for _ in range(2))
+    _run(q, k, v, "float16", is_causal=alignment, what=f"causal={alignment} bands in 300-row chunks")
+
+
 @pytest.mark.parametrize("H,Hkv", [(8, 2), (4, 1), (32, 8)])
 def test_gqa(H, Hkv):
     g = torch.Generator("cuda").manual_seed(H)

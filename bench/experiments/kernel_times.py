@@ -37,9 +37,9 @@ def main():
     ap.add_argument("--shape", default="32,32,512,512,1024")
     ap.add_argument("--dtype", default="float16")
     args = ap.parse_args()
-    if os.environ.get("CAUSAL_BANDS"):  # the split path's P·V row bands for causal calls, forced (A/B)
+    if os.environ.get("CAUSAL_BANDS"):  # the split path's causal row bands, forced (A/B): both paths' rules
         from cupy_attn.attention import split
-        split.causal_row_bands = lambda L: int(os.environ["CAUSAL_BANDS"])
+        split.causal_row_bands = split.cublas_causal_bands = lambda L: int(os.environ["CAUSAL_BANDS"])
     B, H, L, S, D = map(int, args.shape.split(","))
     dt = getattr(torch, args.dtype)
     q = torch.randn(B, H, L, D, device="cuda", dtype=dt)

@@ -131,13 +131,13 @@ class _Chunk:
     gemm_qk: blas.StridedGemm
     gemm_pv: blas.StridedGemm
     p: int = 0  # under the scores kernel: byte offset of the chunk's P in the scratch buffer
+    kernel: object = None  # the softmax kernel for the chunk's key count (a causal band's, else the schedule's)
+    block: int = 0
 
 
 @dataclasses.dataclass
 class _Schedule:
     scores_elems: int
-    kernel: object
-    block: int
     chunks: list
     # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
     # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
@@ -228,7 +228,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
             params["mask"] = m0 + c.mask if m0 else 0
             params["lse"] = l0 + c.lse if l0 else 0
             params["rng"] = rng
-            sched.kernel((c.grid,), (sched.block,), (struct_arg(params),))
+            c.kernel((c.grid,), (c.block,), (struct_arg(params),))
             c.gemm_pv(o0 + c.o, s0, v0 + c.v)
         del scores  # back to its allocator, ordered after the work above on this stream
 
@@ -244,6 +244,20 @@ def causal_row_bands(seqlen_q: int) -> int:
     [1, 1, 2, 2, 2]
     """
     return 2 if seqlen_q >= 256 else 1
+
+
+def cublas_causal_bands(seqlen_q: int) -> int:
+    """How many row bands a causal call on the cuBLAS split path is cut into: band i's Q·Kᵀ GEMM, softmax pass and
+    P·V GEMM stop at its last row's visible key, so with n equal bands of a square causal problem the path does
+    (n + 1) / (2n) of the full work. Measured on an H200 (bench/experiments/causal_bands.py, session 10), causal
+    time over the same call without causal: (2, 8, 4096, 4096, 512) bf16 1 band 1.06, 4 bands 0.76, 8 bands 0.80,
+    16 bands 0.93; (8, 16, 2048, 2048, 512) fp16 1.05 / 0.79 / 0.87 / 1.12 (more bands: smaller GEMMs and softmax
+    passes, more launches). So L // 256 bands (≥ 256 rows each), at most 4.
+
+    >>> [cublas_causal_bands(L) for L in (1, 511, 512, 1024, 4096, 65536)]
+    [1, 1, 2, 4, 4, 4]
+    """
+    return max(1, min(4, seqlen_q // 256))
 
 
 def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]:
@@ -285,10 +299,6 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
 
     dropout = p.dropout_p > 0
     masked = "true" if p.mask is not None or p.causal is not None or dropout else "false"
-    tile = softmax_tile(S, masked == "true")
-    kernel = SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=tile, masked=masked,
-                            dropout="true" if dropout else "false")
-    rows_per_block = max(1, 128 // tile[0])
     mask = p.mask
     mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
     mask_isz = mask.itemsize if mask is not None else 1
@@ -317,7 +327,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                                        causal=p.causal)
 
     def gemm_pair(nb: int, lc: int, sc: int = S):
-        """(QKᵀ, PV) for nb batches of lc query rows (against the first sc keys under the scores kernel); chunks of
+        """(QKᵀ, PV) for nb batches of lc query rows against the first sc keys (a causal band's; else S); chunks of
         equal size share them."""
         if (nb, lc, sc) not in gemms and scores_launch is not None:
             gemms[nb, lc, sc] = (None, blas.StridedGemm(
@@ -328,16 +338,28 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
             gemms[nb, lc, sc] = (
                 blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
                                     stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
-                                    trans_b=True, m=lc, n=S, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
+                                    trans_b=True, m=lc, n=sc, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
                 blas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
                                     stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
-                                    stride_b=bv, trans_b=False, m=lc, n=Ev, k=S, batch=nb, allow_tf32=allow_tf32))
+                                    stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc, batch=nb, allow_tf32=allow_tf32))
         return gemms[nb, lc, sc]
 
-    # Causal on the scores kernel: P is 0 past each row's limit, so the P·V GEMM of a band of rows r0 ... r0+lc-1
-    # stops at sc = r0 + lc + causal_offset keys (at least 1: a band whose rows see no key multiplies zeros).
-    banded = scores_launch is not None and p.causal is not None
-    row_bands = _row_bands(L, rows_per_chunk, causal_row_bands(L) if banded else 1)
+    # Causal calls skip the keys past the diagonal by row bands: rows r0 ... r0+lc-1 see at most the first
+    # sc = r0 + lc + causal_offset keys (at least 1: a band whose rows see no key multiplies zeros). On the scores
+    # kernel P is 0 past each row's limit and only the P·V GEMM is banded (causal_row_bands); on the cuBLAS path
+    # each band's Q·Kᵀ GEMM, softmax pass (over sc columns) and P·V GEMM stop at sc (cublas_causal_bands).
+    banded = p.causal is not None
+    bands = (causal_row_bands(L) if scores_launch is not None else cublas_causal_bands(L)) if banded else 1
+    row_bands = _row_bands(L, rows_per_chunk, bands)
+    softmax = {}
+
+    def softmax_for(sc: int):
+        """(kernel, block, rows per block) of the softmax pass over sc columns."""
+        if sc not in softmax:
+            t = softmax_tile(sc, masked == "true")
+            softmax[sc] = (SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=t, masked=masked,
+                                          dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
+        return softmax[sc]
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse", "bh")}
@@ -352,19 +374,20 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 sc = max(1, min(S, r0 + lc + causal_offset)) if banded else S
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-                params["bh0"] = off["bh"]
+                params["bh0"], params["seqlen_k"] = off["bh"], sc
                 gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
+                sm_kernel, sm_block, sm_rows = softmax_for(sc)
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // rows_per_block), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
-                    p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0))
+                    grid=-(-nb * lc // sm_rows), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
+                    p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0,
+                    kernel=sm_kernel, block=sm_block))
     if scores_launch is not None:
-        return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, kernel=None, block=0, chunks=chunks,
+        return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,
                          scores=scores_launch, itemsize=isz)
-    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, kernel=kernel, block=max(tile[0], 128),
-                     chunks=chunks)
+    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks)
 
 
 def _scores_sm90():
