@@ -1,7 +1,8 @@
 """The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
-scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its two variants (one CTA per 64-row block,
-and scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast); and the split path's schedule that runs it
-before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 1; 2 the cluster variant; 0 off).
+scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its three variants (one CTA per 64-row
+block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent); and the
+split path's schedule that runs it before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one
+CTA per row block; 2 the cluster variant; 0 off).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
 tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernel multicast loads,
@@ -454,7 +455,8 @@ def test_grid_pads_row_blocks_to_whole_clusters():
         blocks = -(-L // 64)
         assert _scores.grid_for(3, 5, L, 1) == (blocks, 5, 3)
         assert _scores.grid_for(3, 5, L, 2) == (blocks + blocks % 2, 5, 3), L
-    with pytest.raises(ValueError, match="cluster_m"):
+        assert _scores.grid_for(3, 5, L, 3, num_sms=132) == (min(blocks * 15, 132), 1, 1), L
+    with pytest.raises(ValueError, match="variant"):
         _scores.grid_for(1, 1, 64, 4)
 
 
@@ -481,8 +483,8 @@ def test_unsupported_reasons():
 
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
-    assert _scores.enabled() and _scores.setting() == 1  # on by default (measured: scores_sm90.setting)
-    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 1), ("yes", 1)):
+    assert _scores.enabled() and _scores.setting() == 3  # on by default, persistent (measured: scores_sm90.setting)
+    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 3), ("4", 3), ("yes", 3)):
         monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
         assert _scores.setting() == setting and _scores.enabled() == (setting > 0), value
     from cupy_attn.runtime import callcache
@@ -496,8 +498,9 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def _run_kernel(q, k, scale, ld, cluster_m=1):
-    """The kernel alone (cluster_m: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2) on torch CUDA tensors
+def _run_kernel(q, k, scale, ld, variant=1):
+    """The kernel alone (variant: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2, 3 =
+    scores_softmax_sm90_persistent) on torch CUDA tensors
     (passed as CuPy views): (P (B, Hq, L, ld), lse (B, Hq, L)) as torch tensors, both NaN-poisoned before the launch
     and each followed in memory by a poisoned tail of 64 rows that must stay NaN (the last row block, or a cluster's
     padding CTA, writing past L would land there)."""
@@ -509,12 +512,13 @@ def _run_kernel(q, k, scale, ld, cluster_m=1):
     lse_all = torch.full((n_lse + 64,), float("nan"), dtype=torch.float32, device=q.device)
     P, lse = P_all[:n_p].view(B, Hq, L, ld), lse_all[:n_lse].view(B, Hq, L)
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
-    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, cluster_m=cluster_m)
-    assert launch.grid[0] % cluster_m == 0 and launch.grid[0] * 64 >= L, launch.grid
+    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant)
+    m = _scores.CLUSTER_M[variant]
+    assert launch.grid[0] % m == 0 and (variant == 3 or launch.grid[0] * 64 >= L), launch.grid
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
     torch.cuda.synchronize()
     assert bool(torch.isnan(P_all[n_p:]).all()) and bool(torch.isnan(lse_all[n_lse:]).all()), \
-        f"cluster_m={cluster_m}: the kernel wrote past the last row of P or lse"
+        f"variant={variant}: the kernel wrote past the last row of P or lse"
     return P, lse
 
 
@@ -536,7 +540,7 @@ def _torch_softmax(q, k, scale):
     return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
 
 
-def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, cluster_m=1):
+def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, variant=1):
     torch = _torch()
     gen = torch.Generator(device="cuda").manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -549,9 +553,9 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, cluster_m=1
     q, k = rand(B, Hq, L), rand(B, Hkv, S)
     scale = D ** -0.5
     ld = -(-S // 8) * 8
-    P, lse = _run_kernel(q, k, scale, ld, cluster_m)
+    P, lse = _run_kernel(q, k, scale, ld, variant)
     ref, ref_lse = _reference(q, k, scale)
-    what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {dtype} {layout} cluster_m={cluster_m}"
+    what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {dtype} {layout} variant={variant}"
     assert_close(P[..., :S], ref, dtype, _torch_softmax(q, k, scale), what)
     if ld > S:
         # TMA stores clip the boxes to S in whole 16-byte chunks: the chunk holding key S − 1 is written in full, with
@@ -563,16 +567,16 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, cluster_m=1
     np.testing.assert_allclose(as_f64(lse), ref_lse, rtol=1e-4, atol=2e-3, err_msg=what)
 
 
-CLUSTERS = pytest.mark.parametrize("cluster_m", sorted(_scores.KERNELS), ids=lambda m: f"cluster{m}")
+CLUSTERS = pytest.mark.parametrize("variant", sorted(_scores.KERNELS), ids=lambda m: f"variant{m}")
 
 
 @pytest.mark.gpu
 @CLUSTERS
-def test_smoke(cluster_m):
+def test_smoke(variant):
     """One small case per kernel: run first (a barrier mistake hangs; run under timeout), the one-CTA kernel
-    (-k "smoke and cluster1") before the cluster kernel (-k "smoke and cluster2"). L = 100: two row blocks, one
+    (-k "smoke and variant1") before the cluster kernel (-k "smoke and variant2"). L = 100: two row blocks, one
     cluster."""
-    _check_kernel(1, 2, 2, 100, 100, 320, "float16", cluster_m=cluster_m)
+    _check_kernel(1, 2, 2, 100, 100, 320, "float16", variant=variant)
 
 
 CASES = [  # (B, Hq, Hkv, L, S, D); row blocks ⌈L/64⌉ odd in several (the cluster kernel's padding CTA)
@@ -596,34 +600,34 @@ CASES = [  # (B, Hq, Hkv, L, S, D); row blocks ⌈L/64⌉ odd in several (the cl
 @CLUSTERS
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,Hq,Hkv,L,S,D", CASES)
-def test_kernel(B, Hq, Hkv, L, S, D, dtype, cluster_m):
-    _check_kernel(B, Hq, Hkv, L, S, D, dtype, cluster_m=cluster_m)
+def test_kernel(B, Hq, Hkv, L, S, D, dtype, variant):
+    _check_kernel(B, Hq, Hkv, L, S, D, dtype, variant=variant)
 
 
 @pytest.mark.gpu
 @CLUSTERS
-def test_kernel_bshd_layout(cluster_m):
-    _check_kernel(2, 3, 3, 90, 300, 512, "bfloat16", layout="bshd", cluster_m=cluster_m)
+def test_kernel_bshd_layout(variant):
+    _check_kernel(2, 3, 3, 90, 300, 512, "bfloat16", layout="bshd", variant=variant)
 
 
 @pytest.mark.gpu
 @CLUSTERS
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_public_api_with_switch(monkeypatch, dtype, cluster_m):
+def test_public_api_with_switch(monkeypatch, dtype, variant):
     """scaled_dot_product_attention under CUPY_ATTN_SPLIT_FUSED=1 (the one-CTA kernel) or 2 (the cluster kernel) at a
     head dim no fused kernel serves: the split path's schedule is that kernel → cuBLAS P·V (explain() says so); out
     and lse against float64; a second call on new arrays replays the cached launch (new tensor maps)."""
     import cupy_attn
     from cupy_attn import reference
     torch = _torch()
-    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(cluster_m))
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(variant))
     gen = torch.Generator(device="cuda").manual_seed(1)
     dt = getattr(torch, dtype)
     for seed in range(2):
         q, k, v = (torch.randn(*s, generator=gen, device="cuda").to(dt)
                    for s in ((2, 4, 200, 512), (2, 4, 300, 512), (2, 4, 300, 384)))
         plan = cupy_attn.explain(q, k, v)
-        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[cluster_m] + " "), \
+        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[variant] + " "), \
             str(plan)
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
         ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), return_lse=True)
@@ -636,7 +640,8 @@ def test_public_api_with_switch(monkeypatch, dtype, cluster_m):
 
 
 def test_unsupported_reason_causal(monkeypatch):
-    """is_causal runs on the one-CTA kernel (CUPY_ATTN_SPLIT_FUSED unset or 1), not on the cluster variant (2)."""
+    """is_causal runs on the one-CTA and persistent kernels (CUPY_ATTN_SPLIT_FUSED 1, unset or 3), not on the
+    cluster variant (2)."""
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
     if _scores.unsupported_reason(_problem(), 90) is not None:
         pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
@@ -645,7 +650,7 @@ def test_unsupported_reason_causal(monkeypatch):
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "2")
     assert "is_causal" in _scores.unsupported_reason(_problem(causal="top_left"), 90)
     with pytest.raises(ValueError, match="causal"):
-        _scores.prepare(_bhsd(1, 1, 64, 64), _bhsd(1, 1, 64, 64), None, scale=0.1, ld=64, cluster_m=2,
+        _scores.prepare(_bhsd(1, 1, 64, 64), _bhsd(1, 1, 64, 64), None, scale=0.1, ld=64, variant=2,
                         causal="top_left")
 
 
@@ -661,13 +666,16 @@ def test_unsupported_reason_causal(monkeypatch):
     (1, 2, 2, 77, 40, 384, "top_left"),          # S ≤ 64: one K box
     (1, 2, 2, 640, 512, 640, "bottom_right"),    # L > S, 2 bands
 ])
-def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype):
-    """is_causal through the scores kernel (row blocks left of the diagonal skip the second warpgroup's wgmma, P is 0
-    past each row's limit) and the banded P·V GEMMs: out and lse against float64 (torch's same-precision causal
-    error as the bound where torch has the alignment), a second call on new arrays replays."""
+@pytest.mark.parametrize("variant", [1, 3], ids=lambda m: f"variant{m}")
+def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypatch):
+    """is_causal through the scores kernel, one CTA per row block or persistent (row blocks left of the diagonal skip
+    the second warpgroup's wgmma, P is 0 past each row's limit) and the banded P·V GEMMs: out and lse against float64
+    (torch's same-precision causal error as the bound where torch has the alignment), a second call on new arrays
+    replays."""
     import cupy_attn
     from cupy_attn import reference
     torch = _torch()
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(variant))
     gen = torch.Generator(device="cuda").manual_seed(L + S)
     dt = getattr(torch, dtype)
     causal = True if align == "top_left" else "bottom_right"
@@ -675,7 +683,8 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype):
         q, k, v = (torch.randn(*s, generator=gen, device="cuda").to(dt)
                    for s in ((B, Hq, L, D), (B, Hkv, S, D), (B, Hkv, S, D)))
         plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
-        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[1] + " "), str(plan)
+        assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[variant] + " "), \
+            str(plan)
         assert "row bands" in plan.details["causal"], str(plan)
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv,
                                                           return_lse=True)

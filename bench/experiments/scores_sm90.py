@@ -1,9 +1,10 @@
 """Issue 14 A/B: the split path without the Hopper scores kernel, with it (scores_softmax_sm90: Q·Kᵀ with the
-softmax in its epilogue, then cuBLAS P·V), and with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs
-sharing K by TMA multicast), same process, interleaved rounds; and both kernels alone, interleaved.
+softmax in its epilogue, then cuBLAS P·V), with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs
+sharing K by TMA multicast) and its persistent variant (scores_softmax_sm90_persistent), same process, interleaved
+rounds; and the kernels alone, interleaved.
 
 Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms
-(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0, 1 and 2, each round all three; each kernel alone (ms, TFLOP/s
+(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0, 1, 2 and 3, each round all four; each kernel alone (ms, TFLOP/s
 counting 2·B·H·L·S·D; best of the rounds, which alternate the two kernels); max |out − ref| against torch's fp32
 attention on the same inputs (TF32 off). A hang (mbarrier/TMA) ends the run after 60 s (common.wait_or_die).
 
@@ -54,7 +55,8 @@ def _max_active_clusters(launch) -> str:
         return f"n/a ({type(exc).__name__}: {exc})"
 
 
-MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V"}
+MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V",
+         "3": "persistent scores kernel + P·V"}
 
 
 def run_shape(shape, dt, rounds):
@@ -88,7 +90,7 @@ def run_shape(shape, dt, rounds):
     for m in sorted(scores_sm90.KERNELS):
         P = cupy.empty((B, H, L, ld), dtype=cq.dtype)
         lse = cupy.empty((B, H, L), dtype=cupy.float32)
-        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, cluster_m=m)
+        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, variant=m)
         launches[m] = launch
         kernels[m] = lambda launch=launch, P=P, lse=lse: launch(cq.data.ptr, ck.data.ptr, P.data.ptr, lse.data.ptr)
         kernels[m]()
@@ -111,9 +113,10 @@ def run_shape(shape, dt, rounds):
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
               f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
               f"{_max_active_clusters(launch)}", flush=True)
-    print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x the one-CTA kernel; outputs "
+    print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x, persistent "
+          f"{min(k_ms[1]) / min(k_ms[3]):.3f}x the one-CTA kernel's speed; outputs "
           f"{'identical' if same else 'DIFFER'}", flush=True)
-    for mode in ("1", "2"):
+    for mode in ("1", "2", "3"):
         print(f"{name} speedup over cuBLAS + softmax ({MODES[mode]}): whole {min(whole['0']) / min(whole[mode]):.3f}x, "
               f"device {min(dev['0']) / min(dev[mode]):.3f}x", flush=True)
 

@@ -42,13 +42,18 @@
 // a row's limit gets P = 0, keys 2·nw ... S − 1 by plain 16-byte stores (the P·V GEMM reads whole rows); a row that
 // sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
 //
-// Not (yet) here: a persistent grid overlapping one tile's epilogue with the next tile's mainloop, attn_mask.
+// Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
+// the producer loads the next block's first stages while the consumers run a block's softmax and P stores. It does
+// not overlap the epilogue with the next block's wgmma (both consumer warpgroups hold one block's rows: a ping-pong
+// of blocks would need 256 accumulator registers per thread at S = 512).
+// Not (yet) here: attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
 //   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
 //   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              1.571 ms (0.83× v1)
 //   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
 //   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
+//   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
@@ -70,6 +75,7 @@ struct ScoresSm90Params {
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long is_causal;      // 1: key j is visible to query row i iff j <= i + causal_offset
   long long causal_offset;  // 0 (top-left) or S - L (bottom-right)
+  long long num_heads, batch;  // Hq, B: the persistent kernel's tiles are (row block, head, batch), row block fastest
 };
 
 namespace scores_sm90 {
@@ -130,12 +136,13 @@ namespace scores_sm90 {
 // completed, so that stage is released while this one runs (two groups in flight). Returns after wait<0>.
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
-                                       unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank) {
+                                       unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
+                                       int step0) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   for (int kb = 0; kb < k_blocks; ++kb) {
-    const int s = kb % kStages;
-    tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
+    const int s = (step0 + kb) % kStages;
+    tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
     const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
     wgmma::fence();
     #pragma unroll
@@ -147,8 +154,8 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
     if (kb > 0) {
       __syncwarp();
       if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(kb - 1) % kStages]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(kb - 1) % kStages], rank ^ 1);
+        tma::mbar_arrive(&ss.empty[(step0 + kb - 1) % kStages]);
+        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(step0 + kb - 1) % kStages], rank ^ 1);
       }
     }
   }
@@ -159,17 +166,65 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
                                              const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
-                                             unsigned k_base, int k_blocks, int lane, unsigned rank) {
+                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank);
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank);
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
     } else {
-      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank);
+      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
+                                                           step0);
     }
   }
 }
+
+// One tile of the kernel: 64 query rows (m0 ...) of head h, batch b, and the keys its rows may see. Keys 0 ...
+// n_vis − 1 are visible to some row of the block: all S, or under a causal mask those up to the limit of its last row (0 when
+// no row sees a key). Keys per warpgroup nw: kHalfN, or under a causal mask half of n_vis rounded up to 64
+// (warpgroup w takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw).
+template <int kHalfN>
+struct Tile {
+  int m0, h, b, n_vis, nw;
+  __device__ __forceinline__ Tile(const ScoresSm90Params& p, int mb, int h_, int b_) : m0(mb * kBlockM), h(h_), b(b_) {
+    n_vis = static_cast<int>(p.seqlen_k);
+    if (p.is_causal) {
+      const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
+      n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+    }
+    nw = p.is_causal ? min(kHalfN, max(64, (n_vis + 127) / 128 * 64)) : kHalfN;
+  }
+};
+
+// The tiles of a CTA, in order. One-CTA and cluster kernels: the block's own (grid (row blocks, Hq, B)). Persistent
+// kernel (grid (min(tiles, SMs), 1, 1)): tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (row block, head,
+// batch) order with the row block fastest, so that the CTAs running at one time cover a few heads' row blocks side
+// by side, and each head's K is read from DRAM about once (as the one-CTA grid's order does).
+template <bool kPersistent>
+struct TileWalk {
+  int next, stride, count, m_blocks, heads;
+  __device__ __forceinline__ explicit TileWalk(const ScoresSm90Params& p) {
+    m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+    heads = static_cast<int>(p.num_heads);
+    if constexpr (kPersistent) {
+      next = blockIdx.x;
+      stride = gridDim.x;
+      count = m_blocks * heads * static_cast<int>(p.batch);
+    } else {
+      next = 0;
+      stride = 1;
+      count = 1;
+    }
+  }
+  __device__ __forceinline__ bool more() const { return next < count; }
+  template <int kHalfN>
+  __device__ __forceinline__ Tile<kHalfN> take(const ScoresSm90Params& p) {
+    const int t = next;
+    next += stride;
+    if constexpr (kPersistent) return Tile<kHalfN>(p, t % m_blocks, (t / m_blocks) % heads, t / (m_blocks * heads));
+    else return Tile<kHalfN>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+  }
+};
 
 // The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
 // one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
@@ -178,31 +233,27 @@ __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
 // from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
 // into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
 // loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
-template <typename T, int kHalfN, int kStages, int kClusterM>
+// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
+// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
+// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
+// (step = tile's first step + kb). A tile's last stage is held by the consumers until their P stores have read it:
+// each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage, and releases the
+// stage only after its TMA stores have read shared memory.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent>
 __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
   static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
+  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
   // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
   const Smem ss(smem_raw);
-  const int m0 = blockIdx.x * kBlockM, h = blockIdx.y, b = blockIdx.z;
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
   const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
-  // Keys 0 ... n_vis − 1 are visible to some row of this block: all S, or under a causal mask those up to the limit
-  // of its last row (0 when no row sees a key).
-  int n_vis = static_cast<int>(p.seqlen_k);
-  if (p.is_causal) {
-    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
-  }
-  // Keys per warpgroup: kHalfN, or under a causal mask half of n_vis rounded up to 64 (warpgroup w takes keys
-  // w·nw ... w·nw + nw − 1; the producer loads the second box from key nw).
-  const int nw = p.is_causal ? min(kHalfN, max(64, (n_vis + 127) / 128 * 64)) : kHalfN;
 
   if (threadIdx.x == 0) {
     #pragma unroll
@@ -226,27 +277,31 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     if (threadIdx.x == 0) {
       tma::prefetch_map(&p.tma_q);
       tma::prefetch_map(&p.tma_k);
-      const int h_kv = h / static_cast<int>(p.groups);
-      // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its box
-      // is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-      const bool load_hi = nw < n_vis;
-      const bool load_q = kClusterM == 1 || m0 < p.seqlen_q;  // false only in a cluster's padding CTA
-      const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
-      for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = kb % kStages;
-        tma::mbar_wait(&ss.empty[s], ((kb / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
-        // while, and the phase still needs this arrival to complete.
-        tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-        if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, m0, h, b);
-        T* k = ss.k + s * 2 * kHalfN * 64;
-        if constexpr (kClusterM > 1) {
-          if (rank == 0 || load_hi)
-            tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
-                                   h_kv, b);
-        } else {
-          tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, b);
-          if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, nw, h_kv, b);
+      int step = 0;
+      for (TileWalk<kPersistent> walk(p); walk.more();) {
+        const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
+        const int h_kv = tl.h / static_cast<int>(p.groups);
+        // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
+        // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
+        const bool load_hi = tl.nw < tl.n_vis;
+        const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
+        const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+        for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+          const int s = step % kStages;
+          tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
+          // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
+          // while, and the phase still needs this arrival to complete.
+          tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
+          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
+          T* k = ss.k + s * 2 * kHalfN * 64;
+          if constexpr (kClusterM > 1) {
+            if (rank == 0 || load_hi)
+              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
+                                     h_kv, tl.b);
+          } else {
+            tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
+            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, tl.nw, h_kv, tl.b);
+          }
         }
       }
     }
@@ -263,147 +318,160 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
   const int S = static_cast<int>(p.seqlen_k);
-  const int n0 = wg * nw;
-  const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
-
-  // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
-  float acc[kHalfN / 2];
-  #pragma unroll
-  for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
+  const bool causal = p.is_causal != 0;
+  const float c = static_cast<float>(p.scale_log2);
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
-  if (active) {
-    k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank);
-  } else {
-    // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the ring's
-    // phases, releasing each stage (in a cluster, in both CTAs) as soon as it has come, so the empty barriers keep
-    // their count. This also arrives on the last stage's empty barrier, which k_loop never does: that phase is never
-    // waited on (the producer has nothing left to load), and a round's arrivals cannot mix into the one before, as
-    // each first waits for the stage's full barrier of its own round.
-    for (int kb = 0; kb < k_blocks; ++kb) {
-      const int s = kb % kStages;
-      tma::mbar_wait(&ss.full[s], (kb / kStages) & 1);
-      __syncwarp();
-      if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[s]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
+  int step = 0;  // the ring step of the tile's first k block
+  for (TileWalk<kPersistent> walk(p); walk.more(); step += k_blocks) {
+    const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
+    const int m0 = tl.m0, h = tl.h, b = tl.b, n_vis = tl.n_vis, nw = tl.nw;
+    const int n0 = wg * nw;
+    const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
+    const int last = (step + k_blocks - 1) % kStages;  // the tile's last stage: P's staging, released after the stores
+
+    // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
+    float acc[kHalfN / 2];
+    #pragma unroll
+    for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
+    if (active) {
+      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step);
+    } else {
+      // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the
+      // ring's phases, releasing each stage but the tile's last (in a cluster, in both CTAs) as soon as it has come,
+      // so the empty barriers keep their count; the last is released with the active path's, after the stores.
+      for (int kb = 0; kb < k_blocks; ++kb) {
+        const int s = (step + kb) % kStages;
+        tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+        __syncwarp();
+        if (lane == 0 && kb + 1 < k_blocks) {
+          tma::mbar_arrive(&ss.empty[s]);
+          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
+        }
       }
     }
-  }
-  wgmma::fence_operands(acc);
-  // The last stage needs no release: the producers have nothing left to load. This CTA's last access to the peer's
-  // shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
-  if constexpr (kClusterM > 1) tma::cluster_arrive();
+    wgmma::fence_operands(acc);
+    // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
+    // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
+    if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-  // Keys past S (zero rows of K from TMA's fill) and past a row's causal limit take no part: −inf before the max
-  // (an assignment: an inactive warpgroup's accumulators are never written). acc[4j + 2·half + e] is row
-  // r0 + 8·half, column n0 + 8j + 2t + e.
-  const bool causal = p.is_causal != 0;
-  if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
+    // Keys past S (zero rows of K from TMA's fill) and past a row's causal limit take no part: −inf before the max
+    // (an assignment: an inactive warpgroup's accumulators are never written). acc[4j + 2·half + e] is row
+    // r0 + 8·half, column n0 + 8j + 2t + e.
+    if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        long long limit = min(S, n0 + nw);  // keys < limit are this warpgroup's and visible to this row
+        if (causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
+        // column 8j + e of this lane is visible iff 8j + e < lim
+        const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - n0 - 2 * t)))
+                               : -1;
+        #pragma unroll
+        for (int j = 0; j < kHalfN / 8; ++j)
+          #pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
+      }
+    }
+
+    // Row max over both warpgroups. Without a causal mask column 0 is a key (S ≥ 1), so each row's max is finite for
+    // finite inputs; the scale c > 0 makes max(S)·c the max of the scaled scores. A causal row may see no key at all
+    // (bottom-right, L > S): its max is −inf and 0 stands in for it in the exponent, so its P is 0 (no NaN).
+    // Across tiles the exchange buffers are safe: a tile's row_max is written after the previous tile's second
+    // statistics barrier (every read of row_max is before it), its row_sum after its own first (every read of the
+    // previous row_sum is before that).
+    float mx[2] = {neg_inf(), neg_inf()};
+    #pragma unroll
+    for (int j = 0; j < kHalfN / 8; ++j)
+      #pragma unroll
+      for (int half = 0; half < 2; ++half)
+        mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      long long limit = min(S, n0 + nw);  // keys < limit are this warpgroup's and visible to this row
-      if (causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-      // column 8j + e of this lane is visible iff 8j + e < lim
-      const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - n0 - 2 * t)))
-                             : -1;
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+      if (t == 0) ss.row_max[wg * kBlockM + r0 + 8 * half] = mx[half];
+    }
+    tma::named_barrier_sync(kStatsBarrier, 256);
+    float m_c[2], sum[2] = {0.f, 0.f};
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
+      if (m_c[half] == neg_inf()) m_c[half] = 0.f;
+    }
+
+    // P unnormalized in place: 2^(s·c − m·c), one FFMA and one MUFU.EX2 per score (−inf → 0).
+    #pragma unroll
+    for (int j = 0; j < kHalfN / 8; ++j)
       #pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j)
+      for (int half = 0; half < 2; ++half)
         #pragma unroll
-        for (int e = 0; e < 2; ++e)
-          if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
+        for (int e = 0; e < 2; ++e) {
+          float& x = acc[4 * j + 2 * half + e];
+          x = exp2f(fmaf(x, c, -m_c[half]));
+          sum[half] += x;
+        }
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+      if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
     }
-  }
-
-  // Row max over both warpgroups. Without a causal mask column 0 is a key (S ≥ 1), so each row's max is finite for
-  // finite inputs; the scale c > 0 makes max(S)·c the max of the scaled scores. A causal row may see no key at all
-  // (bottom-right, L > S): its max is −inf and 0 stands in for it in the exponent, so its P is 0 (no NaN).
-  float mx[2] = {neg_inf(), neg_inf()};
-  #pragma unroll
-  for (int j = 0; j < kHalfN / 8; ++j)
+    tma::named_barrier_sync(kStatsBarrier, 256);
+    float inv[2];
     #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-    if (t == 0) ss.row_max[wg * kBlockM + r0 + 8 * half] = mx[half];
-  }
-  tma::named_barrier_sync(kStatsBarrier, 256);
-  const float c = static_cast<float>(p.scale_log2);
-  float m_c[2], sum[2] = {0.f, 0.f};
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
-    if (m_c[half] == neg_inf()) m_c[half] = 0.f;
-  }
+    for (int half = 0; half < 2; ++half) {
+      const float l = sum[half] + ss.row_sum[(wg ^ 1) * kBlockM + r0 + 8 * half];
+      inv[half] = l > 0.f ? 1.f / l : 0.f;
+      const int row = m0 + r0 + 8 * half;
+      if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
+        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
+            l > 0.f ? (m_c[half] + __log2f(l)) * kLn2 : neg_inf();
+    }
 
-  // P unnormalized in place: 2^(s·c − m·c), one FFMA and one MUFU.EX2 per score (−inf → 0).
-  #pragma unroll
-  for (int j = 0; j < kHalfN / 8; ++j)
+    // Stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
+    // tile's last stage (that stage's loads have landed and this warpgroup's wgmma reading it have completed; the
+    // stage is not refilled before its release below), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte
+    // chunk c of row r at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the
+    // boxes by TMA. The copies run asynchronously, so the tile's P bytes drain while the next tile runs (4-byte global
+    // stores measured 18% of the kernel's time at the seed). TMA clips the boxes to L rows, and to S keys in whole
+    // 16-byte chunks: the chunk holding key S − 1 is written in full (P = 0 past S; ld is a multiple of 8, so never
+    // past the row pitch), nothing else.
+    // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros, the boxes split
+    // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
+    // box has a free 64-column box past its nw keys: the zeros go there.
+    using P2 = typename Pair<T>::type;
+    unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + last * Smem::kKBytes + wg * kHalfN * 128;
     #pragma unroll
-    for (int half = 0; half < 2; ++half)
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
       #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float& x = acc[4 * j + 2 * half + e];
-        x = exp2f(fmaf(x, c, -m_c[half]));
-        sum[half] += x;
+      for (int j = 0; j < kHalfN / 8; ++j) {
+        if (8 * j >= nw) break;  // columns past the warpgroup's keys (causal blocks)
+        const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
+        *reinterpret_cast<P2*>(slot + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + 4 * t) = v;
       }
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-    if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
-  }
-  tma::named_barrier_sync(kStatsBarrier, 256);
-  float inv[2];
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float l = sum[half] + ss.row_sum[(wg ^ 1) * kBlockM + r0 + 8 * half];
-    inv[half] = l > 0.f ? 1.f / l : 0.f;
-    const int row = m0 + r0 + 8 * half;
-    if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
-      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
-          l > 0.f ? (m_c[half] + __log2f(l)) * kLn2 : neg_inf();
-  }
-
-  // Stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its K slot of stage 0
-  // (every stage's loads have landed and every wgmma has completed: both warpgroups passed the first statistics
-  // barrier after their last wait), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte chunk c of row r
-  // at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the boxes by TMA. The
-  // copies run asynchronously, so the CTA's last P bytes drain while the SM's next CTA starts (4-byte global stores
-  // measured 18% of the kernel's time at the seed). TMA clips the boxes to L rows, and to S keys in whole 16-byte
-  // chunks: the chunk holding key S − 1 is written in full (P = 0 past S; ld is a multiple of 8, so never past the row
-  // pitch), nothing else.
-  // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros (the warpgroup's K
-  // slot of stage 1), the boxes split between the warpgroups.
-  using P2 = typename Pair<T>::type;
-  unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + wg * kHalfN * 128;
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + 8 * half;
-    #pragma unroll
-    for (int j = 0; j < kHalfN / 8; ++j) {
-      if (8 * j >= nw) break;  // columns past the warpgroup's keys (causal blocks)
-      const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
-      *reinterpret_cast<P2*>(slot + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + 4 * t) = v;
     }
-  }
-  const int zero_boxes = 2 * nw < S ? (S - 2 * nw + 63) / 64 : 0;
-  unsigned char* zeros = reinterpret_cast<unsigned char*>(ss.k) + Smem::kKBytes + wg * kHalfN * 128;
-  if (zero_boxes > wg) {
-    const int c = tid % 128;
-    #pragma unroll
-    for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(zeros)[c + 128 * i] = make_uint4(0, 0, 0, 0);
-  }
-  tma::fence_proxy_async();
-  tma::named_barrier_sync(kStoreBarrier + wg, 128);
-  if (tid % 128 == 0) {
-    for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
-    for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
-    tma::bulk_commit();
-    tma::bulk_wait_read();
+    const int zero_boxes = 2 * nw < S ? (S - 2 * nw + 63) / 64 : 0;
+    unsigned char* zeros = slot + (nw / 64) * 8192;
+    if (zero_boxes > wg) {
+      const int i0 = tid % 128;
+      #pragma unroll
+      for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(zeros)[i0 + 128 * i] = make_uint4(0, 0, 0, 0);
+    }
+    tma::fence_proxy_async();
+    tma::named_barrier_sync(kStoreBarrier + wg, 128);
+    if (tid % 128 == 0) {
+      for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
+      for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
+      tma::bulk_commit();
+      tma::bulk_wait_read();
+    }
+    if constexpr (kPersistent) {
+      // The stores have read the staging: release the tile's last stage to the producer (the next tile's k blocks).
+      tma::named_barrier_sync(kStoreBarrier + wg, 128);
+      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
+    }
   }
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
 }
@@ -413,14 +481,20 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
 // Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
 template <typename T, int kHalfN, int kStages>
 __global__ void __launch_bounds__(384, 1) scores_softmax_sm90(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax<T, kHalfN, kStages, 1>(p);
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 1, false>(p);
 }
 
 // Grid (2·⌈L / 128⌉, Hq, B) in clusters of (2, 1, 1): CTAs 2i and 2i + 1 (row blocks of the same head) share K.
 template <typename T, int kHalfN, int kStages>
 __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
     scores_softmax_sm90_cluster2(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax<T, kHalfN, kStages, 2>(p);
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 2, false>(p);
+}
+
+// Grid (min(⌈L / 64⌉·Hq·B, SMs), 1, 1): persistent CTAs, each walking its tiles (TileWalk).
+template <typename T, int kHalfN, int kStages>
+__global__ void __launch_bounds__(384, 1) scores_softmax_sm90_persistent(const __grid_constant__ ScoresSm90Params p) {
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 1, true>(p);
 }
 
 }  // namespace cupy_attn

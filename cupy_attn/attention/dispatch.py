@@ -251,12 +251,13 @@ def split_details(p, arch: int | None = None) -> dict:
         from . import scores_sm90
         tile = scores_sm90.tile_for(p.seqlen_k)
         ld_p = -(-p.seqlen_k // 8) * 8
-        cluster_m = scores_sm90.setting()
+        variant = scores_sm90.setting()
         return {
-            "schedule": f"{scores_sm90.KERNELS[cluster_m]} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → cuBLAS "
-                        f"P·V ({scores_sm90.ENV_SPLIT_FUSED}={cluster_m})",
+            "schedule": f"{scores_sm90.KERNELS[variant]} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → cuBLAS "
+                        f"P·V ({scores_sm90.ENV_SPLIT_FUSED}={variant})",
             "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
-                             + (", clusters of 2 CTAs sharing K by TMA multicast" if cluster_m == 2 else ""),
+                             + {2: ", clusters of 2 CTAs sharing K by TMA multicast",
+                                3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, ""),
             "P buffer": f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head, all heads in one "
                         f"buffer of {p.batch * p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20:.0f} MiB",
             **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; P·V in "

@@ -8,8 +8,10 @@ dim E with 16-byte row strides, no mask, is_causal in both alignments (the one-C
 limit), GQA by head index. The split path (split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass unless
 ``CUPY_ATTN_SPLIT_FUSED=0`` (:func:`enabled`), and its
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
-(32, 32, 512, 1024)). ``CUPY_ATTN_SPLIT_FUSED=2`` runs the cluster variant instead (:data:`KERNELS`: two CTAs of
-adjacent row blocks share each K tile by TMA multicast, half the L2 → shared-memory traffic), for the A/B.
+(32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
+:func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
+multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
+one block's softmax and P stores overlap the next block's loads (3).
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -31,9 +33,11 @@ THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
 ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
-# CTAs per cluster (along the row blocks of one head) -> the kernel. 2: each CTA's producer loads one of a stage's two
-# K boxes and multicasts it to both CTAs, so K crosses from L2 once per 128 query rows instead of once per 64.
-KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2"}
+# variant -> the kernel. 1: one CTA per row block. 2: clusters of two CTAs (along the row blocks of one head); each
+# CTA's producer loads one of a stage's two K boxes and multicasts it to both CTAs, so K crosses from L2 once per 128
+# query rows instead of once per 64. 3: persistent, one CTA per SM walking the row blocks (a tile scheduler).
+KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2", 3: "scores_softmax_sm90_persistent"}
+CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +64,8 @@ SCORES_TILES = {
 _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 64)]
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset")])
+                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
+                        "num_heads", "batch")])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -75,11 +80,13 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
 
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
-    64-row block; the default, unset or any other value), 2 (its cluster variant: CTA pairs sharing K by TMA
-    multicast). Measured on an H200 (session 7, bench/experiments/scores_sm90.py, device time against the cuBLAS +
-    softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at (8,16,1024,512,512), 1.36x at
-    (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md)."""
-    return {"0": 0, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "1"), 1)
+    64-row block), 2 (its cluster variant: CTA pairs sharing K by TMA multicast), 3 (persistent CTAs; the default,
+    unset or any other value). Measured on an H200 (session 7, bench/experiments/scores_sm90.py, device time against
+    the cuBLAS + softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at
+    (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md). Session 10
+    (kernel_times.py, device time of 20 calls, two rounds): at the seed 3 takes 1.104-1.105 ms against 1's
+    1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms."""
+    return {"0": 0, "1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "3"), 3)
 
 
 def enabled() -> bool:
@@ -88,17 +95,23 @@ def enabled() -> bool:
     return setting() > 0
 
 
-def grid_for(batch: int, num_heads: int, seqlen_q: int, cluster_m: int = 1) -> tuple:
-    """(row blocks, Hq, B): ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of ``cluster_m`` (a cluster's
-    CTAs are adjacent along x; an odd count gets one CTA past L, which loads its share of K and stores nothing).
+def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sms: int = 132) -> tuple:
+    """Variants 1 and 2: (row blocks, Hq, B), ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of the
+    cluster's CTAs (variant 2: pairs adjacent along x; an odd count gets one CTA past L, which loads its share of K
+    and stores nothing). Variant 3 (persistent): (min(row blocks · Hq · B, num_sms), 1, 1), one CTA per SM.
 
     >>> grid_for(32, 32, 512, 2), grid_for(2, 3, 130, 2), grid_for(2, 3, 130, 1), grid_for(1, 1, 1, 2)
     ((8, 32, 32), (4, 3, 2), (3, 3, 2), (2, 1, 1))
+    >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3)
+    ((132, 1, 1), (18, 1, 1))
     """
-    if cluster_m not in KERNELS:
-        raise ValueError(f"cluster_m={cluster_m}: the scores kernel runs in clusters of {sorted(KERNELS)} CTAs")
+    if variant not in KERNELS:
+        raise ValueError(f"variant={variant}: the scores kernel's variants are {sorted(KERNELS)}")
     blocks = -(-seqlen_q // BLOCK_M)
-    return (-(-blocks // cluster_m) * cluster_m, num_heads, batch)
+    if variant == 3:
+        return (min(blocks * num_heads * batch, num_sms), 1, 1)
+    m = CLUSTER_M[variant]
+    return (-(-blocks // m) * m, num_heads, batch)
 
 
 def tile_for(seqlen_k: int) -> ScoresTile:
@@ -116,8 +129,8 @@ def unsupported_reason(p, arch: int) -> str | None:
     """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
     capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
 
-    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no dropout, is_causal only in the one-CTA
-    kernel (CUPY_ATTN_SPLIT_FUSED=2's clusters pair row blocks that would see different keys), scale > 0 (folded
+    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no dropout, is_causal not in the cluster
+    variant (CUPY_ATTN_SPLIT_FUSED=2's clusters pair row blocks that would see different keys), scale > 0 (folded
     into exp2), q and k readable by TMA in place (fused_sm90.layout_reason).
     """
     if arch != 90:
@@ -143,24 +156,25 @@ def unsupported_reason(p, arch: int) -> str | None:
     return None
 
 
-def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1, causal: str | None = None) -> "ScoresLaunch":
+def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads (TMA stores): (b, h) at (b·Hq + h)·L·ld elements,
-    rows ld (≥ S, a multiple of 8) elements apart. cluster_m: 1 (scores_softmax_sm90) or 2
-    (scores_softmax_sm90_cluster2, K shared by TMA multicast; its grid comes from :func:`grid_for`). causal:
-    None, "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each
-    row's limit. Raises ValueError for a short ld or one not a multiple of 8, another cluster_m, or causal with
-    cluster_m = 2."""
+    rows ld (≥ S, a multiple of 8) elements apart. variant: 1 (scores_softmax_sm90), 2
+    (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
+    q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
+    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
+    multiple of 8, another variant, or causal with variant 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8 (TMA "
                          "stores: 16-byte row strides)")
-    if causal is not None and cluster_m != 1:
-        raise ValueError(f"causal={causal!r}: the cluster variant (cluster_m={cluster_m}) is not causal")
-    grid = grid_for(B, Hq, L, cluster_m)
+    if causal is not None and variant == 2:
+        raise ValueError(f"causal={causal!r}: the cluster variant (variant=2) is not causal")
+    num_sms = _num_sms(q.device.id) if variant == 3 else 0
+    grid = grid_for(B, Hq, L, variant, num_sms)
     tile = tile_for(S)
-    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[cluster_m], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     smem = tile.smem_bytes()
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -169,26 +183,37 @@ def prepare(q, k, lse, *, scale: float, ld: int, cluster_m: int = 1, causal: str
     p["scale_log2"] = float(scale) * _LOG2E
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["num_heads"], p["batch"] = Hq, B
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     isz = q.dtype.itemsize
     p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
-    return ScoresLaunch(kernel, p, maps, grid, tile, cluster_m)
+    return ScoresLaunch(kernel, p, maps, grid, tile, variant)
+
+
+def _num_sms(device_id: int) -> int:
+    from ..runtime.interop import device_sms
+    return device_sms(device_id)
 
 
 @dataclasses.dataclass
 class ScoresLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, CTAs per
-    cluster (compiled into the kernel by __cluster_dims__: a plain launch of a grid whose x is a multiple of it)."""
+    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, variant
+    (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by __cluster_dims__: a plain launch
+    of a grid whose x is a multiple of it)."""
 
     kernel: object
     params: np.ndarray
     maps: tuple
     grid: tuple
     tile: ScoresTile
-    cluster_m: int = 1
+    variant: int = 1
+
+    @property
+    def cluster_m(self) -> int:
+        return CLUSTER_M[self.variant]
 
     def __post_init__(self):
         self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
@@ -201,7 +226,8 @@ class ScoresLaunch:
         self.kernel(self.grid, (THREADS,), (struct_arg(params),), shared_mem=self.tile.smem_bytes())
 
     def describe(self) -> str:
-        shared = ", clusters of 2 CTAs sharing K by TMA multicast" if self.cluster_m == 2 else ""
-        return (f"{KERNELS[self.cluster_m]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
+        shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
+                  3: ", persistent: one CTA per SM walks its row blocks"}.get(self.variant, "")
+        return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
                 f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
                 f"{self.grid})")

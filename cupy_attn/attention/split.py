@@ -323,7 +323,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     if fused_reason(p, budget) is None:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
-        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, cluster_m=scores.setting(),
+        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
                                        causal=p.causal)
 
     def gemm_pair(nb: int, lc: int, sc: int = S):
