@@ -295,7 +295,7 @@ class _MBarrier:
 
 
 def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True, True), half_n=256, seed=0,
-                     mutation=None):
+                     mutation=None, tiles=1):
     """The scores kernel's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax), transcribed step by step
     for cluster_m CTAs of one cluster and run under a random interleaving (``seed``): per CTA the producer thread and
     the 8 consumer warps (lane 0 stands for its warp), with the kernel's barrier counts, parities, expect_tx bytes,
@@ -307,7 +307,11 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
     past full[s] finds Q (where loaded) and its K boxes of that very k block (read after write); nothing lands in or
     arrives on an exited CTA; no deadlock. ``mutation`` breaks the protocol on purpose (the tests show each one is
     caught): "local_empty" (empty barriers count 8 local warps, no remote arrivals), "no_exit_barrier",
-    "own_bytes_only" (full barriers expect only the bytes this CTA's producer loads). Raises ProtocolError."""
+    "own_bytes_only" (full barriers expect only the bytes this CTA's producer loads), "early_release" (persistent:
+    a tile's last stage released before its P stores have read the staging). Raises ProtocolError.
+
+    tiles > 1 (one CTA): the persistent kernel, ring steps counted across tiles (step = tile · k_blocks + kb); each
+    warp holds a tile's last stage through the epilogue (P staged in it, then stored) and releases it after."""
     import random
     rng = random.Random(seed)
     q_bytes, box_bytes = 64 * 128, half_n * 128
@@ -315,8 +319,10 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
     remote = cluster_m > 1 and mutation != "local_empty"
     full = [[_MBarrier(1) for _ in range(stages)] for _ in ctas]
     empty = [[_MBarrier(8 * (cluster_m if remote else 1)) for _ in range(stages)] for _ in ctas]
-    tags = [[{} for _ in range(stages)] for _ in ctas]  # [cta][stage][part] = k block of the data there
-    finished = [[0] * k_blocks for _ in ctas]  # warps done reading k block kb in CTA c
+    assert tiles == 1 or cluster_m == 1, "the persistent kernel is one CTA"
+    steps = tiles * k_blocks
+    tags = [[{} for _ in range(stages)] for _ in ctas]  # [cta][stage][part] = ring step of the data there
+    finished = [[0] * steps for _ in ctas]  # warps done with ring step g in CTA c (reading, and any staging in it)
     alive = [9] * cluster_m  # threads (producer + 8 warps) not yet exited, per CTA
     events = []  # in flight: (kind, destination cta, ...)
     unflushed = {}  # thread -> its remote arrivals still in flight
@@ -339,7 +345,7 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
         expect = q + box_bytes * len(boxes)
         if mutation == "own_bytes_only":
             expect = q + (box_bytes if c == 0 or load_hi else 0)
-        for kb in range(k_blocks):
+        for kb in range(steps):
             s = kb % stages
             yield lambda kb=kb, s=s: empty[c][s].ready(((kb // stages) & 1) ^ 1)
             full[c][s].arrive(tx=expect)
@@ -359,29 +365,39 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
         if cluster_m > 1:
             yield from cluster_sync(1, me)
         inactive = w >= 4 and not load_hi  # warpgroup 1 sees no key: no wgmma, each stage released as it comes
-        for kb in range(k_blocks):
-            s = kb % stages
-            yield lambda kb=kb, s=s: full[c][s].ready((kb // stages) & 1)
-            if inactive:
-                finished[c][kb] += 1
-                empty[c][s].arrive()
-                if remote:
-                    events.append(("arrive", c ^ 1, s, me))
-                    unflushed[me] = unflushed.get(me, 0) + 1
+        for tile in range(tiles):
+            for kb in range(tile * k_blocks, (tile + 1) * k_blocks):
+                s = kb % stages
+                last = kb == (tile + 1) * k_blocks - 1
+                yield lambda kb=kb, s=s: full[c][s].ready((kb // stages) & 1)
+                if inactive:
+                    if not last:  # the tile's last stage is held through the epilogue
+                        finished[c][kb] += 1
+                        empty[c][s].arrive()
+                        if remote:
+                            events.append(("arrive", c ^ 1, s, me))
+                            unflushed[me] = unflushed.get(me, 0) + 1
+                    yield lambda: True
+                    continue
+                need = (["q"] if rows_ok[c] else []) + boxes
+                if any(tags[c][s].get(part) != kb for part in need):
+                    raise ProtocolError(f"CTA {c} warp {w} read stage {s} for k block {kb}: holds {tags[c][s]}")
+                if kb > tile * k_blocks:  # wgmma.wait_group 1: k block kb − 1 is read; release its stage
+                    finished[c][kb - 1] += 1
+                    empty[c][(kb - 1) % stages].arrive()
+                    if remote:
+                        events.append(("arrive", c ^ 1, (kb - 1) % stages, me))
+                        unflushed[me] = unflushed.get(me, 0) + 1
                 yield lambda: True
-                continue
-            need = (["q"] if rows_ok[c] else []) + boxes
-            if any(tags[c][s].get(part) != kb for part in need):
-                raise ProtocolError(f"CTA {c} warp {w} read stage {s} for k block {kb}: holds {tags[c][s]}")
-            if kb > 0:  # wgmma.wait_group 1: k block kb − 1 is read; release its stage
-                finished[c][kb - 1] += 1
-                empty[c][(kb - 1) % stages].arrive()
-                if remote:
-                    events.append(("arrive", c ^ 1, (kb - 1) % stages, me))
-                    unflushed[me] = unflushed.get(me, 0) + 1
-            yield lambda: True
-        if not inactive:
-            finished[c][k_blocks - 1] += 1  # wait_group 0
+            # wait_group 0, then the epilogue: P staged in this warp's K box of the tile's last stage, stored by TMA
+            # (the stores read it); the persistent kernel then releases the stage. A one-tile CTA never does.
+            g = (tile + 1) * k_blocks - 1
+            if tiles > 1 and mutation == "early_release":
+                empty[c][g % stages].arrive()
+            yield lambda: True  # staging and stores in progress
+            finished[c][g] += 1
+            if tiles > 1 and mutation != "early_release":
+                empty[c][g % stages].arrive()
         if cluster_m > 1 and mutation != "no_exit_barrier":
             yield from cluster_sync(2, me)
         alive[c] -= 1
@@ -432,6 +448,27 @@ def test_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi,
     and the S ≤ 64 case (one K box), over 150 random interleavings each: no hazard, no deadlock, clean exit."""
     for seed in range(150):
         emulate_pipeline(k_blocks, stages, cluster_m, load_hi=load_hi, rows_ok=rows_ok[:cluster_m], seed=seed)
+
+
+@pytest.mark.parametrize("tiles", [2, 5])
+@pytest.mark.parametrize("k_blocks,stages,load_hi", [(1, 3, True), (2, 3, True), (3, 3, False), (16, 3, True),
+                                                     (5, 4, True), (4, 2, True)])
+def test_persistent_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi, tiles):
+    """The persistent kernel's protocol (one ring across tiles, each tile's last stage held through its epilogue):
+    no hazard, no deadlock, clean exit over 150 random interleavings each; k_blocks = 1 (every stage is some tile's
+    last), k_blocks a multiple of the ring, the S ≤ 64 case."""
+    for seed in range(150):
+        emulate_pipeline(k_blocks, stages, 1, load_hi=load_hi, rows_ok=(True,), seed=seed, tiles=tiles)
+
+
+def test_persistent_pipeline_emulation_catches_an_early_release():
+    for seed in range(300):
+        try:
+            emulate_pipeline(2, 3, 1, rows_ok=(True,), seed=seed, tiles=4, mutation="early_release")
+        except ProtocolError as exc:
+            assert "while k block" in str(exc), str(exc)
+            return
+    pytest.fail("a release before the P stores went unnoticed in 300 interleavings")
 
 
 @pytest.mark.parametrize("mutation,words", [("local_empty", "while k block"), ("no_exit_barrier", "after it exited"),
