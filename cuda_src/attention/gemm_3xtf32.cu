@@ -7,7 +7,8 @@
 //   big   = x rounded to TF32, to nearest, ties away from zero: (bits + 0x1000) & ~0x1fff (cvt.rna.tf32.f32's result
 //           for every finite x, without its inf/NaN select)
 //   small = (x − big) truncated to TF32: x − big is exact in fp32 and |x − big| ≤ 2^-11·|x|, so |x − big − small| <
-//           2^-22·|x|, with either sign: big + small is x to about fp32 rounding, without bias
+//           2^-22·|x|, with either sign: big + small is x to about fp32 rounding, without bias (for |x| ≥ 2^-103;
+//           below, small can be subnormal and keeps fewer bits, as in CUTLASS's split)
 // and per k-step of 8 one fp32 accumulator takes three mma.sync.m16n8k8 TF32 products, the small ones first:
 //   acc += a_small·b_big;  acc += a_big·b_small;  acc += a_big·b_big     (a_small·b_small, ≤ 2^-22·|a·b|, is dropped)
 // Three integer/fp32 ops per element: the tensor core reads only the top 19 bits of a TF32 register, and ptxas, which
