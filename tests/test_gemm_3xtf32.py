@@ -8,9 +8,9 @@ cache's environment key; argument errors; the alignment variant; the split path'
 and cuBLAS otherwise; explain naming it.
 GPU (``gpu`` marker): against float64 on odd shapes (1, 7, 33, 257, 1000), both layouts, batches with padded row and
 batch strides and a broadcast operand, alpha ≠ 1, NaN-poisoned C whose padding must stay NaN; max error ≤ cuBLAS
-SGEMM's (torch.matmul, TF32 off) on the same inputs for k ≥ 256 and far below TF32's; NaN propagation; unaligned
-operands (4-byte copies); SDPA at fp32 with large logits (|scale·q·k| up to ~100), head dims 257-1024, masks and
-causal, against torch's own fp32 error (tests/_tolerance.py), with explain naming the 3xTF32 GEMM.
+SGEMM's (torch.matmul, TF32 off) on the same inputs for k ≥ 256 (over ≥ 4096 outputs) and far below TF32's; NaN
+propagation; unaligned operands (4-byte copies); SDPA at fp32 with large logits (|scale·q·k| up to ~100), head dims
+257-1024, masks and causal, against torch's own fp32 error (tests/_tolerance.py), with explain naming the 3xTF32 GEMM.
 
     PYTHONPATH=. python3 -m pytest -m gpu tests/test_gemm_3xtf32.py
 """
@@ -399,8 +399,11 @@ def test_gemm_against_float64_and_sgemm(batch, m, n, k, trans_b):
                                                    .double())
     bad = (c.double() - ref).abs() > bound
     assert not bad.any(), f"{bad.sum().item()} elements off; first at {bad.nonzero()[:5].tolist()}"
-    if k >= 256:
+    # Against SGEMM where the max error is a stable statistic: k ≥ 256 (long dot products) over ≥ 4096 outputs (a NumPy
+    # model with round-to-nearest accumulation puts 3xTF32 at 0.4-0.8× a sequential FFMA chain there).
+    if k >= 256 and m * n >= 4096:
         assert ours <= 1.0 * sgemm, f"3xTF32 max err {ours:.3g} > cuBLAS SGEMM's {sgemm:.3g} (TF32 {tf32:.3g})"
+    if k >= 256:
         assert ours * 100 < tf32, f"3xTF32 max err {ours:.3g} is not far below TF32's {tf32:.3g}"
 
 
