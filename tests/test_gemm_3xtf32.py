@@ -246,8 +246,8 @@ class _RecordingGemm:
 
 
 def _schedule(monkeypatch, dtype=np.float32, allow_tf32=False, arch=90, B=2, H=3, L=100, S=300, E=257, Ev=200):
-    """(schedule, problem, out): split.schedule for a (B, H, L, S, E/Ev) call on NumPy stand-ins (shapes and strides are all it reads), with
-    the softmax kernel, the device's arch and cuBLAS replaced: nothing touches a GPU."""
+    """(schedule, problem, out): split.schedule for a (B, H, L, S, E/Ev) call on NumPy stand-ins (shapes and strides
+    are all it reads), with the softmax kernel, the device's arch and cuBLAS replaced: nothing touches a GPU."""
     from cupy_attn.attention import checks, dispatch, split
     from cupy_attn.runtime import blas, interop
 

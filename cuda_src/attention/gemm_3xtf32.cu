@@ -95,8 +95,8 @@ __device__ __forceinline__ void split_tf32(unsigned x, unsigned& big, unsigned& 
 // memory) is copied in chunks of 4 consecutive floats, a thread's kChunks chunks in one column on rows kRowStep apart.
 // kAligned: one 16-byte cp.async per chunk (rows 16-byte aligned; a chunk that straddles the valid columns copies its
 // valid bytes and zero-fills the rest); else four 4-byte cp.async (any fp32 layout). The pointer of the thread's first
-// chunk moves along k by advance() after each k-tile, so a copy costs an add per chunk, and the checks for rows and
-// columns past the matrix are made only where a tile crosses its edge (kChecked). A chunk with nothing to read is
+// chunk is moved along k by the caller after each k-tile, so a copy costs an add per chunk, and the checks for rows
+// and columns past the matrix are made only where a tile crosses its edge (kChecked). A chunk with nothing to read is
 // given ``safe`` (the operand's base address: in the matrix, aligned) as its address, with 0 bytes.
 template <int kRows, int kCols, int kPitch, bool kAligned>
 struct TileCopy {
@@ -241,7 +241,7 @@ __global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf
     #pragma unroll 1
     for (int ks = 0; ks < kBlockK / 8; ++ks) {
       // B fragments of the k-step, split once; then per m tile its A fragment, split, and its 3·kNTiles products
-      // (only one A fragment pair is live at a time: 64 accumulators + 16 + 8 split registers).
+      // (only one A fragment pair is live at a time: the accumulators, + 16 B and 8 A split registers).
       unsigned b_big[kNTiles][2], b_small[kNTiles][2];
       if constexpr (kTransB) {
         #pragma unroll

@@ -142,9 +142,10 @@ class Gemm3xTF32:
 
     Raises TypeError for a non-float32 dtype and ValueError, naming the argument, for a tile not in TILES,
     trans_a=True, beta ≠ 0, allow_tf32=True (that is cuBLAS's FAST_TF32, not this GEMM), sizes < 1 or ≥ 2^31, row
-    strides shorter than a row, negative batch strides, or a grid over 2^31 − 1 CTAs. Operands whose rows (base address, lda or ldb, batch stride)
-    are 16-byte aligned are copied by 16-byte cp.async, the others by 4-byte copies (any fp32 layout); the choice is
-    made per call from the pointers.
+    strides shorter than a row, negative batch strides, or a grid over 2^31 − 1 CTAs. Operands whose rows (base
+    address, lda or ldb, batch stride) are 16-byte aligned are copied by 16-byte cp.async, the others by 4-byte copies
+    (any fp32 layout); the choice is made per call from the pointers, and each kernel variant is compiled (or read
+    from the compile cache) and loaded at its first use.
     """
 
     def __init__(self, *, c_dtype, ldc: int, stride_c: int, a_dtype, lda: int, stride_a: int, trans_a: bool,
@@ -178,7 +179,6 @@ class Gemm3xTF32:
                              f"grid limit 2^31 - 1")
         self.tile = tile
         self.trans_b = bool(trans_b)
-        self.problem = dict(m=m, n=n, k=k, batch=batch)
         p = np.zeros((), dtype=_PARAMS)
         for name, v in (("m", m), ("n", n), ("k", k), ("batch", batch), ("lda", lda), ("ldb", ldb), ("ldc", ldc),
                         ("stride_a", stride_a), ("stride_b", stride_b), ("stride_c", stride_c),
