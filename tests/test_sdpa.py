@@ -230,9 +230,12 @@ def test_nan_propagates_and_empty_shapes(dtype):
 
 
 def test_fp32_is_exact_fp32_by_default():
-    """fp32 must not silently use TF32: its error stays near fp32 rounding, far below TF32's ~1e-3."""
+    """fp32 must not silently use TF32: its error stays near fp32 rounding, far below TF32's ~1e-3 (the default GEMM
+    is the 3xTF32 kernel, tests/test_gemm_3xtf32.py; TF32 only with allow_tf32)."""
     g = torch.Generator("cuda").manual_seed(16)
     q, k, v = (_rand((1, 4, 256, 256), "float32", g) for _ in range(3))
+    assert "3xTF32" in cupy_attn.explain(q, k, v).details["GEMMs"]
+    assert "FAST_TF32" in cupy_attn.explain(q, k, v, allow_tf32=True).details["GEMMs"]
     ref = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v))
     err = np.abs(as_f64(cupy_attn.scaled_dot_product_attention(q, k, v)) - ref).max()
     assert err < 1e-5, err

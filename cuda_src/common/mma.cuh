@@ -1,6 +1,6 @@
 // Inline-PTX wrappers for the sm_80+ tensor-core path: cp.async (global -> shared without registers), ldmatrix
-// (shared -> mma fragments) and mma.sync m16n8k16 with fp32 accumulation. Valid on sm_80..sm_90 (and later), so one
-// source serves Ampere and Hopper.
+// (shared -> mma fragments) and mma.sync m16n8k16 (fp16/bf16) and m16n8k8 (tf32) with fp32 accumulation. Valid on
+// sm_80..sm_90 (and later), so one source serves Ampere and Hopper.
 //
 // Fragment layouts of mma.m16n8k16 (PTX ISA, "Matrix fragments for mma.m16n8k16"), lane = 4·g + t:
 //   A (16x16, row-major), 4 regs of 2 elements: a0 (row g, cols 2t,2t+1) a1 (row g+8, same) a2 (row g, cols 2t+8,+9)
@@ -36,6 +36,11 @@ __device__ __forceinline__ void cp_async_16_prefetch(unsigned dst, const void* s
   } else {
     cp_async_16(dst, src, src_bytes);
   }
+}
+// 4-byte global -> shared copy (cp.async allows 4 bytes only with .ca, through L1); src_bytes 0 or 4, 0 writes a zero.
+// For rows that are not 16-byte aligned (an fp32 row of odd length); src needs only 4-byte alignment.
+__device__ __forceinline__ void cp_async_4(unsigned dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int kPending>
@@ -76,6 +81,19 @@ __device__ __forceinline__ void mma_16816<__nv_bfloat16>(float (&d)[4], const un
                "{%0,%1,%2,%3};\n"
                : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d += a·b for one 16x8x8 tile of TF32 operands (fp32 bit patterns; the unit reads the top 19 bits of each register:
+// sign, exponent, 10 mantissa bits). Fragment layout (PTX ISA, "Matrix fragments for mma.m16n8k8", .tf32), lane 4g+t:
+//   A (16x8, row-major): a0 (row g, col t) a1 (row g+8, col t) a2 (row g, col t+4) a3 (row g+8, col t+4)
+//   B (8x8, "col"):      b0 (k row t, col g) b1 (k row t+4, col g)
+//   C (16x8, fp32):      the m16n8k16 layout above.
+// An 8-row × 16-byte block of fp32 is one ldmatrix b16 matrix whose lane-l register is row l/4, fp32 column l%4: so
+// ldmatrix_x4 fills a whole A fragment (or two B fragments of a k-contiguous B) from fp32 rows.
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 2^x in one MUFU instruction (ex2.approx.ftz: rel. error ~2^-22, far below fp16/bf16 rounding); 2^-inf = +0,

@@ -11,6 +11,7 @@ import functools
 import os
 from typing import Callable
 
+from . import gemm_3xtf32
 from . import split as _split
 
 ENV_BACKEND = "CUPY_ATTN_BACKEND"
@@ -123,7 +124,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
     if p.dropout_p > 0:
         reason += f"; dropout_p={p.dropout_p} applied by the softmax kernel (P written dropped and scaled)"
-    return Plan("split", reason, describe=functools.partial(split_details, p, arch), copies=copies,
+    return Plan("split", reason, describe=functools.partial(split_details, p, arch, allow_tf32), copies=copies,
                 prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
 
 
@@ -240,9 +241,15 @@ def _fa3_tile(head_dim: int, mode: str, causal: bool):
     return fused_sm90.tile_for(mode, head_dim, causal)
 
 
-def split_details(p, arch: int | None = None) -> dict:
+def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
     """The split path's schedule as split.prepare will run it: the scores kernel and its P buffer, or the chunking of
-    the fp32 score buffer (``arch``: the plan's compute capability; None: the call's device's)."""
+    the fp32 score buffer, and the GEMMs (for fp32: gemm_3xtf32.fp32_gemm's choice under ``allow_tf32``). ``arch``:
+    the plan's compute capability; None: the call's device's."""
+    if arch is None:
+        arch = device_arch(p)
+    gemm_kind = gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch)
+    gemm_name = {None: "cuBLAS", "tf32": "cuBLAS TF32", "sgemm": "cuBLAS SGEMM", "3xtf32": "3xTF32 (gemm_3xtf32)",
+                 "3xtf32-single": "3xTF32 single-accumulator (gemm_3xtf32)"}[gemm_kind]
     ld = -(-p.seqlen_k // 8) * 8
     per_item = p.seqlen_q * ld * 4
     budget = _split.workspace_bytes_default()
@@ -265,7 +272,8 @@ def split_details(p, arch: int | None = None) -> dict:
                if p.causal is not None else {}),
         }
     return {
-        "schedule": "cuBLAS Q·Kᵀ (fp32 scores) → softmax kernel → cuBLAS P·V",
+        "schedule": f"{gemm_name} Q·Kᵀ (fp32 scores) → softmax kernel → {gemm_name} P·V",
+        "GEMMs": gemm_3xtf32.DESCRIPTIONS[gemm_kind],
         "scores kernel": f"not used: {why_not}",
         "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",

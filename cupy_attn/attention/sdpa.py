@@ -21,7 +21,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
     head axis), equal leading axes; Ev may differ from E. Hkv == Hq unless ``enable_gqa``, where Hq must be a multiple
     of Hkv and query head h reads key/value head h // (Hq // Hkv) (K and V are not expanded in memory).
-    dtypes: float16, bfloat16, float32, all three equal. float32 is computed in true fp32 unless ``allow_tf32``.
+    dtypes: float16, bfloat16, float32, all three equal. float32 is computed at fp32 accuracy unless ``allow_tf32``
+    (TF32 GEMMs, ~1e-3 relative): on sm_80+ the split path's GEMMs run 3xTF32 on tensor cores (CUTLASS's FastF32
+    split, as torch's memory-efficient kernel, summed per 32-deep k-slice; CUPY_ATTN_FP32_GEMM=sgemm: cuBLAS SGEMM).
     attn_mask: bool (True = takes part) or float (added to the scaled scores), broadcastable to (..., Hq, L, S).
     is_causal: True / "top_left" — query i sees keys j ≤ i (torch's ``tril(ones(L, S))``); "bottom_right" — j ≤ i + S − L
     (FlashAttention's alignment, for KV caches). Not together with attn_mask.
@@ -53,10 +55,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     calls at head dim 64, CUPY_ATTN_FA3=0 turns it off, =2 forces the one-tile-per-CTA overlap variant, =3 the
     persistent one; the others
     use warpgroup MMAs, CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused
-    mask+softmax kernel, cuBLAS P·V; the buffer is processed in chunks of batch·heads under ``workspace_bytes``,
-    default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper, fp16/bf16 calls with S ≤ 512 and no attn_mask (causal
-    or not) run one kernel for Q·Kᵀ and the softmax instead, writing P in the input dtype, CUPY_ATTN_SPLIT_FUSED=0
-    turns it off), or
+    mask+softmax kernel, cuBLAS P·V; for float32 our 3xTF32 GEMM in place of cuBLAS; the buffer is processed in
+    chunks of batch·heads under ``workspace_bytes``, default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper,
+    fp16/bf16 calls with S ≤ 512 and no attn_mask (causal or not) run one kernel for Q·Kᵀ and the softmax instead,
+    writing P in the input dtype, CUPY_ATTN_SPLIT_FUSED=0 turns it off), or
     "reference". "fused" and "split" need CUDA inputs.
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
@@ -191,16 +193,18 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            backend="auto", num_splits=None, generator=None) -> dispatch.Plan:
+            backend="auto", num_splits=None, generator=None, allow_tf32=False) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched (no random
     numbers are drawn).
 
     Takes the same arguments and raises the same errors. Returns a Plan (``.backend``, ``.reason``, ``.details``,
-    ``.copies``); ``print(plan)`` gives a readable summary.
+    ``.copies``); ``print(plan)`` gives a readable summary. On the split path ``.details["GEMMs"]`` names the GEMMs
+    (for float32: the 3xTF32 tensor-core GEMM, its single-accumulator variant under CUPY_ATTN_FP32_GEMM=3xtf32-single,
+    cuBLAS SGEMM under =sgemm, or TF32 with ``allow_tf32``).
     """
     decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
-    return dispatch.plan_sdpa(p, backend, num_splits=num_splits)
+    return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 
 def _run_reference(p, return_lse):

@@ -1,8 +1,12 @@
-"""The split attention path: cuBLAS GEMM → fused mask + softmax kernel → cuBLAS GEMM.
+"""The split attention path: GEMM → fused mask + softmax kernel → GEMM.
 
-    scores = (scale·log2 e) · Q Kᵀ      gemmStridedBatchedEx, fp16/bf16/fp32 in, fp32 compute, fp32 out
+    scores = (scale·log2 e) · Q Kᵀ      cuBLAS (fp16/bf16 in, fp32 compute) or, for fp32, gemm_3xtf32; fp32 out
     P      = softmax2(scores + mask)     cuda_src/attention/softmax.cu, in place over the scores buffer (P in the input dtype)
-    out    = P V                          gemmStridedBatchedEx, fp32 compute, out in the input dtype
+    out    = P V                          the same GEMM kind, fp32 compute, out in the input dtype
+
+fp32 inputs run their two GEMMs on gemm_3xtf32 (3xTF32 tensor cores at fp32 accuracy, CUTLASS's FastF32 recipe, as
+torch's memory-efficient attention does) on sm_80+, or on cuBLAS SGEMM with ``CUPY_ATTN_FP32_GEMM=sgemm``; TF32 with
+``allow_tf32`` (gemm_3xtf32.fp32_gemm decides).
 
 Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies. The L×S scores
 buffer is the only large temporary: batch·heads (and, for very long rows, query rows) are processed in chunks so that
@@ -20,6 +24,7 @@ from .. import philox
 from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
+from . import gemm_3xtf32
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
@@ -128,8 +133,8 @@ class _Chunk:
     lse: int
     params: np.ndarray
     grid: int
-    gemm_qk: blas.StridedGemm
-    gemm_pv: blas.StridedGemm
+    gemm_qk: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
+    gemm_pv: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     p: int = 0  # under the scores kernel: byte offset of the chunk's P in the scratch buffer
     kernel: object = None  # the softmax kernel for the chunk's key count (a causal band's, else the schedule's)
     block: int = 0
@@ -151,10 +156,11 @@ _MAX_SCHEDULES = 256
 
 
 def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
-    """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget; not pointers."""
+    """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget, the GEMM and
+    scores-kernel switches; not pointers."""
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
-            _scores_sm90().setting(),
+            _scores_sm90().setting(), gemm_3xtf32.setting() if p.dtype == np.float32 else None,
             *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -326,22 +332,25 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
                                        causal=p.causal)
 
+    from .dispatch import device_arch
+    gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
+
     def gemm_pair(nb: int, lc: int, sc: int = S):
         """(QKᵀ, PV) for nb batches of lc query rows against the first sc keys (a causal band's; else S); chunks of
-        equal size share them."""
+        equal size share them. fp32 inputs get gemm_3xtf32's GEMM where gemm_3xtf32.fp32_gemm picks it."""
         if (nb, lc, sc) not in gemms and scores_launch is not None:
-            gemms[nb, lc, sc] = (None, blas.StridedGemm(
+            gemms[nb, lc, sc] = (None, gemm(
                 c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=ld_p, stride_a=inner.bh * L * ld_p,
                 trans_a=False, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc,
-                batch=nb, allow_tf32=allow_tf32))
+                batch=nb))
         if (nb, lc, sc) not in gemms:
             gemms[nb, lc, sc] = (
-                blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E),
-                                    stride_a=bq, trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk,
-                                    trans_b=True, m=lc, n=sc, k=E, batch=nb, alpha=alpha, allow_tf32=allow_tf32),
-                blas.StridedGemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p,
-                                    stride_a=lc * pitch_p, trans_a=False, b_dtype=dtype, ldb=max(sv, Ev),
-                                    stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc, batch=nb, allow_tf32=allow_tf32))
+                gemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=max(sq, E), stride_a=bq,
+                     trans_a=False, b_dtype=dtype, ldb=max(sk, E), stride_b=bk, trans_b=True, m=lc, n=sc, k=E,
+                     batch=nb, alpha=alpha),
+                gemm(c_dtype=dtype, ldc=max(so, Ev), stride_c=bo, a_dtype=dtype, lda=pitch_p, stride_a=lc * pitch_p,
+                     trans_a=False, b_dtype=dtype, ldb=max(sv, Ev), stride_b=bv, trans_b=False, m=lc, n=Ev, k=sc,
+                     batch=nb))
         return gemms[nb, lc, sc]
 
     # Causal calls skip the keys past the diagonal by row bands: rows r0 ... r0+lc-1 see at most the first
