@@ -323,7 +323,11 @@ def test_kernel_mask_is_the_philox_mask(backend, dtype, shape):
     kept = got != 0
     bad = np.argwhere(kept != (keep & visible))
     assert bad.size == 0, f"{len(bad)} elements differ from the Philox mask, first at {bad[:5].tolist()}"
-    np.testing.assert_allclose(got, want, rtol=2 * EPS[dtype], atol=0)
+    # The values: out = P·I, one product per element. fp32 on the split path runs P·V on gemm_3xtf32, whose operand
+    # split (big rounded to TF32, small = x − big truncated to TF32) carries each product to within 2^-22 relative
+    # rather than fp32's rounding: that much more (a wrong kept set is caught exactly above).
+    split32 = 2.0 ** -22 if (backend, dtype) == ("split", "float32") else 0.0
+    np.testing.assert_allclose(got, want, rtol=2 * EPS[dtype] + split32, atol=0)
 
 
 @pytest.mark.gpu

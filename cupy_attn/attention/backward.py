@@ -20,6 +20,7 @@ allocator (runtime.workspace).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
@@ -444,6 +445,13 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
         alpha = p.scale * _LOG2E
         isz = dtype.itemsize
         gemms: dict = {}
+        # S is recomputed by the forward's own GEMM (fp32: gemm_3xtf32 unless CUPY_ATTN_FP32_GEMM=sgemm or allow_tf32),
+        # so that P = 2^(S − lse) matches the forward's lse: an SGEMM S against a 3xTF32 lse put dQ's error at 2.7e-6
+        # against a bound of 1.6e-6 (tests/test_backward.py "long", fp32, H200). The other four stay cuBLAS's
+        # (transposed operands and beta = 1 accumulation are not in gemm_3xtf32).
+        from . import gemm_3xtf32
+        from .dispatch import device_arch
+        scores_gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
 
         def gemm_set(nb: int, lc: int, accumulate: bool):
             """The five GEMMs for nb heads × lc query rows; dK/dV accumulate (beta = 1) after the first row chunk."""
@@ -453,9 +461,9 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
                 common = dict(batch=nb, allow_tf32=allow_tf32)
                 gemms[key] = (
                     # S = alpha · Q Kᵀ  (lc × S)
-                    blas.StridedGemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=E,
-                                     stride_a=L * E, trans_a=False, b_dtype=dtype, ldb=E, stride_b=S * E,
-                                     trans_b=True, m=lc, n=S, k=E, alpha=alpha, **common),
+                    scores_gemm(c_dtype=np.float32, ldc=ld, stride_c=lc * ld, a_dtype=dtype, lda=E, stride_a=L * E,
+                                trans_a=False, b_dtype=dtype, ldb=E, stride_b=S * E, trans_b=True, m=lc, n=S, k=E,
+                                alpha=alpha, batch=nb),
                     # dV (+)= Pᵀ dO  (S × Ev)
                     blas.StridedGemm(c_dtype=np.float32, ldc=Ev, stride_c=S * Ev, a_dtype=dtype, lda=ld,
                                      stride_a=lc * ld, trans_a=True, b_dtype=dtype, ldb=Ev, stride_b=L * Ev,
