@@ -1,4 +1,4 @@
-"""Small calls of the kernels added in sessions 5-7, for compute-sanitizer (memcheck / racecheck / synccheck):
+"""Small calls of the kernels added in sessions 5-10, for compute-sanitizer (memcheck / racecheck / synccheck):
 
     compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
@@ -53,6 +53,19 @@ def main():
         cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
     q = torch.randn(1, 2, 300, 512, device="cuda", dtype=f16)
     cupy_attn.scaled_dot_product_attention(q, q[:, :, :100], q[:, :, :100], backend="split", is_causal="bottom_right")
+    # Session 10: the persistent scores kernel (the default): 4 row blocks × 40 heads × 2 = 320 tiles, more than the
+    # SMs, so CTAs walk 2-3 tiles through one ring (P staged in each tile's last stage), causal in both alignments.
+    os.environ["CUPY_ATTN_SPLIT_FUSED"] = "3"
+    q = torch.randn(2, 40, 200, 320, device="cuda", dtype=f16)
+    k, v = (torch.randn(2, 40, 300, 320, device="cuda", dtype=f16) for _ in range(2))
+    for causal in (False, True, "bottom_right"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
+    # The fp32 split path on gemm_3xtf32 (both GEMMs; 16-byte and 4-byte copies: E = 321 rows are not 16-byte
+    # aligned), causal in row bands on the cuBLAS-path schedule (L = 600: 2 bands).
+    for E, L, causal in ((320, 100, False), (321, 90, True), (64, 600, True)):
+        q = torch.randn(1, 2, L, E, device="cuda")
+        k, v = (torch.randn(1, 2, 650, E, device="cuda") for _ in range(2))
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
     if len(sys.argv) > 1 and sys.argv[1] == "--forward":
         torch.cuda.synchronize()
         print("sanitize calls done (forward kernels only)")
