@@ -5,14 +5,14 @@
 1. GEMMs of the fp32 seed (32, 32, 512, 512, 1024), as the split path issues them (one chunk of 1024 batch·heads):
    Q·Kᵀ: 1024 × (512×1024)·(1024×512)ᵀ, alpha = scale·log2 e;  P·V: 1024 × (512×512)·(512×1024).
    Rows: ms (median of CUDA-event timings, cupyx.profiler.benchmark), TFLOP/s (2·batch·m·n·k), and max |C − C₆₄| over
-   the first 4 batches against a float64 product, for ours (gemm_3xtf32.Gemm3xTF32: the default two-level tile and
-   the single-accumulator one), the split path's SGEMM (blas.StridedGemm, CUBLAS_COMPUTE_32F_PEDANTIC: what
-   CUPY_ATTN_FP32_GEMM=sgemm runs), torch.baddbmm with TF32 off, and TF32 (blas.StridedGemm, allow_tf32=True) for
-   scale. Inputs: randn, randn·4 + a direction shared by every row (large |scale·q·k|, the regime of issue 14), and
-   for P·V rows of a softmax.
-2. SDPA fp32 seed (32, 32, 512, 512, 1024): cupy_attn with CUPY_ATTN_FP32_GEMM=3xtf32, =3xtf32-single and =sgemm,
-   and torch's default: ms, × torch, max error against the float64 reference on the first 2 heads; then the same at
-   large logits (q, k ~ N(0, 16): |scale·q·k| up to ~80).
+   the first 4 batches against a float64 product, for ours (gemm_3xtf32.Gemm3xTF32, two-level accumulation; the
+   single-accumulator tile measured here in session 10 was removed, bench/NOTES_split.md), the split path's SGEMM
+   (blas.StridedGemm, CUBLAS_COMPUTE_32F_PEDANTIC: what CUPY_ATTN_FP32_GEMM=sgemm runs), torch.baddbmm with TF32 off,
+   and TF32 (blas.StridedGemm, allow_tf32=True) for scale. Inputs: randn, randn·4 + a direction shared by every row
+   (large |scale·q·k|, the regime of issue 14), and for P·V rows of a softmax.
+2. SDPA fp32 seed (32, 32, 512, 512, 1024): cupy_attn with CUPY_ATTN_FP32_GEMM=3xtf32 and =sgemm, and torch's
+   default: ms, × torch, max error against the float64 reference on the first 2 heads; then the same at large logits
+   (q, k ~ N(0, 16): |scale·q·k| up to ~80).
 Needs ~12 GB of GPU memory (the seed's Q, K, V and the outputs in fp32).
 """
 import os
@@ -43,7 +43,6 @@ def gemm_rows(name, batch, m, n, k, trans_b, alpha, a, b, check=4):
     c = torch.empty(batch, m, n, device="cuda")
     kw = problem(batch, m, n, k, trans_b, alpha)
     ours = gemm_3xtf32.Gemm3xTF32(**kw)
-    single = gemm_3xtf32.Gemm3xTF32(**kw, tile=gemm_3xtf32.TILES["3xtf32-single"])
     sgemm = blas.StridedGemm(**kw)
     tf32 = blas.StridedGemm(**kw, allow_tf32=True)
     bt = b.transpose(1, 2) if trans_b else b
@@ -60,7 +59,6 @@ def gemm_rows(name, batch, m, n, k, trans_b, alpha, a, b, check=4):
         return torch.baddbmm(c, a, bt, beta=0, alpha=alpha)
 
     for label, fn in (("3xtf32 (ours, two-level)", lambda: launch(ours)),
-                      ("3xtf32-single (ours)", lambda: launch(single)),
                       ("cuBLAS SGEMM (split path)", lambda: launch(sgemm)),
                       ("torch baddbmm, TF32 off", bmm), ("cuBLAS TF32", lambda: launch(tf32))):
         c.fill_(float("nan"))
@@ -83,10 +81,10 @@ def sdpa_rows(B, H, L, D, mult, label):
     t_ms = median_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), n_repeat=10)
     rows = [(label, f"torch default (|s|max {s_max:.0f})", t_ms, 1.0, err(t_out))]
     del t_out
-    for setting in ("3xtf32", "3xtf32-single", "sgemm"):
+    for setting in gemm_3xtf32.CHOICES:
         os.environ[gemm_3xtf32.ENV_FP32_GEMM] = setting
         schedule = cupy_attn.explain(q, k, v).details["schedule"]
-        want = {"3xtf32": "3xTF32 (", "3xtf32-single": "3xTF32 single", "sgemm": "cuBLAS SGEMM"}[setting]
+        want = {"3xtf32": "3xTF32 (", "sgemm": "cuBLAS SGEMM"}[setting]
         assert schedule.startswith(want), schedule
         out = cupy_attn.scaled_dot_product_attention(q, k, v)
         ms = median_ms(lambda: cupy_attn.scaled_dot_product_attention(q, k, v), n_repeat=10)

@@ -11,12 +11,13 @@
 //           below, small can be subnormal and keeps fewer bits, as in CUTLASS's split)
 // and per k-step of 8 one fp32 accumulator takes three mma.sync.m16n8k8 TF32 products, the small ones first:
 //   acc += a_small·b_big;  acc += a_big·b_small;  acc += a_big·b_big     (a_small·b_small, ≤ 2^-22·|a·b|, is dropped)
-// kTwoLevel (the default): that accumulator starts from zero at every k-tile of 32 and is then added to the result
-// by one fp32 add, so the tensor core's 12 roundings per k-tile act on a 32-term partial sum instead of the whole dot
-// product. The unit's rounding of its fp32 sum is not documented (Fasi et al. 2021 report round-toward-zero
-// normalization in V100/A100 tensor cores): in a NumPy model of attention scores at |s| ~ 100 the two levels give
-// 0.19-0.25× an SGEMM chain's output error whether the unit rounds to nearest or truncates, one accumulator 0.54× or
-// 3.4× (bench/NOTES_split.md, session 10). Cost: 64 more registers (one CTA per SM instead of two).
+// Two levels: that accumulator starts from zero at every k-tile of 32 and is then added to the result by one fp32 add,
+// so the tensor core's 12 roundings per k-tile act on a 32-term partial sum instead of the whole dot product. The
+// unit's rounding of its fp32 sum is not documented (Fasi et al. 2021 report round-toward-zero normalization in
+// V100/A100 tensor cores): in a NumPy model of attention scores at |s| ~ 100 the two levels give 0.19-0.25× an SGEMM
+// chain's output error whether the unit rounds to nearest or truncates, CUTLASS's single accumulator 0.54× or 3.4×
+// (bench/NOTES_split.md, session 10). On an H200 the single accumulator measured less accurate than SGEMM, as the
+// truncating model predicts (see the versions below). Cost against it: 64 more registers (one CTA per SM, not two).
 // Three integer/fp32 ops per element: the tensor core reads only the top 19 bits of a TF32 register, and ptxas, which
 // knows it, drops both "& ~0x1fff" where the value only feeds HMMA (the mask on big stays for the subtraction).
 // CUTLASS's FastF32 rounds big toward zero and small by adding half an ulp (round_toward_zero, round_half_ulp_truncate;
@@ -54,15 +55,17 @@
 // Loads: 16-byte cp.async (kAlignA / kAlignB: the operand's rows and base are 16-byte aligned, lda/ldb % 4 == 0),
 // zero-filling the bytes past k or n; otherwise 4-byte cp.async (any fp32 layout, 4× the copy instructions).
 //
-// Tile sizes: gemm_3xtf32.TILES in cupy_attn/attention/gemm_3xtf32.py, both 128×128×32: kTwoLevel with 4 stages
-// (144 KB; ~220 registers, one CTA per SM), single accumulator with 3 stages (108 KB; ≤ 128 registers, two CTAs per
-// H100/H200 SM, one on A100).
+// Tile sizes: gemm_3xtf32.TILE in cupy_attn/attention/gemm_3xtf32.py, 128×128×32 with 4 stages (144 KB; 215-231
+// registers, one CTA per SM).
 //
 // Versions (H200; TFLOP/s of the fp32 seed's GEMMs: 1024 × (512×512×1024) Q·Kᵀ and 1024 × (512×1024×512) P·V; cuBLAS
 // SGEMM ~50):
 //   v1  128×128×32, ldmatrix A (and B for A·Bᵀ), permuted 16-byte B loads for A·B, split per fragment; two-level
-//       (4 stages, 1 CTA/SM) and single-accumulator (3 stages, 2 CTAs/SM) variants                              —
-//       (untimed: written without a GPU; bench/experiments/gemm_3xtf32.py measures both)
+//       (4 stages, 1 CTA/SM) and single-accumulator (3 stages, 2 CTAs/SM) variants     Q·Kᵀ 61.7, P·V 58.1 TFLOP/s
+//       (single: 69.1, 68.0)
+//   v2  single-accumulator variant removed: faster (8.0 against 8.9 ms on Q·Kᵀ) but less accurate than SGEMM, the
+//       tensor core truncating its sums: GEMM max error at large logits 1.28e-3 (SGEMM 2.92e-4, two-level 7.16e-5),
+//       fp32 SDPA seed at |s| up to 74 2.88e-4 (torch 2.26e-5, two-level 2.39e-5)                     (same SASS)
 #include "common/mma.cuh"
 
 namespace cupy_attn {
@@ -144,8 +147,8 @@ struct TileCopy {
 
 }  // namespace gemm3x
 
-template <int kBlockM, int kBlockN, int kStages, bool kTwoLevel, bool kTransB, bool kAlignA, bool kAlignB>
-__global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf32(const Gemm3xTf32Params p) {
+template <int kBlockM, int kBlockN, int kStages, bool kTransB, bool kAlignA, bool kAlignB>
+__global__ void __launch_bounds__(gemm3x::kThreads, 1) gemm_3xtf32(const Gemm3xTf32Params p) {
   using namespace gemm3x;
   constexpr int kWarpM = kBlockM / 2, kWarpN = kBlockN / 4;
   constexpr int kMTiles = kWarpM / 16, kNTiles = kWarpN / 8;
@@ -212,8 +215,8 @@ __global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf
                                 : 0u;
   const float* b_lds = sB + t * kPitchN + wn0 + 4 * g;  // !kTransB: row t, columns 4g .. 4g+3 of the warp's 32
 
-  // acc: the result. kTwoLevel: part sums one k-tile (12 tensor-core roundings from zero) and is added to acc by one
-  // fp32 add per k-tile; otherwise the products go into acc directly (CUTLASS's single accumulator).
+  // acc: the result; part sums one k-tile (12 tensor-core roundings from zero) and is added to acc by one fp32 add per
+  // k-tile.
   float acc[kMTiles][kNTiles][4], part[kMTiles][kNTiles][4];
   auto zero = [](float (&x)[kMTiles][kNTiles][4]) {
     #pragma unroll
@@ -226,7 +229,6 @@ __global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf
     }
   };
   zero(acc);
-  float (&sum)[kMTiles][kNTiles][4] = kTwoLevel ? part : acc;
 
   for (int kt = 0; kt < k_tiles; ++kt) {
     cp_async_wait<kStages - 2>();
@@ -234,10 +236,10 @@ __global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf
     if (kt + kStages - 1 < k_tiles) load_stage((kt + kStages - 1) % kStages, kt + kStages - 1);
     cp_async_commit();
     const int stage = kt % kStages;
-    if constexpr (kTwoLevel) zero(part);
+    zero(part);
 
-    // Not unrolled: unrolled, ptxas hoists the next k-steps' fragment loads and splits and needs ~165 registers
-    // (one-level); rolled it fits the 128 of two CTAs per SM, and the other warps cover the loads' latency.
+    // Not unrolled: unrolled, ptxas hoists the next k-steps' fragment loads and splits (on the removed single-
+    // accumulator tile: ~165 registers instead of 128); rolled, the other warps cover the loads' latency.
     #pragma unroll 1
     for (int ks = 0; ks < kBlockK / 8; ++ks) {
       // B fragments of the k-step, split once; then per m tile its A fragment, split, and its 3·kNTiles products
@@ -270,21 +272,19 @@ __global__ void __launch_bounds__(gemm3x::kThreads, kTwoLevel ? 1 : 2) gemm_3xtf
         for (int e = 0; e < 4; ++e) split_tf32(r[e], a_big[e], a_small[e]);
         // CUTLASS FastF32's order into one accumulator: small·big, big·small, then big·big.
         #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(sum[i][j], a_small, b_big[j][0], b_big[j][1]);
+        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(part[i][j], a_small, b_big[j][0], b_big[j][1]);
         #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(sum[i][j], a_big, b_small[j][0], b_small[j][1]);
+        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(part[i][j], a_big, b_small[j][0], b_small[j][1]);
         #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(sum[i][j], a_big, b_big[j][0], b_big[j][1]);
+        for (int j = 0; j < kNTiles; ++j) mma_1688_tf32(part[i][j], a_big, b_big[j][0], b_big[j][1]);
       }
     }
-    if constexpr (kTwoLevel) {
+    #pragma unroll
+    for (int i = 0; i < kMTiles; ++i) {
       #pragma unroll
-      for (int i = 0; i < kMTiles; ++i) {
+      for (int j = 0; j < kNTiles; ++j) {
         #pragma unroll
-        for (int j = 0; j < kNTiles; ++j) {
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
-        }
+        for (int e = 0; e < 4; ++e) acc[i][j][e] += part[i][j][e];
       }
     }
   }

@@ -248,8 +248,8 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
     if arch is None:
         arch = device_arch(p)
     gemm_kind = gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch)
-    gemm_name = {None: "cuBLAS", "tf32": "cuBLAS TF32", "sgemm": "cuBLAS SGEMM", "3xtf32": "3xTF32 (gemm_3xtf32)",
-                 "3xtf32-single": "3xTF32 single-accumulator (gemm_3xtf32)"}[gemm_kind]
+    gemm_name = {None: "cuBLAS", "tf32": "cuBLAS TF32", "sgemm": "cuBLAS SGEMM",
+                 "3xtf32": "3xTF32 (gemm_3xtf32)"}[gemm_kind]
     ld = -(-p.seqlen_k // 8) * 8
     per_item = p.seqlen_q * ld * 4
     budget = _split.workspace_bytes_default()

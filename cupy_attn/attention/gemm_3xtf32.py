@@ -7,17 +7,16 @@ PyTorch's memory-efficient attention (its default fp32 SDPA kernel on sm80+) run
 into a TF32 ``big`` (x rounded to nearest) and a TF32 ``small`` (x − big, truncated), and an fp32 accumulator takes,
 per k-step of 8, the three mma.sync.m16n8k8 TF32 products small·big, big·small, big·big. The split loses < 2^-22
 relative per element and the dropped small·small term ≤ 2^-22 of a product; the accumulator is rounded once per
-k-step and product instead of after every multiply-add as in cuBLAS's SGEMM (CUBLAS_COMPUTE_32F_PEDANTIC). By default
-(:data:`TILES` ``"3xtf32"``) that accumulator restarts at every 32-deep k-tile and is added to the result by one fp32
-add, which keeps the tensor core's roundings at the scale of a partial sum. On the split path's scores at
-|scale·q·k| ~ 100, SGEMM made our fp32 attention 2.6-4× less accurate than torch's (bench/NOTES_split.md, issue 14).
-It is also meant to be faster than SGEMM (~50 TFLOP/s on an H200): three TF32 tensor-core products per multiply-add
-against one FFMA.
+k-step and product instead of after every multiply-add as in cuBLAS's SGEMM (CUBLAS_COMPUTE_32F_PEDANTIC). Unlike
+CUTLASS, that accumulator restarts at every 32-deep k-tile and is added to the result by one fp32 add, which keeps the
+tensor core's roundings at the scale of a partial sum: CUTLASS's single accumulator measured less accurate than SGEMM
+on an H200 (the unit truncates its sums; bench/NOTES_split.md, session 10). On the split path's scores at
+|scale·q·k| ~ 100, SGEMM made our fp32 attention 2.6-4× less accurate than torch's (issue 14); the two-level GEMM
+keeps it at torch's accuracy and runs at ~60 TFLOP/s on an H200 against SGEMM's ~50.
 
-``CUPY_ATTN_FP32_GEMM`` selects the split path's fp32 GEMM (:func:`setting`): ``3xtf32`` (this module, two-level
-accumulation, the default), ``3xtf32-single`` (this module, CUTLASS's single accumulator) or ``sgemm`` (cuBLAS, exact
-IEEE multiply-adds, the path before), for A/B comparisons. ``allow_tf32=True`` keeps cuBLAS FAST_TF32 (plain TF32,
-the caller's opt-in) either way; devices before sm_80 have no TF32 mma and keep SGEMM.
+``CUPY_ATTN_FP32_GEMM`` selects the split path's fp32 GEMM (:func:`setting`): ``3xtf32`` (this module, the default)
+or ``sgemm`` (cuBLAS, exact IEEE multiply-adds, the path before), for A/B comparisons. ``allow_tf32=True`` keeps
+cuBLAS FAST_TF32 (plain TF32, the caller's opt-in) either way; devices before sm_80 have no TF32 mma and keep SGEMM.
 """
 from __future__ import annotations
 
@@ -32,7 +31,7 @@ from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 
 ENV_FP32_GEMM = "CUPY_ATTN_FP32_GEMM"
 ENV_FP32_GEMM_DEFAULT = "3xtf32"
-CHOICES = ("3xtf32", "3xtf32-single", "sgemm")
+CHOICES = ("3xtf32", "sgemm")
 THREADS = 256  # 8 warps, 2 along m × 4 along n (gemm_3xtf32.cu's kThreads)
 BLOCK_K = 32   # k per shared-memory stage (gemm_3xtf32.cu's kBlockK)
 _INT32_MAX = 2**31 - 1
@@ -40,17 +39,10 @@ _INT32_MAX = 2**31 - 1
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """A CTA's kBlockM × kBlockN tile of C, the depth of its cp.async ring, and the accumulation (the template values
-    of gemm_3xtf32): ``two_level`` sums each 32-deep k-tile in a fresh accumulator and adds it to the result with one
-    fp32 add; otherwise every product goes into one accumulator, as in CUTLASS."""
+    """A CTA's kBlockM × kBlockN tile of C and the depth of its cp.async ring (the template values of gemm_3xtf32)."""
     block_m: int
     block_n: int
     stages: int
-    two_level: bool
-
-    @property
-    def two_level_c(self) -> str:
-        return "true" if self.two_level else "false"
 
     def smem_bytes(self, trans_b: bool) -> int:
         """stages × (A: block_m rows × 32 fp32 at pitch 36; B: block_n × 32 at pitch 36 (trans_b) or 32 × block_n at
@@ -59,21 +51,16 @@ class Tile:
         return self.stages * (self.block_m * (BLOCK_K + 4) + tile_b) * 4
 
 
-# CUPY_ATTN_FP32_GEMM setting -> tile. Both 128×128 CTAs of 8 warps (warp tiles 64×32, 64 fp32 accumulators per thread).
-# Why two levels by default: the tensor core rounds its fp32 sum once per mma, 3·k/8 times along k at the magnitude of
-# the whole dot product; restarting from zero per k-tile rounds 12 times at the magnitude of a 32-term partial sum and
-# then once per k-tile at full magnitude. A NumPy model of attention at |s| ~ 100 (E = 1024, session 10, NOTES_split)
-# gives output errors, relative to an SGEMM chain's, of 0.19× (two levels) against 0.54× (one accumulator) if the
-# unit rounds to nearest, and 0.25× against 3.4× if it truncates; torch's measured error is 0.22-0.33× SGEMM's.
-TILES = {
-    # The result plus a k-tile's partial sum: 128 accumulators, ~190 registers, one CTA per SM; 4 stages (144 KB) to
-    # keep copies in flight with 8 warps per SM.
-    "3xtf32": Tile(block_m=128, block_n=128, stages=4, two_level=True),
-    # CUTLASS's single accumulator (what torch's memory-efficient attention computes): ≤ 128 registers, two CTAs per
-    # H100/H200 SM at 3 stages (2 × 108 KB of the 228), one on an A100 (164 KB).
-    "3xtf32-single": Tile(block_m=128, block_n=128, stages=3, two_level=False),
-}
-TILE = TILES["3xtf32"]
+# A 128×128 CTA of 8 warps (warp tiles 64×32, 64 fp32 accumulators per thread), holding the result plus a k-tile's
+# partial sum: 128 accumulators, 215-231 registers, one CTA per SM; 4 stages (144 KB) to keep copies in flight with
+# 8 warps per SM. Why two levels: the tensor core rounds its fp32 sum once per mma, 3·k/8 times along k at the
+# magnitude of the whole dot product; restarting from zero per k-tile rounds 12 times at the magnitude of a 32-term
+# partial sum and then once per k-tile at full magnitude. A NumPy model of attention at |s| ~ 100 (E = 1024, session
+# 10, NOTES_split) gives output errors, relative to an SGEMM chain's, of 0.19× (two levels) against 0.54× (one
+# accumulator) if the unit rounds to nearest, and 0.25× against 3.4× if it truncates; torch's measured error is
+# 0.22-0.33× SGEMM's. Measured on an H200, one accumulator (3 stages, two CTAs per SM) was 12-17% faster and less
+# accurate than SGEMM (GEMM max error at large logits 1.28e-3 against SGEMM's 2.92e-4 and two levels' 7.16e-5): removed.
+TILE = Tile(block_m=128, block_n=128, stages=4)
 
 _FIELDS = ("c", "a", "b", "m", "n", "k", "batch", "lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c", "tiles_m",
            "tiles_n", "alpha")
@@ -84,18 +71,16 @@ _BOOL = ("false", "true")
 GEMM_3XTF32 = KernelFamily(
     name="gemm_3xtf32",
     source="attention/gemm_3xtf32.cu",
-    template="cupy_attn::gemm_3xtf32<{tile.block_m}, {tile.block_n}, {tile.stages}, {tile.two_level_c}, {trans_b}, "
-             "{align_a}, {align_b}>",
-    axes={"tile": tuple(TILES.values()), "trans_b": _BOOL, "align_a": _BOOL, "align_b": _BOOL},
+    template="cupy_attn::gemm_3xtf32<{tile.block_m}, {tile.block_n}, {tile.stages}, {trans_b}, {align_a}, {align_b}>",
+    axes={"tile": (TILE,), "trans_b": _BOOL, "align_a": _BOOL, "align_b": _BOOL},
     structs=(("cupy_attn::Gemm3xTf32Params", _PARAMS),),
 )
 
 
 def setting() -> str:
-    """``CUPY_ATTN_FP32_GEMM``: ``3xtf32`` (unset: the default; two-level accumulation, :data:`TILES`),
-    ``3xtf32-single`` (CUTLASS's single accumulator, for the A/B) or ``sgemm`` (cuBLAS). Raises ValueError for any
-    other value (a misspelt A/B switch must not silently measure the default)."""
-    value = os.environ.get(ENV_FP32_GEMM, "3xtf32").strip().lower() or "3xtf32"
+    """``CUPY_ATTN_FP32_GEMM``: ``3xtf32`` (unset: the default, this module) or ``sgemm`` (cuBLAS). Raises ValueError
+    for any other value (a misspelt A/B switch must not silently measure the default)."""
+    value = os.environ.get(ENV_FP32_GEMM, ENV_FP32_GEMM_DEFAULT).strip().lower() or ENV_FP32_GEMM_DEFAULT
     if value not in CHOICES:
         raise ValueError(f"{ENV_FP32_GEMM} must be one of {', '.join(CHOICES)}, got {os.environ[ENV_FP32_GEMM]!r}")
     return value
@@ -104,9 +89,8 @@ def setting() -> str:
 def fp32_gemm(dtype, allow_tf32: bool, arch: int) -> str | None:
     """The GEMM the split path runs for inputs of ``dtype`` on a device of compute capability ``arch`` (90 for an
     H200): None for fp16/bf16 (cuBLAS on tensor cores, fp32 accumulation), and for float32 ``"tf32"`` (cuBLAS
-    FAST_TF32: allow_tf32=True), ``"3xtf32"`` or ``"3xtf32-single"`` (this module, a key of :data:`TILES`:
-    :func:`setting` says so and arch ≥ 80) or ``"sgemm"`` (cuBLAS PEDANTIC fp32: ``CUPY_ATTN_FP32_GEMM=sgemm``, or a
-    device before sm_80).
+    FAST_TF32: allow_tf32=True), ``"3xtf32"`` (this module: the default, arch ≥ 80) or ``"sgemm"`` (cuBLAS PEDANTIC
+    fp32: ``CUPY_ATTN_FP32_GEMM=sgemm``, or a device before sm_80).
 
     >>> fp32_gemm(np.float16, False, 90), fp32_gemm(np.float32, True, 90), fp32_gemm(np.float32, False, 75)
     (None, 'tf32', 'sgemm')
@@ -123,9 +107,7 @@ DESCRIPTIONS = {
     None: "cuBLAS, tensor cores, fp32 accumulation",
     "tf32": "cuBLAS FAST_TF32 (allow_tf32=True: TF32 operands, ~1e-3 relative)",
     "3xtf32": f"3xTF32 tensor-core GEMM (gemm_3xtf32: CUTLASS FastF32 split, a fresh accumulator per 32-deep k-tile; "
-              f"{ENV_FP32_GEMM}=3xtf32-single for one accumulator, =sgemm for cuBLAS SGEMM)",
-    "3xtf32-single": f"3xTF32 tensor-core GEMM, single accumulator (gemm_3xtf32, CUTLASS FastF32 as torch's "
-                     f"memory-efficient attention; {ENV_FP32_GEMM}={ENV_FP32_GEMM_DEFAULT} for the default)",
+              f"{ENV_FP32_GEMM}=sgemm for cuBLAS SGEMM)",
     "sgemm": f"cuBLAS SGEMM (IEEE fp32 FFMA; {ENV_FP32_GEMM}=3xtf32 on sm_80+ for the 3xTF32 tensor-core GEMM)",
 }
 
@@ -137,22 +119,19 @@ class Gemm3xTF32:
 
     Shapes (row-major, elements): A is (m, k) with row stride ``lda`` and batch stride ``stride_a``; B is (n, k) with
     ``trans_b`` (C = A·Bᵀ) or (k, n); C is (m, n). Batch strides may be 0 (one matrix for every i). The last axis of
-    each must be contiguous. All three dtypes must be float32. ``tile``: one of :data:`TILES` (the accumulation and
-    tile; default two-level).
+    each must be contiguous. All three dtypes must be float32. The CTA tile is :data:`TILE`.
 
-    Raises TypeError for a non-float32 dtype and ValueError, naming the argument, for a tile not in TILES,
-    trans_a=True, beta ≠ 0, allow_tf32=True (that is cuBLAS's FAST_TF32, not this GEMM), sizes < 1 or ≥ 2^31, row
-    strides shorter than a row, negative batch strides, or a grid over 2^31 − 1 CTAs. Operands whose rows (base
-    address, lda or ldb, batch stride) are 16-byte aligned are copied by 16-byte cp.async, the others by 4-byte copies
-    (any fp32 layout); the choice is made per call from the pointers, and each kernel variant is compiled (or read
-    from the compile cache) and loaded at its first use.
+    Raises TypeError for a non-float32 dtype and ValueError, naming the argument, for trans_a=True, beta ≠ 0,
+    allow_tf32=True (that is cuBLAS's FAST_TF32, not this GEMM), sizes < 1 or ≥ 2^31, row strides shorter than a row,
+    negative batch strides, or a grid over 2^31 − 1 CTAs. Operands whose rows (base address, lda or ldb, batch stride)
+    are 16-byte aligned are copied by 16-byte cp.async, the others by 4-byte copies (any fp32 layout); the choice is
+    made per call from the pointers, and each kernel variant is compiled (or read from the compile cache) and loaded
+    at its first use.
     """
 
     def __init__(self, *, c_dtype, ldc: int, stride_c: int, a_dtype, lda: int, stride_a: int, trans_a: bool,
                  b_dtype, ldb: int, stride_b: int, trans_b: bool, m: int, n: int, k: int, batch: int,
-                 alpha: float = 1.0, beta: float = 0.0, allow_tf32: bool = False, tile: Tile = TILE):
-        if tile not in TILES.values():
-            raise ValueError(f"Gemm3xTF32: tile {tile} is not in gemm_3xtf32.TILES")
+                 alpha: float = 1.0, beta: float = 0.0, allow_tf32: bool = False):
         for name, dt in (("a_dtype", a_dtype), ("b_dtype", b_dtype), ("c_dtype", c_dtype)):
             if np.dtype(dt) != np.float32:
                 raise TypeError(f"Gemm3xTF32: {name} must be float32, got {np.dtype(dt)}")
@@ -172,6 +151,7 @@ class Gemm3xTF32:
         for name, s in (("stride_a", stride_a), ("stride_b", stride_b), ("stride_c", stride_c)):
             if s < 0:
                 raise ValueError(f"Gemm3xTF32: {name} must be >= 0, got {s}")
+        tile = TILE
         tiles_m, tiles_n = -(-m // tile.block_m), -(-n // tile.block_n)
         blocks = batch * tiles_m * tiles_n
         if blocks > _INT32_MAX:
@@ -242,11 +222,10 @@ class Gemm3xTF32:
 
 
 def strided_gemm(*, allow_tf32: bool = False, arch: int = 0, **problem):
-    """The split path's GEMM for one problem (blas.StridedGemm's keywords): :class:`Gemm3xTF32` with the tile of
-    :func:`fp32_gemm`'s choice when it picks one of :data:`TILES`, else cuBLAS's
-    :class:`~cupy_attn.runtime.blas.StridedGemm`. ``arch``: the device's compute capability as an int."""
-    choice = fp32_gemm(problem["a_dtype"], allow_tf32, arch)
-    if choice in TILES:
-        return Gemm3xTF32(allow_tf32=False, tile=TILES[choice], **problem)
+    """The split path's GEMM for one problem (blas.StridedGemm's keywords): :class:`Gemm3xTF32` when
+    :func:`fp32_gemm` picks ``"3xtf32"``, else cuBLAS's :class:`~cupy_attn.runtime.blas.StridedGemm`. ``arch``: the
+    device's compute capability as an int."""
+    if fp32_gemm(problem["a_dtype"], allow_tf32, arch) == "3xtf32":
+        return Gemm3xTF32(allow_tf32=False, **problem)
     from ..runtime import blas
     return blas.StridedGemm(allow_tf32=allow_tf32, **problem)

@@ -199,8 +199,8 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
 
     Takes the same arguments and raises the same errors. Returns a Plan (``.backend``, ``.reason``, ``.details``,
     ``.copies``); ``print(plan)`` gives a readable summary. On the split path ``.details["GEMMs"]`` names the GEMMs
-    (for float32: the 3xTF32 tensor-core GEMM, its single-accumulator variant under CUPY_ATTN_FP32_GEMM=3xtf32-single,
-    cuBLAS SGEMM under =sgemm, or TF32 with ``allow_tf32``).
+    (for float32: the 3xTF32 tensor-core GEMM, cuBLAS SGEMM under CUPY_ATTN_FP32_GEMM=sgemm, or TF32 with
+    ``allow_tf32``).
     """
     decode.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
