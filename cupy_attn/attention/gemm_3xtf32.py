@@ -176,11 +176,16 @@ class Gemm3xTF32:
         self._fns_lock = threading.Lock()
         self._launch = None
 
+    def _aligned(self, a_ptr: int, b_ptr: int) -> tuple[bool, bool]:
+        """Whether each operand's rows are 16-byte aligned at these addresses (16-byte copies), else 4-byte copies."""
+        return self._rows16_a and a_ptr % 16 == 0, self._rows16_b and b_ptr % 16 == 0
+
     def variant(self, a_ptr: int, b_ptr: int) -> dict:
         """The kernel-table row for these operand addresses: 16-byte copies for an operand whose rows are 16-byte
         aligned (align_* "true"), else 4-byte copies."""
-        return {"tile": self.tile, "trans_b": _BOOL[self.trans_b], "align_a": _BOOL[self._rows16_a and a_ptr % 16 == 0],
-                "align_b": _BOOL[self._rows16_b and b_ptr % 16 == 0]}
+        align_a, align_b = self._aligned(a_ptr, b_ptr)
+        return {"tile": self.tile, "trans_b": _BOOL[self.trans_b], "align_a": _BOOL[align_a],
+                "align_b": _BOOL[align_b]}
 
     def _function(self, align_a: bool, align_b: bool) -> int:
         """The CUfunction for one alignment pair on the current device, compiled (or read from the compile cache)
@@ -202,7 +207,7 @@ class Gemm3xTF32:
         """cuLaunchKernel on a raw stream handle, on the device this GEMM runs on (which must be current). The three
         pointers are the first three words of this GEMM's own parameter buffer; the driver copies the parameters
         during the call, and the lock keeps two threads replaying one GEMM from interleaving their writes."""
-        fn = self._function(self._rows16_a and a_ptr % 16 == 0, self._rows16_b and b_ptr % 16 == 0)
+        fn = self._function(*self._aligned(a_ptr, b_ptr))
         own = self._own
         with own.lock:
             own.words[:3] = (c_ptr, a_ptr, b_ptr)

@@ -24,7 +24,7 @@ import os
 import numpy as np
 
 from ..runtime.compile import KernelFamily, struct_arg
-from ..runtime.interop import dtype_name
+from ..runtime.interop import device_sms, dtype_name
 from .fused_sm90 import _MAP, _MapSpec, TensorMaps, _c_struct, _F64, _I64
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -171,7 +171,7 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
                          "stores: 16-byte row strides)")
     if causal is not None and variant == 2:
         raise ValueError(f"causal={causal!r}: the cluster variant (variant=2) is not causal")
-    num_sms = _num_sms(q.device.id) if variant == 3 else 0
+    num_sms = device_sms(q.device.id) if variant == 3 else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
     tile = tile_for(S)
     kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
@@ -191,11 +191,6 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
     return ScoresLaunch(kernel, p, maps, grid, tile, variant)
-
-
-def _num_sms(device_id: int) -> int:
-    from ..runtime.interop import device_sms
-    return device_sms(device_id)
 
 
 @dataclasses.dataclass

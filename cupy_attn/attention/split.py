@@ -385,7 +385,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
                 params["bh0"], params["seqlen_k"] = off["bh"], sc
                 gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
-                sm_kernel, sm_block, sm_rows = softmax_for(sc)
+                # Under the scores kernel no softmax pass runs: its kernel is not loaded.
+                sm_kernel, sm_block, sm_rows = softmax_for(sc) if scores_launch is None else (None, 0, 1)
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
