@@ -3,6 +3,7 @@
     compute-sanitizer --tool memcheck  python3 bench/experiments/sanitize.py
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --forward   # the forward kernels only
+    compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -19,9 +20,36 @@ import torch  # noqa: E402
 import cupy_attn  # noqa: E402
 
 
+def decode_calls(f16):
+    """The decode kernel v1 (its 4- and 8-warp tiles: auto and forced) and the Hopper streaming variant v2 (1 and 2
+    CTAs/SM), several splits, a padding mask with one batch fully masked; GQA 4/1 at L = 1 and 2."""
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
+    k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=f16) for _ in range(2))
+    mask = torch.rand(2, 1, 1, 3000, device="cuda") > 0.2
+    mask[1] = False
+    for variant in ("1", "2", "3"):
+        os.environ["CUPY_ATTN_DECODE"] = variant
+        for splits in (1, 3, 7):
+            cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
+    os.environ["CUPY_ATTN_DECODE"] = "1"
+    for warps in ("4", "8"):
+        os.environ["CUPY_ATTN_DECODE_WARPS"] = warps
+        for L in (1, 2):
+            q = torch.randn(2, 8, L, 128, device="cuda", dtype=f16)
+            for splits in (None, 2):
+                cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, num_splits=splits)
+        del os.environ["CUPY_ATTN_DECODE_WARPS"]
+    del os.environ["CUPY_ATTN_DECODE"]
+
+
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
+    if len(sys.argv) > 1 and sys.argv[1] == "--decode":
+        decode_calls(f16)
+        torch.cuda.synchronize()
+        print("sanitize calls done (decode kernels only)")
+        return
     # The FA3-design forward in its three modes (3: persistent, with more tiles than SMs so CTAs loop, and a
     # bottom-right call with empty tiles), head dims 128, 96 (qk_dim 96) and 80 (qk_dim 80).
     for mode in ("1", "2", "3"):
@@ -87,15 +115,7 @@ def main():
                 out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
                 out.float().sum().backward()
         del os.environ["CUPY_ATTN_BWD"]
-    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=f16)
-    k, v = (torch.randn(2, 2, 3000, 128, device="cuda", dtype=f16) for _ in range(2))
-    mask = torch.rand(2, 1, 1, 3000, device="cuda") > 0.2
-    mask[1] = False
-    for variant in ("1", "2", "3"):  # the decode kernel v1 and the Hopper streaming variant v2 (1 and 2 CTAs/SM)
-        os.environ["CUPY_ATTN_DECODE"] = variant
-        for splits in (1, 3, 7):
-            cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, num_splits=splits)
-    del os.environ["CUPY_ATTN_DECODE"]
+    decode_calls(f16)
     # Linear-BN-softmax backward (issue 11): 16-byte and scalar tiles, a partial strip, one-element and per-feature
     # scale (the last-block sum), train and eval.
     from cupy_attn.torch import LinearBatchNormSoftmax
