@@ -125,6 +125,64 @@ constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
 
+// Phase timing for bench/experiments/scores_trace.py, compiled in only with -DCUPY_ATTN_SCORES_TRACE (otherwise
+// every call below is empty and the SASS is unchanged): per CTA, tile and consumer warpgroup, clock64 stamps of the
+// tile's phases and the cycles its k loop waited on full barriers (TMA data) and on wgmma.wait_group, summed in
+// registers and stored once per tile, read back through the module global g_scores_trace; per CTA the producer's
+// cycles waiting on empty barriers and the CTA's globaltimer span.
+namespace scores_trace {
+constexpr int kTiles = 80, kFields = 8, kCtas = 160;
+}  // namespace scores_trace
+}  // namespace cupy_attn
+#ifdef CUPY_ATTN_SCORES_TRACE
+extern "C" {
+__device__ unsigned long long g_scores_trace[cupy_attn::scores_trace::kCtas * cupy_attn::scores_trace::kTiles * 2 *
+                                                 cupy_attn::scores_trace::kFields + cupy_attn::scores_trace::kCtas * 4];
+}
+#endif
+namespace cupy_attn {
+namespace scores_trace {
+#ifdef CUPY_ATTN_SCORES_TRACE
+struct Clock {
+  unsigned long long* rec = nullptr;  // this tile's record, or nullptr (not a warpgroup's leader thread)
+  unsigned long long wait_full = 0, wait_mma = 0;
+  __device__ __forceinline__ void open(int tile, int wg, bool leader) {
+    rec = leader && tile < kTiles && blockIdx.x < kCtas
+              ? &g_scores_trace[((blockIdx.x * kTiles + tile) * 2 + wg) * kFields] : nullptr;
+    wait_full = wait_mma = 0;
+  }
+  __device__ __forceinline__ static unsigned long long now() { return clock64(); }
+  __device__ __forceinline__ void stamp(int f) { if (rec) rec[f] = clock64(); }
+  __device__ __forceinline__ void full(unsigned long long d) { wait_full += d; }
+  __device__ __forceinline__ void mma(unsigned long long d) { wait_mma += d; }
+  __device__ __forceinline__ void close() { if (rec) { rec[1] = wait_full; rec[2] = wait_mma; } }
+};
+__device__ __forceinline__ void producer_wait(unsigned long long& sum, unsigned long long d) { sum += d; }
+__device__ __forceinline__ void producer_done(unsigned long long sum) {
+  if (blockIdx.x < kCtas) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4] = sum;
+}
+__device__ __forceinline__ void cta_span(int f) {
+  if (blockIdx.x >= kCtas) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 1 + f] = t;
+  if (f == 0) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 3] = clock64();
+}
+#else
+struct Clock {
+  __device__ __forceinline__ void open(int, int, bool) {}
+  __device__ __forceinline__ static unsigned long long now() { return 0; }
+  __device__ __forceinline__ void stamp(int) {}
+  __device__ __forceinline__ void full(unsigned long long) {}
+  __device__ __forceinline__ void mma(unsigned long long) {}
+  __device__ __forceinline__ void close() {}
+};
+__device__ __forceinline__ void producer_wait(unsigned long long&, unsigned long long) {}
+__device__ __forceinline__ void producer_done(unsigned long long) {}
+__device__ __forceinline__ void cta_span(int) {}
+#endif
+}  // namespace scores_trace
+
 constexpr int kScoresProducerRegs = 24;
 constexpr int kScoresConsumerRegs = 240;
 
@@ -137,12 +195,14 @@ namespace scores_sm90 {
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
                                        unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
-                                       int step0) {
+                                       int step0, scores_trace::Clock& clk) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   for (int kb = 0; kb < k_blocks; ++kb) {
     const int s = (step0 + kb) % kStages;
+    const unsigned long long t_full = clk.now();
     tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
+    clk.full(clk.now() - t_full);
     const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
     wgmma::fence();
     #pragma unroll
@@ -150,7 +210,9 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
       wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
                             wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
     wgmma::commit();
+    const unsigned long long t_mma = clk.now();
     wgmma::wait<1>();
+    clk.mma(clk.now() - t_mma);
     if (kb > 0) {
       __syncwarp();
       if (lane == 0) {
@@ -166,15 +228,16 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
                                              const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
-                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0) {
+                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0,
+                                             scores_trace::Clock& clk) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
     } else {
       k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
-                                                           step0);
+                                                           step0, clk);
     }
   }
 }
@@ -278,6 +341,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       tma::prefetch_map(&p.tma_q);
       tma::prefetch_map(&p.tma_k);
       int step = 0;
+      unsigned long long waited = 0;
       for (TileWalk<kPersistent> walk(p); walk.more();) {
         const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
         const int h_kv = tl.h / static_cast<int>(p.groups);
@@ -288,7 +352,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
         const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
           const int s = step % kStages;
+          const unsigned long long t_empty = scores_trace::Clock::now();
           tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
+          scores_trace::producer_wait(waited, scores_trace::Clock::now() - t_empty);
           // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
           // while, and the phase still needs this arrival to complete.
           tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
@@ -304,6 +370,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
           }
         }
       }
+      scores_trace::producer_done(waited);
     }
     if constexpr (kClusterM > 1) {
       tma::cluster_arrive();
@@ -323,7 +390,11 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
   int step = 0;  // the ring step of the tile's first k block
+  if (tid == 0) scores_trace::cta_span(0);
+  scores_trace::Clock clk;
   for (TileWalk<kPersistent> walk(p); walk.more(); step += k_blocks) {
+    clk.open(step / k_blocks, wg, tid % 128 == 0);
+    clk.stamp(0);
     const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
     const int m0 = tl.m0, h = tl.h, b = tl.b, n_vis = tl.n_vis, nw = tl.nw;
     const int n0 = wg * nw;
@@ -335,7 +406,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     #pragma unroll
     for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
     if (active) {
-      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step);
+      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step,
+                                                          clk);
     } else {
       // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the
       // ring's phases, releasing each stage but the tile's last (in a cluster, in both CTAs) as soon as it has come,
@@ -351,6 +423,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       }
     }
     wgmma::fence_operands(acc);
+    clk.stamp(3);
     // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
@@ -393,6 +466,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       if (t == 0) ss.row_max[wg * kBlockM + r0 + 8 * half] = mx[half];
     }
     tma::named_barrier_sync(kStatsBarrier, 256);
+    clk.stamp(4);
     float m_c[2], sum[2] = {0.f, 0.f};
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -418,6 +492,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
     }
     tma::named_barrier_sync(kStatsBarrier, 256);
+    clk.stamp(5);
     float inv[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -461,6 +536,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     tma::fence_proxy_async();
     tma::named_barrier_sync(kStoreBarrier + wg, 128);
+    clk.stamp(6);
     if (tid % 128 == 0) {
       for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
       for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
@@ -472,7 +548,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       tma::named_barrier_sync(kStoreBarrier + wg, 128);
       if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
     }
+    clk.stamp(7);
+    clk.close();
   }
+  if (tid == 0) scores_trace::cta_span(1);
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
 }
 
