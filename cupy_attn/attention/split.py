@@ -222,7 +222,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
     with ctx.activate():
         scores, s0 = workspace.scratch(ctx, sched.scores_elems * sched.itemsize)
         if sched.scores is not None:
-            sched.scores(q0, k0, s0, l0)
+            sched.scores.launch_on(ctx.stream.ptr, q0, k0, s0, l0)
             for c in sched.chunks:
                 c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v)
             del scores
