@@ -440,6 +440,27 @@ class TensorMaps:
         return maps
 
 
+class ParamMaps:
+    """Tensor maps kept in a launch's own parameter bytes (runtime.compile.OwnParams) at fixed byte offsets:
+    ``write(*ptrs)`` encodes them again only when a base moved (TensorMaps) and copies the 128 bytes of each into the
+    parameter bytes only when they changed. Called under the OwnParams lock."""
+
+    __slots__ = ("_maps", "_bytes", "_offsets", "_written")
+
+    def __init__(self, encoders, own, offsets):
+        self._maps = TensorMaps(encoders)
+        self._bytes = own.bytes
+        self._offsets = tuple(offsets)
+        self._written = None
+
+    def write(self, *ptrs: int) -> None:
+        maps = self._maps(*ptrs)
+        if maps is not self._written:
+            for off, m in zip(self._offsets, maps):
+                self._bytes[off:off + 128] = m
+            self._written = maps
+
+
 @dataclasses.dataclass
 class Sm90Launch:
     """One prepared launch: the parameters but the pointers and tensor maps, the map layouts, grid, block, smem.
@@ -457,18 +478,17 @@ class Sm90Launch:
         # Resolved once, on the device the launch is built for (fused.FlashLaunch's scheme): this launch's own copy of
         # the parameter bytes with its kernelParams array and lock (OwnParams), the CUfunction, the launch dimensions.
         from cupy.cuda import driver
-        self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
         self._o_maps = TensorMaps((self.o_map.encode,)) if self.o_map is not None else None
         self._launch = driver.launchKernel
         self._own = OwnParams(self.params)
         fields = self.params.dtype.fields
-        self._map_offsets = tuple(fields[name][1] for name in ("tma_q", "tma_k", "tma_v"))
+        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
+                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_v")))
         self._o_map_offset = fields["tma_o"][1]
         self._o_tma_word = fields["o_tma"][1] // 8
         self._o_written = None
         self._out_word = fields["out"][1] // 8
         assert fields["lse"][1] == fields["out"][1] + 8
-        self._maps_written = None
         self._fn_ptr = int(self.kernel.kernel.ptr)
         self._dims = launch_dims(self.grid, self.block, self.smem)
         if self.kernel.max_dynamic_shared_size_bytes < self.smem:
@@ -491,11 +511,7 @@ class Sm90Launch:
             raise ValueError("the FA3 kernel takes no attn_mask")
         own = self._own
         with own.lock:
-            maps = self._tensor_maps(q_ptr, k_ptr, v_ptr)
-            if maps is not self._maps_written:
-                for off, m in zip(self._map_offsets, maps):
-                    own.bytes[off:off + 128] = m
-                self._maps_written = maps
+            self._maps.write(q_ptr, k_ptr, v_ptr)
             own.words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
             # out by TMA where prepare allowed it and this call's base is 16-byte aligned (its map encoded again only
             # when out moved).

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, TensorMaps, _c_struct, _F64, _I64
+from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _F64, _I64
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 _LOG2E = 1.4426950408889634
@@ -214,13 +214,12 @@ class ScoresLaunch:
         # Resolved once, on the device the launch is built for (fused_sm90.Sm90Launch's scheme): this launch's own copy
         # of the parameter bytes with its kernelParams array and lock, the CUfunction, the launch dimensions.
         from cupy.cuda import driver
-        self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
         self._launch = driver.launchKernel
         self._own = OwnParams(self.params)
         fields = self.params.dtype.fields
-        self._map_offsets = tuple(fields[name][1] for name in ("tma_q", "tma_k", "tma_p"))
+        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
+                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_p")))
         self._lse_word = fields["lse"][1] // 8
-        self._maps_written = None
         self._fn_ptr = int(self.kernel.kernel.ptr)
         smem = self.tile.smem_bytes()
         self._dims = launch_dims(self.grid, (THREADS,), smem)
@@ -242,11 +241,7 @@ class ScoresLaunch:
         starts."""
         own = self._own
         with own.lock:
-            maps = self._tensor_maps(q_ptr, k_ptr, p_ptr)
-            if maps is not self._maps_written:
-                for off, m in zip(self._map_offsets, maps):
-                    own.bytes[off:off + 128] = m
-                self._maps_written = maps
+            self._maps.write(q_ptr, k_ptr, p_ptr)
             own.words[self._lse_word] = lse_ptr
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
