@@ -1,15 +1,19 @@
 """Issue 14 A/B: the split path without the Hopper scores kernel, with it (scores_softmax_sm90: Q·Kᵀ with the
 softmax in its epilogue, then cuBLAS P·V), with its cluster variant (scores_softmax_sm90_cluster2: CTA pairs
-sharing K by TMA multicast) and its persistent variant (scores_softmax_sm90_persistent), same process, interleaved
-rounds; and the kernels alone, interleaved.
+sharing K by TMA multicast), its persistent variant (scores_softmax_sm90_persistent) and its ping-pong variant
+(scores_softmax_sm90_pingpong), same process, interleaved rounds; and the kernels alone, interleaved.
 
 Rows per (shape, dtype): whole call ms (median from an idle GPU, bench/common.median_ms) and device ms
-(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0, 1, 2 and 3, each round all four; each kernel alone (ms, TFLOP/s
+(common.device_ms) for CUPY_ATTN_SPLIT_FUSED=0-4, each round all of them; each kernel alone (ms, TFLOP/s
 counting 2·B·H·L·S·D; best of the rounds, which alternate the two kernels); max |out − ref| against torch's fp32
 attention on the same inputs (TF32 off). A hang (mbarrier/TMA) ends the run after 60 s (common.wait_or_die).
 
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py            # three shapes, fp16 + bf16
     PYTHONPATH=. timeout 600 python3 bench/experiments/scores_sm90.py --quick    # seed (32,32,512,1024) fp16, 1 round
+    ... --causal: is_causal (top-left) everywhere; the cluster variant (no causal) is left out
+
+Variants 1-3 write the same P bit for bit; the ping-pong kernel rounds pass A's probabilities twice, so its P and lse
+are compared to variant 1's by their largest difference.
 """
 import os
 import sys
@@ -30,6 +34,9 @@ SHAPES = ((32, 32, 512, 512, 1024), (16, 32, 512, 300, 1024), (8, 16, 1024, 512,
 def _reference(q, k, v):
     torch.backends.cuda.matmul.allow_tf32 = False
     s = (q.float() @ k.float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if CAUSAL:
+        L, S = s.shape[-2:]
+        s = s.masked_fill(torch.ones(L, S, dtype=torch.bool, device=s.device).tril().logical_not(), float("-inf"))
     return torch.softmax(s, dim=-1) @ v.float()
 
 
@@ -56,7 +63,10 @@ def _max_active_clusters(launch) -> str:
 
 
 MODES = {"0": "cuBLAS + softmax pass", "1": "scores kernel + P·V", "2": "cluster scores kernel + P·V",
-         "3": "persistent scores kernel + P·V"}
+         "3": "persistent scores kernel + P·V", "4": "ping-pong scores kernel + P·V"}
+CAUSAL = "--causal" in sys.argv
+if CAUSAL:
+    MODES.pop("2")
 
 
 def run_shape(shape, dt, rounds):
@@ -64,12 +74,12 @@ def run_shape(shape, dt, rounds):
     q = torch.randn(B, H, L, D, device="cuda", dtype=dt)
     k = torch.randn(B, H, S, D, device="cuda", dtype=dt)
     v = torch.randn(B, H, S, D, device="cuda", dtype=dt)
-    call = lambda: cupy_attn.scaled_dot_product_attention(q, k, v)  # noqa: E731
+    call = lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=CAUSAL)  # noqa: E731
     ref = _reference(q, k, v)
     errs, whole, dev = {}, {m: [] for m in MODES}, {m: [] for m in MODES}
     for mode in MODES:
         os.environ[scores_sm90.ENV_SPLIT_FUSED] = mode
-        plan = cupy_attn.explain(q, k, v)
+        plan = cupy_attn.explain(q, k, v, is_causal=CAUSAL)
         print(f"  CUPY_ATTN_SPLIT_FUSED={mode}: {plan.details.get('schedule')}", flush=True)
         out = call()
         wait_or_die(f"split path, CUPY_ATTN_SPLIT_FUSED={mode}")
@@ -87,16 +97,20 @@ def run_shape(shape, dt, rounds):
     cq, ck = cupy.from_dlpack(q), cupy.from_dlpack(k)
     ld = -(-S // 8) * 8
     launches, kernels, outs = {}, {}, {}
-    for m in sorted(scores_sm90.KERNELS):
+    for m in sorted(int(x) for x in MODES if x != "0"):
         P = cupy.empty((B, H, L, ld), dtype=cq.dtype)
         lse = cupy.empty((B, H, L), dtype=cupy.float32)
-        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, variant=m)
+        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, variant=m,
+                                     causal="top_left" if CAUSAL else None)
         launches[m] = launch
         kernels[m] = lambda launch=launch, P=P, lse=lse: launch(cq.data.ptr, ck.data.ptr, P.data.ptr, lse.data.ptr)
         kernels[m]()
         wait_or_die(f"{scores_sm90.KERNELS[m]} alone")
         outs[m] = (P, lse)
-    same = all(bool((outs[1][i][..., :S] == outs[m][i][..., :S]).all()) for m in outs for i in (0, 1))
+    same = all(bool((outs[1][i][..., :S] == outs[m][i][..., :S]).all()) for m in outs if m != 4 for i in (0, 1))
+    d_p = float(cupy.abs(outs[4][0][..., :S].astype(cupy.float32) - outs[1][0][..., :S].astype(cupy.float32)).max())
+    finite = cupy.isfinite(outs[1][1])
+    d_lse = float(cupy.abs(cupy.where(finite, outs[4][1] - outs[1][1], 0)).max())
     k_ms = {m: [] for m in kernels}
     for _ in range(max(rounds, 3)):
         for m in kernels:
@@ -113,10 +127,11 @@ def run_shape(shape, dt, rounds):
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
               f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
               f"{_max_active_clusters(launch)}", flush=True)
-    print(f"{name} kernels alone: cluster {min(k_ms[1]) / min(k_ms[2]):.3f}x, persistent "
-          f"{min(k_ms[1]) / min(k_ms[3]):.3f}x the one-CTA kernel's speed; outputs "
-          f"{'identical' if same else 'DIFFER'}", flush=True)
-    for mode in ("1", "2", "3"):
+    speeds = ", ".join(f"{scores_sm90.KERNELS[m]} {min(k_ms[1]) / min(k_ms[m]):.3f}x" for m in k_ms if m != 1)
+    print(f"{name} kernels alone against the one-CTA kernel: {speeds}; variants 1-3 "
+          f"{'identical' if same else 'DIFFER'}; ping-pong against variant 1: max |dP| {d_p:.2e}, "
+          f"max |dlse| {d_lse:.2e}", flush=True)
+    for mode in (m for m in MODES if m != "0"):
         print(f"{name} speedup over cuBLAS + softmax ({MODES[mode]}): whole {min(whole['0']) / min(whole[mode]):.3f}x, "
               f"device {min(dev['0']) / min(dev[mode]):.3f}x", flush=True)
 
