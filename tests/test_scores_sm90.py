@@ -584,7 +584,7 @@ def test_grid_pads_row_blocks_to_whole_clusters():
         assert _scores.grid_for(3, 5, L, 1) == (blocks, 5, 3)
         assert _scores.grid_for(3, 5, L, 2) == (blocks + blocks % 2, 5, 3), L
         assert _scores.grid_for(3, 5, L, 3, num_sms=132) == (min(blocks * 15, 132), 1, 1), L
-        assert _scores.grid_for(3, 5, L, 4, num_sms=132) == (min(-(-blocks * 15 // 2), 132), 1, 1), L
+        assert _scores.grid_for(3, 5, L, 4, num_sms=132) == (min(blocks * 15, 132), 1, 1), L
     with pytest.raises(ValueError, match="variant"):
         _scores.grid_for(1, 1, 64, 5)
 

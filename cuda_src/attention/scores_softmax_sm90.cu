@@ -628,18 +628,21 @@ struct PassTile {
   __device__ __forceinline__ int width(int pass) const { return pass ? nw_b : nw_a; }
 };
 
-// The CTA's tiles in pairs: pair i of the CTA holds tiles 2·(blockIdx.x + i·gridDim.x) and the next (adjacent row
-// blocks, usually of one head, so the second pass over a head's K finds it in L2).
+// The CTA's tiles as the persistent kernel's TileWalk deals them (blockIdx.x, blockIdx.x + gridDim.x, ... of the
+// (row block, head, batch) order, row block fastest), taken in pairs: a = its tile 2i, b = its tile 2i + 1 (absent
+// past the end). Dealing single tiles keeps the load within one tile per CTA (v1.3's balance); the CTAs' warpgroups
+// 0 and 1 then sweep two adjacent windows of gridDim.x tiles, ~2·gridDim.x / ⌈L / 64⌉ heads' K live in L2.
 struct PairWalk {
-  int next, stride, count, m_blocks, heads;
+  int next, stride, count, m_blocks, heads;  // next: tile a of the current pair
   __device__ __forceinline__ explicit PairWalk(const ScoresSm90Params& p) {
     m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
     heads = static_cast<int>(p.num_heads);
     count = m_blocks * heads * static_cast<int>(p.batch);
-    next = 2 * blockIdx.x;
+    next = blockIdx.x;
     stride = 2 * gridDim.x;
   }
   __device__ __forceinline__ bool more() const { return next < count; }
+  __device__ __forceinline__ int b() const { return next + static_cast<int>(gridDim.x); }
 };
 
 // The ring steps of a pair's passes, in the ring's order a.A, b.A, a.B, b.B (b and the B passes where they exist):
@@ -697,8 +700,8 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
       };
       for (PairWalk walk(p); walk.more(); walk.next += walk.stride) {
         const PassTile<kHalfN> a(p, walk.next, walk.m_blocks, walk.heads);
-        const bool has_b = walk.next + 1 < walk.count;
-        const PassTile<kHalfN> b(p, has_b ? walk.next + 1 : walk.next, walk.m_blocks, walk.heads);
+        const bool has_b = walk.b() < walk.count;
+        const PassTile<kHalfN> b(p, has_b ? walk.b() : walk.next, walk.m_blocks, walk.heads);
         load_pass(a, 0);
         if (has_b) load_pass(b, 0);
         if (a.passes == 2) load_pass(a, 1);
@@ -816,8 +819,8 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
   int before = -1;  // the warpgroup of the ring's last pass before the current pair (−1: none)
   for (PairWalk walk(p); walk.more(); walk.next += walk.stride) {
     const PassTile<kHalfN> a(p, walk.next, walk.m_blocks, walk.heads);
-    const bool has_b = walk.next + 1 < walk.count;
-    const PassTile<kHalfN> b(p, has_b ? walk.next + 1 : walk.next, walk.m_blocks, walk.heads);
+    const bool has_b = walk.b() < walk.count;
+    const PassTile<kHalfN> b(p, has_b ? walk.b() : walk.next, walk.m_blocks, walk.heads);
     const PairSteps steps{a.passes, has_b ? b.passes : 0, k_blocks};
     const int step_a = step + steps.start(wg, 0), step_b = step + steps.start(wg, 1);
     step += steps.total();
@@ -949,7 +952,7 @@ __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_persistent(const _
   scores_sm90::scores_softmax<T, kHalfN, kStages, 1, true>(p);
 }
 
-// Grid (min(⌈⌈L / 64⌉·Hq·B / 2⌉, SMs), 1, 1): persistent CTAs walking pairs of tiles, one tile per consumer
+// Grid (min(⌈L / 64⌉·Hq·B, SMs), 1, 1): persistent CTAs walking their tiles in pairs, one tile per consumer
 // warpgroup, the two warpgroups' wgmma and softmax in ping-pong (PairWalk). The K map's box is 64 keys.
 template <typename T, int kHalfN, int kStages>
 __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_pingpong(const __grid_constant__ ScoresSm90Params p) {

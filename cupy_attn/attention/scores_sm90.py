@@ -127,21 +127,19 @@ def enabled() -> bool:
 def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sms: int = 132) -> tuple:
     """Variants 1 and 2: (row blocks, Hq, B), ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of the
     cluster's CTAs (variant 2: pairs adjacent along x; an odd count gets one CTA past L, which loads its share of K
-    and stores nothing). Variant 3 (persistent): (min(row blocks · Hq · B, num_sms), 1, 1), one CTA per SM. Variant 4
-    (ping-pong): one CTA per SM over pairs of row blocks, (min(⌈row blocks · Hq · B / 2⌉, num_sms), 1, 1).
+    and stores nothing). Variants 3 (persistent) and 4 (ping-pong, the CTA's tiles taken in pairs): (min(row blocks ·
+    Hq · B, num_sms), 1, 1), one CTA per SM.
 
     >>> grid_for(32, 32, 512, 2), grid_for(2, 3, 130, 2), grid_for(2, 3, 130, 1), grid_for(1, 1, 1, 2)
     ((8, 32, 32), (4, 3, 2), (3, 3, 2), (2, 1, 1))
     >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3), grid_for(2, 3, 130, 4), grid_for(1, 1, 1, 4)
-    ((132, 1, 1), (18, 1, 1), (9, 1, 1), (1, 1, 1))
+    ((132, 1, 1), (18, 1, 1), (18, 1, 1), (1, 1, 1))
     """
     if variant not in KERNELS:
         raise ValueError(f"variant={variant}: the scores kernel's variants are {sorted(KERNELS)}")
     blocks = -(-seqlen_q // BLOCK_M)
-    if variant == 3:
+    if variant in (3, 4):
         return (min(blocks * num_heads * batch, num_sms), 1, 1)
-    if variant == 4:
-        return (min(-(-blocks * num_heads * batch // 2), num_sms), 1, 1)
     m = CLUSTER_M[variant]
     return (-(-blocks // m) * m, num_heads, batch)
 
