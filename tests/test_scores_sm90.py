@@ -927,9 +927,10 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
                 if n > 0:  # wait_group 1: step gs[n − 1]'s wgmma has read its stage until now; then its release
                     read_until(gs[n - 1])
                 yield lambda: True
-            read_until(gs[-1])  # wait_group 0, then the pass's last stage
-            if nxt == wg ^ 1:  # bar.arrive 4 + (wg ^ 1): every warp of this warpgroup
+            if nxt == wg ^ 1:  # bar.arrive 4 + (wg ^ 1) by every warp, once the pass's last wgmma are issued
                 tokens[wg ^ 1] += 1
+            yield lambda: True
+            read_until(gs[-1])  # wait_group 0, then the pass's last stage
 
         for i, pair in enumerate(pair_passes):
             passes = pair[wg]

@@ -201,10 +201,12 @@ namespace scores_sm90 {
 // four k steps of 16 columns = 32 bytes inside the 128-byte swizzled rows (the hardware applies the XOR to the
 // computed address); 8-row atoms 1024 bytes apart. wait<1> after a stage's commit: the previous stage's wgmma has
 // completed, so that stage is released while this one runs (two groups in flight). Returns after wait<0>.
-template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem>
+// kSignal (the ping-pong kernel): once the last stage's wgmma are issued (every full barrier of the pass waited),
+// arrive on named barrier `signal` (≥ 0) for the other warpgroup, whose wgmma then queue behind these.
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem, bool kSignal = false>
 __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const Smem& ss,
                                        unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
-                                       int step0, scores_trace::Clock& clk) {
+                                       int step0, scores_trace::Clock& clk, int signal = -1) {
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   for (int kb = 0; kb < k_blocks; ++kb) {
     const int s = (step0 + kb) % kStages;
@@ -229,22 +231,27 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const Smem& ss,
       }
     }
   }
+  if constexpr (kSignal) {
+    if (signal >= 0) tma::named_barrier_arrive(signal, 256);
+  }
   wgmma::wait<0>();
 }
 
 // k_loop at the runtime width nw (a multiple of 64, 64 ≤ nw ≤ kN): one instantiation per width.
-template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem>
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem, bool kSignal = false>
 __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2], const Smem& ss, unsigned q_base,
                                              unsigned k_base, int k_blocks, int lane, unsigned rank, int step0,
-                                             scores_trace::Clock& clk) {
+                                             scores_trace::Clock& clk, int signal = -1) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+    k_loop<T, 64, kHalfN, kStages, kClusterM, Smem, kSignal>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0,
+                                                             clk, signal);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+      k_loop<T, kN, kHalfN, kStages, kClusterM, Smem, kSignal>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0,
+                                                               clk, signal);
     } else {
-      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
-                                                           step0, clk);
+      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM, Smem, kSignal>(nw, acc, ss, q_base, k_base, k_blocks,
+                                                                          lane, rank, step0, clk, signal);
     }
   }
 }
@@ -836,8 +843,8 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
 
     float acc[kHalfN / 2];
     // One pass: wait for the token when the ring's previous pass is the other warpgroup's, its wgmma over the head
-    // dim, every stage released (nothing is staged in the ring), then the token to the other warpgroup when the
-    // ring's next pass is its.
+    // dim, the token to the other warpgroup when the ring's next pass is its (k_loop: once the last wgmma are
+    // issued, so that the other's queue behind them), every stage released (nothing is staged in the ring).
     auto run_pass = [&](int pass) {
       const int me = pass * 2 + wg;  // this pass's place in the pair's order
       const unsigned earlier = exists & ((1u << me) - 1), later = exists & ~((2u << me) - 1);
@@ -847,12 +854,12 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
       const int s0 = pass ? step_b : step_a;
       #pragma unroll
       for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
-      k_loop_width<T, kHalfN, kHalfN, kStages, 1>(tl.width(pass), acc, ss, q_base, k_base, k_blocks, lane, 0u, s0,
-                                                  clk);
+      k_loop_width<T, kHalfN, kHalfN, kStages, 1, Smem, true>(tl.width(pass), acc, ss, q_base, k_base, k_blocks,
+                                                              lane, 0u, s0, clk,
+                                                              next == (wg ^ 1) ? kTokenBarrier + (wg ^ 1) : -1);
       wgmma::fence_operands(acc);
       __syncwarp();
       if (lane == 0) tma::mbar_arrive(&ss.empty[(s0 + k_blocks - 1) % kStages]);
-      if (next == (wg ^ 1)) tma::named_barrier_arrive(kTokenBarrier + (wg ^ 1), 256);
     };
 
     run_pass(0);
