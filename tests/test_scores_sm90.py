@@ -385,6 +385,27 @@ class _MBarrier:
         return (self.phase & 1) != parity
 
 
+def _interleave(threads, events, on_event, rng):
+    """Run generator threads (each yields a predicate it waits on, None or true when it may go on) and in-flight
+    events (on_event(event) handles one) in a random order drawn from rng until all threads end and no event is left;
+    ProtocolError on a deadlock (threads waiting, nothing in flight)."""
+    blocked = {i: None for i in range(len(threads))}  # thread -> predicate it waits on (None: runnable)
+    done = set()
+    while len(done) < len(threads) or events:
+        runnable = [("t", i) for i in blocked if i not in done and (blocked[i] is None or blocked[i]())]
+        runnable += [("e", j) for j in range(len(events))]
+        if not runnable:
+            raise ProtocolError(f"deadlock: threads {sorted(set(blocked) - done)} wait, nothing in flight")
+        kind, i = rng.choice(runnable)
+        if kind == "t":
+            try:
+                blocked[i] = next(threads[i])
+            except StopIteration:
+                done.add(i)
+            continue
+        on_event(events.pop(i))
+
+
 def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True, True), half_n=256, seed=0,
                      mutation=None, tiles=1):
     """The scores kernel's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax), transcribed step by step
@@ -493,35 +514,23 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
             yield from cluster_sync(2, me)
         alive[c] -= 1
 
-    threads = [producer(c) for c in ctas] + [consumer(c, w) for c in ctas for w in range(8)]
-    blocked = {i: None for i in range(len(threads))}  # thread -> predicate it waits on (None: runnable)
-    done = set()
-    while len(done) < len(threads) or events:
-        runnable = [("t", i) for i in blocked if i not in done and (blocked[i] is None or blocked[i]())]
-        runnable += [("e", j) for j in range(len(events))]
-        if not runnable:
-            raise ProtocolError(f"deadlock: threads {sorted(set(blocked) - done)} wait, nothing in flight")
-        kind, i = rng.choice(runnable)
-        if kind == "t":
-            try:
-                blocked[i] = next(threads[i])
-            except StopIteration:
-                done.add(i)
-            continue
-        ev = events.pop(i)
+    def on_event(ev):
         c = ev[1]
         if alive[c] == 0:
             raise ProtocolError(f"{ev[0]} reached CTA {c} after it exited")
         if ev[0] == "arrive":
             empty[c][ev[2]].arrive()
             unflushed[ev[3]] -= 1
-            continue
+            return
         _, c, s, part, kb, n = ev
         if kb >= stages and finished[c][kb - stages] < 8:
             raise ProtocolError(f"k block {kb} ({part}) landed in CTA {c} stage {s} while k block {kb - stages} "
                                 f"was read by {8 - finished[c][kb - stages]} warps")
         tags[c][s][part] = kb
         full[c][s].complete_tx(n)
+
+    _interleave([producer(c) for c in ctas] + [consumer(c, w) for c in ctas for w in range(8)], events, on_event,
+                rng)
     if any(alive):
         raise ProtocolError(f"threads never exited: {alive}")
 
@@ -956,31 +965,18 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
         if leader:
             yield lambda: reading[wg] == 0  # bulk_wait_read before exit
 
-    threads = [producer()] + [consumer(w) for w in range(8)]
-    blocked = {i: None for i in range(len(threads))}
-    done = set()
-    while len(done) < len(threads) or events:
-        runnable = [("t", i) for i in blocked if i not in done and (blocked[i] is None or blocked[i]())]
-        runnable += [("e", j) for j in range(len(events))]
-        if not runnable:
-            raise ProtocolError(f"deadlock: threads {sorted(set(blocked) - done)} wait, nothing in flight")
-        kind, i = rng.choice(runnable)
-        if kind == "t":
-            try:
-                blocked[i] = next(threads[i])
-            except StopIteration:
-                done.add(i)
-            continue
-        ev = events.pop(i)
+    def on_event(ev):
         if ev[0] == "read":
             reading[ev[1]] -= 1
-            continue
+            return
         _, s, g, n = ev
         if g >= stages and finished[g - stages] < 4:
             raise ProtocolError(f"step {g} landed in stage {s} while step {g - stages} was read by "
                                 f"{4 - finished[g - stages]} more warps")
         tags[s] = g
         full[s].complete_tx(n)
+
+    _interleave([producer()] + [consumer(w) for w in range(8)], events, on_event, rng)
 
 
 PINGPONG_CASES = [  # (pair_passes, k_blocks, stages)

@@ -197,6 +197,29 @@ constexpr int kScoresConsumerRegs = 240;
 
 namespace scores_sm90 {
 
+// 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
+// of this lane), one FFMA and one MUFU.EX2 per score (−inf → 0), and each row's sum: this lane's, then the quad's
+// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0.
+template <int kN>
+__device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
+  sum[0] = sum[1] = 0.f;
+  #pragma unroll
+  for (int j = 0; j < kN / 8; ++j)
+    #pragma unroll
+    for (int half = 0; half < 2; ++half)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        float& x = acc[4 * j + 2 * half + e];
+        x = exp2f(fmaf(x, c, -m_c[half]));
+        sum[half] += x;
+      }
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
+    sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+  }
+}
+
 // The consumer's K loop: S block (64 × kN) = Q K_wgᵀ over the head dim, into the first kN/2 accumulators. Each stage:
 // four k steps of 16 columns = 32 bytes inside the 128-byte swizzled rows (the hardware applies the XOR to the
 // computed address); 8-row atoms 1024 bytes apart. wait<1> after a stage's commit: the previous stage's wgmma has
@@ -481,30 +504,18 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     tma::named_barrier_sync(kStatsBarrier, 256);
     clk.stamp(4);
-    float m_c[2], sum[2] = {0.f, 0.f};
+    float m_c[2], sum[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
       if (m_c[half] == neg_inf()) m_c[half] = 0.f;
     }
 
-    // P unnormalized in place: 2^(s·c − m·c), one FFMA and one MUFU.EX2 per score (−inf → 0).
+    // P unnormalized in place: 2^(s·c − m·c), and this warpgroup's share of each row's sum.
+    exp2_rows<kHalfN>(acc, c, m_c, sum);
     #pragma unroll
-    for (int j = 0; j < kHalfN / 8; ++j)
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = acc[4 * j + 2 * half + e];
-          x = exp2f(fmaf(x, c, -m_c[half]));
-          sum[half] += x;
-        }
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
+    for (int half = 0; half < 2; ++half)
       if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
-    }
     tma::named_barrier_sync(kStatsBarrier, 256);
     clk.stamp(5);
     float inv[2];
@@ -765,27 +776,8 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
   // 2^(s·c − m·c) in place (m = −inf: a row that sees none of these keys; 0 stands in, so its values are 0) and the
   // row sums.
   auto exponentiate = [&](float (&acc)[kHalfN / 2], const float (&mx)[2], float (&sum)[2]) {
-    float m_c[2];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      m_c[half] = mx[half] == neg_inf() ? 0.f : mx[half] * c;
-      sum[half] = 0.f;
-    }
-    #pragma unroll
-    for (int j = 0; j < kHalfN / 8; ++j)
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          float& x = acc[4 * j + 2 * half + e];
-          x = exp2f(fmaf(x, c, -m_c[half]));
-          sum[half] += x;
-        }
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
-      sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 2);
-    }
+    const float m_c[2] = {mx[0] == neg_inf() ? 0.f : mx[0] * c, mx[1] == neg_inf() ? 0.f : mx[1] * c};
+    exp2_rows<kHalfN>(acc, c, m_c, sum);
   };
   // The staging (this warpgroup's 64 × kHalfN region) in the 128-byte swizzle of the P map's boxes: box j / 8, row r,
   // 16-byte chunk (j % 8) ^ (r % 8), and this lane's pair at byte 4t of it (columns 8j + 2t, +1).
