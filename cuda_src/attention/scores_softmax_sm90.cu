@@ -197,6 +197,30 @@ constexpr int kScoresConsumerRegs = 240;
 
 namespace scores_sm90 {
 
+// Thread 0: the ring's barriers (full: the producer's one arrival + the TMA bytes; empty: `readers` arrivals, lane 0
+// of each consumer warp that reads a stage), fenced for the async proxy and the cluster.
+template <int kStages>
+__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned readers) {
+  if (threadIdx.x == 0) {
+    #pragma unroll
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&full[s], 1);
+      tma::mbar_init(&empty[s], readers);
+    }
+    tma::fence_barrier_init();
+  }
+}
+
+// The producer warpgroup's entry: its registers down to kScoresProducerRegs; true in thread 0, the one that issues
+// the TMA loads, after it has prefetched the Q and K maps.
+__device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
+  tma::setmaxnreg_dec<kScoresProducerRegs>();
+  if (threadIdx.x != 0) return false;
+  tma::prefetch_map(&p.tma_q);
+  tma::prefetch_map(&p.tma_k);
+  return true;
+}
+
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (−inf → 0), and each row's sum: this lane's, then the quad's
 // (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0.
@@ -355,14 +379,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
   const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
 
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8 * kClusterM);  // lane 0 of each consumer warp, of every CTA in the cluster
-    }
-    tma::fence_barrier_init();
-  }
+  init_ring<kStages>(ss.full, ss.empty, 8 * kClusterM);  // every consumer warp, of every CTA in the cluster
   if constexpr (kClusterM > 1) {
     // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
     // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
@@ -373,10 +390,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   }
 
   if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kScoresProducerRegs>();
-    if (threadIdx.x == 0) {
-      tma::prefetch_map(&p.tma_q);
-      tma::prefetch_map(&p.tma_k);
+    if (producer_enter(p)) {
       int step = 0;
       unsigned long long waited = 0;
       for (TileWalk<kPersistent> walk(p); walk.more();) {
@@ -686,21 +700,11 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
   const Smem ss(smem_raw);
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
 
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 4);  // lane 0 of each warp of the one warpgroup that reads the stage
-    }
-    tma::fence_barrier_init();
-  }
+  init_ring<kStages>(ss.full, ss.empty, 4);  // the four warps of the one warpgroup that reads a stage
   __syncthreads();
 
   if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kScoresProducerRegs>();
-    if (threadIdx.x == 0) {
-      tma::prefetch_map(&p.tma_q);
-      tma::prefetch_map(&p.tma_k);
+    if (producer_enter(p)) {
       int step = 0;
       auto load_pass = [&](const PassTile<kHalfN>& tl, int pass) {
         const int h_kv = tl.h / static_cast<int>(p.groups);
