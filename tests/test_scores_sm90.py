@@ -1,8 +1,8 @@
 """The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
-scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its three variants (one CTA per 64-row
-block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent); and the
-split path's schedule that runs it before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one
-CTA per row block; 2 the cluster variant; 0 off).
+scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its four variants (one CTA per 64-row
+block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent;
+scores_softmax_sm90_pingpong); and the split path's schedule that runs it before the cuBLAS P·V GEMM
+(CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one CTA per row block; 2 the cluster variant; 4 ping-pong; 0 off).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
 tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernel multicast loads,
@@ -855,7 +855,8 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
     exit, no deadlock. Passes run in ring order: a warpgroup whose pass follows the other's waits for its token
     (bar.sync on named barrier 4 + w: its k-th wait passes once the other's four warps have arrived k times). Mutations:
     "no_wait" (the leader does not wait for the reads before a round), "release_early" (a pass's stages released
-    before the wgmma read them), "no_order" (no token: a warpgroup can test a stage's parity a lap early)."""
+    before the wgmma read them), "no_order" (no token: a warpgroup can test a stage's parity a lap early),
+    "always_signal" (a token after every pass, also when the next is the same warpgroup's)."""
     import random
     rng = random.Random(seed)
     full = [_MBarrier(1) for _ in range(stages)]
@@ -867,6 +868,7 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
     steps = [(pass_key, kb) for pass_key in order for kb in range(k_blocks)]
     owner_seq = [tile for _, tile, _ in order]  # the warpgroup of each pass, in ring order
     tokens = [0, 0]  # named barrier 4 + w: warps of the other warpgroup arrived (4 per token)
+    passed = [0, 0]  # named barrier 4 + w: warps of warpgroup w through their waits
     tags = [None] * stages
     finished = [0] * len(steps)
     events = []
@@ -924,6 +926,7 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
             if prev == wg ^ 1 and mutation != "no_order":  # bar.sync 4 + wg: the k-th token, 4 warps' arrivals
                 waits[0] += 1
                 yield lambda k=waits[0]: tokens[wg] >= 4 * k
+                passed[wg] += 1
             gs = [g for g, (key, _) in enumerate(steps) if key == (i, tile, ps)]
             for n, g in enumerate(gs):
                 s = g % stages
@@ -936,7 +939,13 @@ def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
                 if n > 0:  # wait_group 1: step gs[n − 1]'s wgmma has read its stage until now; then its release
                     read_until(gs[n - 1])
                 yield lambda: True
-            if nxt == wg ^ 1:  # bar.arrive 4 + (wg ^ 1) by every warp, once the pass's last wgmma are issued
+            if nxt == wg ^ 1 or (mutation == "always_signal" and nxt >= 0):  # bar.arrive 4 + (wg ^ 1) by every
+                # warp, once the pass's last wgmma are issued
+                # A hardware named barrier counts generations, not tokens: an arrival for generation k + 1 before
+                # the waiters have all passed generation k would complete a barrier they never wait for.
+                if passed[wg ^ 1] < 4 * (tokens[wg ^ 1] // 4):
+                    raise ProtocolError(f"named barrier {4 + (wg ^ 1)}: an arrival for its next generation before "
+                                        f"warpgroup {wg ^ 1} passed the current one")
                 tokens[wg ^ 1] += 1
             yield lambda: True
             read_until(gs[-1])  # wait_group 0, then the pass's last stage
@@ -997,11 +1006,11 @@ def test_pingpong_protocol_under_random_interleavings(pair_passes, k_blocks, sta
 
 
 @pytest.mark.parametrize("mutation,words", [("no_wait", "wrote its staging"), ("release_early", "landed"),
-                                            ("no_order", "holds step")])
+                                            ("no_order", "holds step"), ("always_signal", "next generation")])
 def test_pingpong_emulation_catches_a_broken_protocol(mutation, words):
     for seed in range(300):
         try:
-            emulate_pingpong(((2, 2), (2, 1)), 3, 3, seed=seed, mutation=mutation)
+            emulate_pingpong(((2, 2), (1, 2), (2, 1)), 3, 3, seed=seed, mutation=mutation)
         except ProtocolError as exc:
             assert words in str(exc), str(exc)
             return

@@ -66,7 +66,7 @@ namespace cupy_attn {
 // time, field order by tests/test_structs.py). One __grid_constant__ parameter: TMA reads the maps by address.
 struct ScoresSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, 64, 1, 1), 128-byte swizzle
-  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1)
+  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1); (64, 64, 1, 1) for the ping-pong kernel
   tma::TensorMap tma_p;  // P (B, Hq, L, S) in the input dtype as (S, L, Hq, B), rows ld elements apart (ld a
                          // multiple of 8), box (64, 64, 1, 1), 128-byte swizzle: the epilogue's TMA stores
   float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
@@ -223,12 +223,15 @@ __device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (−inf → 0), and each row's sum: this lane's, then the quad's
-// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0.
+// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0. Only columns below nw (a multiple of 8;
+// the ping-pong kernel's narrower passes) are touched: the others are never stored.
 template <int kN>
-__device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
+__device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2],
+                                          int nw = kN) {
   sum[0] = sum[1] = 0.f;
   #pragma unroll
-  for (int j = 0; j < kN / 8; ++j)
+  for (int j = 0; j < kN / 8; ++j) {
+    if (8 * j >= nw) break;
     #pragma unroll
     for (int half = 0; half < 2; ++half)
       #pragma unroll
@@ -237,6 +240,7 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
         x = exp2f(fmaf(x, c, -m_c[half]));
         sum[half] += x;
       }
+  }
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
@@ -751,7 +755,8 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
   bool staged = false;  // this warpgroup's staging has TMA stores in flight (its leader waits for their reads)
 
   // Keys of pass `pass` visible to this lane's rows: −inf for the others, then the row max (quad shuffle: the four
-  // lanes of a quad hold a row's columns). acc[4j + 2·half + e] is row r0 + 8·half, key key0 + 8j + 2t + e.
+  // lanes of a quad hold a row's columns). acc[4j + 2·half + e] is row r0 + 8·half, key key0 + 8j + 2t + e. Only the
+  // pass's nw columns are touched (masked, maxed, exponentiated, stored): a narrow pass pays a narrow epilogue.
   auto mask_and_max = [&](float (&acc)[kHalfN / 2], const PassTile<kHalfN>& tl, int pass, float (&mx)[2]) {
     const int key0 = pass * kHalfN, nw = tl.width(pass);
     if (nw < kHalfN || key0 + kHalfN > S || (causal && key0 + kHalfN - 1 > tl.m0 + p.causal_offset)) {
@@ -761,27 +766,40 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
         if (causal) limit = min(limit, tl.m0 + r0 + 8 * half + p.causal_offset + 1);
         const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - key0 - 2 * t)));
         #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j)
+        for (int j = 0; j < kHalfN / 8; ++j) {
+          if (8 * j >= nw) break;
           #pragma unroll
           for (int e = 0; e < 2; ++e)
             if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
+        }
       }
     }
+    // (The full-width case is its own unrolled copy, free of the width tests.)
+    const int nw_max = nw == kHalfN ? kHalfN : nw;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       mx[half] = neg_inf();
-      #pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j)
-        mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+      if (nw == kHalfN) {
+        #pragma unroll
+        for (int j = 0; j < kHalfN / 8; ++j)
+          mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+      } else {
+        #pragma unroll
+        for (int j = 0; j < kHalfN / 8; ++j) {
+          if (8 * j >= nw_max) break;
+          mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+        }
+      }
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
     }
   };
   // 2^(s·c − m·c) in place (m = −inf: a row that sees none of these keys; 0 stands in, so its values are 0) and the
   // row sums.
-  auto exponentiate = [&](float (&acc)[kHalfN / 2], const float (&mx)[2], float (&sum)[2]) {
+  auto exponentiate = [&](float (&acc)[kHalfN / 2], const float (&mx)[2], float (&sum)[2], int nw) {
     const float m_c[2] = {mx[0] == neg_inf() ? 0.f : mx[0] * c, mx[1] == neg_inf() ? 0.f : mx[1] * c};
-    exp2_rows<kHalfN>(acc, c, m_c, sum);
+    if (nw == kHalfN) exp2_rows<kHalfN>(acc, c, m_c, sum);  // full width: no width tests in the unrolled loop
+    else exp2_rows<kHalfN>(acc, c, m_c, sum, nw);
   };
   // The staging (this warpgroup's 64 × kHalfN region) in the 128-byte swizzle of the P map's boxes: box j / 8, row r,
   // 16-byte chunk (j % 8) ^ (r % 8), and this lane's pair at byte 4t of it (columns 8j + 2t, +1).
@@ -861,7 +879,7 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
     run_pass(0);
     float mx[2], l[2];
     mask_and_max(acc, tl, 0, mx);
-    exponentiate(acc, mx, l);
+    exponentiate(acc, mx, l, tl.nw_a);
     float m_c[2], fa[2] = {1.f, 1.f}, fb[2] = {0.f, 0.f};  // m·c (0 for a row that sees no key), pass rescales
     if (tl.passes == 2) {
       // Pass A's exponentials wait in the staging, unnormalized, while pass B runs (the registers hold pass B's
@@ -872,7 +890,7 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
       run_pass(1);
       float mx_b[2], l_b[2];
       mask_and_max(acc, tl, 1, mx_b);
-      exponentiate(acc, mx_b, l_b);
+      exponentiate(acc, mx_b, l_b, tl.nw_b);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // The merge: m = max(m_A, m_B) (scaled by c; −inf where a pass saw no key of the row); each pass's values

@@ -8,10 +8,12 @@ dim E with 16-byte row strides, no mask, is_causal in both alignments (the one-C
 limit), GQA by head index. The split path (split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass unless
 ``CUPY_ATTN_SPLIT_FUSED=0`` (:func:`enabled`), and its
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
-(32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
+(32, 32, 512, 1024)). Four variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
 :func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
 multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
-one block's softmax and P stores overlap the next block's loads (3).
+one block's softmax and P stores overlap the next block's loads (3, the default); persistent CTAs whose two consumer
+warpgroups each own whole row blocks, in key passes of ≤ 256, their wgmma and softmax in ping-pong (4, opt-in,
+untimed). With no more row blocks than SMs, variant 4's CTAs hold one block each and its second warpgroup idles.
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -217,6 +219,7 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     num_sms = device_sms(q.device.id) if variant in (3, 4) else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
     tile = pingpong_tile_for(S) if variant == 4 else tile_for(S)
+    assert S <= 2 * tile.half_n and (variant != 4 or S > 256 or S <= tile.half_n), (S, tile)  # the passes cover S
     family = SCORES_PINGPONG_SM90 if variant == 4 else SCORES_SOFTMAX_SM90
     kernel = family.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     smem = tile.smem_bytes()

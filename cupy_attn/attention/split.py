@@ -408,7 +408,7 @@ def _scores_sm90():
 def fused_reason(p, budget: int, arch: int | None = None) -> str | None:
     """None when the split path runs the Hopper scores kernel (scores_sm90: Q·Kᵀ with the softmax in its epilogue,
     P written in the input dtype) followed by the P·V GEMM, else why not: CUPY_ATTN_SPLIT_FUSED must not be 0
-    (scores_sm90.setting: unset = 1), the kernel must take the call (scores_sm90.unsupported_reason) and P
+    (scores_sm90.setting: unset = 3), the kernel must take the call (scores_sm90.unsupported_reason) and P
     for all batch·heads (B·Hq·L·⌈S/8⌉·8 elements) must fit the workspace budget (the kernel writes it in one launch;
     seed (32, 32, 512, 1024) fp16: 512 MiB). ``arch``: the compute capability as an int (None: the call's device's)."""
     scores = _scores_sm90()
