@@ -46,7 +46,6 @@ def main():
     ap.add_argument("--causal", action="store_true")
     args = ap.parse_args()
     B, H, L, S, E = map(int, args.shape.split(","))
-    dt = cupy.dtype(args.dtype) if args.dtype != "bfloat16" else None
     import torch  # bf16 arrays through torch
     tdt = getattr(torch, args.dtype)
     q = cupy.from_dlpack(torch.randn(B, H, L, E, device="cuda", dtype=tdt))

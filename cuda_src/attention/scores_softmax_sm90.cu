@@ -113,18 +113,12 @@ template <typename T> struct Pair;
 template <> struct Pair<__half> {
   using type = __half2;
   __device__ __forceinline__ static type make(float a, float b) { return __floats2half2_rn(a, b); }
-  __device__ __forceinline__ static float2 unpack(unsigned u) { return __half22float2(bits(u)); }
-  __device__ __forceinline__ static unsigned pack(float a, float b) { return bits(make(a, b)); }
-  __device__ __forceinline__ static type bits(unsigned u) { union { unsigned u; type v; } x{u}; return x.v; }
-  __device__ __forceinline__ static unsigned bits(type v) { union { type v; unsigned u; } x{v}; return x.u; }
+  __device__ __forceinline__ static float2 unpack(type v) { return __half22float2(v); }
 };
 template <> struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
-  __device__ __forceinline__ static float2 unpack(unsigned u) { return __bfloat1622float2(bits(u)); }
-  __device__ __forceinline__ static unsigned pack(float a, float b) { return bits(make(a, b)); }
-  __device__ __forceinline__ static type bits(unsigned u) { union { unsigned u; type v; } x{u}; return x.v; }
-  __device__ __forceinline__ static unsigned bits(type v) { union { type v; unsigned u; } x{v}; return x.u; }
+  __device__ __forceinline__ static float2 unpack(type v) { return __bfloat1622float2(v); }
 };
 
 // Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
@@ -605,9 +599,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
 // warpgroups. Warpgroup 0 takes the CTA's even tiles, warpgroup 1 the odd ones, and the ring streams the passes of a
 // pair of tiles in the order a.A, b.A, a.B, b.B: while one warpgroup runs a pass's wgmma the other runs the softmax
 // of its last pass (FlashAttention-3's ping-pong of two warpgroups, Shah et al. 2024 §3.1), so the epilogue no longer
-// leaves the tensor pipe idle. Between the passes the warpgroup keeps pass A's exponentials 2^(s·c − m_A·c) as packed
-// 16-bit pairs (64 registers); after pass B it rescales them by 2^(m_A·c − m·c) / l (FlashAttention's merge of two
-// partial softmaxes). That rounds pass A's probabilities twice; an emulation of the seed's problem in float64 with
+// leaves the tensor pipe idle. Between the passes the warpgroup keeps pass A's exponentials 2^(s·c − m_A·c) in its
+// staging region, in the P dtype (held in registers, the 64 packed pairs made the kernel spill); after pass B it rescales them in place by
+// 2^(m_A·c − m·c) / l (FlashAttention's merge of two partial softmaxes). That rounds pass A's probabilities twice; an emulation of the seed's problem in float64 with
 // fp16/bf16 roundings changed the output's max error by −3% to +2% (the output's own rounding dominates).
 // Shared memory per k block and warpgroup: Q 8 KB + nw·128 B of K by TMA (64-row boxes: a causal pass loads only its
 // keys), read once by wgmma: 80 KB per m64n256k64 at kHalfN = 256, against v1's 152 KB per two of them.
@@ -775,7 +769,6 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
       }
     }
     // (The full-width case is its own unrolled copy, free of the width tests.)
-    const int nw_max = nw == kHalfN ? kHalfN : nw;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       mx[half] = neg_inf();
@@ -786,7 +779,7 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
       } else {
         #pragma unroll
         for (int j = 0; j < kHalfN / 8; ++j) {
-          if (8 * j >= nw_max) break;
+          if (8 * j >= nw) break;
           mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
         }
       }
@@ -927,7 +920,7 @@ __device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& 
         #pragma unroll
         for (int j = 0; j < kHalfN / 8; ++j) {
           P2* at = slot(j, half);
-          const float2 x = Pair<T>::unpack(Pair<T>::bits(*at));
+          const float2 x = Pair<T>::unpack(*at);
           *at = Pair<T>::make(x.x * sa[half], x.y * sa[half]);
         }
       store(tl, kHalfN / 64, 0, kHalfN / 64);

@@ -206,9 +206,9 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     rows ld (≥ S, a multiple of 8) elements apart. variant: 1 (scores_softmax_sm90), 2
     (scores_softmax_sm90_cluster2, K shared by TMA multicast), 3 (scores_softmax_sm90_persistent, one CTA per SM of
     q's device) or 4 (scores_softmax_sm90_pingpong: one CTA per SM, a consumer warpgroup per 64-row tile in key passes
-    of ≤ 256, the warpgroups' wgmma and softmax in ping-pong); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
-    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
-    multiple of 8, another variant, or causal with variant 2."""
+    of ≤ 256, the warpgroups' wgmma and softmax in ping-pong); the grid comes from :func:`grid_for`. causal: None,
+    "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit.
+    Raises ValueError for a short ld or one not a multiple of 8, another variant, or causal with variant 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
@@ -222,9 +222,6 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     assert S <= 2 * tile.half_n and (variant != 4 or S > 256 or S <= tile.half_n), (S, tile)  # the passes cover S
     family = SCORES_PINGPONG_SM90 if variant == 4 else SCORES_SOFTMAX_SM90
     kernel = family.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
-    smem = tile.smem_bytes()
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
