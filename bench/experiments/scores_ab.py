@@ -24,6 +24,8 @@ BASE = "attention/scores_ab_base.cu"
 
 
 def launch_for(family, q, k, lse, ld, causal):
+    """The persistent kernel's launch (variant 3) prepared from `family` (a variant of SCORES_SOFTMAX_SM90: another
+    source or options) in place of the declared one."""
     saved = scores_sm90.SCORES_SOFTMAX_SM90
     scores_sm90.SCORES_SOFTMAX_SM90 = family
     try:
@@ -32,19 +34,24 @@ def launch_for(family, q, k, lse, ld, causal):
         scores_sm90.SCORES_SOFTMAX_SM90 = saved
 
 
-def main():
-    ap = argparse.ArgumentParser()
+def problem(ap):
+    """Parse --shape/--dtype/--causal (and the caller's own arguments on `ap`): (args, (B, H, L, S, E), torch dtype,
+    q, k as CuPy views of fresh random torch tensors, P's row pitch ld, causal)."""
     ap.add_argument("--shape", default="32,32,512,512,1024")
     ap.add_argument("--dtype", default="float16")
     ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
     B, H, L, S, E = map(int, args.shape.split(","))
     tdt = getattr(torch, args.dtype)
     q = cupy.from_dlpack(torch.randn(B, H, L, E, device="cuda", dtype=tdt))
     k = cupy.from_dlpack(torch.randn(B, H, S, E, device="cuda", dtype=tdt))
-    ld = -(-S // 8) * 8
-    causal = "top_left" if args.causal else None
+    return args, (B, H, L, S, E), tdt, q, k, -(-S // 8) * 8, "top_left" if args.causal else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    args, (B, H, L, S, E), tdt, q, k, ld, causal = problem(ap)
     fams = {"base": dataclasses.replace(scores_sm90.SCORES_SOFTMAX_SM90, source=BASE),
             "tree": scores_sm90.SCORES_SOFTMAX_SM90}
     outs, launches = {}, {}

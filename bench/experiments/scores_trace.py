@@ -17,46 +17,33 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupy  # noqa: E402
 import numpy as np  # noqa: E402
 
 from cupy_attn.attention import scores_sm90  # noqa: E402
 from cupy_attn.runtime import compile as _compile  # noqa: E402
+from scores_ab import launch_for, problem  # noqa: E402
 
 TILES, FIELDS, CTAS = 80, 8, 160  # scores_trace::kTiles, kFields, kCtas
 
 
-def launch_for(family, q, k, lse, ld, causal):
-    saved = scores_sm90.SCORES_SOFTMAX_SM90
-    scores_sm90.SCORES_SOFTMAX_SM90 = family
-    try:
-        n_before = len(_compile._CUBIN_MODULES)
-        launch = scores_sm90.prepare(q, k, lse, scale=q.shape[-1] ** -0.5, ld=ld, variant=3, causal=causal)
-        module = _compile._CUBIN_MODULES[-1] if len(_compile._CUBIN_MODULES) > n_before else None
-    finally:
-        scores_sm90.SCORES_SOFTMAX_SM90 = saved
-    return launch, module
+def launch_and_module(family, q, k, lse, ld, causal):
+    """scores_ab.launch_for, and the CuPy module its kernel was loaded into (None if it was loaded before)."""
+    n_before = len(_compile._CUBIN_MODULES)
+    launch = launch_for(family, q, k, lse, ld, causal)
+    return launch, (_compile._CUBIN_MODULES[-1] if len(_compile._CUBIN_MODULES) > n_before else None)
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="32,32,512,512,1024")
-    ap.add_argument("--dtype", default="float16")
-    ap.add_argument("--causal", action="store_true")
-    args = ap.parse_args()
-    B, H, L, S, E = map(int, args.shape.split(","))
-    import torch  # bf16 arrays through torch
-    tdt = getattr(torch, args.dtype)
-    q = cupy.from_dlpack(torch.randn(B, H, L, E, device="cuda", dtype=tdt))
-    k = cupy.from_dlpack(torch.randn(B, H, S, E, device="cuda", dtype=tdt))
-    ld = -(-S // 8) * 8
+    import torch
+    _, (B, H, L, S, E), tdt, q, k, ld, causal = problem(argparse.ArgumentParser())
     p = cupy.from_dlpack(torch.empty(B * H * L * ld, device="cuda", dtype=tdt))
     lse = cupy.empty((B, H, L), cupy.float32)
-    causal = "top_left" if args.causal else None
     traced = dataclasses.replace(scores_sm90.SCORES_SOFTMAX_SM90, options=("-DCUPY_ATTN_SCORES_TRACE",))
-    plain, _ = launch_for(scores_sm90.SCORES_SOFTMAX_SM90, q, k, lse, ld, causal)
-    tr, module = launch_for(traced, q, k, lse, ld, causal)
+    plain, _ = launch_and_module(scores_sm90.SCORES_SOFTMAX_SM90, q, k, lse, ld, causal)
+    tr, module = launch_and_module(traced, q, k, lse, ld, causal)
     ptrs = (q.data.ptr, k.data.ptr, p.data.ptr, lse.data.ptr)
     from cupyx.profiler import benchmark
     t_plain = benchmark(lambda: plain(*ptrs), n_repeat=30, n_warmup=5).gpu_times.mean() * 1e3
