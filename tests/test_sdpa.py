@@ -142,6 +142,34 @@ def test_causal_row_bands_in_small_workspace_chunks(alignment, monkeypatch):
     _run(q, k, v, "float16", is_causal=alignment, what=f"causal={alignment} bands in 300-row chunks")
 
 
+@pytest.mark.parametrize("streams", [2, 3])
+@pytest.mark.parametrize("alignment", [True, "bottom_right"])
+@pytest.mark.parametrize("dtype,L,S,E,chunked", [("float16", 1030, 1024, 64, True), ("bfloat16", 900, 1100, 96, False),
+                                                 ("float16", 512, 512, 320, False), ("bfloat16", 300, 400, 288, True)])
+def test_causal_bands_on_streams(streams, alignment, dtype, L, S, E, chunked, monkeypatch):
+    # Row bands on several streams at once (split.causal_streams), each band with its own scratch region. ``chunked``:
+    # a workspace of two batch·heads of fp32 scores makes three batch chunks whose bands reuse their regions on the
+    # same streams. Unchunked E > 256 calls with S <= 512 run the Hopper scores kernel on sm_90 (only P·V banded, on one
+    # stream: causal_streams is not asked there).
+    from cupy_attn.attention import split
+    from cupy_attn.runtime import callcache
+    monkeypatch.setattr(split, "causal_streams", lambda L_, bands: streams)
+    monkeypatch.setattr(split, "cublas_causal_bands", lambda L_: 4)
+    monkeypatch.setattr(split, "causal_row_bands", lambda L_: 4)
+    if chunked:
+        monkeypatch.setenv("CUPY_ATTN_WORKSPACE_BYTES", str(2 * L * (-(-S // 8) * 8) * 4))
+    split._SCHEDULES.clear()
+    callcache.clear()
+    g = torch.Generator("cuda").manual_seed(L + S + streams)
+    q, k, v = _rand((2, 3, L, E), dtype, g), _rand((2, 3, S, E), dtype, g), _rand((2, 3, S, E), dtype, g)
+    try:
+        for _ in range(2):  # the second call replays the cached schedule
+            _run(q, k, v, dtype, is_causal=alignment, what=f"{dtype} causal={alignment} L={L} S={S} {streams} streams")
+    finally:
+        split._SCHEDULES.clear()
+        callcache.clear()
+
+
 @pytest.mark.parametrize("H,Hkv", [(8, 2), (4, 1), (32, 8)])
 def test_gqa(H, Hkv):
     g = torch.Generator("cuda").manual_seed(H)

@@ -143,6 +143,17 @@ def test_auto_plans_split_outside_fused_range(dtype, E, expected):
         assert "sm_80" in plan.details["scores kernel"], plan.details
 
 
+@pytest.mark.parametrize("L,S,expected", [(4096, 4096, "4 row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its "
+                                                 "last visible key, on 2 streams at once"),
+                                           (300, 1024, "1 row band(s)")])
+def test_causal_split_plan_names_bands_and_streams(L, S, expected):
+    p = _gpu_problem("bfloat16", 512, 512, L=L, S=S)
+    p.causal = "top_left"
+    details = _dispatch.plan_sdpa(p, "split", arch=80).details
+    assert details["causal"].startswith("top_left: " + expected), details
+    assert "streams" not in details["causal"] or L == 4096
+
+
 def test_env_override_and_forced_backends(monkeypatch):
     monkeypatch.setenv(_dispatch.ENV_BACKEND, "split")
     assert _dispatch.plan_sdpa(_gpu_problem(), "auto", arch=90).backend == "split"

@@ -279,4 +279,14 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
         "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(
             p.seqlen_k, p.mask is not None or p.causal is not None or p.dropout_p > 0),),
-    } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {})
+    } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {}) \
+      | ({"causal": _cublas_bands_detail(p, budget)} if p.causal is not None else {})
+
+
+def _cublas_bands_detail(p, budget: int) -> str:
+    """How a causal call on the cuBLAS split path is banded (split._build_schedule's rule)."""
+    bands = _split.cublas_causal_bands(p.seqlen_q)
+    one_chunk = p.seqlen_q * (-(-p.seqlen_k // 8) * 8) * 4 <= budget
+    streams = _split.causal_streams(p.seqlen_q, bands) if one_chunk else 1
+    return (f"{p.causal}: {bands} row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its last visible key"
+            + (f", on {streams} streams at once" if streams > 1 else ""))

@@ -135,9 +135,10 @@ class _Chunk:
     grid: int
     gemm_qk: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     gemm_pv: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
-    p: int = 0  # under the scores kernel: byte offset of the chunk's P in the scratch buffer
+    p: int = 0  # byte offset of the chunk's scores (cuBLAS path) or P (scores kernel) in the scratch buffer
     kernel: object = None  # the softmax kernel for the chunk's key count (a causal band's, else the schedule's)
     block: int = 0
+    stream: int = 0  # 0: the call's stream; i > 0: side stream i - 1 (causal bands, see causal_streams)
 
 
 @dataclasses.dataclass
@@ -149,6 +150,7 @@ class _Schedule:
     # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
+    streams: int = 1  # streams the chunks are spread over (the call's and streams - 1 side streams)
 
 
 _SCHEDULES: dict = {}
@@ -221,22 +223,57 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
     GEMMs: cuBLASLt's tuning times candidates and synchronizes, so under capture the heuristic's first choice runs)."""
     with ctx.activate():
         scores, s0 = workspace.scratch(ctx, sched.scores_elems * sched.itemsize)
+        main = ctx.stream
         if sched.scores is not None:
-            sched.scores.launch_on(ctx.stream.ptr, q0, k0, s0, l0)
-            for c in sched.chunks:
-                c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v)
-            del scores
-            return
+            sched.scores.launch_on(main.ptr, q0, k0, s0, l0)
+        # Side streams only outside graph capture: a side stream's first cuBLASLt workspace would be allocated inside
+        # the capture. The chunks' scratch regions are disjoint, so one stream runs the same schedule correctly.
+        streams = joins = None
+        if sched.streams > 1 and not workspace.capturing(main.ptr):
+            streams, joins = _fork(ctx, sched.streams - 1)
         for c in sched.chunks:
-            c.gemm_qk(s0, q0 + c.q, k0 + c.k)
-            params = c.params.copy()
-            params["scores"] = s0
-            params["mask"] = m0 + c.mask if m0 else 0
-            params["lse"] = l0 + c.lse if l0 else 0
-            params["rng"] = rng
-            c.kernel((c.grid,), (c.block,), (struct_arg(params),))
-            c.gemm_pv(o0 + c.o, s0, v0 + c.v)
+            stream = main if streams is None or c.stream == 0 else streams[c.stream - 1]
+            with stream:  # the softmax launch and a first GEMM call's cuBLASLt tuning use CuPy's current stream
+                if sched.scores is not None:
+                    c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
+                    continue
+                c.gemm_qk(s0 + c.p, q0 + c.q, k0 + c.k, stream.ptr)
+                params = c.params.copy()
+                params["scores"] = s0 + c.p
+                params["mask"] = m0 + c.mask if m0 else 0
+                params["lse"] = l0 + c.lse if l0 else 0
+                params["rng"] = rng
+                c.kernel((c.grid,), (c.block,), (struct_arg(params),))
+                c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
+        if streams is not None:
+            _join(main, streams, joins)
         del scores  # back to its allocator, ordered after the work above on this stream
+
+
+_SIDE_STREAMS: dict = {}  # device -> (side streams, events) of causal band schedules, created on first use and kept
+
+
+def _fork(ctx, n: int) -> tuple[list, list]:
+    """``n`` side streams of ``ctx``'s device, each made to start after everything enqueued so far on the call's
+    stream, and their join events. Under CUDA-graph capture the waits join the side streams to the capture."""
+    import cupy
+    side = _SIDE_STREAMS.get(ctx.device_id)
+    if side is None or len(side[0]) < n:
+        side = _SIDE_STREAMS[ctx.device_id] = ([cupy.cuda.Stream(non_blocking=True) for _ in range(n)],
+                                               [cupy.cuda.Event(block=False, disable_timing=True) for _ in range(n + 1)])
+    streams, events = side[0][:n], side[1][:n + 1]
+    events[0].record(ctx.stream)
+    for s in streams:
+        s.wait_event(events[0])
+    return streams, events[1:]
+
+
+def _join(main, streams: list, events: list) -> None:
+    """The call's stream waits for the side streams' work, so what follows it (the scratch buffer's stream-ordered
+    release, the caller's next kernels) is ordered after all of it."""
+    for s, e in zip(streams, events):
+        e.record(s)
+        main.wait_event(e)
 
 
 def causal_row_bands(seqlen_q: int) -> int:
@@ -264,6 +301,35 @@ def cublas_causal_bands(seqlen_q: int) -> int:
     [1, 1, 2, 4, 4, 4]
     """
     return max(1, min(4, seqlen_q // 256))
+
+
+def causal_streams(seqlen_q: int, bands: int) -> int:
+    """How many streams the row bands of a causal call on the cuBLAS split path run on at once (1: one after the
+    other on the call's stream). Measured on an H200 (bench/experiments/causal_bands.py, session 12), causal time
+    over the same call without causal, 1 / 2 / 4 streams: (2, 8, 4096, 4096, 512) bf16 4 bands 0.769 / 0.738 / 0.759,
+    8 bands 0.804 / 0.743 / 0.757; (8, 16, 2048, 2048, 512) fp16 4 bands 0.763 / 0.737 / 0.760, 8 bands 0.830 /
+    0.760 / 0.772. One band's softmax pass runs beside the other's GEMMs. So 2 streams whenever there are bands.
+    (Under the scores kernel, whose P·V bands are the only banded step, streams changed nothing: seed causal 4 bands
+    1.042 / 1.044 / 1.044; it keeps one stream.)
+
+    >>> causal_streams(4096, 4), causal_streams(4096, 1)
+    (2, 1)
+    """
+    return 2 if bands > 1 else 1
+
+
+def _spread(costs: list, streams: int) -> list[int]:
+    """Stream index of each band: longest first, each to the least-loaded stream (LPT); stream 0 gets the first.
+
+    >>> _spread([1, 2, 3, 4], 2), _spread([5, 1, 1], 2), _spread([1, 2], 1)
+    ([0, 1, 1, 0], [0, 1, 1], [0, 0])
+    """
+    load = [0] * max(1, streams)
+    out = [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        s = min(range(len(load)), key=lambda j: load[j])
+        out[i], load[s] = s, load[s] + costs[i]
+    return out
 
 
 def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]:
@@ -360,6 +426,15 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     banded = p.causal is not None
     bands = (causal_row_bands(L) if scores_launch is not None else cublas_causal_bands(L)) if banded else 1
     row_bands = _row_bands(L, rows_per_chunk, bands)
+    # Bands are independent: on the cuBLAS path, with their own regions of the scores buffer, they run on several
+    # streams at once (causal_streams), longest first.
+    streams = causal_streams(L, len(row_bands)) if banded and rows_per_chunk == L and scores_launch is None else 1
+    band_stream = _spread([(r0 + lc + causal_offset) * lc for r0, lc in row_bands], streams)
+    band_offset = np.cumsum([0] + [per_chunk * lc * ld * 4 for _, lc in row_bands])[:-1] if streams > 1 \
+        else [0] * len(row_bands)
+    # Longest band first: with several streams the GPU starts the critical path first.
+    band_order = sorted(range(len(row_bands)), key=lambda b: -row_bands[b][0]) if streams > 1 \
+        else range(len(row_bands))
     softmax = {}
 
     def softmax_for(sc: int):
@@ -379,7 +454,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 idx //= ax.size
         for c0 in range(0, n_batch, per_chunk):
             nb = min(per_chunk, n_batch - c0)
-            for r0, lc in row_bands:
+            for band in band_order:
+                r0, lc = row_bands[band]
                 sc = max(1, min(S, r0 + lc + causal_offset)) if banded else S
                 params = base.copy()
                 params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
@@ -392,12 +468,14 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
                     mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
                     grid=-(-nb * lc // sm_rows), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
-                    p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None else 0,
-                    kernel=sm_kernel, block=sm_block))
+                    p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None
+                    else int(band_offset[band]),
+                    kernel=sm_kernel, block=sm_block, stream=band_stream[band]))
+    streams = max(band_stream) + 1
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,
-                         scores=scores_launch, itemsize=isz)
-    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks)
+                         scores=scores_launch, itemsize=isz, streams=streams)
+    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks, streams=streams)
 
 
 def _scores_sm90():
