@@ -1,8 +1,8 @@
 """The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
-scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its four variants (one CTA per 64-row
-block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent;
-scores_softmax_sm90_pingpong); and the split path's schedule that runs it before the cuBLAS P·V GEMM
-(CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one CTA per row block; 2 the cluster variant; 4 ping-pong; 0 off).
+scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its three variants (one CTA per 64-row
+block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent); and the
+split path's schedule that runs it before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one
+CTA per row block; 2 the cluster variant; 0 off).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA of the
 tile's width, TMA loads, mbarrier operations, setmaxnreg and no local memory, and the cluster kernel multicast loads,
@@ -39,33 +39,8 @@ DTYPES = ("float16", "bfloat16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == (len(_scores.KERNELS) - 1) * len(DTYPES) * len(_scores.SCORES_TILES)
+    assert len(reports) == len(_scores.KERNELS) * len(DTYPES) * len(_scores.SCORES_TILES)
     assert_clean(reports, max_registers=168)
-    reports = _compile.compile_family(_scores.SCORES_PINGPONG_SM90, "sm_90a")
-    assert len(reports) == len(DTYPES) * len(_scores.PINGPONG_TILES)
-    assert_clean(reports, max_registers=168)
-
-
-def test_pingpong_sass_has_wgmma_of_the_pass_width_tma_and_no_local_memory():
-    """The ping-pong kernel: HGMMA of the pass width (and the narrower causal widths), pipelined (DEPBAR.LE gsb0 0x1:
-    two k blocks in flight), TMA loads and stores, mbarriers, setmaxnreg, no local memory, no cluster operation."""
-    if _cuobjdump() is None:
-        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    fam = _scores.SCORES_PINGPONG_SM90
-    cubin = _compile.family_cubin(fam, "sm_90a")
-    kernels = sass_summary(cubin)
-    listings = sass_text(cubin)
-    assert len(kernels) == len(listings) == len(fam.name_expressions())
-    for name, ops in kernels.items():
-        half_n = int(name.split("ELi")[0].split("Li")[-1])
-        text = listings[name]
-        for n in range(64, half_n + 1, 64):
-            assert f"HGMMA.64x{n}x16.F32" in text, f"{name}: no HGMMA.64x{n}x16"
-        assert "gsb0, 0x1" in text, f"{name}: wgmma not pipelined"
-        for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG"):
-            assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
-        for op in ("LDL", "STL", "UCGABAR_ARV", "UTMALDG.4D.MULTICAST"):
-            assert op not in ops, f"{name}: {op} ({ops[op]})"
 
 
 def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
@@ -160,19 +135,8 @@ def test_tiles():
         assert tile.half_n == half_n and half_n % 64 == 0 and half_n <= 256 and tile.stages >= 2
         assert tile.smem_bytes() <= 232448, tile
         for dtype in ("__half", "__nv_bfloat16"):
-            for v in (1, 2, 3):
-                assert FAMILY.name_expression(kernel=_scores.KERNELS[v], dtype=dtype, tile=tile) in declared
-    pingpong = set(_scores.SCORES_PINGPONG_SM90.name_expressions())
-    for half_n, tile in _scores.PINGPONG_TILES.items():
-        assert tile.half_n == half_n and tile.pingpong and tile.stages >= 2 and tile.smem_bytes() <= 232448, tile
-        assert tile.smem_bytes() + 64 * 128 + tile.half_n * 128 + 16 > 232448 or tile.stages == 8, \
-            f"{tile}: another stage would fit"
-        for dtype in ("__half", "__nv_bfloat16"):
-            assert _scores.SCORES_PINGPONG_SM90.name_expression(kernel=_scores.KERNELS[4], dtype=dtype,
-                                                                tile=tile) in pingpong
-    for S in range(1, 513):
-        tile = _scores.pingpong_tile_for(S)
-        assert tile.half_n >= min(S, 256) and 2 * tile.half_n >= S and (tile.half_n == 64 or tile.half_n - 64 < S)
+            for kernel in _scores.KERNELS.values():
+                assert FAMILY.name_expression(kernel=kernel, dtype=dtype, tile=tile) in declared
     for S in range(1, 513):
         half_n = _scores.tile_for(S).half_n
         assert 2 * half_n >= S and (half_n == 64 or 2 * (half_n - 64) < S), S
@@ -593,9 +557,8 @@ def test_grid_pads_row_blocks_to_whole_clusters():
         assert _scores.grid_for(3, 5, L, 1) == (blocks, 5, 3)
         assert _scores.grid_for(3, 5, L, 2) == (blocks + blocks % 2, 5, 3), L
         assert _scores.grid_for(3, 5, L, 3, num_sms=132) == (min(blocks * 15, 132), 1, 1), L
-        assert _scores.grid_for(3, 5, L, 4, num_sms=132) == (min(blocks * 15, 132), 1, 1), L
     with pytest.raises(ValueError, match="variant"):
-        _scores.grid_for(1, 1, 64, 5)
+        _scores.grid_for(1, 1, 64, 4)
 
 
 def _problem(**kw):
@@ -622,7 +585,7 @@ def test_unsupported_reasons():
 def test_switch_reads_the_environment(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
     assert _scores.enabled() and _scores.setting() == 3  # on by default, persistent (measured: scores_sm90.setting)
-    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 3), ("4", 4), ("5", 3), ("yes", 3)):
+    for value, setting in (("1", 1), ("2", 2), ("0", 0), ("3", 3), ("4", 3), ("yes", 3)):
         monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, value)
         assert _scores.setting() == setting and _scores.enabled() == (setting > 0), value
     from cupy_attn.runtime import callcache
@@ -638,7 +601,7 @@ def _torch():
 
 def _run_kernel(q, k, scale, ld, variant=1):
     """The kernel alone (variant: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2, 3 =
-    scores_softmax_sm90_persistent, 4 = scores_softmax_sm90_pingpong) on torch CUDA tensors
+    scores_softmax_sm90_persistent) on torch CUDA tensors
     (passed as CuPy views): (P (B, Hq, L, ld), lse (B, Hq, L)) as torch tensors, both NaN-poisoned before the launch
     and each followed in memory by a poisoned tail of 64 rows that must stay NaN (the last row block, or a cluster's
     padding CTA, writing past L would land there)."""
@@ -652,7 +615,7 @@ def _run_kernel(q, k, scale, ld, variant=1):
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
     launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant)
     m = _scores.CLUSTER_M[variant]
-    assert launch.grid[0] % m == 0 and (variant in (3, 4) or launch.grid[0] * 64 >= L), launch.grid
+    assert launch.grid[0] % m == 0 and (variant == 3 or launch.grid[0] * 64 >= L), launch.grid
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
     torch.cuda.synchronize()
     assert bool(torch.isnan(P_all[n_p:]).all()) and bool(torch.isnan(lse_all[n_lse:]).all()), \
@@ -804,7 +767,7 @@ def test_unsupported_reason_causal(monkeypatch):
     (1, 2, 2, 77, 40, 384, "top_left"),          # S ≤ 64: one K box
     (1, 2, 2, 640, 512, 640, "bottom_right"),    # L > S, 2 bands
 ])
-@pytest.mark.parametrize("variant", [1, 3, 4], ids=lambda m: f"variant{m}")
+@pytest.mark.parametrize("variant", [1, 3], ids=lambda m: f"variant{m}")
 def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypatch):
     """is_causal through the scores kernel, one CTA per row block or persistent (row blocks left of the diagonal skip
     the second warpgroup's wgmma, P is 0 past each row's limit) and the banded P·V GEMMs: out and lse against float64
@@ -837,291 +800,3 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypat
         assert (np.isneginf(got) == np.isneginf(ref_lse)).all(), f"lse -inf rows differ ({align}, call {seed})"
         fin = np.isfinite(ref_lse)
         np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The ping-pong kernel (variant 4, scores_softmax_pingpong), CPU emulations of its protocol and its epilogue.
-
-def emulate_pingpong(pair_passes, k_blocks, stages, *, seed=0, mutation=None):
-    """scores_softmax_pingpong's ring and staging protocol, step by step under a random interleaving: the producer
-    thread and the 8 consumer warps (warpgroup w = warps 4w ... 4w + 3; warp 4w is its leader's), one CTA.
-    pair_passes: per pair of tiles (a, b) their pass counts (b = 0: no tile b). The ring streams a.A, b.A, a.B, b.B;
-    a stage is read by the four warps of one warpgroup, each releasing it (empty count 4) once its wgmma completed
-    (the last stage of a pass right after the pass). The staging: before writing it, the leader waits for its earlier
-    TMA stores' reads and the warpgroup meets at a named barrier; after writing, a barrier, then the leader issues the
-    stores (their reads land as separate events). Rounds per tile: (pass A's values, if two passes) → P_A stores,
-    P_B (or the one pass's P), and possibly a zero box. Checks: a box never lands in a stage still being read, a warp
-    reads the data of its own step, nothing writes the staging while its stores read it, every store has read before
-    exit, no deadlock. Passes run in ring order: a warpgroup whose pass follows the other's waits for its token
-    (bar.sync on named barrier 4 + w: its k-th wait passes once the other's four warps have arrived k times). Mutations:
-    "no_wait" (the leader does not wait for the reads before a round), "release_early" (a pass's stages released
-    before the wgmma read them), "no_order" (no token: a warpgroup can test a stage's parity a lap early),
-    "always_signal" (a token after every pass, also when the next is the same warpgroup's)."""
-    import random
-    rng = random.Random(seed)
-    full = [_MBarrier(1) for _ in range(stages)]
-    empty = [_MBarrier(4) for _ in range(stages)]
-    order = []  # ring steps: (pair, tile 0/1, pass)
-    for i, (pa, pb) in enumerate(pair_passes):
-        order += [(i, 0, 0)] + ([(i, 1, 0)] if pb else []) + ([(i, 0, 1)] if pa == 2 else []) + \
-                 ([(i, 1, 1)] if pb == 2 else [])
-    steps = [(pass_key, kb) for pass_key in order for kb in range(k_blocks)]
-    owner_seq = [tile for _, tile, _ in order]  # the warpgroup of each pass, in ring order
-    tokens = [0, 0]  # named barrier 4 + w: warps of the other warpgroup arrived (4 per token)
-    passed = [0, 0]  # named barrier 4 + w: warps of warpgroup w through their waits
-    tags = [None] * stages
-    finished = [0] * len(steps)
-    events = []
-    reading = [0, 0]  # per warpgroup: TMA store reads in flight
-    store_bar = [dict(), dict()]  # per warpgroup: named-barrier round -> arrivals
-
-    def producer():
-        for g, _ in enumerate(steps):
-            s = g % stages
-            yield lambda g=g, s=s: empty[s].ready(((g // stages) & 1) ^ 1)
-            full[s].arrive(tx=2)
-            events.append(("box", s, g, 1))
-            events.append(("box", s, g, 1))
-            yield lambda: True
-
-    def consumer(w):
-        wg, leader = w // 4, w % 4 == 0
-        n_bar = [0]
-        waits = [0]  # tokens this warp has waited for
-
-        def barrier():  # named barrier kStoreBarrier + wg: the warpgroup's four warps
-            key = n_bar[0]
-            n_bar[0] += 1
-            store_bar[wg][key] = store_bar[wg].get(key, 0) + 1
-            yield lambda: store_bar[wg][key] == 4
-
-        def staging_free():  # the leader waits for its stores' reads, then the warpgroup meets
-            if leader and mutation != "no_wait":
-                yield lambda: reading[wg] == 0
-            yield from barrier()
-
-        def write():  # st.shared into the staging (or the in-place rescale)
-            if reading[wg]:
-                raise ProtocolError(f"warpgroup {wg} wrote its staging while {reading[wg]} stores read it")
-            yield lambda: True
-
-        def store():  # fence, barrier, the leader's TMA stores (their reads land later)
-            yield from barrier()
-            if leader:
-                reading[wg] += 1
-                events.append(("read", wg))
-
-        def read_until(g):
-            if tags[g % stages] != g:
-                raise ProtocolError(f"warp {w}: step {tags[g % stages]} landed in stage {g % stages} while the "
-                                    f"wgmma of step {g} read it")
-            if mutation != "release_early":
-                finished[g] += 1
-                empty[g % stages].arrive()
-
-        def run_pass(i, tile, ps):
-            n_pass = order.index((i, tile, ps))
-            prev = owner_seq[n_pass - 1] if n_pass > 0 else -1
-            nxt = owner_seq[n_pass + 1] if n_pass + 1 < len(order) else -1
-            if prev == wg ^ 1 and mutation != "no_order":  # bar.sync 4 + wg: the k-th token, 4 warps' arrivals
-                waits[0] += 1
-                yield lambda k=waits[0]: tokens[wg] >= 4 * k
-                passed[wg] += 1
-            gs = [g for g, (key, _) in enumerate(steps) if key == (i, tile, ps)]
-            for n, g in enumerate(gs):
-                s = g % stages
-                yield lambda g=g, s=s: full[s].ready((g // stages) & 1)
-                if tags[s] != g:
-                    raise ProtocolError(f"warp {w} read stage {s} for step {g}: holds step {tags[s]}")
-                if mutation == "release_early":  # released as soon as it has come, before its wgmma read it
-                    finished[g] += 1
-                    empty[s].arrive()
-                if n > 0:  # wait_group 1: step gs[n − 1]'s wgmma has read its stage until now; then its release
-                    read_until(gs[n - 1])
-                yield lambda: True
-            if nxt == wg ^ 1 or (mutation == "always_signal" and nxt >= 0):  # bar.arrive 4 + (wg ^ 1) by every
-                # warp, once the pass's last wgmma are issued
-                # A hardware named barrier counts generations, not tokens: an arrival for generation k + 1 before
-                # the waiters have all passed generation k would complete a barrier they never wait for.
-                if passed[wg ^ 1] < 4 * (tokens[wg ^ 1] // 4):
-                    raise ProtocolError(f"named barrier {4 + (wg ^ 1)}: an arrival for its next generation before "
-                                        f"warpgroup {wg ^ 1} passed the current one")
-                tokens[wg ^ 1] += 1
-            yield lambda: True
-            read_until(gs[-1])  # wait_group 0, then the pass's last stage
-
-        for i, pair in enumerate(pair_passes):
-            passes = pair[wg]
-            if passes == 0:
-                continue
-            yield from run_pass(i, wg, 0)
-            if passes == 2:  # pass A's values wait in the staging while pass B runs, rescaled in place after it
-                yield from staging_free()
-                yield from write()
-                yield from run_pass(i, wg, 1)
-                yield from write()
-                yield from store()
-                yield from staging_free()
-                yield from write()
-                yield from store()
-            else:
-                yield from staging_free()
-                yield from write()
-                yield from store()
-                yield from staging_free()  # a causal tile's zero box
-                yield from write()
-                yield from store()
-        if leader:
-            yield lambda: reading[wg] == 0  # bulk_wait_read before exit
-
-    def on_event(ev):
-        if ev[0] == "read":
-            reading[ev[1]] -= 1
-            return
-        _, s, g, n = ev
-        if g >= stages and finished[g - stages] < 4:
-            raise ProtocolError(f"step {g} landed in stage {s} while step {g - stages} was read by "
-                                f"{4 - finished[g - stages]} more warps")
-        tags[s] = g
-        full[s].complete_tx(n)
-
-    _interleave([producer()] + [consumer(w) for w in range(8)], events, on_event, rng)
-
-
-PINGPONG_CASES = [  # (pair_passes, k_blocks, stages)
-    (((2, 2), (2, 2), (2, 0)), 3, 4),   # the seed: two passes per tile, an odd tile count
-    (((1, 1), (1, 1)), 2, 8),           # S ≤ 256: one pass
-    (((1, 2), (2, 1), (1, 0)), 4, 4),   # causal: tiles of one and two passes
-    (((2, 2),), 1, 2),                  # one k block per pass, a ring of two
-    (((2, 1), (1, 2)), 5, 5),
-]
-
-
-@pytest.mark.parametrize("pair_passes,k_blocks,stages", PINGPONG_CASES)
-def test_pingpong_protocol_under_random_interleavings(pair_passes, k_blocks, stages):
-    """The ping-pong kernel's ring (passes of two warpgroups' tiles interleaved a.A, b.A, a.B, b.B) and its
-    per-warpgroup staging rounds: no hazard, no deadlock, clean exit over 150 random interleavings each."""
-    for seed in range(150):
-        emulate_pingpong(pair_passes, k_blocks, stages, seed=seed)
-
-
-@pytest.mark.parametrize("mutation,words", [("no_wait", "wrote its staging"), ("release_early", "landed"),
-                                            ("no_order", "holds step"), ("always_signal", "next generation")])
-def test_pingpong_emulation_catches_a_broken_protocol(mutation, words):
-    for seed in range(300):
-        try:
-            emulate_pingpong(((2, 2), (1, 2), (2, 1)), 3, 3, seed=seed, mutation=mutation)
-        except ProtocolError as exc:
-            assert words in str(exc), str(exc)
-            return
-    pytest.fail(f"mutation {mutation} went unnoticed in 300 interleavings")
-
-
-def emulate_pingpong_epilogue(s_rows, S, rows, c, m0=0, causal_offset=None, dtype="float16"):
-    """scores_softmax_pingpong's softmax of one tile, in float32 with the kernel's roundings: s_rows (64, S) = the
-    tile's raw scores (rows past `rows`: TMA's zero rows of Q). Passes of half_n = pingpong_tile_for(S).half_n keys
-    (the PassTile rule: two when the tile's visible keys n_vis exceed half_n); per pass the keys past S, past the
-    pass's width and past each row's causal limit are −inf; per lane (t = 0..3 of a quad: columns 8j + 2t, +1)
-    sums in j order, then the quad's shuffles; pass A's values rounded to the P dtype in the staging and rescaled
-    there (a second rounding); the zero box past the passes. Returns (P (64, ld) with NaN where nothing was
-    written, lse (64,), writes per element; only rows < `rows` and keys < S count, as TMA clips)."""
-    import ml_dtypes
-    f32 = np.float32
-    rnd = (lambda x: x.astype(np.float16).astype(f32)) if dtype == "float16" else \
-        (lambda x: x.astype(ml_dtypes.bfloat16).astype(f32))
-    half_n = _scores.pingpong_tile_for(S).half_n
-    ld = -(-S // 8) * 8
-    n_vis = S if causal_offset is None else max(0, min(S, m0 + rows - 1 + causal_offset + 1))
-    passes = 2 if n_vis > half_n else 1
-    widths = [half_n, -(-(n_vis - half_n) // 64) * 64] if passes == 2 else [max(64, -(-n_vis // 64) * 64)]
-    r = np.arange(64)[:, None]
-    P = np.full((64, ld), np.nan)
-    writes = np.zeros((64, ld), int)
-    vals, mxs, sums = [], [], []
-    for ps in range(passes):
-        key = ps * half_n + np.arange(half_n)[None, :]
-        acc = np.zeros((64, half_n), f32)
-        ok = key < min(S, ps * half_n + widths[ps])
-        acc[:, :] = np.where(ok, s_rows[:, np.minimum(key[0], S - 1)], 0)
-        if causal_offset is not None:
-            ok = ok & (key <= m0 + r + causal_offset)
-        ok = np.broadcast_to(ok, (64, half_n))
-        acc = np.where(ok, acc, -np.inf).astype(f32)
-        mx = acc.max(1)
-        m_c = np.where(mx == -np.inf, f32(0), (mx * f32(c)).astype(f32)).astype(f32)
-        with np.errstate(invalid="ignore", over="ignore"):
-            x = np.exp2((acc.astype(np.float64) * f32(c) - m_c[:, None]).astype(f32)).astype(f32)
-        x[~ok] = 0
-        lane_sum = np.zeros((64, 4), f32)  # [row][t]: columns 8j + 2t + e, j ascending, e inner
-        for j in range(half_n // 8):
-            for e in range(2):
-                lane_sum += x[:, 8 * j + 2 * np.arange(4) + e]
-        lane_sum = lane_sum + lane_sum[:, [1, 0, 3, 2]]
-        lane_sum = lane_sum + lane_sum[:, [2, 3, 0, 1]]
-        vals.append(x)
-        mxs.append(mx)
-        sums.append(lane_sum[:, 0])
-    if passes == 2:
-        ma = np.where(mxs[0] == -np.inf, -np.inf, mxs[0] * f32(c)).astype(f32)
-        mb = np.where(mxs[1] == -np.inf, -np.inf, mxs[1] * f32(c)).astype(f32)
-        m = np.maximum(ma, mb)
-        m = np.where(m == -np.inf, f32(0), m).astype(f32)
-        fa, fb = np.exp2(ma - m).astype(f32), np.exp2(mb - m).astype(f32)
-        l_sum = (sums[0] * fa + sums[1] * fb).astype(f32)
-    else:
-        m = np.where(mxs[0] == -np.inf, f32(0), mxs[0] * f32(c)).astype(f32)
-        fa, fb, l_sum = np.ones(64, f32), np.zeros(64, f32), sums[0]
-    inv = np.where(l_sum > 0, f32(1) / np.where(l_sum > 0, l_sum, 1), f32(0)).astype(f32)
-    lse = np.where(l_sum > 0, (m + np.log2(np.where(l_sum > 0, l_sum, 1))) * np.log(2), -np.inf)
-    lse[rows:] = np.nan
-    if passes == 2:
-        pa = rnd(rnd(vals[0]) * (fa * inv)[:, None])  # staged unnormalized, rescaled in place
-        pb = rnd(vals[1] * (fb * inv)[:, None])
-        blocks = [(0, pa, widths[0]), (half_n, pb, widths[1])]
-    else:
-        blocks = [(0, rnd(vals[0] * inv[:, None]), widths[0])]
-    for col0, v, w in blocks:
-        n = min(w, S - col0)
-        if n > 0:
-            P[:rows, col0:col0 + n] = v[:rows, :n]
-            writes[:rows, col0:col0 + n] += 1
-    covered = half_n + widths[1] if passes == 2 else widths[0]
-    if covered < S:
-        P[:rows, covered:S] = 0
-        writes[:rows, covered:S] += 1
-    return P, lse, writes
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("S,L,m0,align", [
-    (512, 64, 0, None), (300, 13, 0, None), (257, 64, 0, None), (256, 64, 0, None), (200, 64, 0, None),
-    (100, 64, 0, None), (7, 5, 0, None), (1, 64, 0, None),
-    (512, 512, 0, "top_left"), (512, 512, 192, "top_left"), (512, 512, 256, "top_left"), (512, 512, 448, "top_left"),
-    (300, 300, 256, "top_left"), (100, 300, 0, "bottom_right"), (100, 300, 192, "bottom_right"),
-    (100, 300, 256, "bottom_right"), (512, 200, 128, "bottom_right"), (129, 77, 64, "top_left")])
-def test_pingpong_epilogue_emulation_matches_softmax(S, L, m0, align, dtype):
-    """The ping-pong kernel's softmax (one or two key passes merged, pass A rounded twice): P = the (masked) softmax
-    to the P dtype's rounding (twice its unit roundoff), lse to 1e-5; every element of P[:L, :S] written exactly
-    once (P, then zeros past the passes); rows that see no key give P = 0 and lse = −inf."""
-    rng = np.random.default_rng(S * 7 + L + m0)
-    rows = min(64, L - m0)
-    offset = None if align is None else (0 if align == "top_left" else S - L)
-    scale = 0.37
-    s = np.zeros((64, S), np.float32)
-    s[:rows] = rng.standard_normal((rows, S)).astype(np.float32) * 6
-    P, lse, writes = emulate_pingpong_epilogue(s, S, rows, scale * 1.4426950408889634, m0, offset, dtype)
-    assert (writes[:rows, :S] == 1).all(), "every element of P[:L, :S] is written once"
-    assert (writes[rows:] == 0).all() and (writes[:, S:] == 0).all(), "nothing past L or S is written"
-    z = s[:rows].astype(np.float64) * scale
-    if offset is not None:
-        z = np.where(np.arange(S)[None, :] <= m0 + np.arange(rows)[:, None] + offset, z, -np.inf)
-    seen = np.isfinite(z).any(1)
-    zmax = np.where(seen, z.max(1), 0)
-    ref = np.exp(z - zmax[:, None])
-    total = ref.sum(1)
-    ref = np.where(seen[:, None], ref / np.where(seen, total, 1)[:, None], 0)
-    ref_lse = np.where(seen, np.log(np.where(seen, total, 1)) + zmax, -np.inf)
-    eps = 2.0 ** (-10 if dtype == "float16" else -7)
-    np.testing.assert_allclose(P[:rows, :S], ref, rtol=eps, atol=1e-7)
-    np.testing.assert_allclose(lse[:rows], ref_lse, rtol=1e-5, atol=1e-5)
-    assert not np.isnan(P[:rows, :S]).any() and np.isnan(lse[rows:]).all()

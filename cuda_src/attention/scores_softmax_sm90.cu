@@ -54,7 +54,9 @@
 //   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
 //   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
 //   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
-//   v4  ping-pong: a warpgroup per tile, two key passes, the softmax under the other's wgmma    (untimed, session 11)
+//   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
+//       no faster than v1.3 (session 12: seed 1.166 vs 1.185 ms fp16, 1.136 vs 1.150 bf16; 0.87× at
+//       (16, 32, 512, 300, 1024); causal 0.91× of v1); its code is in git history, 139e8c0 to 7c3e323
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
@@ -66,7 +68,7 @@ namespace cupy_attn {
 // time, field order by tests/test_structs.py). One __grid_constant__ parameter: TMA reads the maps by address.
 struct ScoresSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64, 64, 1, 1), 128-byte swizzle
-  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1); (64, 64, 1, 1) for the ping-pong kernel
+  tma::TensorMap tma_k;  // K as (E, S, Hkv, B), box (64, kHalfN, 1, 1)
   tma::TensorMap tma_p;  // P (B, Hq, L, S) in the input dtype as (S, L, Hq, B), rows ld elements apart (ld a
                          // multiple of 8), box (64, 64, 1, 1), 128-byte swizzle: the epilogue's TMA stores
   float* lse;            // (B, Hq, L) fp32 natural log, or nullptr
@@ -113,12 +115,10 @@ template <typename T> struct Pair;
 template <> struct Pair<__half> {
   using type = __half2;
   __device__ __forceinline__ static type make(float a, float b) { return __floats2half2_rn(a, b); }
-  __device__ __forceinline__ static float2 unpack(type v) { return __half22float2(v); }
 };
 template <> struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
-  __device__ __forceinline__ static float2 unpack(type v) { return __bfloat1622float2(v); }
 };
 
 // Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
@@ -217,15 +217,12 @@ __device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (−inf → 0), and each row's sum: this lane's, then the quad's
-// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0. Only columns below nw (a multiple of 8;
-// the ping-pong kernel's narrower passes) are touched: the others are never stored.
+// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0.
 template <int kN>
-__device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2],
-                                          int nw = kN) {
+__device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
   sum[0] = sum[1] = 0.f;
   #pragma unroll
-  for (int j = 0; j < kN / 8; ++j) {
-    if (8 * j >= nw) break;
+  for (int j = 0; j < kN / 8; ++j)
     #pragma unroll
     for (int half = 0; half < 2; ++half)
       #pragma unroll
@@ -234,7 +231,6 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
         x = exp2f(fmaf(x, c, -m_c[half]));
         sum[half] += x;
       }
-  }
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     sum[half] += __shfl_xor_sync(0xffffffffu, sum[half], 1);
@@ -246,12 +242,11 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
 // four k steps of 16 columns = 32 bytes inside the 128-byte swizzled rows (the hardware applies the XOR to the
 // computed address); 8-row atoms 1024 bytes apart. wait<1> after a stage's commit: the previous stage's wgmma has
 // completed, so that stage is released while this one runs (two groups in flight). Returns after wait<0>.
-// kSignal (the ping-pong kernel): once the last stage's wgmma are issued (every full barrier of the pass waited),
-// arrive on named barrier `signal` (≥ 0) for the other warpgroup, whose wgmma then queue behind these.
-template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem, bool kSignal = false>
-__device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const Smem& ss,
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
+__device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
                                        unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
-                                       int step0, scores_trace::Clock& clk, int signal = -1) {
+                                       int step0, scores_trace::Clock& clk) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   for (int kb = 0; kb < k_blocks; ++kb) {
     const int s = (step0 + kb) % kStages;
@@ -276,27 +271,23 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const Smem& ss,
       }
     }
   }
-  if constexpr (kSignal) {
-    if (signal >= 0) tma::named_barrier_arrive(signal, 256);
-  }
   wgmma::wait<0>();
 }
 
 // k_loop at the runtime width nw (a multiple of 64, 64 ≤ nw ≤ kN): one instantiation per width.
-template <typename T, int kN, int kHalfN, int kStages, int kClusterM, typename Smem, bool kSignal = false>
-__device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2], const Smem& ss, unsigned q_base,
+template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
+__device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
+                                             const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
                                              unsigned k_base, int k_blocks, int lane, unsigned rank, int step0,
-                                             scores_trace::Clock& clk, int signal = -1) {
+                                             scores_trace::Clock& clk) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM, Smem, kSignal>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0,
-                                                             clk, signal);
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM, Smem, kSignal>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0,
-                                                               clk, signal);
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
     } else {
-      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM, Smem, kSignal>(nw, acc, ss, q_base, k_base, k_blocks,
-                                                                          lane, rank, step0, clk, signal);
+      k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
+                                                           step0, clk);
     }
   }
 }
@@ -592,359 +583,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
 }
 
-
-// ---- Ping-pong variant (scores_softmax_sm90_pingpong, v4) ----
-// Each consumer warpgroup owns whole tiles: 64 query rows × all S ≤ 2·kHalfN keys, in one or two passes of at most
-// kHalfN keys (pass A: keys 0 ... nw_a − 1; pass B: kHalfN ... kHalfN + nw_b − 1), so no row statistic crosses
-// warpgroups. Warpgroup 0 takes the CTA's even tiles, warpgroup 1 the odd ones, and the ring streams the passes of a
-// pair of tiles in the order a.A, b.A, a.B, b.B: while one warpgroup runs a pass's wgmma the other runs the softmax
-// of its last pass (FlashAttention-3's ping-pong of two warpgroups, Shah et al. 2024 §3.1), so the epilogue no longer
-// leaves the tensor pipe idle. Between the passes the warpgroup keeps pass A's exponentials 2^(s·c − m_A·c) in its
-// staging region, in the P dtype (held in registers, the 64 packed pairs made the kernel spill); after pass B it rescales them in place by
-// 2^(m_A·c − m·c) / l (FlashAttention's merge of two partial softmaxes). That rounds pass A's probabilities twice; an emulation of the seed's problem in float64 with
-// fp16/bf16 roundings changed the output's max error by −3% to +2% (the output's own rounding dominates).
-// Shared memory per k block and warpgroup: Q 8 KB + nw·128 B of K by TMA (64-row boxes: a causal pass loads only its
-// keys), read once by wgmma: 80 KB per m64n256k64 at kHalfN = 256, against v1's 152 KB per two of them.
-// Each warpgroup stages its P in its own region (64 × kHalfN) for the TMA stores, one round per pass (and one for
-// the zero box of a causal tile's keys past its passes), waiting for the previous round's reads before writing.
-// Pass order: a warpgroup starts a pass only after the warpgroup of the pass before it in the ring has finished its
-// mainloop (a token through named barriers 4 and 5, as CUTLASS's ping-pong GEMM orders its math warpgroups). That
-// keeps the tensor pipe alternating, and it is what makes the ring's parity waits sound: a warpgroup's first step
-// of a pass lies k blocks past steps it never waited on, and without the order it could test a stage's parity a
-// whole lap early and read stale data (the CPU emulation in tests/test_scores_sm90.py finds exactly that).
-
-template <typename T, int kHalfN, int kStages>
-struct PingPongStorage {
-  static constexpr int kQBytes = kBlockM * 128;    // 64 rows × 64 16-bit columns
-  static constexpr int kKBytes = kHalfN * 128;     // one pass's keys × 64 columns
-  static constexpr int kStagingBytes = kHalfN * 128;  // 64 rows × kHalfN 16-bit P, per warpgroup
-  // Ring tiles, the two warpgroups' staging, full and empty barriers, 1 KB of slack to align the base to 1024 bytes.
-  static constexpr int kBytes = kStages * (kQBytes + kKBytes) + 2 * kStagingBytes + 16 * kStages + 1024;
-
-  T* q;
-  T* k;
-  unsigned char* staging;
-  unsigned long long* full;
-  unsigned long long* empty;
-
-  __device__ __forceinline__ explicit PingPongStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    q = reinterpret_cast<T*>(smem);
-    k = reinterpret_cast<T*>(smem + kStages * kQBytes);
-    staging = smem + kStages * (kQBytes + kKBytes);
-    full = reinterpret_cast<unsigned long long*>(staging + 2 * kStagingBytes);
-    empty = full + kStages;
-  }
-};
-
-// A tile of the ping-pong kernel and its passes. n_vis as Tile's; passes = 2 when n_vis > kHalfN. Pass widths are
-// multiples of 64 (at least 64: a tile whose rows see no key runs one pass of 64 masked keys).
-template <int kHalfN>
-struct PassTile {
-  int m0, h, b, n_vis, passes, nw_a, nw_b;
-  __device__ __forceinline__ PassTile(const ScoresSm90Params& p, int t, int m_blocks, int heads) {
-    m0 = (t % m_blocks) * kBlockM;
-    h = (t / m_blocks) % heads;
-    b = t / (m_blocks * heads);
-    n_vis = static_cast<int>(p.seqlen_k);
-    if (p.is_causal) {
-      const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-      n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
-    }
-    passes = n_vis > kHalfN ? 2 : 1;
-    nw_a = passes == 2 ? kHalfN : max(64, (n_vis + 63) / 64 * 64);
-    nw_b = passes == 2 ? (n_vis - kHalfN + 63) / 64 * 64 : 0;
-  }
-  __device__ __forceinline__ int width(int pass) const { return pass ? nw_b : nw_a; }
-};
-
-// The CTA's tiles as the persistent kernel's TileWalk deals them (blockIdx.x, blockIdx.x + gridDim.x, ... of the
-// (row block, head, batch) order, row block fastest), taken in pairs: a = its tile 2i, b = its tile 2i + 1 (absent
-// past the end). Dealing single tiles keeps the load within one tile per CTA (v1.3's balance); the CTAs' warpgroups
-// 0 and 1 then sweep two adjacent windows of gridDim.x tiles, ~2·gridDim.x / ⌈L / 64⌉ heads' K live in L2.
-struct PairWalk {
-  int next, stride, count, m_blocks, heads;  // next: tile a of the current pair
-  __device__ __forceinline__ explicit PairWalk(const ScoresSm90Params& p) {
-    m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
-    heads = static_cast<int>(p.num_heads);
-    count = m_blocks * heads * static_cast<int>(p.batch);
-    next = blockIdx.x;
-    stride = 2 * gridDim.x;
-  }
-  __device__ __forceinline__ bool more() const { return next < count; }
-  __device__ __forceinline__ int b() const { return next + static_cast<int>(gridDim.x); }
-};
-
-// The ring steps of a pair's passes, in the ring's order a.A, b.A, a.B, b.B (b and the B passes where they exist):
-// start(w, pass) for warpgroup w's tile (w = 0: a, 1: b), and the pair's total.
-struct PairSteps {
-  int a_passes, b_passes, k_blocks;
-  __device__ __forceinline__ int start(int w, int pass) const {
-    if (pass == 0) return w == 0 ? 0 : k_blocks;
-    const int a_done = (1 + (b_passes > 0)) * k_blocks;  // a.A and b.A
-    return w == 0 ? a_done : a_done + (a_passes == 2 ? k_blocks : 0);
-  }
-  __device__ __forceinline__ int total() const { return (a_passes + b_passes) * k_blocks; }
-};
-
-template <typename T, int kHalfN, int kStages>
-__device__ __forceinline__ void scores_softmax_pingpong(const ScoresSm90Params& p) {
-  using Smem = PingPongStorage<T, kHalfN, kStages>;
-  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "passes of at most 256 keys, 64-key multiples");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
-  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
-
-  init_ring<kStages>(ss.full, ss.empty, 4);  // the four warps of the one warpgroup that reads a stage
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    if (producer_enter(p)) {
-      int step = 0;
-      auto load_pass = [&](const PassTile<kHalfN>& tl, int pass) {
-        const int h_kv = tl.h / static_cast<int>(p.groups);
-        const int nw = tl.width(pass), key0 = pass * kHalfN;
-        const unsigned bytes = Smem::kQBytes + nw * 128;
-        for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-          const int s = step % kStages;
-          tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-          tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-          tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
-          T* k = ss.k + s * kHalfN * 64;
-          for (int i = 0; i < nw / 64; ++i)
-            tma::load_4d(k + i * 64 * 64, &p.tma_k, &ss.full[s], kb * 64, key0 + 64 * i, h_kv, tl.b);
-        }
-      };
-      for (PairWalk walk(p); walk.more(); walk.next += walk.stride) {
-        const PassTile<kHalfN> a(p, walk.next, walk.m_blocks, walk.heads);
-        const bool has_b = walk.b() < walk.count;
-        const PassTile<kHalfN> b(p, has_b ? walk.b() : walk.next, walk.m_blocks, walk.heads);
-        load_pass(a, 0);
-        if (has_b) load_pass(b, 0);
-        if (a.passes == 2) load_pass(a, 1);
-        if (has_b && b.passes == 2) load_pass(b, 1);
-      }
-    }
-    return;
-  }
-  tma::setmaxnreg_inc<kScoresConsumerRegs>();
-
-  const int tid = threadIdx.x - 128;
-  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int r0 = warp * 16 + g;  // this lane's rows in the tile: r0 and r0 + 8
-  const bool leader = tid % 128 == 0;
-  const int S = static_cast<int>(p.seqlen_k);
-  const bool causal = p.is_causal != 0;
-  const float c = static_cast<float>(p.scale_log2);
-  const unsigned q_base = tma::smem_u32(ss.q);
-  const unsigned k_base = tma::smem_u32(ss.k);
-  unsigned char* staging = ss.staging + wg * Smem::kStagingBytes;
-  using P2 = typename Pair<T>::type;
-  scores_trace::Clock clk;  // (the tracer's hooks are the one-tile kernels'; here it stays empty)
-  constexpr int kTokenBarrier = 4;  // + w: warpgroup w waits there for the other's mainloop to end
-  bool staged = false;  // this warpgroup's staging has TMA stores in flight (its leader waits for their reads)
-
-  // Keys of pass `pass` visible to this lane's rows: −inf for the others, then the row max (quad shuffle: the four
-  // lanes of a quad hold a row's columns). acc[4j + 2·half + e] is row r0 + 8·half, key key0 + 8j + 2t + e. Only the
-  // pass's nw columns are touched (masked, maxed, exponentiated, stored): a narrow pass pays a narrow epilogue.
-  auto mask_and_max = [&](float (&acc)[kHalfN / 2], const PassTile<kHalfN>& tl, int pass, float (&mx)[2]) {
-    const int key0 = pass * kHalfN, nw = tl.width(pass);
-    if (nw < kHalfN || key0 + kHalfN > S || (causal && key0 + kHalfN - 1 > tl.m0 + p.causal_offset)) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        long long limit = min(S, key0 + nw);
-        if (causal) limit = min(limit, tl.m0 + r0 + 8 * half + p.causal_offset + 1);
-        const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - key0 - 2 * t)));
-        #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j) {
-          if (8 * j >= nw) break;
-          #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
-        }
-      }
-    }
-    // (The full-width case is its own unrolled copy, free of the width tests.)
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mx[half] = neg_inf();
-      if (nw == kHalfN) {
-        #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j)
-          mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-      } else {
-        #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j) {
-          if (8 * j >= nw) break;
-          mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
-        }
-      }
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-    }
-  };
-  // 2^(s·c − m·c) in place (m = −inf: a row that sees none of these keys; 0 stands in, so its values are 0) and the
-  // row sums.
-  auto exponentiate = [&](float (&acc)[kHalfN / 2], const float (&mx)[2], float (&sum)[2], int nw) {
-    const float m_c[2] = {mx[0] == neg_inf() ? 0.f : mx[0] * c, mx[1] == neg_inf() ? 0.f : mx[1] * c};
-    if (nw == kHalfN) exp2_rows<kHalfN>(acc, c, m_c, sum);  // full width: no width tests in the unrolled loop
-    else exp2_rows<kHalfN>(acc, c, m_c, sum, nw);
-  };
-  // The staging (this warpgroup's 64 × kHalfN region) in the 128-byte swizzle of the P map's boxes: box j / 8, row r,
-  // 16-byte chunk (j % 8) ^ (r % 8), and this lane's pair at byte 4t of it (columns 8j + 2t, +1).
-  auto slot = [&](int j, int half) -> P2* {
-    const int r = r0 + 8 * half;
-    return reinterpret_cast<P2*>(staging + (j / 8) * 8192 + r * 128 + (((j % 8) ^ (r % 8)) * 16) + 4 * t);
-  };
-  // Before writing the staging: the previous round's TMA stores have read it (its leader waits; the barrier tells
-  // the warpgroup).
-  auto staging_free = [&]() {
-    if (staged && leader) tma::bulk_wait_read();
-    tma::named_barrier_sync(kStoreBarrier + wg, 128);
-  };
-  // The first `boxes` 64-column boxes of the staging hold P: make the writes visible to TMA, then store box i to
-  // key column col0 + 64·i for i < stores (box 0 each time when boxes is 1: the zero box of a causal tile).
-  auto store = [&](const PassTile<kHalfN>& tl, int boxes, int col0, int stores) {
-    tma::fence_proxy_async();
-    tma::named_barrier_sync(kStoreBarrier + wg, 128);
-    if (leader) {
-      for (int i = 0; i < stores; ++i)
-        tma::store_4d(&p.tma_p, staging + (boxes > 1 ? i * 8192 : 0), col0 + 64 * i, tl.m0, tl.h, tl.b);
-      tma::bulk_commit();
-    }
-    staged = true;
-  };
-  // acc × f[half] (f = 1: pass A's unnormalized values) into the first nw / 64 boxes.
-  auto write_acc = [&](const float (&acc)[kHalfN / 2], const float (&f)[2], int nw) {
-    #pragma unroll
-    for (int half = 0; half < 2; ++half)
-      #pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j) {
-        if (8 * j >= nw) break;
-        *slot(j, half) = Pair<T>::make(acc[4 * j + 2 * half] * f[half], acc[4 * j + 2 * half + 1] * f[half]);
-      }
-  };
-
-  int step = 0;  // the ring step of the current pair's first k block
-  int before = -1;  // the warpgroup of the ring's last pass before the current pair (−1: none)
-  for (PairWalk walk(p); walk.more(); walk.next += walk.stride) {
-    const PassTile<kHalfN> a(p, walk.next, walk.m_blocks, walk.heads);
-    const bool has_b = walk.b() < walk.count;
-    const PassTile<kHalfN> b(p, has_b ? walk.b() : walk.next, walk.m_blocks, walk.heads);
-    const PairSteps steps{a.passes, has_b ? b.passes : 0, k_blocks};
-    const int step_a = step + steps.start(wg, 0), step_b = step + steps.start(wg, 1);
-    step += steps.total();
-    // The pair's passes in ring order: a.A, b.A, a.B, b.B (those that exist), owned by warpgroups 0, 1, 0, 1; the
-    // next pair's first pass is warpgroup 0's.
-    const int after = walk.next + walk.stride < walk.count ? 0 : -1;
-    // Bit i of `exists`: the pair's pass i in that order exists; its warpgroup is i & 1.
-    const unsigned exists = 1u | (has_b ? 2u : 0u) | (a.passes == 2 ? 4u : 0u) | (has_b && b.passes == 2 ? 8u : 0u);
-    const int pair_before = before;
-    before = (31 - __clz(exists)) & 1;
-    if (wg == 1 && !has_b) continue;
-    const PassTile<kHalfN> tl = wg == 0 ? a : b;
-
-    float acc[kHalfN / 2];
-    // One pass: wait for the token when the ring's previous pass is the other warpgroup's, its wgmma over the head
-    // dim, the token to the other warpgroup when the ring's next pass is its (k_loop: once the last wgmma are
-    // issued, so that the other's queue behind them), every stage released (nothing is staged in the ring).
-    auto run_pass = [&](int pass) {
-      const int me = pass * 2 + wg;  // this pass's place in the pair's order
-      const unsigned earlier = exists & ((1u << me) - 1), later = exists & ~((2u << me) - 1);
-      const int prev = earlier ? (31 - __clz(earlier)) & 1 : pair_before;
-      const int next = later ? (__ffs(later) - 1) & 1 : after;
-      if (prev == (wg ^ 1)) tma::named_barrier_sync(kTokenBarrier + wg, 256);
-      const int s0 = pass ? step_b : step_a;
-      #pragma unroll
-      for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
-      k_loop_width<T, kHalfN, kHalfN, kStages, 1, Smem, true>(tl.width(pass), acc, ss, q_base, k_base, k_blocks,
-                                                              lane, 0u, s0, clk,
-                                                              next == (wg ^ 1) ? kTokenBarrier + (wg ^ 1) : -1);
-      wgmma::fence_operands(acc);
-      __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[(s0 + k_blocks - 1) % kStages]);
-    };
-
-    run_pass(0);
-    float mx[2], l[2];
-    mask_and_max(acc, tl, 0, mx);
-    exponentiate(acc, mx, l, tl.nw_a);
-    float m_c[2], fa[2] = {1.f, 1.f}, fb[2] = {0.f, 0.f};  // m·c (0 for a row that sees no key), pass rescales
-    if (tl.passes == 2) {
-      // Pass A's exponentials wait in the staging, unnormalized, while pass B runs (the registers hold pass B's
-      // accumulators); they are rescaled in place below, each lane reading back exactly the pairs it wrote.
-      staging_free();
-      const float one[2] = {1.f, 1.f};
-      write_acc(acc, one, tl.nw_a);
-      run_pass(1);
-      float mx_b[2], l_b[2];
-      mask_and_max(acc, tl, 1, mx_b);
-      exponentiate(acc, mx_b, l_b, tl.nw_b);
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        // The merge: m = max(m_A, m_B) (scaled by c; −inf where a pass saw no key of the row); each pass's values
-        // are relative to its own max, rescaled by 2^(m_X·c − m·c).
-        const float ma = mx[half] == neg_inf() ? neg_inf() : mx[half] * c;
-        const float mb = mx_b[half] == neg_inf() ? neg_inf() : mx_b[half] * c;
-        m_c[half] = fmaxf(ma, mb);
-        if (m_c[half] == neg_inf()) m_c[half] = 0.f;
-        fa[half] = exp2f(ma - m_c[half]);
-        fb[half] = exp2f(mb - m_c[half]);
-        l[half] = l[half] * fa[half] + l_b[half] * fb[half];
-      }
-    } else {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) m_c[half] = mx[half] == neg_inf() ? 0.f : mx[half] * c;
-    }
-    // lse = (m·c + log2 l)·ln 2; P = values × (f / l).
-    float sa[2], sb[2];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const float inv = l[half] > 0.f ? 1.f / l[half] : 0.f;
-      sa[half] = fa[half] * inv;
-      sb[half] = fb[half] * inv;
-      const int row = tl.m0 + r0 + 8 * half;
-      if (t == 0 && p.lse != nullptr && row < p.seqlen_q)
-        p.lse[tl.b * p.lse_stride_b + tl.h * p.lse_stride_h + row * p.lse_stride_l] =
-            l[half] > 0.f ? (m_c[half] + __log2f(l[half])) * kLn2 : neg_inf();
-    }
-    // Stores: pass A's P, pass B's, then the zero box of keys past the passes (causal tiles; TMA clips boxes to S
-    // in 16-byte chunks, ld a multiple of 8).
-    if (tl.passes == 2) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j) {
-          P2* at = slot(j, half);
-          const float2 x = Pair<T>::unpack(*at);
-          *at = Pair<T>::make(x.x * sa[half], x.y * sa[half]);
-        }
-      store(tl, kHalfN / 64, 0, kHalfN / 64);
-      staging_free();
-      write_acc(acc, sb, tl.nw_b);
-      store(tl, tl.nw_b / 64, kHalfN, tl.nw_b / 64);
-    } else {
-      staging_free();
-      write_acc(acc, sa, tl.nw_a);
-      store(tl, tl.nw_a / 64, 0, tl.nw_a / 64);
-    }
-    const int covered = tl.passes == 2 ? kHalfN + tl.nw_b : tl.nw_a;
-    if (covered < S) {
-      staging_free();
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        #pragma unroll
-        for (int j = 0; j < 8; ++j) *slot(j, half) = Pair<T>::make(0.f, 0.f);
-      store(tl, 1, covered, (S - covered + 63) / 64);
-    }
-  }
-  if (staged && leader) tma::bulk_wait_read();  // the last stores have read shared memory before exit
-}
-
 }  // namespace scores_sm90
 
 // Grid (⌈L / 64⌉, Hq, B): the m-blocks of one head run side by side, so the head's K is read from L2 by all of them.
@@ -964,13 +602,6 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
 template <typename T, int kHalfN, int kStages>
 __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_persistent(const __grid_constant__ ScoresSm90Params p) {
   scores_sm90::scores_softmax<T, kHalfN, kStages, 1, true>(p);
-}
-
-// Grid (min(⌈L / 64⌉·Hq·B, SMs), 1, 1): persistent CTAs walking their tiles in pairs, one tile per consumer
-// warpgroup, the two warpgroups' wgmma and softmax in ping-pong (PairWalk). The K map's box is 64 keys.
-template <typename T, int kHalfN, int kStages>
-__global__ void __launch_bounds__(384, 1) scores_softmax_sm90_pingpong(const __grid_constant__ ScoresSm90Params p) {
-  scores_sm90::scores_softmax_pingpong<T, kHalfN, kStages>(p);
 }
 
 }  // namespace cupy_attn

@@ -8,12 +8,10 @@ dim E with 16-byte row strides, no mask, is_causal in both alignments (the one-C
 limit), GQA by head index. The split path (split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass unless
 ``CUPY_ATTN_SPLIT_FUSED=0`` (:func:`enabled`), and its
 cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
-(32, 32, 512, 1024)). Four variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
+(32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
 :func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
 multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
-one block's softmax and P stores overlap the next block's loads (3, the default); persistent CTAs whose two consumer
-warpgroups each own whole row blocks, in key passes of ≤ 256, their wgmma and softmax in ping-pong (4, opt-in,
-untimed). With no more row blocks than SMs, variant 4's CTAs hold one block each and its second warpgroup idles.
+one block's softmax and P stores overlap the next block's loads (3, the default).
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -38,11 +36,8 @@ ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
 # variant -> the kernel. 1: one CTA per row block. 2: clusters of two CTAs (along the row blocks of one head); each
 # CTA's producer loads one of a stage's two K boxes and multicasts it to both CTAs, so K crosses from L2 once per 128
 # query rows instead of once per 64. 3: persistent, one CTA per SM walking the row blocks (a tile scheduler).
-# 4: ping-pong (persistent; each consumer warpgroup owns whole 64-row tiles in one or two key passes of ≤ 256, the
-# two warpgroups' wgmma and softmax alternating; its own tile table, PINGPONG_TILES).
-KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2", 3: "scores_softmax_sm90_persistent",
-           4: "scores_softmax_sm90_pingpong"}
-CLUSTER_M = {1: 1, 2: 2, 3: 1, 4: 1}  # variant -> CTAs per cluster
+KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2", 3: "scores_softmax_sm90_persistent"}
+CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,15 +45,10 @@ class ScoresTile:
     """Keys per consumer warpgroup (kHalfN: the CTA covers 2·half_n ≥ S keys) and stages in the TMA ring."""
     half_n: int
     stages: int
-    pingpong: bool = False  # the ping-pong kernel's layout (variant 4): one K box per stage, per-warpgroup staging
 
     def smem_bytes(self) -> int:
-        """Variants 1-3: stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row
-        statistics, 1 KB of alignment slack (SharedStorage::kBytes in scores_softmax_sm90.cu). Variant 4: stages ×
-        (Q 64×64 + K half_n×64) + two warpgroups' P staging (64×half_n each) + barriers + slack
-        (PingPongStorage::kBytes)."""
-        if self.pingpong:
-            return self.stages * (BLOCK_M * 128 + self.half_n * 128) + 2 * self.half_n * 128 + 16 * self.stages + 1024
+        """stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row statistics,
+        1 KB of alignment slack: SharedStorage::kBytes in scores_softmax_sm90.cu."""
         return self.stages * (BLOCK_M * 128 + 2 * self.half_n * 128) + 16 * self.stages + 2 * 2 * BLOCK_M * 4 + 1024
 
 
@@ -68,15 +58,6 @@ SCORES_TILES = {
     128: ScoresTile(128, 4),   # 4 × 40 KB = 162 KB
     192: ScoresTile(192, 4),   # 4 × 56 KB = 226 KB: the most that fits
     256: ScoresTile(256, 3),   # 3 × 72 KB = 218 KB (4 stages would need 290 KB)
-}
-
-# The ping-pong kernel's passes (keys per pass, at most 256) -> tile: stages of Q 8 KB + K half_n·128 B, as many as fit
-# beside the two 64 × half_n staging regions (8 at most: the ring then covers 8 head-dim steps).
-PINGPONG_TILES = {
-    64: ScoresTile(64, 8, True),     # 8 × 16 KB + 16 KB = 145 KB
-    128: ScoresTile(128, 8, True),   # 8 × 24 KB + 32 KB = 225 KB
-    192: ScoresTile(192, 5, True),   # 5 × 32 KB + 48 KB = 209 KB
-    256: ScoresTile(256, 4, True),   # 4 × 40 KB + 64 KB = 225 KB
 }
 
 # ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
@@ -90,18 +71,7 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"kernel": tuple(KERNELS[v] for v in (1, 2, 3)), "dtype": tuple(_C_TYPES.values()),
-          "tile": tuple(SCORES_TILES.values())},
-    archs=("sm_90a",),
-    structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
-    arch="sm_90a",
-)
-
-SCORES_PINGPONG_SM90 = KernelFamily(
-    name="scores_softmax_sm90_pingpong",
-    source="attention/scores_softmax_sm90.cu",
-    template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"kernel": (KERNELS[4],), "dtype": tuple(_C_TYPES.values()), "tile": tuple(PINGPONG_TILES.values())},
+    axes={"kernel": tuple(KERNELS.values()), "dtype": tuple(_C_TYPES.values()), "tile": tuple(SCORES_TILES.values())},
     archs=("sm_90a",),
     structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -115,9 +85,10 @@ def setting() -> int:
     the cuBLAS + softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at
     (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md). Session 10
     (kernel_times.py, device time of 20 calls, two rounds): at the seed 3 takes 1.104-1.105 ms against 1's
-    1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. 4: the ping-pong
-    kernel (opt-in; built in session 11 without a GPU, untimed)."""
-    return {"0": 0, "1": 1, "2": 2, "4": 4}.get(os.environ.get(ENV_SPLIT_FUSED, "3"), 3)
+    1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. A ping-pong variant
+    (each consumer warpgroup owning whole row blocks) measured no faster than 3 in session 12 and was removed (its
+    code is in git history, 139e8c0 to 7c3e323); 4 now selects 3, as any other value does."""
+    return {"0": 0, "1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "3"), 3)
 
 
 def enabled() -> bool:
@@ -129,18 +100,17 @@ def enabled() -> bool:
 def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sms: int = 132) -> tuple:
     """Variants 1 and 2: (row blocks, Hq, B), ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of the
     cluster's CTAs (variant 2: pairs adjacent along x; an odd count gets one CTA past L, which loads its share of K
-    and stores nothing). Variants 3 (persistent) and 4 (ping-pong, the CTA's tiles taken in pairs): (min(row blocks ·
-    Hq · B, num_sms), 1, 1), one CTA per SM.
+    and stores nothing). Variant 3 (persistent): (min(row blocks · Hq · B, num_sms), 1, 1), one CTA per SM.
 
     >>> grid_for(32, 32, 512, 2), grid_for(2, 3, 130, 2), grid_for(2, 3, 130, 1), grid_for(1, 1, 1, 2)
     ((8, 32, 32), (4, 3, 2), (3, 3, 2), (2, 1, 1))
-    >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3), grid_for(2, 3, 130, 4), grid_for(1, 1, 1, 4)
-    ((132, 1, 1), (18, 1, 1), (18, 1, 1), (1, 1, 1))
+    >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3)
+    ((132, 1, 1), (18, 1, 1))
     """
     if variant not in KERNELS:
         raise ValueError(f"variant={variant}: the scores kernel's variants are {sorted(KERNELS)}")
     blocks = -(-seqlen_q // BLOCK_M)
-    if variant in (3, 4):
+    if variant == 3:
         return (min(blocks * num_heads * batch, num_sms), 1, 1)
     m = CLUSTER_M[variant]
     return (-(-blocks // m) * m, num_heads, batch)
@@ -155,18 +125,6 @@ def tile_for(seqlen_k: int) -> ScoresTile:
     if not 1 <= seqlen_k <= MAX_SEQLEN_K:
         raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
     return next(SCORES_TILES[n] for n in sorted(SCORES_TILES) if 2 * n >= seqlen_k)
-
-
-def pingpong_tile_for(seqlen_k: int) -> ScoresTile:
-    """The ping-pong kernel's tile: passes of half_n = min(256, S rounded up to 64) keys, one pass for S ≤ 256, two
-    above (1 ≤ seqlen_k ≤ 512).
-
-    >>> [pingpong_tile_for(s).half_n for s in (1, 64, 100, 200, 256, 257, 300, 512)]
-    [64, 64, 128, 256, 256, 256, 256, 256]
-    """
-    if not 1 <= seqlen_k <= MAX_SEQLEN_K:
-        raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
-    return PINGPONG_TILES[min(256, -(-seqlen_k // 64) * 64)]
 
 
 def unsupported_reason(p, arch: int) -> str | None:
@@ -204,11 +162,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads (TMA stores): (b, h) at (b·Hq + h)·L·ld elements,
     rows ld (≥ S, a multiple of 8) elements apart. variant: 1 (scores_softmax_sm90), 2
-    (scores_softmax_sm90_cluster2, K shared by TMA multicast), 3 (scores_softmax_sm90_persistent, one CTA per SM of
-    q's device) or 4 (scores_softmax_sm90_pingpong: one CTA per SM, a consumer warpgroup per 64-row tile in key passes
-    of ≤ 256, the warpgroups' wgmma and softmax in ping-pong); the grid comes from :func:`grid_for`. causal: None,
-    "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit.
-    Raises ValueError for a short ld or one not a multiple of 8, another variant, or causal with variant 2."""
+    (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
+    q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
+    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
+    multiple of 8, another variant, or causal with variant 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
@@ -216,12 +173,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
                          "stores: 16-byte row strides)")
     if causal is not None and variant == 2:
         raise ValueError(f"causal={causal!r}: the cluster variant (variant=2) is not causal")
-    num_sms = device_sms(q.device.id) if variant in (3, 4) else 0
+    num_sms = device_sms(q.device.id) if variant == 3 else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
-    tile = pingpong_tile_for(S) if variant == 4 else tile_for(S)
-    assert S <= 2 * tile.half_n and (variant != 4 or S > 256 or S <= tile.half_n), (S, tile)  # the passes cover S
-    family = SCORES_PINGPONG_SM90 if variant == 4 else SCORES_SOFTMAX_SM90
-    kernel = family.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    tile = tile_for(S)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
@@ -233,9 +188,7 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     isz = q.dtype.itemsize
     p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
-    # K boxes: one per warpgroup of half_n keys (variants 1-3); 64 keys for the ping-pong kernel, which loads only a
-    # causal pass's keys (nw / 64 boxes).
-    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, 64 if variant == 4 else tile.half_n), p_map)
+    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
     return ScoresLaunch(kernel, p, maps, grid, tile, variant)
 
 
@@ -292,10 +245,6 @@ class ScoresLaunch:
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
     def describe(self) -> str:
-        if self.variant == 4:
-            return (f"{KERNELS[4]} (a consumer warpgroup per 64-row tile, keys in passes of {self.tile.half_n}, "
-                    f"wgmma m64n{self.tile.half_n}, {self.tile.stages} TMA stages, the two warpgroups' wgmma and "
-                    f"softmax in ping-pong, persistent; grid {self.grid})")
         shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
                   3: ", persistent: one CTA per SM walks its row blocks"}.get(self.variant, "")
         return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
