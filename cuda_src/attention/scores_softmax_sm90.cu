@@ -55,8 +55,8 @@
 //   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
 //   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
-//       no faster than v1.3 (session 12: seed 1.166 vs 1.185 ms fp16, 1.136 vs 1.150 bf16; 0.87× at
-//       (16, 32, 512, 300, 1024); causal 0.91× of v1); its code is in git history, 139e8c0 to 7c3e323
+//       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
+//       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/wgmma.cuh"
