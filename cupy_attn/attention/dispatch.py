@@ -286,7 +286,6 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
 def _cublas_bands_detail(p, budget: int) -> str:
     """How a causal call on the cuBLAS split path is banded (split._build_schedule's rule)."""
     bands = _split.cublas_causal_bands(p.seqlen_q)
-    one_chunk = p.seqlen_q * (-(-p.seqlen_k // 8) * 8) * 4 <= budget
-    streams = _split.causal_streams(p.seqlen_q, bands) if one_chunk else 1
+    streams = _split.band_streams(p.seqlen_q, p.seqlen_k, bands, budget)
     return (f"{p.causal}: {bands} row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its last visible key"
             + (f", on {streams} streams at once" if streams > 1 else ""))

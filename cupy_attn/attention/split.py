@@ -14,6 +14,7 @@ it stays under ``workspace_bytes``.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -233,7 +234,9 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
             streams, joins = _fork(ctx, sched.streams - 1)
         for c in sched.chunks:
             stream = main if streams is None or c.stream == 0 else streams[c.stream - 1]
-            with stream:  # the softmax launch and a first GEMM call's cuBLASLt tuning use CuPy's current stream
+            # A side stream is made CuPy's current one for the softmax launch and a first GEMM call's cuBLASLt tuning;
+            # the call's stream already is (ctx.activate), so the common path switches nothing.
+            with _NO_SWITCH if stream is main else stream:
                 if sched.scores is not None:
                     c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
                     continue
@@ -250,6 +253,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
         del scores  # back to its allocator, ordered after the work above on this stream
 
 
+_NO_SWITCH = contextlib.nullcontext()
 _SIDE_STREAMS: dict = {}  # device -> (side streams, events) of causal band schedules, created on first use and kept
 
 
@@ -316,6 +320,13 @@ def causal_streams(seqlen_q: int, bands: int) -> int:
     (2, 1)
     """
     return 2 if bands > 1 else 1
+
+
+def band_streams(seqlen_q: int, seqlen_k: int, bands: int, budget: int) -> int:
+    """Streams of a causal schedule on the cuBLAS path: causal_streams when a batch chunk holds all L query rows of
+    scores under the workspace budget (so each band gets its own region of the buffer), else 1."""
+    one_chunk = seqlen_q * (-(-seqlen_k // 8) * 8) * 4 <= budget
+    return causal_streams(seqlen_q, bands) if one_chunk else 1
 
 
 def _spread(costs: list, streams: int) -> list[int]:
@@ -428,7 +439,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     row_bands = _row_bands(L, rows_per_chunk, bands)
     # Bands are independent: on the cuBLAS path, with their own regions of the scores buffer, they run on several
     # streams at once (causal_streams), longest first.
-    streams = causal_streams(L, len(row_bands)) if banded and rows_per_chunk == L and scores_launch is None else 1
+    streams = band_streams(L, S, len(row_bands), budget) if banded and scores_launch is None else 1
     band_stream = _spread([(r0 + lc + causal_offset) * lc for r0, lc in row_bands], streams)
     band_offset = np.cumsum([0] + [per_chunk * lc * ld * 4 for _, lc in row_bands])[:-1] if streams > 1 \
         else [0] * len(row_bands)
