@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from common import device_ms
+from common import device_ms, interleaved_ms
 
 # (name, B, Hq, Hkv, L, S, D)
 CASES = (("decode", 64, 32, 32, 1, 4096, 128), ("decode", 8, 32, 32, 1, 32768, 128),
@@ -39,7 +39,6 @@ def copy_tbps() -> float:
 def benchmark(quick: bool = False) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from cupyx.profiler import benchmark as cupy_benchmark
 
     import cupy_attn
     copy = copy_tbps()
@@ -55,11 +54,7 @@ def benchmark(quick: bool = False) -> list[dict]:
                    "torch": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
             errs = {n: float((fn().float() - ref).abs().max()) for n, fn in fns.items()}
             del ref
-            times = {n: [] for n in fns}
-            for _ in range(3):
-                for n, fn in fns.items():
-                    times[n].extend(cupy_benchmark(fn, n_repeat=10, n_warmup=3).gpu_times[0] * 1e3)
-            ms, torch_ms = (float(np.median(times[n])) for n in ("ours", "torch"))
+            ms, torch_ms = interleaved_ms((fns["ours"], fns["torch"]), rounds=3, repeat=10, warmup=3)
             kv_bytes = 2 * B * Hkv * S * D * q.element_size()
             rows.append(dict(name=name, dtype=dname, shape=f"({B}, {Hq}/{Hkv}, {L}, {S}, {D})", ms=ms,
                              tbps=kv_bytes / ms / 1e9, pct_copy=100 * kv_bytes / ms / 1e9 / copy,

@@ -3,7 +3,7 @@
 Each row: our public API forced to the fused kernel (torch tensors in, as users call it; host time included, as
 torch's), torch's FLASH_ATTENTION backend and torch's default choice (cuDNN on Hopper; with a mask, the backend
 torch picks for that call), all timed by ``cupyx.profiler.benchmark`` (median of GPU event times after
-warm-up) on the same random inputs on the null stream. TFLOP/s use ``flops()`` (4·B·H·L·S·D, halved for causal).
+warm-up, five alternating rounds: common.interleaved_ms) on the same random inputs on the null stream. TFLOP/s use ``flops()`` (4·B·H·L·S·D, halved for causal).
 ``max_err`` is our max |error| against a float64 reference of batch 0, heads 0 and H-1 (computed with CuPy in fp64).
 
     PYTHONPATH=. python3 bench/bench_flash.py [--quick]
@@ -12,8 +12,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import sys
 
 import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import interleaved_ms  # noqa: E402
 
 # (name, (B, H, L, D), causal, mask): the Hopper forward issue's table (cuDNN is torch's default there), then the
 # key-padding-mask call.
@@ -55,13 +60,6 @@ def _ref_head(q, k, v, scale, causal, mask):
     return cupy.where(den == 0, 0.0, (p @ v.astype(cupy.float64)) / cupy.where(den == 0, 1.0, den))
 
 
-def _time(fn, n_repeat: int = 20) -> float:
-    from cupyx.profiler import benchmark
-
-    res = benchmark(fn, n_repeat=n_repeat, n_warmup=5)
-    return float(np.median(res.gpu_times[0])) * 1e3
-
-
 def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None) -> dict:
     import cupy
     import torch
@@ -97,10 +95,6 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
                           has_mask="false" if cmask is None else "true")
         ours = lambda: _flash.launch(kern, tile, hd, cq, ck, cv, out, None, scale=scale, causal=causal,  # noqa: E731
                                      mask=cmask)
-    ms = _time(ours, n_repeat)
-    if tile is None:
-        out = cupy.from_dlpack(ours())
-
     is_causal = causal == "top_left"
 
     def torch_call():
@@ -110,10 +104,12 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             return torch_call()
 
-    flash_ms = None
-    if tmask is None:
-        flash_ms = _time(torch_flash, n_repeat)
-    default_ms = _time(torch_call, n_repeat)
+    # Ours, torch's FLASH_ATTENTION backend (no mask) and torch's default, in alternating rounds (common.interleaved_ms).
+    fns = (ours, torch_call) if tmask is not None else (ours, torch_call, torch_flash)
+    ms, default_ms, *flash = interleaved_ms(fns, rounds=5, repeat=max(n_repeat // 2, 4))
+    flash_ms = flash[0] if flash else None
+    if tile is None:
+        out = cupy.from_dlpack(ours())
 
     err = 0.0
     for h in sorted({0, H - 1}):

@@ -19,7 +19,7 @@ gradient rotating over 3 fresh random buffers. ``ms``, ``device_ms``, ``torch_ms
 ``torch_host_us`` as above for the whole step; ``tflops`` counts the GEMMs (4·N·K·F, 6·N·K·F with dx); ``max_err`` /
 ``torch_err``: the largest over the gradients (the Linear bias's excepted: it is 0 in training) of max |g − ref| /
 max |ref|, ref from torch float64 on the GPU, all from the same starting state. ``ms`` and ``torch_ms`` of these rows
-come from five alternating rounds of ours and torch's (``_interleaved_ms``): the steps are host-bound, and blocks
+come from five alternating rounds of ours and torch's (``common.interleaved_ms``): the steps are host-bound, and blocks
 measured one after the other would compare two moments of the host as much as two libraries. ``loop_ms`` /
 ``torch_loop_ms``: per step, 20 steps enqueued back to back between two CUDA events (a training loop's steady state:
 the host's time of a step is hidden behind the device's queue unless it is the longer of the two), median of 5 such
@@ -34,7 +34,7 @@ import itertools
 
 import numpy as np
 
-from common import device_ms
+from common import device_ms, interleaved_ms
 from cupy_attn.runtime.compile import struct_arg
 
 N, K, F = 1024, 8192, 8192
@@ -51,22 +51,6 @@ def _median_ms(fn, repeat: int, warmup: int, host: bool = False):
     res = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
     ms = float(np.median(res.gpu_times[0]) * 1e3)
     return (ms, float(np.median(res.cpu_times) * 1e6)) if host else ms
-
-
-def _interleaved_ms(fns, rounds: int, repeat: int, warmup: int) -> list[tuple[float, float]]:
-    """(median GPU-event ms, median host µs) of each of ``fns``, measured in ``rounds`` alternating rounds of
-    ``repeat`` calls each (after ``warmup``), so that every function sees the same host and GPU conditions; the
-    medians are over all rounds' samples. For host-bound rows (the training steps), where a block of one library's
-    calls followed by a block of the other's compares two moments of a noisy host as much as two libraries."""
-    from cupyx.profiler import benchmark
-    gpu = [[] for _ in fns]
-    cpu = [[] for _ in fns]
-    for r in range(rounds):
-        for i, fn in enumerate(fns):
-            res = benchmark(fn, n_repeat=repeat, n_warmup=warmup if r == 0 else 2)
-            gpu[i].extend(res.gpu_times[0])
-            cpu[i].extend(res.cpu_times)
-    return [(float(np.median(g) * 1e3), float(np.median(c) * 1e6)) for g, c in zip(gpu, cpu)]
 
 
 def _loop_ms(fn, steps: int = 20, samples: int = 5) -> float:
@@ -299,7 +283,7 @@ def benchmark_training(quick: bool = False) -> list[dict]:
                 return run
 
             ours, theirs = step(fused), step(plain)
-            (ms, host_us), (torch_ms, torch_host_us) = _interleaved_ms((ours, theirs), 5, repeat // 5, warmup)
+            (ms, host_us), (torch_ms, torch_host_us) = interleaved_ms((ours, theirs), 5, repeat // 5, warmup, host=True)
             dev_ms = device_ms(ours)
             loop_ms, torch_loop_ms = _loop_ms(ours), _loop_ms(theirs)
             plain.load_state_dict(initial)  # the next rows start from the same running stats

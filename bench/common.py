@@ -31,6 +31,24 @@ def median_ms(fn, n_repeat: int = 20, n_warmup: int = 3) -> float:
     return float(np.median(res.gpu_times[0]) * 1e3)
 
 
+def interleaved_ms(fns, rounds: int = 5, repeat: int = 10, warmup: int = 5, host: bool = False) -> list:
+    """Median GPU-event ms of each of ``fns`` (with ``host``: (ms, median host µs per call)), timed in ``rounds``
+    alternating rounds of ``repeat`` calls each (``warmup`` calls before the first round, 2 before later ones), the
+    medians taken over all rounds' samples. Side-by-side ratios need this: a block of one library's calls followed by
+    a block of the other's compares two moments of the GPU's clock and the host as much as two kernels (a main job
+    once read one row 15% slow in one block and normal in every other run)."""
+    from cupyx.profiler import benchmark
+    gpu = [[] for _ in fns]
+    cpu = [[] for _ in fns]
+    for r in range(rounds):
+        for i, fn in enumerate(fns):
+            res = benchmark(fn, n_repeat=repeat, n_warmup=warmup if r == 0 else 2)
+            gpu[i].extend(res.gpu_times[0])
+            cpu[i].extend(res.cpu_times)
+    ms = [float(np.median(g) * 1e3) for g in gpu]
+    return [(m, float(np.median(c) * 1e6)) for m, c in zip(ms, cpu)] if host else ms
+
+
 def host_us(fn, n: int = 20) -> float:
     """Median host µs of fn(), the GPU synchronized before each call (so every call starts from an idle GPU)."""
     import time
