@@ -44,7 +44,8 @@ def test_every_instantiation_compiles_without_spills():
 
 
 def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
-    """Both kernels: HGMMA of the tile's width, TMA loads and stores (P), mbarriers, setmaxnreg, no local memory.
+    """Every kernel: HGMMA of the tile's width, TMA loads, mbarriers, setmaxnreg, no local memory; P by TMA stores in
+    the one-tile kernels, by 16-byte global stores (STG.E.128) in the persistent one.
     The cluster kernel (…_cluster2) also: K loads multicast (UTMALDG…MULTICAST), remote arrivals
     (SYNCS.ARRIVE…RED) and the cluster barrier (UCGABAR_ARV/UCGABAR_WAIT), with no MEMBAR in its mainloop (before
     the exit barrier's release arrives, where the remote arrivals must be performed, and in the proxy fence
@@ -60,8 +61,11 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
         half_n = int(name.split("ELi")[0].split("Li")[-1])  # ..._sm90I6__halfLi256ELi3EE...: the first int argument
         text = listings[name]
         assert f"HGMMA.64x{half_n}x16.F32" in text, f"{name}: no HGMMA.64x{half_n}x16"
-        for op in ("HGMMA", "UTMALDG", "UTMASTG", "SYNCS", "USETMAXREG"):
+        persistent = "_persistent" in name
+        for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG") + (() if persistent else ("UTMASTG",)):
             assert ops.get(op, 0) > 0, f"{name}: no {op} in the SASS"
+        if persistent:  # P from registers by 16-byte stores, no staging, no TMA store
+            assert "STG.E.128" in text and "UTMASTG" not in ops, f"{name}: P not stored by 16-byte STG"
         for op in ("LDL", "STL"):
             assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
         cluster = "_cluster2" in name
@@ -119,7 +123,7 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
         launch_obj.launch_on(stream, q, k, p, lse)
         want = params.copy()
         want["tma_q"], want["tma_k"], want["tma_p"] = blob(1, q), blob(2, k), blob(3, p)
-        want["lse"] = lse
+        want["lse"], want["p"] = lse, p  # the persistent kernel's 16-byte P stores read the base too
         fn_ptr, dims, got_stream, raw, extra = calls[-1]
         assert (fn_ptr, dims, got_stream, extra) == (1234, (132, 1, 1, 384, 1, 1, tile.smem_bytes()), stream, 0)
         got = np.frombuffer(raw, dtype=_scores._PARAMS).reshape(())
@@ -371,7 +375,7 @@ def _interleave(threads, events, on_event, rng):
 
 
 def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True, True), half_n=256, seed=0,
-                     mutation=None, tiles=1):
+                     mutation=None, tiles=1, p_staged=False):
     """The scores kernel's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax), transcribed step by step
     for cluster_m CTAs of one cluster and run under a random interleaving (``seed``): per CTA the producer thread and
     the 8 consumer warps (lane 0 stands for its warp), with the kernel's barrier counts, parities, expect_tx bytes,
@@ -386,8 +390,10 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
     "own_bytes_only" (full barriers expect only the bytes this CTA's producer loads), "early_release" (persistent:
     a tile's last stage released before its P stores have read the staging). Raises ProtocolError.
 
-    tiles > 1 (one CTA): the persistent kernel, ring steps counted across tiles (step = tile · k_blocks + kb); each
-    warp holds a tile's last stage through the epilogue (P staged in it, then stored) and releases it after."""
+    tiles > 1 (one CTA): the persistent kernel, ring steps counted across tiles (step = tile · k_blocks + kb). Its P
+    leaves by 16-byte stores from registers, so each warp releases a tile's last stage once its wgmma have read it
+    (wait_group 0), before the epilogue; with ``p_staged`` (the -DCUPY_ATTN_SCORES_P_TMA build) it holds that stage
+    through the epilogue (P staged in it, then stored by TMA) and releases it after."""
     import random
     rng = random.Random(seed)
     q_bytes, box_bytes = 64 * 128, half_n * 128
@@ -468,6 +474,11 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
             # wait_group 0, then the epilogue: P staged in this warp's K box of the tile's last stage, stored by TMA
             # (the stores read it); the persistent kernel then releases the stage. A one-tile CTA never does.
             g = (tile + 1) * k_blocks - 1
+            if tiles > 1 and not p_staged:  # read by this warp's wgmma: released before the softmax and stores
+                finished[c][g] += 1
+                empty[c][g % stages].arrive()
+                yield lambda: True  # the epilogue, P from registers
+                continue
             if tiles > 1 and mutation == "early_release":
                 empty[c][g % stages].arrive()
             yield lambda: True  # staging and stores in progress
@@ -517,18 +528,20 @@ def test_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi,
 @pytest.mark.parametrize("tiles", [2, 5])
 @pytest.mark.parametrize("k_blocks,stages,load_hi", [(1, 3, True), (2, 3, True), (3, 3, False), (16, 3, True),
                                                      (5, 4, True), (4, 2, True)])
-def test_persistent_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi, tiles):
-    """The persistent kernel's protocol (one ring across tiles, each tile's last stage held through its epilogue):
-    no hazard, no deadlock, clean exit over 150 random interleavings each; k_blocks = 1 (every stage is some tile's
-    last), k_blocks a multiple of the ring, the S ≤ 64 case."""
+@pytest.mark.parametrize("p_staged", [False, True])
+def test_persistent_pipeline_protocol_under_random_interleavings(k_blocks, stages, load_hi, tiles, p_staged):
+    """The persistent kernel's protocol (one ring across tiles; each tile's last stage released after its wgmma, or
+    with P staged in it held through the epilogue): no hazard, no deadlock, clean exit over 150 random interleavings
+    each; k_blocks = 1 (every stage is some tile's last), k_blocks a multiple of the ring, the S ≤ 64 case."""
     for seed in range(150):
-        emulate_pipeline(k_blocks, stages, 1, load_hi=load_hi, rows_ok=(True,), seed=seed, tiles=tiles)
+        emulate_pipeline(k_blocks, stages, 1, load_hi=load_hi, rows_ok=(True,), seed=seed, tiles=tiles,
+                         p_staged=p_staged)
 
 
 def test_persistent_pipeline_emulation_catches_an_early_release():
     for seed in range(300):
         try:
-            emulate_pipeline(2, 3, 1, rows_ok=(True,), seed=seed, tiles=4, mutation="early_release")
+            emulate_pipeline(2, 3, 1, rows_ok=(True,), seed=seed, tiles=4, mutation="early_release", p_staged=True)
         except ProtocolError as exc:
             assert "while k block" in str(exc), str(exc)
             return

@@ -43,9 +43,14 @@
 // sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
-// the producer loads the next block's first stages while the consumers run a block's softmax and P stores. It does
-// not overlap the epilogue with the next block's wgmma (both consumer warpgroups hold one block's rows: a ping-pong
-// of blocks would need 256 accumulator registers per thread at S = 512).
+// the producer loads the next block's first stages while the consumers run a block's softmax and P stores. P leaves
+// from registers by 16-byte global stores (a quad transpose gives each lane 8 consecutive keys), so a tile's last
+// stage is released as soon as its wgmma have read it and all kStages stages refill during the epilogue (the one-tile
+// kernels stage P in that stage for TMA stores). It does not overlap the epilogue with the next block's wgmma (both
+// consumer warpgroups hold one block's rows: a ping-pong of blocks would need 256 accumulator registers per thread at
+// S = 512). Where the time goes at the seed (session 13, bench/experiments/scores_wall.py, parts compiled out): the
+// wgmma alone 0.82-0.89 ms, the TMA ring alone 0.75-0.80, both (no epilogue) 0.89-0.93, the whole kernel 1.15-1.25:
+// the epilogue, during which the tensor cores idle, is ~25% of it.
 // Not (yet) here: attn_mask.
 //
 // Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
@@ -54,11 +59,14 @@
 //   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
 //   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
 //   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
+//   v1.4 persistent: P by 16-byte stores from registers (last stage released after the wgmma), ex2.approx.ftz
+//       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
 //       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
 //       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
 #include "common/types.cuh"
 #include "common/mask.cuh"
+#include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 
@@ -79,6 +87,8 @@ struct ScoresSm90Params {
   long long is_causal;      // 1: key j is visible to query row i iff j <= i + causal_offset
   long long causal_offset;  // 0 (top-left) or S - L (bottom-right)
   long long num_heads, batch;  // Hq, B: the persistent kernel's tiles are (row block, head, batch), row block fastest
+  void* p;                     // P's base (the same array as tma_p): the persistent kernel's 16-byte stores
+  long long ld;                // P's row pitch in elements (a multiple of 8)
 };
 
 namespace scores_sm90 {
@@ -121,12 +131,50 @@ template <> struct Pair<__nv_bfloat16> {
   __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
 };
 
+// The 4 × 4 transpose of 32-bit words across the 4 lanes of a quad (lanes 4g ... 4g + 3): word u of lane t becomes word
+// t of lane u. Two butterfly steps (bit 0, then bit 1 of lane ^ word), each moving the two words whose bit differs from
+// the lane's through one shfl.xor: 4 SHFL and 12 SEL per 4 words.
+__device__ __forceinline__ void quad_transpose(unsigned (&w)[4], int t) {
+  #pragma unroll
+  for (int bit = 1; bit <= 2; bit <<= 1) {
+    const bool hi = (t & bit) != 0;
+    #pragma unroll
+    for (int lo = 0; lo < 4; ++lo) {
+      if (lo & bit) continue;
+      const unsigned send = hi ? w[lo] : w[lo | bit];
+      const unsigned got = __shfl_xor_sync(0xffffffffu, send, bit);
+      if (hi) w[lo] = got; else w[lo | bit] = got;
+    }
+  }
+}
+
 // Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
 // warpgroup's 128 threads, between their writes of P into shared memory and the TMA stores.
 constexpr int kStatsBarrier = 1;
 constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
+
+// Ablations for bench/experiments/scores_wall.py, compiled in only with -DCUPY_ATTN_SCORES_ABLATE=bits (the library
+// never sets it; ablated kernels write wrong P). Bits: 1 no wgmma, 2 no TMA loads (the producer arrives with no bytes:
+// wgmma on whatever shared memory holds), 4 only the first K box loaded (40 of 72 KB per stage), 8 no epilogue
+// (persistent kernel: a tile's last stage released after its wgmma; no softmax, no P), 32 no exponentials (the FFMA
+// alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing
+// from its tensor work, and the epilogue's parts (NOTES_split, session 13).
+#ifndef CUPY_ATTN_SCORES_ABLATE
+#define CUPY_ATTN_SCORES_ABLATE 0
+#endif
+constexpr int kScoresAblate = CUPY_ATTN_SCORES_ABLATE;
+// P out of the persistent kernel: 16-byte global stores from registers (default), or with
+// -DCUPY_ATTN_SCORES_P_TMA the one-tile kernels' staging through the tile's last stage and TMA stores (the A/B of
+// bench/experiments/scores_wall.py --p-tma).
+#ifdef CUPY_ATTN_SCORES_P_TMA
+constexpr bool kDirectP = false;
+#else
+constexpr bool kDirectP = true;
+#endif
+constexpr bool kAblateMma = kScoresAblate & 1, kAblateLoads = kScoresAblate & 2, kAblateHi = kScoresAblate & 4,
+               kAblateEpilogue = kScoresAblate & 8, kAblateExp = kScoresAblate & 32, kAblateStores = kScoresAblate & 64;
 
 // Phase timing for bench/experiments/scores_trace.py, compiled in only with -DCUPY_ATTN_SCORES_TRACE (otherwise
 // every call below is empty and the SASS is unchanged): per CTA, tile and consumer warpgroup, clock64 stamps of the
@@ -216,8 +264,10 @@ __device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
 }
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
-// of this lane), one FFMA and one MUFU.EX2 per score (−inf → 0), and each row's sum: this lane's, then the quad's
-// (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0.
+// of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0,
+// far below the 16-bit P's own least value), and each row's sum: this lane's, then the quad's (shuffles; the four
+// lanes of a quad hold a row's columns). sum starts at 0. exp2f added 3 instructions per score (its denormal
+// range fix-up): 4-5% of the kernel at the seed (session 13, bench/experiments/scores_wall.py).
 template <int kN>
 __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
   sum[0] = sum[1] = 0.f;
@@ -228,7 +278,7 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = acc[4 * j + 2 * half + e];
-        x = exp2f(fmaf(x, c, -m_c[half]));
+        x = kAblateExp ? fmaf(x, c, -m_c[half]) : exp2_approx(fmaf(x, c, -m_c[half]));
         sum[half] += x;
       }
   #pragma unroll
@@ -257,8 +307,9 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
-                            wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
+      if constexpr (!kAblateMma)
+        wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+                              wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
     wgmma::commit();
     const unsigned long long t_mma = clk.now();
     wgmma::wait<1>();
@@ -387,9 +438,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
         const int h_kv = tl.h / static_cast<int>(p.groups);
         // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
         // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-        const bool load_hi = tl.nw < tl.n_vis;
+        const bool load_hi = tl.nw < tl.n_vis && !kAblateHi;
         const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
-        const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+        const unsigned bytes = kAblateLoads ? 0u
+                             : (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
           const int s = step % kStages;
           const unsigned long long t_empty = scores_trace::Clock::now();
@@ -398,6 +450,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
           // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
           // while, and the phase still needs this arrival to complete.
           tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
+          if constexpr (kAblateLoads) continue;
           if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
           T* k = ss.k + s * 2 * kHalfN * 64;
           if constexpr (kClusterM > 1) {
@@ -464,6 +517,19 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     wgmma::fence_operands(acc);
     clk.stamp(3);
+    if constexpr (kPersistent && (kDirectP || kAblateEpilogue)) {
+      // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it (k_loop's
+      // wait<0>), so the producer refills all kStages stages while the softmax and the stores run.
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
+      if constexpr (kAblateEpilogue) {  // keep the wgmma: ptxas drops those whose accumulators nothing reads
+        float sink = 0.f;
+        #pragma unroll
+        for (int i = 0; i < kHalfN / 2; ++i) sink += acc[i];
+        if (sink == 1234.5f && p.lse != nullptr) p.lse[0] = sink;
+        continue;
+      }
+    }
     // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
@@ -544,6 +610,47 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
+    if constexpr (kPersistent && kDirectP) {
+      // Straight from registers: a quad's 4 × 4 transpose of packed pairs (quad_transpose) gives lane t the 8
+      // consecutive keys n0 + 32i + 8t ... + 7 of its row, one 16-byte store; a warp's store covers 8 rows × 64
+      // contiguous bytes. Rows past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within
+      // the row pitch: ld is a multiple of 8 ≥ S).
+      T* const p_head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + r0 + 8 * half;
+        T* const p_row = p_head + static_cast<long long>(row) * p.ld;
+        #pragma unroll
+        for (int i = 0; i < kHalfN / 32; ++i) {
+          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
+          unsigned w[4];
+          #pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int j = 4 * i + u;
+            const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
+            w[u] = *reinterpret_cast<const unsigned*>(&v);
+          }
+          quad_transpose(w, t);
+          const int col = n0 + 32 * i + 8 * t;
+          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
+            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
+      if (2 * nw < S) {
+        const int chunks = (S - 2 * nw + 7) / 8;
+        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
+          const int row = m0 + idx / chunks;
+          if (row < p.seqlen_q)
+            *reinterpret_cast<uint4*>(p_head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
+                make_uint4(0, 0, 0, 0);
+        }
+      }
+      clk.stamp(6);
+      clk.stamp(7);
+      clk.close();
+      continue;
+    }
     unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + last * Smem::kKBytes + wg * kHalfN * 128;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {

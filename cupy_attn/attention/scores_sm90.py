@@ -65,7 +65,7 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 6
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch")])
+                        "num_heads", "batch", "p", "ld")])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -182,7 +182,7 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     p["scale_log2"] = float(scale) * _LOG2E
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["num_heads"], p["batch"] = Hq, B
+    p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
@@ -218,7 +218,7 @@ class ScoresLaunch:
         fields = self.params.dtype.fields
         self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
                                (fields[name][1] for name in ("tma_q", "tma_k", "tma_p")))
-        self._lse_word = fields["lse"][1] // 8
+        self._lse_word, self._p_word = fields["lse"][1] // 8, fields["p"][1] // 8
         self._fn_ptr = int(self.kernel.kernel.ptr)
         smem = self.tile.smem_bytes()
         self._dims = launch_dims(self.grid, (THREADS,), smem)
@@ -242,6 +242,7 @@ class ScoresLaunch:
         with own.lock:
             self._maps.write(q_ptr, k_ptr, p_ptr)
             own.words[self._lse_word] = lse_ptr
+            own.words[self._p_word] = p_ptr
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
     def describe(self) -> str:
