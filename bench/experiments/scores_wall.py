@@ -38,18 +38,29 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ghz", type=float, default=1.35)
+    ap.add_argument("--base", default=None, help="a scratch copy of the kernel source under cuda_src/ (e.g. "
+                    "attention/scores_ab_base.cu from `git show REV:...`): one more row, that source unablated")
+    ap.add_argument("--only", default=None, help="comma-separated row names to keep (plus the base row)")
     args, (B, H, L, S, E), tdt, q, k, ld, causal = problem(ap)
     p = cupy.from_dlpack(torch.empty(B * H * L * ld, device="cuda", dtype=tdt))
     lse = cupy.empty((B, H, L), cupy.float32)
     launches = {}
-    for name, bits in ROWS:
+    rows = ROWS if args.only is None else tuple(r for r in ROWS if r[0] in args.only.split(","))
+    rows = rows if any(r[0] == "full kernel" for r in rows) else (ROWS[0],) + rows
+    if args.base:
+        rows += (("base source", "base"),)
+    for name, bits in rows:
+        if bits == "base":
+            launches[name] = launch_for(dataclasses.replace(scores_sm90.SCORES_SOFTMAX_SM90, source=args.base), q, k,
+                                        lse, ld, causal)
+            continue
         opt = "-DCUPY_ATTN_SCORES_P_TMA" if bits == "tma" else f"-DCUPY_ATTN_SCORES_ABLATE={bits}"
         fam = dataclasses.replace(scores_sm90.SCORES_SOFTMAX_SM90, options=(opt,))
         launches[name] = launch_for(fam, q, k, lse, ld, causal)
     ptrs = (q.data.ptr, k.data.ptr, p.data.ptr, lse.data.ptr)
-    times = {name: [] for name, _ in ROWS}
+    times = {name: [] for name, _ in rows}
     for r in range(args.rounds):
-        order = ROWS[r % len(ROWS):] + ROWS[:r % len(ROWS)]
+        order = rows[r % len(rows):] + rows[:r % len(rows)]
         for name, _ in order:
             times[name].extend(benchmark(lambda: launches[name](*ptrs), n_repeat=10, n_warmup=3).gpu_times[0] * 1e3)
     tile = launches["full kernel"].tile
@@ -62,9 +73,9 @@ def main():
     print(f"shape (B,H,L,S,E)=({B},{H},{L},{S},{E}) {args.dtype} causal={causal} tile {tile} grid {n_sm} "
           f"k blocks per CTA {kb_per_sm:.0f}")
     print(f"{'row':40s} {'bits':>4s} {'ms':>7s} {'cyc/kb':>7s} {'KB/kb':>6s} {'L2->SM TB/s':>11s} {'TFLOP/s':>8s}")
-    for name, bits in ROWS:
+    for name, bits in rows:
         ms = float(np.median(times[name]))
-        bits = 0 if bits == "tma" else bits
+        bits = 0 if isinstance(bits, str) else bits
         cyc = ms * 1e-3 * args.ghz * 1e9 / kb_per_sm
         kbytes = 0 if bits & 2 else (8 + (1 if bits & 4 else 2) * half_n * 128 / 1024)
         tbps = kbytes * 1024 * tiles * k_blocks / (ms * 1e-3) / 1e12

@@ -61,6 +61,7 @@
 //   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
 //   v1.4 persistent: P by 16-byte stores from registers (last stage released after the wgmma), ex2.approx.ftz
 //       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
+//   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
 //       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
 //       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
@@ -173,6 +174,7 @@ constexpr bool kDirectP = false;
 #else
 constexpr bool kDirectP = true;
 #endif
+
 constexpr bool kAblateMma = kScoresAblate & 1, kAblateLoads = kScoresAblate & 2, kAblateHi = kScoresAblate & 4,
                kAblateEpilogue = kScoresAblate & 8, kAblateExp = kScoresAblate & 32, kAblateStores = kScoresAblate & 64;
 
@@ -298,7 +300,8 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
                                        int step0, scores_trace::Clock& clk) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
-  for (int kb = 0; kb < k_blocks; ++kb) {
+  // Stage kb's four k steps, issued and committed once its loads have landed.
+  auto issue = [&](int kb) {
     const int s = (step0 + kb) % kStages;
     const unsigned long long t_full = clk.now();
     tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
@@ -311,6 +314,9 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
         wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
                               wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
     wgmma::commit();
+  };
+  // wait<1>: stage kb − 1's wgmma have completed; release that stage (kb ≥ 1).
+  auto retire = [&](int kb) {
     const unsigned long long t_mma = clk.now();
     wgmma::wait<1>();
     clk.mma(clk.now() - t_mma);
@@ -321,6 +327,18 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
         if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(step0 + kb - 1) % kStages], rank ^ 1);
       }
     }
+  };
+  // The first two k blocks peeled off the loop: 5-7% less kernel time at the seed than the plain loop (session 13,
+  // scores_wall.py --base; from ptxas's schedule of the copies, not otherwise explained).
+  issue(0);
+  retire(0);
+  if (k_blocks > 1) {
+    issue(1);
+    retire(1);
+  }
+  for (int kb = 2; kb < k_blocks; ++kb) {
+    issue(kb);
+    retire(kb);
   }
   wgmma::wait<0>();
 }
@@ -485,6 +503,45 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   int step = 0;  // the ring step of the tile's first k block
   if (tid == 0) scores_trace::cta_span(0);
   scores_trace::Clock clk;
+  // The persistent kernel's P, normalized and packed (pk[2j + half]: row r0 + 8·half, keys n0 + 8j + 2t, + 1), leaves
+  // by 16-byte stores after a quad transpose (store_p). Storing it under the next tile's first k blocks instead
+  // measured 1-5% slower (session 13).
+  constexpr bool kPackedP = kPersistent && kDirectP;
+  unsigned pk[kPackedP ? kHalfN / 4 : 1];
+  auto store_p = [&](T* head, int m0, int n0, int nw) {
+    if constexpr (kPackedP) {
+      // A quad's 4 × 4 transpose of packed pairs (quad_transpose) gives lane t the 8 consecutive keys
+      // n0 + 32i + 8t ... + 7 of its row: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Rows
+      // past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is
+      // a multiple of 8 ≥ S).
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + r0 + 8 * half;
+        T* const p_row = head + static_cast<long long>(row) * p.ld;
+        #pragma unroll
+        for (int i = 0; i < kHalfN / 32; ++i) {
+          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
+          unsigned w[4];
+          #pragma unroll
+          for (int u = 0; u < 4; ++u) w[u] = pk[2 * (4 * i + u) + half];
+          quad_transpose(w, t);
+          const int col = n0 + 32 * i + 8 * t;
+          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
+            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+      }
+      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
+      if (2 * nw < S) {
+        const int chunks = (S - 2 * nw + 7) / 8;
+        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
+          const int row = m0 + idx / chunks;
+          if (row < p.seqlen_q)
+            *reinterpret_cast<uint4*>(head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
+                make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+  };
   for (TileWalk<kPersistent> walk(p); walk.more(); step += k_blocks) {
     clk.open(step / k_blocks, wg, tid % 128 == 0);
     clk.stamp(0);
@@ -610,42 +667,15 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
-    if constexpr (kPersistent && kDirectP) {
-      // Straight from registers: a quad's 4 × 4 transpose of packed pairs (quad_transpose) gives lane t the 8
-      // consecutive keys n0 + 32i + 8t ... + 7 of its row, one 16-byte store; a warp's store covers 8 rows × 64
-      // contiguous bytes. Rows past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within
-      // the row pitch: ld is a multiple of 8 ≥ S).
-      T* const p_head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
+    if constexpr (kPackedP) {
       #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + r0 + 8 * half;
-        T* const p_row = p_head + static_cast<long long>(row) * p.ld;
+      for (int j = 0; j < kHalfN / 8; ++j)
         #pragma unroll
-        for (int i = 0; i < kHalfN / 32; ++i) {
-          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
-          unsigned w[4];
-          #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int j = 4 * i + u;
-            const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
-            w[u] = *reinterpret_cast<const unsigned*>(&v);
-          }
-          quad_transpose(w, t);
-          const int col = n0 + 32 * i + 8 * t;
-          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
-            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+        for (int half = 0; half < 2; ++half) {
+          const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
+          pk[2 * j + half] = *reinterpret_cast<const unsigned*>(&v);
         }
-      }
-      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
-      if (2 * nw < S) {
-        const int chunks = (S - 2 * nw + 7) / 8;
-        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
-          const int row = m0 + idx / chunks;
-          if (row < p.seqlen_q)
-            *reinterpret_cast<uint4*>(p_head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
-                make_uint4(0, 0, 0, 0);
-        }
-      }
+      store_p(static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld, m0, n0, nw);
       clk.stamp(6);
       clk.stamp(7);
       clk.close();
