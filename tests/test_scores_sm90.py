@@ -203,21 +203,8 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
     mx = np.stack([np.max(acc[..., [4 * j + 2 * h + e for j in range(half_n // 8) for e in range(2)]], axis=-1)
                    for h in range(2)], axis=-1)  # [wg][warp][lane][half]
     mx = quad(mx, np.maximum)
-    row_max = np.full((2, 64), np.nan, f32)
-    for wg in range(2):
-        for warp in range(4):
-            for lane in range(0, 32, 4):  # t == 0
-                for h in range(2):
-                    row_max[wg, warp * 16 + lane // 4 + 8 * h] = mx[wg, warp, lane, h]
-    m_c = np.zeros_like(mx)
-    for wg in range(2):
-        for warp in range(4):
-            for lane in range(32):
-                for h in range(2):
-                    m_c[wg, warp, lane, h] = f32(max(mx[wg, warp, lane, h],
-                                                     row_max[wg ^ 1, warp * 16 + lane // 4 + 8 * h]) * f32(c))
-                    if m_c[wg, warp, lane, h] == -np.inf:  # a row that sees no key
-                        m_c[wg, warp, lane, h] = 0
+    m_c = (mx * f32(c)).astype(f32)  # this warpgroup's own row max, −inf where it sees no key of the row
+    ref = np.where(m_c == -np.inf, f32(0), m_c)  # the exponent reference: 0 for a row with no key here (P = 0)
     x = acc.copy()
     sums = np.zeros_like(mx)
     for j in range(half_n // 8):
@@ -225,15 +212,16 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
             for e in range(2):
                 i = 4 * j + 2 * h + e
                 with np.errstate(invalid="ignore"):
-                    x[..., i] = np.exp2(x[..., i] * f32(c) - m_c[..., h])
+                    x[..., i] = np.exp2(x[..., i] * f32(c) - ref[..., h])
                 sums[..., h] += x[..., i]
     sums = quad(sums, np.add)
-    row_sum = np.full((2, 64), np.nan, f32)
+    stats = np.full((2, 64, 2), np.nan, f32)  # [wg][row] = (m_c, sum), written by lanes t == 0
     for wg in range(2):
         for warp in range(4):
             for lane in range(0, 32, 4):
                 for h in range(2):
-                    row_sum[wg, warp * 16 + lane // 4 + 8 * h] = sums[wg, warp, lane, h]
+                    stats[wg, warp * 16 + lane // 4 + 8 * h] = m_c[wg, warp, lane, h], sums[wg, warp, lane, h]
+    ls = {}  # (wg, row) -> the l each warpgroup computes: both must agree bit for bit
     for wg in range(2):
         n0 = wg * nw
         for warp in range(4):
@@ -241,10 +229,16 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                 g, t = lane // 4, lane % 4
                 for h in range(2):
                     r = warp * 16 + g + 8 * h
-                    l_sum = sums[wg, warp, lane, h] + row_sum[wg ^ 1, r]
-                    inv = f32(1) / l_sum if l_sum > 0 else f32(0)
+                    m_own, m_peer, l_peer = m_c[wg, warp, lane, h], stats[wg ^ 1, r, 0], stats[wg ^ 1, r, 1]
+                    m = max(m_own, m_peer)
+                    l_sum, inv = f32(0), f32(0)
+                    if m != -np.inf:
+                        e_own, e_peer = np.exp2(f32(m_own - m)), np.exp2(f32(m_peer - m))
+                        l_sum = f32(f32(sums[wg, warp, lane, h] * e_own) + f32(l_peer * e_peer))
+                        inv = f32(e_own / l_sum) if l_sum > 0 else f32(0)
+                    ls.setdefault(r, set()).add(float(l_sum))
                     if wg == 0 and t == 0 and r < rows:
-                        lse[r] = (m_c[wg, warp, lane, h] + np.log2(l_sum)) * np.log(2) if l_sum > 0 else -np.inf
+                        lse[r] = (m + np.log2(l_sum)) * np.log(2) if l_sum > 0 else -np.inf
                     if r >= rows:
                         continue
                     col0 = n0 + 2 * t
@@ -259,6 +253,7 @@ def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
                         elif 8 * j < lim:
                             P[r, col0 + 8 * j] = x0
                             writes[r, col0 + 8 * j] += 1
+    assert all(len(v) == 1 for v in ls.values()), "both warpgroups compute the same l for a row"
     # Causal: keys 2·nw ... S − 1 of the valid rows are zero-filled.
     P[:rows, 2 * nw:S] = 0
     writes[:rows, 2 * nw:S] += 1

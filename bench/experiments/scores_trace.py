@@ -6,8 +6,8 @@ phases are read as shares of the traced tile.
     PYTHONPATH=. python3 bench/experiments/scores_trace.py [--shape B,H,L,S,E] [--causal] [--dtype float16]
 
 Per tile and consumer warpgroup (the leader thread's view): mainloop (tile start → wgmma drained), of which waiting on
-full barriers (TMA data not there) and on wgmma.wait_group, then the epilogue's steps: row max + exchange, exp + sum +
-exchange, P into shared memory + store barrier, TMA store issue + read wait + release; the gap to the next tile. Also
+full barriers (TMA data not there) and on wgmma.wait_group, then the epilogue's steps: row max, exp + sum + the
+statistics exchange, P into shared memory + store barrier, TMA store issue + read wait + release; the gap to the next tile. Also
 the producer's cycles waiting on empty barriers, the SM clock (cycles per globaltimer ns), the traced kernel's time
 against the untraced one's (the stamps' own cost), and per row block (causal: how a block's time follows its keys).
 """
@@ -71,7 +71,7 @@ def main():
         "mainloop (start → wgmma drained)": r[:, 3] - r[:, 0],
         "  of which full-barrier waits": r[:, 1],
         "  of which wgmma wait_group": r[:, 2],
-        "row max + exchange": r[:, 4] - r[:, 3],
+        "row max": r[:, 4] - r[:, 3],
         "exp + sum + exchange": r[:, 5] - r[:, 4],
         "P to smem + barrier": r[:, 6] - r[:, 5],
         "TMA store + read wait + release": r[:, 7] - r[:, 6],

@@ -62,6 +62,7 @@
 //   v1.4 persistent: P by 16-byte stores from registers (last stage released after the wgmma), ex2.approx.ftz
 //       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
 //   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
+//   v1.6 one exchange of row statistics (each warpgroup's own max and sum, merged): −0.4 to −2.4% against v1.5
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
 //       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
 //       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
@@ -100,16 +101,15 @@ template <typename T, int kHalfN, int kStages>
 struct SharedStorage {
   static constexpr int kQBytes = kBlockM * 128;       // 64 rows × 64 16-bit columns
   static constexpr int kKBytes = 2 * kHalfN * 128;    // both warpgroups' keys × 64 columns
-  // Ring tiles, full and empty barriers, the two warpgroups' row maxima and sums (2 × 64 floats each), and 1 KB of
+  // Ring tiles, full and empty barriers, the two warpgroups' row statistics (2 × 64 float2), and 1 KB of
   // slack to align the base to 1024 bytes (the swizzle atoms' alignment; the runtime only guarantees 16).
-  static constexpr int kBytes = kStages * (kQBytes + kKBytes) + 16 * kStages + 2 * 2 * kBlockM * 4 + 1024;
+  static constexpr int kBytes = kStages * (kQBytes + kKBytes) + 16 * kStages + 2 * kBlockM * 8 + 1024;
 
   T* q;  // kStages tiles
   T* k;
   unsigned long long* full;
   unsigned long long* empty;
-  float* row_max;  // [warpgroup][row]
-  float* row_sum;
+  float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
@@ -117,8 +117,7 @@ struct SharedStorage {
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
     full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
     empty = full + kStages;
-    row_max = reinterpret_cast<float*>(empty + kStages);
-    row_sum = row_max + 2 * kBlockM;
+    stats = reinterpret_cast<float2*>(empty + kStages);
   }
 };
 
@@ -610,50 +609,58 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       }
     }
 
-    // Row max over both warpgroups. Without a causal mask column 0 is a key (S ≥ 1), so each row's max is finite for
-    // finite inputs; the scale c > 0 makes max(S)·c the max of the scaled scores. A causal row may see no key at all
-    // (bottom-right, L > S): its max is −inf and 0 stands in for it in the exponent, so its P is 0 (no NaN).
-    // Across tiles the exchange buffers are safe: a tile's row_max is written after the previous tile's second
-    // statistics barrier (every read of row_max is before it), its row_sum after its own first (every read of the
-    // previous row_sum is before that).
+    // Row statistics, one exchange between the two warpgroups (FlashAttention's merge of two partial softmaxes):
+    // each exponentiates its own keys against its own row max, m_w·c, and sums them, l_w; after one barrier both
+    // read the peer's (m, l) and take m = max(m_0, m_1), l = l_0·2^(m_0 − m) + l_1·2^(m_1 − m) (the products rounded
+    // apart, __fmul_rn/__fadd_rn: both warpgroups add the same two floats and get the same l bit for bit), and scale
+    // their P by 2^(m_w − m) / l. Without a causal mask column 0 is a key (S ≥ 1), so m is finite for finite inputs
+    // (c > 0); a warpgroup whose keys a row cannot see has m_w = −inf, l_w = 0 (its exponent reference is 0: P = 0,
+    // no NaN); a row that sees no key at all (bottom-right causal, L > S) gets P = 0 and lse = −inf. Reuse across
+    // tiles (persistent kernel): a warpgroup writes tile i + 1's statistics after tile i + 1's mainloop, whose last k
+    // block needs a ring stage released by the peer in its own tile-(i + 1) K loop, i.e. after the peer has read tile
+    // i's, when k_blocks > kStages (every head dim above 256). With fewer k blocks the ring holds a whole tile ahead,
+    // so a second barrier closes the exchange there.
     float mx[2] = {neg_inf(), neg_inf()};
     #pragma unroll
     for (int j = 0; j < kHalfN / 8; ++j)
       #pragma unroll
       for (int half = 0; half < 2; ++half)
         mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+    float m_c[2], ref[2], sum[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-      if (t == 0) ss.row_max[wg * kBlockM + r0 + 8 * half] = mx[half];
+      m_c[half] = mx[half] * c;
+      ref[half] = m_c[half] == neg_inf() ? 0.f : m_c[half];
     }
-    tma::named_barrier_sync(kStatsBarrier, 256);
     clk.stamp(4);
-    float m_c[2], sum[2];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      m_c[half] = fmaxf(mx[half], ss.row_max[(wg ^ 1) * kBlockM + r0 + 8 * half]) * c;
-      if (m_c[half] == neg_inf()) m_c[half] = 0.f;
-    }
-
-    // P unnormalized in place: 2^(s·c − m·c), and this warpgroup's share of each row's sum.
-    exp2_rows<kHalfN>(acc, c, m_c, sum);
+    // P unnormalized in place: 2^(s·c − m_w·c), and this warpgroup's share of each row's sum.
+    exp2_rows<kHalfN>(acc, c, ref, sum);
+    float2* const st = ss.stats;
     #pragma unroll
     for (int half = 0; half < 2; ++half)
-      if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = sum[half];
+      if (t == 0) st[wg * kBlockM + r0 + 8 * half] = make_float2(m_c[half], sum[half]);
     tma::named_barrier_sync(kStatsBarrier, 256);
     clk.stamp(5);
-    float inv[2];
+    float inv[2];  // this warpgroup's P scale, 2^(m_w − m) / l
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float l = sum[half] + ss.row_sum[(wg ^ 1) * kBlockM + r0 + 8 * half];
-      inv[half] = l > 0.f ? 1.f / l : 0.f;
+      const float2 peer = st[(wg ^ 1) * kBlockM + r0 + 8 * half];
+      const float m = fmaxf(m_c[half], peer.x);
+      float l = 0.f;
+      inv[half] = 0.f;
+      if (m != neg_inf()) {
+        const float e_own = exp2_approx(m_c[half] - m), e_peer = exp2_approx(peer.x - m);  // −inf − m → 0
+        l = __fadd_rn(__fmul_rn(sum[half], e_own), __fmul_rn(peer.y, e_peer));
+        inv[half] = l > 0.f ? e_own / l : 0.f;
+      }
       const int row = m0 + r0 + 8 * half;
       if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
         p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
-            l > 0.f ? (m_c[half] + __log2f(l)) * kLn2 : neg_inf();
+            l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
     }
+    if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
 
     // Stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
     // tile's last stage (that stage's loads have landed and this warpgroup's wgmma reading it have completed; the

@@ -47,9 +47,10 @@ class ScoresTile:
     stages: int
 
     def smem_bytes(self) -> int:
-        """stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row statistics,
-        1 KB of alignment slack: SharedStorage::kBytes in scores_softmax_sm90.cu."""
-        return self.stages * (BLOCK_M * 128 + 2 * self.half_n * 128) + 16 * self.stages + 2 * 2 * BLOCK_M * 4 + 1024
+        """stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row statistics
+        (two warpgroups × 64 rows × (max, sum)), 1 KB of alignment slack: SharedStorage::kBytes in
+        scores_softmax_sm90.cu."""
+        return self.stages * (BLOCK_M * 128 + 2 * self.half_n * 128) + 16 * self.stages + 2 * BLOCK_M * 8 + 1024
 
 
 # half_n -> tile, the smallest half_n with 2·half_n ≥ S taken. Shared memory of the 227 KB (232448 B) per block:
