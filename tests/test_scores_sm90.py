@@ -281,6 +281,41 @@ def test_epilogue_emulation_matches_softmax(S, rows):
     assert np.isnan(lse[rows:]).all()
 
 
+def quad_transpose(words: np.ndarray) -> np.ndarray:
+    """scores_softmax_sm90.cu's quad_transpose, step by step over a warp: words[lane][u] (32 × 4 uint32); each
+    butterfly step (bit 1, then 2) sends the word whose index bit differs from the lane's through shfl.xor(bit) and
+    stores what the partner sent at the same index."""
+    w = words.copy()
+    lanes = np.arange(32)
+    for bit in (1, 2):
+        hi = (lanes & bit) != 0
+        for lo in range(4):
+            if lo & bit:
+                continue
+            send = np.where(hi, w[:, lo], w[:, lo | bit])
+            got = send[lanes ^ bit]
+            w[:, lo] = np.where(hi, got, w[:, lo])
+            w[:, lo | bit] = np.where(hi, w[:, lo | bit], got)
+    return w
+
+
+def test_quad_transpose_gives_each_lane_eight_consecutive_keys():
+    """Lane 4g + t holds packed pairs (keys 8j + 2t, + 1) for j = 4i + u in word u; after the transpose its four words
+    are keys 32i + 8t ... + 7 in order: the 16-byte chunk the persistent kernel stores."""
+    lanes = np.arange(32)
+    t = lanes % 4
+    pair = np.array([[8 * u + 2 * tt for u in range(4)] for tt in t], dtype=np.uint32)  # first key of each pair
+    out = quad_transpose(pair)
+    want = np.array([[8 * tt + 2 * u for u in range(4)] for tt in t], dtype=np.uint32)
+    np.testing.assert_array_equal(out, want)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 2**32, size=(32, 4), dtype=np.uint64).astype(np.uint32)
+    y = quad_transpose(x)
+    for lane in range(32):
+        q0, tt = lane - lane % 4, lane % 4
+        assert [int(v) for v in y[lane]] == [int(x[q0 + u, tt]) for u in range(4)]
+
+
 @pytest.mark.parametrize("S,L,m0,align", [(512, 512, 0, "top_left"), (512, 512, 192, "top_left"),
                                            (512, 512, 448, "top_left"), (300, 300, 256, "top_left"),
                                            (100, 300, 0, "bottom_right"), (100, 300, 192, "bottom_right"),
