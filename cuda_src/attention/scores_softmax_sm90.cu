@@ -662,7 +662,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
 
-    // Stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
+    // The one-tile kernels (and the persistent one under -DCUPY_ATTN_SCORES_P_TMA): stores through shared memory and
+    // TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
     // tile's last stage (that stage's loads have landed and this warpgroup's wgmma reading it have completed; the
     // stage is not refilled before its release below), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte
     // chunk c of row r at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the

@@ -11,7 +11,8 @@ cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims abo
 (32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
 :func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
 multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
-one block's softmax and P stores overlap the next block's loads (3, the default).
+one block's softmax and P stores overlap the next block's loads (3, the default; P leaves it by 16-byte stores from
+registers, the one-tile kernels stage it for TMA stores).
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -161,8 +162,8 @@ def unsupported_reason(p, arch: int) -> str | None:
 
 def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
-    :func:`unsupported_reason`. P is written packed by heads (TMA stores): (b, h) at (b·Hq + h)·L·ld elements,
-    rows ld (≥ S, a multiple of 8) elements apart. variant: 1 (scores_softmax_sm90), 2
+    :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
+    multiple of 8) elements apart; the chunk of 8 keys holding key S − 1 is written whole (zeros up to the pitch). variant: 1 (scores_softmax_sm90), 2
     (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
     q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
     row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
