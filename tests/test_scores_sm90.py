@@ -423,7 +423,10 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
     tiles > 1 (one CTA): the persistent kernel, ring steps counted across tiles (step = tile · k_blocks + kb). Its P
     leaves by 16-byte stores from registers, so each warp releases a tile's last stage once its wgmma have read it
     (wait_group 0), before the epilogue; with ``p_staged`` (the -DCUPY_ATTN_SCORES_P_TMA build) it holds that stage
-    through the epilogue (P staged in it, then stored by TMA) and releases it after."""
+    through the epilogue (P staged in it, then stored by TMA) and releases it after. Its epilogue exchanges row
+    statistics through one shared buffer: each warp writes its rows' slot (tagged with the tile), the named barrier of
+    the 8 consumer warps, a read of the peer warpgroup's slot, which must still hold this tile's (else ProtocolError),
+    and a second barrier when k_blocks ≤ stages ("one_stats_barrier" drops it)."""
     import random
     rng = random.Random(seed)
     q_bytes, box_bytes = 64 * 128, half_n * 128
@@ -440,6 +443,26 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
     unflushed = {}  # thread -> its remote arrivals still in flight
     cluster_bar = [0]  # arrivals at the cluster barrier (two phases: after init, before exit)
     n_threads = 9 * cluster_m
+    stats = [[[None] * 4 for _ in range(2)] for _ in ctas]  # [cta][warpgroup][warp]: the tile whose statistics
+    stats_bar = [0] * cluster_m  # arrivals at the consumers' named barrier (8 warps, every generation in order)
+    stats_gen = {}
+
+    def named_barrier(c, me):
+        gen = stats_gen.get(me, 0)
+        stats_gen[me] = gen + 1
+        stats_bar[c] += 1
+        yield lambda: stats_bar[c] >= 8 * (gen + 1)
+
+    def exchange(c, w, tile):  # the persistent epilogue's row statistics
+        me = (c, w)
+        stats[c][w // 4][w % 4] = tile
+        yield from named_barrier(c, me)
+        yield lambda: True  # anything may run between the barrier and the read
+        if stats[c][1 - w // 4][w % 4] != tile:
+            raise ProtocolError(f"CTA {c} warp {w} read the peer's statistics of tile {stats[c][1 - w // 4][w % 4]} "
+                                f"for tile {tile}")
+        if k_blocks <= stages and mutation != "one_stats_barrier":
+            yield from named_barrier(c, me)
 
     def cluster_sync(phase, me):
         while unflushed.get(me):  # arrive.release: this thread's remote arrivals are performed first
@@ -507,8 +530,11 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
             if tiles > 1 and not p_staged:  # read by this warp's wgmma: released before the softmax and stores
                 finished[c][g] += 1
                 empty[c][g % stages].arrive()
-                yield lambda: True  # the epilogue, P from registers
+                yield from exchange(c, w, tile)
+                yield lambda: True  # the rest of the epilogue, P from registers
                 continue
+            if tiles > 1:
+                yield from exchange(c, w, tile)
             if tiles > 1 and mutation == "early_release":
                 empty[c][g % stages].arrive()
             yield lambda: True  # staging and stores in progress
@@ -566,6 +592,27 @@ def test_persistent_pipeline_protocol_under_random_interleavings(k_blocks, stage
     for seed in range(150):
         emulate_pipeline(k_blocks, stages, 1, load_hi=load_hi, rows_ok=(True,), seed=seed, tiles=tiles,
                          p_staged=p_staged)
+
+
+def test_persistent_pipeline_emulation_catches_a_missing_second_statistics_barrier():
+    """With k_blocks = stages the early release of a tile's last stage is the one the producer needs for the next
+    tile's last k block: one warpgroup can then run a whole tile ahead and overwrite its statistics before the peer
+    has read them, unless the second barrier holds it (the kernel's k_blocks <= kStages case)."""
+    for seed in range(400):
+        try:
+            emulate_pipeline(3, 3, 1, rows_ok=(True,), seed=seed, tiles=4, mutation="one_stats_barrier")
+        except ProtocolError as exc:
+            assert "statistics" in str(exc), str(exc)
+            return
+    pytest.fail("a lost statistics exchange went unnoticed in 400 interleavings")
+
+
+@pytest.mark.parametrize("k_blocks,stages", [(4, 3), (16, 3), (5, 4)])
+def test_persistent_pipeline_one_statistics_barrier_suffices_past_the_ring(k_blocks, stages):
+    """With k_blocks > stages the ring alone keeps a warpgroup from reaching the next tile's statistics before its
+    peer has read this tile's: the kernel's single barrier there (every head dim above 256)."""
+    for seed in range(150):
+        emulate_pipeline(k_blocks, stages, 1, rows_ok=(True,), seed=seed, tiles=3, mutation="one_stats_barrier")
 
 
 def test_persistent_pipeline_emulation_catches_an_early_release():

@@ -39,7 +39,8 @@
 // the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A warpgroup's chain of
 // wgmma is what a block waits for (measured: idling one warpgroup of a half-work block saved ~10%), so both shorten.
 // A warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the ring's phases). Every key past
-// a row's limit gets P = 0, keys 2·nw ... S − 1 by plain 16-byte stores (the P·V GEMM reads whole rows); a row that
+// a row's limit gets P = 0, keys 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA
+// stores of a zero box in the one-tile kernels; the P·V GEMM reads whole rows); a row that
 // sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
@@ -265,8 +266,8 @@ __device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
 }
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
-// of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0,
-// far below the 16-bit P's own least value), and each row's sum: this lane's, then the quad's (shuffles; the four
+// of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0:
+// below fp16's least value, and among bf16's subnormals an absolute error under 2^−126), and each row's sum: this lane's, then the quad's (shuffles; the four
 // lanes of a quad hold a row's columns). sum starts at 0. exp2f added 3 instructions per score (its denormal
 // range fix-up): 4-5% of the kernel at the seed (session 13, bench/experiments/scores_wall.py).
 template <int kN>
@@ -417,9 +418,10 @@ struct TileWalk {
 // kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
 // the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
 // tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
-// (step = tile's first step + kb). A tile's last stage is held by the consumers until their P stores have read it:
-// each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage, and releases the
-// stage only after its TMA stores have read shared memory.
+// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
+// stage as soon as its wgmma have read it, before the softmax (with -DCUPY_ATTN_SCORES_P_TMA, as in the one-tile
+// kernels, each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage and
+// releases the stage only after its TMA stores have read shared memory).
 template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent>
 __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
@@ -548,7 +550,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     const int m0 = tl.m0, h = tl.h, b = tl.b, n_vis = tl.n_vis, nw = tl.nw;
     const int n0 = wg * nw;
     const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
-    const int last = (step + k_blocks - 1) % kStages;  // the tile's last stage: P's staging, released after the stores
+    // The tile's last stage: released after the wgmma (persistent), or P's staging, released after its TMA stores.
+    const int last = (step + k_blocks - 1) % kStages;
 
     // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
     float acc[kHalfN / 2];
@@ -560,7 +563,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     } else {
       // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the
       // ring's phases, releasing each stage but the tile's last (in a cluster, in both CTAs) as soon as it has come,
-      // so the empty barriers keep their count; the last is released with the active path's, after the stores.
+      // so the empty barriers keep their count; the last is released with the active path's (after the wgmma in the
+      // persistent kernel, after the stores where P is staged in it).
       for (int kb = 0; kb < k_blocks; ++kb) {
         const int s = (step + kb) % kStages;
         tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
@@ -618,8 +622,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // no NaN); a row that sees no key at all (bottom-right causal, L > S) gets P = 0 and lse = −inf. Reuse across
     // tiles (persistent kernel): a warpgroup writes tile i + 1's statistics after tile i + 1's mainloop, whose last k
     // block needs a ring stage released by the peer in its own tile-(i + 1) K loop, i.e. after the peer has read tile
-    // i's, when k_blocks > kStages (every head dim above 256). With fewer k blocks the ring holds a whole tile ahead,
-    // so a second barrier closes the exchange there.
+    // i's, when k_blocks > kStages (every head dim above 256, and above 192 with kHalfN = 256's three stages). With
+    // fewer k blocks the ring can hold a whole tile ahead (at k_blocks = kStages the early release of tile i's last
+    // stage is the one the producer needs), so a second barrier closes the exchange there.
     float mx[2] = {neg_inf(), neg_inf()};
     #pragma unroll
     for (int j = 0; j < kHalfN / 8; ++j)

@@ -163,7 +163,8 @@ def unsupported_reason(p, arch: int) -> str | None:
 def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
-    multiple of 8) elements apart; the chunk of 8 keys holding key S − 1 is written whole (zeros up to the pitch). variant: 1 (scores_softmax_sm90), 2
+    multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
+    (zeros past S, within the pitch), the columns past it are not written. variant: 1 (scores_softmax_sm90), 2
     (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
     q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
     row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
@@ -235,8 +236,9 @@ class ScoresLaunch:
     def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
         """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
         the three tensor maps (encoded again only when q, k or P moved; written into the parameter bytes only when
-        they changed) and the lse word go into this launch's own parameter buffer, which the driver copies during the
-        call; the lock keeps two threads replaying one launch from interleaving their writes. Measured on an H200
+        they changed), the lse word and P's base (the persistent kernel's 16-byte stores) go into this launch's own
+        parameter buffer, which the driver copies during the call; the lock keeps two threads replaying one launch
+        from interleaving their writes. Measured on an H200
         host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a per-call copy of
         the struct and its three 128-byte maps written field by field, all of it before the seed call's first kernel
         starts."""
