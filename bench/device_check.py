@@ -1,6 +1,6 @@
 """One device call: GPU tests, a smoke check of every path, a tuning sweep, and the benchmark table last.
 
-    PYTHONPATH=. python3 bench/device_check.py [--tests FILES] [--bench quick|full|none] [--sweep]
+    PYTHONPATH=. python3 bench/device_check.py [--tests FILES] [--shard K/N] [--bench quick|full|none] [--sweep]
 
 Logs go to $OUT (the device tool brings them back) or bench/out/.
 """
@@ -20,15 +20,29 @@ OUT = os.environ.get("OUT") or os.path.join(HERE, "out")
 os.environ["CUPY_ATTN_BENCH_OUT"] = OUT
 
 
-def run_tests(files: list[str]) -> None:
-    log = os.path.join(OUT, "pytest.log")
+def shard_ids(files: list[str], shard: str) -> list[str]:
+    """The GPU tests of ``files`` in shard ``K/N`` (1-based): every N-th collected test from the K-th on, so that the
+    whole suite (over 3,000 tests, ~10 minutes on an H200) runs in N device calls of one suite's mix each."""
+    k, n = (int(x) for x in shard.split("/"))
+    if not 1 <= k <= n:
+        raise ValueError(f"--shard {shard}: K/N with 1 <= K <= N")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "gpu", "--collect-only", "-p",
+                          "no:cacheprovider", *files], cwd=ROOT, capture_output=True, text=True).stdout
+    ids = [ln for ln in out.splitlines() if "::" in ln and not ln.startswith(" ")]
+    return ids[k - 1::n]
+
+
+def run_tests(files: list[str], shard: str | None = None) -> None:
+    log = os.path.join(OUT, "pytest.log" if shard is None else f"pytest_{shard.replace('/', 'of')}.log")
     t0 = time.time()
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", *files]
+    selected = files if shard is None else shard_ids(files, shard)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--tb=short", *selected]
     with open(log, "w") as f:
         rc = subprocess.call(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
     lines = open(log).read().splitlines()
     failed = [ln for ln in lines if ln.startswith("FAILED") or ln.startswith("ERROR")]
-    print(f"pytest {' '.join(files)}: rc={rc} in {time.time() - t0:.0f}s; {lines[-1] if lines else ''}")
+    what = " ".join(files) + ("" if shard is None else f" (shard {shard}: {len(selected)} tests)")
+    print(f"pytest {what}: rc={rc} in {time.time() - t0:.0f}s; {lines[-1] if lines else ''}")
     for ln in failed[:30]:
         print("  " + ln[:300])
 
@@ -129,6 +143,9 @@ def _softmax_params(scores, rows, L, S):
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tests", nargs="*", default=["tests/test_sdpa.py"])
+    parser.add_argument("--shard", default=None, metavar="K/N",
+                        help="run only the K-th of N interleaved shares of the collected GPU tests (--tests tests/ "
+                             "--shard 1/3, then 2/3, 3/3 in later calls: the whole suite outlasts one call)")
     parser.add_argument("--bench", default="quick", choices=("quick", "full", "none"))
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--profile", action="store_true")
@@ -142,7 +159,7 @@ def main() -> None:
     if not args.skip_smoke:
         smoke()
     if args.tests:
-        run_tests(args.tests)
+        run_tests(args.tests, args.shard)
     if args.sweep:
         sweep_workspace()
     if args.profile:
