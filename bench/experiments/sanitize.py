@@ -88,6 +88,15 @@ def main():
     k, v = (torch.randn(2, 40, 300, 320, device="cuda", dtype=f16) for _ in range(2))
     for causal in (False, True, "bottom_right"):
         cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
+    # Session 13: the persistent kernel's P by 16-byte stores, the early release of a tile's last stage and the
+    # one-buffer statistics exchange, with k_blocks = stages (E = 192, S = 500: the 256-key tile's three stages; the
+    # second statistics barrier) and k_blocks < stages (E = 128), more tiles than SMs; S = 500 ends inside a 16-byte
+    # chunk (written whole up to the pitch, 504).
+    for E in (192, 128):
+        q = torch.randn(2, 40, 200, E, device="cuda", dtype=f16)
+        k, v = (torch.randn(2, 40, 500, E, device="cuda", dtype=f16) for _ in range(2))
+        for causal in (False, True, "bottom_right"):
+            cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
     # The fp32 split path on gemm_3xtf32 (both GEMMs; 16-byte and 4-byte copies: E = 321 rows are not 16-byte
     # aligned), causal in row bands on the cuBLAS-path schedule (L = 600: 2 bands).
     for E, L, causal in ((320, 100, False), (321, 90, True), (64, 600, True)):
