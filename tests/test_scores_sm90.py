@@ -784,6 +784,10 @@ CASES = [  # (B, Hq, Hkv, L, S, D); row blocks ⌈L/64⌉ odd in several (the cl
     (1, 1, 1, 65, 511, 8),       # E = 8: one zero-filled k block
     (1, 3, 3, 150, 50, 256),     # 3 row blocks with S ≤ 64: one K box per stage (rank 1 loads none)
     (2, 16, 16, 448, 512, 512),  # 7 row blocks × 32 heads: 224-256 CTAs, two waves on 132 SMs
+    # Persistent CTAs walking ~5 tiles each with k_blocks = stages (E = 192, the 256-key tile's three stages: the
+    # second statistics barrier) and k_blocks < stages (E = 128 with the 192-key tile's four); S ends inside a chunk.
+    (4, 40, 40, 200, 500, 192),
+    (4, 40, 40, 200, 300, 128),
 ]
 
 
@@ -856,6 +860,7 @@ def test_unsupported_reason_causal(monkeypatch):
     (1, 8, 2, 257, 257, 320, "top_left"),        # GQA 8/2, odd L: 2 bands of 129 and 128 rows
     (1, 2, 2, 77, 40, 384, "top_left"),          # S ≤ 64: one K box
     (1, 2, 2, 640, 512, 640, "bottom_right"),    # L > S, 2 bands
+    (4, 40, 40, 200, 500, 192, "top_left"),      # persistent CTAs over ~5 tiles, k_blocks = stages
 ])
 @pytest.mark.parametrize("variant", [1, 3], ids=lambda m: f"variant{m}")
 def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypatch):
