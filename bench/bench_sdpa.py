@@ -1,7 +1,9 @@
 """SDPA benchmark: cupy_attn against torch's SDPA (its default and each backend that accepts the shape), same run.
 
 Rows: ms, TFLOP/s (FLOPs = 4·B·H·L·S·D, halved for causal), speedup vs torch's default and best backend, and max error
-against the float64 reference on the first two (batch, head) pairs. ``python bench/bench_sdpa.py [--quick]``.
+against the float64 reference on the first two (batch, head) pairs. Ours and torch's default are timed in five
+alternating rounds (common.interleaved_ms), torch's other backends in a block each. ``python bench/bench_sdpa.py
+[--quick]``.
 """
 from __future__ import annotations
 
@@ -14,7 +16,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import GEMM_CEILING_TFLOPS, environment, median_ms, print_table, save_json, tflops  # noqa: E402
+from common import (GEMM_CEILING_TFLOPS, environment, interleaved_ms, median_ms, print_table, save_json,  # noqa: E402
+                    tflops)
 
 SEED = (32, 32, 512, 1024)  # (B, H, L=S, D): head dim 1024 rules out torch's flash and cuDNN backends
 COLUMNS = [("name", "case", ""), ("dtype", "dtype", ""), ("backend", "path", ""), ("ms", "ms", ".3f"),
@@ -47,7 +50,9 @@ def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv
     ours = lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend=backend, **kw, **ours_kw)  # noqa: E731
     plan = cupy_attn.explain(q, k, v, backend=backend, **kw)
     out = ours()
-    ms = median_ms(ours, n_repeat=n_repeat)
+    torch_default = lambda: F.scaled_dot_product_attention(q, k, v, **kw)  # noqa: E731
+    # Ours and torch's default in alternating rounds (common.interleaved_ms): the ratio the tables lead with.
+    ms, default_ms = interleaved_ms((ours, torch_default), rounds=5, repeat=max(n_repeat // 2, 2))
     flops = 2.0 * B * H * L * S * (D + Dv) / (2 if causal else 1)
     row = {"name": name, "dtype": dtype, "shape": (B, H, L, S, D, Dv), "causal": causal, "backend": plan.backend,
            "ms": ms, "tflops": tflops(flops, ms), "ceiling_pct": 100 * tflops(flops, ms) / GEMM_CEILING_TFLOPS}
@@ -61,7 +66,7 @@ def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv
     t_default = F.scaled_dot_product_attention(q, k, v, **kw)
     row["torch_err"] = float(np.abs(t_default.flatten(0, 1)[:check_heads].double().cpu().numpy() - ref).max())
     del t_default
-    row["torch_default_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kw), n_repeat=n_repeat)
+    row["torch_default_ms"] = default_ms
     best = ("default", row["torch_default_ms"])
     score_bytes = B * H * L * S * q.element_size() * 3
     for bname, b in _torch_backends().items():
