@@ -8,7 +8,8 @@ min(gemm_ms, torch_gemm_ms), ``post_us`` (device time of our kernels after the G
 ``torch_gemm_ms`` (torch's Linear alone), ``speedup`` = torch_ms / ms, ``host_us`` / ``torch_host_us`` (host time of
 one call, ours / torch's), ``max_err`` / ``torch_err`` (max abs error of our / torch's output vs a float64
 computation, torch float64 on the GPU, from the same inputs).
-Timing: cupyx.profiler.benchmark, median of GPU-event times after warm-up; x rotates over 3 fresh random buffers
+Timing: cupyx.profiler.benchmark, median of GPU-event times after warm-up (ours, torch's module and our GEMM alone in
+five alternating rounds: common.interleaved_ms); x rotates over 3 fresh random buffers
 (16 MB each in fp16, so L2 does not hold the next call's input from the previous one).
 
 Training-step rows (mode "train step", fp16 and bf16; ``benchmark_training``): one forward + backward,
@@ -171,7 +172,6 @@ def benchmark(quick: bool = False) -> list[dict]:
                 with torch.no_grad():
                     torch.nn.functional.linear(next(cyc), plain.gemm.weight, plain.gemm.bias)
 
-            gemm_ms = _median_ms(gemm_only, repeat, warmup)
             gemm_device_ms = device_ms(gemm_only)
             torch_gemm_ms = _median_ms(torch_gemm, repeat, warmup)
             initial = {k: v.clone() for k, v in plain.state_dict().items()}
@@ -193,9 +193,11 @@ def benchmark(quick: bool = False) -> list[dict]:
                         plain(next(cyc))
 
                 err, torch_err = _errors(plain, lambda x: ours(x), xs[0], training)
-                ms, host_us = _median_ms(ours, repeat, warmup, host=True)
+                # Ours, torch's module and our GEMM alone in alternating rounds: the two ratios the row reports
+                # compare the same moments of the GPU clock and the host.
+                (ms, host_us), (torch_ms, torch_host_us), (gemm_ms, _) = interleaved_ms(
+                    (ours, torch_fwd, gemm_only), 5, max(repeat // 5, 4), warmup, host=True)
                 dev_ms = device_ms(ours)
-                torch_ms, torch_host_us = _median_ms(torch_fwd, repeat, warmup, host=True)
 
                 # Our kernels after the GEMM alone, device time only (CUDA graph), on a GEMM result (in place:
                 # later repeats see probabilities, same cost); the running stats are restored afterwards.
