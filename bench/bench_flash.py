@@ -3,7 +3,8 @@
 Each row: our public API forced to the fused kernel (torch tensors in, as users call it; host time included, as
 torch's), torch's FLASH_ATTENTION backend and torch's default choice (cuDNN on Hopper; with a mask, the backend
 torch picks for that call), all timed by ``cupyx.profiler.benchmark`` (median of GPU event times after
-warm-up, five alternating rounds: common.interleaved_ms) on the same random inputs on the null stream. TFLOP/s use ``flops()`` (4·B·H·L·S·D, halved for causal).
+warm-up, five alternating rounds: common.interleaved_ms) on the same random inputs on the null stream. TFLOP/s use
+``flops()`` (4·B·H·L·S·D, halved for causal).
 ``max_err`` is our max |error| against a float64 reference of batch 0, heads 0 and H-1 (computed with CuPy in fp64).
 
     PYTHONPATH=. python3 bench/bench_flash.py [--quick]

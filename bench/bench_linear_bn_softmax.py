@@ -35,7 +35,7 @@ import itertools
 
 import numpy as np
 
-from common import device_ms, interleaved_ms
+from common import device_ms, interleaved_ms, median_ms
 from cupy_attn.runtime.compile import struct_arg
 
 N, K, F = 1024, 8192, 8192
@@ -44,14 +44,6 @@ N, K, F = 1024, 8192, 8192
 def flops(n: int = N, k: int = K, f: int = F) -> float:
     """2·N·K·F for the GEMM; the rest (~15 flops per output) is negligible."""
     return 2.0 * n * k * f
-
-
-def _median_ms(fn, repeat: int, warmup: int, host: bool = False):
-    """Median GPU-event time in ms (and the median host time of one call in µs when ``host``)."""
-    from cupyx.profiler import benchmark
-    res = benchmark(fn, n_repeat=repeat, n_warmup=warmup)
-    ms = float(np.median(res.gpu_times[0]) * 1e3)
-    return (ms, float(np.median(res.cpu_times) * 1e6)) if host else ms
 
 
 def _loop_ms(fn, steps: int = 20, samples: int = 5) -> float:
@@ -173,7 +165,7 @@ def benchmark(quick: bool = False) -> list[dict]:
                     torch.nn.functional.linear(next(cyc), plain.gemm.weight, plain.gemm.bias)
 
             gemm_device_ms = device_ms(gemm_only)
-            torch_gemm_ms = _median_ms(torch_gemm, repeat, warmup)
+            torch_gemm_ms = median_ms(torch_gemm, repeat, warmup)
             initial = {k: v.clone() for k, v in plain.state_dict().items()}
             for mode in ("training", "eval"):
                 training = mode == "training"
@@ -435,7 +427,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
         "visible: whole call": whole,
     }
     for name, fn in prefixes.items():
-        out[name] = 1e3 * _median_ms(fn, 100, 20)
+        out[name] = 1e3 * median_ms(fn, 100, 20)
     return out
 
 

@@ -160,15 +160,15 @@ constexpr int kStoreBarrier = 2;
 // never sets it; ablated kernels write wrong P). Bits: 1 no wgmma, 2 no TMA loads (the producer arrives with no bytes:
 // wgmma on whatever shared memory holds), 4 only the first K box loaded (40 of 72 KB per stage), 8 no epilogue
 // (persistent kernel: a tile's last stage released after its wgmma; no softmax, no P), 32 no exponentials (the FFMA
-// alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing
-// from its tensor work, and the epilogue's parts (NOTES_split, session 13).
+// alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing from its tensor work, and the
+// epilogue's parts (NOTES_split, session 13).
 #ifndef CUPY_ATTN_SCORES_ABLATE
 #define CUPY_ATTN_SCORES_ABLATE 0
 #endif
 constexpr int kScoresAblate = CUPY_ATTN_SCORES_ABLATE;
 // P out of the persistent kernel: 16-byte global stores from registers (default), or with
-// -DCUPY_ATTN_SCORES_P_TMA the one-tile kernels' staging through the tile's last stage and TMA stores (the A/B of
-// bench/experiments/scores_wall.py --p-tma).
+// -DCUPY_ATTN_SCORES_P_TMA the one-tile kernels' staging through the tile's last stage and TMA stores (a row of
+// bench/experiments/scores_wall.py).
 #ifdef CUPY_ATTN_SCORES_P_TMA
 constexpr bool kDirectP = false;
 #else
@@ -504,45 +504,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   int step = 0;  // the ring step of the tile's first k block
   if (tid == 0) scores_trace::cta_span(0);
   scores_trace::Clock clk;
-  // The persistent kernel's P, normalized and packed (pk[2j + half]: row r0 + 8·half, keys n0 + 8j + 2t, + 1), leaves
-  // by 16-byte stores after a quad transpose (store_p). Storing it under the next tile's first k blocks instead
-  // measured 1-5% slower (session 13).
-  constexpr bool kPackedP = kPersistent && kDirectP;
-  unsigned pk[kPackedP ? kHalfN / 4 : 1];
-  auto store_p = [&](T* head, int m0, int n0, int nw) {
-    if constexpr (kPackedP) {
-      // A quad's 4 × 4 transpose of packed pairs (quad_transpose) gives lane t the 8 consecutive keys
-      // n0 + 32i + 8t ... + 7 of its row: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Rows
-      // past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is
-      // a multiple of 8 ≥ S).
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + r0 + 8 * half;
-        T* const p_row = head + static_cast<long long>(row) * p.ld;
-        #pragma unroll
-        for (int i = 0; i < kHalfN / 32; ++i) {
-          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
-          unsigned w[4];
-          #pragma unroll
-          for (int u = 0; u < 4; ++u) w[u] = pk[2 * (4 * i + u) + half];
-          quad_transpose(w, t);
-          const int col = n0 + 32 * i + 8 * t;
-          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
-            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-      }
-      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
-      if (2 * nw < S) {
-        const int chunks = (S - 2 * nw + 7) / 8;
-        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
-          const int row = m0 + idx / chunks;
-          if (row < p.seqlen_q)
-            *reinterpret_cast<uint4*>(head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
-                make_uint4(0, 0, 0, 0);
-        }
-      }
-    }
-  };
   for (TileWalk<kPersistent> walk(p); walk.more(); step += k_blocks) {
     clk.open(step / k_blocks, wg, tid % 128 == 0);
     clk.stamp(0);
@@ -680,15 +641,43 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
-    if constexpr (kPackedP) {
+    if constexpr (kPersistent && kDirectP) {
+      // P from registers, 32 keys of a row at a time: four packed pairs per lane (keys n0 + 8j + 2t, + 1 for
+      // j = 4i ... 4i + 3), a quad's 4 × 4 transpose (quad_transpose) gives lane t the 8 consecutive keys
+      // n0 + 32i + 8t ... + 7: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Rows past L are
+      // not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is a multiple of
+      // 8 ≥ S).
+      T* const head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
       #pragma unroll
-      for (int j = 0; j < kHalfN / 8; ++j)
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + r0 + 8 * half;
+        T* const p_row = head + static_cast<long long>(row) * p.ld;
         #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
-          pk[2 * j + half] = *reinterpret_cast<const unsigned*>(&v);
+        for (int i = 0; i < kHalfN / 32; ++i) {
+          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
+          unsigned w[4];
+          #pragma unroll
+          for (int u = 0; u < 4; ++u) {
+            const int j = 4 * i + u;
+            const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
+            w[u] = *reinterpret_cast<const unsigned*>(&v);
+          }
+          quad_transpose(w, t);
+          const int col = n0 + 32 * i + 8 * t;
+          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
+            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
         }
-      store_p(static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld, m0, n0, nw);
+      }
+      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
+      if (2 * nw < S) {
+        const int chunks = (S - 2 * nw + 7) / 8;
+        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
+          const int row = m0 + idx / chunks;
+          if (row < p.seqlen_q)
+            *reinterpret_cast<uint4*>(head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
+                make_uint4(0, 0, 0, 0);
+        }
+      }
       clk.stamp(6);
       clk.stamp(7);
       clk.close();
