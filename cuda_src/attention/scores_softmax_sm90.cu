@@ -72,6 +72,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "attention/sm90/pack.cuh"
 
 namespace cupy_attn {
 
@@ -122,32 +123,8 @@ struct SharedStorage {
   }
 };
 
-template <typename T> struct Pair;
-template <> struct Pair<__half> {
-  using type = __half2;
-  __device__ __forceinline__ static type make(float a, float b) { return __floats2half2_rn(a, b); }
-};
-template <> struct Pair<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  __device__ __forceinline__ static type make(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
-
-// The 4 × 4 transpose of 32-bit words across the 4 lanes of a quad (lanes 4g ... 4g + 3): word u of lane t becomes word
-// t of lane u. Two butterfly steps (bit 0, then bit 1 of lane ^ word), each moving the two words whose bit differs from
-// the lane's through one shfl.xor: 4 SHFL and 12 SEL per 4 words.
-__device__ __forceinline__ void quad_transpose(unsigned (&w)[4], int t) {
-  #pragma unroll
-  for (int bit = 1; bit <= 2; bit <<= 1) {
-    const bool hi = (t & bit) != 0;
-    #pragma unroll
-    for (int lo = 0; lo < 4; ++lo) {
-      if (lo & bit) continue;
-      const unsigned send = hi ? w[lo] : w[lo | bit];
-      const unsigned got = __shfl_xor_sync(0xffffffffu, send, bit);
-      if (hi) w[lo] = got; else w[lo | bit] = got;
-    }
-  }
-}
+using sm90::Pair;
+using sm90::quad_transpose;
 
 // Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
 // warpgroup's 128 threads, between their writes of P into shared memory and the TMA stores.

@@ -18,7 +18,8 @@ TYPES = (("__half", "f16"), ("__nv_bfloat16", "bf16"))
 # S = Q Kᵀ: kBlockN (scores_softmax_sm90.cu: kHalfN, 64-256); backward Sᵀ, dPᵀ: kBlockM (kBlockM / 2 at D = 256)
 SS_N = (32, 64, 128, 192, 256)
 RS_N = (64, 96, 128, 192, 256)   # O += P V: kHeadDim
-SS_BMN_N = (128,)                # backward dV, dK at D = 256: kHeadDim / 2 columns per warpgroup
+SS_BMN_N = (128, 256)            # backward dV, dK at D = 256: kHeadDim / 2 columns per warpgroup; forward O += P V
+                                 # at D = 512 (flash_fwd_d512_sm90.cu: P from shared memory, 256 columns per warpgroup)
 SS_MN_N = (64, 128)              # backward dQ = dS K: 64 columns of dQ per warpgroup (128 at D = 256)
 
 HEADER = """\

@@ -1,0 +1,342 @@
+// Fused attention forward for head dims 257-512 on Hopper (sm_90a): out = softmax(scale · Q Kᵀ) V and
+// lse = log Σ_j exp(scale · q·k_j), with an optional causal mask (top-left or bottom-right). Issue 14's route (b):
+// no L × S score buffer, and causal calls skip the key blocks above the diagonal.
+//
+// Algorithm: FlashAttention-2's online softmax (Dao 2023) in base 2, as flash_fwd_sm90.cu computes it, with
+// FlashAttention-3's producer/consumer mainloop (Shah et al. 2024, §3.1): a producer warpgroup (setmaxnreg.dec to 24)
+// whose one thread issues every TMA load into a kStages-deep mbarrier ring, and two consumer warpgroups
+// (setmaxnreg.inc to 240). What differs from the head-dim ≤ 256 kernel is how the two consumers share the work, since
+// one warpgroup cannot hold a 64 × 512 fp32 O (256 registers a thread):
+//   * both consumer warpgroups work on the same 64 query rows; warpgroup w owns O[:, 256w ... 256w + 255] (128
+//     accumulator registers);
+//   * S for a block of 256 keys: warpgroup w computes S[:, 128w ... 128w + 127] over the whole head dim (wgmma
+//     m64n128k16, Q and K from shared memory), so each holds half of every row;
+//   * the row max is exchanged once per block through shared memory (both then apply the same new max m and
+//     rescale factor α = 2^(m_old − m)); each keeps its own share of the row sum, added at the end;
+//   * P (64 × 256) goes to shared memory in the 128-byte swizzle, each warpgroup its 128 keys; after a barrier each
+//     computes O_w += P V[:, its columns] (wgmma m64n256k16, A = P and B = V MN-major, both from shared memory).
+// The ring carries 32 KB stages in the order the consumers read them: per key block, 8 K chunks (256 keys × 64 head-dim
+// columns, one box) for S, then 8 V chunks (32 keys × 512 columns, eight 64-column boxes) for P·V. Q (64 × 512, eight
+// 64-column boxes) is loaded once per CTA.
+// Not (yet) here: overlap of the softmax with wgmma (the phases of a block run in turn), persistent CTAs, attn_mask.
+//
+// Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
+// 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
+// Shared memory: Q 64 KB + P 32 KB + kStages × 32 KB (4: 128 KB) + barriers + row statistics + 1 KB of alignment
+// slack = 232,008 bytes of the 232,448 per block.
+// Inputs are read in place through 4-D tensor maps (E, seqlen, heads, batch) (cupy_attn/attention/fused_d512.py);
+// rows past L or S and columns past E, Ev arrive as zeros. Keys past S and past a row's causal limit are set to −inf
+// before the max; rows past L and columns past Ev are not stored. out is written by 16-byte stores (the launcher
+// requires Ev a multiple of 8 and 16-byte aligned rows).
+//
+// Versions (H200; bench/experiments/d512_fwd.py, bench/NOTES_split.md):
+//   v1  producer + two consumers splitting keys (S) and head-dim columns (O), phases in turn       (session 14)
+#include "common/types.cuh"
+#include "common/mask.cuh"
+#include "common/mma.cuh"
+#include "common/wgmma.cuh"
+#include "common/tma.cuh"
+#include "attention/sm90/params.cuh"
+#include "attention/sm90/pack.cuh"
+
+namespace cupy_attn {
+namespace d512 {
+
+constexpr int kBlockM = 64;                  // query rows per CTA
+constexpr int kBlockN = 256;                 // keys per block (128 per consumer warpgroup in S)
+constexpr int kHeadDim = 512;                // Q, K, V padded by TMA's zero fill
+constexpr int kKChunks = kHeadDim / 64;      // S's k loop: 64 head-dim columns (one swizzle atom) per stage
+constexpr int kVKeys = 32;                   // P·V's k loop: 32 keys per stage
+constexpr int kVChunks = kBlockN / kVKeys;
+constexpr int kStageBytes = 32768;           // 256 × 64 or 32 × 512 16-bit elements
+constexpr int kQBytes = kBlockM * kHeadDim * 2;
+constexpr int kPBytes = kBlockM * kBlockN * 2;
+constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+// Named barriers (256 consumer threads): the row-max exchange, P written, the row-sum exchange.
+constexpr int kMaxBarrier = 1, kPBarrier = 2, kSumBarrier = 3;
+
+template <int kStages>
+struct SharedStorage {
+  static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 1) +
+                                4 * (2 * 2 * kBlockM + 2 * kBlockM) + 1024;
+  unsigned char* q;     // 8 boxes of 64 rows × 64 columns (8 KB each), 128-byte swizzle
+  unsigned char* p;     // 4 atoms of 64 rows × 64 keys (8 KB each), 128-byte swizzle: the P·V A operand
+  unsigned char* ring;  // kStages × 32 KB
+  unsigned long long* full;
+  unsigned long long* empty;
+  unsigned long long* q_full;
+  float* row_max;       // [block parity][warpgroup][row]: the warpgroup's max of S over its keys (unscaled)
+  float* row_sum;       // [warpgroup][row]: the warpgroup's share of l
+
+  __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
+    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    q = smem;
+    p = q + kQBytes;
+    ring = p + kPBytes;
+    full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
+    empty = full + kStages;
+    q_full = empty + kStages;
+    row_max = reinterpret_cast<float*>(q_full + 1);
+    row_sum = row_max + 2 * 2 * kBlockM;
+  }
+};
+
+// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask).
+__device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
+  long long last_key = p.seqlen_k - 1;
+  if (p.is_causal) {
+    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
+    last_key = min(last_key, last_row + p.causal_offset);
+  }
+  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+}
+
+}  // namespace d512
+
+// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first. Block: 384 threads.
+template <typename T, int kStages>
+__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+  using namespace d512;
+  using Smem = SharedStorage<kStages>;
+  using P2 = typename sm90::Pair<T>::type;
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int h = blockIdx.y, b = blockIdx.z, m0 = m_block * kBlockM;
+  const int h_kv = h / static_cast<int>(p.groups);
+  const int n_blocks = key_blocks(p, m0);
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      tma::mbar_init(&ss.full[s], 1);
+      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
+    }
+    tma::mbar_init(ss.q_full, 1);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues the loads
+    tma::setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x != 0) return;
+    tma::prefetch_map(&p.tma_q);
+    tma::prefetch_map(&p.tma_k);
+    tma::prefetch_map(&p.tma_v);
+    if (n_blocks == 0) return;  // no key to see (bottom-right, L > S): the consumers write the empty rows
+    tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
+    for (int i = 0; i < kKChunks; ++i) tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_full, i * 64, m0, h, b);
+    int step = 0;
+    auto stage = [&]() -> unsigned char* {
+      const int s = step % kStages;
+      tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
+      tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
+      return ss.ring + s * kStageBytes;
+    };
+    for (int j = 0; j < n_blocks; ++j) {
+      for (int c = 0; c < kKChunks; ++c, ++step) {
+        unsigned char* dst = stage();
+        tma::load_4d(dst, &p.tma_k, &ss.full[step % kStages], c * 64, j * kBlockN, h_kv, b);
+      }
+      for (int c = 0; c < kVChunks; ++c, ++step) {
+        unsigned char* dst = stage();
+        #pragma unroll
+        for (int i = 0; i < kHeadDim / 64; ++i)
+          tma::load_4d(dst + i * (kVKeys * 128), &p.tma_v, &ss.full[step % kStages], i * 64, j * kBlockN + c * kVKeys,
+                       h_kv, b);
+      }
+    }
+    return;
+  }
+  tma::setmaxnreg_inc<kConsumerRegs>();
+
+  const int tid = threadIdx.x - 128;
+  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
+  const long long S = p.seqlen_k;
+  const float c = static_cast<float>(p.scale_log2);
+  const unsigned q_base = tma::smem_u32(ss.q), p_base = tma::smem_u32(ss.p), ring_base = tma::smem_u32(ss.ring);
+
+  float o[128];
+  #pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
+  float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
+  int step = 0;
+  // Wait for the stage of ring step `step` to land.
+  auto wait_full = [&]() -> unsigned {
+    const int s = step % kStages;
+    tma::mbar_wait(&ss.full[s], (step / kStages) & 1);
+    return ring_base + s * kStageBytes;
+  };
+  // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
+  auto release = [&](int st) {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
+  };
+  if (n_blocks > 0) tma::mbar_wait(ss.q_full, 0);
+
+  for (int j = 0; j < n_blocks; ++j) {
+    // S (64 × 128, this warpgroup's keys) = Q K_wᵀ over the head dim; wait<1> after each stage's commit: the
+    // previous stage's wgmma are complete and it is released while this one runs.
+    float s[64];
+    for (int kc = 0; kc < kKChunks; ++kc, ++step) {
+      const unsigned k_st = wait_full() + wg * 128 * 128;
+      wgmma::fence();
+      #pragma unroll
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma::Mma<T, 128>::ss(s, wgmma::desc_sw128(q_base + kc * 8192 + kk * 32, 16, 1024),
+                               wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kc > 0 || kk > 0);
+      wgmma::commit();
+      wgmma::wait<1>();
+      if (kc > 0) release(step - 1);
+    }
+    wgmma::wait<0>();
+    release(step - 1);
+    wgmma::fence_operands(s);
+
+    // Keys past S or past a row's causal limit: −inf. s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
+    const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
+    if (key0 + 128 > S || (p.is_causal && key0 + 127 > m0 + p.causal_offset)) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        long long limit = S;
+        if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
+        const long long lim = limit - key0 - 2 * t;  // column 8jj + e of this lane is visible iff 8jj + e < lim
+        #pragma unroll
+        for (int jj = 0; jj < 16; ++jj)
+          #pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (8 * jj + e >= lim) s[4 * jj + 2 * half + e] = neg_inf();
+      }
+    }
+
+    // The block's row max: this warpgroup's (a quad shuffle), then the peer's through shared memory (buffers
+    // alternate by block parity: the peer read this buffer two blocks ago, before the P barrier in between).
+    float mx[2] = {neg_inf(), neg_inf()};
+    #pragma unroll
+    for (int jj = 0; jj < 16; ++jj)
+      #pragma unroll
+      for (int half = 0; half < 2; ++half)
+        mx[half] = fmaxf(mx[half], fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
+    float* const mbuf = ss.row_max + (j & 1) * 2 * kBlockM;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+      if (t == 0) mbuf[wg * kBlockM + r0 + 8 * half] = mx[half];
+    }
+    tma::named_barrier_sync(kMaxBarrier, 256);
+    float alpha[2], ref[2];
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float m_blk = fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
+      const float m_new = fmaxf(m_run[half], m_blk * c);
+      alpha[half] = m_new == m_run[half] ? 1.f : exp2_approx(m_run[half] - m_new);  // −inf → −inf: 1, not NaN
+      ref[half] = m_new == neg_inf() ? 0.f : m_new;  // a row that has seen no key yet: P = 2^−inf = 0
+      m_run[half] = m_new;
+    }
+    // P = 2^(s·c − m) in place, this lane's share of the sum; O rescaled by α.
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float sum = 0.f;
+      #pragma unroll
+      for (int jj = 0; jj < 16; ++jj)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[4 * jj + 2 * half + e];
+          x = exp2_approx(fmaf(x, c, -ref[half]));
+          sum += x;
+        }
+      l_part[half] = fmaf(l_part[half], alpha[half], sum);
+    }
+    #pragma unroll
+    for (int jj = 0; jj < 32; ++jj)
+      #pragma unroll
+      for (int half = 0; half < 2; ++half)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) o[4 * jj + 2 * half + e] *= alpha[half];
+
+    // P into shared memory: both warpgroups have finished the previous block's P·V (each waited for its wgmma before
+    // the max barrier just passed). Key column kc = 128w + 8jj + 2t of row r: atom kc / 64, 16-byte chunk
+    // (kc % 64) / 8 at chunk ^ (r % 8) (the 32 lanes of a store hit 32 banks).
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
+      #pragma unroll
+      for (int jj = 0; jj < 16; ++jj) {
+        const P2 v = sm90::Pair<T>::make(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]);
+        *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) = v;
+      }
+    }
+    tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
+    tma::named_barrier_sync(kPBarrier, 256);
+
+    // O_w (64 × 256) += P V[:, 256w ...]: per stage 32 keys, two k steps of 16; V is the MN-major B operand (eight
+    // 64-column boxes of 32 rows: LBO 4 KB between them, SBO 1 KB between 8-row groups).
+    for (int vc = 0; vc < kVChunks; ++vc, ++step) {
+      const unsigned v_st = wait_full() + wg * 4 * (kVKeys * 128);
+      wgmma::fence();
+      #pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const int k0 = vc * kVKeys + kk * 16;
+        wgmma::Mma<T, 256>::ss_bmn(o, wgmma::desc_sw128(p_base + (k0 / 64) * 8192 + (k0 % 64) * 2, 16, 1024),
+                                   wgmma::desc_sw128(v_st + kk * 16 * 128, kVKeys * 128, 1024), 1);
+      }
+      wgmma::commit();
+      wgmma::wait<1>();
+      if (vc > 0) release(step - 1);
+    }
+    wgmma::wait<0>();
+    release(step - 1);
+    wgmma::fence_operands(o);
+  }
+
+  // Epilogue: l = the two warpgroups' shares (added in the same order by both), out = O / l, lse = (m + log2 l)·ln 2.
+  // A row that saw no key (bottom-right, L > S) has l = 0: out 0, lse −inf.
+  float inv[2];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float l = l_part[half];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = l;
+  }
+  tma::named_barrier_sync(kSumBarrier, 256);
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = r0 + 8 * half;
+    const float l = __fadd_rn(ss.row_sum[r], ss.row_sum[kBlockM + r]);
+    inv[half] = l > 0.f ? 1.f / l : 0.f;
+    const int row = m0 + r;
+    if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
+      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
+          l > 0.f ? (m_run[half] + __log2f(l)) * kLn2 : neg_inf();
+  }
+  // out by 16-byte stores: a quad's transpose gives lane t the 8 consecutive columns 32i + 8t ... + 7.
+  T* const out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + r0 + 8 * half;
+    T* const o_row = out + static_cast<long long>(row) * p.out_stride_l;
+    #pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      unsigned w[4];
+      #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int jj = 4 * i + u;
+        const P2 v = sm90::Pair<T>::make(o[4 * jj + 2 * half] * inv[half], o[4 * jj + 2 * half + 1] * inv[half]);
+        w[u] = *reinterpret_cast<const unsigned*>(&v);
+      }
+      sm90::quad_transpose(w, t);
+      const int col = wg * 256 + 32 * i + 8 * t;
+      if (row < p.seqlen_q && col < p.head_dim_v)
+        *reinterpret_cast<uint4*>(o_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+}  // namespace cupy_attn

@@ -1,0 +1,176 @@
+"""The fused forward for head dims 257-512 on Hopper (cupy_attn/attention/fused_d512.py,
+cuda_src/attention/flash_fwd_d512_sm90.cu).
+
+CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings, its SASS has the wgmma
+widths, TMA loads and no local memory; the dispatch rule (opt-in until measured, CUPY_ATTN_D512). GPU: out and lse
+against float64 through the public API (CUPY_ATTN_D512=1), with torch's same-precision error as the bound where torch
+runs the call: head dims 257-512 (E ≠ Ev too), odd L and S, causal in both alignments, GQA, large logits, a call on
+new arrays replaying the cached launch, and BSHD views.
+"""
+import numpy as np
+import pytest
+
+from cupy_attn.attention import fused_d512 as _d512
+from cupy_attn.runtime import compile as _compile
+
+from _tolerance import as_f64, assert_close
+from test_flash_sm90 import _cuobjdump, sass_summary, sass_text
+from _compile_checks import assert_clean
+
+FAMILY = _d512.FLASH_FWD_D512_SM90
+DTYPES = ("float16", "bfloat16")
+
+
+def test_every_instantiation_compiles_without_spills():
+    reports = _compile.compile_family(FAMILY, "sm_90a")
+    assert len(reports) == len(DTYPES)
+    assert_clean(reports, max_registers=168)
+
+
+def test_sass_has_both_wgmma_widths_tma_and_no_local_memory():
+    """S by HGMMA 64x128 (each warpgroup's 128 keys), O by HGMMA 64x256 (its 256 columns), TMA loads, mbarriers,
+    setmaxnreg, 16-byte stores of out, no local memory."""
+    if _cuobjdump() is None:
+        pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
+    cubin = _compile.family_cubin(FAMILY, "sm_90a")
+    kernels, listings = sass_summary(cubin), sass_text(cubin)
+    assert len(kernels) == len(DTYPES)
+    for name, ops in kernels.items():
+        text = listings[name]
+        for width in ("64x128x16", "64x256x16"):
+            assert f"HGMMA.{width}.F32" in text, f"{name}: no HGMMA.{width}"
+        for op in ("UTMALDG", "SYNCS", "USETMAXREG"):
+            assert ops.get(op, 0) > 0, f"{name}: no {op}"
+        assert "STG.E.128" in text, f"{name}: out not stored by 16-byte stores"
+        for op in ("LDL", "STL"):
+            assert op not in ops, f"{name}: local memory ({op}: {ops[op]})"
+
+
+def test_shared_memory_fits_and_matches_the_kernel():
+    assert _d512.smem_bytes() == 232008 <= 232448
+
+
+def test_support_rule():
+    f16 = np.dtype("float16")
+    assert _d512.unsupported_reason(f16, 512, 512, "none", 90, 0.04) is None
+    assert _d512.unsupported_reason(f16, 320, 264, "none", 90, 0.04) is None
+    assert "257-512" in _d512.unsupported_reason(f16, 256, 256, "none", 90, 0.04)   # the FA3 kernel's
+    assert "257-512" in _d512.unsupported_reason(f16, 1024, 1024, "none", 90, 0.04)
+    assert "257-512" in _d512.unsupported_reason(f16, 512, 300, "none", 90, 0.04)   # Ev not a multiple of 8
+    assert "sm_90a" in _d512.unsupported_reason(f16, 512, 512, "none", 80, 0.04)
+    assert "fp16 and bf16" in _d512.unsupported_reason(np.dtype("float32"), 512, 512, "none", 90, 0.04)
+    assert "mask" in _d512.unsupported_reason(f16, 512, 512, "bool", 90, 0.04)
+
+
+def test_env_setting(monkeypatch):
+    monkeypatch.delenv(_d512.ENV, raising=False)
+    assert _d512.enabled() is None
+    monkeypatch.setenv(_d512.ENV, "1")
+    assert _d512.enabled() == "1"
+    monkeypatch.setenv(_d512.ENV, "yes")
+    with pytest.raises(ValueError, match=_d512.ENV):
+        _d512.enabled()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+CASES = [
+    # (B, Hq, Hkv, L, S, E, Ev, causal)
+    (2, 4, 4, 256, 512, 512, 512, None),
+    (1, 3, 3, 200, 300, 512, 512, None),             # partial row block, partial key block
+    (2, 4, 4, 333, 333, 512, 512, "top_left"),
+    (1, 2, 2, 300, 700, 384, 384, "top_left"),       # L < S, top-left: key blocks past the rows' limit skipped
+    (1, 2, 2, 300, 700, 512, 512, "bottom_right"),
+    (1, 2, 2, 500, 200, 320, 320, "bottom_right"),   # L > S: the first 300 rows see no key (out 0, lse -inf)
+    (1, 8, 2, 257, 513, 512, 512, None),             # GQA 8/2
+    (1, 2, 2, 129, 64, 264, 504, None),              # E ≠ Ev, S < one key block
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,Ev,causal", CASES)
+def test_public_api(B, Hq, Hkv, L, S, E, Ev, causal, dtype, monkeypatch):
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    monkeypatch.setenv(_d512.ENV, "1")
+    gen = torch.Generator(device="cuda").manual_seed(L * 7 + S)
+    dt = getattr(torch, dtype)
+    for call in range(2):  # the second call on new arrays replays the cached launch
+        q = torch.randn(B, Hq, L, E, generator=gen, device="cuda").to(dt)
+        k = torch.randn(B, Hkv, S, E, generator=gen, device="cuda").to(dt)
+        v = torch.randn(B, Hkv, S, Ev, generator=gen, device="cuda").to(dt)
+        is_causal = {None: False, "top_left": True, "bottom_right": "bottom_right"}[causal]
+        plan = cupy_attn.explain(q, k, v, is_causal=is_causal, enable_gqa=Hq != Hkv)
+        assert plan.backend == "fused" and plan.details["kernel"] == FAMILY.name, str(plan)
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=is_causal, enable_gqa=Hq != Hkv,
+                                                          return_lse=True)
+        ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=is_causal,
+                                                              enable_gqa=Hq != Hkv, return_lse=True)
+        torch_out = None
+        if causal != "bottom_right" or L == S:
+            torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                                         enable_gqa=Hq != Hkv)
+        assert_close(out, ref, dtype, torch_out, what=f"call {call}")
+        got = as_f64(lse)
+        assert (np.isneginf(got) == np.isneginf(ref_lse)).all(), f"lse -inf rows differ (call {call})"
+        fin = np.isfinite(ref_lse)
+        assert np.abs(got[fin] - ref_lse[fin]).max() < 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_large_logits(dtype, causal, monkeypatch):
+    """|scale·q·k| up to ~100 (issue 14): q, k scaled so that scale·q·k spans about ±100."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    monkeypatch.setenv(_d512.ENV, "1")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dt = getattr(torch, dtype)
+    E = 512
+    q = (torch.randn(1, 2, 190, E, generator=gen, device="cuda") * 4.7).to(dt)
+    k = (torch.randn(1, 2, 600, E, generator=gen, device="cuda") * 4.7).to(dt)
+    v = torch.randn(1, 2, 600, E, generator=gen, device="cuda").to(dt)
+    logits = (as_f64(q)[0, 0] @ as_f64(k)[0, 0].T) / np.sqrt(E)
+    assert 60 < np.abs(logits).max() < 160
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    ref = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal)
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert_close(out, ref, dtype, torch_out, what="large logits")
+
+
+@pytest.mark.gpu
+def test_bshd_views(monkeypatch):
+    """q, k, v as (B, S, H, E) tensors transposed to (B, H, S, E) views: read in place by TMA."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    monkeypatch.setenv(_d512.ENV, "1")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, n, 4, 512, generator=gen, device="cuda").half().transpose(1, 2) for n in (100, 300, 300))
+    assert cupy_attn.explain(q, k, v).details["kernel"] == FAMILY.name
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=True)
+    assert_close(out, ref, "float16", torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+
+
+@pytest.mark.gpu
+def test_default_is_the_split_path(monkeypatch):
+    """Unset CUPY_ATTN_D512: auto keeps the split path (opt-in until measured); backend="fused" takes the kernel."""
+    import cupy_attn
+    torch = _torch()
+    monkeypatch.delenv(_d512.ENV, raising=False)
+    q = torch.randn(1, 2, 64, 512, device="cuda", dtype=torch.float16)
+    assert cupy_attn.explain(q, q, q).backend == "split"
+    assert cupy_attn.explain(q, q, q, backend="fused").details["kernel"] == FAMILY.name
+    monkeypatch.setenv(_d512.ENV, "0")
+    with pytest.raises(ValueError, match="backend='fused'"):
+        cupy_attn.explain(q, q, q, backend="fused")
