@@ -2,7 +2,7 @@
 cuda_src/attention/flash_fwd_d512_sm90.cu).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings, its SASS has the wgmma
-widths, TMA loads and no local memory; the dispatch rule (opt-in until measured, CUPY_ATTN_D512). GPU: out and lse
+widths, TMA loads and no local memory; the dispatch rule (auto when the grid fills the device, CUPY_ATTN_D512). GPU: out and lse
 against float64 through the public API (CUPY_ATTN_D512=1), with torch's same-precision error as the bound where torch
 runs the call: head dims 257-512 (E ≠ Ev too), odd L and S, causal in both alignments, GQA, large logits, a call on
 new arrays replaying the cached launch, and BSHD views.
@@ -162,15 +162,28 @@ def test_bshd_views(monkeypatch):
     assert_close(out, ref, "float16", torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
 
 
+def test_auto_rule():
+    assert _d512.prefer_grid(4, 16, 2048, 2048, 132)[0]
+    assert _d512.prefer_grid(1, 66, 128, 1000, 132)[0]
+    assert not _d512.prefer_grid(1, 65, 128, 1000, 132)[0]   # under one wave
+    assert not _d512.prefer_grid(8, 32, 1, 32768, 132)[0]    # decode: L < 128
+    assert not _d512.prefer_grid(128, 16, 256, 256, 132)[0]  # S <= 512: the scores kernel
+    assert not _d512.prefer_grid(1, 2, 300, 700, 132)[0]
+
+
 @pytest.mark.gpu
-def test_default_is_the_split_path(monkeypatch):
-    """Unset CUPY_ATTN_D512: auto keeps the split path (opt-in until measured); backend="fused" takes the kernel."""
+def test_auto_takes_it_when_the_grid_fills_the_device(monkeypatch):
+    """Unset CUPY_ATTN_D512: auto takes the kernel for a call with S > 512 of at least one CTA per SM, keeps the split
+    path for a smaller one (backend="fused" takes the kernel there); CUPY_ATTN_D512=0 turns it off."""
     import cupy_attn
     torch = _torch()
     monkeypatch.delenv(_d512.ENV, raising=False)
+    big = torch.randn(2, 8, 2048, 512, device="cuda", dtype=torch.float16)
+    assert cupy_attn.explain(big, big, big).details.get("kernel") == FAMILY.name
     q = torch.randn(1, 2, 64, 512, device="cuda", dtype=torch.float16)
     assert cupy_attn.explain(q, q, q).backend == "split"
     assert cupy_attn.explain(q, q, q, backend="fused").details["kernel"] == FAMILY.name
     monkeypatch.setenv(_d512.ENV, "0")
+    assert cupy_attn.explain(big, big, big).backend == "split"
     with pytest.raises(ValueError, match="backend='fused'"):
         cupy_attn.explain(q, q, q, backend="fused")

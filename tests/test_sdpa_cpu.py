@@ -193,7 +193,7 @@ def test_softmax_tile_covers_row():
     ("float16", 64, 64, "none", 75, "split", "sm_75"),
 ])
 def test_fused_dispatch_table(dtype, E, Ev, mask, arch, expected, why):
-    plan = _dispatch.plan_sdpa(_gpu_problem(dtype, E, Ev, mask_kind=mask), "auto", arch=arch)
+    plan = _dispatch.plan_sdpa(_gpu_problem(dtype, E, Ev, mask_kind=mask), "auto", arch=arch, num_sms=132)
     assert plan.backend == expected and why in plan.reason, str(plan)
     if expected == "fused":
         assert "tile" in plan.details

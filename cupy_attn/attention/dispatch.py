@@ -114,7 +114,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         if plan is not None:
             return plan
     if backend in ("auto", "fused") and fused_why_not is not None and p.dropout_p == 0:
-        plan = _d512_plan(p, backend, arch, forced, copies)
+        plan = _d512_plan(p, backend, arch, forced, copies, num_sms)
         if plan is not None:
             return plan
     if backend == "fused":
@@ -132,24 +132,26 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
                 prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
 
 
-def _d512_plan(p, backend: str, arch: int, forced: str, copies) -> Plan | None:
+def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | None) -> Plan | None:
     """The head-dim 257-512 fused kernel's plan (fused_d512) when it can run the call and is chosen: by
-    backend="fused", by CUPY_ATTN_D512=1, or under auto by fused_d512.prefer; never with CUPY_ATTN_D512=0."""
+    backend="fused", by CUPY_ATTN_D512=1, or under auto by fused_d512.prefer_grid; never with CUPY_ATTN_D512=0."""
     from . import fused_d512 as _d512
     setting = _d512.enabled()
-    if setting == "0":
-        return None
-    if (_d512.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch, p.scale)
-            or _d512.layout_reason(p.query, p.key, p.value, None)):
+    if setting == "0" or _d512.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch, p.scale):
         return None
     if backend == "fused":
         why = f"fused {forced}: the head-dim-512 kernel"
     elif setting == "1":
         why = f"{_d512.ENV}=1: the head-dim-512 kernel"
     else:
-        take, why = _d512.prefer(p)
+        if num_sms is None:
+            from ..runtime.interop import device_sms
+            num_sms = device_sms(p.ctx.device_id)
+        take, why = _d512.prefer_grid(p.batch, p.num_heads, p.seqlen_q, p.seqlen_k, num_sms)
         if not take:
             return None
+    if p.query is not None and _d512.layout_reason(p.query, p.key, p.value, None):
+        return None
     return Plan("fused", why, describe=functools.partial(_d512.details, p), copies=copies,
                 prepare=functools.partial(_d512.prepare_problem, p))
 

@@ -9,7 +9,8 @@ It takes the same parameter struct and launch object as the head-dim ≤ 256 ker
 Sm90Launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
 
 Dispatch (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
-takes it where :func:`prefer` says so (measured, bench/NOTES_split.md).
+takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.73x
+the split path).
 """
 from __future__ import annotations
 
@@ -90,10 +91,31 @@ def enabled() -> str | None:
     return value
 
 
-def prefer(p) -> tuple[bool, str]:
-    """Auto rule between this kernel and the split path for a call both can run. Not measured yet: the split path
-    stays the default until bench/experiments/d512_fwd.py says otherwise."""
-    return False, "the head-dim-512 kernel is opt-in (CUPY_ATTN_D512=1) until measured"
+def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, str]:
+    """Auto rule between this kernel and the split path for a call both can run: this kernel when L ≥ 128, S > 512 and
+    its grid (⌈L / 64⌉ · Hq · B CTAs, one per SM) fills the device at least once. At S ≤ 512 the split path runs the
+    scores kernel (whole score rows on chip, cuBLAS P·V), which measured faster; below one wave of CTAs the split
+    path's GEMMs spread the call wider (not measured).
+
+    Measured on an H200 (session 14: bench/experiments/d512_fwd.py and the main job, whole calls), this kernel
+    against the split path: (4,16,2048,2048,512) fp16 1.28-1.40x, causal 1.59x; (2,8,4096,4096,512) bf16 1.28x,
+    causal 1.73x; (8,16,1024,1024,512) fp16 1.27x; (4,16,2048,2048,384) fp16 1.17x; (4,16,2048,2048,320) bf16
+    causal 1.29x; L = S = 1024-8192 at D = 512 1.32-1.39x (against the split rows of the previous main job); but
+    (128,16,256,256,512) fp16 0.906 ms against the split path's 0.810 (scores kernel).
+
+    >>> prefer_grid(4, 16, 2048, 2048, 132)[0], prefer_grid(1, 2, 300, 700, 132)[0], prefer_grid(128, 16, 256, 256, 132)[0]
+    (True, False, False)
+    """
+    ctas = -(-L // BLOCK_M) * Hq * B
+    if L < 2 * BLOCK_M:
+        return False, (f"L = {L} < {2 * BLOCK_M}: the head-dim-512 kernel's 64-row blocks would be mostly padding "
+                       "(decode-like calls stay on the split path; not measured)")
+    if S <= 512:
+        return False, f"S = {S} <= 512: the split path's scores kernel holds whole rows (faster there, measured)"
+    if ctas >= num_sms:
+        return True, (f"head-dim-512 fused kernel: {ctas} CTAs fill the {num_sms} SMs (1.17-1.73x the split path at "
+                      "head dims 320-512, measured)")
+    return False, f"{ctas} CTAs of the head-dim-512 kernel would not fill the {num_sms} SMs"
 
 
 def grid_for(B: int, Hq: int, L: int) -> tuple:
