@@ -113,16 +113,19 @@ def _spin_kernel():
     return cupy.RawKernel(_SPIN_SOURCE, "spin")
 
 
-def device_ms(fn, reps: int = 15) -> float:
+def device_ms(fn, reps: int = 15, prep=None) -> float:
     """Median device time of fn() in ms, the host time excluded: each call is enqueued behind a ~3 ms spin kernel,
     so the host runs ahead and the events around the call time only device work and gaps the device cannot hide.
-    The difference to median_ms (an idle GPU at the start) is host time the GPU waits for."""
+    The difference to median_ms (an idle GPU at the start) is host time the GPU waits for. ``prep()``, when given,
+    is enqueued after the spin kernel and before the timed call, untimed (e.g. work that leaves L2 in some state)."""
     import cupy
     spin = _spin_kernel()
     stream = cupy.cuda.get_current_stream()
     times = []
     for _ in range(reps):
         spin((1,), (1,), (np.int64(6_000_000),))
+        if prep is not None:
+            prep()
         e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
         e0.record(stream)
         fn()

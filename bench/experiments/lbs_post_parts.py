@@ -13,28 +13,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
-import numpy as np  # noqa: E402
 
 import bench_linear_bn_softmax as B  # noqa: E402
-from common import _spin_kernel, device_ms  # noqa: E402
+from common import device_ms  # noqa: E402
 
 
-def timed_after(prep, fn, reps=15):
+def timed_after(prep, fn):
     """Median device ms of fn() alone, with prep() enqueued (untimed) before it, both behind a spin kernel."""
-    import cupy
-    spin = _spin_kernel()
-    stream = cupy.cuda.get_current_stream()
-    times = []
-    for _ in range(reps):
-        spin((1,), (1,), (np.int64(4_000_000),))
-        prep()
-        e0, e1 = cupy.cuda.Event(), cupy.cuda.Event()
-        e0.record(stream)
-        fn()
-        e1.record(stream)
-        e1.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(e0, e1))
-    return float(np.median(times))
+    return device_ms(fn, prep=prep)
 
 
 def main():
