@@ -62,6 +62,11 @@ def test_support_rule():
     assert "mask" in _d512.unsupported_reason(f16, 512, 512, "bool", 90, 0.04)
 
 
+def test_env_is_part_of_the_call_cache_key():
+    from cupy_attn.runtime import callcache
+    assert _d512.ENV in callcache.ENV_KEYS, "a cached call must not replay the other path after CUPY_ATTN_D512 changes"
+
+
 def test_env_setting(monkeypatch):
     monkeypatch.delenv(_d512.ENV, raising=False)
     assert _d512.enabled() is None
