@@ -4,6 +4,7 @@
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --forward   # the forward kernels only
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --d512      # the head-dim-512 kernel only
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -42,9 +43,29 @@ def decode_calls(f16):
     del os.environ["CUPY_ATTN_DECODE"]
 
 
+def d512_calls(f16):
+    """The head-dim-512 fused kernel (session 14), forced: a partial row block and a partial key block, causal in both
+    alignments (L > S: rows that see no key), GQA, E ≠ Ev."""
+    os.environ["CUPY_ATTN_D512"] = "1"
+    q = torch.randn(1, 4, 200, 512, device="cuda", dtype=f16)
+    k, v = (torch.randn(1, 2, 300, 512, device="cuda", dtype=f16) for _ in range(2))
+    for causal in (False, True, "bottom_right"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True)
+    q = torch.randn(1, 2, 150, 264, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, 2, 70, 264, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, 2, 70, 504, device="cuda", dtype=torch.bfloat16)
+    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True)
+    del os.environ["CUPY_ATTN_D512"]
+
+
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
+    if len(sys.argv) > 1 and sys.argv[1] == "--d512":
+        d512_calls(f16)
+        torch.cuda.synchronize()
+        print("sanitize calls done (head-dim-512 kernel only)")
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--decode":
         decode_calls(f16)
         torch.cuda.synchronize()
@@ -103,6 +124,7 @@ def main():
         q = torch.randn(1, 2, L, E, device="cuda")
         k, v = (torch.randn(1, 2, 650, E, device="cuda") for _ in range(2))
         cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, return_lse=True)
+    d512_calls(f16)
     if len(sys.argv) > 1 and sys.argv[1] == "--forward":
         torch.cuda.synchronize()
         print("sanitize calls done (forward kernels only)")
