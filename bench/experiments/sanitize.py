@@ -55,6 +55,10 @@ def d512_calls(f16):
     k = torch.randn(1, 2, 70, 264, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 70, 504, device="cuda", dtype=torch.bfloat16)
     cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True)
+    # More tiles than SMs: persistent CTAs walk several, some of them without a key block (bottom-right, L > S).
+    q = torch.randn(1, 40, 300, 512, device="cuda", dtype=f16)
+    k, v = (torch.randn(1, 40, 100, 512, device="cuda", dtype=f16) for _ in range(2))
+    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True)
     del os.environ["CUPY_ATTN_D512"]
 
 

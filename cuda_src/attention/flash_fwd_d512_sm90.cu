@@ -18,7 +18,8 @@
 // The ring carries 32 KB stages in the order the consumers read them: per key block, 8 K chunks (256 keys × 64 head-dim
 // columns, one box) for S, then 8 V chunks (32 keys × 512 columns, eight 64-column boxes) for P·V. Q (64 × 512, eight
 // 64-column boxes) is loaded once per CTA.
-// Not (yet) here: overlap of the softmax with wgmma (the phases of a block run in turn), persistent CTAs, attn_mask.
+// Not (yet) here: overlap of the softmax with wgmma (the phases of a block run in turn; two such variants measured
+// slower, bench/NOTES_split.md), a balanced persistent schedule for causal calls, attn_mask.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -33,6 +34,9 @@
 //   v1  producer + two consumers splitting keys (S) and head-dim columns (O), phases in turn
 //       (4,16,2048,2048,512) fp16 1.06-1.09 ms (505-521 TFLOP/s); (2,8,4096,4096,512) bf16 0.98-1.02 (539-563)
 //   v1.1 conditional rescale (FlashAttention-4): 1.061 vs 1.088 ms, 0.969 vs 1.006 (567 TFLOP/s)  (session 14)
+//   v1.2 persistent CTAs for calls without a causal mask (the next tile's Q and K stages load under a tile's last
+//       P·V and O stores): 1.028 vs 1.057 ms (535 TFLOP/s); causal calls keep one tile per CTA (static striding
+//       measured 0.715 against 0.548 ms at (2,8,4096,4096,512) bf16)                                   (session 14)
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
@@ -59,7 +63,7 @@ constexpr int kMaxBarrier = 1, kPBarrier = 2, kSumBarrier = 3;
 
 template <int kStages>
 struct SharedStorage {
-  static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 1) +
+  static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 2) +
                                 4 * (2 * 2 * kBlockM + 2 * kBlockM) + 1024;
   unsigned char* q;     // 8 boxes of 64 rows × 64 columns (8 KB each), 128-byte swizzle
   unsigned char* p;     // 4 atoms of 64 rows × 64 keys (8 KB each), 128-byte swizzle: the P·V A operand
@@ -67,6 +71,7 @@ struct SharedStorage {
   unsigned long long* full;
   unsigned long long* empty;
   unsigned long long* q_full;
+  unsigned long long* q_empty;  // persistent kernel: both consumers are done with a tile's Q (8 warp arrivals)
   float* row_max;       // [block parity][warpgroup][row]: the warpgroup's max of S over its keys (unscaled)
   float* row_sum;       // [warpgroup][row]: the warpgroup's share of l
 
@@ -78,7 +83,8 @@ struct SharedStorage {
     full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
     empty = full + kStages;
     q_full = empty + kStages;
-    row_max = reinterpret_cast<float*>(q_full + 1);
+    q_empty = q_full + 1;
+    row_max = reinterpret_cast<float*>(q_empty + 1);
     row_sum = row_max + 2 * 2 * kBlockM;
   }
 };
@@ -101,7 +107,10 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 // as values in [0, 1]); most blocks then skip O's 128 multiplications per thread (−2.5 to −3.7% kernel time at D = 512,
 // session 14).
 constexpr float kLazySlack = 8.f;
-template <typename T, int kStages>
+// kPersistent: grid min(tiles, SMs); each CTA walks tiles blockIdx.x, + gridDim.x, ... (row block fastest, causal
+// row blocks longest first); the producer loads the next tile's Q once both consumers are done with the current one's
+// (q_empty) and its K stages while they finish the tile's last P·V and store O. Otherwise one tile per CTA.
+template <typename T, int kStages, bool kPersistent>
 __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace d512;
   using Smem = SharedStorage<kStages>;
@@ -111,10 +120,17 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
-  const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
-  const int h = blockIdx.y, b = blockIdx.z, m0 = m_block * kBlockM;
-  const int h_kv = h / static_cast<int>(p.groups);
-  const int n_blocks = key_blocks(p, m0);
+  const int m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM), heads = static_cast<int>(p.num_heads);
+  const int tiles = kPersistent ? m_blocks * heads * static_cast<int>(p.batch) : 1;
+  const int first = kPersistent ? blockIdx.x : 0, stride = kPersistent ? gridDim.x : 1;
+  // Tile tt: (row block, head, batch), causal row blocks longest first.
+  auto tile = [&](int tt, int& m0, int& h, int& b) {
+    int mb = kPersistent ? tt % m_blocks : blockIdx.x;
+    if (p.is_causal) mb = (kPersistent ? m_blocks : gridDim.x) - 1 - mb;
+    h = kPersistent ? (tt / m_blocks) % heads : blockIdx.y;
+    b = kPersistent ? tt / (m_blocks * heads) : blockIdx.z;
+    m0 = mb * kBlockM;
+  };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
@@ -122,6 +138,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
     }
     tma::mbar_init(ss.q_full, 1);
+    tma::mbar_init(ss.q_empty, 8);
     tma::fence_barrier_init();
   }
   __syncthreads();
@@ -132,16 +149,23 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     tma::prefetch_map(&p.tma_q);
     tma::prefetch_map(&p.tma_k);
     tma::prefetch_map(&p.tma_v);
-    if (n_blocks == 0) return;  // no key to see (bottom-right, L > S): the consumers write the empty rows
-    tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
-    for (int i = 0; i < kKChunks; ++i) tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_full, i * 64, m0, h, b);
-    int step = 0;
+    int step = 0, q_round = 0;
     auto stage = [&]() -> unsigned char* {
       const int s = step % kStages;
       tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
       tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
       return ss.ring + s * kStageBytes;
     };
+    for (int tt = first; tt < tiles; tt += stride) {
+    int m0, h, b;
+    tile(tt, m0, h, b);
+    const int h_kv = h / static_cast<int>(p.groups);
+    const int n_blocks = key_blocks(p, m0);
+    if (n_blocks == 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
+    if (q_round > 0) tma::mbar_wait(ss.q_empty, (q_round - 1) & 1);
+    tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
+    for (int i = 0; i < kKChunks; ++i) tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_full, i * 64, m0, h, b);
+    ++q_round;
     for (int j = 0; j < n_blocks; ++j) {
       for (int c = 0; c < kKChunks; ++c, ++step) {
         unsigned char* dst = stage();
@@ -155,6 +179,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
                        h_kv, b);
       }
     }
+    }
     return;
   }
   tma::setmaxnreg_inc<kConsumerRegs>();
@@ -166,13 +191,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
   const long long S = p.seqlen_k;
   const float c = static_cast<float>(p.scale_log2);
   const unsigned q_base = tma::smem_u32(ss.q), p_base = tma::smem_u32(ss.p), ring_base = tma::smem_u32(ss.ring);
-
-  float o[128];
-  #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
-  float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
-  int step = 0;
+  int step = 0, q_round = 0, blk = 0;  // blk: key blocks done by this CTA (row-max buffer parity across tiles)
   // Wait for the stage of ring step `step` to land.
   auto wait_full = [&]() -> unsigned {
     const int s = step % kStages;
@@ -184,9 +203,22 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
   };
-  if (n_blocks > 0) tma::mbar_wait(ss.q_full, 0);
+  auto release_q = [&]() {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(ss.q_empty);
+  };
+  for (int tt = first; tt < tiles; tt += stride) {
+  int m0, h, b;
+  tile(tt, m0, h, b);
+  const int n_blocks = key_blocks(p, m0);
+  float o[128];
+  #pragma unroll
+  for (int i = 0; i < 128; ++i) o[i] = 0.f;
+  float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
+  float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
+  if (n_blocks > 0) tma::mbar_wait(ss.q_full, q_round++ & 1);
 
-  for (int j = 0; j < n_blocks; ++j) {
+  for (int j = 0; j < n_blocks; ++j, ++blk) {
     // S (64 × 128, this warpgroup's keys) = Q K_wᵀ over the head dim; wait<1> after each stage's commit: the
     // previous stage's wgmma are complete and it is released while this one runs.
     float s[64];
@@ -204,6 +236,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     wgmma::wait<0>();
     release(step - 1);
     wgmma::fence_operands(s);
+    if (j == n_blocks - 1) release_q();  // the tile's last S: Q may be reloaded for the next tile
 
     // Keys past S or past a row's causal limit: −inf. s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
     const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
@@ -229,7 +262,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       #pragma unroll
       for (int half = 0; half < 2; ++half)
         mx[half] = fmaxf(mx[half], fmaxf(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]));
-    float* const mbuf = ss.row_max + (j & 1) * 2 * kBlockM;
+    float* const mbuf = ss.row_max + (blk & 1) * 2 * kBlockM;
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
@@ -346,6 +379,10 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       if (row < p.seqlen_q && col < p.head_dim_v)
         *reinterpret_cast<uint4*>(o_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
+  }
+  // The next tile's row_sum writes wait for both warpgroups' reads of this one's (a tile without key blocks reaches
+  // them with no barrier in between).
+  if constexpr (kPersistent) tma::named_barrier_sync(kSumBarrier, 256);
   }
 }
 
