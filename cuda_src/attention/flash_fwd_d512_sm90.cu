@@ -24,7 +24,7 @@
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
 // Shared memory: Q 64 KB + P 32 KB + kStages × 32 KB (4: 128 KB) + barriers + row statistics + 1 KB of alignment
-// slack = 232,008 bytes of the 232,448 per block.
+// slack = 232,016 bytes of the 232,448 per block.
 // Inputs are read in place through 4-D tensor maps (E, seqlen, heads, batch) (cupy_attn/attention/fused_d512.py);
 // rows past L or S and columns past E, Ev arrive as zeros. Keys past S and past a row's causal limit are set to −inf
 // before the max; rows past L and columns past Ev are not stored. out is written by 16-byte stores (the launcher
@@ -101,7 +101,8 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 
 }  // namespace d512
 
-// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first. Block: 384 threads.
+// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first, or with kPersistent (min(tiles, SMs), 1, 1). Block: 384
+// threads.
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
 // it by more than kLazySlack in log2 units, so P ≤ 2^kLazySlack (fp16/bf16 hold it with the same relative precision
 // as values in [0, 1]); most blocks then skip O's 128 multiplications per thread (−2.5 to −3.7% kernel time at D = 512,
