@@ -122,15 +122,17 @@ def grid_for(B: int, Hq: int, L: int) -> tuple:
     return (-(-L // BLOCK_M), Hq, B)
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None) -> "_sm90.Sm90Launch":
-    """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call)."""
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None,
+            family: KernelFamily = FLASH_FWD_D512_SM90) -> "_sm90.Sm90Launch":
+    """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
+    FLASH_FWD_D512_SM90 or a copy with other NVRTC options (bench/experiments/d512_wall.py's ablations)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     # Persistent CTAs for calls without a causal mask (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598
     # at (8,16,1024,1024,512)); causal calls keep one tile per CTA, longest first, which the hardware balances: with
     # static striding (2,8,4096,4096,512) bf16 causal took 0.715 ms against 0.548.
     persistent = causal is None
-    kernel = FLASH_FWD_D512_SM90.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
+    kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
                                         persistent="true" if persistent else "false")
     p = np.zeros((), dtype=_sm90._PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
