@@ -22,10 +22,11 @@ import numpy as np  # noqa: E402
 
 from cupy_attn.attention import fused_d512  # noqa: E402
 
-# bits: 1 no wgmma, 2 no loads, 4 no softmax, 8 no P stores
+# bits: 1 no wgmma, 2 no loads, 4 no softmax, 8 no P stores, 16 no row-max exchange, 32 no exponentials
 ROWS = (("full kernel", 0), ("no softmax", 4), ("no softmax, no P stores", 12), ("loads only", 13),
         ("wgmma only", 14), ("wgmma + softmax + P (no loads)", 2), ("loads + softmax + P (no wgmma)", 1),
-        ("P in 1 part (v1.2 order)", "parts1"), ("P in 2 parts", "parts2"))
+        ("P in 1 part (v1.2 order)", "parts1"), ("P in 2 parts", "parts2"), ("no row-max exchange", 16),
+        ("no exponentials", 32), ("no exchange, no exponentials", 48))
 
 
 def main():

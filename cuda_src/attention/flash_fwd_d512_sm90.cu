@@ -129,12 +129,14 @@ constexpr float kLazySlack = 8.f;
 // Ablations for bench/experiments/d512_wall.py, compiled in only with -DCUPY_ATTN_D512_ABLATE=bits (the library never
 // sets it; ablated kernels write wrong results). Bits: 1 no wgmma (S = 0), 2 no TMA loads (the producer arrives with no
 // bytes: wgmma on whatever shared memory holds), 4 no softmax (no max exchange, exponentials or rescale: P = S),
-// 8 no P stores (and no P barrier; S kept alive by a sum). They separate load pacing, tensor work and the softmax.
+// 8 no P stores (and no P barrier; S kept alive by a sum), 16 no row-max exchange (each warpgroup its own max, no
+// barrier), 32 no exponentials (an FFMA in their place). They separate load pacing, tensor work and the softmax.
 #ifndef CUPY_ATTN_D512_ABLATE
 #define CUPY_ATTN_D512_ABLATE 0
 #endif
 constexpr bool kAblateMma = CUPY_ATTN_D512_ABLATE & 1, kAblateLoads = CUPY_ATTN_D512_ABLATE & 2,
-               kAblateSoftmax = CUPY_ATTN_D512_ABLATE & 4, kAblateP = CUPY_ATTN_D512_ABLATE & 8;
+               kAblateSoftmax = CUPY_ATTN_D512_ABLATE & 4, kAblateP = CUPY_ATTN_D512_ABLATE & 8,
+               kAblateExchange = CUPY_ATTN_D512_ABLATE & 16, kAblateExp = CUPY_ATTN_D512_ABLATE & 32;
 // kPersistent: grid min(tiles, SMs); each CTA walks tiles blockIdx.x, + gridDim.x, ... (row block fastest, causal
 // row blocks longest first); the producer loads the next tile's Q once both consumers are done with the current one's
 // (q_empty) and its K stages while they finish the tile's last P·V and store O. Otherwise one tile per CTA.
@@ -308,11 +310,11 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
       if (t == 0) mbuf[wg * kBlockM + r0 + 8 * half] = mx[half];
     }
-    tma::named_barrier_sync(kMaxBarrier, 256);
+    if (!kAblateExchange) tma::named_barrier_sync(kMaxBarrier, 256);
     float alpha[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float m_blk = fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
+      const float m_blk = kAblateExchange ? mx[half] : fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
       float m_new = fmaxf(m_run[half], m_blk * c);
       if (m_new <= m_run[half] + kLazySlack) m_new = m_run[half];  // −inf + 8 = −inf: a first key moves it
       alpha[half] = m_new == m_run[half] ? 1.f : exp2_approx(m_run[half] - m_new);  // −inf → −inf: 1, not NaN
@@ -350,7 +352,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
             #pragma unroll
             for (int e = 0; e < 2; ++e) {
               float& x = s[4 * jj + 2 * half + e];
-              x = exp2_approx(fmaf(x, c, -ref[half]));
+              x = kAblateExp ? fmaf(x, c, -ref[half]) * 0.001f : exp2_approx(fmaf(x, c, -ref[half]));
               sum += x;
             }
           l_part[half] += sum;
