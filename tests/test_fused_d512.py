@@ -96,6 +96,7 @@ CASES = [
     (1, 2, 2, 129, 64, 264, 504, None),              # E ≠ Ev, S < one key block
     (1, 40, 40, 200, 600, 512, 512, "top_left"),     # 160 tiles: persistent CTAs walk two
     (1, 40, 40, 300, 100, 320, 320, "bottom_right"), # 200 tiles, some with no key block between others
+    (2, 12, 12, 704, 704, 384, 384, "top_left"),     # 264 tiles: m-block pairs (M-1-k, k), M = 11 (one alone)
 ]
 
 

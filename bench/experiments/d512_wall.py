@@ -6,9 +6,10 @@ results).
 
 Rows (kernel alone, median over rotated rounds, same process, same inputs): the full kernel; without the softmax;
 without softmax and P stores (the mainloop: S and P·V wgmma on the ring); the load ring alone; the tensor work alone;
-the loads with the softmax (no wgmma); P in one part (v1.2's order: all exponentials, then P·V) and in two parts
-(-DCUPY_ATTN_D512_P_PARTS). Per row: ms, cycles per 256-key block at --ghz, the ring's L2 → SM rate,
-TFLOP/s (4·B·H·L·S·D, halved for causal).
+the loads with the softmax (no wgmma); one tile per CTA (not persistent); P in one part (v1.2's order: all
+exponentials, then P·V) and in two parts (-DCUPY_ATTN_D512_P_PARTS); without the row-max exchange, the exponentials,
+or both. Per row: ms, cycles per 256-key block at --ghz, the ring's L2 → SM rate, TFLOP/s (4·B·H·L·S·D, halved for
+causal). --only takes row names separated by ";".
 """
 import argparse
 import dataclasses
@@ -26,7 +27,7 @@ from cupy_attn.attention import fused_d512  # noqa: E402
 ROWS = (("full kernel", 0), ("no softmax", 4), ("no softmax, no P stores", 12), ("loads only", 13),
         ("wgmma only", 14), ("wgmma + softmax + P (no loads)", 2), ("loads + softmax + P (no wgmma)", 1),
         ("P in 1 part (v1.2 order)", "parts1"), ("P in 2 parts", "parts2"), ("no row-max exchange", 16),
-        ("no exponentials", 32), ("no exchange, no exponentials", 48))
+        ("no exponentials", 32), ("no exchange, no exponentials", 48), ("one tile per CTA", "onetile"))
 
 
 def main():
@@ -38,7 +39,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ghz", type=float, default=1.4)
     ap.add_argument("--base", default=None, help="a scratch copy of the kernel source under cuda_src/: one more row")
-    ap.add_argument("--only", default=None, help="comma-separated row names to keep (the full kernel always)")
+    ap.add_argument("--only", default=None, help="row names to keep, separated by ';' (the full kernel always)")
     args = ap.parse_args()
     B, H, L, S, D = (int(x) for x in args.shape.split(","))
     import torch
@@ -47,10 +48,16 @@ def main():
     out = cupy.from_dlpack(torch.empty(B, H, L, D, device="cuda", dtype=tdt))
     lse = cupy.empty((B, H, L), cupy.float32)
     causal = "top_left" if args.causal else None
-    rows = ROWS if args.only is None else tuple(r for r in ROWS if r[0] == "full kernel" or r[0] in args.only.split(","))
+    rows = ROWS if args.only is None else tuple(r for r in ROWS if r[0] == "full kernel" or r[0] in args.only.split(";"))
     rows += (("base source", "base"),) if args.base else ()
     launches = {}
     for name, bits in rows:
+        if bits == "onetile":
+            launch = fused_d512.prepare(q, k, v, out, lse, scale=D ** -0.5, causal=causal, persistent=False)
+            launches[name] = (lambda launch=launch: launch.launch_on(cupy.cuda.get_current_stream().ptr, q.data.ptr,
+                                                                       k.data.ptr, v.data.ptr, out.data.ptr,
+                                                                       lse.data.ptr))
+            continue
         if bits == "base":
             fam = dataclasses.replace(fused_d512.FLASH_FWD_D512_SM90, source=args.base)
         elif isinstance(bits, str):

@@ -13,13 +13,15 @@
 //     m64n128k16, Q and K from shared memory), so each holds half of every row;
 //   * the row max is exchanged once per block through shared memory (both then apply the same new max m and
 //     rescale factor α = 2^(m_old − m)); each keeps its own share of the row sum, added at the end;
-//   * P (64 × 256) goes to shared memory in the 128-byte swizzle, each warpgroup its 128 keys; after a barrier each
-//     computes O_w += P V[:, its columns] (wgmma m64n256k16, A = P and B = V MN-major, both from shared memory).
+//   * P (64 × 256) goes to shared memory in the 128-byte swizzle, each warpgroup its 128 keys, in four parts of 32 keys
+//     per warpgroup; after each part's barrier each computes O_w += P V[:, its columns] over that part's 64 keys
+//     (wgmma m64n256k16, A = P and B = V MN-major, both from shared memory) while it exponentiates the next part.
 // The ring carries 32 KB stages in the order the consumers read them: per key block, 8 K chunks (256 keys × 64 head-dim
-// columns, one box) for S, then 8 V chunks (32 keys × 512 columns, eight 64-column boxes) for P·V. Q (64 × 512, eight
+// columns, one box) for S, then 8 V chunks (32 keys × 512 columns, eight 64-column boxes) for P·V, in the parts' key
+// order (v_stage_key). Q (64 × 512, eight
 // 64-column boxes) is loaded once per CTA.
-// Not (yet) here: overlap of the softmax with wgmma (the phases of a block run in turn; two such variants measured
-// slower, bench/NOTES_split.md), a balanced persistent schedule for causal calls, attn_mask.
+// Not (yet) here: overlap of the row max and the first part's exponentials with wgmma (the rest of the softmax runs
+// under P·V since v1.3; two deeper overlap variants measured slower, bench/NOTES_split.md), attn_mask.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -37,6 +39,9 @@
 //   v1.2 persistent CTAs for calls without a causal mask (the next tile's Q and K stages load under a tile's last
 //       P·V and O stores): 1.028 vs 1.057 ms (535 TFLOP/s); causal calls keep one tile per CTA (static striding
 //       measured 0.715 against 0.548 ms at (2,8,4096,4096,512) bf16)                                   (session 14)
+//   v1.3 P·V in four parts, each part's exponentials under the previous part's wgmma: −6 to −7% kernel time on four
+//       D = 512 shapes (0.948 vs 1.015 ms at (4,16,2048,2048,512) fp16); causal calls persistent over m-block pairs
+//       (M−1−k, k) (tile_scheduler.cuh): −4 to −15% against one tile per CTA                           (session 15)
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
@@ -44,6 +49,7 @@
 #include "common/tma.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
 namespace d512 {
@@ -119,7 +125,7 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 
 }  // namespace d512
 
-// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first, or with kPersistent (min(tiles, SMs), 1, 1). Block: 384
+// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first, or with kPersistent (min(units, SMs), 1, 1). Block: 384
 // threads.
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
 // it by more than kLazySlack in log2 units, so P ≤ 2^kLazySlack (fp16/bf16 hold it with the same relative precision
@@ -137,9 +143,10 @@ constexpr float kLazySlack = 8.f;
 constexpr bool kAblateMma = CUPY_ATTN_D512_ABLATE & 1, kAblateLoads = CUPY_ATTN_D512_ABLATE & 2,
                kAblateSoftmax = CUPY_ATTN_D512_ABLATE & 4, kAblateP = CUPY_ATTN_D512_ABLATE & 8,
                kAblateExchange = CUPY_ATTN_D512_ABLATE & 16, kAblateExp = CUPY_ATTN_D512_ABLATE & 32;
-// kPersistent: grid min(tiles, SMs); each CTA walks tiles blockIdx.x, + gridDim.x, ... (row block fastest, causal
-// row blocks longest first); the producer loads the next tile's Q once both consumers are done with the current one's
-// (q_empty) and its K stages while they finish the tile's last P·V and store O. Otherwise one tile per CTA.
+// kPersistent: grid min(units, SMs); each CTA walks the units blockIdx.x, + gridDim.x, ... of sm90/tile_scheduler.cuh
+// (row block fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next
+// tile's Q once both consumers are done with the current one's (q_empty) and its K stages while they finish the
+// tile's last P·V and store O. Otherwise one tile per CTA.
 template <typename T, int kStages, bool kPersistent>
 __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace d512;
@@ -150,16 +157,27 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
-  const int m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM), heads = static_cast<int>(p.num_heads);
-  const int tiles = kPersistent ? m_blocks * heads * static_cast<int>(p.batch) : 1;
-  const int first = kPersistent ? blockIdx.x : 0, stride = kPersistent ? gridDim.x : 1;
-  // Tile tt: (row block, head, batch), causal row blocks longest first.
-  auto tile = [&](int tt, int& m0, int& h, int& b) {
-    int mb = kPersistent ? tt % m_blocks : blockIdx.x;
-    if (p.is_causal) mb = (kPersistent ? m_blocks : gridDim.x) - 1 - mb;
-    h = kPersistent ? (tt / m_blocks) % heads : blockIdx.y;
-    b = kPersistent ? tt / (m_blocks * heads) : blockIdx.z;
-    m0 = mb * kBlockM;
+  // The CTA's tiles (m0, h, b): its one tile (grid (⌈L / 64⌉, Hq, B), causal row blocks longest first), or with
+  // kPersistent sm90/tile_scheduler.cuh's static striding (causal: m-block pairs (M−1−k, k) of equal cost when
+  // p.tile_pairs). The producer thread and the consumers each walk their own copy.
+  sm90::StaticTileScheduler<kBlockM> sched(p);
+  bool one_left = true;
+  auto next_tile = [&](int& m0, int& h, int& b) -> bool {
+    if constexpr (kPersistent) {
+      if (!sched.valid()) return false;
+      const sm90::WorkTile w = sched.tile();
+      sched.advance();
+      m0 = w.m_block * kBlockM;
+      h = w.h;
+      b = w.b;
+    } else {
+      if (!one_left) return false;
+      one_left = false;
+      m0 = (p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x) * kBlockM;
+      h = blockIdx.y;
+      b = blockIdx.z;
+    }
+    return true;
   };
 
   if (threadIdx.x == 0) {
@@ -187,9 +205,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       else tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
       return ss.ring + s * kStageBytes;
     };
-    for (int tt = first; tt < tiles; tt += stride) {
-    int m0, h, b;
-    tile(tt, m0, h, b);
+    for (int m0, h, b; next_tile(m0, h, b);) {
     const int h_kv = h / static_cast<int>(p.groups);
     const int n_blocks = key_blocks(p, m0);
     if (n_blocks == 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
@@ -240,9 +256,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(ss.q_empty);
   };
-  for (int tt = first; tt < tiles; tt += stride) {
-  int m0, h, b;
-  tile(tt, m0, h, b);
+  for (int m0, h, b; next_tile(m0, h, b);) {
   const int n_blocks = key_blocks(p, m0);
   float o[128];
   #pragma unroll

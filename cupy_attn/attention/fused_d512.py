@@ -118,22 +118,41 @@ def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, st
     return False, f"{ctas} CTAs of the head-dim-512 kernel would not fill the {num_sms} SMs"
 
 
-def grid_for(B: int, Hq: int, L: int) -> tuple:
-    return (-(-L // BLOCK_M), Hq, B)
+def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: int) -> tuple[tuple, bool]:
+    """(grid, tile_pairs): one tile per CTA, or min(SMs, units) persistent CTAs over sm90/tile_scheduler.cuh's units
+    (causal calls with more tiles than SMs pair the m-blocks (M−1−k, k) of a head).
+
+    >>> grid_for(4, 16, 2048, False, True, 132), grid_for(2, 8, 4096, True, True, 132)
+    (((132, 1, 1), False), ((132, 1, 1), True))
+    >>> grid_for(1, 1, 300, True, True, 132)
+    ((5, 1, 1), False)
+    >>> grid_for(2, 8, 4096, True, False, 132)
+    ((64, 8, 2), False)
+    """
+    m_blocks = -(-L // BLOCK_M)
+    if not persistent:
+        return (m_blocks, Hq, B), False
+    pairs = causal and m_blocks * Hq * B > num_sms
+    units = Hq * B * (-(-m_blocks // 2) if pairs else m_blocks)
+    return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None,
-            family: KernelFamily = FLASH_FWD_D512_SM90) -> "_sm90.Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: KernelFamily = FLASH_FWD_D512_SM90,
+            persistent: bool | None = None) -> "_sm90.Sm90Launch":
     """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
-    FLASH_FWD_D512_SM90 or a copy with other NVRTC options (bench/experiments/d512_wall.py's ablations)."""
+    FLASH_FWD_D512_SM90 or a copy with other NVRTC options, persistent: None (the default grid) or a forced variant
+    (bench/experiments/d512_wall.py's rows)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    # Persistent CTAs for calls without a causal mask (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598
-    # at (8,16,1024,1024,512)); causal calls keep one tile per CTA, longest first, which the hardware balances: with
-    # static striding (2,8,4096,4096,512) bf16 causal took 0.715 ms against 0.548.
-    persistent = causal is None
+    # Persistent CTAs (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598 at (8,16,1024,1024,512)).
+    # Causal calls with more tiles than SMs walk m-block pairs (M−1−k, k) of equal cost (tile_scheduler.cuh; static
+    # striding over single tiles, longest first, measured 0.715 ms against 0.548 for one tile per CTA at
+    # (2,8,4096,4096,512) bf16); persistent=False: one tile per CTA, causal row blocks longest first.
+    from ..runtime.interop import device_sms
+    import cupy
+    persistent = True if persistent is None else persistent
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
-                                        persistent="true" if persistent else "false")
+                           persistent="true" if persistent else "false")
     p = np.zeros((), dtype=_sm90._PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
@@ -146,11 +165,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None,
         for axis, stride in zip("bhl", _sm90._estrides(lse)):
             p[f"lse_stride_{axis}"] = stride
     maps = (_sm90._MapSpec.of(q, BLOCK_M), _sm90._MapSpec.of(k, BLOCK_N), _sm90._MapSpec.of(v, V_KEYS))
-    grid = grid_for(B, Hq, L)
-    if persistent:
-        from ..runtime.interop import device_sms
-        import cupy
-        grid = (min(grid[0] * grid[1] * grid[2], device_sms(cupy.cuda.Device().id)), 1, 1)
+    grid, p["tile_pairs"] = grid_for(B, Hq, L, causal is not None, persistent, device_sms(cupy.cuda.Device().id))
     return _sm90.Sm90Launch(kernel, p, maps, grid, (THREADS,), smem_bytes(), None)
 
 
