@@ -44,8 +44,8 @@ def decode_calls(f16):
 
 
 def d512_calls(f16):
-    """The head-dim-512 fused kernel (session 14), forced: a partial row block and a partial key block, causal in both
-    alignments (L > S: rows that see no key), GQA, E ≠ Ev."""
+    """The head-dim-512 fused kernel (sessions 14-15), forced: a partial row block and a partial key block, causal in
+    both alignments (L > S: rows that see no key), GQA, E ≠ Ev, persistent walks (causal ones over m-block pairs)."""
     os.environ["CUPY_ATTN_D512"] = "1"
     q = torch.randn(1, 4, 200, 512, device="cuda", dtype=f16)
     k, v = (torch.randn(1, 2, 300, 512, device="cuda", dtype=f16) for _ in range(2))
@@ -55,10 +55,14 @@ def d512_calls(f16):
     k = torch.randn(1, 2, 70, 264, device="cuda", dtype=torch.bfloat16)
     v = torch.randn(1, 2, 70, 504, device="cuda", dtype=torch.bfloat16)
     cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True)
-    # More tiles than SMs: persistent CTAs walk several, some of them without a key block (bottom-right, L > S).
+    # More tiles than SMs: persistent CTAs walk several, some of them without a key block (bottom-right, L > S);
+    # causal ones in m-block pairs (M-1-k, k), M = 5 and 11 (the middle m-block alone).
     q = torch.randn(1, 40, 300, 512, device="cuda", dtype=f16)
     k, v = (torch.randn(1, 40, 100, 512, device="cuda", dtype=f16) for _ in range(2))
-    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True)
+    for causal in (False, "bottom_right"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, return_lse=True)
+    q, k, v = (torch.randn(1, 14, 704, 320, device="cuda", dtype=f16) for _ in range(3))
+    cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, return_lse=True)
     del os.environ["CUPY_ATTN_D512"]
 
 
