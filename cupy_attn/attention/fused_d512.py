@@ -9,7 +9,7 @@ It takes the same parameter struct and launch object as the head-dim ≤ 256 ker
 Sm90Launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
 
 Dispatch (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
-takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.73x
+takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.84x
 the split path).
 """
 from __future__ import annotations
@@ -101,7 +101,8 @@ def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, st
     against the split path: (4,16,2048,2048,512) fp16 1.28-1.40x, causal 1.59x; (2,8,4096,4096,512) bf16 1.28x,
     causal 1.73x; (8,16,1024,1024,512) fp16 1.27x; (4,16,2048,2048,384) fp16 1.17x; (4,16,2048,2048,320) bf16
     causal 1.29x; L = S = 1024-8192 at D = 512 1.32-1.39x (against the split rows of the previous main job); but
-    (128,16,256,256,512) fp16 0.906 ms against the split path's 0.810 (scores kernel).
+    (128,16,256,256,512) fp16 0.906 ms against the split path's 0.810 (scores kernel). Session 15 (v1.3, 6-7% faster
+    kernel): (4,16,2048,2048,512) fp16 1.41-1.50x, causal 1.69x; (2,8,4096,4096,512) bf16 1.45x, causal 1.84x.
 
     >>> prefer_grid(4, 16, 2048, 2048, 132)[0], prefer_grid(1, 2, 300, 700, 132)[0], prefer_grid(128, 16, 256, 256, 132)[0]
     (True, False, False)
@@ -113,7 +114,7 @@ def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, st
     if S <= 512:
         return False, f"S = {S} <= 512: the split path's scores kernel holds whole rows (faster there, measured)"
     if ctas >= num_sms:
-        return True, (f"head-dim-512 fused kernel: {ctas} CTAs fill the {num_sms} SMs (1.17-1.73x the split path at "
+        return True, (f"head-dim-512 fused kernel: {ctas} CTAs fill the {num_sms} SMs (1.17-1.84x the split path at "
                       "head dims 320-512, measured)")
     return False, f"{ctas} CTAs of the head-dim-512 kernel would not fill the {num_sms} SMs"
 
