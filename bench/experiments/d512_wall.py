@@ -13,6 +13,7 @@ causal). --only takes row names separated by ";".
 """
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
@@ -48,25 +49,24 @@ def main():
     out = cupy.from_dlpack(torch.empty(B, H, L, D, device="cuda", dtype=tdt))
     lse = cupy.empty((B, H, L), cupy.float32)
     causal = "top_left" if args.causal else None
-    rows = ROWS if args.only is None else tuple(r for r in ROWS if r[0] == "full kernel" or r[0] in args.only.split(";"))
+    keep = None if args.only is None else {"full kernel", *args.only.split(";")}
+    rows = ROWS if keep is None else tuple(r for r in ROWS if r[0] in keep)
     rows += (("base source", "base"),) if args.base else ()
+    base = fused_d512.FLASH_FWD_D512_SM90
     launches = {}
     for name, bits in rows:
-        if bits == "onetile":
-            launch = fused_d512.prepare(q, k, v, out, lse, scale=D ** -0.5, causal=causal, persistent=False)
-            launches[name] = (lambda launch=launch: launch.launch_on(cupy.cuda.get_current_stream().ptr, q.data.ptr,
-                                                                       k.data.ptr, v.data.ptr, out.data.ptr,
-                                                                       lse.data.ptr))
-            continue
         if bits == "base":
-            fam = dataclasses.replace(fused_d512.FLASH_FWD_D512_SM90, source=args.base)
+            fam = dataclasses.replace(base, source=args.base)
+        elif bits == "onetile":
+            fam = base
         elif isinstance(bits, str):
-            fam = dataclasses.replace(fused_d512.FLASH_FWD_D512_SM90, options=(f"-DCUPY_ATTN_D512_P_PARTS={bits[5:]}",))
+            fam = dataclasses.replace(base, options=(f"-DCUPY_ATTN_D512_P_PARTS={bits[5:]}",))
         else:
-            fam = dataclasses.replace(fused_d512.FLASH_FWD_D512_SM90, options=(f"-DCUPY_ATTN_D512_ABLATE={bits}",))
-        launch = fused_d512.prepare(q, k, v, out, lse, scale=D ** -0.5, causal=causal, family=fam)
-        launches[name] = (lambda launch=launch: launch.launch_on(cupy.cuda.get_current_stream().ptr, q.data.ptr, k.data.ptr,
-                                                               v.data.ptr, out.data.ptr, lse.data.ptr))
+            fam = dataclasses.replace(base, options=(f"-DCUPY_ATTN_D512_ABLATE={bits}",))
+        launch = fused_d512.prepare(q, k, v, out, lse, scale=D ** -0.5, causal=causal, family=fam,
+                                    persistent=bits != "onetile")
+        launches[name] = functools.partial(launch.launch_on, cupy.cuda.get_current_stream().ptr, q.data.ptr,
+                                           k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
     times = {name: [] for name, _ in rows}
     for r in range(args.rounds):
         order = rows[r % len(rows):] + rows[:r % len(rows)]

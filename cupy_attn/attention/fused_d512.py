@@ -139,10 +139,10 @@ def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: i
 
 
 def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: KernelFamily = FLASH_FWD_D512_SM90,
-            persistent: bool | None = None) -> "_sm90.Sm90Launch":
+            persistent: bool = True) -> "_sm90.Sm90Launch":
     """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
-    FLASH_FWD_D512_SM90 or a copy with other NVRTC options, persistent: None (the default grid) or a forced variant
-    (bench/experiments/d512_wall.py's rows)."""
+    FLASH_FWD_D512_SM90 or a copy with other NVRTC options; persistent=False: one tile per CTA (the baseline row of
+    bench/experiments/d512_wall.py)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     # Persistent CTAs (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598 at (8,16,1024,1024,512)).
@@ -151,7 +151,6 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: Kern
     # (2,8,4096,4096,512) bf16); persistent=False: one tile per CTA, causal row blocks longest first.
     from ..runtime.interop import device_sms
     import cupy
-    persistent = True if persistent is None else persistent
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
                            persistent="true" if persistent else "false")
     p = np.zeros((), dtype=_sm90._PARAMS)
