@@ -1,6 +1,7 @@
 """Kernel parameter structs are declared once in Python (NumPy structured dtypes) and checked against the C++ structs
 at compile time: every family carries its structs, and a drifted declaration fails to compile (CPU, NVRTC)."""
 import dataclasses
+import os
 import re
 
 import numpy as np
@@ -48,3 +49,20 @@ def test_drifted_declaration_fails_to_compile():
     bad = dataclasses.replace(launch.FOLD_RUNNING_STATS, structs=((ctype, short),))
     with pytest.raises(_compile.KernelCompileError, match="size differs from its NumPy declaration"):
         _compile.compile_family(bad, "sm_80")
+
+
+def test_launch_config_mirrors_cuda_h():
+    """The ctypes CUlaunchAttribute / CUlaunchConfig that programmatic dependent launches pass to cuLaunchKernelEx
+    (runtime.compile._PdlLaunch) have cuda.h's sizes and offsets, and the attribute id is cuda.h's."""
+    import ctypes
+    Attribute, Config = _compile.launch_config_types()
+    assert ctypes.sizeof(Attribute) == 72 and Attribute.value.offset == 8
+    assert ctypes.sizeof(Config) == 56
+    assert (Config.smem.offset, Config.stream.offset, Config.attrs.offset, Config.num_attrs.offset) == (24, 32, 40, 48)
+    headers = [os.path.join(d, "cuda.h") for d in _compile.cuda_include_dirs()]
+    headers = [h for h in headers if os.path.isfile(h)]
+    if not headers:
+        pytest.skip("no cuda.h among the CUDA include dirs")
+    text = open(headers[0]).read()
+    m = re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*(\d+)", text)
+    assert m and int(m.group(1)) == _compile._PdlLaunch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

@@ -3,6 +3,7 @@
 // fp32 registers, and scalar loads/stores of a per-feature vector of any of the three dtypes.
 #pragma once
 #include "common/types.cuh"
+#include "common/pdl.cuh"
 
 namespace cupy_attn {
 namespace lbs {

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..runtime import blas, interop, workspace
-from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup
+from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup, pdl_supported
 from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 
 _C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
@@ -139,6 +139,9 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
 # GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
 # computed in place in the output.
 Y_WORKSPACE_MAX_BYTES = 64 << 20
+# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (StructLaunch's pdl). A switch for A/B runs
+# (bench/experiments/lbs_pdl.py); read when a call is prepared.
+PDL = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,8 +226,10 @@ class _Prepared:
         self.in_place = self.gemm is None or self.y_bytes > Y_WORKSPACE_MAX_BYTES
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
         # One cuLaunchKernel each on the raw stream handle (StructLaunch: ~1 µs of host time against ~6 through CuPy's
-        # Function call; no current-stream switch on the replay path).
-        self.launches = tuple(StructLaunch(ln.kernel, (ln.grid,), (ln.block,)) for ln in launches)
+        # Function call; no current-stream switch on the replay path). On sm_90+ both as programmatic dependents
+        # (PDL): each is launched while the kernel before it drains, and waits inside for that kernel's output.
+        pdl = PDL and pdl_supported(self.device_id)
+        self.launches = tuple(StructLaunch(ln.kernel, (ln.grid,), (ln.block,), pdl=pdl) for ln in launches)
         self._launch_all = StructLaunchGroup(self.launches)
         # The per-stream workspace: (AFFINE_ROWS, F) float32 folded per-feature affine, 256-byte aligned, then y unless
         # in place.

@@ -157,20 +157,92 @@ class OwnParams:
         self.lock = threading.Lock()
 
 
+@functools.lru_cache(maxsize=None)
+def launch_config_types():
+    """ctypes mirrors of cuda.h's CUlaunchAttribute (72 bytes: the id, 4 bytes of padding, a 64-byte value union) and
+    CUlaunchConfig (56 bytes), the arguments of cuLaunchKernelEx."""
+    import ctypes
+
+    class Value(ctypes.Union):
+        _fields_ = [("pad", ctypes.c_char * 64), ("flag", ctypes.c_int)]
+
+    class Attribute(ctypes.Structure):
+        _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", Value)]
+
+    class Config(ctypes.Structure):
+        _fields_ = [("grid", ctypes.c_uint * 3), ("block", ctypes.c_uint * 3), ("smem", ctypes.c_uint),
+                    ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(Attribute)), ("num_attrs", ctypes.c_uint)]
+
+    return Attribute, Config
+
+
+class _PdlLaunch:
+    """cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (programmatic dependent launch,
+    sm_90+), called like ``cupy.cuda.driver.launchKernel``: the kernel may be launched while the previous kernel in
+    the stream is still finishing, and must itself wait (``griddepcontrol.wait``) before it reads that kernel's
+    output. The CUlaunchConfig is built once (ctypes); a call sets the stream and launches (~1 µs of host time)."""
+
+    CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h, CUlaunchAttributeID
+
+    def __init__(self):
+        import ctypes
+        Attribute, Config = launch_config_types()
+        self._attr = Attribute()
+        self._attr.id = self.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        self._attr.value.flag = 1
+        self._cfg = Config()
+        self._cfg.attrs = ctypes.pointer(self._attr)
+        self._cfg.num_attrs = 1
+        self._cfg_ref = ctypes.byref(self._cfg)
+        self._fn = _libcuda().cuLaunchKernelEx
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+        self._fn.restype = ctypes.c_int
+
+    def __call__(self, fn_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, argv, extra):
+        cfg = self._cfg
+        cfg.grid[0], cfg.grid[1], cfg.grid[2] = gx, gy, gz
+        cfg.block[0], cfg.block[1], cfg.block[2] = bx, by, bz
+        cfg.smem = smem
+        cfg.stream = stream_ptr
+        err = self._fn(self._cfg_ref, fn_ptr, argv, None)
+        if err:
+            from cupy.cuda import driver
+            raise driver.CUDADriverError(err)
+
+
+@functools.lru_cache(maxsize=None)
+def _libcuda():
+    import ctypes
+    return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
+
+
+def pdl_supported(device_id: int) -> bool:
+    """Whether launches on this device may use programmatic dependent launch: compute capability 9.0 or newer and a
+    driver that exports cuLaunchKernelEx (CUDA 12.0+)."""
+    import cupy
+    if cupy.cuda.Device(device_id).compute_capability < "90":
+        return False
+    try:
+        return hasattr(_libcuda(), "cuLaunchKernelEx")
+    except OSError:
+        return False
+
+
 class StructLaunch:
     """A kernel whose one argument is a by-value struct, launched by one cuLaunchKernel on a raw stream handle with
     grid, block and shared memory fixed at construction: ~1 µs of host time a launch against ~6 µs through CuPy's
     RawKernel call (the prepared backward launches three kernels per call this way). The kernel's device must be
     current at launch; ``params`` (a 0-d structured NumPy array) only has to live through the call, since the driver
-    copies the argument bytes during it."""
+    copies the argument bytes during it. ``pdl``: launched as a programmatic dependent of the previous kernel in the
+    stream (:class:`_PdlLaunch`; the kernel must call ``griddepcontrol.wait`` before it reads that kernel's output)."""
 
     __slots__ = ("_launch", "_fn_ptr", "_dims")
 
-    def __init__(self, kernel, grid: tuple, block: tuple, smem: int = 0):
+    def __init__(self, kernel, grid: tuple, block: tuple, smem: int = 0, pdl: bool = False):
         from cupy.cuda import driver
         if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
-        self._launch = driver.launchKernel
+        self._launch = _PdlLaunch() if pdl else driver.launchKernel
         self._fn_ptr = int(kernel.kernel.ptr)  # the RawKernel (cached by KernelFamily) keeps the module alive
         self._dims = launch_dims(grid, block, smem)
 
