@@ -64,6 +64,7 @@
 #include "common/mma.cuh"
 #include "common/mask.cuh"
 #include "common/tma.cuh"
+#include "common/pdl.cuh"
 
 namespace cupy_attn {
 
@@ -609,6 +610,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   static_assert(kStages >= 2, "at least one tile in flight while one is consumed");
   // The merge scratch (per warp: m, l and a 16 × kHeadDim fp32 O) reuses the K/V buffers.
   static_assert(kNWarps * kRows * (kHeadDim + 2) * 4 <= 2 * kStages * kTileElems * 2, "merge scratch fits");
+  pdl_launch_dependents();  // the combine kernel (PDL-launched) may start; it waits for this grid's partials
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // K/V from the base aligned up to a row (kRowBytes; DecodeTile.smem_bytes holds the slack), so that a lane's
@@ -779,6 +781,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   static_assert(kStages >= 2, "a ring of at least two stages");
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
   static_assert(kNWarps * 16 * (kHeadDim + 2) * 4 <= 2 * kStages * Smem::kTileBytes, "merge scratch fits the ring");
+  pdl_launch_dependents();  // the combine kernel (PDL-launched) may start; it waits for this grid's partials
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
@@ -898,6 +901,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
 template <typename T>
 __global__ void __launch_bounds__(128) flash_decode_combine(const FlashDecodeParams p) {
   using namespace decode;
+  pdl_wait();  // launched as a programmatic dependent of the split kernel on sm_90+: its partials
   const long long L = p.seqlen_q, R = p.batch * p.num_heads * L;
   const long long row = blockIdx.x;
   const int Ev = static_cast<int>(p.head_dim_v), n = static_cast<int>(p.num_splits);

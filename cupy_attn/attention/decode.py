@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..runtime import workspace
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims, source_dir, struct_arg
+from ..runtime.compile import KernelFamily, OwnParams, _PdlLaunch, launch_dims, pdl_supported, source_dir, struct_arg
 from ..runtime.interop import device_sms, dtype_name
 from . import fused as _fused
 from . import fused_sm90 as _fa3
@@ -32,6 +32,7 @@ ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES),
 WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
 MAX_SPLITS = 128
 ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
+PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode_pdl.py)
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
@@ -599,15 +600,19 @@ class DecodeLaunch:
                 own.words[6:8] = (ptr, ptr + self.o_part_bytes)
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
             if self._combine_ptr:
-                self._launch(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, own.argv_ptr, 0)
+                self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, own.argv_ptr, 0)
         del work
 
     def __post_init__(self):
         # Resolved once, on the device the launch is built for: the parameter words with their kernelParams array and
         # lock (OwnParams), the CUfunctions (the RawKernels keep their modules alive).
-        from cupy.cuda import driver
+        from cupy.cuda import driver, runtime
         assert self.params.dtype.names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
         self._launch = driver.launchKernel
+        # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
+        # split kernel drains; it waits inside for the partials).
+        self._launch_combine = (_PdlLaunch() if PDL and self.combine is not None
+                                and pdl_supported(runtime.getDevice()) else driver.launchKernel)
         self._own = OwnParams(self.params)
         self._fn_ptr = int(self.kernel.kernel.ptr)
         self._combine_ptr = 0 if self.combine is None else int(self.combine.kernel.ptr)
@@ -626,7 +631,9 @@ class DecodeLaunch:
         kp = self.kernel_params(p)  # held until the launch returns (struct_arg)
         self.kernel(self.grid, self.block, (struct_arg(kp),), shared_mem=self.smem)
         if self.combine is not None:
-            self.combine((self.rows,), (128,), (struct_arg(p),))
+            argv = np.array([p.ctypes.data], dtype=np.uint64)  # kernelParams: one pointer to p's bytes
+            self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, _fused._current_stream_ptr(),
+                                 argv.ctypes.data, 0)
         del work
 
     def kernel_params(self, p: np.ndarray) -> np.ndarray:
@@ -643,6 +650,7 @@ class DecodeSm90Launch(DecodeLaunch):
     maps: tuple = ()
 
     def __post_init__(self):
+        super().__post_init__()
         self._tensor_maps = _fa3.TensorMaps(spec.encode for spec in self.maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
