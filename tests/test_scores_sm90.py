@@ -321,25 +321,19 @@ def test_quad_transpose_gives_each_lane_eight_consecutive_keys():
                                            (100, 300, 0, "bottom_right"), (100, 300, 192, "bottom_right"),
                                            (100, 300, 256, "bottom_right"), (512, 200, 128, "bottom_right"),
                                            (7, 7, 0, "top_left"), (129, 77, 64, "top_left")])
-@pytest.mark.parametrize("tiles", ["S", "class"])
-def test_epilogue_emulation_causal(S, L, m0, align, tiles):
+def test_epilogue_emulation_causal(S, L, m0, align):
     """The causal epilogue: P = the masked softmax of the block's rows (0 past each row's limit, written), lse; rows
     that see no key (bottom-right with L > S) get P = 0 and lse = −inf, no NaN; a warpgroup whose keys all lie past
     the block's last row's limit (inactive: the kernel skips its wgmma, its accumulators hold stale zeros) still
-    writes its zeros. tiles "S": the tile for all S keys (one launch); "class": the tile of the block's causal width
-    class (scores_sm90.width_classes: one launch per class), whose 2·half_n keys may stop short of S."""
+    writes its zeros."""
     rng = np.random.default_rng(S + L + m0)
-    if tiles == "S":
-        half_n = _scores.tile_for(S).half_n
-    else:
-        half_n = next(t.half_n for b, n, t in _scores.width_classes(L, S, align) if b <= m0 // 64 < b + n)
+    half_n = _scores.tile_for(S).half_n
     ld = -(-S // 8) * 8
     rows = min(64, L - m0)
     offset = 0 if align == "top_left" else S - L
     n_vis = max(0, min(S, m0 + rows + offset))
-    assert n_vis <= 2 * half_n
     s = np.zeros((64, 2 * half_n), np.float32)
-    s[:, :min(S, 2 * half_n)] = rng.standard_normal((64, min(S, 2 * half_n))).astype(np.float32) * 6
+    s[:, :S] = rng.standard_normal((64, S)).astype(np.float32) * 6
     s[:, n_vis:] = 0  # an inactive warpgroup's accumulators: never written by a wgmma
     scale = 0.37
     P, lse, writes = emulate_epilogue(s, S, rows, scale * 1.4426950408889634, half_n, ld, m0=m0, causal_offset=offset)
@@ -902,25 +896,3 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypat
         assert (np.isneginf(got) == np.isneginf(ref_lse)).all(), f"lse -inf rows differ ({align}, call {seed})"
         fin = np.isfinite(ref_lse)
         np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)
-
-
-@pytest.mark.parametrize("align", [None, "top_left", "bottom_right"])
-def test_width_classes_cover_every_row_block_once(align):
-    """A causal call's launches (one per width class) cover row blocks 0 ... ⌈L/64⌉ − 1 in order, each once, with a
-    tile that holds the block's visible keys; without a mask one launch with tile_for(S)."""
-    rng = np.random.default_rng(7)
-    for L, S in [(512, 512), (1, 1), (64, 512), (513, 512), (300, 100), (100, 300), (1000, 512)] + [
-            tuple(int(x) for x in rng.integers(1, 1025, 2)) for _ in range(40)]:
-        if S > _scores.MAX_SEQLEN_K:
-            continue
-        classes = _scores.width_classes(L, S, align)
-        blocks = -(-L // 64)
-        assert [m for b, n, _ in classes for m in range(b, b + n)] == list(range(blocks)), (L, S)
-        if align is None:
-            assert classes == [(0, blocks, _scores.tile_for(S))]
-            continue
-        offset = 0 if align == "top_left" else S - L
-        for b, n, tile in classes:
-            for m in range(b, b + n):
-                n_vis = max(0, min(S, min(64 * (m + 1), L) + offset))
-                assert n_vis <= 2 * tile.half_n and tile == _scores.tile_for(max(1, n_vis)), (L, S, m)

@@ -1,9 +1,11 @@
 """Where the causal seed's time goes on the split path (fp16 (32,32,512,512,1024), same process, alternating rounds):
-the persistent scores kernel alone, causal (one launch over all row blocks, or one per width class) and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
+the persistent scores kernel alone, causal and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
 bands that each stop at their last visible key (band r of n: rows r·L/n ... (r+1)·L/n − 1 against keys up to
 (r+1)·S/n, the work (n + 1)/(2n) of the full product); the public calls.
 
     PYTHONPATH=. python3 bench/experiments/causal_seed_parts.py
+
+(Commit 2efed26 added causal width classes to the scores kernel and this script's A/B of them; reverted.)
 """
 import os
 import sys
@@ -29,26 +31,14 @@ def main():
     p = torch.empty(B, H, L, L, device="cuda", dtype=dt)
     lse = cupy.empty((B, H, L), cupy.float32)
     scale = D ** -0.5
-    launches = {}
-    for classes in (False, True):  # one launch over all row blocks, or one per causal width class
-        scores_sm90.CAUSAL_CLASSES = classes
-        launches[None if classes else "one launch"] = scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3,
-                                                                         causal="top_left")
-    scores_sm90.CAUSAL_CLASSES = True
-    launches["non-causal"] = scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3, causal=None)
-    print(launches[None].describe())
+    launches = {c: scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3, causal=c)
+                for c in (None, "top_left")}
 
     def scores(c):
         return lambda: launches[c](cq.data.ptr, ck.data.ptr, p.data_ptr(), lse.data.ptr)
 
-    # P of the two causal schedules: the same bits.
-    p_ref = torch.empty_like(p)
-    scores("one launch")()
-    p_ref.copy_(p)
-    p.fill_(7)
-    scores(None)()
+    scores("top_left")()
     torch.cuda.synchronize()
-    print("causal P, width classes against one launch: bit-identical", torch.equal(p, p_ref))
 
     def bands(n):
         def run():
@@ -57,8 +47,7 @@ def main():
                 torch.matmul(p[..., r0:r1, :r1], v[..., :r1, :])
         return run
 
-    fns = {"scores kernel": scores("non-causal"), "scores kernel, causal, one launch": scores("one launch"),
-           "scores kernel, causal": scores(None),
+    fns = {"scores kernel": scores(None), "scores kernel, causal": scores("top_left"),
            "P·V, all keys": lambda: torch.matmul(p, v), "P·V, 2 bands": bands(2), "P·V, 4 bands": bands(4),
            "public call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v),
            "public call, causal": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)}

@@ -42,12 +42,6 @@
 // a row's limit gets P = 0, keys 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA
 // stores of a zero box in the one-tile kernels; the P·V GEMM reads whole rows); a row that
 // sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
-// Causal width classes (persistent kernel): a block's mainloop time hardly follows its width, since the ring holds
-// a fixed number of head-dim steps and a narrow block's stages are small (bytes in flight × round trip: session 12's
-// trace). So the launcher (scores_sm90.prepare) runs a causal call as one launch per class of row blocks that share
-// the smallest tile covering their n_vis (m_block_begin/m_block_count), and the narrow tiles carry more stages in
-// the same shared memory (9 at kHalfN = 64, 5 at 128): the narrow blocks keep as many bytes in flight as full ones.
-// Such a launch has S > 2·kHalfN; every block in it has n_vis ≤ 2·kHalfN, and keys 2·nw ... S − 1 get zeros.
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
 // the producer loads the next block's first stages while the consumers run a block's softmax and P stores. P leaves
@@ -99,8 +93,6 @@ struct ScoresSm90Params {
   long long num_heads, batch;  // Hq, B: the persistent kernel's tiles are (row block, head, batch), row block fastest
   void* p;                     // P's base (the same array as tma_p): the persistent kernel's 16-byte stores
   long long ld;                // P's row pitch in elements (a multiple of 8)
-  long long m_block_begin, m_block_count;  // the persistent kernel's row blocks: m_block_begin ... + m_block_count − 1
-                                           // of every (batch, head) (a causal call's width class; else all of them)
 };
 
 namespace scores_sm90 {
@@ -366,14 +358,12 @@ struct Tile {
 // The tiles of a CTA, in order. One-CTA and cluster kernels: the block's own (grid (row blocks, Hq, B)). Persistent
 // kernel (grid (min(tiles, SMs), 1, 1)): tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (row block, head,
 // batch) order with the row block fastest, so that the CTAs running at one time cover a few heads' row blocks side
-// by side, and each head's K is read from DRAM about once (as the one-CTA grid's order does); over the row blocks
-// m_block_begin ... m_block_begin + m_block_count − 1 (a causal call's width class, see the header; else all).
+// by side, and each head's K is read from DRAM about once (as the one-CTA grid's order does).
 template <bool kPersistent>
 struct TileWalk {
-  int next, stride, count, m_blocks, m_begin, heads;
+  int next, stride, count, m_blocks, heads;
   __device__ __forceinline__ explicit TileWalk(const ScoresSm90Params& p) {
-    m_blocks = static_cast<int>(p.m_block_count);
-    m_begin = static_cast<int>(p.m_block_begin);
+    m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
     heads = static_cast<int>(p.num_heads);
     if constexpr (kPersistent) {
       next = blockIdx.x;
@@ -390,8 +380,7 @@ struct TileWalk {
   __device__ __forceinline__ Tile<kHalfN> take(const ScoresSm90Params& p) {
     const int t = next;
     next += stride;
-    if constexpr (kPersistent)
-      return Tile<kHalfN>(p, m_begin + t % m_blocks, (t / m_blocks) % heads, t / (m_blocks * heads));
+    if constexpr (kPersistent) return Tile<kHalfN>(p, t % m_blocks, (t / m_blocks) % heads, t / (m_blocks * heads));
     else return Tile<kHalfN>(p, blockIdx.x, blockIdx.y, blockIdx.z);
   }
 };

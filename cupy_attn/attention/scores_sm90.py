@@ -39,9 +39,6 @@ ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
 # query rows instead of once per 64. 3: persistent, one CTA per SM walking the row blocks (a tile scheduler).
 KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2", 3: "scores_softmax_sm90_persistent"}
 CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
-# Causal calls on the persistent kernel run one launch per width class of row blocks (width_classes). A switch for
-# A/B runs (bench/experiments/causal_seed_parts.py); read when a call is prepared.
-CAUSAL_CLASSES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +55,9 @@ class ScoresTile:
 
 
 # half_n -> tile, the smallest half_n with 2·half_n ≥ S taken. Shared memory of the 227 KB (232448 B) per block:
-# The narrow tiles take as many stages as fit: they also run the narrow row blocks of causal calls at any S (width
-# classes, see prepare), whose mainloop is paced by the bytes in flight, not by the tensor work.
 SCORES_TILES = {
-    64: ScoresTile(64, 9),     # 9 × 24 KB = 218 KB
-    128: ScoresTile(128, 5),   # 5 × 40 KB = 202 KB
+    64: ScoresTile(64, 4),     # 4 × 24 KB = 98 KB (more stages would not help: the ring covers 4 head-dim steps)
+    128: ScoresTile(128, 4),   # 4 × 40 KB = 162 KB
     192: ScoresTile(192, 4),   # 4 × 56 KB = 226 KB: the most that fits
     256: ScoresTile(256, 3),   # 3 × 72 KB = 218 KB (4 stages would need 290 KB)
 }
@@ -72,7 +67,7 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 6
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch", "p", "ld", "m_block_begin", "m_block_count")])
+                        "num_heads", "batch", "p", "ld")])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -104,21 +99,19 @@ def enabled() -> bool:
     return setting() > 0
 
 
-def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sms: int = 132,
-             m_blocks: int | None = None) -> tuple:
+def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sms: int = 132) -> tuple:
     """Variants 1 and 2: (row blocks, Hq, B), ⌈L / 64⌉ blocks of 64 query rows, rounded up to a multiple of the
     cluster's CTAs (variant 2: pairs adjacent along x; an odd count gets one CTA past L, which loads its share of K
-    and stores nothing). Variant 3 (persistent): (min(row blocks · Hq · B, num_sms), 1, 1), one CTA per SM;
-    ``m_blocks``: the launch covers only that many row blocks of each head (a causal width class).
+    and stores nothing). Variant 3 (persistent): (min(row blocks · Hq · B, num_sms), 1, 1), one CTA per SM.
 
     >>> grid_for(32, 32, 512, 2), grid_for(2, 3, 130, 2), grid_for(2, 3, 130, 1), grid_for(1, 1, 1, 2)
     ((8, 32, 32), (4, 3, 2), (3, 3, 2), (2, 1, 1))
-    >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3), grid_for(2, 3, 130, 3, m_blocks=1)
-    ((132, 1, 1), (18, 1, 1), (6, 1, 1))
+    >>> grid_for(32, 32, 512, 3), grid_for(2, 3, 130, 3)
+    ((132, 1, 1), (18, 1, 1))
     """
     if variant not in KERNELS:
         raise ValueError(f"variant={variant}: the scores kernel's variants are {sorted(KERNELS)}")
-    blocks = -(-seqlen_q // BLOCK_M) if m_blocks is None else m_blocks
+    blocks = -(-seqlen_q // BLOCK_M)
     if variant == 3:
         return (min(blocks * num_heads * batch, num_sms), 1, 1)
     m = CLUSTER_M[variant]
@@ -176,56 +169,18 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
     row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
     multiple of 8, another variant, or causal with variant 2."""
-    L, S = q.shape[2], k.shape[2]
+    B, Hq, L, E = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8 (TMA "
                          "stores: 16-byte row strides)")
     if causal is not None and variant == 2:
         raise ValueError(f"causal={causal!r}: the cluster variant (variant=2) is not causal")
     num_sms = device_sms(q.device.id) if variant == 3 else 0
-    classes = width_classes(L, S, causal) if variant == 3 and CAUSAL_CLASSES else [(0, -(-L // BLOCK_M), tile_for(S))]
-    launches = [_prepare_one(q, k, lse, scale, ld, variant, causal, num_sms, *c) for c in classes]
-    return launches[0] if len(launches) == 1 else ScoresLaunchGroup(launches)
-
-
-def width_classes(seqlen_q: int, seqlen_k: int, causal: str | None) -> list[tuple[int, int, ScoresTile]]:
-    """The persistent kernel's launches for one call, as (first row block, row blocks, tile): one launch over all row
-    blocks with :func:`tile_for` (S), or under a causal mask one per run of row blocks whose visible keys n_vis (the
-    limit of the block's last row) take the same smallest tile, narrowest first. Each block of a class has
-    n_vis ≤ 2·half_n; the tile's stages (SCORES_TILES) keep a narrow block's bytes in flight near a full one's.
-
-    >>> [(b, n, t.half_n) for b, n, t in width_classes(512, 512, "top_left")]
-    [(0, 2, 64), (2, 2, 128), (4, 2, 192), (6, 2, 256)]
-    >>> [(b, n, t.half_n) for b, n, t in width_classes(130, 300, "bottom_right")]
-    [(0, 1, 128), (1, 2, 192)]
-    >>> [(b, n, t.half_n) for b, n, t in width_classes(512, 512, None)]
-    [(0, 8, 256)]
-    """
-    blocks = -(-seqlen_q // BLOCK_M)
-    if causal is None:
-        return [(0, blocks, tile_for(seqlen_k))]
-    offset = seqlen_k - seqlen_q if causal == "bottom_right" else 0
-    classes: list = []
-    for m in range(blocks):
-        last_row = min((m + 1) * BLOCK_M, seqlen_q) - 1
-        n_vis = max(0, min(seqlen_k, last_row + offset + 1))
-        tile = tile_for(max(1, n_vis))
-        if classes and classes[-1][2] == tile:
-            classes[-1][1] += 1
-        else:
-            classes.append([m, 1, tile])
-    return [tuple(c) for c in classes]
-
-
-def _prepare_one(q, k, lse, scale, ld, variant, causal, num_sms, m_begin, m_count, tile) -> "ScoresLaunch":
-    """prepare's launch for row blocks m_begin ... m_begin + m_count − 1 of every head (variant 3; the other
-    variants cover all of them) with ``tile``."""
-    B, Hq, L, E = q.shape
-    Hkv, S = k.shape[1], k.shape[2]
-    grid = grid_for(B, Hq, L, variant, num_sms, m_count if variant == 3 else None)
+    grid = grid_for(B, Hq, L, variant, num_sms)
+    tile = tile_for(S)
     kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)
-    p["m_block_begin"], p["m_block_count"] = m_begin, m_count
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
     p["is_causal"] = causal is not None
@@ -300,30 +255,3 @@ class ScoresLaunch:
         return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
                 f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
                 f"{self.grid})")
-
-
-class ScoresLaunchGroup:
-    """A causal call's launches of the persistent kernel, one per width class (:func:`width_classes`), run one after
-    the other on the stream with the same arguments; ``tile``, ``grid`` and ``variant`` are the widest class's."""
-
-    def __init__(self, launches: list):
-        self.launches = tuple(launches)
-        self.tile, self.grid, self.variant = launches[-1].tile, launches[-1].grid, launches[-1].variant
-
-    @property
-    def cluster_m(self) -> int:
-        return 1
-
-    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
-        import cupy
-        self.launch_on(cupy.cuda.get_current_stream().ptr, q_ptr, k_ptr, p_ptr, lse_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
-        for launch in self.launches:
-            launch.launch_on(stream_ptr, q_ptr, k_ptr, p_ptr, lse_ptr)
-
-    def describe(self) -> str:
-        classes = ", ".join(f"row blocks {int(x.params['m_block_begin'])}+{int(x.params['m_block_count'])}: "
-                            f"m64n{x.tile.half_n} x 2, {x.tile.stages} stages" for x in self.launches)
-        return (f"{KERNELS[self.variant]} in {len(self.launches)} causal width classes ({classes}); softmax in the "
-                f"epilogue, persistent: one CTA per SM walks its row blocks")
