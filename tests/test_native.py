@@ -21,6 +21,7 @@ PATHS = [
     ("split fp32", (2, 3, 100, 150, 64), torch.float32, {}),
     ("split hd512", (1, 4, 128, 256, 512), torch.float16, {}),
     ("split causal float mask", (1, 2, 64, 96, 320), torch.bfloat16, {"attn_mask": "float"}),
+    ("decode split-KV", (2, 4, 1, 8192, 128), torch.float16, {}),  # split kernel + combine (a PDL launch on sm_90)
 ]
 
 
@@ -103,7 +104,7 @@ def test_first_call_inside_capture(name, shape, dtype, kw):
     _check(out, q, k, v, kw, f"{name} first call in capture")
 
 
-@pytest.mark.parametrize("name,shape,dtype,kw", PATHS[:1] + PATHS[3:5], ids=[PATHS[i][0] for i in (0, 3, 4)])
+@pytest.mark.parametrize("name,shape,dtype,kw", [PATHS[i] for i in (0, 3, 4, 6)], ids=[PATHS[i][0] for i in (0, 3, 4, 6)])
 def test_cupy_stream_capture_and_replay(name, shape, dtype, kw):
     g = torch.Generator("cuda").manual_seed(11)
     tq, tk, tv, kw = _inputs(shape, dtype, kw, g)
