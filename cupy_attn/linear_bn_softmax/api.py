@@ -62,8 +62,9 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     Y_WORKSPACE_MAX_BYTES = 64 MiB; larger y goes into the output buffer). Training: one kernel for per-feature
     batched-Welford/Chan statistics (Chan, Golub & LeVeque 1979) folded into (mu, a, d) plus the running-stat update;
     eval: one thread-per-feature kernel folding the running stats. Then one kernel for a·(y − mu) + d and the row
-    softmax (a row held in registers for F ≤ 8192, two passes beyond). Empty batches return an empty result (training
-    still counts num_batches_tracked). Repeated calls with torch CUDA tensors (nn.Parameters included) or CuPy arrays
+    softmax (a row held in registers for F ≤ 8192, two passes beyond). On sm_90+ both kernels are launched as
+    programmatic dependents (PDL: each launches while the previous kernel drains, and waits inside for its
+    output). Empty batches return an empty result (training still counts num_batches_tracked). Repeated calls with torch CUDA tensors (nn.Parameters included) or CuPy arrays
     of the same layout, flags and stream replay the first call's prepared launches (cupy_attn.runtime.callcache).
     Under torch.compile / torch.export and for FakeTensor inputs, torch tensors go through the custom op
     ``torch.ops.cupy_attn.linear_batchnorm_softmax`` (cupy_attn.torch_ops; running stats declared mutated), one
