@@ -5,6 +5,7 @@
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --forward   # the forward kernels only
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --d512      # the head-dim-512 kernel only
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pdl       # the PDL launches only
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -66,9 +67,31 @@ def d512_calls(f16):
     del os.environ["CUPY_ATTN_D512"]
 
 
+def lbs_forward_calls():
+    """The Linear-BN-softmax forward without autograd (session 16: its two kernels after the GEMM launched as
+    programmatic dependents): training and eval, the register row kernel (F ≤ 8192, 16-byte and scalar tiles) and the
+    streaming one (F > 8192), two calls each (the second replays the call cache)."""
+    from cupy_attn.torch import LinearBatchNormSoftmax
+    for dtype, n, f in ((torch.float16, 70, 1000), (torch.bfloat16, 33, 129), (torch.float32, 9, 8200),
+                        (torch.float16, 64, 8192)):
+        fused = LinearBatchNormSoftmax(40, f, device="cuda", dtype=dtype)
+        for training in (True, False):
+            fused.train(training)
+            x = torch.randn(n, 40, device="cuda", dtype=dtype)
+            with torch.no_grad():
+                for _ in range(2):
+                    fused(x)
+
+
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
+    if len(sys.argv) > 1 and sys.argv[1] == "--pdl":
+        lbs_forward_calls()
+        decode_calls(f16)
+        torch.cuda.synchronize()
+        print("sanitize calls done (PDL launches: Linear-BN-softmax forward, decode with splits)")
+        return
     if len(sys.argv) > 1 and sys.argv[1] == "--d512":
         d512_calls(f16)
         torch.cuda.synchronize()
