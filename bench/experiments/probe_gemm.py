@@ -3,7 +3,7 @@
 For each problem: the classic API (CuPy's binding, what the paths used before), cuBLASLt's heuristic choice, each of
 its next candidates, and torch's nearest call. Device time medians (cupyx.profiler.benchmark), fresh random inputs.
 
-    PYTHONPATH=. python3 bench/experiments/probe_gemm.py [--candidates 8]
+    PYTHONPATH=. python3 bench/experiments/probe_gemm.py [--candidates 8] [--only "PV after"]
 """
 from __future__ import annotations
 
@@ -48,6 +48,12 @@ def problems(cp, torch):
                     {"q@k^T": lambda q=q, k=k: torch.matmul(q, k.transpose(-1, -2))}))
         out.append((f"sdpa PV {dt}", dt, tf32, 2 * bh * L * S * D, kw2,
                     {"p@v": lambda q=q, v=v: torch.matmul(q[..., :S], v)}))
+        if dt != "float32":  # P·V as the split path runs it after the Hopper scores kernel: P in the dtype, ld = S
+            p16 = torch.randn(bh * L * S, device="cuda", dtype=tdt)
+            kw3 = dict(c=o, c_dtype=dt, ldc=D, stride_c=L * D, a=p16, lda=S, stride_a=L * S, trans_a=False,
+                       b=v, ldb=D, stride_b=S * D, trans_b=False, m=L, n=D, k=S, batch=bh)
+            out.append((f"sdpa PV after scores kernel {dt}", dt, tf32, 2 * bh * L * S * D, kw3,
+                        {"p@v": lambda q=q, v=v: torch.matmul(q[..., :S], v)}))
     return out
 
 
@@ -55,6 +61,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--candidates", type=int, default=8)
     ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--only", default="", help="problems whose name contains this string")
     args = ap.parse_args()
     import cupy as cp
     import torch
@@ -62,6 +69,8 @@ def main() -> None:
     print("cuBLASLt version", _cublaslt.version(), "lib", _cublaslt.library_path(), flush=True)
     rows = []
     for name, dt, tf32, flops, kw, torch_calls in problems(cp, torch):
+        if args.only not in name:
+            continue
         ptr = {r: kw[r].data_ptr() for r in ("a", "b", "c")}
         a_dtype = np.dtype(dt) if dt != "bfloat16" else __import__("ml_dtypes").bfloat16
         c_dtype = np.dtype(kw["c_dtype"]) if kw["c_dtype"] != "bfloat16" else a_dtype
