@@ -180,12 +180,15 @@ class _PdlLaunch:
     """cuLaunchKernelEx with CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (programmatic dependent launch,
     sm_90+), called like ``cupy.cuda.driver.launchKernel``: the kernel may be launched while the previous kernel in
     the stream is still finishing, and must itself wait (``griddepcontrol.wait``) before it reads that kernel's
-    output. The CUlaunchConfig is built once (ctypes); a call sets the stream and launches (~1 µs of host time)."""
+    output. The CUlaunchConfig is built once (ctypes); a call sets the dimensions and stream and launches (~1 µs of
+    host time) under a lock, so that two threads sharing a launch do not interleave their writes to the config (the
+    driver reads it during the call)."""
 
     CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # cuda.h, CUlaunchAttributeID
 
     def __init__(self):
         import ctypes
+        import threading
         Attribute, Config = launch_config_types()
         self._attr = Attribute()
         self._attr.id = self.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -197,14 +200,16 @@ class _PdlLaunch:
         self._fn = _libcuda().cuLaunchKernelEx
         self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
         self._fn.restype = ctypes.c_int
+        self._lock = threading.Lock()
 
     def __call__(self, fn_ptr, gx, gy, gz, bx, by, bz, smem, stream_ptr, argv, extra):
         cfg = self._cfg
-        cfg.grid[0], cfg.grid[1], cfg.grid[2] = gx, gy, gz
-        cfg.block[0], cfg.block[1], cfg.block[2] = bx, by, bz
-        cfg.smem = smem
-        cfg.stream = stream_ptr
-        err = self._fn(self._cfg_ref, fn_ptr, argv, None)
+        with self._lock:
+            cfg.grid[0], cfg.grid[1], cfg.grid[2] = gx, gy, gz
+            cfg.block[0], cfg.block[1], cfg.block[2] = bx, by, bz
+            cfg.smem = smem
+            cfg.stream = stream_ptr
+            err = self._fn(self._cfg_ref, fn_ptr, argv, None)
         if err:
             from cupy.cuda import driver
             raise driver.CUDADriverError(err)
