@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..runtime import workspace
-from ..runtime.compile import KernelFamily, OwnParams, _PdlLaunch, launch_dims, pdl_supported, source_dir, struct_arg
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims, launcher, pdl_supported, source_dir, struct_arg
 from ..runtime.interop import device_sms, dtype_name
 from . import fused as _fused
 from . import fused_sm90 as _fa3
@@ -611,8 +611,7 @@ class DecodeLaunch:
         self._launch = driver.launchKernel
         # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
         # split kernel drains; it waits inside for the partials).
-        self._launch_combine = (_PdlLaunch() if PDL and self.combine is not None
-                                and pdl_supported(runtime.getDevice()) else driver.launchKernel)
+        self._launch_combine = launcher(PDL and self.combine is not None and pdl_supported(runtime.getDevice()))
         self._own = OwnParams(self.params)
         self._fn_ptr = int(self.kernel.kernel.ptr)
         self._combine_ptr = 0 if self.combine is None else int(self.combine.kernel.ptr)

@@ -221,6 +221,15 @@ def _libcuda():
     return ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1")
 
 
+def launcher(pdl: bool = False):
+    """A callable with ``cupy.cuda.driver.launchKernel``'s signature: that function itself, or with ``pdl`` a
+    :class:`_PdlLaunch` of its own (a programmatic dependent launch; check :func:`pdl_supported` first)."""
+    if pdl:
+        return _PdlLaunch()
+    from cupy.cuda import driver
+    return driver.launchKernel
+
+
 def pdl_supported(device_id: int) -> bool:
     """Whether launches on this device may use programmatic dependent launch: compute capability 9.0 or newer and a
     driver that exports cuLaunchKernelEx (CUDA 12.0+)."""
@@ -244,10 +253,9 @@ class StructLaunch:
     __slots__ = ("_launch", "_fn_ptr", "_dims")
 
     def __init__(self, kernel, grid: tuple, block: tuple, smem: int = 0, pdl: bool = False):
-        from cupy.cuda import driver
         if smem > 48 * 1024 and kernel.max_dynamic_shared_size_bytes < smem:
             kernel.max_dynamic_shared_size_bytes = smem
-        self._launch = _PdlLaunch() if pdl else driver.launchKernel
+        self._launch = launcher(pdl)
         self._fn_ptr = int(kernel.kernel.ptr)  # the RawKernel (cached by KernelFamily) keeps the module alive
         self._dims = launch_dims(grid, block, smem)
 
