@@ -7,6 +7,7 @@ The difference is host time the GPU waits for. ``host us``: wall time of one cal
 slowest cases, by own time.
 
     PYTHONPATH=. python3 bench/experiments/host_gap.py
+    PYTHONPATH=. python3 bench/experiments/host_gap.py --sweep   # the head-dim sweep's (4,16,2048,2048,D), ours and torch
 """
 import cProfile
 import os
@@ -21,7 +22,25 @@ import torch  # noqa: E402
 import cupy_attn  # noqa: E402
 from common import device_ms, host_us, median_ms  # noqa: E402
 
+def sweep():
+    """bench_sdpa's head-dim sweep shapes (B=4, H=16, L=S=2048), fp16 and bf16, ours and torch's default SDPA."""
+    for dt in (torch.float16, torch.bfloat16):
+        for D in (64, 128, 256):
+            q, k, v = (torch.randn(4, 16, 2048, D, device="cuda", dtype=dt) for _ in range(3))
+            for name, fn in (("ours", lambda: cupy_attn.scaled_dot_product_attention(q, k, v)),
+                             ("torch", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))):
+                for _ in range(5):
+                    fn()
+                idle = median_ms(fn, n_repeat=30)
+                dev = device_ms(fn)
+                print(f"{str(dt)[6:]:9s} D={D:3d} {name:6s} idle {idle:.4f} ms  device {dev:.4f} ms  gap "
+                      f"{1e3 * (idle - dev):6.1f} us  host {host_us(fn):6.1f} us", flush=True)
+
+
 def main():
+    if "--sweep" in sys.argv:
+        sweep()
+        return
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
     x = torch.randn(1024, 8192, device="cuda", dtype=torch.float16)
     w = torch.randn(8192, 8192, device="cuda", dtype=torch.float16) / 90
