@@ -20,7 +20,7 @@ import re
 import numpy as np
 
 from ..runtime import workspace
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims, launcher, pdl_supported, source_dir, struct_arg
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims, launcher, pdl_supported, source_dir
 from ..runtime.interop import device_sms, dtype_name
 from . import fused as _fused
 from . import fused_sm90 as _fa3
@@ -606,11 +606,13 @@ class DecodeLaunch:
     def __post_init__(self):
         # Resolved once, on the device the launch is built for: the parameter words with their kernelParams array and
         # lock (OwnParams), the CUfunctions (the RawKernels keep their modules alive).
-        from cupy.cuda import driver, runtime
+        from cupy.cuda import runtime
         assert self.params.dtype.names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
-        self._launch = driver.launchKernel
         # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
-        # split kernel drains; it waits inside for the partials).
+        # split kernel drains; it waits inside for the partials). The split kernel is launched plainly: as a dependent
+        # of whatever precedes it, it measured no device gain and ~0.5 µs more host time a call
+        # (bench/experiments/decode_pdl.py, session 16).
+        self._launch = launcher()
         self._launch_combine = launcher(PDL and self.combine is not None and pdl_supported(runtime.getDevice()))
         self._own = OwnParams(self.params)
         self._fn_ptr = int(self.kernel.kernel.ptr)
@@ -619,20 +621,21 @@ class DecodeLaunch:
 
     def call_current_stream(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
                             mask_ptr: int = 0) -> None:
-        """The launch through CuPy's RawKernel call on CuPy's current stream, the struct built per call (the
-        tensor-map variant's path: its struct embeds the maps of the call's k and v)."""
+        """The launch on CuPy's current stream with the structs built per call (the tensor-map variant's path: its
+        struct embeds the maps of the call's k and v), through the same launchers as :meth:`launch_on`; the
+        structs stay alive until both launches return (the driver copies them during each call)."""
         p = self.params.copy()
         p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
         work = None
         if self.part_bytes:
             work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
             p["o_part"], p["lse_part"] = ptr, ptr + self.o_part_bytes
-        kp = self.kernel_params(p)  # held until the launch returns (struct_arg)
-        self.kernel(self.grid, self.block, (struct_arg(kp),), shared_mem=self.smem)
+        kp = self.kernel_params(p)  # held until the launch returns
+        stream_ptr = _fused._current_stream_ptr()
+        argv = np.array([kp.ctypes.data, p.ctypes.data], dtype=np.uint64)  # each kernel's kernelParams: one pointer
+        self._launch(self._fn_ptr, *self._dims, stream_ptr, argv.ctypes.data, 0)
         if self.combine is not None:
-            argv = np.array([p.ctypes.data], dtype=np.uint64)  # kernelParams: one pointer to p's bytes
-            self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, _fused._current_stream_ptr(),
-                                 argv.ctypes.data, 0)
+            self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, argv.ctypes.data + 8, 0)
         del work
 
     def kernel_params(self, p: np.ndarray) -> np.ndarray:
