@@ -66,3 +66,17 @@ def test_launch_config_mirrors_cuda_h():
     text = open(headers[0]).read()
     m = re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*(\d+)", text)
     assert m and int(m.group(1)) == _compile._PdlLaunch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def test_pdl_supported_compares_compute_capability_as_a_number(monkeypatch):
+    """sm_100 ("100") and sm_120 support PDL as sm_90 does; sm_80 does not (CuPy reports the capability as a string,
+    and "100" < "90" as strings)."""
+    cupy = pytest.importorskip("cupy")
+
+    class FakeDevice:
+        def __init__(self, device_id):
+            self.compute_capability = {0: "80", 1: "90", 2: "100", 3: "120"}[device_id]
+
+    monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
+    monkeypatch.setattr(_compile, "_libcuda", lambda: type("Lib", (), {"cuLaunchKernelEx": None})())
+    assert [_compile.pdl_supported(i) for i in range(4)] == [False, True, True, True]

@@ -240,7 +240,7 @@ def pdl_supported(device_id: int) -> bool:
     """Whether launches on this device may use programmatic dependent launch: compute capability 9.0 or newer and a
     driver that exports cuLaunchKernelEx (CUDA 12.0+)."""
     import cupy
-    if cupy.cuda.Device(device_id).compute_capability < "90":
+    if int(cupy.cuda.Device(device_id).compute_capability) < 90:  # "100" < "90" as strings
         return False
     try:
         return hasattr(_libcuda(), "cuLaunchKernelEx")
