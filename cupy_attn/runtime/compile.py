@@ -195,9 +195,7 @@ class _PdlLaunch:
         self._attr.value.flag = 1
         self._attr_ptr = ctypes.pointer(self._attr)
         self._configs: dict = {}
-        self._fn = _libcuda().cuLaunchKernelEx
-        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
-        self._fn.restype = ctypes.c_int
+        self._fn = _cu_launch_kernel_ex()
 
     def _config(self, key: tuple):
         import ctypes
@@ -219,6 +217,16 @@ class _PdlLaunch:
         if err:
             from cupy.cuda import driver
             raise driver.CUDADriverError(err)
+
+
+@functools.lru_cache(maxsize=None)
+def _cu_launch_kernel_ex():
+    """libcuda's cuLaunchKernelEx with its signature declared (once: the ctypes function object is shared)."""
+    import ctypes
+    fn = _libcuda().cuLaunchKernelEx
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 @functools.lru_cache(maxsize=None)
