@@ -149,6 +149,40 @@ def test_tiles():
             _scores.tile_for(S)
 
 
+@pytest.mark.parametrize("align", ["top_left", "bottom_right"])
+def test_causal_pairs_cover_every_row_block_once(align):
+    """causal_pairs over L, S ≤ 512 and both alignments, walked as the kernel's TileWalk walks a head: every row block
+    exactly once, pairs only of blocks that see some but not all keys, with visible keys (rounded up to 64) adding
+    up to at most 512, the wide block first; the 256-key tile only."""
+    for S in range(1, 513, 7):
+        half_n = _scores.tile_for(S).half_n
+        for L in (1, 63, 64, 65, 200, 448, 470, 512, 640, 1024, 1100):
+            offset = S - L if align == "bottom_right" else 0
+            p0, n, pairs = _scores.causal_pairs(L, S, offset, half_n)
+            m_blocks = -(-L // 64)
+            vis = [_scores.visible_keys(L, S, offset, 64 * r) for r in range(m_blocks)]
+            window = [r for r in range(m_blocks) if 0 < vis[r] < S]
+            assert half_n == 256 or pairs == 0
+            if pairs:
+                assert window == list(range(p0, p0 + n)) and 2 * pairs <= n
+            seen = []
+            for i in range(m_blocks - pairs):  # the kernel's TileWalk::take for one head
+                if i < pairs:
+                    hi, lo = p0 + n - 1 - i, p0 + i
+                    w_hi, w_lo = (-(-vis[r] // 64) * 64 for r in (hi, lo))
+                    assert 0 < vis[lo] <= vis[hi] < S and w_hi + w_lo <= 512, (L, S, align, hi, lo)
+                    assert w_hi - min(256, w_hi) <= 192  # warpgroup 1's keys of the wide block: n1 ≤ 192
+                    seen += [hi, lo]
+                    continue
+                mb = i - pairs
+                if mb >= p0:
+                    mb += pairs
+                if mb >= p0 + n - pairs:
+                    mb += pairs
+                seen.append(mb)
+            assert sorted(seen) == list(range(m_blocks)), (L, S, align, p0, n, pairs)
+
+
 def emulate_epilogue(s_block, S, rows, c, half_n, ld, m0=0, causal_offset=None):
     """The kernel's epilogue, lane by lane, in float32: s_block (64, 2·half_n) = one CTA's raw scores (columns past S
     are the products with TMA's zero rows of K: 0); rows = valid query rows of the block; c = scale·log2 e; m0 = the
@@ -689,7 +723,7 @@ def _torch():
     return pytest.importorskip("torch")
 
 
-def _run_kernel(q, k, scale, ld, variant=1):
+def _run_kernel(q, k, scale, ld, variant=1, causal=None):
     """The kernel alone (variant: 1 = scores_softmax_sm90, 2 = scores_softmax_sm90_cluster2, 3 =
     scores_softmax_sm90_persistent) on torch CUDA tensors
     (passed as CuPy views): (P (B, Hq, L, ld), lse (B, Hq, L)) as torch tensors, both NaN-poisoned before the launch
@@ -703,7 +737,7 @@ def _run_kernel(q, k, scale, ld, variant=1):
     lse_all = torch.full((n_lse + 64,), float("nan"), dtype=torch.float32, device=q.device)
     P, lse = P_all[:n_p].view(B, Hq, L, ld), lse_all[:n_lse].view(B, Hq, L)
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
-    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant)
+    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant, causal=causal)
     m = _scores.CLUSTER_M[variant]
     assert launch.grid[0] % m == 0 and (variant == 3 or launch.grid[0] * 64 >= L), launch.grid
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
@@ -713,22 +747,36 @@ def _run_kernel(q, k, scale, ld, variant=1):
     return P, lse
 
 
-def _reference(q, k, scale):
-    """float64 P and lse from the same (rounded) inputs; GQA by head index h // groups."""
+def _causal_visible(L, S, offset):
+    """(L, S) bool: key j visible to row i iff j <= i + offset."""
+    return np.arange(S)[None, :] <= np.arange(L)[:, None] + offset
+
+
+def _reference(q, k, scale, visible=None):
+    """float64 P and lse from the same (rounded) inputs; GQA by head index h // groups; keys where ``visible`` (L, S)
+    is False take no part (P = 0; a row that sees no key: P = 0, lse = -inf)."""
     q64, k64 = as_f64(q), as_f64(k)
     groups = q64.shape[1] // k64.shape[1]
     k64 = np.repeat(k64, groups, axis=1)
     z = (q64 @ k64.swapaxes(-1, -2)) * scale
+    if visible is not None:
+        z = np.where(visible, z, -np.inf)
     m = z.max(-1, keepdims=True)
-    e = np.exp(z - m)
-    return e / e.sum(-1, keepdims=True), np.log(e.sum(-1)) + m[..., 0]
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    e = np.exp(z - m_safe)
+    total = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(total > 0, e / np.where(total > 0, total, 1), 0.0), np.log(total[..., 0]) + m_safe[..., 0]
 
 
-def _torch_softmax(q, k, scale):
+def _torch_softmax(q, k, scale, visible=None):
     """torch's same-precision P: softmax(Q Kᵀ · scale) with the GEMM and the softmax in the input dtype."""
     torch = _torch()
     k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-    return torch.softmax(torch.matmul(q, k.transpose(-1, -2)) * scale, dim=-1)
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if visible is not None:
+        s = s.masked_fill(~torch.as_tensor(visible, device=s.device), float("-inf"))
+    return torch.softmax(s, dim=-1).nan_to_num(0.0)
 
 
 def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, variant=1):
@@ -759,6 +807,51 @@ def _check_kernel(B, Hq, Hkv, L, S, D, dtype, layout="bhsd", seed=0, variant=1):
 
 
 CLUSTERS = pytest.mark.parametrize("variant", sorted(_scores.KERNELS), ids=lambda m: f"variant{m}")
+
+CAUSAL_CASES = [  # (B, Hq, Hkv, L, S, D, align): the persistent kernel's causal pair tiles (causal_pairs) and others
+    (1, 4, 4, 512, 512, 1024, "top_left"),      # the seed's causal variant: pairs (0, 6), (1, 5), (2, 4); n1 = 192..64
+    (2, 3, 3, 448, 448, 256, "top_left"),       # pairs (0, 5), (1, 4), (2, 3): n1 = 128, 64, 0
+    (1, 2, 2, 1024, 512, 320, "bottom_right"),  # rows 0-511 see no key; the window is blocks 8-14
+    (1, 2, 2, 500, 500, 128, "top_left"),       # S inside a chunk; k_blocks < stages (second statistics barrier)
+    (1, 8, 2, 512, 512, 192, "top_left"),       # GQA; k_blocks = stages
+    (2, 2, 2, 470, 490, 512, "bottom_right"),   # L != S, partial last row block
+    (2, 2, 2, 256, 512, 256, "bottom_right"),   # a window whose pairs would exceed 512 keys: no pairs
+    (1, 40, 40, 512, 512, 64, "top_left"),      # one k block, ~8 tiles per CTA
+    (2, 4, 4, 300, 300, 512, "top_left"),       # the 192-key tile: no pairs
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [1, 3], ids=lambda m: f"variant{m}")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,align", CAUSAL_CASES)
+def test_kernel_causal(B, Hq, Hkv, L, S, D, align, dtype, variant):
+    """is_causal in the kernel alone: every element of P[:L, :S] (0 past each row's limit, a row that sees no key all
+    0) and lse (−inf there) against float64, torch's same-precision masked softmax as the error bound, nothing written
+    past S's 16-byte chunk or past L. On the persistent kernel at S > 384 this runs the pair tiles."""
+    torch = _torch()
+    gen = torch.Generator(device="cuda").manual_seed(L * 7 + S)
+    dt = getattr(torch, dtype)
+    q = (torch.randn(B, Hq, L, D, generator=gen, device="cuda") * 1.5).to(dt)
+    k = (torch.randn(B, Hkv, S, D, generator=gen, device="cuda") * 1.5).to(dt)
+    scale = D ** -0.5
+    ld = -(-S // 8) * 8
+    offset = S - L if align == "bottom_right" else 0
+    visible = _causal_visible(L, S, offset)
+    P, lse = _run_kernel(q, k, scale, ld, variant, causal=align)
+    ref, ref_lse = _reference(q, k, scale, visible)
+    what = f"(B,Hq,Hkv,L,S,D)=({B},{Hq},{Hkv},{L},{S},{D}) {align} {dtype} variant={variant}"
+    got = P[..., :S]
+    assert not bool(torch.isnan(got).any()), f"{what}: P not written everywhere in [:L, :S]"
+    assert bool((got.float().cpu().numpy()[..., ~visible] == 0).all()), f"{what}: P != 0 past a row's limit"
+    assert_close(got, ref, dtype, _torch_softmax(q, k, scale, visible), what)
+    if ld > S:
+        pad = P[..., S:]
+        assert bool((pad == 0).all()), f"{what}: the last 16-byte chunk's keys past S are not 0"
+    got_lse = as_f64(lse)
+    assert (np.isneginf(got_lse) == np.isneginf(ref_lse)).all(), f"{what}: lse -inf rows differ"
+    fin = np.isfinite(ref_lse)
+    np.testing.assert_allclose(got_lse[fin], ref_lse[fin], rtol=1e-4, atol=2e-3, err_msg=what)
 
 
 @pytest.mark.gpu

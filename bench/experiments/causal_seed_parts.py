@@ -1,5 +1,5 @@
 """Where the causal seed's time goes on the split path (fp16 (32,32,512,512,1024), same process, alternating rounds):
-the persistent scores kernel alone, causal and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
+the persistent scores kernel alone, causal (with its pair tiles, and without them: one tile per row block) and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
 bands that each stop at their last visible key (band r of n: rows r·L/n ... (r+1)·L/n − 1 against keys up to
 (r+1)·S/n, the work (n + 1)/(2n) of the full product); the public calls.
 
@@ -34,6 +34,13 @@ def main():
     launches = {c: scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3, causal=c)
                 for c in (None, "top_left")}
 
+    # The causal launch without its pair tiles (scores_sm90.causal_pairs): one tile per row block, as before them.
+    base = launches["top_left"]
+    unpaired = base.params.copy()
+    unpaired["pair_count"] = 0
+    launches["top_left, no pairs"] = scores_sm90.ScoresLaunch(base.kernel, unpaired, base.maps[:3], base.grid,
+                                                              base.tile, base.variant)
+
     def scores(c):
         return lambda: launches[c](cq.data.ptr, ck.data.ptr, p.data_ptr(), lse.data.ptr)
 
@@ -48,6 +55,7 @@ def main():
         return run
 
     fns = {"scores kernel": scores(None), "scores kernel, causal": scores("top_left"),
+           "scores kernel, causal, no pairs": scores("top_left, no pairs"),
            "P·V, all keys": lambda: torch.matmul(p, v), "P·V, 2 bands": bands(2), "P·V, 4 bands": bands(4),
            "public call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v),
            "public call, causal": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)}

@@ -6,6 +6,7 @@
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --d512      # the head-dim-512 kernel only
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pdl       # the PDL launches only
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pairs     # causal pair tiles only
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -67,6 +68,20 @@ def d512_calls(f16):
     del os.environ["CUPY_ATTN_D512"]
 
 
+def pair_calls(f16):
+    """The persistent scores kernel's causal pair tiles (session 17; scores_sm90.causal_pairs), more tiles than SMs:
+    the seed's square mask (pairs with n1 = 192, 128, 64) at E = 320 (5 k blocks: past the 3-stage ring), S = 448
+    (n1 = 0 and a k_blocks < stages case at E = 128), bottom-right with L > S (rows that see no key, the window in the
+    middle) and GQA at E = 192 (k_blocks = stages)."""
+    os.environ["CUPY_ATTN_SPLIT_FUSED"] = "3"
+    for (B, Hq, Hkv, L, S, E, causal) in ((2, 40, 40, 512, 512, 320, True), (2, 20, 20, 448, 448, 128, True),
+                                         (1, 16, 4, 1024, 512, 192, "bottom_right")):
+        q = torch.randn(B, Hq, L, E, device="cuda", dtype=f16)
+        k, v = (torch.randn(B, Hkv, S, E, device="cuda", dtype=f16) for _ in range(2))
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, enable_gqa=Hq != Hkv,
+                                               return_lse=True)
+
+
 def lbs_forward_calls():
     """The Linear-BN-softmax forward without autograd (session 16: its two kernels after the GEMM launched as
     programmatic dependents): training and eval, the register row kernel (F ≤ 8192, 16-byte and scalar tiles) and the
@@ -91,6 +106,11 @@ def main():
         decode_calls(f16)
         torch.cuda.synchronize()
         print("sanitize calls done (PDL launches: Linear-BN-softmax forward, decode with splits)")
+        return
+    if len(sys.argv) > 1 and sys.argv[1] == "--pairs":
+        pair_calls(f16)
+        torch.cuda.synchronize()
+        print("sanitize calls done (the scores kernel's causal pair tiles)")
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--d512":
         d512_calls(f16)

@@ -33,7 +33,7 @@
 // section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
 // (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
 //
-// Causal (one-CTA kernel only; the launcher keeps the cluster variant non-causal): a block's keys end at n_vis, the
+// Causal (not the cluster variant: the launcher keeps it non-causal): a block's keys end at n_vis, the
 // limit of its last row. Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups, nw = ⌈n_vis / 128⌉·64
 // each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a runtime choice among
 // the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A warpgroup's chain of
@@ -41,7 +41,8 @@
 // A warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the ring's phases). Every key past
 // a row's limit gets P = 0, keys 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA
 // stores of a zero box in the one-tile kernels; the P·V GEMM reads whole rows); a row that
-// sees no key (bottom-right, L > S) gets P = 0 and lse = −inf.
+// sees no key (bottom-right, L > S) gets P = 0 and lse = −inf. The persistent kernel's 256-key tile also pairs
+// row blocks (Tile: a narrow block's keys and the overflow of a wide one's share a tile).
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
 // the producer loads the next block's first stages while the consumers run a block's softmax and P stores. P leaves
@@ -64,6 +65,8 @@
 //       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
 //   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
 //   v1.6 one exchange of row statistics (each warpgroup's own max and sum, merged): −0.4 to −2.4% against v1.5
+//   v1.7 causal pair tiles (Tile, pair_tile_wg1): a narrow row block shares a tile with a wide one of the same head;
+//       the seed's causal kernel 0.92 ms against 1.18-1.19 with one tile per row block (non-causal 1.17-1.22)
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
 //       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
 //       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
@@ -93,6 +96,11 @@ struct ScoresSm90Params {
   long long num_heads, batch;  // Hq, B: the persistent kernel's tiles are (row block, head, batch), row block fastest
   void* p;                     // P's base (the same array as tma_p): the persistent kernel's 16-byte stores
   long long ld;                // P's row pitch in elements (a multiple of 8)
+  // Causal row-block pairs (persistent kernel, kHalfN = 256; cupy_attn/attention/scores_sm90.py: causal_pairs): the
+  // row blocks pair_p0 ... pair_p0 + pair_n − 1 of every head see some but not all keys; the outer pair_count pairs
+  // of that window, (pair_p0 + j, pair_p0 + pair_n − 1 − j), each run as one tile. 0 pairs: one tile per row block.
+  long long pair_p0, pair_n, pair_count;
+  tma::TensorMap tma_k64;      // K as tma_k, box (64, 64, 1, 1): a pair tile's keys 256 ... in 64-row pieces
 };
 
 namespace scores_sm90 {
@@ -338,37 +346,70 @@ __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
   }
 }
 
-// One tile of the kernel: 64 query rows (m0 ...) of head h, batch b, and the keys its rows may see. Keys 0 ...
-// n_vis − 1 are visible to some row of the block: all S, or under a causal mask those up to the limit of its last row (0 when
-// no row sees a key). Keys per warpgroup nw: kHalfN, or under a causal mask half of n_vis rounded up to 64
-// (warpgroup w takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw).
+// Keys 0 ... n_vis − 1 are visible to some row of the 64-row block at m0: all S, or under a causal mask those up to
+// the limit of its last row (0 when no row sees a key).
+__device__ __forceinline__ int visible_keys(const ScoresSm90Params& p, int m0) {
+  int n_vis = static_cast<int>(p.seqlen_k);
+  if (p.is_causal) {
+    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
+    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+  }
+  return n_vis;
+}
+
+// One tile of the kernel: 64 query rows (m0 ...) of head h, batch b, and the keys its rows may see (n_vis,
+// visible_keys). Keys per warpgroup nw: kHalfN, or under a causal mask half of n_vis rounded up to 64 (warpgroup w
+// takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw). P is written for keys
+// 0 ... zero_from − 1 from the accumulators and as zeros from there to S.
+// A causal pair tile (lo_m0 ≥ 0; persistent kernel, kHalfN = 256): the rows of a wide block (m0) and of a narrow one
+// (lo_m0) whose visible keys, rounded up to 64, add up to at most 512, so the tile does a whole tile's work and the
+// narrow block no longer costs a tile of its own (a narrow block alone is paced by its loads like a full one:
+// bench/NOTES_split.md, session 12). Warpgroup 0 multiplies the wide block's keys 0 ... nw − 1 (nw = min(256, its
+// width)) as in any tile; warpgroup 1 the rest of them, 256 ... 256 + n1 − 1, and the narrow block's keys 0 ...
+// 255 − n1 (pair_tile_wg1). Each stage holds both Q tiles: the narrow block's in the second K box's rows 192 ... 255,
+// since that box loads only the n1 ≤ 192 keys warpgroup 1 needs.
 template <int kHalfN>
 struct Tile {
   int m0, h, b, n_vis, nw;
+  int lo_m0 = -1, n_vis_lo = 0, n1 = 0;  // a pair tile's narrow block
+  int zero_from, zero_lo_from = 0;       // P's zeros start here (past every row's limit), in the block (and lo block)
   __device__ __forceinline__ Tile(const ScoresSm90Params& p, int mb, int h_, int b_) : m0(mb * kBlockM), h(h_), b(b_) {
-    n_vis = static_cast<int>(p.seqlen_k);
-    if (p.is_causal) {
-      const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-      n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
-    }
+    n_vis = visible_keys(p, m0);
     nw = p.is_causal ? min(kHalfN, max(64, (n_vis + 127) / 128 * 64)) : kHalfN;
+    zero_from = 2 * nw;
   }
+  __device__ __forceinline__ Tile(const ScoresSm90Params& p, int mb, int mb_lo, int h_, int b_)
+      : m0(mb * kBlockM), h(h_), b(b_), lo_m0(mb_lo * kBlockM) {
+    n_vis = visible_keys(p, m0);
+    n_vis_lo = visible_keys(p, lo_m0);
+    const int width = (n_vis + 63) / 64 * 64;
+    nw = min(kHalfN, width);
+    n1 = width - nw;
+    zero_from = nw + n1;
+    zero_lo_from = kHalfN - n1;
+  }
+  __device__ __forceinline__ bool pair() const { return lo_m0 >= 0; }
 };
 
 // The tiles of a CTA, in order. One-CTA and cluster kernels: the block's own (grid (row blocks, Hq, B)). Persistent
-// kernel (grid (min(tiles, SMs), 1, 1)): tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (row block, head,
-// batch) order with the row block fastest, so that the CTAs running at one time cover a few heads' row blocks side
-// by side, and each head's K is read from DRAM about once (as the one-CTA grid's order does).
-template <bool kPersistent>
+// kernel (grid (min(tiles, SMs), 1, 1)): tiles blockIdx.x, blockIdx.x + gridDim.x, ... of the (tile of the head,
+// head, batch) order with the head's tiles fastest, so that the CTAs running at one time cover a few heads' row
+// blocks side by side, and each head's K is read from DRAM about once (as the one-CTA grid's order does). A head's
+// tiles: its pair_count causal pairs first (ScoresSm90Params), then its other row blocks in order.
+template <bool kPersistent, bool kPairs>
 struct TileWalk {
-  int next, stride, count, m_blocks, heads;
+  int next, stride, count, per_head, heads, pairs, p0, n;
   __device__ __forceinline__ explicit TileWalk(const ScoresSm90Params& p) {
-    m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+    const int m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
     heads = static_cast<int>(p.num_heads);
+    pairs = kPairs ? static_cast<int>(p.pair_count) : 0;
+    p0 = static_cast<int>(p.pair_p0);
+    n = static_cast<int>(p.pair_n);
+    per_head = m_blocks - pairs;
     if constexpr (kPersistent) {
       next = blockIdx.x;
       stride = gridDim.x;
-      count = m_blocks * heads * static_cast<int>(p.batch);
+      count = per_head * heads * static_cast<int>(p.batch);
     } else {
       next = 0;
       stride = 1;
@@ -380,10 +421,256 @@ struct TileWalk {
   __device__ __forceinline__ Tile<kHalfN> take(const ScoresSm90Params& p) {
     const int t = next;
     next += stride;
-    if constexpr (kPersistent) return Tile<kHalfN>(p, t % m_blocks, (t / m_blocks) % heads, t / (m_blocks * heads));
-    else return Tile<kHalfN>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+    if constexpr (kPersistent) {
+      const int i = t % per_head, h = (t / per_head) % heads, b = t / (per_head * heads);
+      if (i < pairs) return Tile<kHalfN>(p, p0 + n - 1 - i, p0 + i, h, b);
+      // The row blocks no pair holds: [0, p0), [p0 + pairs, p0 + n − pairs), [p0 + n, m_blocks).
+      int mb = i - pairs;
+      if (mb >= p0) mb += pairs;
+      if (mb >= p0 + n - pairs) mb += pairs;
+      return Tile<kHalfN>(p, mb, h, b);
+    } else {
+      return Tile<kHalfN>(p, blockIdx.x, blockIdx.y, blockIdx.z);
+    }
   }
 };
+
+// The epilogue's parts over one wgmma chain's accumulators a (a 64 × kN block: a[4j + 2·half + e] is row
+// m0 + r0 + 8·half, key column n0 + 8j + 2t + e), shared by a tile's warpgroups and a pair tile's two chains.
+
+// Keys past S (zero rows of K from TMA's fill), past n0 + nw and past a row's causal limit take no part: −inf before the
+// max (an assignment: an inactive chain's accumulators are never written).
+template <int kN>
+__device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n0, int nw, int m0, int r0, int t,
+                                          const ScoresSm90Params& p) {
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    long long limit = min(p.seqlen_k, static_cast<long long>(n0 + nw));  // keys < limit are visible to this row
+    if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
+    // column 8j + e of this lane is visible iff 8j + e < lim
+    const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kN), limit - n0 - 2 * t))) : -1;
+    #pragma unroll
+    for (int j = 0; j < kN / 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (8 * j + e >= lim) a[4 * j + 2 * half + e] = neg_inf();
+  }
+}
+
+// Each row's max over the chain's keys, times c (m_c; −inf for a row that sees none of them), and the exponent
+// reference (m_c, or 0 where it is −inf: P = 0, no NaN).
+template <int kN>
+__device__ __forceinline__ void row_max(const float (&a)[kN / 2], float c, float (&m_c)[2], float (&ref)[2]) {
+  float mx[2] = {neg_inf(), neg_inf()};
+  #pragma unroll
+  for (int j = 0; j < kN / 8; ++j)
+    #pragma unroll
+    for (int half = 0; half < 2; ++half)
+      mx[half] = fmaxf(mx[half], fmaxf(a[4 * j + 2 * half], a[4 * j + 2 * half + 1]));
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
+    mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
+    m_c[half] = mx[half] * c;
+    ref[half] = m_c[half] == neg_inf() ? 0.f : m_c[half];
+  }
+}
+
+// FlashAttention's merge of two partial softmaxes of a row, (m_c, sum) this chain's and (peer.x, peer.y) the other's
+// (m_c = −inf, sum = 0 for keys the row cannot see): m = max of the two, l = sum·2^(m_c − m) + peer.y·2^(peer.x − m)
+// (the products rounded apart, __fmul_rn/__fadd_rn: both sides add the same two floats and get the same l bit for
+// bit). Returns this chain's P scale 2^(m_c − m) / l (0 for a row that sees no key).
+__device__ __forceinline__ float merge_stats(float m_c, float sum, float2 peer, float& m, float& l) {
+  m = fmaxf(m_c, peer.x);
+  l = 0.f;
+  if (m == neg_inf()) return 0.f;
+  const float e_own = exp2_approx(m_c - m), e_peer = exp2_approx(peer.x - m);  // −inf − m → 0
+  l = __fadd_rn(__fmul_rn(sum, e_own), __fmul_rn(peer.y, e_peer));
+  return l > 0.f ? e_own / l : 0.f;
+}
+
+// lse = (m + log2 l)·ln 2 of row `row` (m, l in base 2, m scaled by c), −inf for a row that sees no key; rows past L
+// are not stored.
+__device__ __forceinline__ void store_lse(const ScoresSm90Params& p, int b, int h, int row, float m, float l) {
+  if (p.lse != nullptr && row < p.seqlen_q)
+    p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
+        l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
+}
+
+// P = a·inv from registers, 32 keys of a row at a time: four packed pairs per lane (keys n0 + 8j + 2t, + 1 for
+// j = 4i ... 4i + 3), a quad's 4 × 4 transpose (quad_transpose) gives lane t the 8 consecutive keys
+// n0 + 32i + 8t ... + 7: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Keys n0 ... n0 + nw − 1;
+// rows past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is a
+// multiple of 8 ≥ S). head: P of the tile's (batch, head).
+template <typename T, int kN>
+__device__ __forceinline__ void store_p(const float (&a)[kN / 2], const float (&inv)[2], T* head, int m0, int r0, int t,
+                                        int n0, int nw, const ScoresSm90Params& p) {
+  using P2 = typename Pair<T>::type;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = m0 + r0 + 8 * half;
+    T* const p_row = head + static_cast<long long>(row) * p.ld;
+    #pragma unroll
+    for (int i = 0; i < kN / 32; ++i) {
+      if (32 * i >= nw) break;  // columns past the chain's keys (causal blocks)
+      unsigned w[4];
+      #pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int j = 4 * i + u;
+        const P2 v = Pair<T>::make(a[4 * j + 2 * half] * inv[half], a[4 * j + 2 * half + 1] * inv[half]);
+        w[u] = *reinterpret_cast<const unsigned*>(&v);
+      }
+      quad_transpose(w, t);
+      const int col = n0 + 32 * i + 8 * t;
+      if (row < p.seqlen_q && col < p.seqlen_k && (!kAblateStores || w[0] == 0x7fff7fffu))
+        *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// Causal: keys from ... S − 1 of the block's rows lie past every row's limit: zeros, 16-byte chunks spread over the
+// 256 consumer threads (tid). from is a multiple of 8.
+template <typename T>
+__device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, const ScoresSm90Params& p) {
+  const int S = static_cast<int>(p.seqlen_k);
+  if (from >= S) return;
+  const int chunks = (S - from + 7) / 8;
+  for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
+    const int row = m0 + idx / chunks;
+    if (row < p.seqlen_q)
+      *reinterpret_cast<uint4*>(head + static_cast<long long>(row) * p.ld + from + 8 * (idx % chunks)) =
+          make_uint4(0, 0, 0, 0);
+  }
+}
+
+// Warpgroup 1 of a causal pair tile (Tile::pair; persistent kernel, kHalfN = 256): its 256 keys as four chunks of 64,
+// m64n64 wgmma each, into acc[c] (the tile's accumulator registers, shared with the plain path: a second array made
+// ptxas serialize every wgmma of the kernel, C7511). Chunks c < c1 = n1/64 hold the wide block's keys 256 + 64c ...
+// (A: the stage's Q tile, B: the second K box); the others the narrow block's keys 64(c − c1) ... (A: its Q tile in
+// the second K box's rows 192 ... 255, B: the first K box). Then the wide block's rows as warpgroup 1 of a plain tile
+// (their statistics merged with warpgroup 0's through the exchange), the narrow block's rows alone (their keys are
+// all here: no exchange), P and lse of both.
+// A chunk's role is a run-time choice of operands, so one code path serves every n1. The alternative, two wgmma
+// chains of compile-time widths (m64n{n1} and m64n{256 − n1}, one instantiation per n1), reads A once per chain
+// instead of once per chunk (12 KB of shared memory a k step against 16 here; a plain warpgroup reads 10), but it
+// made the kernel 16.4k SASS instructions against 9.8k, and the seed's causal kernel ran in 1.51 ms against 0.92
+// here and 1.18 with no pair tiles (H200, .prof A/B in session 17; the instruction cache is the likely cause: the two
+// warpgroups run different code). Running warpgroup 0 through this function too (both warpgroups in the same code)
+// measured the same, 0.93 ms.
+template <typename T, int kStages>
+__device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedStorage<T, 256, kStages>& ss,
+                                              const Tile<256>& tl,
+                                              const ScoresSm90Params& p, int step, int k_blocks, int tid,
+                                              scores_trace::Clock& clk) {
+  using Smem = SharedStorage<T, 256, kStages>;
+  const int lane = tid % 32, t = lane % 4, r0 = ((tid / 32) % 4) * 16 + lane / 4;
+  const int c1 = tl.n1 / 64;
+  const unsigned q_base = tma::smem_u32(ss.q), k_base = tma::smem_u32(ss.k);
+  auto issue = [&](int kb) {
+    const int s = (step + kb) % kStages;
+    tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+    const unsigned q_st = q_base + s * Smem::kQBytes, k0 = k_base + s * Smem::kKBytes, k1 = k0 + 256 * 128;
+    wgmma::fence();
+    #pragma unroll
+    for (int kk = 0; kk < 4; ++kk)
+      #pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const bool hi = c < c1;
+        const unsigned a = (hi ? q_st : k1 + 192 * 128) + kk * 32;
+        const unsigned b = (hi ? k1 + c * 64 * 128 : k0 + (c - c1) * 64 * 128) + kk * 32;
+        wgmma::Mma<T, 64>::ss(acc[c], wgmma::desc_sw128(a, 16, 1024), wgmma::desc_sw128(b, 16, 1024),
+                              kb > 0 || kk > 0);
+      }
+    wgmma::commit();
+  };
+  auto retire = [&](int kb) {
+    wgmma::wait<1>();
+    if (kb > 0) {
+      __syncwarp();
+      if (lane == 0) tma::mbar_arrive(&ss.empty[(step + kb - 1) % kStages]);
+    }
+  };
+  for (int kb = 0; kb < k_blocks; ++kb) {
+    issue(kb);
+    retire(kb);
+  }
+  wgmma::wait<0>();
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) wgmma::fence_operands(acc[c]);
+  // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it.
+  __syncwarp();
+  if (lane == 0) tma::mbar_arrive(&ss.empty[(step + k_blocks - 1) % kStages]);
+  clk.stamp(3);
+
+  // Chunk c's keys start at n0[c] and its rows at m0c[c].
+  int n0[4], m0c[4];
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    n0[c] = c < c1 ? 256 + 64 * c : 64 * (c - c1);
+    m0c[c] = c < c1 ? tl.m0 : tl.lo_m0;
+    mask_keys<64>(acc[c], true, n0[c], 64, m0c[c], r0, t, p);
+  }
+  const float c_log2 = static_cast<float>(p.scale_log2);
+  float m_hi[2] = {neg_inf(), neg_inf()}, m_lo[2] = {neg_inf(), neg_inf()};
+  #pragma unroll
+  for (int c = 0; c < 4; ++c)
+    #pragma unroll
+    for (int j = 0; j < 8; ++j)
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float x = fmaxf(acc[c][4 * j + 2 * half], acc[c][4 * j + 2 * half + 1]);
+        if (c < c1) m_hi[half] = fmaxf(m_hi[half], x);
+        else m_lo[half] = fmaxf(m_lo[half], x);
+      }
+  float ref_hi[2], ref_lo[2];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    m_hi[half] = fmaxf(m_hi[half], __shfl_xor_sync(0xffffffffu, m_hi[half], 1));
+    m_hi[half] = fmaxf(m_hi[half], __shfl_xor_sync(0xffffffffu, m_hi[half], 2));
+    m_lo[half] = fmaxf(m_lo[half], __shfl_xor_sync(0xffffffffu, m_lo[half], 1));
+    m_lo[half] = fmaxf(m_lo[half], __shfl_xor_sync(0xffffffffu, m_lo[half], 2));
+    m_hi[half] *= c_log2;
+    m_lo[half] *= c_log2;
+    ref_hi[half] = m_hi[half] == neg_inf() ? 0.f : m_hi[half];
+    ref_lo[half] = m_lo[half] == neg_inf() ? 0.f : m_lo[half];
+  }
+  clk.stamp(4);
+  float sum_hi[2] = {0.f, 0.f}, sum_lo[2] = {0.f, 0.f};
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const bool hi = c < c1;
+    const float ref[2] = {hi ? ref_hi[0] : ref_lo[0], hi ? ref_hi[1] : ref_lo[1]};
+    float sum[2];
+    exp2_rows<64>(acc[c], c_log2, ref, sum);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (hi) sum_hi[half] += sum[half];
+      else sum_lo[half] += sum[half];
+    }
+  }
+  float2* const st = ss.stats;
+  #pragma unroll
+  for (int half = 0; half < 2; ++half)
+    if (t == 0) st[kBlockM + r0 + 8 * half] = make_float2(m_hi[half], sum_hi[half]);
+  tma::named_barrier_sync(kStatsBarrier, 256);
+  clk.stamp(5);
+  float inv_hi[2], inv_lo[2];
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    float m, l;
+    inv_hi[half] = merge_stats(m_hi[half], sum_hi[half], st[r0 + 8 * half], m, l);
+    inv_lo[half] = merge_stats(m_lo[half], sum_lo[half], make_float2(neg_inf(), 0.f), m, l);
+    if (t == 0) store_lse(p, tl.b, tl.h, tl.lo_m0 + r0 + 8 * half, m, l);
+  }
+  if (k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
+  T* const head = static_cast<T*>(p.p) + (static_cast<long long>(tl.b) * p.num_heads + tl.h) * p.seqlen_q * p.ld;
+  #pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const bool hi = c < c1;
+    const float inv[2] = {hi ? inv_hi[0] : inv_lo[0], hi ? inv_hi[1] : inv_lo[1]};
+    store_p<T, 64>(acc[c], inv, head, m0c[c], r0, t, n0[c], 64, p);
+  }
+}
 
 // The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
 // one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
@@ -407,6 +694,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
   static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
   static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
+  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
+  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && kDirectP;
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
@@ -429,9 +718,28 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     if (producer_enter(p)) {
       int step = 0;
       unsigned long long waited = 0;
-      for (TileWalk<kPersistent> walk(p); walk.more();) {
+      for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
         const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
         const int h_kv = tl.h / static_cast<int>(p.groups);
+        if constexpr (kPairTiles) {
+          if (tl.pair()) {
+            // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
+            // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
+            const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
+            for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+              const int s = step % kStages;
+              tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);
+              tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
+              T* k = ss.k + s * 2 * kHalfN * 64;
+              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
+              tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
+              for (int i = 0; i < tl.n1 / 64; ++i)
+                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, &ss.full[s], kb * 64, 256 + 64 * i, h_kv, tl.b);
+              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, &ss.full[s], kb * 64, tl.lo_m0, tl.h, tl.b);
+            }
+            continue;
+          }
+        }
         // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
         // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
         const bool load_hi = tl.nw < tl.n_vis && !kAblateHi;
@@ -481,7 +789,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   int step = 0;  // the ring step of the tile's first k block
   if (tid == 0) scores_trace::cta_span(0);
   scores_trace::Clock clk;
-  for (TileWalk<kPersistent> walk(p); walk.more(); step += k_blocks) {
+  for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more(); step += k_blocks) {
     clk.open(step / k_blocks, wg, tid % 128 == 0);
     clk.stamp(0);
     const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
@@ -495,6 +803,16 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     float acc[kHalfN / 2];
     #pragma unroll
     for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
+    if constexpr (kPairTiles) {
+      if (tl.pair() && wg == 1) {  // warpgroup 0 runs a pair tile's wide block as in any tile
+        pair_tile_wg1<T, kStages>(*reinterpret_cast<float (*)[4][32]>(&acc[0]), ss, tl, p, step, k_blocks, tid, clk);
+        T* const head = static_cast<T*>(p.p) + (static_cast<long long>(tl.b) * p.num_heads + tl.h) * p.seqlen_q * p.ld;
+        zero_tail(head, tl.m0, tl.zero_from, tid, p);
+        zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
+        clk.close();
+        continue;
+      }
+    }
     if (active) {
       k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step,
                                                           clk);
@@ -532,51 +850,22 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-    // Keys past S (zero rows of K from TMA's fill) and past a row's causal limit take no part: −inf before the max
-    // (an assignment: an inactive warpgroup's accumulators are never written). acc[4j + 2·half + e] is row
-    // r0 + 8·half, column n0 + 8j + 2t + e.
-    if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset)) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        long long limit = min(S, n0 + nw);  // keys < limit are this warpgroup's and visible to this row
-        if (causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-        // column 8j + e of this lane is visible iff 8j + e < lim
-        const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kHalfN), limit - n0 - 2 * t)))
-                               : -1;
-        #pragma unroll
-        for (int j = 0; j < kHalfN / 8; ++j)
-          #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * j + e >= lim) acc[4 * j + 2 * half + e] = neg_inf();
-      }
-    }
+    // Keys past S and past a row's causal limit take no part (mask_keys).
+    if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset))
+      mask_keys<kHalfN>(acc, active, n0, nw, m0, r0, t, p);
 
-    // Row statistics, one exchange between the two warpgroups (FlashAttention's merge of two partial softmaxes):
-    // each exponentiates its own keys against its own row max, m_w·c, and sums them, l_w; after one barrier both
-    // read the peer's (m, l) and take m = max(m_0, m_1), l = l_0·2^(m_0 − m) + l_1·2^(m_1 − m) (the products rounded
-    // apart, __fmul_rn/__fadd_rn: both warpgroups add the same two floats and get the same l bit for bit), and scale
+    // Row statistics, one exchange between the two warpgroups (merge_stats): each exponentiates its own keys against
+    // its own row max, m_w·c, and sums them, l_w; after one barrier both read the peer's (m, l), merge, and scale
     // their P by 2^(m_w − m) / l. Without a causal mask column 0 is a key (S ≥ 1), so m is finite for finite inputs
-    // (c > 0); a warpgroup whose keys a row cannot see has m_w = −inf, l_w = 0 (its exponent reference is 0: P = 0,
-    // no NaN); a row that sees no key at all (bottom-right causal, L > S) gets P = 0 and lse = −inf. Reuse across
-    // tiles (persistent kernel): a warpgroup writes tile i + 1's statistics after tile i + 1's mainloop, whose last k
-    // block needs a ring stage released by the peer in its own tile-(i + 1) K loop, i.e. after the peer has read tile
-    // i's, when k_blocks > kStages (every head dim above 256, and above 192 with kHalfN = 256's three stages). With
-    // fewer k blocks the ring can hold a whole tile ahead (at k_blocks = kStages the early release of tile i's last
-    // stage is the one the producer needs), so a second barrier closes the exchange there.
-    float mx[2] = {neg_inf(), neg_inf()};
-    #pragma unroll
-    for (int j = 0; j < kHalfN / 8; ++j)
-      #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        mx[half] = fmaxf(mx[half], fmaxf(acc[4 * j + 2 * half], acc[4 * j + 2 * half + 1]));
+    // (c > 0); a warpgroup whose keys a row cannot see has m_w = −inf, l_w = 0; a row that sees no key at all
+    // (bottom-right causal, L > S) gets P = 0 and lse = −inf. Reuse across tiles (persistent kernel): a warpgroup
+    // writes tile i + 1's statistics after tile i + 1's mainloop, whose last k block needs a ring stage released by
+    // the peer in its own tile-(i + 1) K loop, i.e. after the peer has read tile i's, when k_blocks > kStages (every
+    // head dim above 256, and above 192 with kHalfN = 256's three stages). With fewer k blocks the ring can hold a
+    // whole tile ahead (at k_blocks = kStages the early release of tile i's last stage is the one the producer
+    // needs), so a second barrier closes the exchange there.
     float m_c[2], ref[2], sum[2];
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 1));
-      mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
-      m_c[half] = mx[half] * c;
-      ref[half] = m_c[half] == neg_inf() ? 0.f : m_c[half];
-    }
+    row_max<kHalfN>(acc, c, m_c, ref);
     clk.stamp(4);
     // P unnormalized in place: 2^(s·c − m_w·c), and this warpgroup's share of each row's sum.
     exp2_rows<kHalfN>(acc, c, ref, sum);
@@ -589,19 +878,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     float inv[2];  // this warpgroup's P scale, 2^(m_w − m) / l
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float2 peer = st[(wg ^ 1) * kBlockM + r0 + 8 * half];
-      const float m = fmaxf(m_c[half], peer.x);
-      float l = 0.f;
-      inv[half] = 0.f;
-      if (m != neg_inf()) {
-        const float e_own = exp2_approx(m_c[half] - m), e_peer = exp2_approx(peer.x - m);  // −inf − m → 0
-        l = __fadd_rn(__fmul_rn(sum[half], e_own), __fmul_rn(peer.y, e_peer));
-        inv[half] = l > 0.f ? e_own / l : 0.f;
-      }
-      const int row = m0 + r0 + 8 * half;
-      if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
-        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
-            l > 0.f ? (m + __log2f(l)) * kLn2 : neg_inf();
+      float m, l;
+      inv[half] = merge_stats(m_c[half], sum[half], st[(wg ^ 1) * kBlockM + r0 + 8 * half], m, l);
+      if (wg == 0 && t == 0) store_lse(p, b, h, m0 + r0 + 8 * half, m, l);
     }
     if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
 
@@ -619,42 +898,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
     if constexpr (kPersistent && kDirectP) {
-      // P from registers, 32 keys of a row at a time: four packed pairs per lane (keys n0 + 8j + 2t, + 1 for
-      // j = 4i ... 4i + 3), a quad's 4 × 4 transpose (quad_transpose) gives lane t the 8 consecutive keys
-      // n0 + 32i + 8t ... + 7: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Rows past L are
-      // not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is a multiple of
-      // 8 ≥ S).
       T* const head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + r0 + 8 * half;
-        T* const p_row = head + static_cast<long long>(row) * p.ld;
-        #pragma unroll
-        for (int i = 0; i < kHalfN / 32; ++i) {
-          if (32 * i >= nw) break;  // columns past the warpgroup's keys (causal blocks)
-          unsigned w[4];
-          #pragma unroll
-          for (int u = 0; u < 4; ++u) {
-            const int j = 4 * i + u;
-            const P2 v = Pair<T>::make(acc[4 * j + 2 * half] * inv[half], acc[4 * j + 2 * half + 1] * inv[half]);
-            w[u] = *reinterpret_cast<const unsigned*>(&v);
-          }
-          quad_transpose(w, t);
-          const int col = n0 + 32 * i + 8 * t;
-          if (row < p.seqlen_q && col < S && (!kAblateStores || w[0] == 0x7fff7fffu))
-            *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-      }
-      // Causal: keys 2·nw ... S − 1 lie past every row's limit: zeros, 16-byte chunks spread over the 256 threads.
-      if (2 * nw < S) {
-        const int chunks = (S - 2 * nw + 7) / 8;
-        for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
-          const int row = m0 + idx / chunks;
-          if (row < p.seqlen_q)
-            *reinterpret_cast<uint4*>(head + static_cast<long long>(row) * p.ld + 2 * nw + 8 * (idx % chunks)) =
-                make_uint4(0, 0, 0, 0);
-        }
-      }
+      store_p<T, kHalfN>(acc, inv, head, m0, r0, t, n0, nw, p);
+      zero_tail(head, m0, tl.zero_from, tid, p);
+      if (tl.pair()) zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
       clk.stamp(6);
       clk.stamp(7);
       clk.close();

@@ -12,7 +12,9 @@ cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims abo
 :func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
 multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
 one block's softmax and P stores overlap the next block's loads (3, the default; P leaves it by 16-byte stores from
-registers, the one-tile kernels stage it for TMA stores).
+registers, the one-tile kernels stage it for TMA stores). Under a causal mask the persistent kernel's 256-key tile
+runs a narrow row block and a wide one of the same head as one tile (:func:`causal_pairs`): at the seed's causal
+variant its time drops from 1.18 to 0.92 ms (H200, session 17).
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -67,7 +69,8 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 6
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch", "p", "ld")])
+                        "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count")]
+                    + [("tma_k64", _MAP, 64)])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
@@ -129,6 +132,51 @@ def tile_for(seqlen_k: int) -> ScoresTile:
     return next(SCORES_TILES[n] for n in sorted(SCORES_TILES) if 2 * n >= seqlen_k)
 
 
+def visible_keys(seqlen_q: int, seqlen_k: int, causal_offset: int, m0: int) -> int:
+    """Keys 0 ... n - 1 visible to some row of the 64-row block starting at row m0 under a causal mask (key j visible
+    to row i iff j ≤ i + causal_offset): the limit of its last row, clipped to [0, seqlen_k]. The kernel's
+    visible_keys."""
+    last_row = min(m0 + BLOCK_M, seqlen_q) - 1
+    return max(0, min(seqlen_k, last_row + causal_offset + 1))
+
+
+def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) -> tuple:
+    """(p0, n, pairs): the persistent kernel's causal pair tiles. Row blocks p0 ... p0 + n - 1 see some but not all
+    of the keys (the window; under a causal mask the visible keys grow by 64 from one block to the next); the outer
+    ``pairs`` pairs of the window, (p0 + j, p0 + n - 1 - j), run as one tile each when their visible keys, rounded up
+    to 64, add up to at most 2·half_n = 512: warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
+    of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
+    tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/NOTES_split.md,
+    session 12). Only the 256-key tile (S > 384) pairs; (0, 0, 0) otherwise. Measured on an H200 (session 17), the
+    kernel alone at the seed's causal variant (32, 32, 512, 512, 1024) fp16: 0.92 ms with the pairs, 1.18-1.19
+    without (one tile per row block), 1.17-1.22 without the causal mask.
+
+    >>> causal_pairs(512, 512, 0, 256), causal_pairs(448, 448, 0, 256), causal_pairs(1024, 512, -512, 256)
+    ((0, 7, 3), (0, 6, 3), (8, 7, 3))
+    >>> causal_pairs(256, 512, 256, 256), causal_pairs(512, 512, 0, 192), causal_pairs(500, 500, 0, 256)
+    ((0, 3, 0), (0, 0, 0), (0, 7, 3))
+    """
+    if half_n != 256:
+        return (0, 0, 0)
+    L, S = seqlen_q, seqlen_k
+    # Blocks whose last row sees between 1 and S - 1 keys: last_row in [-offset, S - offset - 2].
+    first = max(0, (-causal_offset) // BLOCK_M - 1)
+    stop = min(-(-L // BLOCK_M), max(0, (S - causal_offset) // BLOCK_M + 2))
+    window = [r for r in range(first, stop) if 0 < visible_keys(L, S, causal_offset, r * BLOCK_M) < S]
+    if not window:
+        return (0, 0, 0)
+    p0, n = window[0], len(window)
+    assert window == list(range(p0, p0 + n)), window
+
+    def width(r: int) -> int:
+        return -(-visible_keys(L, S, causal_offset, r * BLOCK_M) // 64) * 64
+
+    pairs = 0
+    while pairs < n // 2 and width(p0 + pairs) + width(p0 + n - 1 - pairs) <= 2 * half_n:
+        pairs += 1
+    return (p0, n, pairs)
+
+
 def unsupported_reason(p, arch: int) -> str | None:
     """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
     capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
@@ -186,12 +234,16 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
+    if causal is not None and variant == 3:
+        p["pair_p0"], p["pair_n"], p["pair_count"] = causal_pairs(L, S, int(p["causal_offset"]), tile.half_n)
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     isz = q.dtype.itemsize
     p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
+    if p["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
+        maps += (_MapSpec.of(k, 64),)
     return ScoresLaunch(kernel, p, maps, grid, tile, variant)
 
 
@@ -220,7 +272,8 @@ class ScoresLaunch:
         self._own = OwnParams(self.params)
         fields = self.params.dtype.fields
         self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_p")))
+                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_p", "tma_k64")))
+        self._k64 = len(self.maps) == 4  # causal pair tiles: a second map of K
         self._lse_word, self._p_word = fields["lse"][1] // 8, fields["p"][1] // 8
         self._fn_ptr = int(self.kernel.kernel.ptr)
         smem = self.tile.smem_bytes()
@@ -244,7 +297,10 @@ class ScoresLaunch:
         starts."""
         own = self._own
         with own.lock:
-            self._maps.write(q_ptr, k_ptr, p_ptr)
+            if self._k64:
+                self._maps.write(q_ptr, k_ptr, p_ptr, k_ptr)
+            else:
+                self._maps.write(q_ptr, k_ptr, p_ptr)
             own.words[self._lse_word] = lse_ptr
             own.words[self._p_word] = p_ptr
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
@@ -252,6 +308,9 @@ class ScoresLaunch:
     def describe(self) -> str:
         shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
                   3: ", persistent: one CTA per SM walks its row blocks"}.get(self.variant, "")
+        pairs = int(self.params["pair_count"])
+        if pairs:
+            shared += f"; causal: {pairs} pairs of row blocks per head share a tile"
         return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
                 f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
                 f"{self.grid})")
