@@ -134,7 +134,8 @@ struct SharedStorage {
 using sm90::Pair;
 using sm90::quad_transpose;
 
-// Named barrier 1: the 256 consumer threads, around each exchange of row statistics; 2 and 3: each consumer
+// Named barrier 1: the 256 consumer threads, around each exchange of row statistics (in its unaligned form: a pair
+// tile's warpgroups reach it from different code, tma::named_barrier_sync_unaligned); 2 and 3: each consumer
 // warpgroup's 128 threads, between their writes of P into shared memory and the TMA stores.
 constexpr int kStatsBarrier = 1;
 constexpr int kStoreBarrier = 2;
@@ -652,7 +653,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   #pragma unroll
   for (int half = 0; half < 2; ++half)
     if (t == 0) st[kBlockM + r0 + 8 * half] = make_float2(m_hi[half], sum_hi[half]);
-  tma::named_barrier_sync(kStatsBarrier, 256);
+  tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
   clk.stamp(5);
   float inv_hi[2], inv_lo[2];
   #pragma unroll
@@ -662,7 +663,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     inv_lo[half] = merge_stats(m_lo[half], sum_lo[half], make_float2(neg_inf(), 0.f), m, l);
     if (t == 0) store_lse(p, tl.b, tl.h, tl.lo_m0 + r0 + 8 * half, m, l);
   }
-  if (k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
+  if (k_blocks <= kStages) tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
   T* const head = static_cast<T*>(p.p) + (static_cast<long long>(tl.b) * p.num_heads + tl.h) * p.seqlen_q * p.ld;
   #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -873,7 +874,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     #pragma unroll
     for (int half = 0; half < 2; ++half)
       if (t == 0) st[wg * kBlockM + r0 + 8 * half] = make_float2(m_c[half], sum[half]);
-    tma::named_barrier_sync(kStatsBarrier, 256);
+    tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
     clk.stamp(5);
     float inv[2];  // this warpgroup's P scale, 2^(m_w − m) / l
     #pragma unroll
@@ -882,7 +883,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       inv[half] = merge_stats(m_c[half], sum[half], st[(wg ^ 1) * kBlockM + r0 + 8 * half], m, l);
       if (wg == 0 && t == 0) store_lse(p, b, h, m0 + r0 + 8 * half, m, l);
     }
-    if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync(kStatsBarrier, 256);
+    if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
 
     // The one-tile kernels (and the persistent one under -DCUPY_ATTN_SCORES_P_TMA): stores through shared memory and
     // TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
