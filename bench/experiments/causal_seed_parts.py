@@ -1,5 +1,6 @@
 """Where the causal seed's time goes on the split path (fp16 (32,32,512,512,1024), same process, alternating rounds):
-the persistent scores kernel alone, causal (with its pair tiles, and without them: one tile per row block) and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
+the persistent scores kernel alone, causal (with its pair tiles, and without them: one tile per row block; and as the
+public call launches it, P's zeros that the first P·V band does not read left unwritten) and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
 bands that each stop at their last visible key (band r of n: rows r·L/n ... (r+1)·L/n − 1 against keys up to
 (r+1)·S/n, the work (n + 1)/(2n) of the full product); the public calls.
 
@@ -34,6 +35,9 @@ def main():
     launches = {c: scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3, causal=c)
                 for c in (None, "top_left")}
 
+    # The launch the public call makes: P's zeros past the first P·V band's keys (rows < L/2) left unwritten.
+    launches["top_left, band reads"] = scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3,
+                                                           causal="top_left", p_read=(L // 2, L // 2))
     # The causal launch without its pair tiles (scores_sm90.causal_pairs): one tile per row block, as before them.
     base = launches["top_left"]
     unpaired = base.params.copy()
@@ -56,6 +60,7 @@ def main():
 
     fns = {"scores kernel": scores(None), "scores kernel, causal": scores("top_left"),
            "scores kernel, causal, no pairs": scores("top_left, no pairs"),
+           "scores kernel, causal, band reads": scores("top_left, band reads"),
            "P·V, all keys": lambda: torch.matmul(p, v), "P·V, 2 bands": bands(2), "P·V, 4 bands": bands(4),
            "public call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v),
            "public call, causal": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)}

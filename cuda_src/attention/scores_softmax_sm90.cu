@@ -100,6 +100,9 @@ struct ScoresSm90Params {
   // row blocks pair_p0 ... pair_p0 + pair_n − 1 of every head see some but not all keys; the outer pair_count pairs
   // of that window, (pair_p0 + j, pair_p0 + pair_n − 1 − j), each run as one tile. 0 pairs: one tile per row block.
   long long pair_p0, pair_n, pair_count;
+  // The P·V GEMM reads only keys 0 ... read_keys − 1 of rows 0 ... read_rows − 1 (the split path's first causal row
+  // band): the zeros past them are not stored. 0 rows: every row is read whole.
+  long long read_rows, read_keys;
   tma::TensorMap tma_k64;      // K as tma_k, box (64, 64, 1, 1): a pair tile's keys 256 ... in 64-row pieces
 };
 
@@ -529,13 +532,17 @@ __device__ __forceinline__ void store_p(const float (&a)[kN / 2], const float (&
   }
 }
 
-// Causal: keys from ... S − 1 of the block's rows lie past every row's limit: zeros, 16-byte chunks spread over the
-// 256 consumer threads (tid). from is a multiple of 8.
+// Causal: keys from ... to − 1 of the block's rows lie past every row's limit: zeros, 16-byte chunks spread over the
+// 256 consumer threads (tid; the chunk holding key to − 1 whole: within the row pitch). to = S, or read_keys for a
+// block whose rows the P·V GEMM reads only that far (read_rows). from is a multiple of 8. (A warp per row without the
+// division made ptxas serialize the kernel's wgmma, C7511, as did a fixed 64-chunk stride: the register allocation
+// of this kernel is at its edge.)
 template <typename T>
 __device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, const ScoresSm90Params& p) {
-  const int S = static_cast<int>(p.seqlen_k);
-  if (from >= S) return;
-  const int chunks = (S - from + 7) / 8;
+  long long to = p.seqlen_k;
+  if (m0 + kBlockM <= p.read_rows) to = min(to, p.read_keys);
+  if (from >= to) return;
+  const int chunks = static_cast<int>((to - from + 7) / 8);
   for (int idx = tid; idx < kBlockM * chunks; idx += 256) {
     const int row = m0 + idx / chunks;
     if (row < p.seqlen_q)

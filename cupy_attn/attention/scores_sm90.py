@@ -69,7 +69,8 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 6
                     + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count")]
+                        "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
+                        "read_rows", "read_keys")]
                     + [("tma_k64", _MAP, 64)])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
@@ -208,15 +209,18 @@ def unsupported_reason(p, arch: int) -> str | None:
     return None
 
 
-def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None) -> "ScoresLaunch":
+def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None,
+            p_read: tuple | None = None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
     multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
     (zeros past S, within the pitch), the columns past it are not written. variant: 1 (scores_softmax_sm90), 2
     (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
     q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
-    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. Raises ValueError for a short ld or one not a
-    multiple of 8, another variant, or causal with variant 2."""
+    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. p_read: None, or (rows, keys) when the reader of
+    P (the split path's causal P·V bands) reads only keys < keys of rows < rows: the persistent kernel then leaves
+    those rows' zeros past ``keys`` unwritten (their P there is undefined). Raises ValueError for a short ld or one
+    not a multiple of 8, another variant, or causal with variant 2."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
@@ -236,6 +240,8 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
     if causal is not None and variant == 3:
         p["pair_p0"], p["pair_n"], p["pair_count"] = causal_pairs(L, S, int(p["causal_offset"]), tile.half_n)
+    if p_read is not None and variant == 3:
+        p["read_rows"], p["read_keys"] = p_read
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize

@@ -406,8 +406,14 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     if fused_reason(p, budget) is None:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
+        # A causal call's first P·V row band reads only its visible keys: P's zeros past them go unwritten.
+        p_read = None
+        if p.causal is not None:
+            r0, lc = _row_bands(L, rows_per_chunk, causal_row_bands(L))[0]
+            if lc < L:
+                p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
         scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
-                                       causal=p.causal)
+                                       causal=p.causal, p_read=p_read)
 
     from .dispatch import device_arch
     gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
