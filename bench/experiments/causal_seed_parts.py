@@ -58,10 +58,18 @@ def main():
                 torch.matmul(p[..., r0:r1, :r1], v[..., :r1, :])
         return run
 
+    def uneven(cuts):
+        def run():
+            for r0, r1 in zip(cuts[:-1], cuts[1:]):
+                torch.matmul(p[..., r0:r1, :r1], v[..., :r1, :])
+        return run
+
     fns = {"scores kernel": scores(None), "scores kernel, causal": scores("top_left"),
            "scores kernel, causal, no pairs": scores("top_left, no pairs"),
            "scores kernel, causal, band reads": scores("top_left, band reads"),
            "P·V, all keys": lambda: torch.matmul(p, v), "P·V, 2 bands": bands(2), "P·V, 4 bands": bands(4),
+           "P·V, bands 256/128/128": uneven([0, 256, 384, 512]), "P·V, bands 192/128/96/96": uneven([0, 192, 320, 416, 512]),
+           "P·V, bands 320/192": uneven([0, 320, 512]), "P·V, bands 256/192/64": uneven([0, 256, 448, 512]),
            "public call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v),
            "public call, causal": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)}
     ms = dict(zip(fns, interleaved_ms(list(fns.values()), rounds=5)))
