@@ -1,8 +1,9 @@
 """Where the causal seed's time goes on the split path (fp16 (32,32,512,512,1024), same process, alternating rounds):
-the persistent scores kernel alone, causal (with its pair tiles, and without them: one tile per row block; and as the
-public call launches it, P's zeros that the first P·V band does not read left unwritten) and not; P·V by cuBLAS (torch.matmul) over all keys, and in 2 or 4 row
-bands that each stop at their last visible key (band r of n: rows r·L/n ... (r+1)·L/n − 1 against keys up to
-(r+1)·S/n, the work (n + 1)/(2n) of the full product); the public calls.
+the persistent scores kernel alone, causal (with its pair tiles; without them, one tile per row block; and as the
+public call launches it, P's zeros that the first P·V band does not read left unwritten) and not; P·V by cuBLAS
+(torch.matmul) over all keys, and in row bands that each stop at their last visible key (2 or 4 equal bands: band r
+of n is rows r·L/n ... (r+1)·L/n − 1 against keys up to (r+1)·S/n, the work (n + 1)/(2n) of the full product; and
+some uneven cuts); the public calls.
 
     PYTHONPATH=. python3 bench/experiments/causal_seed_parts.py
 
@@ -68,7 +69,8 @@ def main():
            "scores kernel, causal, no pairs": scores("top_left, no pairs"),
            "scores kernel, causal, band reads": scores("top_left, band reads"),
            "P·V, all keys": lambda: torch.matmul(p, v), "P·V, 2 bands": bands(2), "P·V, 4 bands": bands(4),
-           "P·V, bands 256/128/128": uneven([0, 256, 384, 512]), "P·V, bands 192/128/96/96": uneven([0, 192, 320, 416, 512]),
+           "P·V, bands 256/128/128": uneven([0, 256, 384, 512]),
+           "P·V, bands 192/128/96/96": uneven([0, 192, 320, 416, 512]),
            "P·V, bands 320/192": uneven([0, 320, 512]), "P·V, bands 256/192/64": uneven([0, 256, 448, 512]),
            "public call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v),
            "public call, causal": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True)}

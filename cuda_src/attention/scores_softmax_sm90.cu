@@ -66,7 +66,7 @@
 //   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
 //   v1.6 one exchange of row statistics (each warpgroup's own max and sum, merged): −0.4 to −2.4% against v1.5
 //   v1.7 causal pair tiles (Tile, pair_tile_wg1): a narrow row block shares a tile with a wide one of the same head;
-//       the seed's causal kernel 0.92 ms against 1.18-1.19 with one tile per row block (non-causal 1.17-1.22)
+//       the seed's causal kernel 0.92-1.02 ms against 1.18-1.28 with one tile per row block (same runs)
 //   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
 //       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
 //       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
@@ -442,8 +442,8 @@ struct TileWalk {
 // The epilogue's parts over one wgmma chain's accumulators a (a 64 × kN block: a[4j + 2·half + e] is row
 // m0 + r0 + 8·half, key column n0 + 8j + 2t + e), shared by a tile's warpgroups and a pair tile's two chains.
 
-// Keys past S (zero rows of K from TMA's fill), past n0 + nw and past a row's causal limit take no part: −inf before the
-// max (an assignment: an inactive chain's accumulators are never written).
+// Keys past S (zero rows of K from TMA's fill), past n0 + nw and past a row's causal limit take no part: −inf before
+// the max (an assignment: an inactive chain's accumulators are never written).
 template <int kN>
 __device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n0, int nw, int m0, int r0, int t,
                                           const ScoresSm90Params& p) {
@@ -503,9 +503,9 @@ __device__ __forceinline__ void store_lse(const ScoresSm90Params& p, int b, int 
 
 // P = a·inv from registers, 32 keys of a row at a time: four packed pairs per lane (keys n0 + 8j + 2t, + 1 for
 // j = 4i ... 4i + 3), a quad's 4 × 4 transpose (quad_transpose) gives lane t the 8 consecutive keys
-// n0 + 32i + 8t ... + 7: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Keys n0 ... n0 + nw − 1;
-// rows past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row pitch: ld is a
-// multiple of 8 ≥ S). head: P of the tile's (batch, head).
+// n0 + 32i + 8t ... + 7: one 16-byte store; a warp's store covers 8 rows × 64 contiguous bytes. Keys n0 ...
+// n0 + nw − 1; rows past L are not stored; a chunk holding key S − 1 is stored whole (P = 0 past S, within the row
+// pitch: ld is a multiple of 8 ≥ S). head: P of the tile's (batch, head).
 template <typename T, int kN>
 __device__ __forceinline__ void store_p(const float (&a)[kN / 2], const float (&inv)[2], T* head, int m0, int r0, int t,
                                         int n0, int nw, const ScoresSm90Params& p) {
@@ -562,9 +562,9 @@ __device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, co
 // chains of compile-time widths (m64n{n1} and m64n{256 − n1}, one instantiation per n1), reads A once per chain
 // instead of once per chunk (12 KB of shared memory a k step against 16 here; a plain warpgroup reads 10), but it
 // made the kernel 16.4k SASS instructions against 9.8k, and the seed's causal kernel ran in 1.51 ms against 0.92
-// here and 1.18 with no pair tiles (H200, .prof A/B in session 17; the instruction cache is the likely cause: the two
-// warpgroups run different code). Running warpgroup 0 through this function too (both warpgroups in the same code)
-// measured the same, 0.93 ms.
+// here and 1.18 with no pair tiles (H200, session 17, bench/NOTES_split.md; the instruction cache is the likely
+// cause: the two warpgroups run different code). Running warpgroup 0 through this function too (both warpgroups in
+// the same code) measured the same, 0.93 ms.
 template <typename T, int kStages>
 __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedStorage<T, 256, kStages>& ss,
                                               const Tile<256>& tl,

@@ -14,7 +14,7 @@ multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per S
 one block's softmax and P stores overlap the next block's loads (3, the default; P leaves it by 16-byte stores from
 registers, the one-tile kernels stage it for TMA stores). Under a causal mask the persistent kernel's 256-key tile
 runs a narrow row block and a wide one of the same head as one tile (:func:`causal_pairs`): at the seed's causal
-variant its time drops from 1.18 to 0.92 ms (H200, session 17).
+variant its time drops by 20-25% (0.92-1.02 ms against 1.18-1.28 in the same runs; H200, session 17).
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -149,8 +149,8 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
     tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/NOTES_split.md,
     session 12). Only the 256-key tile (S > 384) pairs; (0, 0, 0) otherwise. Measured on an H200 (session 17), the
-    kernel alone at the seed's causal variant (32, 32, 512, 512, 1024) fp16: 0.92 ms with the pairs, 1.18-1.19
-    without (one tile per row block), 1.17-1.22 without the causal mask.
+    kernel alone at the seed's causal variant (32, 32, 512, 512, 1024) fp16: 0.92-1.02 ms with the pairs against
+    1.18-1.28 without them (one tile per row block) and 1.14-1.28 without the causal mask, in the same runs.
 
     >>> causal_pairs(512, 512, 0, 256), causal_pairs(448, 448, 0, 256), causal_pairs(1024, 512, -512, 256)
     ((0, 7, 3), (0, 6, 3), (8, 7, 3))
