@@ -14,7 +14,8 @@ CTA, and a cluster of two) runs hazard-free under random interleavings, and catc
 GPU (``gpu`` marker), both variants: the kernel alone on NaN-poisoned P (padding columns past S's 16-byte chunk and
 rows past the last one must stay NaN) and lse against the float64 reference with tests/_tolerance.py's rule (torch's
 same-precision softmax(Q Kᵀ) as the comparison); and through cupy_attn.scaled_dot_product_attention with the switch
-set (explain() names the kernel; a second call replays).
+set (explain() names the kernel; a second call replays); causal in the kernel alone (pair tiles included) with every
+element of P checked; large logits (|scale·q·k| up to ~100) through the public call.
 
     PYTHONPATH=. timeout 300 python3 -m pytest -m gpu tests/test_scores_sm90.py -x -k "smoke and cluster1"  # first
     PYTHONPATH=. timeout 300 python3 -m pytest -m gpu tests/test_scores_sm90.py -x -k "smoke and cluster2"
@@ -989,3 +990,46 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypat
         assert (np.isneginf(got) == np.isneginf(ref_lse)).all(), f"lse -inf rows differ ({align}, call {seed})"
         fin = np.isfinite(ref_lse)
         np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,align", [
+    (1, 4, 4, 512, 512, 1024, "top_left"),      # the seed's causal variant: pair tiles, 2 P·V bands
+    (1, 2, 2, 477, 503, 768, "bottom_right"),   # odd L and S, L != S: pair tiles, rows past a band's keys
+    (1, 2, 2, 300, 500, 1024, None),            # not causal, odd L
+    (1, 4, 2, 129, 385, 320, "top_left"),       # GQA, the 256-key tile's smallest S
+])
+def test_large_logits(B, Hq, Hkv, L, S, D, align, dtype, monkeypatch):
+    """|scale·q·k| up to ~100 (issue 14) through the scores kernel (persistent; causal pair tiles where S > 384): out
+    and lse against float64, torch's same-precision error as the bound (torch with an explicit mask for bottom-right
+    alignment, which its is_causal does not have)."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(L + S + D)
+    dt = getattr(torch, dtype)
+    q = (torch.randn(B, Hq, L, D, generator=gen, device="cuda") * 4.7).to(dt)
+    k = (torch.randn(B, Hkv, S, D, generator=gen, device="cuda") * 4.7).to(dt)
+    v = torch.randn(B, Hkv, S, D, generator=gen, device="cuda").to(dt)
+    logits = (as_f64(q)[0, 0] @ as_f64(k)[0, 0].T) / np.sqrt(D)
+    assert 60 < np.abs(logits).max() < 200
+    causal = {None: False, "top_left": True, "bottom_right": "bottom_right"}[align]
+    gqa = Hq != Hkv
+    plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=gqa, backend="split")
+    assert plan.details["schedule"].startswith(_scores.KERNELS[3] + " "), str(plan)
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, return_lse=True,
+                                                      backend="split")
+    ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal,
+                                                          enable_gqa=gqa, return_lse=True)
+    mask = None
+    if align == "bottom_right":
+        mask = torch.as_tensor(_causal_visible(L, S, S - L), device="cuda")
+    torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=align == "top_left",
+                                                                 enable_gqa=gqa)
+    assert_close(out, ref, dtype, torch_out, what=f"large logits {align}")
+    got = as_f64(lse)
+    fin = np.isfinite(ref_lse)
+    assert (np.isneginf(got) == np.isneginf(ref_lse)).all()
+    assert np.abs(got[fin] - ref_lse[fin]).max() < 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())
