@@ -150,7 +150,9 @@ constexpr int kStoreBarrier = 2;
 // wgmma on whatever shared memory holds), 4 only the first K box loaded (40 of 72 KB per stage), 8 no epilogue
 // (persistent kernel: a tile's last stage released after its wgmma; no softmax, no P), 32 no exponentials (the FFMA
 // alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing from its tensor work, and the
-// epilogue's parts (NOTES_split, session 13).
+// epilogue's parts (NOTES_split, session 13). Non-causal calls only: a causal pair tile's warpgroup 1 does not follow
+// the bits (with bit 8 its warpgroup 0 would skip the statistics barrier it waits at). Leaving the pair path out of
+// these builds instead made ptxas serialize their wgmma (C7511) at bit 8.
 #ifndef CUPY_ATTN_SCORES_ABLATE
 #define CUPY_ATTN_SCORES_ABLATE 0
 #endif
