@@ -145,7 +145,8 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     """(p0, n, pairs): the persistent kernel's causal pair tiles. Row blocks p0 ... p0 + n - 1 see some but not all
     of the keys (the window; under a causal mask the visible keys grow by 64 from one block to the next); the outer
     ``pairs`` pairs of the window, (p0 + j, p0 + n - 1 - j), run as one tile each when their visible keys, rounded up
-    to 64, add up to at most 2·half_n = 512: warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
+    to 64, add up to at most 2·half_n = 512 (the window is cut short at its wide end where that pairs more blocks):
+    warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
     of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
     tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/NOTES_split.md,
     session 12). Only the 256-key tile (S > 384) pairs; (0, 0, 0) otherwise. Measured on an H200 (session 17), the
@@ -156,6 +157,8 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     ((0, 7, 3), (0, 6, 3), (8, 7, 3))
     >>> causal_pairs(256, 512, 256, 256), causal_pairs(512, 512, 0, 192), causal_pairs(500, 500, 0, 256)
     ((0, 3, 0), (0, 0, 0), (0, 7, 3))
+    >>> causal_pairs(450, 512, 0, 256), causal_pairs(1000, 512, -488, 256)  # the widest block left out of the window
+    ((0, 7, 3), (7, 7, 3))
     """
     if half_n != 256:
         return (0, 0, 0)
@@ -172,10 +175,16 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     def width(r: int) -> int:
         return -(-visible_keys(L, S, causal_offset, r * BLOCK_M) // 64) * 64
 
-    pairs = 0
-    while pairs < n // 2 and width(p0 + pairs) + width(p0 + n - 1 - pairs) <= 2 * half_n:
-        pairs += 1
-    return (p0, n, pairs)
+    def folded(m: int) -> int:  # the valid outer pairs of the window's first m blocks
+        pairs = 0
+        while pairs < m // 2 and width(p0 + pairs) + width(p0 + m - 1 - pairs) <= 2 * half_n:
+            pairs += 1
+        return pairs
+
+    # Where rounding up to 64 makes the outer pair too wide (L or the alignment off the 64-row grid), leaving the
+    # widest blocks out of the window (as tiles of their own) can still pair the rest.
+    best = max(range(n, 0, -1), key=folded)
+    return (p0, best, folded(best))
 
 
 def unsupported_reason(p, arch: int) -> str | None:
