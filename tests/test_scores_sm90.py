@@ -1037,3 +1037,42 @@ def test_large_logits(B, Hq, Hkv, L, S, D, align, dtype, monkeypatch):
     fin = np.isfinite(ref_lse)
     assert (np.isneginf(got) == np.isneginf(ref_lse)).all()
     assert np.abs(got[fin] - ref_lse[fin]).max() < 1e-3 * max(1.0, np.abs(ref_lse[fin]).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True, "bottom_right"])
+def test_batch_chunks_over_the_workspace_budget(causal, monkeypatch):
+    """P of all batch·heads over the workspace budget: the scores kernel runs per chunk of batches on one P buffer
+    (split.scores_batch_chunk; 5 batches in chunks of 2, 2, 1), explain() says so; out and lse against float64, a
+    second call replays the cached schedule on new arrays."""
+    import cupy_attn
+    from cupy_attn import reference
+    from cupy_attn.attention import split
+    torch = _torch()
+    B, Hq, Hkv, L, S, D = 5, 4, 2, 320, 448, 512
+    per_batch = Hq * L * S * 2
+    monkeypatch.setenv("CUPY_ATTN_WORKSPACE_BYTES", str(2 * per_batch + 4096))
+    monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    for call in range(2):
+        q = torch.randn(B, Hq, L, D, generator=gen, device="cuda").half()
+        k, v = (torch.randn(B, Hkv, S, D, generator=gen, device="cuda").half() for _ in range(2))
+        plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=True, backend="split")
+        assert plan.details["schedule"].startswith(_scores.KERNELS[3] + " "), str(plan)
+        assert "chunks of 2 batches" in plan.details["P buffer"], str(plan)
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, return_lse=True,
+                                                          backend="split")
+        ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal,
+                                                              enable_gqa=True, return_lse=True)
+        torch_out = None
+        if causal != "bottom_right":
+            torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                                         enable_gqa=True)
+        assert_close(out, ref, "float16", torch_out, what=f"batch chunks causal={causal} call {call}")
+        got = as_f64(lse)
+        fin = np.isfinite(ref_lse)
+        assert (np.isneginf(got) == np.isneginf(ref_lse)).all()
+        np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)
+    sched = next(s for s in split._SCHEDULES.values() if s.batch_chunks and
+                 len(s.batch_chunks) == 3)
+    assert [c[1] is sched.batch_chunks[0][1] for c in sched.batch_chunks] == [True, True, False]

@@ -293,8 +293,7 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
             "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
                              + {2: ", clusters of 2 CTAs sharing K by TMA multicast",
                                 3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, ""),
-            "P buffer": f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head, all heads in one "
-                        f"buffer of {p.batch * p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20:.0f} MiB",
+            "P buffer": _p_buffer_detail(p, budget, ld_p),
             **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; P·V in "
                           f"{_split.causal_row_bands(p.seqlen_q)} row bands, each stopping at its last visible key"}
                if p.causal is not None else {}),
@@ -309,6 +308,17 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
             p.seqlen_k, p.mask is not None or p.causal is not None or p.dropout_p > 0),),
     } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {}) \
       | ({"causal": _cublas_bands_detail(p, budget)} if p.causal is not None else {})
+
+
+def _p_buffer_detail(p, budget: int, ld_p: int) -> str:
+    """The scores kernel's P buffer: all batch·heads in one, or one batch chunk at a time (split.scores_batch_chunk)."""
+    per_head = f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head"
+    mib = p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20  # one batch's heads
+    n = _split.scores_batch_chunk(p, budget)
+    if n >= p.batch:
+        return f"{per_head}, all heads in one buffer of {p.batch * mib:.0f} MiB"
+    return (f"{per_head}; all heads would take {p.batch * mib:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace "
+            f"budget: chunks of {n} batches ({n * mib:.0f} MiB), each one scores launch and its P·V GEMMs")
 
 
 def _cublas_bands_detail(p, budget: int) -> str:
