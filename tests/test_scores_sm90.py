@@ -40,7 +40,8 @@ DTYPES = ("float16", "bfloat16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(_scores.KERNELS) * len(DTYPES) * len(_scores.SCORES_TILES)
+    masked_tiles = len(_scores.SCORES_TILES) - len(_scores.MASKED_NOT_BUILT)
+    assert len(reports) == (len(_scores.KERNELS) * len(_scores.SCORES_TILES) + masked_tiles) * len(DTYPES)
     assert_clean(reports, max_registers=168)
 
 
@@ -692,21 +693,33 @@ def _problem(**kw):
     import types
     q = _bhsd(2, 4, 100, 1024)
     p = dict(query=q, key=_bhsd(2, 4, 300, 1024), value=_bhsd(2, 4, 300, 1024), mask=None, causal=None,
-             dropout_p=0.0, scale=0.03, dtype=np.dtype("float16"), seqlen_k=300)
+             dropout_p=0.0, scale=0.03, dtype=np.dtype("float16"), seqlen_q=100, seqlen_k=300)
     return types.SimpleNamespace(**{**p, **kw})
 
 
-def test_unsupported_reasons():
+def _key_mask(dtype=bool):
+    """A key-padding mask (2, 1, 1, 300) broadcast to (B, Hq, L, S) = (2, 4, 100, 300): stride 0 along the rows."""
+    return np.broadcast_to(np.ones((2, 1, 1, 300), dtype), (2, 4, 100, 300))
+
+
+def test_unsupported_reasons(monkeypatch):
+    monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
     if _scores.unsupported_reason(_problem(), 90) is not None:
         pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
     assert _scores.unsupported_reason(_problem(dtype=np.dtype("bfloat16")), 90) is None
+    for dt in (bool, np.float16, np.float32):  # key-only masks: the masked persistent kernel
+        assert _scores.unsupported_reason(_problem(mask=_key_mask(dt), seqlen_k=400), 90) is None
     for kw, arch, words in (({}, 80, "sm_80"), ({"dtype": np.dtype("float32")}, 90, "float32"),
                             ({"seqlen_k": 513}, 90, "512"),
-                            ({"mask": object()}, 90, "attn_mask"), ({"dropout_p": 0.1}, 90, "dropout"),
+                            ({"mask": np.ones((2, 4, 100, 300), bool)}, 90, "query rows"),
+                            ({"mask": np.ones((2, 4, 100, 300), np.int32)}, 90, "int32"),
+                            ({"mask": _key_mask()}, 90, "384-key tile"), ({"dropout_p": 0.1}, 90, "dropout"),
                             ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
                                                              "16-byte")):
         why = _scores.unsupported_reason(_problem(**kw), arch)
         assert why is not None and words in why, (kw, why)
+    monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
+    assert "persistent" in _scores.unsupported_reason(_problem(mask=_key_mask(), seqlen_k=400), 90)
 
 
 def test_switch_reads_the_environment(monkeypatch):
@@ -1076,3 +1089,50 @@ def test_batch_chunks_over_the_workspace_budget(causal, monkeypatch):
     sched = next(s for s in split._SCHEDULES.values() if s.batch_chunks and
                  len(s.batch_chunks) == 3)
     assert [c[1] is sched.batch_chunks[0][1] for c in sched.batch_chunks] == [True, True, False]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask_dtype", ["bool", "float32", "float16"])
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,D,shape", [
+    (3, 4, 4, 512, 512, 1024, "b11s"),   # key padding at the seed's shape (fewer heads); batch 1 masks every key
+    (2, 8, 2, 200, 400, 512, "bh1s"),    # a per-head key mask, GQA, partial row block
+    (2, 4, 4, 77, 100, 320, "11s"),      # one mask for every batch and head, the 64-key tile
+])
+def test_key_masks(B, Hq, Hkv, L, S, D, shape, mask_dtype):
+    """attn_mask that varies only along the keys (key padding) in the masked persistent kernel: explain() names it;
+    out and lse against float64 and torch's same-precision error; a row block whose keys are all masked gets out 0
+    and lse -inf, as the reference; a second call replays."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    gen = torch.Generator(device="cuda").manual_seed(B * S + L)
+    dt = torch.float16
+    mshape = {"b11s": (B, 1, 1, S), "bh1s": (B, Hq, 1, S), "11s": (1, 1, S)}[shape]
+    for call in range(2):
+        q = torch.randn(B, Hq, L, D, generator=gen, device="cuda").to(dt)
+        k, v = (torch.randn(B, Hkv, S, D, generator=gen, device="cuda").to(dt) for _ in range(2))
+        keep = torch.rand(mshape, generator=gen, device="cuda") > 0.3
+        if shape == "b11s":
+            keep[1] = False  # batch 1 sees no key
+        if mask_dtype == "bool":
+            mask = keep
+        else:
+            mask = torch.where(keep, torch.randn(mshape, generator=gen, device="cuda"), float("-inf")).to(
+                getattr(torch, mask_dtype))
+        plan = cupy_attn.explain(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv, backend="split")
+        assert plan.details["schedule"].startswith(_scores.MASKED_KERNEL + " "), str(plan)
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=Hq != Hkv,
+                                                          return_lse=True, backend="split")
+        ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)),
+                                                              attn_mask=as_f64(mask) if mask_dtype != "bool"
+                                                              else mask.cpu().numpy(),
+                                                              enable_gqa=Hq != Hkv, return_lse=True)
+        torch_out = None
+        if shape != "b11s":  # torch gives NaN for rows that see no key; the reference and we give 0
+            torch_out = torch.nn.functional.scaled_dot_product_attention(  # torch's float masks: q's dtype
+                q, k, v, attn_mask=mask if mask_dtype == "bool" else mask.to(dt), enable_gqa=Hq != Hkv)
+        assert_close(out, ref, "float16", torch_out, what=f"key mask {shape} {mask_dtype} call {call}")
+        got = as_f64(lse)
+        assert (np.isneginf(got) == np.isneginf(ref_lse)).all()
+        fin = np.isfinite(ref_lse)
+        np.testing.assert_allclose(got[fin], ref_lse[fin], rtol=1e-4, atol=2e-3)

@@ -6,7 +6,7 @@
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --d512      # the head-dim-512 kernel only
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pdl       # the PDL launches only
-    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pairs     # causal pair tiles only
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pairs     # pair tiles, key masks
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -82,6 +82,19 @@ def pair_calls(f16):
                                                return_lse=True)
 
 
+def mask_calls(f16):
+    """The masked scores kernel (key-only attn_mask, session 17): bool and float masks, per batch and per head, GQA,
+    a partial row block, a batch that sees no key, more tiles than SMs."""
+    os.environ["CUPY_ATTN_SPLIT_FUSED"] = "3"
+    q = torch.randn(3, 16, 200, 320, device="cuda", dtype=f16)
+    k, v = (torch.randn(3, 4, 400, 320, device="cuda", dtype=f16) for _ in range(2))
+    keep = torch.rand(3, 1, 1, 400, device="cuda") > 0.3
+    keep[1] = False
+    for mask in (keep, torch.where(keep, 0.5, float("-inf")).to(f16),
+                 torch.rand(3, 16, 1, 400, device="cuda") > 0.5):
+        cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
+
+
 def lbs_forward_calls():
     """The Linear-BN-softmax forward without autograd (session 16: its two kernels after the GEMM launched as
     programmatic dependents): training and eval, the register row kernel (F ≤ 8192, 16-byte and scalar tiles) and the
@@ -109,8 +122,9 @@ def main():
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--pairs":
         pair_calls(f16)
+        mask_calls(f16)
         torch.cuda.synchronize()
-        print("sanitize calls done (the scores kernel's causal pair tiles)")
+        print("sanitize calls done (the scores kernel's causal pair tiles and key masks)")
         return
     if len(sys.argv) > 1 and sys.argv[1] == "--d512":
         d512_calls(f16)

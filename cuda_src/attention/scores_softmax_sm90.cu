@@ -103,6 +103,11 @@ struct ScoresSm90Params {
   // The P·V GEMM reads only keys 0 ... read_keys − 1 of rows 0 ... read_rows − 1 (the split path's first causal row
   // band): the zeros past them are not stored. 0 rows: every row is read whole.
   long long read_rows, read_keys;
+  // attn_mask that varies only along the keys (key padding: (B|1, Hq|1, 1, S) broadcast to (B, Hq, L, S)), in the
+  // masked kernel: mask_kind (common/mask.cuh: 1 bool, 2 fp16, 3 bf16, 4 fp32), element strides along batch, query
+  // head and key.
+  const void* mask;
+  long long mask_kind, mask_stride_b, mask_stride_h, mask_stride_k;
   tma::TensorMap tma_k64;      // K as tma_k, box (64, 64, 1, 1): a pair tile's keys 256 ... in 64-row pieces
 };
 
@@ -463,6 +468,41 @@ __device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n
   }
 }
 
+// attn_mask varying only along the keys (the masked kernel): each of this lane's keys n0 + 8j + 2t + e (< S, within
+// the warpgroup's nw) gets the mask's base-2 offset (mask_value: bool 0 or −inf, floats times log2 e) divided by c, so
+// that the epilogue's s·c − m is the scaled score plus the mask; both of the lane's rows take the same value.
+template <int kN, int kKind>
+__device__ __forceinline__ void add_key_mask_of(float (&a)[kN / 2], const unsigned char* lane, int step, int keys,
+                                                int nw, float inv_c) {
+  #pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    if (8 * j >= nw) break;
+    #pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      if (8 * j + e < keys) {
+        const float off = mask_value(lane + (8 * j + e) * step, kKind) * inv_c;
+        a[4 * j + e] += off;
+        a[4 * j + 2 + e] += off;
+      }
+    }
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void add_key_mask(float (&a)[kN / 2], int n0, int nw, int t, int b, int h, float c,
+                                             const ScoresSm90Params& p) {
+  const int kind = static_cast<int>(p.mask_kind), isz = mask_itemsize(kind);
+  const int step = static_cast<int>(p.mask_stride_k) * isz;  // bytes between keys
+  const unsigned char* const lane = static_cast<const unsigned char*>(p.mask) +
+                                    (b * p.mask_stride_b + h * p.mask_stride_h + (n0 + 2 * t) * p.mask_stride_k) * isz;
+  const int keys = static_cast<int>(p.seqlen_k) - n0 - 2 * t;  // this lane's key 8j + e is in range iff 8j + e < keys
+  const float inv_c = 1.f / c;
+  if (kind == kMaskBool) add_key_mask_of<kN, kMaskBool>(a, lane, step, keys, nw, inv_c);
+  else if (kind == kMaskFloat) add_key_mask_of<kN, kMaskFloat>(a, lane, step, keys, nw, inv_c);
+  else if (kind == kMaskHalf) add_key_mask_of<kN, kMaskHalf>(a, lane, step, keys, nw, inv_c);
+  else add_key_mask_of<kN, kMaskBf16>(a, lane, step, keys, nw, inv_c);
+}
+
 // Each row's max over the chain's keys, times c (m_c; −inf for a row that sees none of them), and the exponent
 // reference (m_c, or 0 where it is −inf: P = 0, no NaN).
 template <int kN>
@@ -696,7 +736,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
 // stage as soon as its wgmma have read it, before the softmax (with -DCUPY_ATTN_SCORES_P_TMA, as in the one-tile
 // kernels, each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage and
 // releases the stage only after its TMA stores have read shared memory).
-template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent>
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
 __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
@@ -705,7 +745,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
   static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
   // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
-  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && kDirectP;
+  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && kDirectP && !kMasked;  // masks are never causal
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
@@ -863,6 +903,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // Keys past S and past a row's causal limit take no part (mask_keys).
     if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset))
       mask_keys<kHalfN>(acc, active, n0, nw, m0, r0, t, p);
+    if constexpr (kMasked) {
+      if (active) add_key_mask<kHalfN>(acc, n0, nw, t, b, h, c, p);
+    }
 
     // Row statistics, one exchange between the two warpgroups (merge_stats): each exponentiates its own keys against
     // its own row max, m_w·c, and sums them, l_w; after one barrier both read the peer's (m, l), merge, and scale
@@ -975,6 +1018,14 @@ __global__ void __cluster_dims__(2, 1, 1) __launch_bounds__(384, 1)
 template <typename T, int kHalfN, int kStages>
 __global__ void __launch_bounds__(384, 1) scores_softmax_sm90_persistent(const __grid_constant__ ScoresSm90Params p) {
   scores_sm90::scores_softmax<T, kHalfN, kStages, 1, true>(p);
+}
+
+// The persistent kernel with a key-only attn_mask (ScoresSm90Params::mask): its own instantiation, so the unmasked
+// kernels' code is untouched.
+template <typename T, int kHalfN, int kStages>
+__global__ void __launch_bounds__(384, 1)
+    scores_softmax_sm90_persistent_masked(const __grid_constant__ ScoresSm90Params p) {
+  scores_sm90::scores_softmax<T, kHalfN, kStages, 1, true, true>(p);
 }
 
 }  // namespace cupy_attn

@@ -41,6 +41,11 @@ ENV_SPLIT_FUSED = "CUPY_ATTN_SPLIT_FUSED"
 # query rows instead of once per 64. 3: persistent, one CTA per SM walking the row blocks (a tile scheduler).
 KERNELS = {1: "scores_softmax_sm90", 2: "scores_softmax_sm90_cluster2", 3: "scores_softmax_sm90_persistent"}
 CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
+# The persistent kernel with a key-only attn_mask added in its epilogue (key padding: a mask that does not vary along
+# the query rows), its own instantiation: the unmasked kernels' code is untouched.
+MASKED_KERNEL = "scores_softmax_sm90_persistent_masked"
+_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}  # common/mask.cuh
+MASKED_NOT_BUILT = (192,)  # tiles (half_n) without a masked instantiation (SCORES_SOFTMAX_SM90.where)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,14 +75,19 @@ _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 6
                         "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
                         "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
-                        "read_rows", "read_keys")]
+                        "read_rows", "read_keys", "mask", "mask_kind", "mask_stride_b", "mask_stride_h",
+                        "mask_stride_k")]
                     + [("tma_k64", _MAP, 64)])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"kernel": tuple(KERNELS.values()), "dtype": tuple(_C_TYPES.values()), "tile": tuple(SCORES_TILES.values())},
+    axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(_C_TYPES.values()),
+          "tile": tuple(SCORES_TILES.values())},
+    # The masked kernel's 192-key tile made ptxas serialize its wgmma (C7511: the mask loads' registers on the tile
+    # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the cuBLAS path.
+    where=lambda row: row["kernel"] != MASKED_KERNEL or row["tile"].half_n not in MASKED_NOT_BUILT,
     archs=("sm_90a",),
     structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -187,11 +197,30 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     return (p0, best, folded(best))
 
 
+def mask_reason(mask, seqlen_q: int) -> str | None:
+    """None when the masked kernel reads ``mask`` (a (B, Hq, L, S) view, the call's attn_mask broadcast): one that does
+    not vary along the query rows (stride 0 there, or L = 1), bool or float; else why not.
+
+    >>> import numpy as np
+    >>> pad = np.broadcast_to(np.ones((2, 1, 1, 300), bool), (2, 4, 100, 300))
+    >>> mask_reason(pad, 100) is None, mask_reason(np.ones((2, 4, 100, 300), np.float16), 100)
+    (True, 'attn_mask varies along the query rows (stride 300 elements): the scores kernel adds key-only masks')
+    """
+    from ..runtime.interop import dtype_name as _dn
+    if _dn(mask.dtype) not in _MASK_KIND:
+        return f"attn_mask dtype {_dn(mask.dtype)}: the scores kernel reads bool, float16, bfloat16, float32"
+    if seqlen_q > 1 and mask.strides[2] != 0:
+        return (f"attn_mask varies along the query rows (stride {mask.strides[2] // mask.itemsize} elements): the "
+                "scores kernel adds key-only masks")
+    return None
+
+
 def unsupported_reason(p, arch: int) -> str | None:
     """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
     capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
 
-    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no attn_mask, no dropout, is_causal not in the cluster
+    Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no dropout, attn_mask only key-only (mask_reason) and on the
+    persistent kernel, is_causal not in the cluster
     variant (CUPY_ATTN_SPLIT_FUSED=2's clusters pair row blocks that would see different keys), scale > 0 (folded
     into exp2), q and k readable by TMA in place (fused_sm90.layout_reason).
     """
@@ -201,8 +230,17 @@ def unsupported_reason(p, arch: int) -> str | None:
         return f"dtype {dtype_name(p.dtype)}: the scores kernel serves fp16 and bf16"
     if not 1 <= p.seqlen_k <= MAX_SEQLEN_K:
         return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
-    if p.mask is not None or p.dropout_p > 0:
-        return "attn_mask and dropout are not in the scores kernel"
+    if p.dropout_p > 0:
+        return "dropout is not in the scores kernel"
+    if p.mask is not None:
+        why = mask_reason(p.mask, p.seqlen_q)
+        if why is not None:
+            return why
+        if setting() != 3:
+            return f"attn_mask: only the persistent scores kernel ({ENV_SPLIT_FUSED}=3, the default) adds it"
+        if tile_for(p.seqlen_k).half_n in MASKED_NOT_BUILT:
+            return (f"attn_mask with seqlen_k={p.seqlen_k}: the masked scores kernel has no {2 * MASKED_NOT_BUILT[0]}"
+                    "-key tile (its wgmma serialized under ptxas)")
     if p.causal is not None and setting() == 2:
         return f"is_causal: the scores kernel's cluster variant ({ENV_SPLIT_FUSED}=2) is not causal"
     if not p.scale > 0:
@@ -219,7 +257,7 @@ def unsupported_reason(p, arch: int) -> str | None:
 
 
 def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None,
-            p_read: tuple | None = None) -> "ScoresLaunch":
+            p_read: tuple | None = None, mask=None) -> "ScoresLaunch":
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
     multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
@@ -228,8 +266,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
     row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. p_read: None, or (rows, keys) when the reader of
     P (the split path's causal P·V bands) reads only keys < keys of rows < rows: the persistent kernel then leaves
-    those rows' zeros past ``keys`` unwritten (their P there is undefined). Raises ValueError for a short ld or one
-    not a multiple of 8, another variant, or causal with variant 2."""
+    those rows' zeros past ``keys`` unwritten (their P there is undefined). mask: None, or the call's attn_mask as a
+    (B, Hq, L, S) view accepted by :func:`mask_reason` (variant 3: the masked kernel; its pointer is passed per launch).
+    Raises ValueError for a short ld or one not a multiple of 8, another variant, causal with variant 2, or a mask
+    with another variant or with causal."""
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
@@ -237,10 +277,13 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
                          "stores: 16-byte row strides)")
     if causal is not None and variant == 2:
         raise ValueError(f"causal={causal!r}: the cluster variant (variant=2) is not causal")
+    if mask is not None and (variant != 3 or causal is not None):
+        raise ValueError(f"mask: the masked scores kernel is persistent (variant=3, not {variant}) and not causal")
     num_sms = device_sms(q.device.id) if variant == 3 else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
     tile = tile_for(S)
-    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=KERNELS[variant], dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    name = MASKED_KERNEL if mask is not None else KERNELS[variant]
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
     p["scale_log2"] = float(scale) * _LOG2E
@@ -251,6 +294,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
         p["pair_p0"], p["pair_n"], p["pair_count"] = causal_pairs(L, S, int(p["causal_offset"]), tile.half_n)
     if p_read is not None and variant == 3:
         p["read_rows"], p["read_keys"] = p_read
+    if mask is not None:
+        p["mask_kind"] = _MASK_KIND[dtype_name(mask.dtype)]
+        p["mask_stride_b"], p["mask_stride_h"], p["mask_stride_k"] = (mask.strides[i] // mask.itemsize
+                                                                      for i in (0, 1, 3))
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
@@ -289,24 +336,25 @@ class ScoresLaunch:
         self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
                                (fields[name][1] for name in ("tma_q", "tma_k", "tma_p", "tma_k64")))
         self._k64 = len(self.maps) == 4  # causal pair tiles: a second map of K
-        self._lse_word, self._p_word = fields["lse"][1] // 8, fields["p"][1] // 8
+        self._lse_word, self._p_word, self._mask_word = (fields[n][1] // 8 for n in ("lse", "p", "mask"))
         self._fn_ptr = int(self.kernel.kernel.ptr)
         smem = self.tile.smem_bytes()
         self._dims = launch_dims(self.grid, (THREADS,), smem)
         if self.kernel.max_dynamic_shared_size_bytes < smem:
             self.kernel.max_dynamic_shared_size_bytes = smem
 
-    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
+    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
         """Launch on CuPy's current stream (see :meth:`launch_on`)."""
         import cupy
-        self.launch_on(cupy.cuda.get_current_stream().ptr, q_ptr, k_ptr, p_ptr, lse_ptr)
+        self.launch_on(cupy.cuda.get_current_stream().ptr, q_ptr, k_ptr, p_ptr, lse_ptr, mask_ptr)
 
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0) -> None:
+    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0,
+                  mask_ptr: int = 0) -> None:
         """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
         the three tensor maps (encoded again only when q, k or P moved; written into the parameter bytes only when
-        they changed), the lse word and P's base (the persistent kernel's 16-byte stores) go into this launch's own
-        parameter buffer, which the driver copies during the call; the lock keeps two threads replaying one launch
-        from interleaving their writes. Measured on an H200
+        they changed), the lse word, P's base (the persistent kernel's 16-byte stores) and the mask's go into this
+        launch's own parameter buffer, which the driver copies during the call; the lock keeps two threads replaying
+        one launch from interleaving their writes. Measured on an H200
         host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a per-call copy of
         the struct and its three 128-byte maps written field by field, all of it before the seed call's first kernel
         starts."""
@@ -318,6 +366,7 @@ class ScoresLaunch:
                 self._maps.write(q_ptr, k_ptr, p_ptr)
             own.words[self._lse_word] = lse_ptr
             own.words[self._p_word] = p_ptr
+            own.words[self._mask_word] = mask_ptr
             self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
     def describe(self) -> str:

@@ -153,8 +153,8 @@ class _Schedule:
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
     streams: int = 1  # streams the chunks are spread over (the call's and streams - 1 side streams)
     # The scores kernel over batch chunks (P of all batch·heads over the workspace budget, scores_batch_chunk): one
-    # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse) from the call's
-    # pointers. Empty otherwise; when set, scores and chunks are unused.
+    # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
+    # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
 
 
@@ -227,14 +227,14 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
     synchronizes, so the call can be captured into a CUDA graph (after a first call outside capture has tuned the
     GEMMs: cuBLASLt's tuning times candidates and synchronizes, so under capture the heuristic's first choice runs)."""
     if sched.batch_chunks:
-        for (oq, ok, ov, oo, ol), sub in sched.batch_chunks:
-            run(sub, ctx, q0 + oq, k0 + ok, v0 + ov, o0 + oo, l0 + ol if l0 else 0, m0, rng=rng)
+        for (oq, ok, ov, oo, ol, om), sub in sched.batch_chunks:
+            run(sub, ctx, q0 + oq, k0 + ok, v0 + ov, o0 + oo, l0 + ol if l0 else 0, m0 + om if m0 else 0, rng=rng)
         return
     with ctx.activate():
         scores, s0 = workspace.scratch(ctx, sched.scores_elems * sched.itemsize)
         main = ctx.stream
         if sched.scores is not None:
-            sched.scores.launch_on(main.ptr, q0, k0, s0, l0)
+            sched.scores.launch_on(main.ptr, q0, k0, s0, l0, m0)
         # Side streams only outside graph capture: a side stream's first cuBLASLt workspace would be allocated inside
         # the capture. The chunks' scratch regions are disjoint, so one stream runs the same schedule correctly.
         streams = joins = None
@@ -423,7 +423,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
             if lc < L:
                 p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
         scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
-                                       causal=p.causal, p_read=p_read)
+                                       causal=p.causal, p_read=p_read, mask=p.mask)
 
     from .dispatch import device_arch
     gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
@@ -562,10 +562,9 @@ def _batch_chunked_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Sche
         nb = min(n, p.batch - b0)
         if nb not in subs:
             sub_p = dataclasses.replace(p, query=p.query[:nb], key=p.key[:nb], value=p.value[:nb], batch=nb,
-                                        batch_shape=(nb,))
+                                        batch_shape=(nb,), mask=None if p.mask is None else p.mask[:nb])
             subs[nb] = schedule(sub_p, out[:nb], None if lse is None else lse[:nb], workspace_bytes=budget,
                                 allow_tf32=allow_tf32)
-        offsets = tuple(b0 * a.strides[0] for a in (p.query, p.key, p.value, out)) + \
-            (b0 * lse.strides[0] if lse is not None else 0,)
+        offsets = tuple(b0 * a.strides[0] if a is not None else 0 for a in (p.query, p.key, p.value, out, lse, p.mask))
         chunks.append((offsets, subs[nb]))
     return _Schedule(scores_elems=0, chunks=[], batch_chunks=chunks)
