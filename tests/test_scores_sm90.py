@@ -713,7 +713,9 @@ def test_unsupported_reasons(monkeypatch):
                             ({"seqlen_k": 513}, 90, "512"),
                             ({"mask": np.ones((2, 4, 100, 300), bool)}, 90, "query rows"),
                             ({"mask": np.ones((2, 4, 100, 300), np.int32)}, 90, "int32"),
-                            ({"mask": _key_mask()}, 90, "384-key tile"), ({"dropout_p": 0.1}, 90, "dropout"),
+                            ({"mask": _key_mask()}, 90, "384-key tile"), ({"mask": _key_mask(), "seqlen_k": 200}, 90,
+                                                                           "not run on a GPU"),
+                            ({"dropout_p": 0.1}, 90, "dropout"),
                             ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
                                                              "16-byte")):
         why = _scores.unsupported_reason(_problem(**kw), arch)
