@@ -49,6 +49,19 @@ def interleaved_ms(fns, rounds: int = 5, repeat: int = 10, warmup: int = 5, host
     return [(m, float(np.median(c) * 1e6)) for m, c in zip(ms, cpu)] if host else ms
 
 
+def rotated_ms(fns: dict, rounds: int, repeat: int = 10, warmup: int = 3) -> dict:
+    """Median GPU-event ms of each named fn, timed in ``rounds`` rounds of ``repeat`` calls (``warmup`` before each)
+    whose order rotates by one a round (round r starts at the r-th fn), every round's samples pooled: variants of one
+    kernel at one shape each meet every position in the order as the clock drifts over the run."""
+    from cupyx.profiler import benchmark
+    names = list(fns)
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            times[n].extend(benchmark(fns[n], n_repeat=repeat, n_warmup=warmup).gpu_times[0] * 1e3)
+    return {n: float(np.median(t)) for n, t in times.items()}
+
+
 def host_us(fn, n: int = 20) -> float:
     """Median host µs of fn(), the GPU synchronized before each call (so every call starts from an idle GPU)."""
     import time

@@ -18,10 +18,11 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common
 
 import cupy  # noqa: E402
-import numpy as np  # noqa: E402
 
+from common import rotated_ms  # noqa: E402
 from cupy_attn.attention import fused_d512  # noqa: E402
 
 # bits: 1 no wgmma, 2 no loads, 4 no softmax, 8 no P stores, 16 no row-max exchange, 32 no exponentials
@@ -32,7 +33,6 @@ ROWS = (("full kernel", 0), ("no softmax", 4), ("no softmax, no P stores", 12), 
 
 
 def main():
-    from cupyx.profiler import benchmark
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="4,16,2048,2048,512")
     ap.add_argument("--dtype", default="float16")
@@ -67,11 +67,7 @@ def main():
                                     persistent=bits != "onetile")
         launches[name] = functools.partial(launch.launch_on, cupy.cuda.get_current_stream().ptr, q.data.ptr,
                                            k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr)
-    times = {name: [] for name, _ in rows}
-    for r in range(args.rounds):
-        order = rows[r % len(rows):] + rows[:r % len(rows)]
-        for name, _ in order:
-            times[name].extend(benchmark(launches[name], n_repeat=10, n_warmup=3).gpu_times[0] * 1e3)
+    ms_of = rotated_ms({name: launches[name] for name, _ in rows}, args.rounds)
     n_sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
     m_blocks = -(-L // 64)
     if causal:
@@ -84,7 +80,7 @@ def main():
           f"{kb_total / n_sm:.0f} per SM; 512 KB of K and V per block")
     print(f"{'row':34s} {'bits':>4s} {'ms':>7s} {'cyc/blk':>7s} {'L2->SM TB/s':>11s} {'TFLOP/s':>8s}")
     for name, bits in rows:
-        ms = float(np.median(times[name]))
+        ms = ms_of[name]
         bits = 0 if isinstance(bits, str) else bits
         cyc = ms * 1e-3 * args.ghz * 1e9 / (kb_total / n_sm)
         tbps = 0 if bits & 2 else 512 * 1024 * kb_total / (ms * 1e-3) / 1e12

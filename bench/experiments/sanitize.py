@@ -114,27 +114,19 @@ def lbs_forward_calls():
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
-    if len(sys.argv) > 1 and sys.argv[1] == "--pdl":
-        lbs_forward_calls()
-        decode_calls(f16)
+    # One group of kernels only: flag -> (the calls, what they cover).
+    groups = {
+        "--pdl": (lambda: (lbs_forward_calls(), decode_calls(f16)),
+                  "PDL launches: Linear-BN-softmax forward, decode with splits"),
+        "--pairs": (lambda: (pair_calls(f16), mask_calls(f16)), "the scores kernel's causal pair tiles and key masks"),
+        "--d512": (lambda: d512_calls(f16), "head-dim-512 kernel only"),
+        "--decode": (lambda: decode_calls(f16), "decode kernels only"),
+    }
+    if len(sys.argv) > 1 and sys.argv[1] in groups:
+        calls, what = groups[sys.argv[1]]
+        calls()
         torch.cuda.synchronize()
-        print("sanitize calls done (PDL launches: Linear-BN-softmax forward, decode with splits)")
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "--pairs":
-        pair_calls(f16)
-        mask_calls(f16)
-        torch.cuda.synchronize()
-        print("sanitize calls done (the scores kernel's causal pair tiles and key masks)")
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "--d512":
-        d512_calls(f16)
-        torch.cuda.synchronize()
-        print("sanitize calls done (head-dim-512 kernel only)")
-        return
-    if len(sys.argv) > 1 and sys.argv[1] == "--decode":
-        decode_calls(f16)
-        torch.cuda.synchronize()
-        print("sanitize calls done (decode kernels only)")
+        print(f"sanitize calls done ({what})")
         return
     # The FA3-design forward in its three modes (3: persistent, with more tiles than SMs so CTAs loop, and a
     # bottom-right call with empty tiles), head dims 128, 96 (qk_dim 96) and 80 (qk_dim 80).

@@ -13,16 +13,18 @@ pace it; if halving the bytes halves the load ring's time, the rate is a bandwid
 """
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # bench/: common
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import cupy  # noqa: E402
-import numpy as np  # noqa: E402
 
 from cupy_attn.attention import scores_sm90  # noqa: E402
+from common import rotated_ms  # noqa: E402
 from scores_ab import launch_for, problem  # noqa: E402
 
 # bits: 1 no wgmma, 2 no loads, 4 first K box only, 8 no epilogue, 32 no exp, 64 no P stores
@@ -34,7 +36,6 @@ ROWS = (("full kernel", 0), ("no epilogue", 8), ("loads only (no wgmma, no epilo
 
 def main():
     import torch
-    from cupyx.profiler import benchmark
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ghz", type=float, default=1.35)
@@ -58,11 +59,7 @@ def main():
         fam = dataclasses.replace(scores_sm90.SCORES_SOFTMAX_SM90, options=(opt,))
         launches[name] = launch_for(fam, q, k, lse, ld, causal)
     ptrs = (q.data.ptr, k.data.ptr, p.data.ptr, lse.data.ptr)
-    times = {name: [] for name, _ in rows}
-    for r in range(args.rounds):
-        order = rows[r % len(rows):] + rows[:r % len(rows)]
-        for name, _ in order:
-            times[name].extend(benchmark(lambda: launches[name](*ptrs), n_repeat=10, n_warmup=3).gpu_times[0] * 1e3)
+    ms_of = rotated_ms({name: functools.partial(launches[name], *ptrs) for name, _ in rows}, args.rounds)
     tile = launches["full kernel"].tile
     half_n = tile.half_n
     m_blocks, k_blocks = -(-L // 64), -(-E // 64)
@@ -74,7 +71,7 @@ def main():
           f"k blocks per CTA {kb_per_sm:.0f}")
     print(f"{'row':40s} {'bits':>4s} {'ms':>7s} {'cyc/kb':>7s} {'KB/kb':>6s} {'L2->SM TB/s':>11s} {'TFLOP/s':>8s}")
     for name, bits in rows:
-        ms = float(np.median(times[name]))
+        ms = ms_of[name]
         bits = 0 if isinstance(bits, str) else bits
         cyc = ms * 1e-3 * args.ghz * 1e9 / kb_per_sm
         kbytes = 0 if bits & 2 else (8 + (1 if bits & 4 else 2) * half_n * 128 / 1024)

@@ -382,7 +382,7 @@ __device__ __forceinline__ int visible_keys(const ScoresSm90Params& p, int m0) {
 template <int kHalfN>
 struct Tile {
   int m0, h, b, n_vis, nw;
-  int lo_m0 = -1, n_vis_lo = 0, n1 = 0;  // a pair tile's narrow block
+  int lo_m0 = -1, n1 = 0;                // a pair tile's narrow block; n1: the wide block's keys in warpgroup 1
   int zero_from, zero_lo_from = 0;       // P's zeros start here (past every row's limit), in the block (and lo block)
   __device__ __forceinline__ Tile(const ScoresSm90Params& p, int mb, int h_, int b_) : m0(mb * kBlockM), h(h_), b(b_) {
     n_vis = visible_keys(p, m0);
@@ -392,7 +392,6 @@ struct Tile {
   __device__ __forceinline__ Tile(const ScoresSm90Params& p, int mb, int mb_lo, int h_, int b_)
       : m0(mb * kBlockM), h(h_), b(b_), lo_m0(mb_lo * kBlockM) {
     n_vis = visible_keys(p, m0);
-    n_vis_lo = visible_keys(p, lo_m0);
     const int width = (n_vis + 63) / 64 * 64;
     nw = min(kHalfN, width);
     n1 = width - nw;

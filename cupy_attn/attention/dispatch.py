@@ -316,7 +316,7 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
 def _p_buffer_detail(p, budget: int, ld_p: int) -> str:
     """The scores kernel's P buffer: all batch·heads in one, or one batch chunk at a time (split.scores_batch_chunk)."""
     per_head = f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head"
-    mib = p.num_heads * p.seqlen_q * ld_p * p.dtype.itemsize / 2**20  # one batch's heads
+    mib = _split.p_bytes_per_batch(p) / 2**20  # one batch's heads
     n = _split.scores_batch_chunk(p, budget)
     if n >= p.batch:
         return f"{per_head}, all heads in one buffer of {p.batch * mib:.0f} MiB"

@@ -367,7 +367,8 @@ def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]
 
 
 def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
-    if fused_reason(p, budget) is None and scores_batch_chunk(p, budget) < p.batch:
+    fused = fused_reason(p, budget) is None  # the Hopper scores kernel replaces Q·Kᵀ and the softmax pass
+    if fused and scores_batch_chunk(p, budget) < p.batch:
         return _batch_chunked_schedule(p, out, lse, budget, allow_tf32)
     L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     dtype = p.dtype
@@ -412,16 +413,22 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     gemms: dict = {}
     # Under the scores kernel P is packed by (batch, query head): flat index bh = b·Hq + h at bh·L·ld_p elements,
     # rows ld_p apart (16-byte aligned for cuBLAS); a GEMM batch step moves bh by inner.bh.
+    # Causal calls skip the keys past the diagonal by row bands: rows r0 ... r0+lc-1 see at most the first
+    # sc = r0 + lc + causal_offset keys (at least 1: a band whose rows see no key multiplies zeros). On the scores
+    # kernel P is 0 past each row's limit and only the P·V GEMM is banded (causal_row_bands); on the cuBLAS path
+    # each band's Q·Kᵀ GEMM, softmax pass (over sc columns) and P·V GEMM stop at sc (cublas_causal_bands).
+    banded = p.causal is not None
+    bands = (causal_row_bands(L) if fused else cublas_causal_bands(L)) if banded else 1
+    row_bands = _row_bands(L, rows_per_chunk, bands)
     scores_launch = None
-    if fused_reason(p, budget) is None:
+    if fused:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
         # A causal call's first P·V row band reads only its visible keys: P's zeros past them go unwritten.
         p_read = None
-        if p.causal is not None:
-            r0, lc = _row_bands(L, rows_per_chunk, causal_row_bands(L))[0]
-            if lc < L:
-                p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
+        if banded and row_bands[0][1] < L:
+            r0, lc = row_bands[0]
+            p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
         scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
                                        causal=p.causal, p_read=p_read, mask=p.mask)
 
@@ -446,13 +453,6 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                      batch=nb))
         return gemms[nb, lc, sc]
 
-    # Causal calls skip the keys past the diagonal by row bands: rows r0 ... r0+lc-1 see at most the first
-    # sc = r0 + lc + causal_offset keys (at least 1: a band whose rows see no key multiplies zeros). On the scores
-    # kernel P is 0 past each row's limit and only the P·V GEMM is banded (causal_row_bands); on the cuBLAS path
-    # each band's Q·Kᵀ GEMM, softmax pass (over sc columns) and P·V GEMM stop at sc (cublas_causal_bands).
-    banded = p.causal is not None
-    bands = (causal_row_bands(L) if scores_launch is not None else cublas_causal_bands(L)) if banded else 1
-    row_bands = _row_bands(L, rows_per_chunk, bands)
     # Bands are independent: on the cuBLAS path, with their own regions of the scores buffer, they run on several
     # streams at once (causal_streams), longest first.
     streams = band_streams(L, S, len(row_bands), budget) if banded and scores_launch is None else 1
@@ -525,13 +525,13 @@ def fused_reason(p, budget: int, arch: int | None = None) -> str | None:
     why = scores.unsupported_reason(p, arch)
     if why is not None:
         return why
-    need = _p_bytes_per_batch(p)
+    need = p_bytes_per_batch(p)
     if need > budget:
         return f"P of one batch's heads needs {need / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace budget"
     return None
 
 
-def _p_bytes_per_batch(p) -> int:
+def p_bytes_per_batch(p) -> int:
     """Bytes of the scores kernel's P for one batch: Hq·L rows of ⌈S/8⌉·8 input-dtype elements."""
     return p.num_heads * p.seqlen_q * (-(-p.seqlen_k // 8) * 8) * p.dtype.itemsize
 
@@ -549,7 +549,7 @@ def scores_batch_chunk(p, budget: int) -> int:
     >>> scores_batch_chunk(seed, 1 << 30), scores_batch_chunk(seed, 3 << 30), scores_batch_chunk(seed, 20 << 20)
     (64, 128, 1)
     """
-    return max(1, min(p.batch, budget // _p_bytes_per_batch(p)))
+    return max(1, min(p.batch, budget // p_bytes_per_batch(p)))
 
 
 def _batch_chunked_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
