@@ -46,9 +46,8 @@ CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 MASKED_KERNEL = "scores_softmax_sm90_persistent_masked"
 _MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}  # common/mask.cuh
 MASKED_NOT_BUILT = (192,)  # tiles (half_n) without a masked instantiation (SCORES_SOFTMAX_SM90.where)
-# Masked tiles that calls are sent to: those whose GPU tests have run (session 17: 64 and 256). The 128-key tile
-# compiles clean but has not run on a GPU yet; masked calls with 129-256 keys keep the cuBLAS path until it has.
-MASKED_DISPATCHED = (64, 256)
+# Masked tiles that calls are sent to: those whose GPU tests have run (64 and 256 in session 17, 128 in session 18).
+MASKED_DISPATCHED = (64, 128, 256)
 
 
 @dataclasses.dataclass(frozen=True)
