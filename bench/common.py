@@ -58,7 +58,7 @@ def rotated_ms(fns: dict, rounds: int, repeat: int = 10, warmup: int = 3) -> dic
     times = {n: [] for n in names}
     for r in range(rounds):
         for n in names[r % len(names):] + names[:r % len(names)]:
-            times[n].extend(benchmark(fns[n], n_repeat=repeat, n_warmup=warmup).gpu_times[0] * 1e3)
+            times[n].extend(benchmark(fns[n], n_repeat=repeat, n_warmup=warmup, name=n).gpu_times[0] * 1e3)
     return {n: float(np.median(t)) for n, t in times.items()}
 
 

@@ -974,16 +974,19 @@ def test_unsupported_reason_causal(monkeypatch):
     (1, 2, 2, 640, 512, 640, "bottom_right"),    # L > S, 2 bands
     (4, 40, 40, 200, 500, 192, "top_left"),      # persistent CTAs over ~5 tiles, k_blocks = stages
 ])
-@pytest.mark.parametrize("variant", [1, 3], ids=lambda m: f"variant{m}")
-def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypatch):
+@pytest.mark.parametrize("variant,pv", [(1, True), (3, True), (3, False)], ids=lambda x: f"{x}")
+def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, pv, monkeypatch):
     """is_causal through the scores kernel, one CTA per row block or persistent (row blocks left of the diagonal skip
-    the second warpgroup's wgmma, P is 0 past each row's limit) and the banded P·V GEMMs: out and lse against float64
-    (torch's same-precision causal error as the bound where torch has the alignment), a second call on new arrays
-    replays."""
+    the second warpgroup's wgmma, P is 0 past each row's limit), then P·V by the pv_sm90 kernel (each row block to its
+    visible keys; the persistent scores kernel then writes no zeros past them) or, with CUPY_ATTN_SPLIT_PV=0, by banded
+    cuBLAS GEMMs: out and lse against float64 (torch's same-precision causal error as the bound where torch has the
+    alignment), a second call on new arrays replays."""
     import cupy_attn
     from cupy_attn import reference
+    from cupy_attn.attention import pv_sm90
     torch = _torch()
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(variant))
+    monkeypatch.setenv(pv_sm90.ENV, "1" if pv else "0")
     gen = torch.Generator(device="cuda").manual_seed(L + S)
     dt = getattr(torch, dtype)
     causal = True if align == "top_left" else "bottom_right"
@@ -994,7 +997,8 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, monkeypat
         plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, backend="split")
         assert plan.backend == "split" and plan.details["schedule"].startswith(_scores.KERNELS[variant] + " "), \
             str(plan)
-        assert "row bands" in plan.details["causal"], str(plan)
+        assert ("pv_sm90" in plan.details["causal"] and "pv_sm90" in plan.details["schedule"]) == pv, str(plan)
+        assert ("row bands" in plan.details["causal"]) != pv, str(plan)
         out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv,
                                                           return_lse=True, backend="split")
         ref, ref_lse = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal,

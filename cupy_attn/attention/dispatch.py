@@ -288,18 +288,21 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
         ld_p = -(-p.seqlen_k // 8) * 8
         variant = scores_sm90.setting()
         kernel = scores_sm90.MASKED_KERNEL if p.mask is not None else scores_sm90.KERNELS[variant]
+        pv_why = _split.pv_reason(p)
+        pv = "cuBLAS P·V" if pv_why is not None else "pv_sm90 P·V (TMA + wgmma, each row block to its visible keys)"
         return {
-            "schedule": f"{kernel} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → cuBLAS "
-                        f"P·V ({scores_sm90.ENV_SPLIT_FUSED}={variant})",
+            "schedule": f"{kernel} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → {pv} "
+                        f"({scores_sm90.ENV_SPLIT_FUSED}={variant})",
             "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
                              + {2: ", clusters of 2 CTAs sharing K by TMA multicast",
                                 3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, ""),
             "P buffer": _p_buffer_detail(p, budget, ld_p),
             **({"attn_mask": f"{p.mask_kind}, varies only along the keys: added in the scores kernel's epilogue "
                              f"({scores_sm90.MASKED_KERNEL})"} if p.mask is not None else {}),
-            **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; P·V in "
-                          f"{_split.causal_row_bands(p.seqlen_q)} row bands, each stopping at its last visible key"}
-               if p.causal is not None else {}),
+            **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; " + (
+                "P·V by pv_sm90, each 64-row block stopping at its last visible key (rounded up to 64)"
+                if pv_why is None else f"P·V in {_split.causal_row_bands(p.seqlen_q)} cuBLAS row bands, each "
+                f"stopping at its last visible key ({pv_why})")} if p.causal is not None else {}),
         }
     return {
         "schedule": f"{gemm_name} Q·Kᵀ (fp32 scores) → softmax kernel → {gemm_name} P·V",

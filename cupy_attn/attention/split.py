@@ -156,6 +156,9 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
+    # The P·V kernel (pv_sm90.PvLaunch) after the scores kernel, for causal calls (pv_reason): one launch in place of
+    # the chunks' cuBLAS P·V row bands; chunks is then empty.
+    pv: object = None
 
 
 _SCHEDULES: dict = {}
@@ -164,11 +167,11 @@ _MAX_SCHEDULES = 256
 
 def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
     """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget, the GEMM and
-    scores-kernel switches; not pointers."""
+    scores-kernel and P·V switches, the operands' 16-byte alignment (TMA); not pointers."""
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
-            _scores_sm90().setting(), gemm_3xtf32.setting() if p.dtype == np.float32 else None,
-            *((a.shape, a.strides) for a in (p.query, p.key, p.value, out)),
+            _scores_sm90().setting(), _pv_sm90().setting(), gemm_3xtf32.setting() if p.dtype == np.float32 else None,
+            *((a.shape, a.strides, a.data.ptr % 16) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
 
@@ -235,6 +238,8 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
         main = ctx.stream
         if sched.scores is not None:
             sched.scores.launch_on(main.ptr, q0, k0, s0, l0, m0)
+        if sched.pv is not None:
+            sched.pv.launch_on(main.ptr, s0, v0, o0)
         # Side streams only outside graph capture: a side stream's first cuBLASLt workspace would be allocated inside
         # the capture. The chunks' scratch regions are disjoint, so one stream runs the same schedule correctly.
         streams = joins = None
@@ -420,17 +425,25 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     banded = p.causal is not None
     bands = (causal_row_bands(L) if fused else cublas_causal_bands(L)) if banded else 1
     row_bands = _row_bands(L, rows_per_chunk, bands)
-    scores_launch = None
+    scores_launch = pv_launch = None
     if fused:
         ld_p = -(-S // 8) * 8
         scores = _scores_sm90()
-        # A causal call's first P·V row band reads only its visible keys: P's zeros past them go unwritten.
+        # A causal call's first P·V row band reads only its visible keys: P's zeros past them go unwritten. The P·V
+        # kernel reads no row past its block's visible keys (rounded up to 64, which the scores kernel writes): no
+        # zeros at all.
         p_read = None
-        if banded and row_bands[0][1] < L:
+        if pv_reason(p, out) is None:
+            pv_launch = _pv_sm90().prepare(p.value, out, seqlen_q=L, ld=ld_p, causal=p.causal)
+            p_read = (-(-L // 64) * 64, 0) if banded else None
+        elif banded and row_bands[0][1] < L:
             r0, lc = row_bands[0]
             p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
         scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
                                        causal=p.causal, p_read=p_read, mask=p.mask)
+        if pv_launch is not None:
+            return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=[], scores=scores_launch,
+                             itemsize=isz, pv=pv_launch)
 
     from .dispatch import device_arch
     gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
@@ -508,6 +521,28 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
 def _scores_sm90():
     from . import scores_sm90
     return scores_sm90
+
+
+def _pv_sm90():
+    from . import pv_sm90
+    return pv_sm90
+
+
+def pv_reason(p, out=None) -> str | None:
+    """None when a call on the scores kernel (fused_reason None) runs its P·V in pv_sm90's one launch instead of
+    cuBLAS (row bands under a causal mask), else why not: CUPY_ATTN_SPLIT_PV must not be 0; causal calls (each row
+    block then stops at its visible keys), and the others only where pv_sm90.prefer says the kernel is faster (or
+    with CUPY_ATTN_SPLIT_PV=2); value and out (None: not checked) must take its TMA loads and 16-byte stores
+    (pv_sm90.layout_reason)."""
+    pv = _pv_sm90()
+    mode = pv.setting()
+    if mode == 0:
+        return f"{pv.ENV}=0"
+    if p.causal is None and mode == 1 and not pv.prefer(p.seqlen_k):
+        return f"not causal, seqlen_k={p.seqlen_k} a multiple of 8: cuBLAS's GEMM is as fast"
+    if len(p.query.shape) != 4:
+        return "batch dims other than (B, H)"
+    return pv.layout_reason(p.value, out if out is not None else p.value)
 
 
 def fused_reason(p, budget: int, arch: int | None = None) -> str | None:

@@ -39,8 +39,9 @@ import numpy as np
 # Modules that declare kernel families; the compile check imports them all so that none is forgotten.
 FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.fused_sm90",
                   "cupy_attn.attention.backward", "cupy_attn.attention.backward_sm90", "cupy_attn.attention.decode",
-                  "cupy_attn.attention.scores_sm90", "cupy_attn.attention.fused_d512", "cupy_attn.attention.gemm_3xtf32",
-                  "cupy_attn.linear_bn_softmax.launch", "cupy_attn.linear_bn_softmax.backward")
+                  "cupy_attn.attention.scores_sm90", "cupy_attn.attention.pv_sm90", "cupy_attn.attention.fused_d512",
+                  "cupy_attn.attention.gemm_3xtf32", "cupy_attn.linear_bn_softmax.launch",
+                  "cupy_attn.linear_bn_softmax.backward")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")

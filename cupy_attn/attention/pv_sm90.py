@@ -1,0 +1,172 @@
+"""out = P V on Hopper for the split path's scores kernel, skipping the keys past each row block's causal limit
+(cuda_src/attention/pv_sm90.cu).
+
+    out (B, Hq, L, Ev) = P (B, Hq, L, S) · V (B, Hkv, S, Ev)     fp16/bf16, fp32 accumulation
+
+P is the scores kernel's output (scores_sm90.prepare: packed by (batch, query head), rows ``ld`` elements apart, 0
+past each row's causal limit); V is read in place through a 4-D tensor map (GQA by head index); out by 16-byte stores.
+A persistent wgmma GEMM (TMA producer + two consumer warpgroups, tiles of 128 rows × 256 columns, 64 keys a stage)
+whose 64-row blocks each multiply only the 64-key steps holding their visible keys, one launch for all batch·heads.
+The split path uses it in place of cuBLAS's P·V row bands for causal calls on the scores kernel
+(``CUPY_ATTN_SPLIT_PV``: :func:`setting`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import numpy as np
+
+from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime.interop import device_sms, dtype_name
+from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _estrides, _I64
+
+_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+THREADS = 384         # a producer warpgroup and two consumer warpgroups
+BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
+STAGES = 4
+ENV = "CUPY_ATTN_SPLIT_PV"
+
+# PvSm90Params (cuda_src/attention/pv_sm90.cu), declared once here.
+_PARAMS = _c_struct([("tma_p", _MAP, 64), ("tma_v", _MAP, 64)]
+                    + [(n, _I64, 8) for n in (
+                        "out", "out_stride_b", "out_stride_h", "out_stride_l", "seqlen_q", "seqlen_k", "head_dim_v",
+                        "groups", "num_heads", "batch", "is_causal", "causal_offset")])
+
+PV_SM90 = KernelFamily(
+    name="pv_sm90",
+    source="attention/pv_sm90.cu",
+    template="cupy_attn::pv_sm90<{dtype}, {stages}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,)},
+    archs=("sm_90a",),
+    structs=(("cupy_attn::PvSm90Params", _PARAMS),),
+    arch="sm_90a",
+)
+
+
+def smem_bytes(stages: int = STAGES) -> int:
+    """stages × (P 128 × 64 + V 64 × 256 16-bit tiles = 48 KB), two barriers a stage, 1 KB of alignment slack
+    (SharedStorage::kBytes): 197,696 bytes at four stages."""
+    return stages * (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * 2 + 16 * stages + 1024
+
+
+def setting() -> int:
+    """``CUPY_ATTN_SPLIT_PV``: 0 (cuBLAS P·V always), 2 (this kernel for every call on the scores kernel it can
+    serve), 1 (the default, unset or any other value: causal calls, and the others where :func:`prefer` says so)."""
+    return {"0": 0, "2": 2}.get(os.environ.get(ENV, "1"), 1)
+
+
+def prefer(seqlen_k: int) -> bool:
+    """Calls without a causal mask: True where this kernel beats the split path's tuned cuBLAS P·V, S (the GEMM's K)
+    not a multiple of 8. Measured on an H200 (session 18, bench/experiments/pv_sweep.py, whole non-causal calls, fp16,
+    (B, H) 8×16 and 32×32, L 256-1024, S 128-512, E 320-1024): at S = 300 this kernel took 0.57-0.77 of cuBLAS's
+    time; at S a multiple of 8 it took 0.92-1.25 of it (1.0-1.09x faster only at 8×16 heads and L = 256)."""
+    return seqlen_k % 8 != 0
+
+
+def layout_reason(v, out) -> str | None:
+    """None when TMA can read v in place (16-byte aligned base, batch/head/row strides multiples of 16 bytes) and out
+    takes 16-byte stores (16-byte aligned base and row/head/batch strides, unit column stride, Ev a multiple of 8).
+    Else why not."""
+    if v.data.ptr % 16:
+        return "value is not 16-byte aligned (TMA)"
+    for axis, (n, s) in zip("bhs", zip(v.shape[:-1], v.strides[:-1])):
+        if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
+            return f"value stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    if out.shape[-1] % 8:
+        return f"head_dim_v={out.shape[-1]}: the P·V kernel stores 8 columns at a time (a multiple of 8)"
+    if out.data.ptr % 16 or any(s % 8 for s in _estrides(out)[:-1]) or out.strides[-1] != out.itemsize:
+        return "out rows are not 16-byte aligned (the P·V kernel stores 16 bytes at a time)"
+    return None
+
+
+def grid_for(batch: int, num_heads: int, seqlen_q: int, head_dim_v: int, num_sms: int) -> tuple:
+    """(min(tiles, num_sms), 1, 1): one CTA per SM striding over the ⌈L / 128⌉ · ⌈Ev / 256⌉ tiles of each head.
+
+    >>> grid_for(32, 32, 512, 1024, 132), grid_for(1, 2, 100, 320, 132)
+    ((132, 1, 1), (4, 1, 1))
+    """
+    tiles = -(-seqlen_q // BLOCK_M) * -(-head_dim_v // BLOCK_N) * num_heads * batch
+    return (min(tiles, num_sms), 1, 1)
+
+
+def key_steps(seqlen_q: int, seqlen_k: int, m0: int, causal_offset: int | None) -> int:
+    """The 64-key steps the 64-row block at m0 multiplies (the kernel's key_steps): its last row's visible keys
+    (causal_offset None: all S), rounded up to 64; 0 past L or where its rows see no key.
+
+    >>> [key_steps(512, 512, m0, 0) for m0 in (0, 64, 448)], key_steps(512, 512, 0, None), key_steps(600, 500, 0, -100)
+    ([1, 2, 8], 8, 0)
+    """
+    if m0 >= seqlen_q:
+        return 0
+    n = seqlen_k
+    if causal_offset is not None:
+        n = max(0, min(n, min(m0 + BLOCK_M // 2, seqlen_q) + causal_offset))
+    return -(-n // BLOCK_K)
+
+
+def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None) -> "PvLaunch":
+    """The launch for P (B, Hq, L, S) as scores_sm90.prepare writes it (packed by (batch, query head), rows ``ld``
+    elements apart), v (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by :func:`layout_reason`. causal: None,
+    "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L): the row blocks skip the key
+    steps past their last row's limit, where P must be 0 up to the step's end (the scores kernel writes it so).
+    Raises ValueError for a short ld or one not a multiple of 8, or mismatched shapes."""
+    B, Hkv, S, Ev = v.shape
+    Bo, Hq, L, Evo = out.shape
+    if (Bo, Evo, L) != (B, Ev, seqlen_q) or Hq % Hkv:
+        raise ValueError(f"out {tuple(out.shape)} does not match value {tuple(v.shape)} and seqlen_q={seqlen_q}")
+    if ld < S or ld % 8:
+        raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8")
+    kernel = PV_SM90.kernel(dtype=_C_TYPES[dtype_name(v.dtype)], stages=STAGES)
+    p = np.zeros((), dtype=_PARAMS)
+    for axis, stride in zip("bhl", _estrides(out)):
+        p[f"out_stride_{axis}"] = stride
+    p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
+    p["num_heads"], p["batch"] = Hq, B
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    isz = v.dtype.itemsize
+    p_map = _MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (p_map, _MapSpec.of(v, BLOCK_K))
+    grid = grid_for(B, Hq, L, Ev, device_sms(v.device.id))
+    return PvLaunch(kernel, p, maps, grid)
+
+
+@dataclasses.dataclass
+class PvLaunch:
+    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, the grid."""
+
+    kernel: object
+    params: np.ndarray
+    maps: tuple
+    grid: tuple
+
+    def __post_init__(self):
+        # Resolved once (scores_sm90.ScoresLaunch's scheme): own parameter bytes, the CUfunction, launch dimensions.
+        from cupy.cuda import driver
+        self._launch = driver.launchKernel
+        self._own = OwnParams(self.params)
+        fields = self.params.dtype.fields
+        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
+                               (fields[name][1] for name in ("tma_p", "tma_v")))
+        self._out_word = fields["out"][1] // 8
+        self._fn_ptr = int(self.kernel.kernel.ptr)
+        smem = smem_bytes()
+        self._dims = launch_dims(self.grid, (THREADS,), smem)
+        if self.kernel.max_dynamic_shared_size_bytes < smem:
+            self.kernel.max_dynamic_shared_size_bytes = smem
+
+    def launch_on(self, stream_ptr: int, p_ptr: int, v_ptr: int, out_ptr: int) -> None:
+        """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
+        the maps of P and V (encoded again only when a base moved) and out's base go into this launch's own
+        parameter bytes, under its lock."""
+        own = self._own
+        with own.lock:
+            self._maps.write(p_ptr, v_ptr)
+            own.words[self._out_word] = out_ptr
+            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
+
+    def describe(self) -> str:
+        what = "causal: each 64-row block stops at its visible keys" if self.params["is_causal"] else "all keys"
+        return (f"pv_sm90 (128 rows x 256 columns per tile, 64 keys a stage, {STAGES} TMA stages, wgmma m64n256 x 2 "
+                f"warpgroups; persistent, grid {self.grid}; {what})")
