@@ -51,6 +51,10 @@ constexpr int kPBytes = kBlockM * kBlockK * 2;  // two 8 KB atoms of 64 rows
 constexpr int kVBytes = kBlockK * kBlockN * 2;  // four 8 KB boxes of 64 keys × 64 columns
 constexpr int kStageBytes = kPBytes + kVBytes;
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+#ifndef CUPY_ATTN_PV_DEFER_STORES
+#define CUPY_ATTN_PV_DEFER_STORES 1
+#endif
+constexpr bool kDeferStores = CUPY_ATTN_PV_DEFER_STORES;  // -DCUPY_ATTN_PV_DEFER_STORES=0: store each tile at once
 
 template <int kStages>
 struct SharedStorage {
@@ -149,35 +153,65 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     __syncwarp();
     if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
   };
+  // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
+  // and are stored under them: the stores leave the tensor pipe's critical path (kDeferStores; else stored at once).
+  unsigned packed[2][32];
+  T* pend_out = nullptr;  // the packed rows' first row (this lane's r0) in out; nullptr: none
+  long long pend_row = 0;
+  int pend_n0 = 0;
+  auto store_pending = [&]() {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const long long row = pend_row + 8 * half;
+      sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l, row < p.seqlen_q, pend_n0,
+                                   p.head_dim_v, t);
+    }
+    pend_out = nullptr;
+  };
   for (int tt = blockIdx.x; tt < count; tt += gridDim.x) {
     int m0, n0, h, b;
     tile(tt, m0, n0, h, b);
     const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
     const int mine = key_steps(p, m0 + wg * (kBlockM / 2));  // ≤ steps: a later block sees at least as many keys
     float o[128];
-    #pragma unroll
-    for (int i = 0; i < 128; ++i) o[i] = 0.f;
-    for (int k = 0; k < mine; ++k, ++step) {
+    // One k step: four wgmma m64n256k16 on the stage; the tile's first k step overwrites the accumulators.
+    auto mma_step = [&](int k) {
       const unsigned st = wait_full();
       wgmma::fence();
       #pragma unroll
       for (int kk = 0; kk < kBlockK / 16; ++kk)
         wgmma::Mma<T, 256>::ss_bmn(o, wgmma::desc_sw128(st + wg * 8192 + kk * 32, 16, 1024),
-                                   wgmma::desc_sw128(st + kPBytes + kk * 16 * 128, kBlockK * 128, 1024), 1);
+                                   wgmma::desc_sw128(st + kPBytes + kk * 16 * 128, kBlockK * 128, 1024),
+                                   k > 0 || kk > 0);
       wgmma::commit();
+    };
+    if (mine > 0) {  // the first k step apart: the previous tile's packed rows are stored under its wgmma
+      mma_step(0);
+      if (kDeferStores && pend_out != nullptr) store_pending();
+      ++step;
+    }
+    for (int k = 1; k < mine; ++k, ++step) {
+      mma_step(k);
       wgmma::wait<1>();
-      if (k > 0) release(step - 1);
+      release(step - 1);
     }
     wgmma::wait<0>();
     if (mine > 0) release(step - 1);
     wgmma::fence_operands(o);
-
-    T* const out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+    if (pend_out != nullptr) store_pending();  // no wgmma in this tile to hide them under
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = m0 + wg * (kBlockM / 2) + r0 + 8 * half;
-      sm90::store_row_16b<T, 256>(o, half, 1.f, out, row, p.out_stride_l, p.seqlen_q, n0, p.head_dim_v, t);
+      if (mine > 0) {
+        sm90::pack_row_half<T, 256>(o, half, 1.f, packed[half]);
+      } else {  // rows that see no key: out 0
+        #pragma unroll
+        for (int i = 0; i < 32; ++i) packed[half][i] = 0u;
+      }
     }
+    pend_row = m0 + wg * (kBlockM / 2) + r0;
+    pend_n0 = n0;
+    pend_out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + pend_row * p.out_stride_l;
+    if (!kDeferStores) store_pending();
     // The stages this warpgroup does not read (the other block's extra keys): waited for, so that this warpgroup's
     // arrivals stay in the ring's round (an early arrival would count toward the previous round's release), and
     // released.
@@ -186,6 +220,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
       release(step);
     }
   }
+  if (pend_out != nullptr) store_pending();
 }
 
 }  // namespace cupy_attn

@@ -105,19 +105,20 @@ def key_steps(seqlen_q: int, seqlen_k: int, m0: int, causal_offset: int | None) 
     return -(-n // BLOCK_K)
 
 
-def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None) -> "PvLaunch":
+def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> "PvLaunch":
     """The launch for P (B, Hq, L, S) as scores_sm90.prepare writes it (packed by (batch, query head), rows ``ld``
     elements apart), v (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by :func:`layout_reason`. causal: None,
     "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L): the row blocks skip the key
     steps past their last row's limit, where P must be 0 up to the step's end (the scores kernel writes it so).
-    Raises ValueError for a short ld or one not a multiple of 8, or mismatched shapes."""
+    family: PV_SM90 or a copy with other NVRTC options (A/B runs). Raises ValueError for a short ld or one not a
+    multiple of 8, or mismatched shapes."""
     B, Hkv, S, Ev = v.shape
     Bo, Hq, L, Evo = out.shape
     if (Bo, Evo, L) != (B, Ev, seqlen_q) or Hq % Hkv:
         raise ValueError(f"out {tuple(out.shape)} does not match value {tuple(v.shape)} and seqlen_q={seqlen_q}")
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8")
-    kernel = PV_SM90.kernel(dtype=_C_TYPES[dtype_name(v.dtype)], stages=STAGES)
+    kernel = family.kernel(dtype=_C_TYPES[dtype_name(v.dtype)], stages=STAGES)
     p = np.zeros((), dtype=_PARAMS)
     for axis, stride in zip("bhl", _estrides(out)):
         p[f"out_stride_{axis}"] = stride

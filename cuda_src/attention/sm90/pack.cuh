@@ -1,8 +1,8 @@
 // Packing wgmma accumulators for 16-byte stores, shared by the scores kernel (P), the head-dim-512 forward (O) and
 // the P·V kernel (O): Pair<T> makes a 32-bit register of two 16-bit values; quad_transpose gives each lane of a quad
-// 8 consecutive columns of its row; store_row_16b stores a row half of an accumulator block that way (the P·V
-// kernel's epilogue; the head-dim-512 forward keeps its own copy of the loop: calling this helper changed its SASS
-// and measured 3% slower in bf16, session 18).
+// 8 consecutive columns of its row; pack_row_half and store_row_half store a row half of an accumulator block that
+// way in two steps (the P·V kernel packs a tile's out, then stores it under the next tile's first wgmma; the
+// head-dim-512 forward keeps its own loop: a shared helper changed its SASS and measured 3% slower in bf16).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -38,26 +38,29 @@ __device__ __forceinline__ void quad_transpose(unsigned (&w)[4], int t) {
   }
 }
 
-// One row half of a warpgroup's 64 × kN accumulator block (a[4j + 2·half + e]: the lane's row `row`, column 8j + 2t
-// + e) as T, each value times `scale`, by 16-byte stores to out[row · stride + col0 + 32i + 8t ... + 7] where
-// row < rows and the chunk's first column is below `cols` (cols a multiple of 8, rows 16-byte aligned).
+// One row half of a warpgroup's 64 × kN accumulator block (a[4j + 2·half + e]: the lane's row r0 + 8·half, column
+// 8j + 2t + e) as kN / 4 words of T pairs, each value times `scale`: word 4i + u holds columns 8(4i + u) + 2t, + 1.
 template <typename T, int kN>
-__device__ __forceinline__ void store_row_16b(const float (&a)[kN / 2], int half, float scale, T* out, int row,
-                                              long long stride, long long rows, int col0, long long cols, int t) {
+__device__ __forceinline__ void pack_row_half(const float (&a)[kN / 2], int half, float scale, unsigned* words) {
   using P2 = typename Pair<T>::type;
-  T* const o_row = out + static_cast<long long>(row) * stride;
+  #pragma unroll
+  for (int jj = 0; jj < kN / 8; ++jj) {
+    const P2 v = Pair<T>::make(a[4 * jj + 2 * half] * scale, a[4 * jj + 2 * half + 1] * scale);
+    words[jj] = *reinterpret_cast<const unsigned*>(&v);
+  }
+}
+
+// pack_row_half's words stored by 16-byte stores: the quad's transpose gives lane t columns col0 + 32i + 8t ... + 7,
+// stored at row_ptr[col] where row_ok and col < cols (cols a multiple of 8, rows 16-byte aligned).
+template <typename T, int kN>
+__device__ __forceinline__ void store_row_half(const unsigned* words, T* row_ptr, bool row_ok, int col0,
+                                               long long cols, int t) {
   #pragma unroll
   for (int i = 0; i < kN / 32; ++i) {
-    unsigned w[4];
-    #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int jj = 4 * i + u;
-      const P2 v = Pair<T>::make(a[4 * jj + 2 * half] * scale, a[4 * jj + 2 * half + 1] * scale);
-      w[u] = *reinterpret_cast<const unsigned*>(&v);
-    }
+    unsigned w[4] = {words[4 * i], words[4 * i + 1], words[4 * i + 2], words[4 * i + 3]};
     quad_transpose(w, t);
     const int col = col0 + 32 * i + 8 * t;
-    if (row < rows && col < cols) *reinterpret_cast<uint4*>(o_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
+    if (row_ok && col < cols) *reinterpret_cast<uint4*>(row_ptr + col) = make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
 
