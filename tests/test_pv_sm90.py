@@ -113,7 +113,8 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
 
 def _problem(**kw):
     import types
-    p = dict(query=_bhsd(2, 4, 512, 1024), value=_bhsd(2, 4, 512, 1024), causal="top_left", seqlen_k=512)
+    p = dict(query=_bhsd(32, 32, 512, 1024), value=_bhsd(32, 32, 512, 1024), causal="top_left", seqlen_k=512,
+             batch=32, num_heads=32, seqlen_q=512, head_dim_v=1024)
     return types.SimpleNamespace(**{**p, **kw})
 
 
@@ -123,6 +124,7 @@ def test_pv_reasons(monkeypatch):
     assert _split.pv_reason(_problem(causal="bottom_right"), _bhsd(2, 4, 512, 1024)) is None
     padded = _FakeArray((2, 4, 512, 1020), (4 * 512 * 2048, 512 * 2048, 2048, 2))  # Ev = 1020 in rows of 1024
     assert _split.pv_reason(_problem(causal=None, seqlen_k=300)) is None  # cuBLAS is slow at K % 8 != 0
+    assert _split.pv_reason(_problem(causal=None, batch=1, num_heads=8)) is None  # a small call
     for kw, out, words in (({"causal": None, "seqlen_k": 512}, None, "not causal"), ({}, padded, "multiple of 8"),
                            ({"value": _bhsd(2, 4, 512, 1020)}, None, "stride along s"),
                            ({"value": _bhsd(2, 4, 512, 1024, ptr=(1 << 20) + 8)}, None, "16-byte"),

@@ -56,12 +56,20 @@ def setting() -> int:
     return {"0": 0, "2": 2}.get(os.environ.get(ENV, "1"), 1)
 
 
-def prefer(seqlen_k: int) -> bool:
-    """Calls without a causal mask: True where this kernel beats the split path's tuned cuBLAS P·V, S (the GEMM's K)
-    not a multiple of 8. Measured on an H200 (session 18, bench/experiments/pv_sweep.py, whole non-causal calls, fp16,
-    (B, H) 8×16 and 32×32, L 256-1024, S 128-512, E 320-1024): at S = 300 this kernel took 0.57-0.77 of cuBLAS's
-    time; at S a multiple of 8 it took 0.92-1.25 of it (1.0-1.09x faster only at 8×16 heads and L = 256)."""
-    return seqlen_k % 8 != 0
+def prefer(rows: int, seqlen_k: int, head_dim_v: int) -> bool:
+    """Calls without a causal mask: True where this kernel beats the split path's tuned cuBLAS P·V. rows: B·Hq·L.
+
+    Measured on an H200 (session 18, bench/experiments/pv_sweep.py, whole non-causal calls, fp16, same process):
+    - S (the GEMM's K) not a multiple of 8: cuBLAS's K tail is slow; at S = 300 this kernel took 0.54-0.77 of its
+      time ((B, H) 8×16 and 32×32, L 256-1024, E 320-1024);
+    - small calls (B·Hq·L ≤ 32768) with Ev a multiple of 256 (no partial 256-column tile): 0.79-0.99 of cuBLAS's time
+      at (8, 16, 256, S 128-512, E 512/1024);
+    - elsewhere cuBLAS is as fast or faster (this kernel 0.96-1.19x its time, 1.09x at the seed).
+
+    >>> prefer(32 * 32 * 512, 512, 1024), prefer(32 * 32 * 512, 300, 1024), prefer(8 * 16 * 256, 512, 1024)
+    (False, True, True)
+    """
+    return seqlen_k % 8 != 0 or (rows <= 32768 and head_dim_v % 256 == 0)
 
 
 def layout_reason(v, out) -> str | None:

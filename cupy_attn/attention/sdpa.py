@@ -60,7 +60,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     fp16/bf16 calls with S ≤ 512 and no attn_mask or one that varies only along the keys (key padding;
     not yet with S 257-384), causal or not, run one kernel for Q·Kᵀ and the softmax instead, writing P in the
     input dtype, in chunks of batches when P of all batch·heads exceeds the budget; CUPY_ATTN_SPLIT_FUSED=0 turns it
-    off), or
+    off; after it, causal calls, and others where it is faster, multiply P·V on our own TMA + wgmma GEMM whose row
+    blocks stop at their visible keys, CUPY_ATTN_SPLIT_PV=0 keeps cuBLAS), or
     "reference". "fused" and "split" need CUDA inputs.
     return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
     num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query

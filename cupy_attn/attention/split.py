@@ -538,8 +538,9 @@ def pv_reason(p, out=None) -> str | None:
     mode = pv.setting()
     if mode == 0:
         return f"{pv.ENV}=0"
-    if p.causal is None and mode == 1 and not pv.prefer(p.seqlen_k):
-        return f"not causal, seqlen_k={p.seqlen_k} a multiple of 8: cuBLAS's GEMM is as fast"
+    if p.causal is None and mode == 1 and not pv.prefer(p.batch * p.num_heads * p.seqlen_q, p.seqlen_k,
+                                                          p.head_dim_v):
+        return "not causal: cuBLAS's GEMM is as fast at this shape (pv_sm90.prefer)"
     if len(p.query.shape) != 4:
         return "batch dims other than (B, H)"
     return pv.layout_reason(p.value, out if out is not None else p.value)
