@@ -1,6 +1,8 @@
 """Autograd of scaled_dot_product_attention on torch CUDA tensors: gradients of query, key, value (and a float
 attn_mask) against float64 autograd of the same math on the CPU, within twice torch's own error in the same precision
 (tests/_tolerance.py)."""
+import zlib
+
 import pytest
 
 import cupy_attn
@@ -58,7 +60,7 @@ def test_gradients(dtype, case, bwd, monkeypatch):
             pytest.skip("the Hopper backward needs compute capability 9.0")
     if bwd != "auto":
         monkeypatch.setenv("CUPY_ATTN_BWD", bwd)
-    _check_case(dtype, case, bwd, hash(case[0]) % 997)
+    _check_case(dtype, case, bwd, zlib.crc32(case[0].encode()) % 997)  # str hash() varies per process
 
 
 @pytest.mark.parametrize("bwd", ["mma", "sm90"])

@@ -1,5 +1,7 @@
 """cupy_attn behaves like a native torch op on the GPU: CUDA-graph capture and replay on every path (torch.cuda.graph
 and CuPy stream capture), memory from the caller's allocator, nothing left in CuPy's pool for torch callers."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -59,7 +61,7 @@ def _check(out, q, k, v, kw, what):
 def test_torch_cuda_graph_capture_and_replay(name, shape, dtype, kw):
     """Warm up on a side stream (as torch's docs prescribe), capture one call, then replay it on new data copied into
     the static inputs: the replay equals the reference on the new data."""
-    g = torch.Generator("cuda").manual_seed(hash(name) % 1000)
+    g = torch.Generator("cuda").manual_seed(zlib.crc32(name.encode()) % 1000)
     q, k, v, kw = _inputs(shape, dtype, kw, g)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

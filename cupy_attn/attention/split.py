@@ -171,8 +171,14 @@ def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
             _scores_sm90().setting(), _pv_sm90().setting(), gemm_3xtf32.setting() if p.dtype == np.float32 else None,
-            *((a.shape, a.strides, a.data.ptr % 16) for a in (p.query, p.key, p.value, out)),
+            *((a.shape, a.strides, _align16(a)) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
+
+
+def _align16(a) -> int:
+    """The base address modulo 16 (CuPy arrays: data.ptr; NumPy arrays, as CPU tests pass: the array interface)."""
+    ptr = getattr(a.data, "ptr", None)
+    return (a.__array_interface__["data"][0] if ptr is None else ptr) % 16
 
 
 def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> None:
