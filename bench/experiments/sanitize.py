@@ -6,7 +6,8 @@
     compute-sanitizer --tool synccheck python3 bench/experiments/sanitize.py --decode    # ... and the decode kernels
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --d512      # the head-dim-512 kernel only
     compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pdl       # the PDL launches only
-    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pairs     # pair tiles, key masks
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pairs     # pair tiles, key masks, P·V
+    compute-sanitizer --tool racecheck python3 bench/experiments/sanitize.py --pv        # the P·V kernel only
 
 The FA3-design forward (forced, each mode: ping-pong, overlap, persistent; head dims 128, 96, 80), the fused and
 split backward (autograd, so the prepared backward's replay path runs from the second call of a layout), the Hopper backward (CUPY_ATTN_BWD=sm90, on sm_90:
@@ -95,6 +96,23 @@ def mask_calls(f16):
         cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True, return_lse=True)
 
 
+def pv_calls(f16):
+    """The P·V kernel after the scores kernel (session 18, pv_sm90): causal calls (pair_calls also run it), a
+    non-causal call at S % 8 ≠ 0 (its default there), and forced (CUPY_ATTN_SPLIT_PV=2) at Ev = 264 (a partial
+    256-column tile), GQA, bottom-right with L > S (row blocks that see no key), more tiles than SMs."""
+    os.environ["CUPY_ATTN_SPLIT_FUSED"] = "3"
+    for (B, Hq, Hkv, L, S, E, Ev, causal, mode) in ((2, 16, 16, 512, 300, 320, 320, None, "1"),
+                                                   (2, 8, 2, 200, 450, 512, 264, None, "2"),
+                                                   (1, 8, 8, 700, 512, 384, 384, "bottom_right", "1"),
+                                                   (4, 20, 20, 256, 256, 640, 640, True, "1")):
+        os.environ["CUPY_ATTN_SPLIT_PV"] = mode
+        q = torch.randn(B, Hq, L, E, device="cuda", dtype=f16)
+        k = torch.randn(B, Hkv, S, E, device="cuda", dtype=f16)
+        v = torch.randn(B, Hkv, S, Ev, device="cuda", dtype=f16)
+        cupy_attn.scaled_dot_product_attention(q, k, v, backend="split", is_causal=causal, enable_gqa=Hq != Hkv)
+    os.environ.pop("CUPY_ATTN_SPLIT_PV")
+
+
 def lbs_forward_calls():
     """The Linear-BN-softmax forward without autograd (session 16: its two kernels after the GEMM launched as
     programmatic dependents): training and eval, the register row kernel (F ≤ 8192, 16-byte and scalar tiles) and the
@@ -118,7 +136,9 @@ def main():
     groups = {
         "--pdl": (lambda: (lbs_forward_calls(), decode_calls(f16)),
                   "PDL launches: Linear-BN-softmax forward, decode with splits"),
-        "--pairs": (lambda: (pair_calls(f16), mask_calls(f16)), "the scores kernel's causal pair tiles and key masks"),
+        "--pairs": (lambda: (pair_calls(f16), mask_calls(f16), pv_calls(f16)),
+                    "the scores kernel's causal pair tiles and key masks, the P·V kernel"),
+        "--pv": (lambda: pv_calls(f16), "the P·V kernel after the scores kernel"),
         "--d512": (lambda: d512_calls(f16), "head-dim-512 kernel only"),
         "--decode": (lambda: decode_calls(f16), "decode kernels only"),
     }
