@@ -709,11 +709,12 @@ def test_unsupported_reasons(monkeypatch):
     assert _scores.unsupported_reason(_problem(dtype=np.dtype("bfloat16")), 90) is None
     for dt in (bool, np.float16, np.float32):  # key-only masks: the masked persistent kernel
         assert _scores.unsupported_reason(_problem(mask=_key_mask(dt), seqlen_k=400), 90) is None
+        assert _scores.unsupported_reason(_problem(mask=_key_mask(dt)), 90) is None  # S = 300: the 512-key tile
     for kw, arch, words in (({}, 80, "sm_80"), ({"dtype": np.dtype("float32")}, 90, "float32"),
                             ({"seqlen_k": 513}, 90, "512"),
                             ({"mask": np.ones((2, 4, 100, 300), bool)}, 90, "query rows"),
                             ({"mask": np.ones((2, 4, 100, 300), np.int32)}, 90, "int32"),
-                            ({"mask": _key_mask()}, 90, "384-key tile"),
+
                             ({"dropout_p": 0.1}, 90, "dropout"),
                             ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
                                                              "16-byte")):
@@ -1103,6 +1104,7 @@ def test_batch_chunks_over_the_workspace_budget(causal, monkeypatch):
     (2, 8, 2, 200, 400, 512, "bh1s"),    # a per-head key mask, GQA, partial row block
     (2, 4, 4, 77, 100, 320, "11s"),      # one mask for every batch and head, the 64-key tile
     (2, 4, 2, 130, 200, 384, "bh1s"),    # the 128-key tile, GQA, three row blocks
+    (2, 4, 4, 100, 300, 320, "b11s"),    # S 257-384: the 256-key tile (no masked 192-key tile), P·V by pv_sm90
 ])
 def test_key_masks(B, Hq, Hkv, L, S, D, shape, mask_dtype):
     """attn_mask that varies only along the keys (key padding) in the masked persistent kernel: explain() names it;

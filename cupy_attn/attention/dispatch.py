@@ -284,7 +284,7 @@ def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
     why_not = _split.fused_reason(p, budget, arch)
     if why_not is None:
         from . import scores_sm90
-        tile = scores_sm90.tile_for(p.seqlen_k)
+        tile = scores_sm90.tile_for(p.seqlen_k, masked=p.mask is not None)
         ld_p = -(-p.seqlen_k // 8) * 8
         variant = scores_sm90.setting()
         kernel = scores_sm90.MASKED_KERNEL if p.mask is not None else scores_sm90.KERNELS[variant]

@@ -88,7 +88,7 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
     axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(_C_TYPES.values()),
           "tile": tuple(SCORES_TILES.values())},
     # The masked kernel's 192-key tile made ptxas serialize its wgmma (C7511: the mask loads' registers on the tile
-    # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the cuBLAS path.
+    # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the 256-key tile.
     where=lambda row: row["kernel"] != MASKED_KERNEL or row["tile"].half_n not in MASKED_NOT_BUILT,
     archs=("sm_90a",),
     structs=(("cupy_attn::ScoresSm90Params", _PARAMS),),
@@ -134,15 +134,20 @@ def grid_for(batch: int, num_heads: int, seqlen_q: int, variant: int = 1, num_sm
     return (-(-blocks // m) * m, num_heads, batch)
 
 
-def tile_for(seqlen_k: int) -> ScoresTile:
-    """The tile whose two warpgroups cover seqlen_k keys with the least padding (1 ≤ seqlen_k ≤ 512).
+def tile_for(seqlen_k: int, masked: bool = False) -> ScoresTile:
+    """The tile whose two warpgroups cover seqlen_k keys with the least padding (1 ≤ seqlen_k ≤ 512); masked: among
+    the masked kernel's built tiles (the 384-key tile is not: S 257-384 takes the 512-key one, its keys past S
+    masked like any tile's).
 
     >>> [tile_for(s).half_n for s in (1, 64, 100, 128, 129, 256, 300, 384, 385, 512)]
     [64, 64, 64, 64, 128, 128, 192, 192, 256, 256]
+    >>> [tile_for(s, masked=True).half_n for s in (256, 257, 384)]
+    [128, 256, 256]
     """
     if not 1 <= seqlen_k <= MAX_SEQLEN_K:
         raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
-    return next(SCORES_TILES[n] for n in sorted(SCORES_TILES) if 2 * n >= seqlen_k)
+    return next(SCORES_TILES[n] for n in sorted(SCORES_TILES)
+                if 2 * n >= seqlen_k and not (masked and n in MASKED_NOT_BUILT))
 
 
 def visible_keys(seqlen_q: int, seqlen_k: int, causal_offset: int, m0: int) -> int:
@@ -240,10 +245,7 @@ def unsupported_reason(p, arch: int) -> str | None:
             return why
         if setting() != 3:
             return f"attn_mask: only the persistent scores kernel ({ENV_SPLIT_FUSED}=3, the default) adds it"
-        half_n = tile_for(p.seqlen_k).half_n
-        if half_n in MASKED_NOT_BUILT:
-            return (f"attn_mask with seqlen_k={p.seqlen_k}: the masked scores kernel has no {2 * half_n}-key tile "
-                    "(its wgmma serialized under ptxas)")
+        half_n = tile_for(p.seqlen_k, masked=True).half_n
         if half_n not in MASKED_DISPATCHED:
             return (f"attn_mask with seqlen_k={p.seqlen_k}: the masked scores kernel's {2 * half_n}-key tile has not "
                     "run on a GPU yet")
@@ -287,7 +289,7 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
         raise ValueError(f"mask: the masked scores kernel is persistent (variant=3, not {variant}) and not causal")
     num_sms = device_sms(q.device.id) if variant == 3 else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
-    tile = tile_for(S)
+    tile = tile_for(S, masked=mask is not None)
     name = MASKED_KERNEL if mask is not None else KERNELS[variant]
     kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)

@@ -57,8 +57,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     use warpgroup MMAs, CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused
     mask+softmax kernel, cuBLAS P·V; for float32 our 3xTF32 GEMM in place of cuBLAS; the buffer is processed in
     chunks of batch·heads under ``workspace_bytes``, default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper,
-    fp16/bf16 calls with S ≤ 512 and no attn_mask or one that varies only along the keys (key padding;
-    not yet with S 257-384), causal or not, run one kernel for Q·Kᵀ and the softmax instead, writing P in the
+    fp16/bf16 calls with S ≤ 512 and no attn_mask or one that varies only along the keys (key padding),
+    causal or not, run one kernel for Q·Kᵀ and the softmax instead, writing P in the
     input dtype, in chunks of batches when P of all batch·heads exceeds the budget; CUPY_ATTN_SPLIT_FUSED=0 turns it
     off; after it, causal calls, and others where it is faster, multiply P·V on our own TMA + wgmma GEMM whose row
     blocks stop at their visible keys, CUPY_ATTN_SPLIT_PV=0 keeps cuBLAS), or
