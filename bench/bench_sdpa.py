@@ -91,7 +91,8 @@ def bench_case(name, B, H, L, S, D, dtype="float16", causal=False, mask=None, Dv
 
 def benchmark(quick: bool = False) -> list[dict]:
     """Seed workload (fp16, bf16, fp32, fp32 with the TF32 opt-in); then 4x the seed batch (memory budget), causal and
-    key-padding-masked seed, a head-dim sweep (64…1024) and a sequence sweep (256…8192) in fp16/bf16, fp32 spot checks.
+    key-padding-masked seed, S = 300 plain, causal and key-padded, a head-dim sweep (64…1024) and a sequence sweep
+    (256…8192) in fp16/bf16, fp32 spot checks.
     Head dims ≤ 512 run twice where auto takes a fused kernel: ``auto`` (the dispatcher's choice) and the split path,
     to show the crossover."""
     import torch
@@ -108,6 +109,13 @@ def benchmark(quick: bool = False) -> list[dict]:
                                dtype="bfloat16", causal=causal))
     pad = torch.rand(B, 1, 1, L, device="cuda") > 0.1
     rows.append(bench_case("seed key-padding mask", B, H, L, L, D, mask=pad))
+    # S off the 8-key grid: P·V on our kernel, where cuBLAS's GEMM is slow (split.pv_reason); causal; key padding on
+    # the masked scores kernel's 512-key tile (no 384-key tile).
+    for causal in (False, True):
+        rows.append(bench_case("(16,32,512,300,1024)" + (" causal" if causal else ""), 16, 32, 512, 300, 1024,
+                               causal=causal))
+    pad = torch.rand(16, 1, 1, 300, device="cuda") > 0.1
+    rows.append(bench_case("(16,32,512,300,1024) key-padding mask", 16, 32, 512, 300, 1024, mask=pad))
     for dt in ("float16", "bfloat16"):
         for d in (64, 128, 256, 512, 1024):
             rows.append(bench_case(f"D={d}", 4, 16, 2048, 2048, d, dtype=dt))
