@@ -21,6 +21,7 @@ from cupy_attn.runtime import compile as _compile
 from _tolerance import as_f64, assert_close
 from test_flash_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
+from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 
 FAMILY = _pv.PV_SM90
 DTYPES = ("float16", "bfloat16")
@@ -66,49 +67,20 @@ def test_key_steps_cover_every_visible_key_of_the_block(L, S, offset):
 def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
     """PvLaunch.launch_on: the kernel gets the struct with the maps of the call's P and V and out's base, the grid,
     384 threads and its shared memory on the caller's stream; maps are encoded again only when a base moves."""
-    import ctypes
-
-    from cupy.cuda import driver
-    calls, encoded = [], []
-
-    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        raw = bytes((ctypes.c_uint8 * _pv._PARAMS.itemsize).from_address(ctypes.c_uint64.from_address(argv).value))
-        calls.append(((gx, gy, gz, bx, by, bz, smem), stream, raw))
-
-    monkeypatch.setattr(driver, "launchKernel", launch)
-
-    def blob(tag, ptr):
-        return np.frombuffer(np.array([tag, ptr] * 8, dtype=np.uint64).tobytes(), dtype=np.uint8)
-
-    class Spec:
-        def __init__(self, tag):
-            self.tag = tag
-
-        def encode(self, ptr):
-            encoded.append((self.tag, ptr))
-            return blob(self.tag, ptr)
-
-    class Kernel:
-        max_dynamic_shared_size_bytes = 0
-
-        class kernel:
-            ptr = 99
-
+    rec = LaunchRecorder(monkeypatch, _pv._PARAMS)
     params = np.zeros((), dtype=_pv._PARAMS)
     params["seqlen_q"], params["seqlen_k"], params["head_dim_v"], params["is_causal"] = 512, 512, 1024, 1
-    kernel = Kernel()
-    obj = _pv.PvLaunch(kernel, params, (Spec(1), Spec(2)), (132, 1, 1))
+    kernel = FakeKernel(99)
+    obj = _pv.PvLaunch(kernel, params, (rec.spec(1), rec.spec(2)), (132, 1, 1))
     assert kernel.max_dynamic_shared_size_bytes == _pv.smem_bytes() <= 232448
     for p_ptr, v_ptr, o_ptr, stream in ((16, 32, 48, 7), (16, 32, 64, 7), (80, 32, 64, 9)):
         obj.launch_on(stream, p_ptr, v_ptr, o_ptr)
         want = params.copy()
         want["tma_p"], want["tma_v"], want["out"] = blob(1, p_ptr), blob(2, v_ptr), o_ptr
-        dims, got_stream, raw = calls[-1]
-        assert (dims, got_stream) == ((132, 1, 1, 384, 1, 1, _pv.smem_bytes()), stream)
-        got = np.frombuffer(raw, dtype=_pv._PARAMS).reshape(())
-        for name in _pv._PARAMS.names:
-            assert got[name].tobytes() == want[name].tobytes(), name
-    assert encoded == [(1, 16), (2, 32), (1, 80), (2, 32)]
+        fn_ptr, dims, got_stream, got, extra = rec.calls[-1]
+        assert (fn_ptr, dims, got_stream, extra) == (99, (132, 1, 1, 384, 1, 1, _pv.smem_bytes()), stream, 0)
+        assert_same_struct(got, want)
+    assert rec.encoded == [(1, 16), (2, 32), (1, 80), (2, 32)]
 
 
 def _problem(**kw):

@@ -30,6 +30,7 @@ from cupy_attn.runtime import compile as _compile
 from _tolerance import as_f64, assert_close
 from test_flash_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
+from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 
 FAMILY = _scores.SCORES_SOFTMAX_SM90
 DTYPES = ("float16", "bfloat16")
@@ -85,54 +86,23 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
     struct that filling a copy of ``params`` field by field gives (the three maps of the call's q, k, P and the lse
     pointer), the prepared grid, 384 threads, the tile's shared memory and the caller's stream; maps are encoded again
     and rewritten only when a base moves, and the lse word follows every call."""
-    import ctypes
-
-    from cupy.cuda import driver
-    calls = []
-
-    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        struct_addr = ctypes.c_uint64.from_address(argv).value
-        raw = bytes((ctypes.c_uint8 * _scores._PARAMS.itemsize).from_address(struct_addr))
-        calls.append((fn_ptr, (gx, gy, gz, bx, by, bz, smem), stream, raw, extra))
-
-    monkeypatch.setattr(driver, "launchKernel", launch)
-    encoded = []
-
-    def blob(tag, ptr):  # a stand-in for the 128-byte CUtensorMap of layout `tag` at base `ptr`
-        return np.frombuffer(np.array([tag, ptr] * 8, dtype=np.uint64).tobytes(), dtype=np.uint8)
-
-    class Spec:
-        def __init__(self, tag):
-            self.tag = tag
-
-        def encode(self, ptr):
-            encoded.append((self.tag, ptr))
-            return blob(self.tag, ptr)
-
-    class Kernel:
-        max_dynamic_shared_size_bytes = 0
-
-        class kernel:  # RawKernel.kernel.ptr: the CUfunction
-            ptr = 1234
-
+    rec = LaunchRecorder(monkeypatch, _scores._PARAMS)
     tile = _scores.SCORES_TILES[256]
     params = np.zeros((), dtype=_scores._PARAMS)
     params["seqlen_q"], params["seqlen_k"], params["head_dim"], params["scale_log2"] = 512, 512, 1024, 0.0451
-    kernel = Kernel()
-    launch_obj = _scores.ScoresLaunch(kernel, params, (Spec(1), Spec(2), Spec(3)), (132, 1, 1), tile, 3)
+    kernel = FakeKernel(1234)
+    launch_obj = _scores.ScoresLaunch(kernel, params, (rec.spec(1), rec.spec(2), rec.spec(3)), (132, 1, 1), tile, 3)
     assert kernel.max_dynamic_shared_size_bytes == tile.smem_bytes()  # raised past the 48 KB default
     for q, k, p, lse, stream in ((16, 32, 48, 64, 7), (16, 32, 48, 0, 7), (16, 96, 48, 80, 9)):
         launch_obj.launch_on(stream, q, k, p, lse)
         want = params.copy()
         want["tma_q"], want["tma_k"], want["tma_p"] = blob(1, q), blob(2, k), blob(3, p)
         want["lse"], want["p"] = lse, p  # the persistent kernel's 16-byte P stores read the base too
-        fn_ptr, dims, got_stream, raw, extra = calls[-1]
+        fn_ptr, dims, got_stream, got, extra = rec.calls[-1]
         assert (fn_ptr, dims, got_stream, extra) == (1234, (132, 1, 1, 384, 1, 1, tile.smem_bytes()), stream, 0)
-        got = np.frombuffer(raw, dtype=_scores._PARAMS).reshape(())
-        for name in _scores._PARAMS.names:  # field by field: NumPy's copy leaves the struct's padding undefined
-            assert got[name].tobytes() == want[name].tobytes(), name
+        assert_same_struct(got, want)
     # encoded on the first call and again when k moved, not for the second call (same bases)
-    assert encoded == [(1, 16), (2, 32), (3, 48), (1, 16), (2, 96), (3, 48)]
+    assert rec.encoded == [(1, 16), (2, 32), (3, 48), (1, 16), (2, 96), (3, 48)]
 
 
 def test_tiles():
