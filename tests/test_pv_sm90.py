@@ -157,13 +157,13 @@ def test_kernel(B, Hq, Hkv, L, S, Ev, causal, dtype):
     P = torch.where(torch.as_tensor(vis_ld, device="cuda"), P, 0.0)
     P = torch.where(torch.as_tensor(readable, device="cuda"), P, float("nan")).to(dt).contiguous()
     v = torch.randn(B, Hkv, S, Ev, generator=gen, device="cuda").to(dt)
-    n_out = B * Hq * L * Ev
-    out_all = torch.full((n_out + 64 * Ev,), float("nan"), dtype=dt, device="cuda")
-    out = out_all[:n_out].view(B, Hq, L, Ev)
+    # out with 64 poisoned rows after each head's L (a padded head stride): a write past row L would land there
+    out_all = torch.full((B, Hq, L + 64, Ev), float("nan"), dtype=dt, device="cuda")
+    out = out_all[:, :, :L]
     launch = _pv.prepare(cupy.from_dlpack(v), cupy.from_dlpack(out), seqlen_q=L, ld=ld, causal=causal)
     launch.launch_on(cupy.cuda.get_current_stream().ptr, P.data_ptr(), v.data_ptr(), out.data_ptr())
     torch.cuda.synchronize()
-    assert bool(torch.isnan(out_all[n_out:]).all()), "the kernel wrote past out's last row"
+    assert bool(torch.isnan(out_all[:, :, L:]).all()), "the kernel wrote past a head's last row"
     assert not bool(torch.isnan(out).any()), "a row of out was not written, or a NaN of P was read"
     p_used = torch.nan_to_num(P[..., :S], nan=0.0)
     v_rep = v.repeat_interleave(Hq // Hkv, dim=1)
@@ -200,3 +200,70 @@ def test_public_api_all_keys(B, Hq, Hkv, L, S, E, mask, dtype, monkeypatch):
                                                      enable_gqa=Hq != Hkv)
         torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=Hq != Hkv)
         assert_close(out, ref, dtype, torch_out, what=f"all keys call {call}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [True, "bottom_right"])
+def test_public_api_bshd_views(causal):
+    """query/key/value as (B, S, H, D) buffers viewed as (B, H, S, D) (strided along heads and rows): the scores kernel
+    and this kernel read them in place by their strides; out against float64."""
+    import cupy_attn
+    from cupy_attn import reference
+    torch = _torch()
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    B, Hq, Hkv, L, S, E = 2, 4, 2, 150, 260, 320
+    q = torch.randn(B, L, Hq, E, generator=gen, device="cuda").half().transpose(1, 2)
+    k, v = (torch.randn(B, S, Hkv, E, generator=gen, device="cuda").half().transpose(1, 2) for _ in range(2))
+    plan = cupy_attn.explain(q, k, v, is_causal=causal, enable_gqa=True, backend="split")
+    assert "pv_sm90" in plan.details["schedule"], str(plan)
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True, backend="split")
+    ref = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal, enable_gqa=True)
+    torch_out = None
+    if causal is True:
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert_close(out, ref, "float16", torch_out, what=f"BSHD views causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("variant", [3, 1], ids=lambda m: f"variant{m}")
+@pytest.mark.parametrize("B,Hq,Hkv,L,S,E,causal", [
+    (1, 4, 4, 512, 512, 1024, True),            # the seed's causal variant with fewer heads (pair tiles)
+    (2, 4, 2, 450, 512, 320, True),             # L off the 64-row grid
+    (1, 4, 4, 1000, 512, 384, "bottom_right"),  # L > S: rows that see no key
+    (2, 40, 40, 200, 300, 512, True),           # more tiles than SMs
+    (2, 4, 4, 200, 300, 512, None),             # S % 8 != 0: P·V on the kernel without a mask
+])
+def test_public_api_on_poisoned_scratch(B, Hq, Hkv, L, S, E, causal, variant, monkeypatch):
+    """Every scratch buffer (P) starts as NaN: the scores kernel must write each key the P·V kernel reads (the
+    persistent kernel no longer writes P's zeros past each block's visible keys), whatever its tiles (pair tiles, one
+    tile per row block with variant 1)."""
+    import cupy_attn
+    from cupy_attn import reference
+    from cupy_attn.attention import scores_sm90
+    from cupy_attn.runtime import workspace
+    torch = _torch()
+    real = workspace.scratch
+
+    def poisoned(ctx, nbytes):
+        holder, ptr = real(ctx, nbytes)
+        torch.cuda.current_stream().synchronize()
+        import cupy
+        cupy.cuda.runtime.memset(ptr, 0xFF, nbytes)  # all-ones bytes: NaN in fp16 and bf16
+        return holder, ptr
+
+    monkeypatch.setattr(workspace, "scratch", poisoned)
+    monkeypatch.setenv(scores_sm90.ENV_SPLIT_FUSED, str(variant))
+    gen = torch.Generator(device="cuda").manual_seed(L + S + E)
+    q = torch.randn(B, Hq, L, E, generator=gen, device="cuda").half()
+    k, v = (torch.randn(B, Hkv, S, E, generator=gen, device="cuda").half() for _ in range(2))
+    plan = cupy_attn.explain(q, k, v, is_causal=causal or False, enable_gqa=Hq != Hkv, backend="split")
+    assert "pv_sm90" in plan.details["schedule"], str(plan)
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal or False, enable_gqa=Hq != Hkv,
+                                                 backend="split")
+    ref = reference.scaled_dot_product_attention(*(as_f64(x) for x in (q, k, v)), is_causal=causal or False,
+                                                 enable_gqa=Hq != Hkv)
+    torch_out = None
+    if causal != "bottom_right":
+        torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=bool(causal),
+                                                                     enable_gqa=Hq != Hkv)
+    assert_close(out, ref, "float16", torch_out, what=f"poisoned scratch causal={causal} variant {variant}")

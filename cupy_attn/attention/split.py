@@ -547,8 +547,6 @@ def pv_reason(p, out=None) -> str | None:
     if p.causal is None and mode == 1 and not pv.prefer(p.batch * p.num_heads * p.seqlen_q, p.seqlen_k,
                                                           p.head_dim_v):
         return "not causal: cuBLAS's GEMM is as fast at this shape (pv_sm90.prefer)"
-    if len(p.query.shape) != 4:
-        return "batch dims other than (B, H)"
     return pv.layout_reason(p.value, out if out is not None else p.value)
 
 
