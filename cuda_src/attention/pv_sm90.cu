@@ -55,6 +55,13 @@ constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 #define CUPY_ATTN_PV_DEFER_STORES 1
 #endif
 constexpr bool kDeferStores = CUPY_ATTN_PV_DEFER_STORES;  // -DCUPY_ATTN_PV_DEFER_STORES=0: store each tile at once
+// -DCUPY_ATTN_PV_ABLATE_STORES: the stores issued but predicated off by a run-time false condition (out left
+// unwritten; an A/B of what the stores cost).
+#ifdef CUPY_ATTN_PV_ABLATE_STORES
+__device__ __forceinline__ bool stores_on(const PvSm90Params& p) { return p.groups < 0; }
+#else
+__device__ __forceinline__ constexpr bool stores_on(const PvSm90Params&) { return true; }
+#endif
 
 template <int kStages>
 struct SharedStorage {
@@ -163,8 +170,8 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const long long row = pend_row + 8 * half;
-      sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l, row < p.seqlen_q, pend_n0,
-                                   p.head_dim_v, t);
+      sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l,
+                                   row < p.seqlen_q && stores_on(p), pend_n0, p.head_dim_v, t);
     }
     pend_out = nullptr;
   };
