@@ -78,9 +78,7 @@ def layout_reason(q, k, v, out) -> str | None:
     why = _sm90.layout_reason(q, k, v, None)
     if why is not None or out is None:
         return why
-    if out.data.ptr % 16 or any(s % 8 for s in _sm90._estrides(out)[:-1]) or out.strides[-1] != out.itemsize:
-        return "out rows are not 16-byte aligned (the kernel stores 16 bytes at a time)"
-    return None
+    return _sm90.out_16b_reason(out)
 
 
 def enabled() -> str | None:

@@ -249,16 +249,33 @@ def _estrides(a) -> list[int]:
     return [s // a.itemsize for s in a.strides]
 
 
+def tma_operand_reason(name: str, a) -> str | None:
+    """None when TMA can read the (B, H, S, D) array ``a`` in place (16-byte aligned base; batch / head / row strides
+    positive multiples of 16 bytes below 2^40, axes of size 1 aside), else why not, naming it ``name``."""
+    if a.data.ptr % 16:
+        return f"{name} is not 16-byte aligned (TMA)"
+    for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
+        if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
+            return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    return None
+
+
+def out_16b_reason(out, kernel: str = "the kernel") -> str | None:
+    """None when ``kernel`` can store out's rows by 16-byte stores (16-byte aligned base, row / head / batch strides
+    multiples of 8 elements, unit column stride), else why not."""
+    if out.data.ptr % 16 or any(s % 8 for s in _estrides(out)[:-1]) or out.strides[-1] != out.itemsize:
+        return f"out rows are not 16-byte aligned ({kernel} stores 16 bytes at a time)"
+    return None
+
+
 def layout_reason(q, k, v, out) -> str | None:
     """None when TMA can read q, k, v in place and the epilogue can store out: 16-byte aligned bases, batch / head /
     row strides multiples of 16 bytes (any order: BHSD and BSHD), element pairs of out 4-byte aligned (out=None:
     not checked)."""
     for name, a in (("q", q), ("k", k), ("v", v)):
-        if a.data.ptr % 16:
-            return f"{name} is not 16-byte aligned (TMA)"
-        for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
-            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
-                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+        why = tma_operand_reason(name, a)
+        if why is not None:
+            return why
     if out is not None and (out.data.ptr % 4 or any(s % 2 for s in _estrides(out)[:-1])):
         return "out element pairs are not 4-byte aligned"
     if q.shape[1] > 65535 or q.shape[0] > 65535:

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _estrides, _I64
+from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _estrides, _I64, out_16b_reason, tma_operand_reason
 
 _C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 THREADS = 384         # a producer warpgroup and two consumer warpgroups
@@ -76,16 +76,12 @@ def layout_reason(v, out) -> str | None:
     """None when TMA can read v in place (16-byte aligned base, batch/head/row strides multiples of 16 bytes) and out
     takes 16-byte stores (16-byte aligned base and row/head/batch strides, unit column stride, Ev a multiple of 8).
     Else why not."""
-    if v.data.ptr % 16:
-        return "value is not 16-byte aligned (TMA)"
-    for axis, (n, s) in zip("bhs", zip(v.shape[:-1], v.strides[:-1])):
-        if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
-            return f"value stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+    why = tma_operand_reason("value", v)
+    if why is not None:
+        return why
     if out.shape[-1] % 8:
         return f"head_dim_v={out.shape[-1]}: the P·V kernel stores 8 columns at a time (a multiple of 8)"
-    if out.data.ptr % 16 or any(s % 8 for s in _estrides(out)[:-1]) or out.strides[-1] != out.itemsize:
-        return "out rows are not 16-byte aligned (the P·V kernel stores 16 bytes at a time)"
-    return None
+    return out_16b_reason(out, "the P·V kernel")
 
 
 def grid_for(batch: int, num_heads: int, seqlen_q: int, head_dim_v: int, num_sms: int) -> tuple:

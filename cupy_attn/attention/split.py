@@ -156,8 +156,8 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
-    # The P·V kernel (pv_sm90.PvLaunch) after the scores kernel, for causal calls (pv_reason): one launch in place of
-    # the chunks' cuBLAS P·V row bands; chunks is then empty.
+    # The P·V kernel (pv_sm90.PvLaunch) after the scores kernel where pv_reason allows (causal calls, and others where
+    # it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
 
 
