@@ -58,8 +58,13 @@ def test_sass(row):
     text = _sass(expr)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     names = [op.split()[0] for op in ops]
-    for op in ("UTMALDG", "SYNCS", "USETMAXREG", "REDG", "MUFU.EX2", "STSM"):
+    for op in ("UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "STSM"):
         assert any(n.startswith(op) for n in names), f"{expr}: no {op} in the SASS"
+    # dQ: TMA reduces from the staging (issued by the writer warp), or red.global.add where there is no room for it.
+    tile = row["tile"]
+    want, never = ("UTMAREDG", "REDG") if tile.dq_tma else ("REDG", "UTMAREDG")
+    assert any(n.startswith(want) for n in names), f"{expr}: no {want} in the SASS"
+    assert not any(n.startswith(never) for n in names), f"{expr}: {never} in the SASS"
     for op in ("LDL", "STL", "UBLKCP"):
         assert not any(n.startswith(op) for n in names), f"{expr}: local memory ({op})"
     hgmma = [op for op in ops if op.startswith("HGMMA")]
@@ -112,11 +117,11 @@ def test_tile_registers_fit_by_columns_only_at_256():
 
 
 def test_params_layout():
-    """The kernel reads its five tensor maps at 0/128/256/384/512 and dk right after them (bwd_params.cuh)."""
+    """The kernel reads its six tensor maps at 0/128/.../640 and dk right after them (bwd_params.cuh)."""
     p = _sm90._PARAMS
-    assert p.itemsize == 768
-    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "dk", "scale_log2")] == \
-        [0, 128, 256, 384, 512, 640, 760]
+    assert p.itemsize == 896
+    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq", "dk", "scale_log2")] \
+        == [0, 128, 256, 384, 512, 640, 768, 888]
 
 
 def test_head_bucket_and_reasons():

@@ -129,6 +129,23 @@ def lbs_forward_calls():
                     fused(x)
 
 
+def bwd_sm90_calls(dtype):
+    """The Hopper backward (sm_90 only), GQA 2, head dims 64, 128 (dQ by TMA reduces from the writer warp), 256 and
+    160 (red.global.add), causal both alignments; L = 150 and 300 give each key block several steps (the writer's
+    barriers cycle), the second step of each replays the prepared backward (autograd's call cache)."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        return
+    os.environ["CUPY_ATTN_BWD"] = "sm90"
+    for E, causal, L in ((64, "bottom_right", 150), (64, False, 300), (128, True, 150), (128, False, 300),
+                         (256, "bottom_right", 150), (160, True, 150)):
+        q = torch.randn(1, 4, L, E, device="cuda", dtype=dtype, requires_grad=True)
+        k2, v2 = (torch.randn(1, 2, 200, E, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+        for _ in range(2):
+            out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
+            out.float().sum().backward()
+    del os.environ["CUPY_ATTN_BWD"]
+
+
 def main():
     torch.manual_seed(0)
     f16 = torch.float16
@@ -139,6 +156,7 @@ def main():
         "--pairs": (lambda: (pair_calls(f16), mask_calls(f16), pv_calls(f16)),
                     "the scores kernel's causal pair tiles and key masks, the P·V kernel"),
         "--pv": (lambda: pv_calls(f16), "the P·V kernel after the scores kernel"),
+        "--bwd": (lambda: bwd_sm90_calls(f16), "the Hopper backward only"),
         "--d512": (lambda: d512_calls(f16), "head-dim-512 kernel only"),
         "--decode": (lambda: decode_calls(f16), "decode kernels only"),
     }
@@ -214,15 +232,7 @@ def main():
         out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal="bottom_right" if causal else False,
                                                      enable_gqa=True)
         out.float().sum().backward()
-    if torch.cuda.get_device_capability() == (9, 0):
-        os.environ["CUPY_ATTN_BWD"] = "sm90"
-        for E, causal in ((64, "bottom_right"), (128, True), (128, False), (256, "bottom_right"), (160, True)):
-            q = torch.randn(1, 4, 150, E, device="cuda", dtype=f16, requires_grad=True)
-            k2, v2 = (torch.randn(1, 2, 200, E, device="cuda", dtype=f16, requires_grad=True) for _ in range(2))
-            for _ in range(2):  # the second step replays the prepared backward (autograd's call cache)
-                out = cupy_attn.scaled_dot_product_attention(q, k2, v2, is_causal=causal, enable_gqa=True)
-                out.float().sum().backward()
-        del os.environ["CUPY_ATTN_BWD"]
+    bwd_sm90_calls(f16)
     decode_calls(f16)
     # Linear-BN-softmax backward (issue 11): 16-byte and scalar tiles, a partial strip, one-element and per-feature
     # scale (the last-block sum), train and eval.

@@ -15,8 +15,12 @@
 //     dK += dSᵀ Q (Pᵀ, dSᵀ straight from the accumulator registers as A fragments; at D = 256 from shared memory),
 //     dQ = dS K (dSᵀ through shared memory, read as an MN-major A operand; K as stored, as an MN-major B operand):
 //     no transposed copy of any tile;
-//   * dQ is reduced across key blocks by red.global.add.v2.f32 into a zeroed fp32 (B, Hq, L, E) buffer that the
-//     launcher rounds to the input dtype (as flash_bwd.cu).
+//   * dQ is reduced across key blocks into a zeroed fp32 (B, Hq, L, E) buffer that the launcher rounds to the input
+//     dtype (as flash_bwd.cu). At kBlockN = 128 (head dims ≤ 128) each consumer warpgroup writes its dQ tile into a
+//     shared staging buffer and warp 1 of the producer warpgroup (the dQ writer, sm90/bwd_mainloop.cuh:
+//     bwd_dq_write) adds it into the buffer by TMA reduces, as FlashAttention-3 does; at kBlockN = 64 (head dim 256,
+//     no room for the staging) the consumers add it by red.global.add.v2.f32. Not the consumers' own reductions:
+//     each step's fence.proxy.async (MEMBAR.ALL.CTA) waits for the issuing thread's outstanding global operations.
 // Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
 // accumulators at D = 128 plus Sᵀ and dPᵀ (64 + 64 at D = 64, kBlockM = 128), so they have no registers for copy
 // addresses, and TMA's zero fill past L, S and E replaces all bounds code; the forward's FA3 kernel measured 1.2-1.7x
@@ -35,13 +39,15 @@
 // 128 registers, Sᵀ + dPᵀ 64; D = 64: kBlockM = 128 (FA3's hdim-64 tile): dK + dV 64, Sᵀ + dPᵀ 128; D = 256:
 // kBlockM = kBlockN = 64: dK + dV 128, Sᵀ + dPᵀ 32, dQ 64 (FA3's hdim-256 backward: 64 × 80 with the head dim split
 // over two warpgroups and P, dS in shared memory). Shared memory: K, V, 2 stages of Q and dO, 2 dSᵀ buffers (and 2
-// Pᵀ buffers at D = 256), statistics: 162 KB at D = 128, 163 KB at D = 64, 226 KB at D = 256 of the 227 KB per
-// block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
+// Pᵀ buffers at D = 256), 2 dQ staging buffers of 16 KB (D ≤ 128), statistics: 194 KB at D = 128, 195 KB at D = 64,
+// 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
 //
 // Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
 //   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms
 //       (H100: 2.0-2.3x the mma.sync kernel, 1.38-1.45x torch's FA2 backward; bench/NOTES_backward.md)
 //   v2  D = 256 (and 129-256 padded): kBlockN = 64, warpgroups split by queries and columns   untimed (CPU-checked)
+//   v3  (H200) dQ by TMA reduces from a staging buffer, issued by a writer warp (D ≤ 128)      1.557 ms | 3.240 ms
+//       (red.global.add from the consumers in the same process: 1.920 | 3.881; torch's cuDNN 1.566 | 3.407)
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -100,7 +106,11 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
 
   if (threadIdx.x < 128) {
     tma::setmaxnreg_dec<kBwdProducerRegs>();
-    if (threadIdx.x == 0) bwd_produce(p, ss, n0, h_kv, b, steps);
+    if (threadIdx.x == 0) {
+      bwd_produce(p, ss, n0, h_kv, b, steps);
+    } else if (BwdDq<kHeadDim, kBlockM, kBlockN>::kTma && threadIdx.x / 32 == 1) {  // warp 1: the dQ writer
+      bwd_dq_write(p, ss, h_kv, b, steps, threadIdx.x % 32);
+    }
   } else {
     tma::setmaxnreg_inc<kBwdConsumerRegs>();
     bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, threadIdx.x - 128);

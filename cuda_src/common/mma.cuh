@@ -62,6 +62,11 @@ __device__ __forceinline__ void stmatrix_x4(unsigned addr, unsigned r0, unsigned
                "r"(r2), "r"(r3) : "memory");
 }
 
+// Two floats to shared memory at a byte address (8-byte aligned): st.shared.v2.f32.
+__device__ __forceinline__ void st_shared_f32x2(unsigned addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
+}
+
 // d += a·b for one 16x8x16 tile; T selects the f16 or bf16 instruction. Not volatile: it touches only registers, so
 // the compiler may schedule it freely (ldmatrix/cp.async stay volatile: they must not cross __syncthreads()).
 template <typename T>

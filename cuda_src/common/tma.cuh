@@ -104,8 +104,17 @@ __device__ __forceinline__ void store_4d(const TensorMap* map, const void* src, 
                ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2),
                "r"(c3) : "memory");
 }
+// The same copy as an element-wise add into global memory (TMA reduce: cp.reduce.async.bulk.tensor ... .add; for
+// float32, an atomic add per element done by the memory system), with store_4d's protocol.
+__device__ __forceinline__ void reduce_add_4d(const TensorMap* map, const void* src, int c0, int c1, int c2, int c3) {
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+               ::"l"(reinterpret_cast<unsigned long long>(map)), "r"(smem_u32(src)), "r"(c0), "r"(c1), "r"(c2),
+               "r"(c3) : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// Until this thread's bulk copies have completed (their global writes done, not only their shared-memory reads).
+__device__ __forceinline__ void bulk_wait() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
 
 // Orders this thread's generic-proxy shared-memory writes (st.shared, cp.async) before later async-proxy accesses
 // (wgmma operand reads, TMA stores). TMA writes read by wgmma need no fence: both are async proxy, and the mbarrier

@@ -11,8 +11,10 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned TMA box), a memset of the fp32 dQ accumulator, the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). Five tensor maps (Q, K, V, dO, and the lse/D rows) are encoded through
-cuda.bindings (~4 µs each on the host) when their base address differs from the last call's.
+(backward.cu's group sum with one member). At head dims ≤ 128 the kernel adds each step's dQ tile into the
+accumulator by TMA reduces (a writer warp, from a shared staging buffer); at 256 by red.global.add. Six tensor maps
+(Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host) when
+their base address differs from the last call's.
 """
 from __future__ import annotations
 
@@ -47,13 +49,28 @@ class BwdSm90Tile:
     def by_columns(self) -> bool:
         return self.block_n == 64
 
+    @property
+    def dq_tma(self) -> bool:
+        """dQ reduced into its fp32 accumulator by TMA from a shared staging buffer (BwdDq::kTma); by_columns tiles
+        have no room for it and reduce by red.global.add."""
+        return not self.by_columns
+
+    def dq_cols(self, head_dim: int) -> int:
+        """Columns of a consumer warpgroup's 64-row dQ tile (BwdDq::kN)."""
+        return head_dim * (self.block_m // 64) // 2
+
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, stages × (Q, dO), two dSᵀ buffers (and two Pᵀ buffers when by_columns), stages × (lse, D) rows,
-        8 bytes per mbarrier (1 + 4·stages), 1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in
-        cuda_src/attention/sm90/bwd_mainloop.cuh."""
+        """K, V, stages × (Q, dO), two dSᵀ buffers (and two Pᵀ buffers when by_columns), two dQ staging buffers of
+        64 × dq_cols fp32 (when dq_tma), stages × (lse, D) rows, 8 bytes per mbarrier (1 + 4·stages), 1 KB of slack
+        for the 1024-byte alignment: BwdSharedStorage::kBytes in cuda_src/attention/sm90/bwd_mainloop.cuh.
+
+        >>> [SM90_BWD_TILES[d].smem_bytes(d) for d in (64, 128, 256)]
+        [199752, 198728, 231496]
+        """
         score_buffers = 4 if self.by_columns else 2
+        dq_stage = 2 * 64 * self.dq_cols(head_dim) * 4 if self.dq_tma else 0
         return (2 * self.block_n * head_dim * 2 + 2 * self.stages * self.block_m * head_dim * 2
-                + score_buffers * self.block_n * self.block_m * 2 + 2 * self.stages * self.block_m * 4
+                + score_buffers * self.block_n * self.block_m * 2 + dq_stage + 2 * self.stages * self.block_m * 4
                 + 8 * (1 + 4 * self.stages) + 1024)
 
 
@@ -62,9 +79,9 @@ class BwdSm90Tile:
 # dK + dV head_dim/2, Sᵀ + dPᵀ block_m/2, dQ head_dim/4. Shared memory: BwdSm90Tile.smem_bytes of the 227 KB
 # (232448 B) per block.
 SM90_BWD_TILES = {
-    # 128 queries per step (FlashAttention-3's hdim-64 tile): 64 dK/dV + 128 Sᵀ/dPᵀ registers; 163 KB.
+    # 128 queries per step (FlashAttention-3's hdim-64 tile): 64 dK/dV + 128 Sᵀ/dPᵀ registers; 195 KB.
     64: BwdSm90Tile(128),
-    # 64 queries per step (FlashAttention-3's hdim-128 tile): 128 dK/dV + 64 Sᵀ/dPᵀ registers; 162 KB.
+    # 64 queries per step (FlashAttention-3's hdim-128 tile): 128 dK/dV + 64 Sᵀ/dPᵀ registers; 194 KB.
     128: BwdSm90Tile(64),
     # 64 keys × 64 queries, warpgroups split by columns: 64 keys × 256 columns of dK and dV would be 256 registers,
     # split they are 128, + 32 Sᵀ/dPᵀ + 64 dQ. 226 KB: K and V 64 KB, two stages of Q and dO 128 KB, two Pᵀ and
@@ -76,7 +93,7 @@ SM90_BWD_TILES = {
 _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
 # asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
-_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats")]
+_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq")]
                          + [(n, _F64 if n in ("scale", "scale_log2") else _I64, 8) for n in (
                              "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
                              "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
@@ -192,7 +209,11 @@ class Sm90Backward(_bwd.FusedBackward):
         # Its own: the scratch's base moves between calls while the inputs' often do not.
         stats = functools.partial(_fa3.encode_tensor_map, "float32", dims=(l_pad, 2 * B * Hq), strides=(4 * l_pad,),
                                   box=(tile.block_m, 1))
-        self.stats_map = _fa3.TensorMaps((stats,))
+        # dQ's fp32 accumulator (B, Hq, L, E) for the kernel's TMA reduce: boxes of 32 columns (128 bytes, the
+        # swizzle's width) × 64 rows. Both maps move with the scratch.
+        dq = functools.partial(_fa3.encode_tensor_map, "float32", dims=(E, L, Hq, B),
+                               strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
+        self.stats_map = _fa3.TensorMaps((stats, dq))
         self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
                                    (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
         self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
@@ -204,7 +225,7 @@ class Sm90Backward(_bwd.FusedBackward):
         self.pre(stream, pre)
         prm = self.params.copy()
         prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"] = self.maps(q, k, v, dout)
-        prm["tma_stats"], = self.stats_map(scratch)
+        prm["tma_stats"], prm["tma_dq"] = self.stats_map(scratch, scratch + self.dq32_offset)
         prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
         prm["lse_log2"], prm["delta"] = stats_log2, delta
         self.kernel(stream, prm)

@@ -395,17 +395,18 @@ def _driver_init() -> None:
     cu.cuInit(0)
 
 
-def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
+def encode_tensor_map(dtype: str, ptr: int, dims, strides, box, swizzle: int | None = None) -> np.ndarray:
     """cuTensorMapEncodeTiled: a 16-bit tensor in the swizzle as wide as a box row (box inner dim 64 elements = 128
     bytes: SWIZZLE_128B; 32 = 64 bytes: SWIZZLE_64B, the head-dim-96 tiles), or a float32 one unswizzled (rows of
-    statistics; box inner dim a multiple of 4 elements); zero fill out of bounds, L2 promotion of 256 bytes.
+    statistics; box inner dim a multiple of 4 elements) unless ``swizzle=128`` (box inner dim 32 elements, 128 bytes:
+    the backward's dQ staging); zero fill out of bounds, L2 promotion of 256 bytes.
     ``strides``: byte strides of dims[1:]. Returns the map's 128 bytes. ValueError for another 16-bit box width.
     The binding's argument objects are built once per layout (``_encode_args``): a call on a new base address only
     converts the address."""
     import ctypes
     from cuda.bindings import driver as cu
 
-    args = _encode_args(dtype, tuple(dims), tuple(strides), tuple(box))
+    args = _encode_args(dtype, tuple(dims), tuple(strides), tuple(box), swizzle)
     err, tmap = cu.cuTensorMapEncodeTiled(args[0], args[1], ptr, *args[2:])
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}): dims {dims}, byte strides {strides}, box {box}")
@@ -413,7 +414,7 @@ def encode_tensor_map(dtype: str, ptr: int, dims, strides, box) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=1024)
-def _encode_args(dtype: str, dims: tuple, strides: tuple, box: tuple) -> tuple:
+def _encode_args(dtype: str, dims: tuple, strides: tuple, box: tuple, swizzle_bytes: int | None = None) -> tuple:
     """cuTensorMapEncodeTiled's arguments but the base address, as cuda.bindings objects (see encode_tensor_map)."""
     from cuda.bindings import driver as cu
 
@@ -424,7 +425,12 @@ def _encode_args(dtype: str, dims: tuple, strides: tuple, box: tuple) -> tuple:
     swizzles = {128: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
                 64: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}
     if dtype == "float32":
-        swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+        if swizzle_bytes is None:
+            swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
+        elif swizzle_bytes == 128 and box[0] * 4 == 128:
+            swizzle = swizzles[128]
+        else:
+            raise ValueError(f"box {box}, swizzle {swizzle_bytes}: a swizzled float32 map's box rows are 32 elements")
     elif box[0] * 2 in swizzles:
         swizzle = swizzles[box[0] * 2]
     else:

@@ -30,7 +30,8 @@
 // after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
 // passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
 // that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow the same rule (written with dSᵀ, read by dV +=
-// Pᵀ dO of the same step, which completes before the step ends).
+// Pᵀ dO of the same step, which completes before the step ends). dQ at kBlockN = 128: each consumer warpgroup's
+// staging buffer passes between it and the dQ writer warp through two named barriers (bwd_dq_write).
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -56,6 +57,22 @@ struct BwdSplit {
   __device__ __forceinline__ static int kv_col(int wg) { return kByColumns ? kKvN * wg : 0; }
 };
 
+// dQ of a step is kBlockM × kHeadDim, two tiles of 64 queries × kN columns, one per consumer warpgroup: warpgroup w
+// has query block row_block(w), columns 64·col_block(w) ... + kN. kTma: reduced into dq_accum by TMA from a staging
+// buffer in shared memory (kBlockN = 128), else by red.global.add from registers (kBlockN = 64: no room for it).
+template <int kHeadDim, int kBlockM, int kBlockN>
+struct BwdDq {
+  static constexpr int kRowBlocks = kBlockM / 64;
+  static constexpr int kN = kHeadDim * kRowBlocks / 2;
+  static_assert(kRowBlocks * (kHeadDim / kN) == 2 && kN % 64 == 0, "one 64 x kN dQ tile per warpgroup");
+#ifndef CUPY_ATTN_BWD_DQ_TMA
+#define CUPY_ATTN_BWD_DQ_TMA 1
+#endif
+  static constexpr bool kTma = CUPY_ATTN_BWD_DQ_TMA && kBlockN == 128;
+  __device__ __forceinline__ static int row_block(int wg) { return wg % kRowBlocks; }
+  __device__ __forceinline__ static int col_block(int wg) { return (wg / kRowBlocks) * (kN / 64); }
+};
+
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 struct BwdSharedStorage {
   static constexpr int kColBlocks = kHeadDim / 64;      // 128-byte swizzle atoms hold 64 16-bit columns
@@ -64,12 +81,16 @@ struct BwdSharedStorage {
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // one dSᵀ buffer
   // One Pᵀ buffer: only when the warpgroups split by columns (else Pᵀ stays in registers).
   static constexpr int kPBytes = BwdSplit<kHeadDim, kBlockM, kBlockN>::kByColumns ? kDSBytes : 0;
+  // dQ's staging for its TMA reduce (kBlockN = 128: BwdDq::kTma): a consumer warpgroup's 64 × kN fp32 tile as
+  // kN / 32 boxes of 64 rows × 128 bytes in the 128-byte swizzle. None at kBlockN = 64 (no room: 226 KB).
+  static constexpr int kDqStageBytes = BwdDq<kHeadDim, kBlockM, kBlockN>::kTma
+                                           ? 64 * BwdDq<kHeadDim, kBlockM, kBlockN>::kN * 4 : 0;
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse·log2(e) or D
   static constexpr int kBarriers = 1 + 4 * kStages;        // kv_full; q_full, q_empty, do_full, do_empty per stage
   // The dynamic shared memory the launcher must request: tiles (each a multiple of 1024 bytes, so every tile stays
   // 1024-byte aligned), statistics, barriers, and 1 KB of slack to align the base to 1024 bytes.
   static constexpr int kBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes
-                                + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
+                                + 2 * kDqStageBytes + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0, "1024-byte aligned tiles");
   static_assert(kStatBytes % 16 == 0, "a TMA box row is a multiple of 16 bytes");
 
@@ -79,6 +100,7 @@ struct BwdSharedStorage {
   T* dout;   // kStages tiles of kBlockM rows
   T* ds;     // 2 buffers of dSᵀ
   T* p;      // 2 buffers of Pᵀ (kPBytes each; none when kPBytes = 0)
+  float* dq_stage;  // consumer warpgroup w's dQ staging at w·kDqStageBytes (none when kDqStageBytes = 0)
   float* lse;    // kStages rows of kBlockM
   float* delta;  // kStages rows of kBlockM
   unsigned long long* kv_full;
@@ -95,7 +117,8 @@ struct BwdSharedStorage {
     dout = reinterpret_cast<T*>(smem + 2 * kKVBytes + kStages * kQBytes);
     ds = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes);
     p = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes);
-    lse = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes);
+    dq_stage = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes);
+    lse = dq_stage + 2 * kDqStageBytes / 4;
     delta = lse + kStages * kBlockM;
     kv_full = reinterpret_cast<unsigned long long*>(delta + kStages * kBlockM);
     q_full = kv_full + 1;
@@ -132,6 +155,7 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
     tma::load_4d(ss.v + c * kBlockN * 64, &p.tma_v, ss.kv_full, c * 64, n0, h_kv, b);
   }
   const int groups = static_cast<int>(p.groups);
+  #pragma unroll 1  // not unrolled: 24 registers (setmaxnreg.dec), shared with the dQ writer's warp
   for (int i = 0; i < steps.count; ++i) {
     const int s = i % kStages;
     const unsigned parity = (i / kStages) & 1;
@@ -158,8 +182,59 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   }
 }
 
-// Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above).
+// Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above). With dQ's TMA
+// reduce (BwdDq::kTma), for consumer warpgroup w and the dQ writer warp (128 + 32 threads): kDqFullBarrier + w, its
+// staging holds the step's dQ (the warpgroup arrives, the writer waits); kDqEmptyBarrier + w, the writer's reduce
+// has read it (the writer arrives, the warpgroup waits before writing the next step's).
 constexpr int kDsReadyBarrier = 1;
+constexpr int kDqFullBarrier = 2;
+constexpr int kDqEmptyBarrier = 4;
+constexpr int kDqBarrierThreads = 160;
+
+// The dQ writer (one warp of the producer warpgroup; BwdDq::kTma): per step, for each consumer warpgroup in turn,
+// waits until its staging holds the step's scale · dQ tile, has lane 0 reduce it into dq_accum by TMA (the tile's
+// kN / 32 boxes of 32 columns × 64 rows; rows past L and columns past E clipped) and wait until the copies have read
+// the staging, then lets the warpgroup write it again (one arrival before the first step, none after the last: each
+// consumer step waits once).
+// Why a writer warp: a consumer thread's fence.proxy.async (MEMBAR.ALL.CTA in SASS) waits for that thread's own
+// outstanding global operations; reductions issued by the consumers (red.global.add, or TMA reduces from their
+// threads) put that wait into every step: 17-21% of the kernel at head dims 64 and 128 (bench/NOTES_backward.md,
+// session 19).
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+__device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
+                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
+                                             int h_kv, int b, BwdSteps steps, int lane) {
+  using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
+  using Dq = BwdDq<kHeadDim, kBlockM, kBlockN>;
+  // Step i's query head and block (bwd_produce's), by counters: this warp has 24 registers (setmaxnreg.dec).
+  int h = h_kv * static_cast<int>(p.groups), mb = steps.m_first;
+  tma::named_barrier_arrive(kDqEmptyBarrier, kDqBarrierThreads);  // both stagings start free
+  tma::named_barrier_arrive(kDqEmptyBarrier + 1, kDqBarrierThreads);
+  #pragma unroll 1
+  for (int i = 0; i < steps.count; ++i) {
+    const int m0 = mb * kBlockM;
+    #pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      tma::named_barrier_sync(kDqFullBarrier + w, kDqBarrierThreads);
+      if (lane == 0) {
+        const unsigned char* stage = reinterpret_cast<const unsigned char*>(ss.dq_stage) + w * Smem::kDqStageBytes;
+        #pragma unroll
+        for (int box = 0; box < Dq::kN / 32; ++box)
+          tma::reduce_add_4d(&p.tma_dq, stage + box * 8192, 64 * Dq::col_block(w) + 32 * box,
+                             m0 + 64 * Dq::row_block(w), h, b);
+        tma::bulk_commit();
+        tma::bulk_wait_read();
+      }
+      __syncwarp();
+      if (i + 1 < steps.count) tma::named_barrier_arrive(kDqEmptyBarrier + w, kDqBarrierThreads);
+    }
+    if (++mb == steps.m_first + steps.m_count) {
+      mb = steps.m_first;
+      ++h;
+    }
+  }
+  if (lane == 0) tma::bulk_wait();  // the reduces complete before the block exits
+}
 
 // dV += Pᵀ dO or dK += dSᵀ Q at kBlockN = 64: acc (64 keys × kN columns) += A (64 keys × kBlockM queries: a Pᵀ or
 // dSᵀ buffer, [key][query] K-major as the consumers stored it) · B (kBlockM × kN: dO or Q from this warpgroup's first
@@ -199,18 +274,15 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   using Split = BwdSplit<kHeadDim, kBlockM, kBlockN>;
   constexpr int kSN = Split::kSN, kKvN = Split::kKvN;
-  // dQ of a step is kBlockM × kHeadDim, split into two tiles of 64 queries × kDqN columns, one per warpgroup:
-  // (query block, column block of kDqN).
-  constexpr int kDqRowBlocks = kBlockM / 64;
-  constexpr int kDqN = kHeadDim * kDqRowBlocks / 2;
-  static_assert(kDqRowBlocks * (kHeadDim / kDqN) == 2 && kDqN % 64 == 0, "one 64 x kDqN dQ tile per warpgroup");
+  using Dq = BwdDq<kHeadDim, kBlockM, kBlockN>;
+  constexpr int kDqN = Dq::kN;
   static_assert(kSN % 16 == 0 && kKvN % 64 == 0, "whole k steps of Sᵀ; 64-column blocks of dK, dV");
   // Warpgroup and warp indices through a shuffle: ptxas then knows them warp-uniform and keeps what derives from them
   // (descriptor addresses, key ranges) in uniform registers, next to 192 live accumulators at the peak.
   const int wg = __shfl_sync(0xffffffffu, tid / 128, 0), warp = __shfl_sync(0xffffffffu, (tid / 32) % 4, 0);
   const int lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
-  const int dq_rb = wg % kDqRowBlocks, dq_cb = (wg / kDqRowBlocks) * (kDqN / 64);  // dQ tile: query, column block
+  const int dq_rb = Dq::row_block(wg), dq_cb = Dq::col_block(wg);  // dQ tile: query, column block
   const int key_wg = n0 + Split::key_row(wg);  // first key of this warpgroup
   const int key0 = key_wg + 16 * warp + g;     // this lane's keys: key0 and key0 + 8
   const int q_col = Split::q_col(wg);          // first query (within the step) of this warpgroup's Sᵀ
@@ -371,9 +443,31 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     }
     wgmma::wait<1>();  // dQ done
     wgmma::fence_operands(dq);
-    float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
-    reduce_dq<kDqN>(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L, static_cast<int>(p.head_dim),
-                    static_cast<float>(p.scale));
+    if constexpr (Dq::kTma) {
+      // scale · dQ into this warpgroup's staging (float2 of columns 8j + 2t, + 1 of rows g, g + 8 of its warp's 16:
+      // 16-byte chunk 2(j % 4) + t / 2 of box j / 4's row, at chunk ^ (row % 8); a warp's store covers 16 distinct
+      // chunks, two wavefronts) once the dQ writer has read the previous step's (kDqEmptyBarrier), then a proxy fence
+      // and an arrival on kDqFullBarrier: bwd_dq_write reduces it into dq_accum by TMA.
+      // The lane's address for j % 4 = 0 (1024-byte aligned staging, rows 128 bytes: bits 4-6 are the chunk); the
+      // others XOR 2(j % 4) into the chunk (2(j % 4) + t / 2 = 2(j % 4) ^ t / 2), one register for all stores.
+      tma::named_barrier_sync(kDqEmptyBarrier + wg, kDqBarrierThreads);
+      const unsigned lane_addr = tma::smem_u32(ss.dq_stage) + wg * Smem::kDqStageBytes + (16 * warp + g) * 128
+                                 + (((t / 2) ^ g) * 16) + 8 * (t % 2);
+      const float scale = static_cast<float>(p.scale);
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        #pragma unroll
+        for (int j = 0; j < kDqN / 8; ++j)
+          st_shared_f32x2((lane_addr ^ ((2 * (j % 4)) << 4)) + (j / 4) * 8192 + half * 1024,
+                          scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
+      }
+      tma::fence_proxy_async();
+      tma::named_barrier_arrive(kDqFullBarrier + wg, kDqBarrierThreads);
+    } else {
+      float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
+      reduce_dq<kDqN>(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L,
+                      static_cast<int>(p.head_dim), static_cast<float>(p.scale));
+    }
     wgmma::wait<0>();  // dK += dSᵀ Q done: Q's stage is free
     wgmma::fence_operands(acc_dk);
     release(&ss.q_empty[s]);
