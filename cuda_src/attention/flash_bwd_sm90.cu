@@ -16,11 +16,11 @@
 //     dQ = dS K (dSᵀ through shared memory, read as an MN-major A operand; K as stored, as an MN-major B operand):
 //     no transposed copy of any tile;
 //   * dQ is reduced across key blocks into a zeroed fp32 (B, Hq, L, E) buffer that the launcher rounds to the input
-//     dtype (as flash_bwd.cu). At kBlockN = 128 (head dims ≤ 128) each consumer warpgroup writes its dQ tile into a
-//     shared staging buffer and warp 1 of the producer warpgroup (the dQ writer, sm90/bwd_mainloop.cuh:
-//     bwd_dq_write) adds it into the buffer by TMA reduces, as FlashAttention-3 does; at kBlockN = 64 (head dim 256,
-//     no room for the staging) the consumers add it by red.global.add.v2.f32. Not the consumers' own reductions:
-//     each step's fence.proxy.async (MEMBAR.ALL.CTA) waits for the issuing thread's outstanding global operations.
+//     dtype (as flash_bwd.cu). Each consumer warpgroup writes its dQ tile into a shared staging buffer and warp 1 of
+//     the producer warpgroup (the dQ writer, sm90/bwd_mainloop.cuh: bwd_dq_write) adds it into the buffer by TMA
+//     reduces, as FlashAttention-3 does (at kBlockN = 64 half the tile at a time, with dO single-staged to make
+//     room). Not the consumers' own reductions (red.global.add before session 19, -DCUPY_ATTN_BWD_DQ_TMA=0): each
+//     step's fence.proxy.async (MEMBAR.ALL.CTA) waits for the issuing thread's outstanding global operations.
 // Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
 // accumulators at D = 128 plus Sᵀ and dPᵀ (64 + 64 at D = 64, kBlockM = 128), so they have no registers for copy
 // addresses, and TMA's zero fill past L, S and E replaces all bounds code; the forward's FA3 kernel measured 1.2-1.7x
@@ -39,14 +39,14 @@
 // 128 registers, Sᵀ + dPᵀ 64; D = 64: kBlockM = 128 (FA3's hdim-64 tile): dK + dV 64, Sᵀ + dPᵀ 128; D = 256:
 // kBlockM = kBlockN = 64: dK + dV 128, Sᵀ + dPᵀ 32, dQ 64 (FA3's hdim-256 backward: 64 × 80 with the head dim split
 // over two warpgroups and P, dS in shared memory). Shared memory: K, V, 2 stages of Q and dO, 2 dSᵀ buffers (and 2
-// Pᵀ buffers at D = 256), 2 dQ staging buffers of 16 KB (D ≤ 128), statistics: 194 KB at D = 128, 195 KB at D = 64,
-// 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
+// Pᵀ buffers at D = 256; there dO has one stage), 2 dQ staging buffers of 16 KB, statistics: 194 KB at D = 128,
+// 195 KB at D = 64, 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
 //
 // Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
 //   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms
 //       (H100: 2.0-2.3x the mma.sync kernel, 1.38-1.45x torch's FA2 backward; bench/NOTES_backward.md)
 //   v2  D = 256 (and 129-256 padded): kBlockN = 64, warpgroups split by queries and columns   untimed (CPU-checked)
-//   v3  (H200) dQ by TMA reduces from a staging buffer, issued by a writer warp (D ≤ 128)      1.557 ms | 3.240 ms
+//   v3  (H200) dQ by TMA reduces from a staging buffer, issued by a writer warp                1.557 ms | 3.240 ms
 //       (red.global.add from the consumers in the same process: 1.920 | 3.881; torch's cuDNN 1.566 | 3.407)
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -96,8 +96,11 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
     #pragma unroll
     for (int s = 0; s < kStages; ++s) {
       tma::mbar_init(&ss.q_full[s], 1);
-      tma::mbar_init(&ss.do_full[s], 1);
       tma::mbar_init(&ss.q_empty[s], 8);  // lane 0 of each of the 8 consumer warps
+    }
+    #pragma unroll
+    for (int s = 0; s < Smem::kDoStages; ++s) {
+      tma::mbar_init(&ss.do_full[s], 1);
       tma::mbar_init(&ss.do_empty[s], 8);
     }
     tma::fence_barrier_init();

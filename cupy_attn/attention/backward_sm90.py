@@ -12,7 +12,8 @@ A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log
 STAT_PAD, so each query block's statistics are one aligned TMA box), a memset of the fp32 dQ accumulator, the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
 (backward.cu's group sum with one member). At head dims ≤ 128 the kernel adds each step's dQ tile into the
-accumulator by TMA reduces (a writer warp, from a shared staging buffer); at 256 by red.global.add. Six tensor maps
+accumulator by TMA reduces (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged
+to make room). Six tensor maps
 (Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host) when
 their base address differs from the last call's.
 """
@@ -50,28 +51,33 @@ class BwdSm90Tile:
         return self.block_n == 64
 
     @property
-    def dq_tma(self) -> bool:
-        """dQ reduced into its fp32 accumulator by TMA from a shared staging buffer (BwdDq::kTma); by_columns tiles
-        have no room for it and reduce by red.global.add."""
-        return not self.by_columns
+    def do_stages(self) -> int:
+        """Depth of the dO ring (BwdDq::kDoStages): by_columns tiles single-stage dO to make room for the dQ staging
+        (as FlashAttention-3's hdim-256 backward); the Q ring keeps ``stages``."""
+        return 1 if self.by_columns else self.stages
 
     def dq_cols(self, head_dim: int) -> int:
         """Columns of a consumer warpgroup's 64-row dQ tile (BwdDq::kN)."""
         return head_dim * (self.block_m // 64) // 2
 
+    def dq_stage_cols(self, head_dim: int) -> int:
+        """Columns of that tile staged at a time (BwdDq::kStageCols): half of them when by_columns (two rounds)."""
+        return self.dq_cols(head_dim) // (2 if self.by_columns else 1)
+
     def smem_bytes(self, head_dim: int) -> int:
-        """K, V, stages × (Q, dO), two dSᵀ buffers (and two Pᵀ buffers when by_columns), two dQ staging buffers of
-        64 × dq_cols fp32 (when dq_tma), stages × (lse, D) rows, 8 bytes per mbarrier (1 + 4·stages), 1 KB of slack
-        for the 1024-byte alignment: BwdSharedStorage::kBytes in cuda_src/attention/sm90/bwd_mainloop.cuh.
+        """K, V, stages × Q and do_stages × dO tiles, two dSᵀ buffers (and two Pᵀ buffers when by_columns), two dQ
+        staging buffers of 64 × dq_stage_cols fp32, (stages + do_stages) rows of lse or D, 8 bytes per mbarrier
+        (1 + 2·stages + 2·do_stages), 1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in
+        cuda_src/attention/sm90/bwd_mainloop.cuh.
 
         >>> [SM90_BWD_TILES[d].smem_bytes(d) for d in (64, 128, 256)]
-        [199752, 198728, 231496]
+        [199752, 198728, 231224]
         """
         score_buffers = 4 if self.by_columns else 2
-        dq_stage = 2 * 64 * self.dq_cols(head_dim) * 4 if self.dq_tma else 0
-        return (2 * self.block_n * head_dim * 2 + 2 * self.stages * self.block_m * head_dim * 2
-                + score_buffers * self.block_n * self.block_m * 2 + dq_stage + 2 * self.stages * self.block_m * 4
-                + 8 * (1 + 4 * self.stages) + 1024)
+        rings = self.stages + self.do_stages
+        return (2 * self.block_n * head_dim * 2 + rings * self.block_m * head_dim * 2
+                + score_buffers * self.block_n * self.block_m * 2 + 2 * 64 * self.dq_stage_cols(head_dim) * 4
+                + rings * self.block_m * 4 + 8 * (1 + 2 * rings) + 1024)
 
 
 # (head dim) -> tile; both dtypes alike. Registers per consumer thread under setmaxnreg's 240: with block_n = 128,
@@ -84,9 +90,9 @@ SM90_BWD_TILES = {
     # 64 queries per step (FlashAttention-3's hdim-128 tile): 128 dK/dV + 64 Sᵀ/dPᵀ registers; 194 KB.
     128: BwdSm90Tile(64),
     # 64 keys × 64 queries, warpgroups split by columns: 64 keys × 256 columns of dK and dV would be 256 registers,
-    # split they are 128, + 32 Sᵀ/dPᵀ + 64 dQ. 226 KB: K and V 64 KB, two stages of Q and dO 128 KB, two Pᵀ and
-    # two dSᵀ buffers 32 KB. (FlashAttention-3: 64 × 80 with dKᵀ, dVᵀ split over the head dim, P and dS in shared
-    # memory, single-staged dO and dS; our 64 keys keep wgmma's M = 64 on keys and fit two stages of both.)
+    # split they are 128, + 32 Sᵀ/dPᵀ + 64 dQ. 226 KB: K and V 64 KB, two stages of Q and one of dO 96 KB, two Pᵀ
+    # and two dSᵀ buffers 32 KB, dQ staging 32 KB. (FlashAttention-3: 64 × 80 with dKᵀ, dVᵀ split over the head
+    # dim, P and dS in shared memory, single-staged dO and dS; our 64 keys keep wgmma's M = 64 on keys.)
     256: BwdSm90Tile(64, 64),
 }
 

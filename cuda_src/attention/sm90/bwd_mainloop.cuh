@@ -59,7 +59,10 @@ struct BwdSplit {
 
 // dQ of a step is kBlockM × kHeadDim, two tiles of 64 queries × kN columns, one per consumer warpgroup: warpgroup w
 // has query block row_block(w), columns 64·col_block(w) ... + kN. kTma: reduced into dq_accum by TMA from a staging
-// buffer in shared memory (kBlockN = 128), else by red.global.add from registers (kBlockN = 64: no room for it).
+// buffer in shared memory, in kRounds rounds of kStageCols columns (the dQ writer, bwd_dq_write), else by
+// red.global.add from registers (-DCUPY_ATTN_BWD_DQ_TMA=0, for A/B runs). kBlockN = 64 (head dim 256) makes room for
+// its staging by single-staging dO (kDoStages; FlashAttention-3's hdim-256 backward does too) and stages half of the
+// 64 × 128 tile at a time.
 template <int kHeadDim, int kBlockM, int kBlockN>
 struct BwdDq {
   static constexpr int kRowBlocks = kBlockM / 64;
@@ -68,7 +71,10 @@ struct BwdDq {
 #ifndef CUPY_ATTN_BWD_DQ_TMA
 #define CUPY_ATTN_BWD_DQ_TMA 1
 #endif
-  static constexpr bool kTma = CUPY_ATTN_BWD_DQ_TMA && kBlockN == 128;
+  static constexpr bool kTma = CUPY_ATTN_BWD_DQ_TMA;
+  static constexpr int kRounds = kTma && kBlockN == 64 ? 2 : 1;
+  static constexpr int kStageCols = kN / kRounds;
+  __host__ __device__ static constexpr int kDoStages(int stages) { return kTma && kBlockN == 64 ? 1 : stages; }
   __device__ __forceinline__ static int row_block(int wg) { return wg % kRowBlocks; }
   __device__ __forceinline__ static int col_block(int wg) { return (wg / kRowBlocks) * (kN / 64); }
 };
@@ -81,28 +87,29 @@ struct BwdSharedStorage {
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // one dSᵀ buffer
   // One Pᵀ buffer: only when the warpgroups split by columns (else Pᵀ stays in registers).
   static constexpr int kPBytes = BwdSplit<kHeadDim, kBlockM, kBlockN>::kByColumns ? kDSBytes : 0;
-  // dQ's staging for its TMA reduce (kBlockN = 128: BwdDq::kTma): a consumer warpgroup's 64 × kN fp32 tile as
-  // kN / 32 boxes of 64 rows × 128 bytes in the 128-byte swizzle. None at kBlockN = 64 (no room: 226 KB).
-  static constexpr int kDqStageBytes = BwdDq<kHeadDim, kBlockM, kBlockN>::kTma
-                                           ? 64 * BwdDq<kHeadDim, kBlockM, kBlockN>::kN * 4 : 0;
+  // dQ's staging for its TMA reduce (BwdDq::kTma): 64 rows × kStageCols fp32 of a consumer warpgroup's dQ tile as
+  // kStageCols / 32 boxes of 64 rows × 128 bytes in the 128-byte swizzle.
+  using Dq = BwdDq<kHeadDim, kBlockM, kBlockN>;
+  static constexpr int kDqStageBytes = Dq::kTma ? 64 * Dq::kStageCols * 4 : 0;
+  static constexpr int kDoStages = Dq::kDoStages(kStages);  // dO ring depth (the Q ring's is kStages)
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse·log2(e) or D
-  static constexpr int kBarriers = 1 + 4 * kStages;        // kv_full; q_full, q_empty, do_full, do_empty per stage
+  static constexpr int kBarriers = 1 + 2 * kStages + 2 * kDoStages;  // kv_full; q_full, q_empty, do_full, do_empty
   // The dynamic shared memory the launcher must request: tiles (each a multiple of 1024 bytes, so every tile stays
   // 1024-byte aligned), statistics, barriers, and 1 KB of slack to align the base to 1024 bytes.
-  static constexpr int kBytes = 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes
-                                + 2 * kDqStageBytes + 2 * kStages * kStatBytes + 8 * kBarriers + 1024;
+  static constexpr int kBytes = 2 * kKVBytes + (kStages + kDoStages) * kQBytes + 2 * kDSBytes + 2 * kPBytes
+                                + 2 * kDqStageBytes + (kStages + kDoStages) * kStatBytes + 8 * kBarriers + 1024;
   static_assert(kKVBytes % 1024 == 0 && kQBytes % 1024 == 0 && kDSBytes % 1024 == 0, "1024-byte aligned tiles");
   static_assert(kStatBytes % 16 == 0, "a TMA box row is a multiple of 16 bytes");
 
   T* k;
   T* v;
   T* q;      // kStages tiles of kBlockM rows
-  T* dout;   // kStages tiles of kBlockM rows
+  T* dout;   // kDoStages tiles of kBlockM rows
   T* ds;     // 2 buffers of dSᵀ
   T* p;      // 2 buffers of Pᵀ (kPBytes each; none when kPBytes = 0)
   float* dq_stage;  // consumer warpgroup w's dQ staging at w·kDqStageBytes (none when kDqStageBytes = 0)
   float* lse;    // kStages rows of kBlockM
-  float* delta;  // kStages rows of kBlockM
+  float* delta;  // kDoStages rows of kBlockM
   unsigned long long* kv_full;
   unsigned long long* q_full;
   unsigned long long* q_empty;
@@ -115,16 +122,16 @@ struct BwdSharedStorage {
     v = reinterpret_cast<T*>(smem + kKVBytes);
     q = reinterpret_cast<T*>(smem + 2 * kKVBytes);
     dout = reinterpret_cast<T*>(smem + 2 * kKVBytes + kStages * kQBytes);
-    ds = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes);
-    p = reinterpret_cast<T*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes);
-    dq_stage = reinterpret_cast<float*>(smem + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDSBytes + 2 * kPBytes);
+    ds = reinterpret_cast<T*>(smem + 2 * kKVBytes + (kStages + kDoStages) * kQBytes);
+    p = ds + 2 * kDSBytes / 2;
+    dq_stage = reinterpret_cast<float*>(p + 2 * kPBytes / 2);
     lse = dq_stage + 2 * kDqStageBytes / 4;
     delta = lse + kStages * kBlockM;
-    kv_full = reinterpret_cast<unsigned long long*>(delta + kStages * kBlockM);
+    kv_full = reinterpret_cast<unsigned long long*>(delta + kDoStages * kBlockM);
     q_full = kv_full + 1;
     q_empty = q_full + kStages;
     do_full = q_empty + kStages;
-    do_empty = do_full + kStages;
+    do_empty = do_full + kDoStages;
   }
 };
 
@@ -157,8 +164,8 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   const int groups = static_cast<int>(p.groups);
   #pragma unroll 1  // not unrolled: 24 registers (setmaxnreg.dec), shared with the dQ writer's warp
   for (int i = 0; i < steps.count; ++i) {
-    const int s = i % kStages;
-    const unsigned parity = (i / kStages) & 1;
+    const int s = i % kStages, sd = i % Smem::kDoStages;
+    const unsigned parity = (i / kStages) & 1, parity_do = (i / Smem::kDoStages) & 1;
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
     // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B) like
@@ -171,13 +178,13 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
     for (int c = 0; c < Smem::kColBlocks; ++c)
       tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, &ss.q_full[s], c * 64, m0, h, b);
     tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, &ss.q_full[s], m0, stat_row);
-    tma::mbar_wait(&ss.do_empty[s], parity ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.do_full[s], Smem::kQBytes + Smem::kStatBytes);
-    T* do_dst = ss.dout + s * kBlockM * kHeadDim;
+    tma::mbar_wait(&ss.do_empty[sd], parity_do ^ 1);
+    tma::mbar_arrive_expect_tx(&ss.do_full[sd], Smem::kQBytes + Smem::kStatBytes);
+    T* do_dst = ss.dout + sd * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[s], c * 64, m0, h, b);
-    tma::load_2d(ss.delta + s * kBlockM, &p.tma_stats, &ss.do_full[s], m0,
+      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[sd], c * 64, m0, h, b);
+    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, &ss.do_full[sd], m0,
                  static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row);
   }
 }
@@ -214,19 +221,24 @@ __device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
   for (int i = 0; i < steps.count; ++i) {
     const int m0 = mb * kBlockM;
     #pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      tma::named_barrier_sync(kDqFullBarrier + w, kDqBarrierThreads);
-      if (lane == 0) {
-        const unsigned char* stage = reinterpret_cast<const unsigned char*>(ss.dq_stage) + w * Smem::kDqStageBytes;
-        #pragma unroll
-        for (int box = 0; box < Dq::kN / 32; ++box)
-          tma::reduce_add_4d(&p.tma_dq, stage + box * 8192, 64 * Dq::col_block(w) + 32 * box,
-                             m0 + 64 * Dq::row_block(w), h, b);
-        tma::bulk_commit();
-        tma::bulk_wait_read();
+    for (int round = 0; round < Dq::kRounds; ++round) {
+      #pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        tma::named_barrier_sync(kDqFullBarrier + w, kDqBarrierThreads);
+        if (lane == 0) {
+          const unsigned char* stage = reinterpret_cast<const unsigned char*>(ss.dq_stage) + w * Smem::kDqStageBytes;
+          #pragma unroll
+          for (int box = 0; box < Dq::kStageCols / 32; ++box)
+            tma::reduce_add_4d(&p.tma_dq, stage + box * 8192,
+                               64 * Dq::col_block(w) + round * Dq::kStageCols + 32 * box, m0 + 64 * Dq::row_block(w),
+                               h, b);
+          tma::bulk_commit();
+          tma::bulk_wait_read();
+        }
+        __syncwarp();
+        if (i + 1 < steps.count || round + 1 < Dq::kRounds)
+          tma::named_barrier_arrive(kDqEmptyBarrier + w, kDqBarrierThreads);
       }
-      __syncwarp();
-      if (i + 1 < steps.count) tma::named_barrier_arrive(kDqEmptyBarrier + w, kDqBarrierThreads);
     }
     if (++mb == steps.m_first + steps.m_count) {
       mb = steps.m_first;
@@ -346,12 +358,14 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     const unsigned parity = (i / kStages) & 1;
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
-    const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + s * Smem::kQBytes;
+    const int sd = i % Smem::kDoStages;
+    const unsigned parity_do = (i / Smem::kDoStages) & 1;
+    const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + sd * Smem::kQBytes;
     const unsigned ds_buf = (i & 1) * Smem::kDSBytes;
 
     tma::mbar_wait(&ss.q_full[s], parity);
     issue_ss(acc_s, k_base, q_st);
-    tma::mbar_wait(&ss.do_full[s], parity);
+    tma::mbar_wait(&ss.do_full[sd], parity_do);
     issue_ss(acc_dp, v_base, do_st);
 
     // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal are masked
@@ -393,7 +407,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     // values die at once; each k step's dSᵀ (and at kBlockN = 64 its Pᵀ) also goes to shared memory (one stmatrix:
     // the four registers of an A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8
     // chunks).
-    const float* delta = ss.delta + s * kBlockM + q_col;
+    const float* delta = ss.delta + sd * kBlockM + q_col;
     #pragma unroll
     for (int j = 0; j < kSN / 8; ++j) {
       const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
@@ -435,7 +449,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     wgmma::commit();
     wgmma::wait<1>();  // dV += Pᵀ dO done: dO's stage is free
     wgmma::fence_operands(acc_dv);
-    release(&ss.do_empty[s]);
+    release(&ss.do_empty[sd]);
     if constexpr (Split::kByColumns) {
       issue_dkv_ss<T, kKvN, kBlockM, kBlockN>(acc_dk, ds_base + ds_buf, q_kv);
     } else {
@@ -450,19 +464,25 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       // and an arrival on kDqFullBarrier: bwd_dq_write reduces it into dq_accum by TMA.
       // The lane's address for j % 4 = 0 (1024-byte aligned staging, rows 128 bytes: bits 4-6 are the chunk); the
       // others XOR 2(j % 4) into the chunk (2(j % 4) + t / 2 = 2(j % 4) ^ t / 2), one register for all stores.
-      tma::named_barrier_sync(kDqEmptyBarrier + wg, kDqBarrierThreads);
+      // With two rounds (kBlockN = 64) the second waits for the writer to have read the first.
       const unsigned lane_addr = tma::smem_u32(ss.dq_stage) + wg * Smem::kDqStageBytes + (16 * warp + g) * 128
                                  + (((t / 2) ^ g) * 16) + 8 * (t % 2);
       const float scale = static_cast<float>(p.scale);
       #pragma unroll
-      for (int half = 0; half < 2; ++half) {
+      for (int round = 0; round < Dq::kRounds; ++round) {
+        tma::named_barrier_sync(kDqEmptyBarrier + wg, kDqBarrierThreads);
         #pragma unroll
-        for (int j = 0; j < kDqN / 8; ++j)
-          st_shared_f32x2((lane_addr ^ ((2 * (j % 4)) << 4)) + (j / 4) * 8192 + half * 1024,
-                          scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
+        for (int half = 0; half < 2; ++half) {
+          #pragma unroll
+          for (int jj = 0; jj < Dq::kStageCols / 8; ++jj) {
+            const int j = round * (Dq::kStageCols / 8) + jj;
+            st_shared_f32x2((lane_addr ^ ((2 * (jj % 4)) << 4)) + (jj / 4) * 8192 + half * 1024,
+                            scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
+          }
+        }
+        tma::fence_proxy_async();
+        tma::named_barrier_arrive(kDqFullBarrier + wg, kDqBarrierThreads);
       }
-      tma::fence_proxy_async();
-      tma::named_barrier_arrive(kDqFullBarrier + wg, kDqBarrierThreads);
     } else {
       float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
       reduce_dq<kDqN>(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L,
