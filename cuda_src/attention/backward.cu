@@ -54,6 +54,9 @@ struct BwdParams {
   long long dropout_threshold;    // keep when the Philox draw is below it
   double dropout_scale;           // 1/(1 − p), 0 for p = 1
   float* lse_log2;                // attn_bwd_delta_padded: lse·log2(e) out, padded rows
+  float* dq_zero;                 // attn_bwd_delta_padded: optional (heads, seqlen_q, dq_cols) fp32, zeroed
+  long long dq_cols;              // its row length (the fused backward's dQ accumulator, E)
+  long long row_threads;          // attn_bwd_delta_padded: threads per row (delta_row_threads in backward.py)
 };
 
 // Σ_c dout[c]·o[c] over one row of n elements, lanes of one warp strided over it, the sum left in every lane: 16-byte
@@ -93,23 +96,51 @@ __global__ void __launch_bounds__(256) attn_bwd_delta(const BwdParams p) {
 // size), so that each query block's statistics are one aligned TMA box: row (head, i) for i < L gets D = Σ dO∘O and
 // lse·log2(e) (+inf for a row whose keys were all masked, lse = −inf: P = 2^(s − inf) = 0); padding rows get D = 0 and
 // +inf. Reuses BwdParams: rows = heads · ld, ld, seqlen_q = L, lse (heads, L) in, delta (heads, ld) and lse_log2
-// (heads, ld) out, dout and o (heads, L, head_dim_v) contiguous.
+// (heads, ld) out, dout and o (heads, L, head_dim_v) contiguous. When dq_zero is set, the threads of row (head, i < L)
+// also zero dq_zero's row (head, i) (the kernel's fp32 dQ accumulator, which it adds into; cuDNN's pre-pass does
+// the same), in place of a separate memset: 16-byte stores when dq_cols is a multiple of 4 (16-byte aligned base).
 template <typename T>
 __global__ void __launch_bounds__(256) attn_bwd_delta_padded(const BwdParams p) {
-  const long long row = static_cast<long long>(blockIdx.x) * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= p.rows) return;
+  // row_threads (a power of two ≤ 32) consecutive lanes per row, 8 elements a lane per 16-byte load: at head dim 64
+  // a warp takes 4 rows, at 128 two (one row per warp left three quarters of the lanes idle at 64: ~1.5 TB/s). A
+  // group past the last row computes nothing but stays for the shuffles.
+  const int per_row = static_cast<int>(p.row_threads);
+  const long long row = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / per_row;
+  const int sub = threadIdx.x % per_row;
   const long long i = row % p.ld, src = (row / p.ld) * p.seqlen_q + i;
-  float acc = 0.f, lse2 = inf();
-  if (i < p.seqlen_q) {
-    acc = row_dot(static_cast<const T*>(p.dout) + src * p.head_dim_v, static_cast<const T*>(p.o) + src * p.head_dim_v,
-                  p.head_dim_v, lane);
-    const float lse = p.lse[src];
-    lse2 = lse == -inf() ? inf() : lse * kLog2e;
+  const bool live = row < p.rows, valid = live && i < p.seqlen_q;
+  float acc = 0.f;
+  if (valid) {
+    const T* dout = static_cast<const T*>(p.dout) + src * p.head_dim_v;
+    const T* o = static_cast<const T*>(p.o) + src * p.head_dim_v;
+    const long long n = p.head_dim_v;
+    if (sizeof(T) == 2 && n % 8 == 0 &&
+        ((reinterpret_cast<unsigned long long>(dout) | reinterpret_cast<unsigned long long>(o)) & 15) == 0) {
+      for (long long c = sub * 8; c < n; c += per_row * 8) {
+        const uint4 a = *reinterpret_cast<const uint4*>(dout + c), b = *reinterpret_cast<const uint4*>(o + c);
+        const T* x = reinterpret_cast<const T*>(&a);
+        const T* y = reinterpret_cast<const T*>(&b);
+        #pragma unroll
+        for (int e = 0; e < 8; ++e) acc += to_float(x[e]) * to_float(y[e]);
+      }
+    } else {
+      for (long long c = sub; c < n; c += per_row) acc += to_float(dout[c]) * to_float(o[c]);
+    }
+    if (p.dq_zero != nullptr) {
+      float* z = p.dq_zero + src * p.dq_cols;
+      if (p.dq_cols % 4 == 0) {
+        for (long long c = sub * 4; c < p.dq_cols; c += per_row * 4)
+          *reinterpret_cast<float4*>(z + c) = make_float4(0.f, 0.f, 0.f, 0.f);
+      } else {
+        for (long long c = sub; c < p.dq_cols; c += per_row) z[c] = 0.f;
+      }
+    }
   }
-  if (lane == 0) {
+  for (int off = per_row / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (live && sub == 0) {
+    const float lse = valid ? p.lse[src] : -inf();
     p.delta[row] = acc;
-    p.lse_log2[row] = lse2;
+    p.lse_log2[row] = lse == -inf() ? inf() : lse * kLog2e;
   }
 }
 

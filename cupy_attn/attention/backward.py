@@ -39,7 +39,20 @@ _PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n 
     "scores", "dp", "out", "dmask", "lse", "delta", "mask", "dout", "o", "rows", "rows_per_head", "row0",
     "seqlen_q", "seqlen_k", "ld", "head_dim_v", "head0", "num_heads", "causal_offset", "mask_kind",
     "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s", "rng", "dropout_threshold",
-    "dropout_scale", "lse_log2")])
+    "dropout_scale", "lse_log2", "dq_zero", "dq_cols", "row_threads")])
+
+
+def delta_row_threads(head_dim_v: int) -> int:
+    """Threads per row of attn_bwd_delta_padded: enough for one 16-byte load (8 elements) each over a row of
+    head_dim_v 16-bit elements, as a power of two ≤ 32 (a warp's lanes split into whole rows); 32 when the row
+    is not a multiple of 8 elements (element-wise loads).
+
+    >>> [delta_row_threads(e) for e in (64, 128, 256, 512, 96, 40, 100)]
+    [8, 16, 32, 32, 16, 8, 32]
+    """
+    if head_dim_v % 8:
+        return 32
+    return min(32, 1 << max(0, (head_dim_v // 8 - 1).bit_length()))
 
 BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
@@ -242,7 +255,10 @@ class FusedBackward:
     """What the two fused backward kernels share around their launch: scratch from the caller's allocator (the
     statistics the pre-pass writes, then the fp32 dQ accumulator), the accumulator's zeroing, and dQ's rounding to
     the input dtype; all on the stream of the context the launch was prepared for. Subclasses set ``ctx``,
-    ``dq32_offset``, ``scratch_bytes`` and ``cast`` and implement ``_launch(stream, scratch, ...)``."""
+    ``dq32_offset``, ``scratch_bytes`` and ``cast`` and implement ``_launch(stream, scratch, ...)``; one whose
+    pre-pass zeroes the accumulator itself sets ``prepass_zeroes_dq`` (no memset then)."""
+
+    prepass_zeroes_dq = False
 
     def __call__(self, q: int, k: int, v: int, out: int, lse: int, dout: int, dq: int, dk: int, dv: int,
                  rng: int = 0) -> None:
@@ -252,7 +268,8 @@ class FusedBackward:
         stream = self.ctx.stream.ptr
         holder, scratch = workspace.scratch(self.ctx, self.scratch_bytes)
         dq32 = scratch + self.dq32_offset
-        runtime.memsetAsync(dq32, 0, self.scratch_bytes - self.dq32_offset, stream)
+        if not self.prepass_zeroes_dq:
+            runtime.memsetAsync(dq32, 0, self.scratch_bytes - self.dq32_offset, stream)
         self._launch(stream, scratch, q, k, v, out, lse, dout, dk, dv, rng)
         self.cast.run(stream, dq32, dq)
         del holder  # freed stream-ordered: the work above is enqueued

@@ -9,7 +9,7 @@ BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY
 the mma.sync kernel (flash_bwd.cu) or the split backward.
 
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
-STAT_PAD, so each query block's statistics are one aligned TMA box), a memset of the fp32 dQ accumulator, the kernel
+STAT_PAD, so each query block's statistics are one aligned TMA box; it also zeroes the fp32 dQ accumulator), the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
 (backward.cu's group sum with one member). At head dims ≤ 128 the kernel adds each step's dQ tile into the
 accumulator by TMA reduces (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged
@@ -183,9 +183,11 @@ def problem_reason(p) -> str | None:
 class Sm90Backward(_bwd.FusedBackward):
     """The Hopper backward of one problem layout, prepared once (the autograd backward's call cache replays it):
     everything but the pointers and tensor maps is computed here. A call: the pre-pass (attn_bwd_delta_padded: D and
-    lse·log2 e in rows padded to STAT_PAD), the zeroed fp32 dQ accumulator, the kernel, dQ's rounding. Scratch
+    lse·log2 e in rows padded to STAT_PAD, and the fp32 dQ accumulator zeroed), the kernel, dQ's rounding. Scratch
     from the caller's allocator: the statistics (2 × B·Hq·L' fp32, L' = L rounded up to STAT_PAD), then the dQ
     accumulator (B·Hq·L·E fp32). Tensor maps are re-encoded only when a base address changes (~4 µs each)."""
+
+    prepass_zeroes_dq = True  # attn_bwd_delta_padded zeroes the dQ accumulator's rows (no memset)
 
     def __init__(self, p, bucket: int):
         self.ctx = p.ctx
@@ -197,9 +199,13 @@ class Sm90Backward(_bwd.FusedBackward):
         self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
         self.dq32_offset = _bwd._aligned(2 * self.delta_offset)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
-        self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad // 8),), (256,))
+        row_threads = _bwd.delta_row_threads(Ev)
+        self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype),
+                                (-(-B * Hq * l_pad * row_threads // 256),), (256,))
         pre = self.pre_params = np.zeros((), dtype=_bwd._PARAMS)
+        pre["row_threads"] = row_threads
         pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
+        pre["dq_cols"] = E  # the pre-pass zeroes the dQ accumulator (dq_zero, set per call)
 
         prm = self.params = np.zeros((), dtype=_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
@@ -228,6 +234,7 @@ class Sm90Backward(_bwd.FusedBackward):
         stats_log2, delta = scratch, scratch + self.delta_offset
         pre = self.pre_params.copy()
         pre["dout"], pre["o"], pre["lse"], pre["delta"], pre["lse_log2"] = dout, out, lse, delta, stats_log2
+        pre["dq_zero"] = scratch + self.dq32_offset
         self.pre(stream, pre)
         prm = self.params.copy()
         prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"] = self.maps(q, k, v, dout)
