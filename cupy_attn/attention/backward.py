@@ -119,11 +119,11 @@ def fused_bucket(p) -> int | None:
     return plan.bucket if plan.kernel != "split" else None
 
 
-# Below this many forward FLOPs (4·B·Hq·L·S·max(E, Ev), as dispatch.FA3_MIN_FLOPS) auto keeps the mma.sync backward
-# on Hopper: the sm90 launch encodes four TMA tensor maps per call (~4 µs of host time each through cuda.bindings),
-# which a small call would pay in full. Not yet measured for the backward; the forward's threshold, whose kernel does
-# 2.5x less work per FLOP counted here, is the conservative choice.
-BWD_SM90_MIN_FLOPS = 2 ** 34
+# No size threshold for the Hopper backward (there was one, 2^34 forward FLOPs, taken from the forward's FA3 rule):
+# its prepared launch re-encodes a tensor map only when a base address moves, and at every size measured it was as
+# fast as the mma.sync kernel or faster. H200, fp16 training steps through autograd, same process (session 19,
+# bench/NOTES_backward.md): (1,8,256,64) 0.382 ms against 0.489; (2,8,512,128) 0.213 against 0.245; (4,16,512,128)
+# 0.285 against 0.364; (2,16,1024,128) 0.411 against 0.533.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,10 +146,9 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
     The split backward serves everything; the mma.sync fused kernel (flash_bwd.cu) fp16/bf16 without attn_mask at head
     dims ≤ 128 on compute capability ≥ 8.0; the Hopper kernel (flash_bwd_sm90.cu) fp16/bf16 without attn_mask or
     dropout at head dims ≤ 256 on 9.0 for layouts TMA reads in place (backward_sm90.problem_reason). ``CUPY_ATTN_BWD``:
-    "split", "mma" (never sm90), "sm90" (sm90 wherever it applies); unset or "auto": at head dims ≤ 128 sm90 where it
-    applies for calls of at least BWD_SM90_MIN_FLOPS, else mma; at 129-256 sm90 wherever it applies, whatever the
-    size (the alternative is the split backward: five GEMMs and three kernels per chunk, more launches than the sm90
-    call's five tensor-map encodes cost), else split. ValueError for another value of the variable.
+    "split", "mma" (never sm90), "sm90" (sm90 wherever it applies); unset or "auto": sm90 wherever it applies, at any
+    size (measured as fast as the mma.sync kernel or faster down to (1, 8, 256, 64)), else mma at head dims ≤ 128 and
+    split above. ValueError for another value of the variable.
     Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
     E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
@@ -188,11 +187,7 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
         sm90_bucket = backward_sm90.head_bucket(p.head_dim, p.head_dim_v)
         if env == "sm90":
             return BackwardPlan("sm90", sm90_bucket, f"Hopper wgmma kernel forced by {ENV_BWD}=sm90")
-        flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * need
-        if flops >= BWD_SM90_MIN_FLOPS or bucket is None:
-            return BackwardPlan("sm90", sm90_bucket,
-                                "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
-        why_not = f"{flops:.3g} FLOPs < {BWD_SM90_MIN_FLOPS:.3g}: five tensor-map encodes would dominate"
+        return BackwardPlan("sm90", sm90_bucket, "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
     if bucket is None:
         return BackwardPlan("split", None, f"{no_mma}; Hopper kernel not used: {why_not}")
     return BackwardPlan("mma", bucket, f"mma.sync kernel; Hopper kernel not used: {why_not}")
