@@ -46,12 +46,12 @@ def bench(name, B, H, L, D, causal, dtype):
 
     ours = step(lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal))
     theirs = step(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-    row = {"name": name, "dtype": str(dtype)[6:], "ms": median_ms(ours, n_repeat=5, n_warmup=2)}
-    row["torch_ms"] = median_ms(theirs, n_repeat=5, n_warmup=2)
+    row = {"name": name, "dtype": str(dtype)[6:], "ms": median_ms(ours, n_repeat=20, n_warmup=3)}
+    row["torch_ms"] = median_ms(theirs, n_repeat=20, n_warmup=3)
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             theirs()
-            row["flash_ms"] = median_ms(theirs, n_repeat=5, n_warmup=2)
+            row["flash_ms"] = median_ms(theirs, n_repeat=20, n_warmup=3)
     except RuntimeError:
         row["flash_ms"] = None
     flops = 3.5 * 4.0 * B * H * L * L * D / (2 if causal else 1)
