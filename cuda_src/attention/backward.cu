@@ -59,15 +59,16 @@ struct BwdParams {
   long long row_threads;          // attn_bwd_delta_padded: threads per row (delta_row_threads in backward.py)
 };
 
-// Σ_c dout[c]·o[c] over one row of n elements, lanes of one warp strided over it, the sum left in every lane: 16-byte
-// loads (8 16-bit elements a lane) when n is a multiple of 8 and both rows are 16-byte aligned, else one element.
+// This thread's part of Σ_c dout[c]·o[c] over one row of n elements, `threads` threads strided over it (sub = this
+// one's index among them): 16-byte loads (8 16-bit elements a thread) when n is a multiple of 8 and both rows are
+// 16-byte aligned, else one element.
 template <typename T>
-__device__ __forceinline__ float row_dot(const T* dout, const T* o, long long n, int lane) {
+__device__ __forceinline__ float partial_dot(const T* dout, const T* o, long long n, int sub, int threads) {
   float acc = 0.f;
   const bool vec = sizeof(T) == 2 && n % 8 == 0 &&
                    ((reinterpret_cast<unsigned long long>(dout) | reinterpret_cast<unsigned long long>(o)) & 15) == 0;
   if (vec) {
-    for (long long c = lane * 8; c < n; c += 32 * 8) {
+    for (long long c = sub * 8; c < n; c += threads * 8) {
       const uint4 a = *reinterpret_cast<const uint4*>(dout + c), b = *reinterpret_cast<const uint4*>(o + c);
       const T* x = reinterpret_cast<const T*>(&a);
       const T* y = reinterpret_cast<const T*>(&b);
@@ -75,8 +76,15 @@ __device__ __forceinline__ float row_dot(const T* dout, const T* o, long long n,
       for (int e = 0; e < 8; ++e) acc += to_float(x[e]) * to_float(y[e]);
     }
   } else {
-    for (long long c = lane; c < n; c += 32) acc += to_float(dout[c]) * to_float(o[c]);
+    for (long long c = sub; c < n; c += threads) acc += to_float(dout[c]) * to_float(o[c]);
   }
+  return acc;
+}
+
+// Σ_c dout[c]·o[c] over one row, the lanes of one warp strided over it, the sum left in every lane.
+template <typename T>
+__device__ __forceinline__ float row_dot(const T* dout, const T* o, long long n, int lane) {
+  float acc = partial_dot(dout, o, n, lane, 32);
   #pragma unroll
   for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
   return acc;
@@ -111,21 +119,8 @@ __global__ void __launch_bounds__(256) attn_bwd_delta_padded(const BwdParams p) 
   const bool live = row < p.rows, valid = live && i < p.seqlen_q;
   float acc = 0.f;
   if (valid) {
-    const T* dout = static_cast<const T*>(p.dout) + src * p.head_dim_v;
-    const T* o = static_cast<const T*>(p.o) + src * p.head_dim_v;
-    const long long n = p.head_dim_v;
-    if (sizeof(T) == 2 && n % 8 == 0 &&
-        ((reinterpret_cast<unsigned long long>(dout) | reinterpret_cast<unsigned long long>(o)) & 15) == 0) {
-      for (long long c = sub * 8; c < n; c += per_row * 8) {
-        const uint4 a = *reinterpret_cast<const uint4*>(dout + c), b = *reinterpret_cast<const uint4*>(o + c);
-        const T* x = reinterpret_cast<const T*>(&a);
-        const T* y = reinterpret_cast<const T*>(&b);
-        #pragma unroll
-        for (int e = 0; e < 8; ++e) acc += to_float(x[e]) * to_float(y[e]);
-      }
-    } else {
-      for (long long c = sub; c < n; c += per_row) acc += to_float(dout[c]) * to_float(o[c]);
-    }
+    acc = partial_dot(static_cast<const T*>(p.dout) + src * p.head_dim_v, static_cast<const T*>(p.o) + src * p.head_dim_v,
+                      p.head_dim_v, sub, per_row);
     if (p.dq_zero != nullptr) {
       float* z = p.dq_zero + src * p.dq_cols;
       if (p.dq_cols % 4 == 0) {
