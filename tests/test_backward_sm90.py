@@ -191,6 +191,9 @@ def _cuda_bindings():
     ("sm90", 90, {"mask": object()}, "split", "attn_mask"),
     ("", 75, {}, "split", "sm_80"),
     ("", 90, {"dropout_p": 0.1}, "mma", "dropout"),                           # no dropout variant on Hopper
+    # E = 66 sliced from rows 72 wide: strides pass TMA's checks, but the fp32 dQ accumulator's rows (264 bytes) do not
+    ("sm90", 90, {"E": 66, "Ev": 64, "q": _FakeArray((8, 16, 2048, 66), (16 * 2048 * 144, 2048 * 144, 144, 2), 1 << 20),
+                  "k": _FakeArray((8, 16, 2048, 66), (16 * 2048 * 144, 2048 * 144, 144, 2), 1 << 20)}, "mma", "multiple of 4"),
     ("sm90", 90, {"dropout_p": 0.1}, "mma", "dropout"),
 ])
 def test_plan_backward(env, arch, problem, kernel, why, monkeypatch):

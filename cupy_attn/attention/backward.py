@@ -42,17 +42,21 @@ _PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n 
     "dropout_scale", "lse_log2", "dq_zero", "dq_cols", "row_threads")])
 
 
-def delta_row_threads(head_dim_v: int) -> int:
+def delta_row_threads(head_dim: int, head_dim_v: int) -> int:
     """Threads per row of attn_bwd_delta_padded: enough for one 16-byte load (8 elements) each over a row of
-    head_dim_v 16-bit elements, as a power of two ≤ 32 (a warp's lanes split into whole rows); 32 when the row
-    is not a multiple of 8 elements (element-wise loads).
+    head_dim_v 16-bit elements, and for at most four 16-byte stores each over the row of head_dim fp32 dQ
+    accumulators it zeroes, as a power of two ≤ 32 (a warp's lanes split into whole rows); 32 when head_dim_v is not a
+    multiple of 8 (element-wise loads).
 
-    >>> [delta_row_threads(e) for e in (64, 128, 256, 512, 96, 40, 100)]
-    [8, 16, 32, 32, 16, 8, 32]
+    >>> [delta_row_threads(e, e) for e in (64, 128, 256, 512, 96, 40)], delta_row_threads(100, 100)
+    ([8, 16, 32, 32, 16, 8], 32)
+    >>> delta_row_threads(256, 8)  # 16 threads zero 256 floats, 16 each
+    16
     """
     if head_dim_v % 8:
         return 32
-    return min(32, 1 << max(0, (head_dim_v // 8 - 1).bit_length()))
+    need = max(-(-head_dim_v // 8), -(-head_dim // 16))
+    return min(32, 1 << max(0, (need - 1).bit_length()))
 
 BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",

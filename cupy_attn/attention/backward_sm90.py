@@ -11,8 +11,7 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned TMA box; it also zeroes the fp32 dQ accumulator), the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). At head dims ≤ 128 the kernel adds each step's dQ tile into the
-accumulator by TMA reduces (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged
+(backward.cu's group sum with one member). The kernel adds each step's dQ tile into the accumulator by TMA reduces (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged
 to make room). Six tensor maps
 (Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host) when
 their base address differs from the last call's.
@@ -174,6 +173,10 @@ def problem_reason(p) -> str | None:
     """None when this kernel runs the backward of a checked problem (checks.SDPAProblem) on a compute capability 9.0
     device; else why not (arch not checked here: the caller's plan has it)."""
     why = unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask is not None, 90)
+    if why is None and p.head_dim % 4:
+        # The kernel adds dQ into its fp32 (B, Hq, L, E) accumulator through a tensor map, whose row stride (4·E
+        # bytes) TMA needs a multiple of 16. (Views sliced to such an E can pass layout_reason's stride checks.)
+        why = f"head_dim={p.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
     if why is None:
         dout = _bwd._Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
         why = layout_reason(p.query, p.key, p.value, dout)
@@ -199,7 +202,7 @@ class Sm90Backward(_bwd.FusedBackward):
         self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
         self.dq32_offset = _bwd._aligned(2 * self.delta_offset)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
-        row_threads = _bwd.delta_row_threads(Ev)
+        row_threads = _bwd.delta_row_threads(E, Ev)
         self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype),
                                 (-(-B * Hq * l_pad * row_threads // 256),), (256,))
         pre = self.pre_params = np.zeros((), dtype=_bwd._PARAMS)

@@ -61,8 +61,8 @@ struct BwdSplit {
 // has query block row_block(w), columns 64·col_block(w) ... + kN. kTma: reduced into dq_accum by TMA from a staging
 // buffer in shared memory, in kRounds rounds of kStageCols columns (the dQ writer, bwd_dq_write), else by
 // red.global.add from registers (-DCUPY_ATTN_BWD_DQ_TMA=0, for A/B runs). kBlockN = 64 (head dim 256) makes room for
-// its staging by single-staging dO (kDoStages; FlashAttention-3's hdim-256 backward does too) and stages half of the
-// 64 × 128 tile at a time.
+// its staging by single-staging dO (kDoStages, in both builds; FlashAttention-3's hdim-256 backward does too) and
+// stages half of the 64 × 128 tile at a time.
 template <int kHeadDim, int kBlockM, int kBlockN>
 struct BwdDq {
   static constexpr int kRowBlocks = kBlockM / 64;
@@ -74,7 +74,8 @@ struct BwdDq {
   static constexpr bool kTma = CUPY_ATTN_BWD_DQ_TMA;
   static constexpr int kRounds = kTma && kBlockN == 64 ? 2 : 1;
   static constexpr int kStageCols = kN / kRounds;
-  __host__ __device__ static constexpr int kDoStages(int stages) { return kTma && kBlockN == 64 ? 1 : stages; }
+  // Whatever kTma says, so that the launcher's shared-memory size (BwdSm90Tile.smem_bytes) covers both builds.
+  __host__ __device__ static constexpr int kDoStages(int stages) { return kBlockN == 64 ? 1 : stages; }
   __device__ __forceinline__ static int row_block(int wg) { return wg % kRowBlocks; }
   __device__ __forceinline__ static int col_block(int wg) { return (wg / kRowBlocks) * (kN / 64); }
 };
@@ -199,8 +200,8 @@ constexpr int kDqEmptyBarrier = 4;
 constexpr int kDqBarrierThreads = 160;
 
 // The dQ writer (one warp of the producer warpgroup; BwdDq::kTma): per step, for each consumer warpgroup in turn,
-// waits until its staging holds the step's scale · dQ tile, has lane 0 reduce it into dq_accum by TMA (the tile's
-// kN / 32 boxes of 32 columns × 64 rows; rows past L and columns past E clipped) and wait until the copies have read
+// waits until its staging holds the step's scale · dQ tile (or, in two rounds, half of it), has lane 0 reduce it into
+// dq_accum by TMA (kStageCols / 32 boxes of 32 columns × 64 rows a round; rows past L and columns past E clipped) and wait until the copies have read
 // the staging, then lets the warpgroup write it again (one arrival before the first step, none after the last: each
 // consumer step waits once).
 // Why a writer warp: a consumer thread's fence.proxy.async (MEMBAR.ALL.CTA in SASS) waits for that thread's own
@@ -273,8 +274,8 @@ __device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_ti
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D)
 //   dV += Pᵀ dO, dK += dSᵀ Q              (rs: Pᵀ and dSᵀ from registers, or at kBlockN = 64 ss_bmn: both warpgroups'
 //                                          Pᵀ, dSᵀ from shared memory; dO, Q MN-major)
-//   dQ (64 × kDqN of this warpgroup) = dS K (ss_mn: dSᵀ from shared memory, all keys of the block), then reduced into
-//   dq_accum by red.global.add.
+//   dQ (64 × kDqN of this warpgroup) = dS K (ss_mn: dSᵀ from shared memory, all keys of the block), then written to
+//   this warpgroup's staging for the dQ writer's TMA reduce into dq_accum (bwd_dq_write).
 // wgmma groups complete in order: after issuing Sᵀ and dPᵀ, wait<1> returns with Sᵀ done, so the exponentials run
 // while dPᵀ is in flight; dV is issued before dQ, wait<1> then releases dO (dV done) while dQ runs, and so on. The
 // named barrier sits after dV's issue at kBlockN = 128 (dV reads only this warpgroup's registers) and before it at

@@ -16,10 +16,10 @@ struct FlashBwdSm90Params {
   tma::TensorMap tma_stats; // lse_log2 then delta as one fp32 (seqlen_q_padded, 2·B·Hq) matrix: row b·Hq + h is
                             // the lse row, B·Hq + b·Hq + h the D row; box (kBlockM, 1), no swizzle
   tma::TensorMap tma_dq;    // dq_accum as fp32 (E, L, Hq, B), box (32, 64, 1, 1), 128-byte swizzle: dQ's TMA reduce
-                            // (kBlockN = 128; the kBlockN = 64 tile reduces by red.global.add)
+                            // (its kStageCols / 32 boxes a round; E a multiple of 4: 16-byte rows)
   void* dk;                 // (B, Hkv, S, E) contiguous, T
   void* dv;                 // (B, Hkv, S, Ev) contiguous, T
-  float* dq_accum;          // (B, Hq, L, E) contiguous fp32, zeroed by the host, accumulated by TMA reduce (or red.global.add)
+  float* dq_accum;          // (B, Hq, L, E) contiguous fp32, zeroed by the pre-pass, accumulated by TMA reduce
   const float* lse_log2;    // (B, Hq, seqlen_q_padded): lse·log2(e); +inf for empty rows and rows past L (P = 0)
   const float* delta;       // (B, Hq, seqlen_q_padded): D = rowsum(dO ∘ O); 0 past L
   long long seqlen_q, seqlen_k, seqlen_q_padded, head_dim, head_dim_v;
