@@ -1,9 +1,9 @@
 """The Hopper backward's dQ reduction, A/B in one process: red.global.add from the consumer warpgroups
-(-DCUPY_ATTN_BWD_DQ_TMA=0, the kernel before session 19) against TMA reduces issued by the dQ writer warp (the
-default), against torch's default SDPA backward (cuDNN on Hopper). The prepared backward alone (pre-pass, dQ memset,
-kernel, dQ rounding), 5 rotated rounds of CUDA-event medians; backward FLOPs = 2.5 × the forward's 4·B·H·L·S·D
-(halved for causal). Also prints max |Δ| of dq, dk, dv between the two builds (dk, dv must match bit for bit) and
-against torch.
+(-DCUPY_ATTN_BWD_DQ_TMA=0, the reduction before session 19; at head dim 256 it now shares the TMA build's
+single-staged dO) against TMA reduces issued by the dQ writer warp (the default), against torch's default SDPA
+backward (cuDNN on Hopper). The prepared backward alone (pre-pass, which zeroes the dQ accumulator, kernel, dQ
+rounding), 5 rotated rounds of CUDA-event medians; backward FLOPs = 2.5 × the forward's 4·B·H·L·S·D (halved for
+causal). Also prints max |Δ| of dq, dk, dv between the two builds (dk, dv must match bit for bit) and against torch.
 
     PYTHONPATH=. python3 bench/experiments/bwd_dq_reduce.py
 """
