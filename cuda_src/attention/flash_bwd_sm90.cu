@@ -40,7 +40,8 @@
 // kBlockM = kBlockN = 64: dK + dV 128, Sᵀ + dPᵀ 32, dQ 64 (FA3's hdim-256 backward: 64 × 80 with the head dim split
 // over two warpgroups and P, dS in shared memory). Shared memory: K, V, 2 stages of Q and dO, 2 dSᵀ buffers (and 2
 // Pᵀ buffers at D = 256; there dO has one stage), 2 dQ staging buffers of 16 KB, statistics: 194 KB at D = 128,
-// 195 KB at D = 64, 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as MMA operands.
+// 195 KB at D = 64, 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as
+// MMA operands.
 //
 // Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
 //   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms

@@ -11,10 +11,10 @@ the mma.sync kernel (flash_bwd.cu) or the split backward.
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned TMA box; it also zeroes the fp32 dQ accumulator), the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). The kernel adds each step's dQ tile into the accumulator by TMA reduces (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged
-to make room). Six tensor maps
-(Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host) when
-their base address differs from the last call's.
+(backward.cu's group sum with one member). The kernel adds each step's dQ tile into the accumulator by TMA reduces
+(a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged to make room). Six tensor
+maps (Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host)
+when their base address differs from the last call's.
 """
 from __future__ import annotations
 
@@ -159,11 +159,9 @@ def layout_reason(q, k, v, dout) -> str | None:
     positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
     ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`_Layout.contiguous`)."""
     for name, a in (("query", q), ("key", k), ("value", v), ("grad_out", dout)):
-        if a.data.ptr % 16:
-            return f"{name} is not 16-byte aligned (TMA)"
-        for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
-            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
-                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
+        why = _fa3.tma_operand_reason(name, a)
+        if why is not None:
+            return why
     if k.shape[1] > 65535 or k.shape[0] > 65535:
         return "grid limit: key/value heads and batch must each be <= 65535"
     return None

@@ -30,8 +30,8 @@
 // after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
 // passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
 // that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow the same rule (written with dSᵀ, read by dV +=
-// Pᵀ dO of the same step, which completes before the step ends). dQ at kBlockN = 128: each consumer warpgroup's
-// staging buffer passes between it and the dQ writer warp through two named barriers (bwd_dq_write).
+// Pᵀ dO of the same step, which completes before the step ends). dQ: each consumer warpgroup's staging buffer passes
+// between it and the dQ writer warp through two named barriers (bwd_dq_write).
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
@@ -201,9 +201,9 @@ constexpr int kDqBarrierThreads = 160;
 
 // The dQ writer (one warp of the producer warpgroup; BwdDq::kTma): per step, for each consumer warpgroup in turn,
 // waits until its staging holds the step's scale · dQ tile (or, in two rounds, half of it), has lane 0 reduce it into
-// dq_accum by TMA (kStageCols / 32 boxes of 32 columns × 64 rows a round; rows past L and columns past E clipped) and wait until the copies have read
-// the staging, then lets the warpgroup write it again (one arrival before the first step, none after the last: each
-// consumer step waits once).
+// dq_accum by TMA (kStageCols / 32 boxes of 32 columns × 64 rows a round; rows past L and columns past E clipped) and
+// wait until the copies have read the staging, then lets the warpgroup write it again (one arrival before the first
+// round, none after the last: each consumer round waits once).
 // Why a writer warp: a consumer thread's fence.proxy.async (MEMBAR.ALL.CTA in SASS) waits for that thread's own
 // outstanding global operations; reductions issued by the consumers (red.global.add, or TMA reduces from their
 // threads) put that wait into every step: 17-21% of the kernel at head dims 64 and 128 (bench/NOTES_backward.md,
