@@ -1,6 +1,6 @@
 """Repeat the Hopper backward on the same inputs and compare dK and dV bit for bit (they are deterministic: no
 atomics), to catch a shared-memory race between the consumers' lse/D reads and the producer's refills, which
-compute-sanitizer racecheck reports (bench/NOTES_backward.md). dQ is left out (fp32 atomics in any order).
+compute-sanitizer racecheck reports (bench/notes/backward.md). dQ is left out (fp32 atomics in any order).
 
     PYTHONPATH=. python3 bench/experiments/bwd_sm90_stress.py [repeats]
 """

@@ -7,7 +7,7 @@ disassembles it (cuobjdump, pip install nvidia-cuda-cuobjdump), takes the larges
 (the key-tile loop), and prints, for each (LDGSTS, MUFU, HMMA) count reachable in one trip, the fewest instructions a
 trip with those counts issues (predicated-off instructions count: they issue). At D = 128, 16 LDGSTS is a whole tile
 copied by TileCopy; MUFU 4 / 8 the fast softmax with rows 8..15 skipped (Fast1) / not (Fast2), 5 Fast1 with the lazy
-rescale, 10 the general path. bench/NOTES_decode.md (session 8) quotes the output.
+rescale, 10 the general path. bench/notes/decode.md (session 8) quotes the output.
 """
 import re
 import subprocess

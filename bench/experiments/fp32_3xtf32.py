@@ -1,4 +1,4 @@
-"""Probe for issue 14's fp32 accuracy (design note in bench/NOTES_split.md, session 9): is S = Q·Kᵀ by three TF32
+"""Probe for issue 14's fp32 accuracy (design note in bench/notes/split.md, session 9): is S = Q·Kᵀ by three TF32
 tensor-core GEMMs on a hi/lo split (3xTF32) more accurate than cuBLAS's SGEMM, and is the attention output computed
 from it within 2× torch's own fp32 error? Torch ops only (torch.matmul with allow_tf32 on/off), same inputs, float64
 reference; also the time of the S GEMMs at the fp32 seed shape.

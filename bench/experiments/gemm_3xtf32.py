@@ -6,7 +6,7 @@
    Q·Kᵀ: 1024 × (512×1024)·(1024×512)ᵀ, alpha = scale·log2 e;  P·V: 1024 × (512×512)·(512×1024).
    Rows: ms (median of CUDA-event timings, cupyx.profiler.benchmark), TFLOP/s (2·batch·m·n·k), and max |C − C₆₄| over
    the first 4 batches against a float64 product, for ours (gemm_3xtf32.Gemm3xTF32, two-level accumulation; the
-   single-accumulator tile measured here in session 10 was removed, bench/NOTES_split.md), the split path's SGEMM
+   single-accumulator tile measured here in session 10 was removed, bench/notes/split.md), the split path's SGEMM
    (blas.StridedGemm, CUBLAS_COMPUTE_32F_PEDANTIC: what CUPY_ATTN_FP32_GEMM=sgemm runs), torch.baddbmm with TF32 off,
    and TF32 (blas.StridedGemm, allow_tf32=True) for scale. Inputs: randn, randn·4 + a direction shared by every row
    (large |scale·q·k|, the regime of issue 14), and for P·V rows of a softmax.
