@@ -5,7 +5,12 @@ backward (cuDNN on Hopper). The prepared backward alone (pre-pass, which zeroes 
 rounding), 5 rotated rounds of CUDA-event medians; backward FLOPs = 2.5 × the forward's 4·B·H·L·S·D (halved for
 causal). Also prints max |Δ| of dq, dk, dv between the two builds (dk, dv must match bit for bit) and against torch.
 
-    PYTHONPATH=. python3 bench/experiments/backward/bwd_dq_reduce.py
+Runs against commit 725cf17's library: its kernels still read -DCUPY_ATTN_BWD_DQ_TMA, which the library kernels no
+longer carry (an ablation passes its -D options to a KernelFamily variant, see bench/experiments/README.md). cupy_attn
+comes from PYTHONPATH (no experiment script puts a repository root on sys.path), so, from the repository root:
+
+    git worktree add /tmp/old 725cf17
+    PYTHONPATH=/tmp/old python3 bench/experiments/backward/bwd_dq_reduce.py
 """
 import dataclasses
 import os

@@ -1,8 +1,14 @@
-"""What paces the head-dim-512 fused kernel (issue 14's hd512 Must): its device time with parts removed at compile
-time (-DCUPY_ATTN_D512_ABLATE=bits, see cuda_src/attention/flash_fwd_d512_sm90.cu; ablated kernels write wrong
+"""What paces the head-dim-512 fused kernel (issue 14's hd512 Must): its device time with parts removed at compile time
+(-DCUPY_ATTN_D512_ABLATE=bits, see 725cf17's cuda_src/attention/flash_fwd_d512_sm90.cu; ablated kernels write wrong
 results).
 
-    PYTHONPATH=. python3 bench/experiments/d512/d512_wall.py [--shape B,H,L,S,D] [--dtype float16] [--causal] [--rounds 5]
+Runs against commit 725cf17's library: its kernels still read -DCUPY_ATTN_D512_ABLATE and -DCUPY_ATTN_D512_P_PARTS,
+which the library kernels no longer carry (an ablation passes its -D options to a KernelFamily variant, see
+bench/experiments/README.md). cupy_attn comes from PYTHONPATH (no experiment script puts a repository root on sys.path),
+so, from the repository root:
+
+    git worktree add /tmp/old 725cf17
+    PYTHONPATH=/tmp/old python3 bench/experiments/d512/d512_wall.py [--shape B,H,L,S,D] [--dtype float16] [--causal] [--rounds 5]
 
 Rows (kernel alone, median over rotated rounds, same process, same inputs): the full kernel; without the softmax;
 without softmax and P stores (the mainloop: S and P·V wgmma on the ring); the load ring alone; the tensor work alone;

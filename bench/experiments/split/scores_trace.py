@@ -1,9 +1,14 @@
 """Where the persistent scores kernel's time goes, phase by phase (clock64 stamps compiled in by
--DCUPY_ATTN_SCORES_TRACE; see scores_trace in cuda_src/attention/scores_softmax_sm90.cu). The traced build differs
-from the default (its mainloop is not unrolled; the stamps cost time): the script prints both kernels' times, and the
-phases are read as shares of the traced tile.
+-DCUPY_ATTN_SCORES_TRACE; see scores_trace in 725cf17's cuda_src/attention/scores_softmax_sm90.cu). The traced build
+differs from the default (its mainloop is not unrolled; the stamps cost time): the script prints both kernels' times,
+and the phases are read as shares of the traced tile.
 
-    PYTHONPATH=. python3 bench/experiments/split/scores_trace.py [--shape B,H,L,S,E] [--causal] [--dtype float16]
+Runs against commit 725cf17's library: its kernels still read -DCUPY_ATTN_SCORES_TRACE, which the library kernels no
+longer carry (an ablation passes its -D options to a KernelFamily variant, see bench/experiments/README.md). cupy_attn
+comes from PYTHONPATH (no experiment script puts a repository root on sys.path), so, from the repository root:
+
+    git worktree add /tmp/old 725cf17
+    PYTHONPATH=/tmp/old python3 bench/experiments/split/scores_trace.py [--shape B,H,L,S,E] [--causal] [--dtype float16]
 
 Per tile and consumer warpgroup (the leader thread's view): mainloop (tile start → wgmma drained), of which waiting on
 full barriers (TMA data not there) and on wgmma.wait_group, then the epilogue's steps: row max, exp + sum + the
@@ -19,13 +24,13 @@ import numpy as np
 
 from cupy_attn.attention import scores_sm90
 from cupy_attn.runtime import compile as _compile
-from scores_ab import launch_for, problem
+from scores_wall import launch_for, problem
 
 TILES, FIELDS, CTAS = 80, 8, 160  # scores_trace::kTiles, kFields, kCtas
 
 
 def launch_and_module(family, q, k, lse, ld, causal):
-    """scores_ab.launch_for, and the CuPy module its kernel was loaded into (None if it was loaded before)."""
+    """scores_wall.launch_for, and the CuPy module its kernel was loaded into (None if it was loaded before)."""
     n_before = len(_compile._CUBIN_MODULES)
     launch = launch_for(family, q, k, lse, ld, causal)
     return launch, (_compile._CUBIN_MODULES[-1] if len(_compile._CUBIN_MODULES) > n_before else None)

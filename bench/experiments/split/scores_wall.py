@@ -1,7 +1,14 @@
 """What paces the persistent scores kernel's mainloop (issue 14's seed): its device time with parts removed at compile
-time (-DCUPY_ATTN_SCORES_ABLATE=bits, see cuda_src/attention/scores_softmax_sm90.cu; ablated kernels write wrong P).
+time (-DCUPY_ATTN_SCORES_ABLATE=bits, see 725cf17's cuda_src/attention/scores_softmax_sm90.cu; ablated kernels write
+wrong P).
 
-    PYTHONPATH=. python3 bench/experiments/split/scores_wall.py [--shape B,H,L,S,E] [--causal] [--dtype float16] [--rounds 5]
+Runs against commit 725cf17's library: its kernels still read -DCUPY_ATTN_SCORES_ABLATE and -DCUPY_ATTN_SCORES_P_TMA,
+which the library kernels no longer carry (an ablation passes its -D options to a KernelFamily variant, see
+bench/experiments/README.md). cupy_attn comes from PYTHONPATH (no experiment script puts a repository root on sys.path),
+so, from the repository root:
+
+    git worktree add /tmp/old 725cf17
+    PYTHONPATH=/tmp/old python3 bench/experiments/split/scores_wall.py [--shape B,H,L,S,E] [--causal] [--dtype float16] [--rounds 5]
 
 Rows (kernel alone, median over rotated rounds, same process, same inputs): the full kernel; without the epilogue
 (mainloop pace); without epilogue and wgmma (the load ring alone); without epilogue and loads (the tensor work alone);
@@ -20,10 +27,38 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
 import cupy  # noqa: E402
+import torch  # noqa: E402
 
 from cupy_attn.attention import scores_sm90  # noqa: E402
 from common import rotated_ms  # noqa: E402
-from scores_ab import launch_for, problem  # noqa: E402
+
+
+# launch_for and problem: scores_ab.py's, as at commit 725cf17 (this script and scores_trace.py run against that
+# commit's library, which still has the ablation macros; scores_ab.py follows the current tree).
+def launch_for(family, q, k, lse, ld, causal):
+    """The persistent kernel's launch (variant 3) prepared from `family` (a variant of SCORES_SOFTMAX_SM90: another
+    source or options) in place of the declared one."""
+    saved = scores_sm90.SCORES_SOFTMAX_SM90
+    scores_sm90.SCORES_SOFTMAX_SM90 = family
+    try:
+        return scores_sm90.prepare(q, k, lse, scale=q.shape[-1] ** -0.5, ld=ld, variant=3, causal=causal)
+    finally:
+        scores_sm90.SCORES_SOFTMAX_SM90 = saved
+
+
+def problem(ap):
+    """Parse --shape/--dtype/--causal (and the caller's own arguments on `ap`): (args, (B, H, L, S, E), torch dtype,
+    q, k as CuPy views of fresh random torch tensors, P's row pitch ld, causal)."""
+    ap.add_argument("--shape", default="32,32,512,512,1024")
+    ap.add_argument("--dtype", default="float16")
+    ap.add_argument("--causal", action="store_true")
+    args = ap.parse_args()
+    B, H, L, S, E = map(int, args.shape.split(","))
+    tdt = getattr(torch, args.dtype)
+    q = cupy.from_dlpack(torch.randn(B, H, L, E, device="cuda", dtype=tdt))
+    k = cupy.from_dlpack(torch.randn(B, H, S, E, device="cuda", dtype=tdt))
+    return args, (B, H, L, S, E), tdt, q, k, -(-S // 8) * 8, "top_left" if args.causal else None
+
 
 # bits: 1 no wgmma, 2 no loads, 4 first K box only, 8 no epilogue, 32 no exp, 64 no P stores
 ROWS = (("full kernel", 0), ("no epilogue", 8), ("loads only (no wgmma, no epilogue)", 9),
@@ -33,7 +68,6 @@ ROWS = (("full kernel", 0), ("no epilogue", 8), ("loads only (no wgmma, no epilo
 
 
 def main():
-    import torch
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ghz", type=float, default=1.35)
