@@ -4,8 +4,6 @@ behind a spin kernel, so host gaps do not count), its host µs and cProfile's to
 
     PYTHONPATH=. python3 bench/experiments/backward/bwd_path_check.py [--host]
 """
-import cProfile
-import pstats
 import os
 import sys
 
@@ -14,7 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from common import device_ms, host_us, median_ms  # noqa: E402
+from common import device_ms, host_us, median_ms, print_profile  # noqa: E402
 
 
 def main(host: bool = False):
@@ -39,13 +37,7 @@ def main(host: bool = False):
             print(f"  step from idle {median_ms(step, 10, 3):.3f} ms, device {device_ms(step):.3f} ms, "
                   f"host {host_us(step):.0f} us", flush=True)
     if host:
-        prof = cProfile.Profile()
-        prof.enable()
-        for _ in range(10):
-            step()
-        prof.disable()
-        torch.cuda.synchronize()
-        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
+        print_profile(step, 10, "cumulative", 25)
 
 
 if __name__ == "__main__":

@@ -15,19 +15,17 @@ inputs; then the call's device time alone (common.device_ms: queued behind a spi
 the launch is not in it) and its share of the copy bandwidth. Each case runs in its own try/except so one failure does not hide the rest. K/V are 0.5-4.3 GB, far past
 the 50 MB L2, so no buffer rotation is needed.
 """
-import contextlib
 import os
 import sys
 import traceback
 
 import cupy
-import numpy as np
-from cupyx.profiler import benchmark
 
 import cupy_attn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
-from common import device_ms  # noqa: E402
+import common  # noqa: E402
+from common import device_ms, environ  # noqa: E402
 
 # (name, B, Hq, Hkv, L, S, D)
 CASES = (
@@ -47,30 +45,15 @@ VARIANTS = (
 )
 
 
-@contextlib.contextmanager
 def decode_env(value: str, warps: str | None = None):
     """CUPY_ATTN_DECODE=value and CUPY_ATTN_DECODE_WARPS=warps (None: unset) inside the block (the call cache keys on
     both, so each pair has its own plan)."""
-    new = {"CUPY_ATTN_DECODE": value, "CUPY_ATTN_DECODE_WARPS": warps}
-    old = {name: os.environ.get(name) for name in new}
-    try:
-        for name, val in new.items():
-            if val is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = val
-        yield
-    finally:
-        for name, val in old.items():
-            if val is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = val
+    return environ(CUPY_ATTN_DECODE=value, CUPY_ATTN_DECODE_WARPS=warps)
 
 
 def median_ms(fn, n_repeat=30, n_warmup=5) -> float:
-    r = benchmark(fn, (), n_repeat=n_repeat, n_warmup=n_warmup)
-    return float(np.median(r.gpu_times[0]) * 1e3)
+    """common.median_ms with this script's repeat counts."""
+    return common.median_ms(fn, n_repeat, n_warmup)
 
 
 def copy_tbps() -> float:

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
-from common import case_main, fa3_case_inputs, median_ms, wait_or_die  # noqa: E402
+from common import case_main, fa3_case_inputs, rotated_rounds, wait_or_die  # noqa: E402
 from cupy_attn.attention import fused as _flash  # noqa: E402
 from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
 
@@ -73,12 +73,7 @@ def run_case(shape, causal, dtype_name, n_repeat):
     encode_us = (time.perf_counter() - t) / n * 1e6
 
     # Rounds of every variant back to back, the order rotated each round; the median over rounds per variant.
-    names = list(runs)
-    per_round = {name: [] for name in names}
-    rounds = 3
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            per_round[name].append(median_ms(runs[name], n_repeat, 5))
+    per_round = rotated_rounds(runs, 3, n_repeat)
     ms = {name: float(np.median(ts)) for name, ts in per_round.items()}
     f = flops(B, H, L, L, D, causal)
     tf = {name: f / t / 1e9 for name, t in ms.items()}

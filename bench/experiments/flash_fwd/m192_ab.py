@@ -20,7 +20,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
-from common import case_main, fa3_case_inputs, median_ms, wait_or_die  # noqa: E402
+from common import case_main, environ, fa3_case_inputs, rotated_rounds, wait_or_die  # noqa: E402
 from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
 
 # Issue 10's case (0.94x cuDNN with the 128-row tile), a short-sequence one, and a causal one; each causal and not.
@@ -34,16 +34,8 @@ def flops(B, H, L, S, D, causal) -> float:
 
 def prepare(cq, ck, cv, out, *, scale, causal, mode, m192):
     """fused_sm90.prepare with CUPY_ATTN_FA3_M192 set to m192 for the call (the tile is chosen there)."""
-    old = os.environ.get(_sm90.ENV_M192)
-    os.environ[_sm90.ENV_M192] = m192
-    try:
-        launch = _sm90.prepare(cq, ck, cv, out, None, scale=scale, causal=causal, mode=mode)
-    finally:
-        if old is None:
-            del os.environ[_sm90.ENV_M192]
-        else:
-            os.environ[_sm90.ENV_M192] = old
-    return launch
+    with environ(**{_sm90.ENV_M192: m192}):
+        return _sm90.prepare(cq, ck, cv, out, None, scale=scale, causal=causal, mode=mode)
 
 
 def run_case(shape, causal, dtype_name, n_repeat):
@@ -70,11 +62,7 @@ def run_case(shape, causal, dtype_name, n_repeat):
     diff = {name: float(cupy.abs(outs[name].astype(cupy.float32) - ref).max()) for name in variants if name != "default"}
 
     names = list(runs)
-    per_round = {name: [] for name in names}
-    rounds = 5
-    for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            per_round[name].append(median_ms(runs[name], n_repeat, 5))
+    per_round = rotated_rounds(runs, 5, n_repeat)
     ms = {name: float(np.median(ts)) for name, ts in per_round.items()}
     f = flops(B, H, L, L, D, causal)
     print(f"{dtype_name:9s} {str(shape):19s} causal={str(causal):9s} mode {auto}  "

@@ -3,14 +3,17 @@ time per call far below the host's), then a cProfile of ours by own time.
 
     PYTHONPATH=. python3 bench/experiments/host_overhead/host_decode.py
 """
-import cProfile
-import pstats
+import os
+import sys
 import time
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
-import cupy_attn
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import cupy_attn  # noqa: E402
+from common import print_profile  # noqa: E402
 
 
 def per_call_us(fn, n=2000):
@@ -33,13 +36,7 @@ def main():
                "torch": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)}
         print(f"(B={B}, Hq={Hq}, Hkv={Hkv}, S=256): " +
               ", ".join(f"{n} {per_call_us(fn):.1f} µs/call" for n, fn in fns.items()))
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(2000):
-        fns["ours"]()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print_profile(fns["ours"], 2000)
 
 
 if __name__ == "__main__":

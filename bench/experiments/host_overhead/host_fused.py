@@ -5,9 +5,7 @@ _flash.flash_forward, the host µs of each step (median, GPU synchronized betwee
 
     PYTHONPATH=. python3 bench/experiments/host_overhead/host_fused.py [B H L D]
 """
-import cProfile
 import os
-import pstats
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
@@ -18,7 +16,7 @@ from cupyx.profiler import benchmark  # noqa: E402
 
 import cupy_attn  # noqa: E402
 from cupy_attn.attention import checks as _checks, dispatch as _dispatch, fused as _flash  # noqa: E402
-from common import host_us  # noqa: E402
+from common import host_us, print_profile  # noqa: E402
 
 
 def main():
@@ -45,13 +43,7 @@ def main():
     }
     for name, fn in steps.items():
         print(f"host {name:16s} {host_us(fn, 200):7.1f} µs")
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(300):
-        api()
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print_profile(api, 300)
 
 
 if __name__ == "__main__":

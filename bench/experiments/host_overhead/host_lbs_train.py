@@ -5,9 +5,7 @@ the host µs per step of that loop; then cProfile's top functions of ours.
 
     PYTHONPATH=. python3 bench/experiments/host_overhead/host_lbs_train.py
 """
-import cProfile
 import os
-import pstats
 import sys
 import time
 
@@ -16,6 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch  # noqa: E402
 
 from bench_linear_bn_softmax import N, K, F, _model  # noqa: E402
+from common import print_profile  # noqa: E402
 from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
 
 
@@ -59,13 +58,7 @@ def main():
         print(f"{name}: loop of 20 steps {loops[3]:.4f} ms per step (host {hosts[3] * 1e6:.1f} us per step)",
               flush=True)
     params = tuple(fused.parameters())
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(50):
-        torch.autograd.grad(fused(x), params, dout)
-    prof.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    print_profile(lambda: torch.autograd.grad(fused(x), params, dout), 50)
 
 
 if __name__ == "__main__":

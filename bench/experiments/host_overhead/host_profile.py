@@ -1,10 +1,13 @@
 """cProfile of the host path: many small SDPA (fused and split) and Linear-BN-softmax calls, by own time."""
-import cProfile
-import pstats
+import os
+import sys
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
-import cupy_attn
+import torch  # noqa: E402
+
+import cupy_attn  # noqa: E402
+from common import print_profile  # noqa: E402
 
 
 def main():
@@ -24,14 +27,8 @@ def main():
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
-        pr = cProfile.Profile()
-        pr.enable()
-        for _ in range(500):
-            fn()
-        pr.disable()
-        torch.cuda.synchronize()
         print(f"===== {name}")
-        pstats.Stats(pr).sort_stats("tottime").print_stats(18)
+        print_profile(fn, 500)
 
 
 if __name__ == "__main__":
