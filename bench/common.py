@@ -4,6 +4,7 @@ Times are medians of CUDA-event timings from ``cupyx.profiler.benchmark`` after 
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import functools
 import json
@@ -62,6 +63,18 @@ def rotated_ms(fns: dict, rounds: int, repeat: int = 10, warmup: int = 3) -> dic
     return {n: float(np.median(t)) for n, t in times.items()}
 
 
+def rotated_rounds(fns: dict, rounds: int, n_repeat: int, n_warmup: int = 5) -> dict:
+    """{name: [median_ms(fn, n_repeat, n_warmup) of each round]}: ``rounds`` rounds over every named fn, the order
+    rotated by one a round (round r starts at the r-th fn). Unlike rotated_ms, which pools every sample, this keeps
+    one median per round, so the caller can take the median over rounds and print the rounds' spread."""
+    names = list(fns)
+    per_round = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            per_round[name].append(median_ms(fns[name], n_repeat, n_warmup))
+    return per_round
+
+
 def host_us(fn, n: int = 20) -> float:
     """Median host µs of fn(), the GPU synchronized before each call (so every call starts from an idle GPU)."""
     import time
@@ -95,6 +108,41 @@ def per_call_us(fn, n: int = 2000, rounds: int = 5) -> float:
         best.append((time.perf_counter() - t) / n * 1e6)
         cupy.cuda.Device().synchronize()
     return min(best)
+
+
+def print_profile(fn, calls: int, sort: str = "tottime", top: int = 18) -> None:
+    """cProfile of ``calls`` calls of fn() back to back (the GPU not synchronized between them, then once after),
+    printed sorted by ``sort``, the first ``top`` functions: where a call's host time goes."""
+    import cProfile
+    import pstats
+
+    import cupy
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    cupy.cuda.Device().synchronize()
+    pstats.Stats(prof).sort_stats(sort).print_stats(top)
+
+
+@contextlib.contextmanager
+def environ(**values):
+    """Environment variables set inside the block (a value of None: unset), the previous values restored after it,
+    also when the block raises: e.g. the CUPY_ATTN_* knob a variant of a call is planned under."""
+    old = {name: os.environ.get(name) for name in values}
+
+    def apply(settings):
+        for name, value in settings.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    try:
+        apply(values)
+        yield
+    finally:
+        apply(old)
 
 
 def wait_or_die(what: str, timeout_s: float = 60.0) -> None:
