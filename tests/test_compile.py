@@ -1,7 +1,9 @@
 """Every variant of every kernel family compiles with NVRTC for each of its archs — sm_80 and sm_90, and sm_90a for
 the wgmma family (no GPU, no driver needed) — read from the shared compile cache, so that after the main job has
-warmed it these tests compile nothing. Also: the cache compiles a variant once, the CLI validates --arch, and without
-CuPy the CLI and the main job say how to install it."""
+warmed it these tests compile nothing. Also: the cache compiles a variant once per user (a second checkout or an
+environment with the same CUDA headers compiles nothing), recompiles damaged entries, compiles in memory with one
+warning where its directory cannot be used, takes concurrent writers; the CLI validates --arch and prints --info; and
+without CuPy the CLI and the main job say how to install it."""
 import io
 import json
 import os
