@@ -1,4 +1,5 @@
-"""Compile check and cache warm-up: ``python -m cupy_attn.compile [--arch sm_80,sm_90,sm_90a] [-j N] [-v]``.
+"""Compile check and cache warm-up: ``python -m cupy_attn.compile [--arch sm_80,sm_90,sm_90a] [-j N] [-v]``;
+``python -m cupy_attn.compile --info`` prints where the compile cache is and what it holds.
 
 Compiles every variant of every kernel family for each arch into the compile cache (see
 ``cupy_attn.runtime.compile.cache_dir``), in parallel processes, with NVRTC directly (no GPU, no driver needed), then
@@ -101,6 +102,39 @@ def run(archs, families=None, verbose=False, out=sys.stdout, jobs=None, progress
     return ok
 
 
+def info(out=None) -> None:
+    """Print where the compile cache is and what it holds: entries and megabytes per family and arch, and how many of
+    this checkout's declared variants for that arch are there ("current": what a call here would load)."""
+    out = out or sys.stdout
+    c = _compile.cache_contents()
+    print(f"compile cache: {c.root} (from {_compile.cache_dir_origin()}; {_compile.ENV_CACHE_DIR} moves it)", file=out)
+    if c.error is not None:
+        print(f"  cannot be listed ({c.error}): kernels are compiled in memory", file=out)
+        return
+    print(f"  {len(c.entries)} entries, {c.bytes / 1e6:.1f} MB in all; {c.stale} stale (older layout or damaged, "
+          f"not read), {c.other_files} other files", file=out)
+    version = ".".join(map(str, _compile.nvrtc_version()))
+    print(f"  keys here: sources {_compile.source_hash()}, CUDA headers {_compile.cuda_headers_hash()}, "
+          f"NVRTC {version}", file=out)
+    if not c.entries:
+        return
+    families = {f.name: f for f in _compile.all_families()}
+    keys = {e[0] for e in c.entries}
+    rows = defaultdict(lambda: [0, 0])
+    for _, family, arch, _, size in c.entries:
+        rows[(family, arch)][0] += 1
+        rows[(family, arch)][1] += size
+    print(f"  {'family':26s} {'arch':8s} {'entries':>7s} {'MB':>7s}  current", file=out)
+    for (family, arch), (count, size) in sorted(rows.items()):
+        f = families.get(family)
+        if f is not None and f.covers(arch):
+            exprs = f.name_expressions()
+            current = f"{sum(_compile.variant_key(f, e, arch) in keys for e in exprs)}/{len(exprs)}"
+        else:
+            current = "-"
+        print(f"  {family:26s} {arch:8s} {count:7d} {size / 1e6:7.1f}  {current}", file=out)
+
+
 class _Progress:
     """tqdm's bar on a terminal when tqdm is installed (imported here, lazily: it is optional), else one printed line
     per variant that NVRTC compiled (cache hits are instant and only counted). Not a terminal (a CI log): lines too,
@@ -140,10 +174,14 @@ def main(argv=None) -> int:
     parser.add_argument("-j", "--jobs", type=int, default=None, help="parallel NVRTC processes (default: CPU count)")
     parser.add_argument("-v", "--verbose", action="store_true", help="one line per variant in the summary")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar or per-variant lines")
+    parser.add_argument("--info", action="store_true", help="print where the compile cache is and what it holds")
     args = parser.parse_args(argv)
     if not _compile.have_cupy():
         print(_compile.NEEDS_CUPY, file=sys.stderr)
         return 1
+    if args.info:
+        info()
+        return 0
     text = args.arch
     if text is None:
         found = gpu_archs()

@@ -92,23 +92,49 @@ def test_module_example():
     assert (probs.double() - expect).abs().max().item() < 2e-3
 
 
+def _setup_blocks() -> dict[str, list[str]]:
+    """The set-up section's bash blocks by the case they serve ("No GPU", "CUDA 12", "CUDA 13"): their commands."""
+    section = README.read_text().split("## Set-up\n", 1)[1].split("\n## ", 1)[0]
+    blocks = {}
+    for intro, block in re.findall(r"^(.*?):\n\n```bash\n(.*?)^```", section, flags=re.S | re.M):
+        case = next(c for c in ("No GPU", "CUDA 12", "CUDA 13") if c in intro.splitlines()[-1])
+        blocks[case] = block.splitlines()
+    assert list(blocks) == ["No GPU", "CUDA 12", "CUDA 13"]
+    return blocks
+
+
 def test_setup_lines():
-    """.ci/run runs the lines tagged "# main job", "# torch, no GPU" and "# tests": the tests command installs no
-    torch (a GPU user's stays), and the CPU torch line takes PyTorch's CPU build."""
-    lines = {}
-    for block in _blocks("bash"):
-        for line in block.splitlines():
-            if "  # " in line:
-                command, tag = line.split("  # ", 1)
-                lines[tag] = command
-    assert "bench/main.py" in lines["main job"]
+    """.ci/run runs the lines tagged "# torch, no GPU", "# main job" and "# tests", in that order, which are the
+    no-GPU block's three lines in the README's order: torch first (so the main job cross-checks the reference), from
+    PyTorch's CPU index only (no index that offers PyPI's CUDA build); the tests command installs no torch (a GPU
+    user's stays)."""
+    blocks = _setup_blocks()
+    tags = [line.split("  # ", 1) for line in blocks["No GPU"]]
+    assert [tag for _, tag in tags] == ["torch, no GPU", "main job", "tests"]
+    lines = {tag: command for command, tag in tags}
+    assert "bench/main.py" in lines["main job"] and '".[cuda12]"' in lines["main job"]
     tests = lines["tests"]
-    assert "pytest" in tests and "torch" not in tests and ",test]" in tests
-    cpu = lines["torch, no GPU"]
-    assert "+cpu" in cpu and "download.pytorch.org/whl/cpu" in cpu
+    assert "pytest" in tests and "torch" not in tests and '".[cuda12,test]"' in tests
+    cpu = lines["torch, no GPU"].split()
+    assert cpu[:3] == ["pip", "install", "torch==2.13.0"] and "--extra-index-url" not in cpu
+    assert cpu[cpu.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
     ci = (README.parent / ".ci" / "run").read_text()
-    for tag in ("main job", "torch, no GPU", "tests"):
-        assert f'readme_command "{tag}"' in ci
+    order = [ci.index(f'readme_command "{tag}"') for tag in ("torch, no GPU", "main job", "tests")]
+    runs = [ci.index(f'bash -c "${name}"') for name in ("cpu_torch", "main_job", "tests")]
+    assert order == sorted(order) and runs == sorted(runs)
+
+
+def test_setup_blocks_for_a_gpu():
+    """Each GPU block: its torch line first (CUDA 12: a CUDA 12 index of PyTorch's; CUDA 13: PyPI's, whose build is
+    for CUDA 13), then the no-GPU block's main job and tests commands with that block's CUDA extra."""
+    blocks = _setup_blocks()
+    main_job, tests = (line.split("  # ")[0] for line in blocks["No GPU"][1:])
+    for case, extra in (("CUDA 12", "cuda12"), ("CUDA 13", "cuda13")):
+        torch_line, *rest = blocks[case]
+        assert rest == [main_job.replace("cuda12", extra), tests.replace("cuda12", extra)]
+        assert torch_line.split()[:3] == ["pip", "install", "torch==2.13.0"]
+    assert "https://download.pytorch.org/whl/cu12" in blocks["CUDA 12"][0]
+    assert blocks["CUDA 13"][0] == "pip install torch==2.13.0"
 
 
 @pytest.mark.gpu

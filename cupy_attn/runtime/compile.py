@@ -4,16 +4,19 @@ Every kernel family is declared once, as a :class:`KernelFamily`: the source fil
 table of template values (a product of named axes, optionally filtered). That one table drives two things:
 
 * the launchers, which ask ``family.kernel(**values)`` for the instantiation they need: compiled for the device's
-  arch (or the family's explicit ``arch``, e.g. sm_90a), loaded with ``cupy.RawModule(path=...)``, memoized per device;
+  arch (or the family's explicit ``arch``, e.g. sm_90a), loaded from the cache's cubin (``cupy.RawModule(path=...)``)
+  or, when the cache directory cannot be used, from the cubin's bytes in memory; memoized per device;
 * the CPU compile check (``python -m cupy_attn.compile``), which compiles **every** instantiation for the asked archs
   in parallel processes (:func:`compile_all`).
 
 Both go through :func:`compile_variant`: one NVRTC program per variant (one name expression, one arch) compiled with
 ``cupy.cuda.nvrtc`` directly (it needs no GPU and no driver, unlike CuPy's own compile helpers), stored as a cubin plus
 a JSON with the lowered name and the ptxas report (registers, spills, stack, smem, performance warnings) in
-:func:`cache_dir`. The key hashes the name expression, a hash of every file under ``cuda_src/`` (so an edit of a shared
-header recompiles), the options, the arch and the NVRTC version. The main job, the tests and the first call of a
-kernel on a GPU therefore share compiles: each variant compiles once per machine.
+:func:`cache_dir`. The key (:func:`variant_key`) is made of contents only, never of a path on this machine: the name
+expression, the family's code, a hash of every file under ``cuda_src/`` (so an edit of a shared header recompiles), a
+hash of the CUDA headers the kernels include (:func:`cuda_headers`), the options with their ``-I`` directories left
+out, the arch and the NVRTC version. So the main job, the tests and the first call of a kernel on a GPU share compiles,
+and so do every checkout and every environment of one user: each variant compiles once per user and machine.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import secrets
 import site
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -69,6 +73,13 @@ def cache_dir() -> Path:
     if d := os.environ.get(ENV_CACHE_DIR):
         return Path(d)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupy_attn"
+
+
+def cache_dir_origin() -> str:
+    """What chose :func:`cache_dir`: ``"$CUPY_ATTN_CACHE_DIR"``, ``"$XDG_CACHE_HOME"`` or ``"the default"``."""
+    if os.environ.get(ENV_CACHE_DIR):
+        return f"${ENV_CACHE_DIR}"
+    return "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the default"
 
 
 def source_dir() -> Path:
@@ -112,6 +123,52 @@ def cuda_include_dirs() -> tuple[str, ...]:
     if os.path.isdir("/usr/local/cuda/include"):
         found.append("/usr/local/cuda/include")
     return tuple(dict.fromkeys(found))
+
+
+_INCLUDE = re.compile(rb'#[ \t]*include[ \t]*[<"]([^>"\n]+)[>"]')
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_headers() -> tuple[tuple[str, str | None, str | None], ...]:
+    """The CUDA headers the kernels can include, as NVRTC would find them: ``(name, file, sha256)`` for each, sorted.
+
+    Starts from the ``#include``s of ``cuda_src/`` that are not files of ``cuda_src/`` (``cuda_fp16.h``,
+    ``cuda_bf16.h``), finds each in :func:`cuda_include_dirs` in order (a quoted include first next to the header that
+    includes it), and follows their own includes. Every ``#include`` line counts, whatever ``#if`` it sits under, so
+    the set holds at least what NVRTC reads. A name found nowhere (a host header such as ``stdlib.h``, under
+    ``#ifndef __CUDACC_RTC__``) is listed with ``None``. The cache key uses the hashes, not the paths: two environments
+    whose headers have the same contents share compiled kernels (:func:`cuda_headers_hash`).
+    """
+    root = source_dir()
+    dirs = [Path(d) for d in cuda_include_dirs()]
+    todo: list[tuple[str, Path | None]] = []
+    for path in sorted(p for p in root.rglob("*") if p.suffix in (".cu", ".cuh")):
+        for m in _INCLUDE.finditer(path.read_bytes()):
+            name = m.group(1).decode()
+            if not (path.parent / name).is_file() and not (root / name).is_file():
+                todo.append((name, None))
+    found: dict[tuple[str, str | None], str | None] = {}  # (name, file) -> sha256
+    while todo:
+        name, here = todo.pop()
+        file = next((c for c in ([here / name] if here else []) + [d / name for d in dirs] if c.is_file()), None)
+        if (name, str(file) if file else None) in found:
+            continue
+        if file is None:
+            found[(name, None)] = None
+            continue
+        data = file.read_bytes()
+        found[(name, str(file))] = hashlib.sha256(data).hexdigest()
+        todo.extend((m.group(1).decode(), file.parent) for m in _INCLUDE.finditer(data))
+    return tuple(sorted(((name, file, sha) for (name, file), sha in found.items()), key=lambda t: (t[0], t[2] or "")))
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_headers_hash() -> str:
+    """sha256 (16 hex digits) over the names and contents of :func:`cuda_headers` (not where they were found)."""
+    digest = hashlib.sha256()
+    for name, _, sha in cuda_headers():
+        digest.update(f"{name}\0{sha}\0".encode())
+    return digest.hexdigest()[:16]
 
 
 def base_options() -> tuple[str, ...]:
@@ -375,15 +432,50 @@ def _load(family: KernelFamily, expr: str, device_id: int):
 
 
 def _load_variant(variant: CachedVariant):
-    """Load a cached cubin (or PTX) on the current device and return its kernel."""
+    """Load a compiled cubin (or PTX) on the current device and return its kernel, a ``cupy.RawKernel``: from the
+    cache's file, or from the bytes when the variant lives in memory (:func:`image_kernel`)."""
     import cupy
 
+    if variant.image is None:
+        return image_kernel(variant.data, variant.lowered_name)
     module = cupy.RawModule(path=str(variant.image))
     _CUBIN_MODULES.append(module)  # the module owns the loaded cubin: keep it as long as its kernels may run
     return module.get_function(variant.lowered_name)
 
 
 _CUBIN_MODULES: list = []
+
+
+def image_kernel(image: bytes, name: str):
+    """The kernel ``name`` of a cubin (or PTX) given as bytes, loaded on the current device (cuModuleLoadData through
+    ``cupy.cuda.function.Module.load``), as a ``cupy.RawKernel``. CuPy 14's RawModule takes a path or source code but
+    no image, and a RawKernel cannot be handed a loaded function; RawKernel reads its function through the ``kernel``
+    property only (its launch and its attributes, such as ``max_dynamic_shared_size_bytes``), so a subclass that
+    overrides that property is a RawKernel in every other respect."""
+    from cupy.cuda import function
+
+    if not image.startswith(b"\x7fELF") and not image.endswith(b"\0"):
+        image += b"\0"  # PTX is loaded as a C string
+    module = function.Module()
+    module.load(image)
+    _CUBIN_MODULES.append(module)
+    return _image_kernel_class()(module.get_function(name), name)
+
+
+@functools.lru_cache(maxsize=None)
+def _image_kernel_class():
+    import cupy
+
+    class ImageKernel(cupy.RawKernel):
+        def __init__(self, function, name: str):
+            super().__init__(None, name)
+            self._function = function
+
+        @property
+        def kernel(self):
+            return self._function
+
+    return ImageKernel
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -524,13 +616,25 @@ def target_arch(family: KernelFamily, device_id: int | None = None) -> str:
     return family.arch or device_arch(device_id)
 
 
+# Bumped when an entry's layout changes, so that entries of another layout are never read.
+CACHE_LAYOUT = "2"
+
+
 def variant_key(family: KernelFamily, expr: str, arch: str) -> str:
-    """sha256 (32 hex digits) of what decides the cubin: name expression, the family's code as compiled (its source
-    file with the parameter-struct asserts appended, so a changed NumPy declaration recompiles), every file under
-    ``cuda_src/`` (through source_hash, also part of the options), options, arch and NVRTC version."""
-    code = hashlib.sha256(family.code().encode()).hexdigest()
-    parts = [expr, family.source, code, source_hash(), *_variant_options(family, arch), str(nvrtc_version())]
+    """sha256 (32 hex digits) of what decides the cubin, and of nothing that names this machine's paths: the cache's
+    layout, the name expression, the family's code as compiled (its source file with the parameter-struct asserts
+    appended, so a changed NumPy declaration recompiles), every file under ``cuda_src/`` (:func:`source_hash`), the
+    CUDA headers the kernels include (:func:`cuda_headers_hash`, which stands for the ``-I`` directories), the other
+    options, the arch and the NVRTC version. A second checkout, or a new environment with the same header contents,
+    has the same keys and compiles nothing."""
+    parts = [CACHE_LAYOUT, expr, family.source, _code_hash(family), source_hash(), cuda_headers_hash(),
+             *_key_options(family, arch), str(nvrtc_version())]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=None)
+def _code_hash(family: KernelFamily) -> str:
+    return hashlib.sha256(family.code().encode()).hexdigest()
 
 
 def _variant_options(family: KernelFamily, arch: str) -> list[str]:
@@ -538,58 +642,125 @@ def _variant_options(family: KernelFamily, arch: str) -> list[str]:
     return [*base_options(), *family.options, f"-arch={arch}", "-Xptxas=-v"]
 
 
+def _key_options(family: KernelFamily, arch: str) -> list[str]:
+    """The compile options less the ``-I`` directories of base_options (the key holds their contents instead)."""
+    machine = {f"-I{source_dir()}", *(f"-I{d}" for d in cuda_include_dirs())}
+    return [o for o in _variant_options(family, arch) if o not in machine]
+
+
 @dataclasses.dataclass(frozen=True)
 class CachedVariant:
-    """One compiled variant in the cache. ``image``: the cubin (``.ptx`` for a ``compute_XY`` target);
-    ``compiled``: True when this call ran NVRTC, False when it was read from the cache; ``seconds``: NVRTC time when
-    it was compiled (stored, so also given for cache hits)."""
+    """One compiled variant. ``image``: its cubin in the cache (``.ptx`` for a ``compute_XY`` target), or None when
+    the cache directory could not be used and ``data`` holds the image in memory; ``compiled``: True when this call ran
+    NVRTC, False when it was read from the cache; ``seconds``: NVRTC time when it was compiled (stored, so also given
+    for cache hits)."""
     report: VariantReport
-    image: Path
+    image: Path | None
     lowered_name: str
     compiled: bool
     seconds: float
+    data: bytes | None = dataclasses.field(default=None, repr=False)
+
+    def image_bytes(self) -> bytes:
+        return self.data if self.image is None else self.image.read_bytes()
+
+
+class CompileCacheWarning(RuntimeWarning):
+    """The compile cache directory cannot be used: kernels are compiled in memory, for this process only."""
+
+
+# Variants compiled while the cache directory could not be used, by key, so that a process compiles each once; and the
+# directories already warned about (one warning each per process).
+_MEMORY: dict[str, CachedVariant] = {}
+_UNUSABLE: dict[str, str] = {}
 
 
 def compile_variant(family: KernelFamily, expr: str, arch: str) -> CachedVariant:
     """One name expression of ``family`` for ``arch``, from the cache or compiled by NVRTC and stored there.
 
     Entries are written to a temporary name and renamed (atomic), the JSON last, so concurrent processes never read
-    half an entry; two processes missing the same variant at once both compile it and store the same bytes.
-    Raises KernelCompileError with the NVRTC log.
+    half an entry; two processes missing the same variant at once both compile it and store it, the later rename
+    winning (the cubins hold the same code; only NVRTC's numbering of internal symbols differs, which can change the
+    size). An entry that does not read back whole (a JSON that does not parse or is of another layout, a cubin missing
+    or of another size than its JSON records) is compiled again and replaced. When the cache directory cannot be made
+    or written (a file, a read-only file system), the variant is kept in memory for this process and a
+    :class:`CompileCacheWarning` names the directory, once. Raises KernelCompileError with the NVRTC log.
     """
     from cupy.cuda import nvrtc
 
-    key, root = variant_key(family, expr, arch), cache_dir()
-    virtual = arch.startswith("compute_")
-    image, meta = root / f"{key}.{'ptx' if virtual else 'cubin'}", root / f"{key}.json"
-    try:
-        info = json.loads(meta.read_text())
-        if image.exists():
-            report = VariantReport(**{**info["report"], "perf_warnings": tuple(info["report"]["perf_warnings"])})
-            return CachedVariant(report, image, info["lowered_name"], False, info["seconds"])
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        pass  # missing or from an older layout: compile again
+    key = variant_key(family, expr, arch)
+    if (hit := _lookup(key, arch)) is not None:
+        return hit
     t0 = time.perf_counter()
     options = _variant_options(family, arch)
     with _nvrtc_program(family.code(), family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
         log = nvrtc.getProgramLog(prog)
-        data = nvrtc.getPTX(prog) if virtual else nvrtc.getCUBIN(prog)
+        data = nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
         lowered = nvrtc.getLoweredName(prog, expr)
     seconds = time.perf_counter() - t0
     stats = _parse_ptxas(log).get(lowered, {})
     report = VariantReport(family.name, arch, expr, stats.get("registers"), stats.get("spill"), stats.get("stack"),
                            stats.get("smem"), tuple(stats.get("perf", ())))
-    root.mkdir(parents=True, exist_ok=True)
-    _write_atomic(image, data)
-    _write_atomic(meta, json.dumps({"lowered_name": lowered, "seconds": seconds, "nvrtc": nvrtc_version(),
-                                    "report": dataclasses.asdict(report)}, indent=1).encode())
-    return CachedVariant(report, image, lowered, True, seconds)
+    meta = {"layout": CACHE_LAYOUT, "lowered_name": lowered, "seconds": seconds, "image_bytes": len(data),
+            "nvrtc": nvrtc_version(), "sources": source_hash(), "cuda_headers": cuda_headers_hash(),
+            "report": dataclasses.asdict(report)}
+    root = cache_dir()
+    image = root / f"{key}{_suffix(arch)}"
+    if _store(root, image, root / f"{key}.json", data, json.dumps(meta, indent=1).encode()):
+        return CachedVariant(report, image, lowered, True, seconds)
+    _MEMORY[key] = CachedVariant(report, None, lowered, False, seconds, data)
+    return dataclasses.replace(_MEMORY[key], compiled=True)
+
+
+def _suffix(arch: str) -> str:
+    return ".ptx" if arch.startswith("compute_") else ".cubin"
+
+
+def _lookup(key: str, arch: str) -> CachedVariant | None:
+    """The entry under ``key``, read from the cache (only when whole) or from this process's memory; else None."""
+    root = cache_dir()
+    image = root / f"{key}{_suffix(arch)}"
+    try:
+        info = json.loads((root / f"{key}.json").read_bytes())
+        if info["layout"] == CACHE_LAYOUT and image.stat().st_size == info["image_bytes"]:
+            report = VariantReport(**{**info["report"], "perf_warnings": tuple(info["report"]["perf_warnings"])})
+            return CachedVariant(report, image, info["lowered_name"], False, info["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # missing, unreadable, damaged or of another layout: compile again
+    return _MEMORY.get(key)
+
+
+def _store(root: Path, image: Path, meta: Path, data: bytes, info: bytes) -> bool:
+    """Write one entry, the image first; False (and the warning, once per directory) when the directory cannot be
+    made or written."""
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_atomic(image, data)
+        _write_atomic(meta, info)
+    except OSError as exc:
+        _warn_unusable(root, f"{type(exc).__name__}: {exc.strerror or exc}")
+        return False
+    return True
+
+
+def _warn_unusable(root: Path, reason: str) -> None:
+    if str(root) in _UNUSABLE:
+        return
+    _UNUSABLE[str(root)] = reason
+    warnings.warn(f"cupy_attn: the compile cache {root} (from {cache_dir_origin()}) cannot be used ({reason}); "
+                  f"kernels are compiled in memory, again in every process. Set {ENV_CACHE_DIR} to a writable "
+                  f"directory to keep them.", CompileCacheWarning, stacklevel=3)
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,8 +783,8 @@ def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | N
 
     Cache hits are read here without starting a pool. Misses are independent programs, so they compile in parallel
     ``spawn``ed processes (not forked: the caller may hold torch's or CuPy's threads) that only compile and store; this
-    process then reads each report back from the cache. A family that FAMILY_MODULES does not declare (a test's own)
-    compiles in this process.
+    process then reads each report back from the cache (or, when the cache directory cannot be used, takes the variant
+    the worker sends back). A family that FAMILY_MODULES does not declare (a test's own) compiles in this process.
     """
     variants = list(variants)
     results: list[CompileResult | None] = [None] * len(variants)
@@ -650,9 +821,13 @@ def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | N
             futures = {pool.submit(_compile_in_worker, variants[i][0].name, *variants[i][1:]): i for i in pooled}
             for future in concurrent.futures.as_completed(futures):
                 i = futures[future]
-                error = future.result()
+                error, in_memory, reason = future.result()
                 if error is not None:
                     finish(i, None, error)
+                elif in_memory is not None:  # the worker could not store it: keep its copy here
+                    _warn_unusable(cache_dir(), reason or "a compile worker could not write there")
+                    _MEMORY[variant_key(*variants[i])] = dataclasses.replace(in_memory, compiled=False)
+                    finish(i, in_memory)
                 else:  # the worker stored it: read the report back, nothing compiles here...
                     variant = _cached(*variants[i])
                     if variant is None:  # ...unless its key is not this process's (a source file changed while
@@ -663,12 +838,8 @@ def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | N
 
 
 def _cached(family: KernelFamily, expr: str, arch: str) -> CachedVariant | None:
-    """The cache entry when it exists (no compile), else None."""
-    root, key = cache_dir(), variant_key(family, expr, arch)
-    image = root / f"{key}.{'ptx' if arch.startswith('compute_') else 'cubin'}"
-    if (root / f"{key}.json").exists() and image.exists():
-        return compile_variant(family, expr, arch)
-    return None
+    """The cache entry (or this process's in-memory copy) when there is one (no compile), else None."""
+    return _lookup(variant_key(family, expr, arch), arch)
 
 
 def _compile_or_error(family: KernelFamily, expr: str, arch: str) -> tuple[CachedVariant | None, str | None]:
@@ -678,10 +849,62 @@ def _compile_or_error(family: KernelFamily, expr: str, arch: str) -> tuple[Cache
         return None, str(exc)
 
 
-def _compile_in_worker(family_name: str, expr: str, arch: str) -> str | None:
-    """Pool worker: compile one variant into the cache; the NVRTC log when it fails, else None."""
+def _compile_in_worker(family_name: str, expr: str, arch: str) -> tuple[str | None, CachedVariant | None, str | None]:
+    """Pool worker: compile one variant into the cache. Returns (the NVRTC log when it fails, the variant itself when
+    the cache directory could not be used, why); the parent warns, not the worker."""
     family = next(f for f in all_families() if f.name == family_name)
-    return _compile_or_error(family, expr, arch)[1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", CompileCacheWarning)
+        variant, error = _compile_or_error(family, expr, arch)
+    if variant is not None and variant.image is None:
+        return None, variant, _UNUSABLE.get(str(cache_dir()))
+    return error, None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheContents:
+    """What a cache directory holds (:func:`cache_contents`). ``entries``: one (key, family, arch, name expression,
+    bytes of image and JSON) per whole entry of this layout; ``stale``: entries that will not be read (of another
+    layout, damaged, or a JSON without its image); ``other_files``: anything else (a cubin without its JSON, temporary
+    files of a writer that was killed); ``bytes``: the size of every file; ``error``: why the directory could not be
+    listed, if so."""
+    root: Path
+    entries: tuple[tuple[str, str, str, str, int], ...] = ()
+    stale: int = 0
+    other_files: int = 0
+    bytes: int = 0
+    error: str | None = None
+
+
+def cache_contents(root: Path | None = None) -> CacheContents:
+    """List a compile cache directory (default :func:`cache_dir`): reads each JSON, not the cubins."""
+    root = cache_dir() if root is None else root
+    try:
+        files = {p.name: p.stat().st_size for p in root.iterdir() if p.is_file()}
+    except FileNotFoundError:
+        return CacheContents(root)
+    except OSError as exc:
+        return CacheContents(root, error=f"{type(exc).__name__}: {exc.strerror or exc}")
+    entries, stale, used = [], 0, set()
+    for name in sorted(files):
+        if not name.endswith(".json") or name.count(".") != 1:
+            continue
+        key = name[:-5]
+        try:
+            info = json.loads((root / name).read_bytes())
+            report = info["report"]
+            image = f"{key}{_suffix(report['arch'])}"
+            whole = info["layout"] == CACHE_LAYOUT and files.get(image) == info["image_bytes"]
+        except (OSError, ValueError, KeyError, TypeError):
+            whole, image = False, None
+        if whole:
+            entries.append((key, report["family"], report["arch"], report["name_expression"],
+                            files[name] + files[image]))
+            used.update((name, image))
+        else:
+            stale += 1
+            used.update(n for n in (name, f"{key}.cubin", f"{key}.ptx") if n in files)
+    return CacheContents(root, tuple(entries), stale, len(set(files) - used), sum(files.values()))
 
 
 def timed_load(family: KernelFamily, row: Mapping[str, Any], device_id: int | None = None) -> tuple[float, str]:
@@ -702,7 +925,6 @@ def timed_load(family: KernelFamily, row: Mapping[str, Any], device_id: int | No
     t0 = time.perf_counter()
     with cupy.cuda.Device(device_id) as device:
         variant = compile_variant(family, family.name_expression(**row), target_arch(family, device.id))
-        module = cupy.RawModule(path=str(variant.image))
-        module.get_function(variant.lowered_name)
+        _load_variant(variant)
         device.synchronize()
     return time.perf_counter() - t0, "compiled" if variant.compiled else "cache"
