@@ -37,6 +37,7 @@ import numpy as np
 
 from common import device_ms, interleaved_ms, median_ms
 from cupy_attn.runtime.compile import struct_arg
+from cupy_attn.runtime.kernel_abi import C_TYPE
 
 N, K, F = 1024, 8192, 8192
 
@@ -331,7 +332,7 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
     post_first(launches)  # the Affine workspace the row kernels read
     params = launches[0][-1]
     out = []
-    ctype = lbs._C_TYPES[dname]
+    ctype = C_TYPE[dname]
     for row in lbs.SOFTMAX_ROWS.variants():
         if row["dtype"] != ctype or row["threads"] * row["vec"] * row["chunks"] < F:
             continue
@@ -359,7 +360,7 @@ def sweep_stats_kernels(dname: str = "float16") -> list[dict]:
     params = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)[0][-1]
     out = []
     for row in lbs.COLUMN_STATS.variants():
-        if row["dtype"] != lbs._C_TYPES[dname] or row["tile"][0] == 1:
+        if row["dtype"] != C_TYPE[dname] or row["tile"][0] == 1:
             continue
         kernel = lbs.COLUMN_STATS.kernel(**row)
         vec, col_threads, threads = row["tile"]

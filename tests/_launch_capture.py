@@ -151,6 +151,7 @@ class Recorder:
         from cupy_attn.runtime import blas, compile as _compile, workspace
 
         self.log: list = []
+        self.scratches = 0
         self.kernels: dict = {}   # fn_ptr -> (family, expression)
         self._by_expr: dict = {}
         self.cc = cc
@@ -220,7 +221,8 @@ class Recorder:
 
         # Workspaces: one address per request, in order.
         def scratch(ctx, nbytes):
-            ptr = 0x7000_0000_0000 + 0x1_0000_0000 * sum(1 for e in rec.log if e[0] == "scratch")
+            ptr = 0x7000_0000_0000 + 0x1_0000_0000 * rec.scratches
+            rec.scratches += 1
             rec.log.append(["scratch", nbytes])
             return ("holder", ptr), ptr
 

@@ -19,6 +19,7 @@ from cupy_attn import reference
 from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, checks as lbs_checks, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
+from cupy_attn.runtime.kernel_abi import C_TYPE
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -387,7 +388,7 @@ def test_every_variant_compiles(family, arch):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_plans_are_declared_variants(dtype):
-    c = lbs._C_TYPES[dtype]
+    c = C_TYPE[dtype]
     rows = set(lbs.SOFTMAX_ROWS.name_expressions())
     streams = set(lbs.SOFTMAX_ROWS_STREAMING.name_expressions())
     for f in [1, 2, 3, 7, 8, 31, 32, 100, 1000, 1001, 2048, 2050, 4096, 8192, 8193, 16384, 16392, 20000, 20001]:
@@ -408,7 +409,7 @@ def test_plans_are_declared_variants(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_backward_plans_are_declared_variants(dtype):
-    c = lbs._C_TYPES[dtype]
+    c = C_TYPE[dtype]
     npdt = np.dtype(dtype) if dtype != "bfloat16" else interop.dtype_of(torch.empty(1, dtype=torch.bfloat16),
                                                                          "torch_cpu")
     for f in [1, 3, 8, 31, 32, 264, 1000, 8192, 8200, 20001]:

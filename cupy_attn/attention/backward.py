@@ -29,10 +29,7 @@ from .. import philox
 from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, StructLaunch, struct_arg
 from ..runtime.interop import dtype_name
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-_LOG2E = 1.4426950408889634
+from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND
 
 # BwdParams in backward.cu: every field 8 bytes wide.
 _PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
@@ -62,14 +59,14 @@ BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_rows<{dtype}, {grad}, {dropout}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
+    axes={"dtype": tuple(C_TYPE.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 BACKWARD_GROUP_SUM = KernelFamily(
     name="attn_bwd_group_sum",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_group_sum<{dtype}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "vec": (1, 4)},
+    axes={"dtype": tuple(C_TYPE.values()), "vec": (1, 4)},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 BACKWARD_DELTA_PADDED = KernelFamily(
@@ -83,7 +80,7 @@ BACKWARD_DELTA = KernelFamily(
     name="attn_bwd_delta",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_delta<{dtype}>",
-    axes={"dtype": tuple(_C_TYPES.values())},
+    axes={"dtype": tuple(C_TYPE.values())},
     structs=(("cupy_attn::BwdParams", _PARAMS),),
 )
 
@@ -287,7 +284,7 @@ class FlashBackward(FusedBackward):
         self.ctx = ctx = p.ctx
         B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
             p.head_dim_v
-        ctype = _C_TYPES[dtype_name(p.dtype)]
+        ctype = C_TYPE[dtype_name(p.dtype)]
         self.dq32_offset = _aligned(B * Hq * L * 4)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
         self.delta = StructLaunch(BACKWARD_DELTA.kernel(dtype=ctype), (-(-B * Hq * L // 8),), (256,))
@@ -303,7 +300,7 @@ class FlashBackward(FusedBackward):
         do = _Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it (base: per call)
         prm["vec_flags"] = _rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2
         self.do_vec_flag = _rows16(do) << 3  # when dout's base is 16-byte aligned too
-        prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
         if p.dropout_p > 0:
             prm["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
             prm["dropout_scale"] = philox.dropout_scale(p.dropout_p)
@@ -403,7 +400,7 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
     B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     g, n_heads = p.groups, p.batch * p.num_heads
     dtype = p.dtype
-    ctype = _C_TYPES[dtype_name(dtype)]
+    ctype = C_TYPE[dtype_name(dtype)]
     budget = workspace_bytes or DEFAULT_WORKSPACE_BYTES
     keep: list = []
     with ctx.activate():
@@ -443,7 +440,7 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
         base["causal_offset"] = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
         if p.mask is not None:
             m = p.mask
-            base["mask_kind"] = _MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(m.dtype)]
+            base["mask_kind"] = MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(m.dtype)]
             base["mask"] = m.data.ptr
             for axis, stride in zip("bhls", m.strides):
                 base[f"mask_stride_{axis}"] = stride // m.itemsize
@@ -458,7 +455,7 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
             base["dropout_scale"] = philox.dropout_scale(p.dropout_p)
         rows_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="false", dropout=drop)
         grad_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="true", dropout=drop)
-        alpha = p.scale * _LOG2E
+        alpha = p.scale * LOG2E
         isz = dtype.itemsize
         gemms: dict = {}
         # S is recomputed by the forward's own GEMM (fp32: gemm_3xtf32 unless CUPY_ATTN_FP32_GEMM=sgemm or allow_tf32),

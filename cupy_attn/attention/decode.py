@@ -22,8 +22,9 @@ import numpy as np
 from ..runtime import workspace
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims, launcher, pdl_supported, source_dir
 from ..runtime.interop import device_sms, dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
+from ..runtime.tma import MAP, MapSpec, TensorMaps, c_struct
 from . import fused as _fused
-from . import fused_sm90 as _fa3
 
 HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
 ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
@@ -33,8 +34,6 @@ WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many C
 MAX_SPLITS = 128
 ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
 PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode_pdl.py)
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +146,7 @@ FLASH_DECODE = KernelFamily(
     template=("cupy_attn::flash_decode<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -157,10 +156,9 @@ FLASH_DECODE = KernelFamily(
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
-_MAP = np.dtype((np.uint8, 128))
 # FlashDecodeSm90Params: two CUtensorMaps (64-byte aligned) and FlashDecodeParams; the C struct's size is rounded to
 # 64 bytes like this one's (asserted when the family compiles).
-_SM90_PARAMS = _fa3._c_struct([("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("p", _PARAMS, 8)])
+_SM90_PARAMS = c_struct([("tma_k", MAP, 64), ("tma_v", MAP, 64), ("p", _PARAMS, 8)])
 
 FLASH_DECODE_SM90 = KernelFamily(
     name="flash_decode_sm90",
@@ -168,7 +166,7 @@ FLASH_DECODE_SM90 = KernelFamily(
     template=("cupy_attn::flash_decode_sm90<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{tile.ctas_per_sm}, {has_mask}>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(STREAM_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -183,12 +181,10 @@ FLASH_DECODE_COMBINE = KernelFamily(
     name="flash_decode_combine",
     source=_SOURCE,
     template="cupy_attn::flash_decode_combine<{dtype}>",
-    axes={"dtype": tuple(_C_TYPES.values())},
+    axes={"dtype": tuple(C_TYPE_16.values())},
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-_LOG2E = 1.4426950408889634
 
 
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
@@ -430,10 +426,6 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     return math.ceil(S / chunk), chunk
 
 
-def _estrides(a) -> list[int]:
-    return [s // a.itemsize for s in a.strides]
-
-
 # Partials up to this size live in a per-stream buffer kept across calls (runtime.workspace.persistent: one dict
 # look-up, where an allocation through torch's caching allocator costs a few µs before the launch, 2% of a 0.25 ms
 # GQA decode call); larger ones are per-call scratch, so that a rare huge call does not pin its memory.
@@ -518,7 +510,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
-    c_type = _C_TYPES[dtype_name(dtype)]
+    c_type = C_TYPE_16[dtype_name(dtype)]
     kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
                                   has_mask="false" if mask is None else "true")
     combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
@@ -527,7 +519,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
         kernel.max_dynamic_shared_size_bytes = smem
 
     def rows16(a) -> bool:  # every row start 16-byte aligned: 16-byte cp.async
-        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
 
     p = np.zeros((), dtype=_PARAMS)
     p["batch"], p["num_heads"], p["seqlen_q"], p["seqlen_k"] = B, Hq, L, S
@@ -535,23 +527,23 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     p["num_splits"], p["split_keys"] = splits, chunk
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
+    p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
     p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2
-    p["scale_log2"] = float(scale) * _LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-        for axis, stride in zip(axes, _estrides(arr)):
+        for axis, stride in zip(axes, element_strides(arr)):
             p[f"{name}_stride_{axis}"] = stride
     if lse is not None:
-        for axis, stride in zip("bhl", _estrides(lse)):
+        for axis, stride in zip("bhl", element_strides(lse)):
             p[f"lse_stride_{axis}"] = stride
     if mask is not None:
-        for axis, stride in zip("bhls", _estrides(mask)):
+        for axis, stride in zip("bhls", element_strides(mask)):
             p[f"mask_stride_{axis}"] = stride
     rows = B * Hq * L
     part_bytes = 0 if splits == 1 else splits * rows * (Ev + 1) * 4
     grid = (splits, Hkv * row_blocks, B)
     if choice.family is FLASH_DECODE_SM90:
-        maps = (_fa3._MapSpec.of(k, tile.block_n), _fa3._MapSpec.of(v, tile.block_n))
+        maps = (MapSpec.of(k, tile.block_n), MapSpec.of(v, tile.block_n))
         return DecodeSm90Launch(kernel, combine, p, grid, (tile.threads,), smem, rows, splits * rows * Ev * 4,
                                 part_bytes, choice, maps)
     return DecodeLaunch(kernel, combine, p, grid, (tile.warps * 32,), smem, rows, splits * rows * Ev * 4, part_bytes,
@@ -653,7 +645,7 @@ class DecodeSm90Launch(DecodeLaunch):
 
     def __post_init__(self):
         super().__post_init__()
-        self._tensor_maps = _fa3.TensorMaps(spec.encode for spec in self.maps)
+        self._tensor_maps = TensorMaps(spec.encode for spec in self.maps)
 
     def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
         """Launch on CuPy's current stream (the struct, with the tensor maps, built per call)."""

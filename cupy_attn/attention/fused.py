@@ -17,10 +17,9 @@ import numpy as np
 from .. import philox
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ _BY_HEAD_DIM = {
     # on Hopper. Fastest of the tiles swept at (8,16,1024,256) (NOTES_flash.md, sessions 1-2).
     (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
 }
-TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in _C_TYPES}
+TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in C_TYPE_16}
 
 # sm_90a (H100/H200) wgmma tiles, by head-dim bucket. 128-byte swizzle atoms hold 64 columns, so only multiples of 64
 # (other buckets keep mma.sync). block_m = 64 rows per warpgroup. Registers per thread: S (block_n/2) + O
@@ -93,8 +92,6 @@ WGMMA_TILES = {
     256: Tile(128, 64, 8, 2, True),
 }
 
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-
 # FlashFwdParams in flash_fwd.cu: every field 8 bytes wide, so this dtype's layout is the C struct's.
 _PARAM_FIELDS = (
     "out", "lse", "q", "k", "v", "mask", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "groups", "is_causal",
@@ -111,7 +108,7 @@ FLASH_FWD = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, false, false>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -133,7 +130,7 @@ _DROPOUT_BY_HEAD_DIM = {
     (96, 9): Tile(64, 64, 4, 2), (96, 8): Tile(64, 64, 4, 1),
     (128, 9): Tile(64, 64, 4, 2), (128, 8): Tile(64, 64, 4, 1),
 }
-DROPOUT_TILES = {(dtype, d, arch): tile for (d, arch), tile in _DROPOUT_BY_HEAD_DIM.items() for dtype in _C_TYPES}
+DROPOUT_TILES = {(dtype, d, arch): tile for (d, arch), tile in _DROPOUT_BY_HEAD_DIM.items() for dtype in C_TYPE_16}
 
 FLASH_FWD_DROPOUT = KernelFamily(
     name="flash_fwd_dropout",
@@ -141,7 +138,7 @@ FLASH_FWD_DROPOUT = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, false, true>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(_DROPOUT_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -157,7 +154,7 @@ FLASH_FWD_SM90A = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, true, false>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(WGMMA_TILES),
         "tile": tuple(sorted(set(WGMMA_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -167,9 +164,6 @@ FLASH_FWD_SM90A = KernelFamily(
     arch="sm_90a",
     structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
 )
-
-
-_LOG2E = 1.4426950408889634
 
 
 def _current_stream_ptr() -> int:
@@ -239,7 +233,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     name = dtype_name(dtype)
     if name == "float32":
         return "fp32 is served by the split path"
-    if name not in _C_TYPES:
+    if name not in C_TYPE_16:
         return f"dtype {name} has no fused kernel (fp16 and bf16 only)"
     if arch < 80:
         return f"sm_{arch} lacks the sm_80 tensor-core instructions (mma.sync m16n8k16 bf16, cp.async)"
@@ -250,10 +244,6 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     if mask_kind not in ("none", "bool", "float"):
         return f"mask kind {mask_kind!r} is not one of none/bool/float"
     return None
-
-
-def _estrides(a) -> list[int]:
-    return [s // a.itemsize for s in a.strides]
 
 
 def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
@@ -326,7 +316,7 @@ def check_launch_arrays(what: str, reason_fn, arch: int, q, k, v, out, lse, caus
     if mask is not None:
         if mask.shape != (B, Hq, L, S):
             raise ValueError(f"{what}: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
-        if dtype_name(mask.dtype) not in _MASK_KIND:
+        if dtype_name(mask.dtype) not in MASK_KIND:
             raise ValueError(f"{what}: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"{what}: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
@@ -347,7 +337,7 @@ def prepare_problem(p, choice, out, lse):
 
 def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> "FlashLaunch":
     family, tile, head_dim = choice
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
+    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
     return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
                              dropout_p=dropout_p, rng=rng)
@@ -419,24 +409,24 @@ class FlashLaunch:
             kernel.max_dynamic_shared_size_bytes = smem
 
         def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
-            return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+            return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
 
         p = np.zeros((), dtype=_PARAMS)
         p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
         p["is_causal"] = causal is not None
         p["causal_offset"] = S - L if causal == "bottom_right" else 0
-        p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
-        out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
+        p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
+        out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in element_strides(out)[:-1])
         p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
-        p["scale_log2"] = float(scale) * _LOG2E
+        p["scale_log2"] = float(scale) * LOG2E
         for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-            for axis, stride in zip(axes, _estrides(arr)):
+            for axis, stride in zip(axes, element_strides(arr)):
                 p[f"{name}_stride_{axis}"] = stride
         if lse is not None:
-            for axis, stride in zip("bhl", _estrides(lse)):
+            for axis, stride in zip("bhl", element_strides(lse)):
                 p[f"lse_stride_{axis}"] = stride
         if mask is not None:
-            for axis, stride in zip("bhls", _estrides(mask)):
+            for axis, stride in zip("bhls", element_strides(mask)):
                 p[f"mask_stride_{axis}"] = stride
         if dropout_p > 0:
             p["rng"] = rng.data.ptr

@@ -19,25 +19,24 @@ import numpy as np
 
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _estrides, _I64, out_16b_reason, tma_operand_reason
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+from ..runtime.kernel_abi import C_TYPE_16, element_strides
+from ..runtime.tma import I64, MAP, MapSpec, ParamMaps, c_struct, out_16b_reason, tma_operand_reason
 THREADS = 384         # a producer warpgroup and two consumer warpgroups
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 STAGES = 4
 ENV = "CUPY_ATTN_SPLIT_PV"
 
 # PvSm90Params (cuda_src/attention/pv_sm90.cu), declared once here.
-_PARAMS = _c_struct([("tma_p", _MAP, 64), ("tma_v", _MAP, 64)]
-                    + [(n, _I64, 8) for n in (
-                        "out", "out_stride_b", "out_stride_h", "out_stride_l", "seqlen_q", "seqlen_k", "head_dim_v",
-                        "groups", "num_heads", "batch", "is_causal", "causal_offset")])
+_PARAMS = c_struct([("tma_p", MAP, 64), ("tma_v", MAP, 64)]
+                   + [(n, I64, 8) for n in (
+                       "out", "out_stride_b", "out_stride_h", "out_stride_l", "seqlen_q", "seqlen_k", "head_dim_v",
+                       "groups", "num_heads", "batch", "is_causal", "causal_offset")])
 
 PV_SM90 = KernelFamily(
     name="pv_sm90",
     source="attention/pv_sm90.cu",
     template="cupy_attn::pv_sm90<{dtype}, {stages}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,)},
+    axes={"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,)},
     archs=("sm_90a",),
     structs=(("cupy_attn::PvSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -122,17 +121,17 @@ def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: Kerne
         raise ValueError(f"out {tuple(out.shape)} does not match value {tuple(v.shape)} and seqlen_q={seqlen_q}")
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8")
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(v.dtype)], stages=STAGES)
+    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(v.dtype)], stages=STAGES)
     p = np.zeros((), dtype=_PARAMS)
-    for axis, stride in zip("bhl", _estrides(out)):
+    for axis, stride in zip("bhl", element_strides(out)):
         p[f"out_stride_{axis}"] = stride
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["num_heads"], p["batch"] = Hq, B
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     isz = v.dtype.itemsize
-    p_map = _MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
-    maps = (p_map, _MapSpec.of(v, BLOCK_K))
+    p_map = MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (p_map, MapSpec.of(v, BLOCK_K))
     grid = grid_for(B, Hq, L, Ev, device_sms(v.device.id))
     return PvLaunch(kernel, p, maps, grid)
 

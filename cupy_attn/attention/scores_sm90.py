@@ -16,7 +16,7 @@ registers, the one-tile kernels stage it for TMA stores). Under a causal mask th
 runs a narrow row block and a wide one of the same head as one tile (:func:`causal_pairs`): at the seed's causal
 variant its time drops by 20-25% (0.92-1.02 ms against 1.18-1.28 in the same runs; H200, session 17).
 
-Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
+Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (runtime.tma.MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
 """
 from __future__ import annotations
@@ -28,10 +28,8 @@ import numpy as np
 
 from ..runtime.compile import KernelFamily, OwnParams, launch_dims
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _F64, _I64
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_LOG2E = 1.4426950408889634
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND
+from ..runtime.tma import F64, I64, MAP, MapSpec, ParamMaps, c_struct
 THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
@@ -44,7 +42,6 @@ CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 # The persistent kernel with a key-only attn_mask added in its epilogue (key padding: a mask that does not vary along
 # the query rows), its own instantiation: the unmasked kernels' code is untouched.
 MASKED_KERNEL = "scores_softmax_sm90_persistent_masked"
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}  # common/mask.cuh
 MASKED_NOT_BUILT = (192,)  # tiles (half_n) without a masked instantiation (SCORES_SOFTMAX_SM90.where)
 # Masked tiles that calls are sent to: those whose GPU tests have run (64 and 256 in session 17, 128 in session 18).
 MASKED_DISPATCHED = (64, 128, 256)
@@ -72,20 +69,20 @@ SCORES_TILES = {
 }
 
 # ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
-_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 64)]
-                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
-                        "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
-                        "read_rows", "read_keys", "mask", "mask_kind", "mask_stride_b", "mask_stride_h",
-                        "mask_stride_k")]
-                    + [("tma_k64", _MAP, 64)])
+_PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_p", MAP, 64)]
+                   + [(n, F64 if n == "scale_log2" else I64, 8) for n in (
+                       "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
+                       "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
+                       "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
+                       "read_rows", "read_keys", "mask", "mask_kind", "mask_stride_b", "mask_stride_h",
+                       "mask_stride_k")]
+                   + [("tma_k64", MAP, 64)])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(_C_TYPES.values()),
+    axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(C_TYPE_16.values()),
           "tile": tuple(SCORES_TILES.values())},
     # The masked kernel's 192-key tile made ptxas serialize its wgmma (C7511: the mask loads' registers on the tile
     # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the 256-key tile.
@@ -213,9 +210,8 @@ def mask_reason(mask, seqlen_q: int) -> str | None:
     >>> mask_reason(pad, 100) is None, mask_reason(np.ones((2, 4, 100, 300), np.float16), 100)
     (True, 'attn_mask varies along the query rows (stride 300 elements): the scores kernel adds key-only masks')
     """
-    from ..runtime.interop import dtype_name as _dn
-    if _dn(mask.dtype) not in _MASK_KIND:
-        return f"attn_mask dtype {_dn(mask.dtype)}: the scores kernel reads bool, float16, bfloat16, float32"
+    if dtype_name(mask.dtype) not in MASK_KIND:
+        return f"attn_mask dtype {dtype_name(mask.dtype)}: the scores kernel reads bool, float16, bfloat16, float32"
     if seqlen_q > 1 and mask.strides[2] != 0:
         return (f"attn_mask varies along the query rows (stride {mask.strides[2] // mask.itemsize} elements): the "
                 "scores kernel adds key-only masks")
@@ -233,7 +229,7 @@ def unsupported_reason(p, arch: int) -> str | None:
     """
     if arch != 90:
         return f"sm_{arch}: the scores kernel needs sm_90a"
-    if dtype_name(p.dtype) not in _C_TYPES:
+    if dtype_name(p.dtype) not in C_TYPE_16:
         return f"dtype {dtype_name(p.dtype)}: the scores kernel serves fp16 and bf16"
     if not 1 <= p.seqlen_k <= MAX_SEQLEN_K:
         return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
@@ -291,10 +287,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     grid = grid_for(B, Hq, L, variant, num_sms)
     tile = tile_for(S, masked=mask is not None)
     name = MASKED_KERNEL if mask is not None else KERNELS[variant]
-    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=C_TYPE_16[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
-    p["scale_log2"] = float(scale) * _LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
@@ -303,17 +299,17 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     if p_read is not None and variant == 3:
         p["read_rows"], p["read_keys"] = p_read
     if mask is not None:
-        p["mask_kind"] = _MASK_KIND[dtype_name(mask.dtype)]
+        p["mask_kind"] = MASK_KIND[dtype_name(mask.dtype)]
         p["mask_stride_b"], p["mask_stride_h"], p["mask_stride_k"] = (mask.strides[i] // mask.itemsize
                                                                       for i in (0, 1, 3))
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     isz = q.dtype.itemsize
-    p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
-    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
+    p_map = MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, tile.half_n), p_map)
     if p["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
-        maps += (_MapSpec.of(k, 64),)
+        maps += (MapSpec.of(k, 64),)
     return ScoresLaunch(kernel, p, maps, grid, tile, variant)
 
 

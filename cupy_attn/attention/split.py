@@ -25,9 +25,8 @@ from .. import philox
 from ..runtime import blas, workspace
 from ..runtime.compile import KernelFamily, struct_arg
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
 from . import gemm_3xtf32
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
@@ -39,8 +38,6 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
     "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
     "true": ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
 }
-
-_MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
 _PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
@@ -54,7 +51,7 @@ SOFTMAX = KernelFamily(
     name="softmax",
     source="attention/softmax.cu",
     template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
-    axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
+    axes={"out_t": tuple(C_TYPE.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
           "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
     where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
                                                                           or row["masked"] == "true"),
@@ -405,10 +402,10 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     dropout = p.dropout_p > 0
     masked = "true" if p.mask is not None or p.causal is not None or dropout else "false"
     mask = p.mask
-    mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
+    mask_kind = MASK_NONE if mask is None else MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(mask.dtype)]
     mask_isz = mask.itemsize if mask is not None else 1
     causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
-    alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
+    alpha = p.scale * LOG2E  # the kernel works in base 2
     base = np.zeros((), dtype=_PARAMS)
     base["seqlen_k"], base["ld"], base["causal_offset"], base["mask_kind"] = S, ld, causal_offset, mask_kind
     base["n1"], base["n2"] = dec[1].size, dec[2].size
@@ -487,7 +484,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         """(kernel, block, rows per block) of the softmax pass over sc columns."""
         if sc not in softmax:
             t = softmax_tile(sc, masked == "true")
-            softmax[sc] = (SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=t, masked=masked,
+            softmax[sc] = (SOFTMAX.kernel(out_t=C_TYPE[dtype_name(dtype)], tile=t, masked=masked,
                                           dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
         return softmax[sc]
     chunks = []

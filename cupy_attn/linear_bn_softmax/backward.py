@@ -23,7 +23,8 @@ import numpy as np
 from ..runtime import blas, interop, workspace
 from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup
 from .checks import CODE_OF as _CODE_OF
-from .launch import AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _C_TYPES, _WIDE, _dtype_name_of_c, _sm_count, _workspace
+from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
+from .launch import AFFINE_ROWS, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, _sm_count, _workspace
 
 # bwd_row_dot<T, kThreads, kVec>: one row per block; 256 threads × 16-byte loads cover 2048 (fp16) features per step.
 ROW_DOT_THREADS = 256
@@ -44,8 +45,8 @@ ROW_DOT = KernelFamily(
     name="lbs_bwd_row_dot",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_row_dot<{dtype}, {threads}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
-    where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
+    where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
 
@@ -53,8 +54,8 @@ COLUMNS = KernelFamily(
     name="lbs_bwd_columns",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_columns<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(COLUMN_TILES.values())},
-    where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "tile": tuple(COLUMN_TILES.values())},
+    where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
 
@@ -63,12 +64,12 @@ def column_tile(n_cols: int, dtype) -> tuple[int, int, int]:
     """(kVec, kColThreads, kThreads) of bwd_columns: 16-byte vectors when F is a multiple of the vector width, scalar
     otherwise. Example: F = 8192 fp16 → (8, 4, 256), 256 blocks; F = 1000 fp32 → (4, 8, 256), 32 blocks; F = 999 →
     (1, 32, 256)."""
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return COLUMN_TILES[wide if n_cols % wide == 0 else 1]
 
 
 def _vec(n_cols: int, dtype) -> int:
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return wide if n_cols % wide == 0 else 1
 
 
@@ -102,7 +103,7 @@ class _Plan:
 @functools.lru_cache(maxsize=256)
 def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw: int, allow_tf32: bool,
           need_dx: bool, need_dw: bool) -> _Plan:
-    ctype = _C_TYPES[np.dtype(dtype).name]
+    ctype = C_TYPE[np.dtype(dtype).name]
     row_dot = ROW_DOT.kernel(dtype=ctype, threads=ROW_DOT_THREADS, vec=_vec(f, dtype))
     tile = column_tile(f, dtype)
     columns = COLUMNS.kernel(dtype=ctype, tile=tile)

@@ -29,10 +29,12 @@ import numpy as np
 
 from ..runtime import blas, interop, workspace
 from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup, pdl_supported
+from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
 from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 
-_C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-_WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
+DTYPES = ("float32", "float16", "bfloat16")                  # the kernel tables' element types, in their order
+VEC_WIDTH = {"float32": 4, "float16": 8, "bfloat16": 8}       # elements per 16-byte vector
+_C_DTYPES = tuple(C_TYPE[name] for name in DTYPES)
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
 # Rows of the per-feature Affine the statistics / fold kernels write (float32, (AFFINE_ROWS, F)): mu, a·log2e, d·log2e,
 # b = d − a·mu, invstd. The row kernels read rows 0–3; the backward reads mu (row 0) and invstd (row 4).
@@ -74,15 +76,11 @@ FOLD_THREADS = 256
 
 
 def _row_where(row: dict) -> bool:
-    wide = _WIDE[_dtype_name_of_c(row["dtype"])]
+    wide = VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]
     elems = row["vec"] * row["chunks"]
     if row["threads"] not in ROW_THREADS or row["rows"] != ROW_ROWS:
         return wide == 8 and (row["threads"], row["vec"], row["chunks"], row["rows"]) == WIDE_ROW_TILE[1:]
     return row["vec"] in (1, wide) and elems in ROW_ELEMS
-
-
-def _dtype_name_of_c(c_type: str) -> str:
-    return {v: k for k, v in _C_TYPES.items()}[c_type]
 
 
 # Params in linear_bn_softmax.cu: ten pointers and three int64 (8 bytes), six int32, two float32: 136 bytes, no padding.
@@ -102,8 +100,8 @@ COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
-    where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": _C_DTYPES, "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
+    where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
@@ -111,7 +109,7 @@ SOFTMAX_ROWS = KernelFamily(
     name="lbs_softmax_rows",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows<{dtype}, {threads}, {vec}, {chunks}, {rows}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
+    axes={"dtype": _C_DTYPES, "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
           "chunks": (1, 2, 4, 8, 16), "rows": (1, ROW_ROWS)},
     where=_row_where,
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
@@ -129,8 +127,8 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
     name="lbs_softmax_rows_streaming",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
-    where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": _C_DTYPES, "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
+    where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
@@ -165,7 +163,7 @@ def row_plan(n_cols: int, dtype) -> RowPlan:
     <__half, 128, 1, 4, 2>. F = 8200: no tile → streaming kernel.
     """
     name = np.dtype(dtype).name
-    vec = _WIDE[name] if n_cols % _WIDE[name] == 0 else 1
+    vec = VEC_WIDTH[name] if n_cols % VEC_WIDTH[name] == 0 else 1
     kernel, threads, wide_vec, chunks, rows = WIDE_ROW_TILE
     if vec == wide_vec and threads * wide_vec * chunks // 2 < n_cols <= threads * wide_vec * chunks:
         return RowPlan(kernel, threads, vec, chunks, rows)
@@ -180,7 +178,7 @@ def stats_tile(n_cols: int, dtype) -> tuple[int, int, int]:
     """(kVec, kColThreads, kThreads) of column_stats: 16-byte loads when F is a multiple of the vector width, scalar
     otherwise. Example: F = 8192 fp16 → (8, 4, 256), grid 8192 / 32 = 256 blocks; F = 1000 fp16 → (8, 4, 256),
     32 blocks; F = 8192 fp32 → (4, 8, 256), 256 blocks; F = 3 → (1, 32, 256), one block."""
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return STATS_TILES[wide if n_cols % wide == 0 else 1][0]
 
 
@@ -448,7 +446,7 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     seed shape (the barrier costs more than the launch it saves) and ~7 µs slower on a stream, where a cooperative
     launch waits for the GEMM to drain (bench/NOTES_linear_bn_softmax.md).
     """
-    ctype = _C_TYPES[_NAME_OF[dtype]]
+    ctype = C_TYPE[_NAME_OF[dtype]]
     if use_batch_stats:
         tile = stats_tile(f, dtype)
         first = _Launch(COLUMN_STATS.kernel(dtype=ctype, tile=tile), -(-f // (tile[0] * tile[1])), tile[2])
