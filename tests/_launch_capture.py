@@ -150,6 +150,13 @@ class Recorder:
 
         from cupy_attn.runtime import blas, compile as _compile, workspace
 
+        # Every launcher imported first: a module importing a patched name while the patch is on would keep it.
+        import importlib
+        for name in ("attention.fused", "attention.fused_sm90", "attention.fused_d512", "attention.scores_sm90",
+                     "attention.pv_sm90", "attention.decode", "attention.gemm_3xtf32", "attention.backward",
+                     "attention.backward_sm90", "attention.split", "attention.dispatch", "linear_bn_softmax.launch",
+                     "linear_bn_softmax.backward"):
+            importlib.import_module("cupy_attn." + name)
         self.log: list = []
         self.scratches = 0
         self.kernels: dict = {}   # fn_ptr -> (family, expression)

@@ -8,16 +8,16 @@ are run-time arguments, which keeps the table at 52 instantiations (2 dtypes × 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 
 import numpy as np
 
 from .. import philox
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
+from ..runtime.launch import PreparedLaunch, Step
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
 
@@ -166,11 +166,6 @@ FLASH_FWD_SM90A = KernelFamily(
 )
 
 
-def _current_stream_ptr() -> int:
-    import cupy
-    return cupy.cuda.get_current_stream().ptr
-
-
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
     """The smallest instantiated head dim ≥ max(E, Ev) (E=40, Ev=40 → 64; E=192, Ev=128 → 192), None past 256."""
     need = max(head_dim, head_dim_v)
@@ -258,7 +253,7 @@ def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = 
 
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None, dropout_p: float = 0.0,
-            rng=None) -> "FlashLaunch":
+            rng=None) -> PreparedLaunch:
     """Check a fused-kernel call and build its launch: kernel, grid and parameters, all but the pointers.
 
     q: (B, Hq, L, E); k: (B, Hkv, S, E); v: (B, Hkv, S, Ev); fp16 or bf16, last-dim stride 1, any other strides
@@ -328,108 +323,76 @@ def prepare_problem(p, choice, out, lse):
     lse_ptr, mask_ptr)``. Nothing is re-checked."""
     if choice[0] == "fa3":  # ("fa3", mode): dispatch.fa3_mode's "1" (ping-pong), "2" (overlap), "3" (persistent)
         from . import fused_sm90
-        launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
-                                    mode=choice[1])
-        return functools.partial(launch.launch_on, p.ctx.stream.ptr)
+        return fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
+                                  mode=choice[1]).bind(p.ctx.stream)
     return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
                   mask=p.mask, dropout_p=p.dropout_p, rng=p.rng).bind(p.ctx.stream)
 
 
-def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> "FlashLaunch":
+def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> PreparedLaunch:
     family, tile, head_dim = choice
     kernel = family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
-    return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
-                             dropout_p=dropout_p, rng=rng)
+    return build_launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                        dropout_p=dropout_p, rng=rng)
 
 
 def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
            rng=None) -> None:
     """Launch one instantiation on these arrays (benchmarks call it directly to sweep tiles outside the table).
     Arguments as flash_forward's, already checked."""
-    FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
-                      dropout_p=dropout_p, rng=rng)(
+    build_launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                 dropout_p=dropout_p, rng=rng)(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
 
 
-@dataclasses.dataclass
-class FlashLaunch:
-    """One prepared launch: FlashFwdParams with every field but the six pointers, grid, block, shared memory."""
+def _current_stream_ptr() -> int:
+    import cupy
+    return cupy.cuda.get_current_stream().ptr
 
-    kernel: object
-    params: np.ndarray
-    grid: tuple
-    block: tuple
-    smem: int
 
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0,
-                 stream=None) -> None:
-        """Launch on ``stream`` (a CuPy stream; None: CuPy's current stream), on the device the launch was built for,
-        which must be current."""
-        self.launch_on(_current_stream_ptr() if stream is None else stream.ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                       mask_ptr)
+# A replay's arguments, the pointer fields of FlashFwdParams (which lists them first, in another order).
+ARGS = ("q", "k", "v", "out", "lse", "mask")
 
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                  mask_ptr: int) -> None:
-        """cuLaunchKernel on a raw stream handle. The six pointers are the first six 8-byte words of FlashFwdParams
-        (out, lse, q, k, v, mask), written into this launch's own parameter buffer; the driver copies the parameters
-        during the call, and the lock keeps two threads replaying one launch from interleaving their writes. One
-        driver call: CuPy's RawKernel/Function launch costs ~6 µs of host time per call here (H200 host), this ~1."""
-        own = self._own
-        with own.lock:
-            own.words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
 
-    def bind(self, stream):
-        """``run(q, k, v, out, lse, mask)`` launching on ``stream`` (a CuPy stream): what the call cache replays."""
-        return functools.partial(self.launch_on, stream.ptr)
+def build_launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
+                 rng=None) -> PreparedLaunch:
+    """The launch of one instantiation for these arrays (flash_forward's arguments, already checked), replayed as
+    ``launch_on(stream, q, k, v, out, lse, mask)``: FlashFwdParams from the arrays' shapes, strides and alignment, the
+    six pointers written per replay (one driver call: CuPy's RawKernel call costs ~6 µs of host time per call on an
+    H200 host, this ~1); with dropout, the rng array's address (read by the kernel at run time) and the keep
+    threshold.
+    """
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    if Hq > 65535 or B > 65535:
+        raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
+    smem = tile.smem_bytes(head_dim)
 
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for: the parameter words (every field of FlashFwdParams
-        # is 8 bytes wide) with their kernelParams array and lock (OwnParams), and the kernel's CUfunction. The
-        # RawKernel keeps the module, and with it the function, alive.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        self._dims = launch_dims(self.grid, self.block, self.smem)
+    def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
 
-    @classmethod
-    def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
-              rng=None) -> "FlashLaunch":
-        """Parameters from the arrays' shapes, strides and alignment (flash_forward's arguments, already checked);
-        with dropout, the rng array's address (read by the kernel at run time) and the keep threshold."""
-        B, Hq, L, E = q.shape
-        _, Hkv, S, Ev = v.shape
-        if Hq > 65535 or B > 65535:
-            raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
-        smem = tile.smem_bytes(head_dim)
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-
-        def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
-            return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
-
-        p = np.zeros((), dtype=_PARAMS)
-        p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
-        p["is_causal"] = causal is not None
-        p["causal_offset"] = S - L if causal == "bottom_right" else 0
-        p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
-        out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in element_strides(out)[:-1])
-        p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
-        p["scale_log2"] = float(scale) * LOG2E
-        for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-            for axis, stride in zip(axes, element_strides(arr)):
-                p[f"{name}_stride_{axis}"] = stride
-        if lse is not None:
-            for axis, stride in zip("bhl", element_strides(lse)):
-                p[f"lse_stride_{axis}"] = stride
-        if mask is not None:
-            for axis, stride in zip("bhls", element_strides(mask)):
-                p[f"mask_stride_{axis}"] = stride
-        if dropout_p > 0:
-            p["rng"] = rng.data.ptr
-            p["dropout_threshold"] = philox.dropout_threshold(dropout_p)
-            p["dropout_scale"] = philox.dropout_scale(dropout_p)
-        return cls(kernel, p, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)
+    p = np.zeros((), dtype=_PARAMS)
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
+    out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in element_strides(out)[:-1])
+    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
+    p["scale_log2"] = float(scale) * LOG2E
+    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
+        for axis, stride in zip(axes, element_strides(arr)):
+            p[f"{name}_stride_{axis}"] = stride
+    if lse is not None:
+        for axis, stride in zip("bhl", element_strides(lse)):
+            p[f"lse_stride_{axis}"] = stride
+    if mask is not None:
+        for axis, stride in zip("bhls", element_strides(mask)):
+            p[f"mask_stride_{axis}"] = stride
+    if dropout_p > 0:
+        p["rng"] = rng.data.ptr
+        p["dropout_threshold"] = philox.dropout_threshold(dropout_p)
+        p["dropout_scale"] = philox.dropout_scale(dropout_p)
+    return PreparedLaunch(p, [Step(kernel, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)],
+                          args=ARGS, pointers={name: name for name in ARGS})

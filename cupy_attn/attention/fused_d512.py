@@ -5,8 +5,8 @@ FlashAttention's online softmax with FlashAttention-3's TMA producer and two wgm
 P passes through shared memory. No L × S score buffer, and causal calls skip the key blocks above the diagonal (the
 split path computes them).
 
-It takes the same parameter struct and launch object as the head-dim ≤ 256 kernel (fused_sm90.FlashFwdSm90Params,
-Sm90Launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
+It takes the same parameter struct and launch as the head-dim ≤ 256 kernel (fused_sm90.PARAMS,
+fused_sm90.build_launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
 
 Dispatch (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
 takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.84x
@@ -14,7 +14,6 @@ the split path).
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -22,6 +21,7 @@ import numpy as np
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
+from ..runtime.launch import PreparedLaunch
 from ..runtime.tma import MapSpec, out_16b_reason
 from . import fused_sm90 as _sm90
 
@@ -138,7 +138,7 @@ def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: i
 
 
 def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: KernelFamily = FLASH_FWD_D512_SM90,
-            persistent: bool = True) -> "_sm90.Sm90Launch":
+            persistent: bool = True) -> PreparedLaunch:
     """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
     FLASH_FWD_D512_SM90 or a copy with other NVRTC options; persistent=False: one tile per CTA (the baseline row of
     bench/experiments/d512_wall.py)."""
@@ -165,13 +165,12 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: Kern
             p[f"lse_stride_{axis}"] = stride
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, BLOCK_N), MapSpec.of(v, V_KEYS))
     grid, p["tile_pairs"] = grid_for(B, Hq, L, causal is not None, persistent, device_sms(cupy.cuda.Device().id))
-    return _sm90.Sm90Launch(kernel, p, maps, grid, (THREADS,), smem_bytes(), None)
+    return _sm90.build_launch(kernel, p, maps, grid, (THREADS,), smem_bytes())
 
 
 def prepare_problem(p, out, lse):
     """The launch for a checked problem (checks.SDPAProblem), bound to the call's stream."""
-    launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal)
-    return functools.partial(launch.launch_on, p.ctx.stream.ptr)
+    return prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal).bind(p.ctx.stream)
 
 
 def details(p) -> dict:

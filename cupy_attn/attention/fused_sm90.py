@@ -31,10 +31,11 @@ import os
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
-from ..runtime.tma import F64, I64, MAP, MapSpec, ParamMaps, TensorMaps, c_struct, o_tma_reason, tma_operand_reason
+from ..runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, o_tma_reason, tma_operand_reason
 
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
@@ -270,7 +271,7 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> "Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> PreparedLaunch:
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
     layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
     and persistent)."""
@@ -280,9 +281,6 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     tile = tile_for(mode, D, causal is not None)
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
-    smem = tile.smem_bytes(D)
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
     p = np.zeros((), dtype=PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
@@ -303,72 +301,27 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
     # The epilogue stores out by TMA (through shared memory) where TMA can write it exactly: Ev a multiple of 8 (the
     # 16-byte chunk at the Ev edge stays inside the row) and 16-byte row, head and batch strides; the base's
-    # alignment is checked per launch (Sm90Launch.launch_on). Else 4-byte stores from registers.
+    # alignment is checked per replay (build_launch). Else 4-byte stores from registers.
     o_map = None
     if o_tma_reason(out) is None:
         o_map = MapSpec.of(out, 64, cols)
-    return Sm90Launch(kernel, p, maps, grid, (tile.threads,), smem, o_map)
+    return build_launch(kernel, p, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
 
 
-@dataclasses.dataclass
-class Sm90Launch:
-    """One prepared launch: the parameters but the pointers and tensor maps, the map layouts, grid, block, smem.
-    Called like fused.FlashLaunch (mask_ptr must be 0)."""
-
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
-    block: tuple
-    smem: int
-    o_map: object = None  # MapSpec of out when the epilogue may store it by TMA (prepare), else None
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for (fused.FlashLaunch's scheme): this launch's own copy of
-        # the parameter bytes with its kernelParams array and lock (OwnParams), the CUfunction, the launch dimensions.
-        from cupy.cuda import driver
-        self._o_maps = TensorMaps((self.o_map.encode,)) if self.o_map is not None else None
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_v")))
-        self._o_map_offset = fields["tma_o"][1]
-        self._o_tma_word = fields["o_tma"][1] // 8
-        self._o_written = None
-        self._out_word = fields["out"][1] // 8
-        assert fields["lse"][1] == fields["out"][1] + 8
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        self._dims = launch_dims(self.grid, self.block, self.smem)
-        if self.kernel.max_dynamic_shared_size_bytes < self.smem:
-            self.kernel.max_dynamic_shared_size_bytes = self.smem
-
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
-        from .fused import _current_stream_ptr
-        self.launch_on(_current_stream_ptr(), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
-                  mask_ptr: int = 0) -> None:
-        """cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the three tensor maps (encoded again only when q, k or v moved, see TensorMaps; written into the parameter
-        bytes only when they changed) and the out and lse words go into this launch's own parameter buffer, which the
-        driver copies during the call; the lock keeps two threads replaying one launch from interleaving their
-        writes. ~1 µs of host time for the launch against ~6 through CuPy's RawKernel call and a per-call copy of the
-        704-byte struct."""
-        if mask_ptr:
-            raise ValueError("the FA3 kernel takes no attn_mask")
-        own = self._own
-        with own.lock:
-            self._maps.write(q_ptr, k_ptr, v_ptr)
-            own.words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
-            # out by TMA where prepare allowed it and this call's base is 16-byte aligned (its map encoded again only
-            # when out moved).
-            o_tma = self._o_maps is not None and out_ptr % 16 == 0
-            if o_tma:
-                (o_map,) = self._o_maps(out_ptr)
-                if o_map is not self._o_written:
-                    own.bytes[self._o_map_offset:self._o_map_offset + 128] = o_map
-                    self._o_written = o_map
-            own.words[self._o_tma_word] = int(o_tma)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tuple, smem: int,
+                 o_map: MapSpec | None = None) -> PreparedLaunch:
+    """The launch of a FlashFwdSm90Params kernel (this module's and fused_d512's) with ``params`` prepared, replayed as
+    ``launch_on(stream, q, k, v, out, lse=0, mask=0)`` like fused.prepare's (mask must be 0: these kernels take no
+    attn_mask). q, k and v reach the kernel as tensor maps of the layouts ``maps`` (MapSpec each), encoded again only
+    when q, k or v moved; out and lse as pointers. ``o_map``: out's map where the epilogue may store it by TMA
+    (prepare), used by the replays whose out is 16-byte aligned (o_tma = 1, the map encoded again only when out
+    moved); the others, and every replay without it, store out by 4-byte stores from registers (o_tma = 0)."""
+    out_maps, flags = (), ()
+    if o_map is not None:
+        out_maps = (Maps(("tma_o",), ("out",), (o_map.encode,), align=16),)
+        flags = (AlignFlag("o_tma", "out", 16, 1),)
+    return PreparedLaunch(params, [Step(kernel, grid, block, smem)], args=("q", "k", "v", "out", "lse", "mask"),
+                          pointers={"out": "out", "lse": "lse"},
+                          maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),
+                                *out_maps),
+                          flags=flags, refuse={"mask": "the FA3 kernel takes no attn_mask"})

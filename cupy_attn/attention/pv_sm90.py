@@ -12,15 +12,15 @@ The split path uses it in place of cuBLAS's P·V row bands for causal calls on t
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, element_strides
-from ..runtime.tma import I64, MAP, MapSpec, ParamMaps, c_struct, out_16b_reason, tma_operand_reason
+from ..runtime.launch import Maps, PreparedLaunch, Step
+from ..runtime.tma import I64, MAP, MapSpec, c_struct, out_16b_reason, tma_operand_reason
 THREADS = 384         # a producer warpgroup and two consumer warpgroups
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 STAGES = 4
@@ -108,7 +108,7 @@ def key_steps(seqlen_q: int, seqlen_k: int, m0: int, causal_offset: int | None) 
     return -(-n // BLOCK_K)
 
 
-def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> "PvLaunch":
+def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> PreparedLaunch:
     """The launch for P (B, Hq, L, S) as scores_sm90.prepare writes it (packed by (batch, query head), rows ``ld``
     elements apart), v (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by :func:`layout_reason`. causal: None,
     "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L): the row blocks skip the key
@@ -133,44 +133,19 @@ def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: Kerne
     p_map = MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (p_map, MapSpec.of(v, BLOCK_K))
     grid = grid_for(B, Hq, L, Ev, device_sms(v.device.id))
-    return PvLaunch(kernel, p, maps, grid)
+    return build_launch(kernel, p, maps, grid)
 
 
-@dataclasses.dataclass
-class PvLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, the grid."""
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple) -> PreparedLaunch:
+    """The launch of a PvSm90Params kernel with ``params`` prepared, replayed as ``launch_on(stream, p, v, out)``:
+    tensor maps of P and V (``maps``: their MapSpecs), encoded again only when a base moved, and out's pointer."""
+    return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), smem_bytes())], args=("p", "v", "out"),
+                          pointers={"out": "out"},
+                          maps=(Maps(("tma_p", "tma_v"), ("p", "v"), tuple(m.encode for m in maps)),))
 
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
 
-    def __post_init__(self):
-        # Resolved once (scores_sm90.ScoresLaunch's scheme): own parameter bytes, the CUfunction, launch dimensions.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_p", "tma_v")))
-        self._out_word = fields["out"][1] // 8
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        smem = smem_bytes()
-        self._dims = launch_dims(self.grid, (THREADS,), smem)
-        if self.kernel.max_dynamic_shared_size_bytes < smem:
-            self.kernel.max_dynamic_shared_size_bytes = smem
-
-    def launch_on(self, stream_ptr: int, p_ptr: int, v_ptr: int, out_ptr: int) -> None:
-        """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the maps of P and V (encoded again only when a base moved) and out's base go into this launch's own
-        parameter bytes, under its lock."""
-        own = self._own
-        with own.lock:
-            self._maps.write(p_ptr, v_ptr)
-            own.words[self._out_word] = out_ptr
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
-
-    def describe(self) -> str:
-        what = "causal: each 64-row block stops at its visible keys" if self.params["is_causal"] else "all keys"
-        return (f"pv_sm90 (128 rows x 256 columns per tile, 64 keys a stage, {STAGES} TMA stages, wgmma m64n256 x 2 "
-                f"warpgroups; persistent, grid {self.grid}; {what})")
+def describe(launch: PreparedLaunch) -> str:
+    """What a launch of :func:`prepare` runs, in words."""
+    what = "causal: each 64-row block stops at its visible keys" if launch.params["is_causal"] else "all keys"
+    return (f"pv_sm90 (128 rows x 256 columns per tile, 64 keys a stage, {STAGES} TMA stages, wgmma m64n256 x 2 "
+            f"warpgroups; persistent, grid {launch.grid}; {what})")

@@ -26,10 +26,11 @@ import os
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND
-from ..runtime.tma import F64, I64, MAP, MapSpec, ParamMaps, c_struct
+from ..runtime.launch import Maps, PreparedLaunch, Step
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct
 THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
@@ -261,7 +262,7 @@ def unsupported_reason(p, arch: int) -> str | None:
 
 
 def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None,
-            p_read: tuple | None = None, mask=None) -> "ScoresLaunch":
+            p_read: tuple | None = None, mask=None) -> PreparedLaunch:
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
     multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
@@ -310,75 +311,34 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, tile.half_n), p_map)
     if p["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
         maps += (MapSpec.of(k, 64),)
-    return ScoresLaunch(kernel, p, maps, grid, tile, variant)
+    return build_launch(kernel, p, maps, grid, tile, variant)
 
 
-@dataclasses.dataclass
-class ScoresLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, variant
-    (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by __cluster_dims__: a plain launch
-    of a grid whose x is a multiple of it)."""
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: ScoresTile,
+                 variant: int = 1) -> PreparedLaunch:
+    """The launch of a ScoresSm90Params kernel with ``params`` prepared, replayed as ``launch_on(stream, q, k, p,
+    lse=0, mask=0)``: tensor maps of q, k and P (``maps``: their MapSpecs, and a fourth of k in 64-row boxes for the
+    causal pair tiles), encoded again only when q, k or P moved; the lse, P (the persistent kernel's 16-byte stores)
+    and mask pointers. ``variant`` (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by
+    __cluster_dims__: a plain launch of a grid whose x is a multiple of it) and ``tile`` are kept in ``info``.
+    Measured on an H200 host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
+    per-call copy of the struct and its three 128-byte maps written field by field, all of it before the seed call's
+    first kernel starts; a replay here writes the words and the changed maps."""
+    fields, args = ("tma_q", "tma_k", "tma_p", "tma_k64")[:len(maps)], ("q", "k", "p", "k")[:len(maps)]
+    return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), tile.smem_bytes())],
+                          args=("q", "k", "p", "lse", "mask"), pointers={"lse": "lse", "p": "p", "mask": "mask"},
+                          maps=(Maps(fields, args, tuple(m.encode for m in maps)),),
+                          info={"variant": variant, "tile": tile})
 
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
-    tile: ScoresTile
-    variant: int = 1
 
-    @property
-    def cluster_m(self) -> int:
-        return CLUSTER_M[self.variant]
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for (fused_sm90.Sm90Launch's scheme): this launch's own copy
-        # of the parameter bytes with its kernelParams array and lock, the CUfunction, the launch dimensions.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_p", "tma_k64")))
-        self._k64 = len(self.maps) == 4  # causal pair tiles: a second map of K
-        self._lse_word, self._p_word, self._mask_word = (fields[n][1] // 8 for n in ("lse", "p", "mask"))
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        smem = self.tile.smem_bytes()
-        self._dims = launch_dims(self.grid, (THREADS,), smem)
-        if self.kernel.max_dynamic_shared_size_bytes < smem:
-            self.kernel.max_dynamic_shared_size_bytes = smem
-
-    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
-        import cupy
-        self.launch_on(cupy.cuda.get_current_stream().ptr, q_ptr, k_ptr, p_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0,
-                  mask_ptr: int = 0) -> None:
-        """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the three tensor maps (encoded again only when q, k or P moved; written into the parameter bytes only when
-        they changed), the lse word, P's base (the persistent kernel's 16-byte stores) and the mask's go into this
-        launch's own parameter buffer, which the driver copies during the call; the lock keeps two threads replaying
-        one launch from interleaving their writes. Measured on an H200
-        host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a per-call copy of
-        the struct and its three 128-byte maps written field by field, all of it before the seed call's first kernel
-        starts."""
-        own = self._own
-        with own.lock:
-            if self._k64:
-                self._maps.write(q_ptr, k_ptr, p_ptr, k_ptr)
-            else:
-                self._maps.write(q_ptr, k_ptr, p_ptr)
-            own.words[self._lse_word] = lse_ptr
-            own.words[self._p_word] = p_ptr
-            own.words[self._mask_word] = mask_ptr
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
-
-    def describe(self) -> str:
-        shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
-                  3: ", persistent: one CTA per SM walks its row blocks"}.get(self.variant, "")
-        pairs = int(self.params["pair_count"])
-        if pairs:
-            shared += f"; causal: {pairs} pairs of row blocks per head share a tile"
-        return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
-                f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
-                f"{self.grid})")
+def describe(launch: PreparedLaunch) -> str:
+    """What a launch of :func:`prepare` runs, in words."""
+    variant, tile = launch.info["variant"], launch.info["tile"]
+    shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
+              3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, "")
+    pairs = int(launch.params["pair_count"])
+    if pairs:
+        shared += f"; causal: {pairs} pairs of row blocks per head share a tile"
+    return (f"{KERNELS[variant]} (64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA "
+            f"stages, wgmma m64n{tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
+            f"{launch.grid})")

@@ -8,7 +8,7 @@ Every Hopper launcher (forward, head-dim 512, scores, P·V, decode, backward) bu
   array's own byte strides (BHSD and BSHD views read in place), a box one swizzle atom wide. :func:`encode_tensor_map`
   encodes it at an address through cuTensorMapEncodeTiled (``cuda.bindings.driver``, imported lazily).
 - :class:`TensorMaps` keeps the maps of the last base addresses, so a launch replayed on the same arrays encodes
-  nothing (~4 µs a map otherwise); runtime.launch writes them into a launch's own parameter bytes.
+  nothing (~4 µs a map otherwise); runtime.launch's tensor-map slots write them into a launch's parameter bytes.
 - :func:`tma_operand_reason`, :func:`out_16b_reason`, :func:`o_tma_reason`: whether TMA (or 16-byte stores) can
   read or write an array in place, and if not, why (the launchers' layout checks and explain()).
 
@@ -177,24 +177,3 @@ class TensorMaps:
             maps = tuple(encode(ptr) for encode, ptr in zip(self.encoders, ptrs))
             self._last = (ptrs, maps)
         return maps
-
-
-class ParamMaps:
-    """Tensor maps kept in a launch's own parameter bytes at fixed byte offsets: ``write(*ptrs)`` encodes them again
-    only when a base moved (TensorMaps) and copies the 128 bytes of each into the parameter bytes only when they
-    changed. Called under the launch's lock."""
-
-    __slots__ = ("_maps", "_bytes", "_offsets", "_written")
-
-    def __init__(self, encoders, own, offsets):
-        self._maps = TensorMaps(encoders)
-        self._bytes = own.bytes
-        self._offsets = tuple(offsets)
-        self._written = None
-
-    def write(self, *ptrs: int) -> None:
-        maps = self._maps(*ptrs)
-        if maps is not self._written:
-            for off, m in zip(self._offsets, maps):
-                self._bytes[off:off + 128] = m
-            self._written = maps
