@@ -457,24 +457,27 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
     by recorders. Returns (ctx, record): record["params"] the BwdParams of each launch, ["work"] workspace sizes,
     ["gemms"] (dx, dw) fakes, ["activations"] how often the CuPy context was entered."""
     import contextlib
+    import types
+
+    from cupy.cuda import driver
     record = {"params": [], "work": [], "activations": 0, "copies": []}
+
+    kernels = {name: types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=ptr), max_dynamic_shared_size_bytes=0)
+               for name, ptr in (("row_dot", 1), ("columns", 2))}
 
     def plan(device_id, dtype, n, k, f, ldx, ldw, allow_tf32, need_dx, need_dw):
         record["gemms"] = (_FakeGemm() if need_dx else None, _FakeGemm() if need_dw else None)
-        return lbs_bwd._Plan(row_dot=("row_dot", (1,), (256,)), columns=("columns", (1,), (256,)),
+        return lbs_bwd._Plan(row_dot=(kernels["row_dot"], (1,), (256,)), columns=(kernels["columns"], (1,), (256,)),
                              dx=record["gemms"][0], dw=record["gemms"][1])
 
-    class Group:  # StructLaunchGroup of the plan's two kernels: records the params of each launch (the words but
-        # the spare last one); "columns" writes a known pattern to the per-feature gradients
-        def __init__(self, launches):
-            self.fns = list(launches)
-
-        def __call__(self, stream_ptr, words):
-            for fn in self.fns:
-                p = words[:-1].view(lbs_bwd._BWD_PARAMS)[0].copy()
-                record["params"].append(p)
-                if fn == "columns":
-                    _write_feature_pattern(p)
+    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        """cuLaunchKernel of the plan's two kernels: records the BwdParams each gets; "columns" writes a known
+        pattern to the per-feature gradients."""
+        raw = ctypes.string_at(ctypes.c_uint64.from_address(argv).value, lbs_bwd._BWD_PARAMS.itemsize)
+        p = np.frombuffer(raw, lbs_bwd._BWD_PARAMS)[0].copy()
+        record["params"].append(p)
+        if fn_ptr == 2:
+            _write_feature_pattern(p)
 
     def copy(dst, src, nbytes, kind, stream_ptr):
         record["copies"].append((dst, src, nbytes, kind, stream_ptr))
@@ -493,8 +496,7 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
             record["activations"] += 1
             yield
     monkeypatch.setattr(lbs_bwd, "_plan", plan)
-    monkeypatch.setattr(lbs_bwd, "StructLaunch", lambda fn, grid, block: fn)
-    monkeypatch.setattr(lbs_bwd, "StructLaunchGroup", Group)
+    monkeypatch.setattr(driver, "launchKernel", launch)
     monkeypatch.setattr(lbs_bwd, "_memcpy_fn", lambda: copy)
     monkeypatch.setattr(lbs_bwd, "_workspace", work)
     monkeypatch.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))

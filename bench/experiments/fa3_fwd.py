@@ -54,8 +54,8 @@ def run_case(shape, causal, dtype_name, n_repeat):
         wait_or_die(f"first {name} launch {dtype_name} {shape} causal={causal} (grid {launch.grid})")
     family, tile, head_dim = _flash.select(cq.dtype, D, 90)
     kern = family.kernel(dtype=C_TYPE_16[dtype_name], head_dim=head_dim, tile=tile, has_mask="false")
-    old = _flash.FlashLaunch.build(kern, tile, head_dim, cq, ck, cv, outs["wgmma"], None, scale=scale, causal=causal,
-                                   mask=None)
+    old = _flash.build_launch(kern, tile, head_dim, cq, ck, cv, outs["wgmma"], None, scale=scale, causal=causal,
+                              mask=None)
     runs["wgmma"] = lambda: old(*ptrs, outs["wgmma"].data.ptr)
     runs["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal is not None,
                                                                               scale=scale)

@@ -21,7 +21,6 @@ import torch  # noqa: E402
 from bench_linear_bn_softmax import K, N, F, _model  # noqa: E402
 from common import device_ms, median_ms  # noqa: E402
 from cupy_attn.linear_bn_softmax import backward, launch  # noqa: E402
-from cupy_attn.runtime import compile as compile_  # noqa: E402
 from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
 
 STAMPS: list = []
@@ -122,7 +121,6 @@ def main():
         print(f"{name}: host per step, 20 back to back: {np.median(per):.1f} us", flush=True)
     if "--fine" in sys.argv:
         launch._Prepared.execute_saving = instrumented_saving
-        wrap(compile_.StructLaunch, "__call__", "kernel launch", "kernel launched")
     rows = {}
     for _ in range(60):
         torch.cuda.synchronize()

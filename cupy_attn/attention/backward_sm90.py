@@ -24,10 +24,11 @@ import math
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, StructLaunch
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import Maps, PreparedLaunch, Step
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E
-from ..runtime.tma import F64, I64, MAP, MapSpec, TensorMaps, c_struct, encode_tensor_map, tma_operand_reason
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, encode_tensor_map, tma_operand_reason
 from . import backward as _bwd
 THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
@@ -154,7 +155,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, ar
 def layout_reason(q, k, v, dout) -> str | None:
     """None when TMA can read query, key, value and dout in place: 16-byte aligned bases, batch / head / row strides
     positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
-    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`_Layout.contiguous`)."""
+    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`backward.Layout.contiguous`)."""
     for name, a in (("query", q), ("key", k), ("value", v), ("grad_out", dout)):
         why = tma_operand_reason(name, a)
         if why is not None:
@@ -173,7 +174,7 @@ def problem_reason(p) -> str | None:
         # bytes) TMA needs a multiple of 16. (Views sliced to such an E can pass layout_reason's stride checks.)
         why = f"head_dim={p.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
     if why is None:
-        dout = _bwd._Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
+        dout = _bwd.Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
         why = layout_reason(p.query, p.key, p.value, dout)
     return why
 
@@ -195,15 +196,20 @@ class Sm90Backward(_bwd.FusedBackward):
         tile = SM90_BWD_TILES[bucket]
         l_pad = -(-L // STAT_PAD) * STAT_PAD
         self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
-        self.dq32_offset = _bwd._aligned(2 * self.delta_offset)
+        self.dq32_offset = _bwd.round_up_256(2 * self.delta_offset)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
         row_threads = _bwd.delta_row_threads(E, Ev)
-        self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype),
-                                (-(-B * Hq * l_pad * row_threads // 256),), (256,))
-        pre = self.pre_params = np.zeros((), dtype=_bwd._PARAMS)
+        pre = np.zeros((), dtype=_bwd.BWD_PARAMS)
         pre["row_threads"] = row_threads
         pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
         pre["dq_cols"] = E  # the pre-pass zeroes the dQ accumulator (dq_zero, set per call)
+        # The scratch: lse·log2(e) rows at its base, D rows at delta_offset, the dQ accumulator at dq32_offset.
+        self.pre = PreparedLaunch(
+            pre, [Step(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad * row_threads // 256),),
+                       (256,))],
+            args=("dout", "out", "lse", "scratch"),
+            pointers={"dout": "dout", "o": "out", "lse": "lse", "lse_log2": "scratch",
+                      "delta": ("scratch", self.delta_offset), "dq_zero": ("scratch", self.dq32_offset)})
 
         prm = self.params = np.zeros((), dtype=_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
@@ -211,32 +217,28 @@ class Sm90Backward(_bwd.FusedBackward):
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
-        do = _bwd._Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
+        do = _bwd.Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
-        self.maps = TensorMaps(MapSpec.of(a, rows).encode for a, rows in (
-            (p.query, tile.block_m), (p.key, tile.block_n), (p.value, tile.block_n), (do, tile.block_m)))
-        # Its own: the scratch's base moves between calls while the inputs' often do not.
+        inputs = Maps(("tma_q", "tma_k", "tma_v", "tma_do"), ("q", "k", "v", "dout"), tuple(
+            MapSpec.of(a, rows).encode for a, rows in ((p.query, tile.block_m), (p.key, tile.block_n),
+                                                        (p.value, tile.block_n), (do, tile.block_m))))
         stats = functools.partial(encode_tensor_map, "float32", dims=(l_pad, 2 * B * Hq), strides=(4 * l_pad,),
                                   box=(tile.block_m, 1))
         # dQ's fp32 accumulator (B, Hq, L, E) for the kernel's TMA reduce: boxes of 32 columns (128 bytes, the
-        # swizzle's width) × 64 rows. Both maps move with the scratch.
+        # swizzle's width) × 64 rows. Both maps move with the scratch: a group of their own, since the scratch's base
+        # moves between calls while the inputs' often do not.
         dq = functools.partial(encode_tensor_map, "float32", dims=(E, L, Hq, B),
                                strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
-        self.stats_map = TensorMaps((stats, dq))
-        self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
-                                   (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
+        scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
+        self.kernel = PreparedLaunch(
+            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
+                       (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
+            args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
+            pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
+                      "delta": ("scratch", self.delta_offset)})
         self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
     def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
-        stats_log2, delta = scratch, scratch + self.delta_offset
-        pre = self.pre_params.copy()
-        pre["dout"], pre["o"], pre["lse"], pre["delta"], pre["lse_log2"] = dout, out, lse, delta, stats_log2
-        pre["dq_zero"] = scratch + self.dq32_offset
-        self.pre(stream, pre)
-        prm = self.params.copy()
-        prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"] = self.maps(q, k, v, dout)
-        prm["tma_stats"], prm["tma_dq"] = self.stats_map(scratch, scratch + self.dq32_offset)
-        prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
-        prm["lse_log2"], prm["delta"] = stats_log2, delta
-        self.kernel(stream, prm)
+        self.pre.launch_on(stream, dout, out, lse, scratch)
+        self.kernel.launch_on(stream, q, k, v, dout, scratch, dk, dv)

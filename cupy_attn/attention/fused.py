@@ -347,11 +347,6 @@ def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causa
         0 if mask is None else mask.data.ptr)
 
 
-def _current_stream_ptr() -> int:
-    import cupy
-    return cupy.cuda.get_current_stream().ptr
-
-
 # A replay's arguments, the pointer fields of FlashFwdParams (which lists them first, in another order).
 ARGS = ("q", "k", "v", "out", "lse", "mask")
 

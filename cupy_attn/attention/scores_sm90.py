@@ -320,7 +320,7 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: Sco
     lse=0, mask=0)``: tensor maps of q, k and P (``maps``: their MapSpecs, and a fourth of k in 64-row boxes for the
     causal pair tiles), encoded again only when q, k or P moved; the lse, P (the persistent kernel's 16-byte stores)
     and mask pointers. ``variant`` (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by
-    __cluster_dims__: a plain launch of a grid whose x is a multiple of it) and ``tile`` are kept in ``info``.
+    __cluster_dims__: a plain launch of a grid whose x is a multiple of it), ``tile`` and ``maps`` are kept in ``info``.
     Measured on an H200 host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
     per-call copy of the struct and its three 128-byte maps written field by field, all of it before the seed call's
     first kernel starts; a replay here writes the words and the changed maps."""
@@ -328,7 +328,7 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: Sco
     return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), tile.smem_bytes())],
                           args=("q", "k", "p", "lse", "mask"), pointers={"lse": "lse", "p": "p", "mask": "mask"},
                           maps=(Maps(fields, args, tuple(m.encode for m in maps)),),
-                          info={"variant": variant, "tile": tile})
+                          info={"variant": variant, "tile": tile, "maps": maps})
 
 
 def describe(launch: PreparedLaunch) -> str:

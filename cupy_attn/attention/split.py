@@ -23,7 +23,8 @@ import numpy as np
 
 from .. import philox
 from ..runtime import blas, workspace
-from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import PreparedLaunch, Step
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
 from . import gemm_3xtf32
@@ -121,7 +122,8 @@ def _gemm_batch_groups(axes: list[_Axis]) -> list[list[_Axis]]:
 @dataclasses.dataclass
 class _Chunk:
     """One GEMM → softmax → GEMM step over a block of batch·heads (and query rows): byte offsets from the operands'
-    base pointers, the softmax kernel's parameters with every field but the pointers filled, its grid, the GEMMs."""
+    base pointers, the GEMMs, the softmax pass's launch (SoftmaxParams with every field but the pointers filled;
+    replayed on (scores, mask, lse, rng))."""
 
     q: int
     k: int
@@ -129,13 +131,10 @@ class _Chunk:
     o: int
     mask: int
     lse: int
-    params: np.ndarray
-    grid: int
     gemm_qk: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     gemm_pv: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     p: int = 0  # byte offset of the chunk's scores (cuBLAS path) or P (scores kernel) in the scratch buffer
-    kernel: object = None  # the softmax kernel for the chunk's key count (a causal band's, else the schedule's)
-    block: int = 0
+    softmax: PreparedLaunch | None = None  # the softmax pass over the chunk's keys (None under the scores kernel)
     stream: int = 0  # 0: the call's stream; i > 0: side stream i - 1 (causal bands, see causal_streams)
 
 
@@ -143,7 +142,7 @@ class _Chunk:
 class _Schedule:
     scores_elems: int
     chunks: list
-    # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
+    # The Hopper scores kernel (scores_sm90.prepare's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
     # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
     # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
@@ -153,7 +152,7 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
-    # The P·V kernel (pv_sm90.PvLaunch) after the scores kernel where pv_reason allows (causal calls, and others where
+    # The P·V kernel (pv_sm90.prepare's launch) after the scores kernel where pv_reason allows (causal calls, and others where
     # it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
 
@@ -257,12 +256,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
                     c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
                     continue
                 c.gemm_qk(s0 + c.p, q0 + c.q, k0 + c.k, stream.ptr)
-                params = c.params.copy()
-                params["scores"] = s0 + c.p
-                params["mask"] = m0 + c.mask if m0 else 0
-                params["lse"] = l0 + c.lse if l0 else 0
-                params["rng"] = rng
-                c.kernel((c.grid,), (c.block,), (struct_arg(params),))
+                c.softmax.launch_on(stream.ptr, s0 + c.p, m0 + c.mask if m0 else 0, l0 + c.lse if l0 else 0, rng)
                 c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
         if streams is not None:
             _join(main, streams, joins)
@@ -505,15 +499,19 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 params["bh0"], params["seqlen_k"] = off["bh"], sc
                 gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
                 # Under the scores kernel no softmax pass runs: its kernel is not loaded.
-                sm_kernel, sm_block, sm_rows = softmax_for(sc) if scores_launch is None else (None, 0, 1)
+                launch = None
+                if scores_launch is None:
+                    sm_kernel, sm_block, sm_rows = softmax_for(sc)
+                    launch = PreparedLaunch(params, [Step(sm_kernel, (-(-nb * lc // sm_rows),), (sm_block,))],
+                                            args=("scores", "mask", "lse", "rng"),
+                                            pointers={name: name for name in ("scores", "mask", "lse", "rng")})
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
-                    mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // sm_rows), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
+                    mask=off["mask"] * mask_isz, lse=off["lse"] * 4, gemm_qk=gemm_qk, gemm_pv=gemm_pv,
                     p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None
                     else int(band_offset[band]),
-                    kernel=sm_kernel, block=sm_block, stream=band_stream[band]))
+                    softmax=launch, stream=band_stream[band]))
     streams = max(band_stream) + 1
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,

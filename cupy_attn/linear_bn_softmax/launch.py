@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from ..runtime import blas, interop, workspace
-from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup, pdl_supported
+from ..runtime.compile import KernelFamily
 from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
+from ..runtime.launch import PreparedLaunch, Step, pdl_supported
 from .checks import CODE_OF as _CODE_OF, _Arg, _Call
 
 DTYPES = ("float32", "float16", "bfloat16")                  # the kernel tables' element types, in their order
@@ -91,10 +92,7 @@ _PARAMS = np.dtype(
     + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
     + [("eps", np.float32), ("momentum", np.float32)])
 assert _PARAMS.itemsize == 136
-_PARAMS_POINTERS = 10
-_PARAMS_TAIL = np.dtype([(name, _PARAMS.fields[name][0]) for name in _PARAMS.names[_PARAMS_POINTERS:]])
-_PARAMS_WORDS = _PARAMS.itemsize // 8
-assert _PARAMS_POINTERS * 8 + _PARAMS_TAIL.itemsize == _PARAMS.itemsize and _PARAMS.itemsize % 8 == 0
+POINTERS = _PARAMS.names[:10]  # Params' pointer fields: a replay's arguments (out, y, affine, then VECTORS)
 
 COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
@@ -137,7 +135,7 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
 # GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
 # computed in place in the output.
 Y_WORKSPACE_MAX_BYTES = 64 << 20
-# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (StructLaunch's pdl). A switch for A/B runs
+# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (runtime.launch.Step's pdl). A switch for A/B runs
 # (bench/experiments/lbs_pdl.py); read when a call is prepared.
 PDL = True
 
@@ -199,6 +197,7 @@ def _blocks_per_sm(kernel, threads: int) -> int:
 
 # order (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked).
 _VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
+assert POINTERS[3:] == _VECTORS
 _VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
 
 
@@ -223,12 +222,6 @@ class _Prepared:
         self.y_bytes = n * f * call.dtype.itemsize
         self.in_place = self.gemm is None or self.y_bytes > Y_WORKSPACE_MAX_BYTES
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
-        # One cuLaunchKernel each on the raw stream handle (StructLaunch: ~1 µs of host time against ~6 through CuPy's
-        # Function call; no current-stream switch on the replay path). On sm_90+ both as programmatic dependents
-        # (PDL): each is launched while the kernel before it drains, and waits inside for that kernel's output.
-        pdl = PDL and pdl_supported(self.device_id)
-        self.launches = tuple(StructLaunch(ln.kernel, (ln.grid,), (ln.block,), pdl=pdl) for ln in launches)
-        self._launch_all = StructLaunchGroup(self.launches)
         # The per-stream workspace: (AFFINE_ROWS, F) float32 folded per-feature affine, 256-byte aligned, then y unless
         # in place.
         self.affine_bytes = -(-AFFINE_ROWS * 4 * f // 256) * 256
@@ -242,18 +235,18 @@ class _Prepared:
                 flags |= _FLAG_COUNT_BATCH
         codes = [0 if args[name] is None else _CODE_OF[args[name].dtype] for name in ("bias", "gamma", "beta", "scale")]
         rm = args["running_mean"]
-        # Params' fields after the pointers, in order, as the 8-byte words they occupy.
-        self.tail = np.array((n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
-                              0 if rm is None else _CODE_OF[rm.dtype], flags, eps,
-                              0.0 if momentum is None else momentum), dtype=_PARAMS_TAIL).reshape(1).view(np.uint64)
-
-    def params(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> np.ndarray:
-        """Params' bytes as 17 uint64 words: the ten pointers, then the prepared tail (a structured scalar built per
-        call, field by field, cost ~2.5 µs; this ~1.2); and one spare word (StructLaunchGroup's kernelParams)."""
-        words = np.empty(_PARAMS_WORDS + 1, dtype=np.uint64)
-        words[:_PARAMS_POINTERS] = (out_ptr, y_ptr, affine_ptr, *vectors)
-        words[_PARAMS_POINTERS:_PARAMS_WORDS] = self.tail
-        return words
+        params = np.zeros((), dtype=_PARAMS)
+        for name, value in zip(_PARAMS.names[len(POINTERS):], (
+                n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
+                0 if rm is None else _CODE_OF[rm.dtype], flags, eps, 0.0 if momentum is None else momentum)):
+            params[name] = value
+        # The kernels after the GEMM on the one Params, its ten pointers written per call: one cuLaunchKernel each on
+        # the raw stream handle (~1 µs of host time against ~6 through CuPy's Function call; no current-stream switch
+        # on the replay path). On sm_90+ both as programmatic dependents (PDL): each is launched while the kernel
+        # before it drains, and waits inside for that kernel's output.
+        pdl = PDL and pdl_supported(self.device_id)
+        self.launch = PreparedLaunch(params, [Step(ln.kernel, (ln.grid,), (ln.block,), pdl=pdl) for ln in launches],
+                                     args=POINTERS, pointers={name: name for name in POINTERS})
 
     def execute(self, alloc, x_ptr: int, w_ptr: int, vectors):
         """Enqueue the call on the prepared stream (the prepared device current) and return the output.
@@ -308,7 +301,7 @@ class _Prepared:
 
     def enqueue_post(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> None:
         """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
-        self._launch_all(self.stream_ptr, self.params(out_ptr, y_ptr, affine_ptr, vectors))
+        self.launch.launch_on(self.stream_ptr, out_ptr, y_ptr, affine_ptr, *vectors)
 
 
 class _Entry:
