@@ -27,6 +27,7 @@ import numpy as np
 
 from .. import philox
 from ..runtime import blas, workspace
+from ..runtime import env as runtime_env
 from ..runtime.compile import KernelFamily
 from ..runtime.launch import AlignFlag, PreparedLaunch, Step, launch_struct
 from ..runtime.interop import dtype_name
@@ -154,8 +155,7 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
     Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
     E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
-    import os
-    env = os.environ.get(ENV_BWD, "")
+    env = runtime_env.get(ENV_BWD, "")
     if env not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {env!r}")
     if env == "split":

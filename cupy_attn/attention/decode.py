@@ -14,12 +14,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 
 import numpy as np
 
-from ..runtime import workspace
+from ..runtime import env, workspace
 from ..runtime.compile import KernelFamily, source_dir
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
@@ -205,7 +204,7 @@ def tile_for(head_dim: int, arch: int, warps: int = 4) -> DecodeTile | None:
 def requested_warps() -> int | None:
     """flash_decode's warps per CTA that ``CUPY_ATTN_DECODE_WARPS`` asks for: 4, 8, or None (unset or empty: the rule,
     ``use_wide_tile``). ValueError for any other value."""
-    value = os.environ.get(ENV_WARPS)
+    value = env.get(ENV_WARPS)
     if value in (None, ""):
         return None
     if value not in ("4", "8"):
@@ -269,14 +268,14 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
 
 def enabled() -> bool:
     """False when ``CUPY_ATTN_DECODE=0``: the dispatcher never takes the decode kernel."""
-    return os.environ.get(ENV_DECODE, "1") != "0"
+    return env.get(ENV_DECODE, "1") != "0"
 
 
 def requested_variant() -> str:
     """The decode kernel ``CUPY_ATTN_DECODE`` asks for: "v1" (1: flash_decode), "stream" (2: flash_decode_sm90, one
     CTA per SM), "stream2" (3: two CTAs per SM); unset or 0: DEFAULT_VARIANT (0 turns the path off: ``enabled``).
     ValueError for any other value."""
-    value = os.environ.get(ENV_DECODE)
+    value = env.get(ENV_DECODE)
     if value in (None, "", "0"):
         return DEFAULT_VARIANT
     if value not in VARIANTS:

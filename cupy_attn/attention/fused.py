@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 import numpy as np
 
 from .. import philox
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
@@ -194,7 +194,7 @@ def select(dtype, head_dim: int, arch: int, dropout: bool = False) -> tuple[Kern
     """
     if dropout:
         return FLASH_FWD_DROPOUT, DROPOUT_TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
-    if arch == 90 and os.environ.get(ENV_WGMMA, "1") != "0":
+    if arch == 90 and env.get(ENV_WGMMA, "1") != "0":
         padded = WGMMA_PADDED.get(head_dim, head_dim)
         if padded in WGMMA_TILES:
             return FLASH_FWD_SM90A, WGMMA_TILES[padded], padded
@@ -277,7 +277,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
 
     if dropout_p > 0 and (rng is None or rng.dtype != np.int64 or rng.size != 2):
         raise ValueError("fused attention: dropout_p > 0 needs rng, the call's int64 {seed, offset} CuPy array")
-    mode = os.environ.get(ENV_FA3)
+    mode = env.get(ENV_FA3)
     if mask is None and not dropout_p and mode in ("1", "2", "3"):  # opt-in: FA3-design kernel
         from . import fused_sm90
         if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:

@@ -14,10 +14,9 @@ the split path).
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
@@ -84,7 +83,7 @@ def layout_reason(q, k, v, out) -> str | None:
 
 def enabled() -> str | None:
     """CUPY_ATTN_D512: "1" (every call it can serve), "0" (never), None (auto)."""
-    value = os.environ.get(ENV)
+    value = env.get(ENV)
     if value not in (None, "0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
     return value

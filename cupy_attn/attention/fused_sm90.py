@@ -27,10 +27,10 @@ is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swi
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
@@ -126,8 +126,8 @@ def tile_for(mode: str, head_dim: int, causal: bool = False) -> Sm90Tile:
     >>> tile_for("2", 64).block_m, tile_for("3", 64, causal=True).block_m, tile_for("3", 128).block_m
     (192, 128, 128)
     """
-    env = os.environ.get(ENV_M192)
-    if env == "1" or (env != "0" and not causal):
+    m192 = env.get(ENV_M192)
+    if m192 == "1" or (m192 != "0" and not causal):
         tile = M192_MODE_TILES.get(mode, {}).get(head_dim)
         if tile is not None:
             return tile

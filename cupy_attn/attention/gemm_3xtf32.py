@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.launch import PreparedLaunch, Step
 
@@ -81,9 +81,10 @@ GEMM_3XTF32 = KernelFamily(
 def setting() -> str:
     """``CUPY_ATTN_FP32_GEMM``: ``3xtf32`` (unset: the default, this module) or ``sgemm`` (cuBLAS). Raises ValueError
     for any other value (a misspelt A/B switch must not silently measure the default)."""
-    value = os.environ.get(ENV_FP32_GEMM, ENV_FP32_GEMM_DEFAULT).strip().lower() or ENV_FP32_GEMM_DEFAULT
+    raw = env.get(ENV_FP32_GEMM, ENV_FP32_GEMM_DEFAULT)
+    value = raw.strip().lower() or ENV_FP32_GEMM_DEFAULT
     if value not in CHOICES:
-        raise ValueError(f"{ENV_FP32_GEMM} must be one of {', '.join(CHOICES)}, got {os.environ[ENV_FP32_GEMM]!r}")
+        raise ValueError(f"{ENV_FP32_GEMM} must be one of {', '.join(CHOICES)}, got {raw!r}")
     return value
 
 

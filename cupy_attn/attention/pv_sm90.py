@@ -12,10 +12,9 @@ The split path uses it in place of cuBLAS's P·V row bands for causal calls on t
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, element_strides
@@ -52,7 +51,7 @@ def smem_bytes(stages: int = STAGES) -> int:
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_PV``: 0 (cuBLAS P·V always), 2 (this kernel for every call on the scores kernel it can
     serve), 1 (the default, unset or any other value: causal calls, and the others where :func:`prefer` says so)."""
-    return {"0": 0, "2": 2}.get(os.environ.get(ENV, "1"), 1)
+    return {"0": 0, "2": 2}.get(env.get(ENV, "1"), 1)
 
 
 def prefer(rows: int, seqlen_k: int, head_dim_v: int) -> bool:

@@ -22,10 +22,10 @@ q/k pointers change (the last pair is remembered).
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND
@@ -104,7 +104,7 @@ def setting() -> int:
     1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. A ping-pong variant
     (each consumer warpgroup owning whole row blocks) measured no faster than 3 in session 12 and was removed (its
     code is in git history, 139e8c0 to 7c3e323); 4 now selects 3, as any other value does."""
-    return {"0": 0, "1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "3"), 3)
+    return {"0": 0, "1": 1, "2": 2}.get(env.get(ENV_SPLIT_FUSED, "3"), 3)
 
 
 def enabled() -> bool:

@@ -17,12 +17,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
 import numpy as np
 
 from .. import philox
-from ..runtime import blas, workspace
+from ..runtime import blas, env, workspace
 from ..runtime.compile import KernelFamily
 from ..runtime.launch import PreparedLaunch, Step
 from ..runtime.interop import dtype_name
@@ -61,6 +60,7 @@ SOFTMAX = KernelFamily(
 
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
+ENV_WORKSPACE_BYTES = "CUPY_ATTN_WORKSPACE_BYTES"
 
 
 def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
@@ -74,7 +74,7 @@ def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
 
 def workspace_bytes_default() -> int:
     """Scores-buffer budget: ``CUPY_ATTN_WORKSPACE_BYTES`` or 1 GiB."""
-    return int(os.environ.get("CUPY_ATTN_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES))
+    return int(env.get(ENV_WORKSPACE_BYTES, DEFAULT_WORKSPACE_BYTES))
 
 
 @dataclasses.dataclass
