@@ -294,9 +294,9 @@ def benchmark_training(quick: bool = False) -> list[dict]:
 def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
     """The kernels after the GEMM, in place on ``out_ptr``, one PreparedLaunch each (the call's Params with its
     pointers filled in; plain or PDL as the call launches them), on CuPy's current stream when run."""
-    prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
-    vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
-    affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
+    prepared = lbs.Prepared(call, momentum, eps, False, call.k, call.k)
+    vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs.VECTORS)
+    affine = lbs.stream_workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
     params = prepared.launch.params.copy()
     for name, ptr in zip(lbs.POINTERS, (out_ptr, out_ptr, lbs.workspace.pointer(affine), *vectors)):
         params[name] = ptr
@@ -337,7 +337,7 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
         if row["dtype"] != ctype or row["threads"] * row["vec"] * row["chunks"] < F:
             continue
         kernel = lbs.SOFTMAX_ROWS.kernel(**row)
-        resident = lbs._sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
+        resident = lbs.sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
         for grid in sorted({min(N // row["rows"], resident * m) for m in (1, 2, 4)}):
             us = _graph_us(lambda: launch_struct(kernel, (grid,), (row["threads"],), params,
                                                  cupy.cuda.get_current_stream().ptr))
@@ -397,7 +397,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
     whole()  # the second call binds the cuBLASLt call
     call = lbs_checks.check(*args)
     prepared = _callcache.get(lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None)).prepared
-    vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs._VECTOR_ARGS)
+    vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs.VECTOR_ARGS)
     y = torch.empty(N, F, device="cuda", dtype=x.dtype)
     steps = {
         "cache key": lambda: lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None),
@@ -406,7 +406,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
         "post launches": lambda: prepared.enqueue_post(y.data_ptr(), y.data_ptr(), y.data_ptr(), vectors),
         "whole call (hit)": whole,
         "checks (miss)": lambda: lbs_checks.check(*args),
-        "prepare (miss)": lambda: lbs._Prepared(call, bn.momentum, bn.eps, False, K, K),
+        "prepare (miss)": lambda: lbs.Prepared(call, bn.momentum, bn.eps, False, K, K),
     }
     out = {}
     for name, fn in steps.items():

@@ -581,7 +581,7 @@ def _lbs_forward(rec, mp, *, dtype, n, f, training, running=True, momentum=0.1):
     rec.cc = 90
     lbs._launch_plan.cache_clear()
     lbs._gemm_xwt_op.cache_clear()
-    mp.setattr(lbs, "_sm_count", lambda device_id: 132)
+    mp.setattr(lbs, "sm_count", lambda device_id: 132)
     dtype = _dtype(dtype)
 
     def arg(shape, dt=dtype):
@@ -589,9 +589,9 @@ def _lbs_forward(rec, mp, *, dtype, n, f, training, running=True, momentum=0.1):
     args = {"bias": arg((f,)), "gamma": arg((f,), F32), "beta": arg((f,), F32), "scale": arg((1,)),
             "running_mean": arg((f,), F32) if running else None, "running_var": arg((f,), F32) if running else None,
             "num_batches_tracked": arg((), np.int64) if running else None}
-    call = lbs_checks._Call(ctx=FakeCtx(), dtype=dtype, n=n, k=64, f=f, use_batch_stats=training,
+    call = lbs_checks.Call(ctx=FakeCtx(), dtype=dtype, n=n, k=64, f=f, use_batch_stats=training,
                             update_running=training and running, args=args)
-    prepared = lbs._Prepared(call, momentum, 1e-5, False, 64, 64)
+    prepared = lbs.Prepared(call, momentum, 1e-5, False, 64, 64)
     vectors = tuple(0xE0_0000_0000 + 0x1_0000_0000 * i for i in range(7))
     for out in (O, O + 4096):
         prepared.execute(lambda: ("out", out), Q, K, vectors)
@@ -631,7 +631,7 @@ def _lbs_backward(rec, mp, *, needs, scale_shape, dy_in_work=True):
     from cupy_attn.linear_bn_softmax import backward as lbs_bwd
     rec.cc = 90
     lbs_bwd._plan.cache_clear()
-    mp.setattr(lbs_bwd, "_sm_count", lambda device_id: 132)
+    mp.setattr(lbs_bwd, "sm_count", lambda device_id: 132)
     mp.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
     mp.setattr(lbs_bwd, "_memcpy_fn", lambda: (lambda dst, src, n, kind, stream: rec.log.append(
         ["memcpy", dst, src, n, kind, stream])))
@@ -639,7 +639,7 @@ def _lbs_backward(rec, mp, *, needs, scale_shape, dy_in_work=True):
     def work(device_id, stream_ptr, name, nbytes):
         rec.log.append(["persistent", name, nbytes])
         return ("work", 0x7800_0000_0000)
-    mp.setattr(lbs_bwd, "_workspace", work)
+    mp.setattr(lbs_bwd, "stream_workspace", work)
     mp.setattr(torch, "split_with_sizes", lambda buf, sizes: [buf.new_empty((s,)) for s in sizes])
     if not dy_in_work:
         mp.setattr(lbs_bwd, "Y_WORKSPACE_MAX_BYTES", 100)

@@ -1,8 +1,8 @@
 """Every kernel family's prepared launches give the kernels the bytes recorded in tests/data/launch_bytes.json (CPU).
 
 tests/_launch_capture.py runs each launcher on stand-in arrays with the device replaced and records, in order, every
-launch (kernel, grid, block, shared memory, stream, plain or programmatic dependent, the parameter struct's bytes), tensor
-map encoding, memset, copy, workspace request and GEMM call. The recording was made before the launch layer
+launch (kernel, grid, block, shared memory, stream, plain or programmatic dependent, the parameter struct's bytes),
+tensor map encoding, memset, copy, workspace request and GEMM call. The recording was made before the launch layer
 (cupy_attn/runtime/launch.py) replaced the per-family launch classes; a difference names the case, the first record
 that differs and, for a launch, the struct fields whose bytes differ. Re-record (after a deliberate change, said so in
 the commit) with ``PYTHONPATH=. python tests/_launch_capture.py --write``.

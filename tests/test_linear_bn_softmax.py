@@ -498,7 +498,7 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
     monkeypatch.setattr(lbs_bwd, "_plan", plan)
     monkeypatch.setattr(driver, "launchKernel", launch)
     monkeypatch.setattr(lbs_bwd, "_memcpy_fn", lambda: copy)
-    monkeypatch.setattr(lbs_bwd, "_workspace", work)
+    monkeypatch.setattr(lbs_bwd, "stream_workspace", work)
     monkeypatch.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
     monkeypatch.setattr(interop, "current_torch_stream", lambda device_id: stream_ptr)
     monkeypatch.setattr(interop, "context_for", lambda x, name="query": Ctx())

@@ -20,9 +20,10 @@ Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_re
 
 Tensor maps (runtime.tma: cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the
 arrays' base addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying
-a call on the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides, so BHSD and
-BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16 bytes. The box
-is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swizzle, 32 in the 64-byte one (D = 96).
+a call on the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides,
+so BHSD and BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16
+bytes. The box is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swizzle, 32 in the
+64-byte one (D = 96).
 """
 from __future__ import annotations
 

@@ -142,8 +142,8 @@ class _Chunk:
 class _Schedule:
     scores_elems: int
     chunks: list
-    # The Hopper scores kernel (scores_sm90.prepare's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
-    # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
+    # The Hopper scores kernel (scores_sm90.prepare's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax
+    # pass: one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
     # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
@@ -152,8 +152,8 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
-    # The P·V kernel (pv_sm90.prepare's launch) after the scores kernel where pv_reason allows (causal calls, and others where
-    # it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
+    # The P·V kernel (pv_sm90.prepare's launch) after the scores kernel where pv_reason allows (causal calls, and others
+    # where it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
 
 

@@ -25,7 +25,7 @@ from ..runtime.compile import KernelFamily
 from ..runtime.launch import PreparedLaunch, Step
 from .checks import CODE_OF as _CODE_OF
 from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
-from .launch import AFFINE_ROWS, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, _sm_count, _workspace
+from .launch import AFFINE_ROWS, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, sm_count, stream_workspace
 
 # bwd_row_dot<T, kThreads, kVec>: one row per block; 256 threads × 16-byte loads cover 2048 (fp16) features per step.
 ROW_DOT_THREADS = 256
@@ -118,7 +118,7 @@ def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw
                                     b_dtype=dtype, ldb=ldx, stride_b=0, trans_b=False, m=f, n=k, k=n, batch=1,
                                     allow_tf32=allow_tf32))
     # Up to 16 row blocks per SM resident (256 threads): more rows than that take the grid-stride loop.
-    return _Plan(row_dot=(row_dot, (min(n, 16 * _sm_count(device_id)),), (ROW_DOT_THREADS,)),
+    return _Plan(row_dot=(row_dot, (min(n, 16 * sm_count(device_id)),), (ROW_DOT_THREADS,)),
                  columns=(columns, (-(-f // (tile[0] * tile[1])),), (tile[2],)), dx=dx, dw=dw)
 
 
@@ -254,7 +254,7 @@ class _Call:
         need_dx, need_dw = self.needs[0], self.needs[1]
         dw = weight.new_empty(self.w_shape) if need_dw else None
         dx = x.new_empty(self.x_shape) if need_dx else None
-        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        work = stream_workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
         base = workspace.pointer(work)
         dy = None
         if self.dy_in_work:

@@ -15,7 +15,7 @@ Host time before the GEMM is enqueued is kept small, because in a synchronized l
 call with the same layout, flags and stream is a call-cache hit (the key, then cuBLASLt's bound enqueue); the output
 is allocated and the launches after the GEMM are prepared while the GEMM runs.
 Kernels: cuda_src/linear_bn_softmax/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
-The forward autograd records (:meth:`_Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
+The forward autograd records (:meth:`Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
 which the backward (backward.py) reads.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ from ..runtime import blas, interop, workspace
 from ..runtime.compile import KernelFamily
 from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
 from ..runtime.launch import PreparedLaunch, Step, pdl_supported
-from .checks import CODE_OF as _CODE_OF, _Arg, _Call
+from .checks import CODE_OF as _CODE_OF, Arg, Call
 
 DTYPES = ("float32", "float16", "bfloat16")                  # the kernel tables' element types, in their order
 VEC_WIDTH = {"float32": 4, "float16": 8, "bfloat16": 8}       # elements per 16-byte vector
@@ -135,8 +135,8 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
 # GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
 # computed in place in the output.
 Y_WORKSPACE_MAX_BYTES = 64 << 20
-# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (runtime.launch.Step's pdl). A switch for A/B runs
-# (bench/experiments/lbs_pdl.py); read when a call is prepared.
+# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (runtime.launch.Step's pdl). A switch for A/B
+# runs (bench/experiments/lbs_pdl.py); read when a call is prepared.
 PDL = True
 
 
@@ -181,7 +181,7 @@ def stats_tile(n_cols: int, dtype) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
+def sm_count(device_id: int) -> int:
     import cupy
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
@@ -196,12 +196,12 @@ def _blocks_per_sm(kernel, threads: int) -> int:
 
 
 # order (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked).
-_VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
-assert POINTERS[3:] == _VECTORS
-_VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
+VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
+assert POINTERS[3:] == VECTORS
+VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
 
 
-class _Prepared:
+class Prepared:
     """Everything a GPU call needs that depends on shapes, dtypes, flags, device and stream but not on addresses: the
     GEMM (cuBLASLt plan), the kernels after it with their grids, the workspaces and the constant fields of Params.
     The call cache replays it (the checks that built it hold for any arrays with the same signatures).
@@ -210,7 +210,7 @@ class _Prepared:
     (after the GEMM is enqueued, so it costs no idle GPU time), then the launches after the GEMM.
     """
 
-    def __init__(self, call: _Call, momentum, eps, allow_tf32: bool, ldx: int, ldw: int):
+    def __init__(self, call: Call, momentum, eps, allow_tf32: bool, ldx: int, ldw: int):
         n, k, f = call.n, call.k, call.f
         args = call.args
         self.ctx = call.ctx
@@ -252,13 +252,13 @@ class _Prepared:
         """Enqueue the call on the prepared stream (the prepared device current) and return the output.
 
         ``alloc()`` -> (output array, its pointer), called after the GEMM is enqueued unless y is computed in place;
-        ``vectors``: pointers in _VECTORS order (0 for absent ones), or a function returning them, called after the
+        ``vectors``: pointers in VECTORS order (0 for absent ones), or a function returning them, called after the
         GEMM is enqueued.
         """
         # One workspace per call, looked up per call and held until the launches are enqueued: [affine | y] (y only
         # when not computed in the output). It may have grown for another shape on this stream, and under CUDA-graph
         # capture it is a per-call buffer (runtime.workspace.persistent); one look-up, one capture test.
-        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        work = stream_workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
         affine_ptr = workspace.pointer(work)
         if self.in_place:
             out, out_ptr = alloc()
@@ -300,17 +300,17 @@ class _Prepared:
         self._matmul = self.gemm.bind(self.stream_ptr)    # later calls: the bound C call (None: classic cuBLAS)
 
     def enqueue_post(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> None:
-        """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
+        """The launches after the GEMM; ``vectors``: pointers in VECTORS order, 0 for absent ones."""
         self.launch.launch_on(self.stream_ptr, out_ptr, y_ptr, affine_ptr, *vectors)
 
 
-class _Entry:
+class Entry:
     """A call-cache entry: allocate the output for the new arrays and replay the prepared launches on their
     pointers. Host time before the GEMM is enqueued: the cache key, the allocation and cuBLASLt's enqueue.
     ``backward_calls``: the backward's prepared calls for this layout, by which gradients are needed (entries of
     the recorded forward only; backward.grad_inputs' memo)."""
 
-    def __init__(self, prepared: _Prepared, ctx: interop.CallContext, out_shape: tuple):
+    def __init__(self, prepared: Prepared, ctx: interop.CallContext, out_shape: tuple):
         import cupy
         self.prepared, self.ctx, self.out_shape = prepared, ctx, out_shape
         self.backward_calls: dict = {}
@@ -336,11 +336,11 @@ class _Entry:
                     out = cupy.empty(self.out_shape, dtype=x.dtype)
                 return out, out.data.ptr
         return self.prepared.execute(alloc, ptr(x), ptr(arrays[1]),
-                                     lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+                                     lambda: tuple(ptr(arrays[i]) for i in VECTOR_ARGS))
 
 
     def saving(self, arrays: tuple):
-        """:meth:`_Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
+        """:meth:`Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
         if self._get_device() != self.prepared.device_id:
             with self.ctx.activate():
                 return self._run_saving(arrays)
@@ -348,12 +348,12 @@ class _Entry:
 
     def _run_saving(self, arrays: tuple):
         x, ptr = arrays[0], self._ptr
-        return self.prepared.execute_saving(_torch_alloc(x), ptr(x), ptr(arrays[1]),
-                                            lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+        return self.prepared.execute_saving(torch_alloc(x), ptr(x), ptr(arrays[1]),
+                                            lambda: tuple(ptr(arrays[i]) for i in VECTOR_ARGS))
 
 
-def _torch_alloc(x):
-    """alloc(shape, float32) for :meth:`_Prepared.execute_saving`: x's dtype (or float32) and device, torch's
+def torch_alloc(x):
+    """alloc(shape, float32) for :meth:`Prepared.execute_saving`: x's dtype (or float32) and device, torch's
     allocator on the current stream."""
     f32 = sys.modules["torch"].float32
 
@@ -381,7 +381,7 @@ def _gemm_xwt_op(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: i
                                allow_tf32=allow_tf32)
 
 
-def _empty(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
+def empty_output(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
     """(native output, device pointer); torch outputs come from torch's allocator without a DLPack round trip."""
     if ctx.kind == interop.TORCH and like is not None:
         t = like.new_empty(shape)  # x's dtype and device, torch's allocator and current stream
@@ -393,7 +393,7 @@ def _empty(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
 _NAME_OF = {dt: name for name, dt in zip(("float32", "float16", "bfloat16"), _CODE_OF)}
 
 
-def _cupy_view(a: _Arg):
+def cupy_view(a: Arg):
     import cupy
     if a.kind == interop.CUPY:
         return a.obj
@@ -402,21 +402,21 @@ def _cupy_view(a: _Arg):
     return cupy.from_dlpack(a.obj)
 
 
-def _unit_last_stride(a: _Arg) -> _Arg:
+def unit_last_stride(a: Arg) -> Arg:
     """cuBLAS reads any row stride but needs unit stride along the last axis: copy (CuPy) only when it is not."""
     st = a.strides()
     if st[1] == 1 and st[0] >= a.shape[1]:
         return a
     import cupy
-    return _Arg(cupy.ascontiguousarray(_cupy_view(a)), interop.CUPY, a.dtype, a.shape)
+    return Arg(cupy.ascontiguousarray(cupy_view(a)), interop.CUPY, a.dtype, a.shape)
 
 
-def _vector_ptr(a: _Arg, keep: list) -> int:
+def vector_ptr(a: Arg, keep: list) -> int:
     """Pointer to a contiguous copy of a per-feature vector (the array itself when already contiguous)."""
     if a.shape == () or a.shape == (1,) or a.strides()[0] == 1:
         return a.ptr()
     import cupy
-    c = cupy.ascontiguousarray(_cupy_view(a))
+    c = cupy.ascontiguousarray(cupy_view(a))
     keep.append(c)  # alive until the launches are enqueued (CuPy's pool is stream-ordered)
     return c.data.ptr
 
@@ -452,10 +452,10 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     else:
         rows = SOFTMAX_ROWS_STREAMING.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec)
         groups = n
-    return first, _Launch(rows, min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
+    return first, _Launch(rows, min(groups, sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
 
 
-def _workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
+def stream_workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
     """The stream's persistent buffer ``name`` (runtime.workspace: from the stream owner's allocator, grown on demand;
     calls on one stream are ordered, so they may share it)."""
     return workspace.persistent(device_id, stream_ptr, f"lbs_{name}", nbytes)

@@ -234,8 +234,8 @@ class PreparedLaunch:
                 s.kernel.max_dynamic_shared_size_bytes = s.smem
             resolved.append((launcher(s.pdl), int(s.kernel.kernel.ptr), *_dims(s.grid, s.block, s.smem),
                              own.argv(s.offset)))
-            body.append(f"        _launch{j}(_fn{j}, _gx{j}, _gy{j}, _gz{j}, _bx{j}, _by{j}, _bz{j}, _smem{j}, _stream, "
-                        f"_argv{j}, 0)")
+            body.append(f"        _launch{j}(_fn{j}, _gx{j}, _gy{j}, _gz{j}, _bx{j}, _by{j}, _bz{j}, _smem{j}, "
+                        f"_stream, _argv{j}, 0)")
         checks = [f"    if {arg(name)}:\n        raise ValueError(_refuse[{j}])"
                   for j, name in enumerate((refuse or {}))]
         signature = ", ".join(["_stream", *(f"{a}=0" for a in self.args)])
