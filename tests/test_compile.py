@@ -258,38 +258,3 @@ def test_without_cupy_says_how_to_install_it(argv, entry):
     assert proc.returncode == 1, proc.stderr
     assert "cupy_attn needs CuPy: pip install 'cupy_attn[cuda12]' (or [cuda13])" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_prepared_launch_steps_share_the_struct_cpu(monkeypatch):
-    """runtime.launch.PreparedLaunch with two kernels: each gets its own function, dims and the stream, and as
-    kernelParams the address of a one-pointer array holding the address of the launch's own copy of the struct (or of
-    the struct at the step's offset), written with the replay's pointers; the prepared struct is not written."""
-    import ctypes
-    import types
-
-    import numpy as np
-    from cupy.cuda import driver
-
-    from cupy_attn.runtime import launch as _launch
-    calls = []
-
-    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        struct_addr = ctypes.c_uint64.from_address(argv).value
-        calls.append((fn_ptr, (gx, gy, gz, bx, by, bz, smem), stream, ctypes.string_at(struct_addr, 16), extra))
-
-    monkeypatch.setattr(driver, "launchKernel", launch)
-    kernels = [types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=p), max_dynamic_shared_size_bytes=0)
-               for p in (11, 22)]
-    params = np.zeros((), dtype=[("a", np.int64), ("b", np.int64), ("c", np.int64)])
-    params["c"] = 5
-    prepared = _launch.PreparedLaunch(params, [_launch.Step(kernels[0], (4,), (256,)),
-                                               _launch.Step(kernels[1], (8, 2), (128,), 1024, offset=8)],
-                                      args=("x", "y"), pointers={"a": "x", "b": ("y", 16)})
-    assert kernels[1].max_dynamic_shared_size_bytes == 1024
-    prepared.launch_on(7, 100, 200)
-    head, tail = (100).to_bytes(8, "little") + (216).to_bytes(8, "little"), (216).to_bytes(8, "little") + \
-        (5).to_bytes(8, "little")
-    assert calls == [(11, (4, 1, 1, 256, 1, 1, 0), 7, head, 0), (22, (8, 2, 1, 128, 1, 1, 1024), 7, tail, 0)]
-    assert int(params["a"]) == 0 and int(params["b"]) == 0, "the prepared struct is not written"
-    prepared.launch_on(9, 300)  # trailing arguments left out are 0
-    assert calls[-2][2] == 9 and calls[-2][3] == (300).to_bytes(8, "little") + (16).to_bytes(8, "little")

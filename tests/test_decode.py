@@ -435,11 +435,12 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
             launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
                                             num_splits=n, variant=variant, warps=warps)
             streaming = variant != "v1" and hopper and tma_ok
-            assert (launch.choice.family is _decode.FLASH_DECODE_SM90) == streaming, launch.choice.describe()
+            choice = launch.info["choice"]
+            assert (choice.family is _decode.FLASH_DECODE_SM90) == streaming, choice.describe()
             if warps is not None:
-                assert launch.choice.tile.warps == (8 if warps == 8 and wide_ok else 4), launch.choice.describe()
+                assert choice.tile.warps == (8 if warps == 8 and wide_ok else 4), choice.describe()
             assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out,
-                           f"{what} {variant} warps={launch.choice.tile.warps} splits={n}")
+                           f"{what} {variant} warps={choice.tile.warps} splits={n}")
     return out
 
 

@@ -27,7 +27,7 @@ per-call copy of the struct. The replay is a function written out for the launch
         with _lock:
             _words[64] = out
             _words[65] = lse
-            _words[82] = 1 if out % 16 == 0 else 0
+            _words[82] = _c0 if out % _c1 == 0 else _c2
             _maps0.write(q, k, v)
             _maps1.write(out)
             _launch0(_fn0, _gx0, _gy0, _gz0, _bx0, _by0, _bz0, _smem0, _stream, _argv0, 0)
@@ -212,18 +212,25 @@ class PreparedLaunch:
                 raise KeyError(f"{name!r} is not one of the arguments {self.args}")
             return name
 
+        consts: list = []  # numbers that vary between launches of one layout: closure variables, not literals
+
+        def const(value: int) -> str:
+            consts.append(value)
+            return f"_c{len(consts) - 1}"
+
         def address(name: str, off: int) -> str:
-            return f"{arg(name)} + {off}" if off else arg(name)
+            return f"{arg(name)} + {const(off)}" if off else arg(name)
 
         body = [f"        _words[{word(f)}] = {address(*((a, 0) if isinstance(a, str) else a))}"
                 for f, a in (pointers or {}).items()]
         for f in flags:
             w = word(f.field)
             value = int(own.words[w])
-            body.append(f"        _words[{w}] = {value | f.bits} if {arg(f.arg)} % {f.align} == 0 else {value}")
+            body.append(f"        _words[{w}] = {const(value | f.bits)} if {arg(f.arg)} % {const(f.align)} == 0 "
+                        f"else {const(value)}")
         if scratch is not None:
             body.append("        _held, _base = _alloc()")
-            body += [f"        _words[{word(f)}] = _base" + (f" + {off}" if off else "")
+            body += [f"        _words[{word(f)}] = _base" + (f" + {const(off)}" if off else "")
                      for f, off in scratch.fields.items()]
         slots = tuple(_MapSlots(m, own, dtype) for m in maps)
         body += [f"        _maps{j}.write({', '.join(address(a, off) for a, off in m.bases)})"
@@ -240,11 +247,14 @@ class PreparedLaunch:
                   for j, name in enumerate((refuse or {}))]
         signature = ", ".join(["_stream", *(f"{a}=0" for a in self.args)])
         self.replay_source = "\n".join([f"def launch_on({signature}):", *checks, "    with _lock:", *body]) + "\n"
-        self.launch_on = _replay(self.replay_source, len(slots), len(resolved))(
+        self.launch_on = _replay(self.replay_source, len(slots), len(resolved), len(consts))(
             own.lock, own.words, slots, tuple(resolved), None if scratch is None else scratch.alloc,
-            tuple((refuse or {}).values()))
+            tuple((refuse or {}).values()), tuple(consts))
         self.launch_on.__doc__ = """Write the call's addresses into the struct and launch every step on the raw
         stream handle ``_stream``, on the current device (the one the launch was built for)."""
+        # The function holds the struct's and the kernelParams arrays' addresses as integers: it keeps this launch
+        # (and so its ParamBuffer) alive, since the call cache keeps only ``bind``'s partial of it.
+        self.launch_on.launch = self
 
     # A single-kernel launch's shape, as the launchers' tests and explain() read it.
     @property
@@ -277,17 +287,20 @@ class PreparedLaunch:
 
 
 @functools.lru_cache(maxsize=256)
-def _replay(source: str, n_maps: int, n_steps: int) -> Callable:
-    """A factory of replay functions of this source: ``make(lock, words, map_slots, steps, alloc, refuse)``, its
-    objects bound as closure variables (LOAD_DEREF: as fast as a local)."""
+def _replay(source: str, n_maps: int, n_steps: int, n_consts: int) -> Callable:
+    """A factory of replay functions of this source: ``make(lock, words, map_slots, steps, alloc, refuse, consts)``,
+    its objects bound as closure variables (LOAD_DEREF: as fast as a local). The source names struct words by index
+    and everything else by variable, so launches of one family share it (a compile costs ~60 µs)."""
     unpack = []
     if n_maps:
         unpack.append(f"    {''.join(f'_maps{j}, ' for j in range(n_maps))}= _map_slots")
+    if n_consts:
+        unpack.append(f"    {''.join(f'_c{j}, ' for j in range(n_consts))}= _consts")
     for j in range(n_steps):
         unpack.append(f"    _launch{j}, _fn{j}, _gx{j}, _gy{j}, _gz{j}, _bx{j}, _by{j}, _bz{j}, _smem{j}, _argv{j} = "
                       f"_steps[{j}]")
     inner = "\n".join("    " + line for line in source.splitlines())
-    factory = "\n".join(["def make(_lock, _words, _map_slots, _steps, _alloc, _refuse):", *unpack, inner,
+    factory = "\n".join(["def make(_lock, _words, _map_slots, _steps, _alloc, _refuse, _consts):", *unpack, inner,
                           "    return launch_on"]) + "\n"
     namespace: dict = {}
     exec(compile(factory, "<runtime.launch replay>", "exec"), namespace)
