@@ -69,6 +69,7 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
 
     import cupy_attn
     from cupy_attn.attention import fused as _flash
+    from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
     B, H, L, D = shape
     S = L
@@ -92,7 +93,7 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
         hd = _flash.head_dim_bucket(D, D)
         base = _flash.FLASH_FWD_SM90A if tile.wgmma else _flash.FLASH_FWD
         fam = dataclasses.replace(base, axes=dict(base.axes, tile=(tile,)), where=None)
-        kern = fam.kernel(dtype=_flash._C_TYPES[dtype_name], head_dim=hd, tile=tile,
+        kern = fam.kernel(dtype=C_TYPE_16[dtype_name], head_dim=hd, tile=tile,
                           has_mask="false" if cmask is None else "true")
         ours = lambda: _flash.launch(kern, tile, hd, cq, ck, cv, out, None, scale=scale, causal=causal,  # noqa: E731
                                      mask=cmask)

@@ -36,7 +36,8 @@ import itertools
 import numpy as np
 
 from common import device_ms, interleaved_ms, median_ms
-from cupy_attn.runtime.compile import struct_arg
+from cupy_attn.runtime.launch import PreparedLaunch, launch_struct
+from cupy_attn.runtime.kernel_abi import C_TYPE
 
 N, K, F = 1024, 8192, 8192
 
@@ -291,20 +292,20 @@ def benchmark_training(quick: bool = False) -> list[dict]:
 
 
 def _post_launches(lbs, call, out_ptr: int, momentum, eps) -> list:
-    """The kernels after the GEMM, in place on ``out_ptr``, as (StructLaunch, params), on CuPy's current stream when
-    run."""
-    prepared = lbs._Prepared(call, momentum, eps, False, call.k, call.k)
-    vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs._VECTORS)
-    affine = lbs._workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
-    params = prepared.params(out_ptr, out_ptr, lbs.workspace.pointer(affine), vectors)
-    return [(launch, params[:-1]) for launch in prepared.launches]  # (params' last word: StructLaunchGroup's)
+    """The kernels after the GEMM, in place on ``out_ptr``, one PreparedLaunch each (the call's Params with its
+    pointers filled in; plain or PDL as the call launches them), on CuPy's current stream when run."""
+    prepared = lbs.Prepared(call, momentum, eps, False, call.k, call.k)
+    vectors = tuple(0 if call.args[name] is None else call.args[name].ptr() for name in lbs.VECTORS)
+    affine = lbs.stream_workspace(prepared.device_id, prepared.stream_ptr, "work", prepared.work_bytes)
+    params = prepared.launch.params.copy()
+    for name, ptr in zip(lbs.POINTERS, (out_ptr, out_ptr, lbs.workspace.pointer(affine), *vectors)):
+        params[name] = ptr
+    return [PreparedLaunch(params, [step]) for step in prepared.launch.steps]
 
 
 def run_launches(launches) -> None:
-    import cupy
-    stream = cupy.cuda.get_current_stream().ptr
-    for launch, params in launches:
-        launch(stream, params)
+    for launch in launches:
+        launch()
 
 
 def post_first(launches) -> None:
@@ -329,16 +330,17 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
                       plain.scale, False, bn.momentum, bn.eps, None)
     launches = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)
     post_first(launches)  # the Affine workspace the row kernels read
-    params = launches[0][-1]
+    params = launches[0].params
     out = []
-    ctype = lbs._C_TYPES[dname]
+    ctype = C_TYPE[dname]
     for row in lbs.SOFTMAX_ROWS.variants():
         if row["dtype"] != ctype or row["threads"] * row["vec"] * row["chunks"] < F:
             continue
         kernel = lbs.SOFTMAX_ROWS.kernel(**row)
-        resident = lbs._sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
+        resident = lbs.sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
         for grid in sorted({min(N // row["rows"], resident * m) for m in (1, 2, 4)}):
-            us = _graph_us(lambda: kernel((grid,), (row["threads"],), (struct_arg(params),)))
+            us = _graph_us(lambda: launch_struct(kernel, (grid,), (row["threads"],), params,
+                                                 cupy.cuda.get_current_stream().ptr))
             out.append(dict(variant=lbs.SOFTMAX_ROWS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
     return out
 
@@ -356,15 +358,15 @@ def sweep_stats_kernels(dname: str = "float16") -> list[dict]:
     x = torch.randn(N, K, device="cuda").to(plain.gemm.weight.dtype)
     call = lbs_checks.check(x, plain.gemm.weight, plain.gemm.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
                       plain.scale, True, bn.momentum, bn.eps, bn.num_batches_tracked)
-    params = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)[0][-1]
+    params = _post_launches(lbs, call, y.data.ptr, bn.momentum, bn.eps)[0].params
     out = []
     for row in lbs.COLUMN_STATS.variants():
-        if row["dtype"] != lbs._C_TYPES[dname] or row["tile"][0] == 1:
+        if row["dtype"] != C_TYPE[dname] or row["tile"][0] == 1:
             continue
         kernel = lbs.COLUMN_STATS.kernel(**row)
         vec, col_threads, threads = row["tile"]
         grid = -(-F // (vec * col_threads))
-        us = _graph_us(lambda: kernel((grid,), (threads,), (struct_arg(params),)))
+        us = _graph_us(lambda: launch_struct(kernel, (grid,), (threads,), params, cupy.cuda.get_current_stream().ptr))
         out.append(dict(variant=lbs.COLUMN_STATS.name_expression(**row), regs=kernel.num_regs, grid=grid, us=us))
     return out
 
@@ -395,16 +397,16 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
     whole()  # the second call binds the cuBLASLt call
     call = lbs_checks.check(*args)
     prepared = _callcache.get(lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None)).prepared
-    vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs._VECTOR_ARGS)
+    vectors = tuple(0 if arrays[i] is None else arrays[i].data_ptr() for i in lbs.VECTOR_ARGS)
     y = torch.empty(N, F, device="cuda", dtype=x.dtype)
     steps = {
         "cache key": lambda: lbs_api._call_key(arrays, True, bn.momentum, bn.eps, None),
         "new_empty": lambda: x.new_empty((N, F)),
         "gemm enqueue": lambda: prepared._matmul(y.data_ptr(), x.data_ptr(), plain.gemm.weight.data_ptr()),
-        "params": lambda: prepared.params(y.data_ptr(), y.data_ptr(), y.data_ptr(), vectors),
+        "post launches": lambda: prepared.enqueue_post(y.data_ptr(), y.data_ptr(), y.data_ptr(), vectors),
         "whole call (hit)": whole,
         "checks (miss)": lambda: lbs_checks.check(*args),
-        "prepare (miss)": lambda: lbs._Prepared(call, bn.momentum, bn.eps, False, K, K),
+        "prepare (miss)": lambda: lbs.Prepared(call, bn.momentum, bn.eps, False, K, K),
     }
     out = {}
     for name, fn in steps.items():
@@ -413,7 +415,7 @@ def host_breakdown(dname: str = "float16", reps: int = 300) -> dict:
             t0 = time.perf_counter()
             fn()
             ts.append(time.perf_counter() - t0)
-            if name in ("gemm enqueue", "whole call (hit)"):
+            if name in ("gemm enqueue", "post launches", "whole call (hit)"):
                 torch.cuda.synchronize()
         out[name] = float(np.median(ts) * 1e6)
     # What the GPU sees: idle-start times (µs) of growing prefixes of a cache hit, each ending with the GEMM.

@@ -96,7 +96,7 @@ def profile_split() -> None:
     from common import median_ms
     from cupy_attn.attention import checks as _checks, split as _split
     from cupy_attn.runtime import blas as _cublas
-    from cupy_attn.runtime.compile import struct_arg
+    from cupy_attn.runtime.launch import launch_struct
     q, k, v = (torch.randn(32, 32, 512, 1024, device="cuda", dtype=torch.float16) for _ in range(3))
     p = _checks.check_sdpa(q, k, v, None, 0.0, False, None, False, "split")
     n, L, S, E = 1024, 512, 512, 1024
@@ -122,9 +122,10 @@ def profile_split() -> None:
                          ("gemm1 fp16 out", lambda: g1(p16, np.float16)),
                          ("gemm2 P fp16 pitch S", lambda: g2(p16, S)),
                          ("gemm2 P in place (pitch 2S)", lambda: g2(scores, 2 * S)),
-                         ("softmax kernel", lambda: _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S, masked=False), masked="false",
-                                                                            dropout="false")(
-                             (n * L // 4,), (128,), (struct_arg(prm),)))):
+                         ("softmax kernel", lambda: launch_struct(
+                             _split.SOFTMAX.kernel(out_t="__half", tile=_split.softmax_tile(S, masked=False),
+                                                   masked="false", dropout="false"),
+                             (n * L // 4,), (128,), prm, p.ctx.stream.ptr))):
             fn()
             t = median_ms(fn, n_repeat=10)
             print(f"  {name:30s} {t:.3f} ms  {flops / t / 1e9:.0f} TFLOP/s  {n * L * S * 6 / t / 1e6:.0f} GB/s (6 B/score)")

@@ -1,6 +1,6 @@
 """Stand-ins for cuLaunchKernel and the tensor-map encoders, for the CPU tests of prepared launches
-(ScoresLaunch, PvLaunch): the struct bytes a kernel would receive, its launch dimensions and stream, and which maps
-were encoded again."""
+(runtime.launch.PreparedLaunch, as scores_sm90 and pv_sm90 build them): the struct bytes a kernel would receive, its
+launch dimensions and stream, and which maps were encoded again."""
 import ctypes
 
 import numpy as np

@@ -29,6 +29,7 @@ from cupy_attn.attention import backward as _bwd
 from cupy_attn.attention import backward_sm90 as _sm90
 from cupy_attn.attention import wgmma_gen as _gen
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime.kernel_abi import C_TYPE_16
 from _compile_checks import assert_clean
 
 FAMILY = _sm90.FLASH_BWD_SM90
@@ -100,7 +101,7 @@ def test_tiles():
             assert tile.block_m // 2 in _gen.SS_N and d // 2 in _gen.SS_BMN_N and (d // 2) % 64 == 0
         else:  # a warpgroup per 64 keys: all queries, all columns
             assert tile.block_m in _gen.SS_N and d in _gen.RS_N
-        for dtype in _sm90._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
     # Above the mma.sync kernel's 128, the Hopper kernel's 256 (the forward's FA3 buckets).
     assert set(_sm90.SM90_BWD_TILES) == set(_bwd.FLASH_BWD_TILES) | {256}

@@ -562,27 +562,3 @@ def test_without_cupy_says_how_to_install_it(argv, entry):
     assert proc.returncode == 1, proc.stderr
     assert "cupy_attn needs CuPy: pip install 'cupy_attn[cuda12]' (or [cuda13])" in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-def test_struct_launch_group_passes_the_struct_address_cpu():
-    """StructLaunchGroup: each kernel gets its own function, dims and the stream, and as kernelParams the address of
-    a one-pointer array (the params buffer's spare last word) holding the struct's address (words[:-1])."""
-    import ctypes
-
-    import numpy as np
-    calls = []
-
-    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
-        struct_addr = ctypes.c_uint64.from_address(argv).value
-        calls.append((fn_ptr, (gx, gy, gz, bx, by, bz, smem), stream, struct_addr, extra))
-
-    launches = []
-    for fn_ptr, dims in ((11, (4, 1, 1, 256, 1, 1, 0)), (22, (8, 2, 1, 128, 1, 1, 1024))):
-        s = object.__new__(_compile.StructLaunch)
-        s._launch, s._fn_ptr, s._dims = launch, fn_ptr, dims
-        launches.append(s)
-    words = np.arange(6, dtype=np.uint64)
-    _compile.StructLaunchGroup(launches)(7, words)
-    addr = words.ctypes.data
-    assert calls == [(11, (4, 1, 1, 256, 1, 1, 0), 7, addr, 0), (22, (8, 2, 1, 128, 1, 1, 1024), 7, addr, 0)]
-    assert list(words[:-1]) == [0, 1, 2, 3, 4] and int(words[-1]) == addr

@@ -14,6 +14,7 @@ import cupy_attn
 from cupy_attn import reference
 from cupy_attn.attention import checks as _checks, decode as _decode, dispatch as _dispatch
 from cupy_attn.runtime import compile as _compile, interop as _interop
+from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
 from _tolerance import as_f64, assert_close
 
@@ -62,7 +63,7 @@ def test_stream_tile_table():
         assert tile.stages >= 2 and tile.ctas_per_sm == (1 if variant == "stream" else 2)
         assert tile.warps * 16 * (d + 2) * 4 <= 2 * tile.stages * tile.block_n * d * 2  # merge scratch in the ring
         assert tile.in_flight_bytes(d) * tile.ctas_per_sm >= 128 * 1024  # per SM, see bench/NOTES_decode.md
-        for dtype in _decode._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             for has_mask in ("false", "true"):
                 assert _decode.FLASH_DECODE_SM90.name_expression(dtype=dtype, head_dim=d, tile=tile,
                                                                  has_mask=has_mask) in declared
@@ -145,7 +146,7 @@ def test_wide_tile_table():
         assert _SMEM_LIMIT[arch] >= tile.smem_bytes(d) > _SMEM_LIMIT[arch] // 2, (d, tile)  # 1 CTA/SM
         assert 8 * 16 * (d + 2) * 4 <= 2 * tile.stages * tile.block_n * (d + 8) * 2
         assert tile == _decode.tile_for(d, arch * 10, 8)
-        for dtype in _decode._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             for has_mask in ("false", "true"):
                 assert _decode.FLASH_DECODE.name_expression(dtype=dtype, head_dim=d, tile=tile,
                                                             has_mask=has_mask) in declared
@@ -216,7 +217,7 @@ def test_tile_table():
         assert tile.smem_bytes(d) <= _SMEM_LIMIT[arch], (d, arch, tile)
         assert tile.ctas_per_sm * tile.smem_bytes(d) <= {8: 167936, 9: 233472}[arch], (d, arch, tile)
         assert (tile.block_n // tile.warps) % 16 == 0 and tile.stages >= 2
-        for dtype in _decode._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             for has_mask in ("false", "true"):
                 assert _decode.FLASH_DECODE.name_expression(dtype=dtype, head_dim=d, tile=tile,
                                                             has_mask=has_mask) in declared
@@ -434,11 +435,12 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
             launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
                                             num_splits=n, variant=variant, warps=warps)
             streaming = variant != "v1" and hopper and tma_ok
-            assert (launch.choice.family is _decode.FLASH_DECODE_SM90) == streaming, launch.choice.describe()
+            choice = launch.info["choice"]
+            assert (choice.family is _decode.FLASH_DECODE_SM90) == streaming, choice.describe()
             if warps is not None:
-                assert launch.choice.tile.warps == (8 if warps == 8 and wide_ok else 4), launch.choice.describe()
+                assert choice.tile.warps == (8 if warps == 8 and wide_ok else 4), choice.describe()
             assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out,
-                           f"{what} {variant} warps={launch.choice.tile.warps} splits={n}")
+                           f"{what} {variant} warps={choice.tile.warps} splits={n}")
     return out
 
 

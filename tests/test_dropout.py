@@ -19,6 +19,7 @@ import cupy_attn
 from cupy_attn import philox, reference
 from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout, fused as _flash
 from cupy_attn.runtime import interop as _interop
+from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
 from _attention_ref import torch_attention
 from _tolerance import EPS, as_f64, assert_close
@@ -230,7 +231,7 @@ def test_dropout_tile_table_is_the_declared_table():
     for (dtype, d, arch), tile in _flash.DROPOUT_TILES.items():
         assert tile.smem_bytes(d) <= _SMEM_LIMIT[arch] and tile.block_m == 16 * tile.warps, (dtype, d, arch)
         for has_mask in ("false", "true"):
-            assert _flash.FLASH_FWD_DROPOUT.name_expression(dtype=_flash._C_TYPES[dtype], head_dim=d, tile=tile,
+            assert _flash.FLASH_FWD_DROPOUT.name_expression(dtype=C_TYPE_16[dtype], head_dim=d, tile=tile,
                                                             has_mask=has_mask) in declared
     assert len(declared) == 2 * 2 * len(set((d, t) for (_, d, _), t in _flash.DROPOUT_TILES.items()))
 

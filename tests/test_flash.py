@@ -13,6 +13,7 @@ import pytest
 from cupy_attn import reference
 from cupy_attn.attention import fused as _flash
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
 from _tolerance import as_f64, assert_close
 
@@ -70,7 +71,7 @@ def test_wgmma_tiles():
         assert tile.block_m == 16 * tile.warps and tile.warps % 4 == 0 and tile.stages == 2
         assert d in _wgmma_n("RS_N") and tile.block_n in _wgmma_n("SS_N")
         assert tile.smem_bytes(d) <= _SMEM_LIMIT[9], (d, tile)
-        for dtype in _flash._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             for has_mask in ("false", "true"):
                 assert _flash.FLASH_FWD_SM90A.name_expression(dtype=dtype, head_dim=d, tile=tile,
                                                               has_mask=has_mask) in declared
@@ -104,7 +105,7 @@ def test_tile_table_is_the_declared_table():
         assert tile.smem_bytes(d) <= _SMEM_LIMIT[arch], (dtype, d, arch, tile)
         assert tile.block_m % (16 * tile.warps) == 0
         for has_mask in ("false", "true"):
-            expr = _flash.FLASH_FWD.name_expression(dtype=_flash._C_TYPES[dtype], head_dim=d, tile=tile,
+            expr = _flash.FLASH_FWD.name_expression(dtype=C_TYPE_16[dtype], head_dim=d, tile=tile,
                                                     has_mask=has_mask)
             assert expr in declared
     assert {d for _, d, _ in _flash.TILES} == set(_flash.HEAD_DIMS)

@@ -28,6 +28,8 @@ import pytest
 from cupy_attn.attention import fused as _flash
 from cupy_attn.attention import fused_sm90 as _sm90
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import tma
+from cupy_attn.runtime.kernel_abi import C_TYPE_16
 from _compile_checks import assert_clean
 
 FAMILY = _sm90.FLASH_FWD_SM90_TMA
@@ -93,7 +95,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     and in the persistent variant; at D = 96 also with the S GEMM stopping at 80 columns."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    for dtype in _sm90._C_TYPES.values():
+    for dtype in C_TYPE_16.values():
         for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
             expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk)
             text = next(iter(sass_text(_compile.whole_cubin(
@@ -119,7 +121,7 @@ def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
 
 
 @pytest.mark.parametrize("mode", sorted(_sm90.M192_MODE_TILES))
-@pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
+@pytest.mark.parametrize("dtype", list(C_TYPE_16.values()))
 def test_m192_sass(dtype, mode):
     """The 192-row tile (three consumer warpgroups) in the SASS: the consumers' setmaxnreg to 160 (0xa0) and the
     producer's to 32 (0x20); S = Q Kᵀ as HGMMA.64x128x16 (4 k steps) and P·V as HGMMA.64x64x16 (8 k steps of 16 keys),
@@ -147,7 +149,7 @@ def test_m192_sass(dtype, mode):
     assert not any(op.startswith(("LDL", "STL")) for op in ops), f"{expr}: local memory"
 
 
-@pytest.mark.parametrize("dtype", list(_sm90._C_TYPES.values()))
+@pytest.mark.parametrize("dtype", list(C_TYPE_16.values()))
 def test_head_dim_96_sass_shapes(dtype):
     """The 96 bucket in the SASS: S = Q Kᵀ as HGMMA.64x128x16 (6 k steps, 5 at qk_dim 80), P·V as HGMMA.64x96x16 (8
     k steps of 16 keys), descriptors in the 64-byte swizzle (high word 0x80000020: mode 2 in bits 62-63, SBO 512 >> 4),
@@ -179,7 +181,7 @@ def test_tiles():
             assert (tile.overlap, tile.persistent) == (overlap, persistent)
             assert dataclasses.replace(tile, overlap=False, persistent=False) == _sm90.SM90_TILES[d]
             assert tile.smem_bytes(d) <= 232448, (d, tile)
-            for dtype in _sm90._C_TYPES.values():
+            for dtype in C_TYPE_16.values():
                 for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
                     assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
     # The 192-row tiles: the 128-row overlap / persistent tile of head dim 64 with three consumer warpgroups.
@@ -191,7 +193,7 @@ def test_tiles():
         assert tile.block_m == 192 and tile.threads == 512 and _sm90.MODE_TILES[mode][64].threads == 384
         # (192 + 2·2·128)·64·2 + 3·64·64·2 O staging + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
         assert tile.smem_bytes(64) == 90112 + 24576 + 80 + 3072 + 1024
-        for dtype in _sm90._C_TYPES.values():
+        for dtype in C_TYPE_16.values():
             assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64) in declared
 
 
@@ -368,7 +370,7 @@ def test_unsupported_reason(args, expect):
 
 
 class _FakeArray:
-    """Shape, byte strides, dtype and base address, as layout_reason and _MapSpec read them."""
+    """Shape, byte strides, dtype and base address, as layout_reason and MapSpec read them."""
 
     class _Data:
         def __init__(self, ptr):
@@ -388,17 +390,17 @@ def _bshd(B, H, S, D, ptr=1 << 20):
 
 
 def test_tensor_map_layouts():
-    spec = _sm90._MapSpec.of(_bhsd(2, 3, 100, 128), 128)
+    spec = tma.MapSpec.of(_bhsd(2, 3, 100, 128), 128)
     assert spec.dims == (128, 100, 3, 2) and spec.strides == (256, 100 * 256, 300 * 256) and spec.box_rows == 128
     assert spec.box_cols == 64
-    spec = _sm90._MapSpec.of(_bhsd(2, 3, 100, 80), 128, 32)  # E = 80 in the 96 bucket: 32-column boxes
+    spec = tma.MapSpec.of(_bhsd(2, 3, 100, 80), 128, 32)  # E = 80 in the 96 bucket: 32-column boxes
     assert spec.dims == (80, 100, 3, 2) and spec.strides == (160, 100 * 160, 300 * 160) and spec.box_cols == 32
-    spec = _sm90._MapSpec.of(_bshd(2, 3, 100, 64), 128)
+    spec = tma.MapSpec.of(_bshd(2, 3, 100, 64), 128)
     assert spec.dims == (64, 100, 3, 2) and spec.strides == (3 * 128, 128, 300 * 128)
     # Axes of size 1 get a valid stride whatever the view says.
-    spec = _sm90._MapSpec.of(_FakeArray((1, 1, 17, 64), (0, 0, 128, 2)), 128)
+    spec = tma.MapSpec.of(_FakeArray((1, 1, 17, 64), (0, 0, 128, 2)), 128)
     assert spec.strides == (128, 128 * 17, 128 * 17)
-    spec = _sm90._MapSpec.of(_FakeArray((2, 3, 1, 64), (3 * 1000 * 2, 1000 * 2, 3, 2)), 128)  # S = 1: any row stride
+    spec = tma.MapSpec.of(_FakeArray((2, 3, 1, 64), (3 * 1000 * 2, 1000 * 2, 3, 2)), 128)  # S = 1: any row stride
     assert spec.strides == (128, 1000 * 2, 3 * 1000 * 2)
 
 
@@ -421,7 +423,7 @@ def test_encode_tensor_map_without_a_driver_raises_cleanly():
         import cupy
         cupy.empty(1)
     try:
-        m = _sm90._MapSpec.of(_bhsd(2, 3, 100, 128), 128).encode(1 << 20)
+        m = tma.MapSpec.of(_bhsd(2, 3, 100, 128), 128).encode(1 << 20)
     except (RuntimeError, OSError) as exc:
         if _gpu():
             raise
@@ -443,16 +445,16 @@ def test_tensor_maps_take_the_bucket_swizzle(monkeypatch, D, cols, swizzle):
         return cu.CUresult.CUDA_ERROR_INVALID_VALUE, None  # a failure code: encode raises after the call
 
     monkeypatch.setattr(cu, "cuTensorMapEncodeTiled", fake_encode)
-    monkeypatch.setattr(_sm90, "_driver_init", lambda: None)
+    monkeypatch.setattr(tma, "_driver_init", lambda: None)
     assert _sm90.swizzle_bytes(D) // 2 == cols
     with pytest.raises(RuntimeError, match="cuTensorMapEncodeTiled failed"):
-        _sm90._MapSpec.of(_bhsd(2, 3, 100, 80 if D == 96 else D), 128, cols).encode(1 << 20)  # E = 80: 96 bucket
+        tma.MapSpec.of(_bhsd(2, 3, 100, 80 if D == 96 else D), 128, cols).encode(1 << 20)  # E = 80: 96 bucket
     assert calls[-1] == ([cols, 128, 1, 1], getattr(cu.CUtensorMapSwizzle, f"CU_TENSOR_MAP_{swizzle}"))
     with pytest.raises(RuntimeError):
-        _sm90.encode_tensor_map("float32", 1 << 20, (256, 8), (1024,), (128, 1))
+        tma.encode_tensor_map("float32", 1 << 20, (256, 8), (1024,), (128, 1))
     assert calls[-1][1] == cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
     with pytest.raises(ValueError, match="64 or 128 bytes"):
-        _sm90.encode_tensor_map("float16", 1 << 20, (80, 100), (160,), (16, 128))
+        tma.encode_tensor_map("float16", 1 << 20, (80, 100), (160,), (16, 128))
 
 
 def test_head_buckets():
@@ -476,6 +478,8 @@ def test_launch_params(monkeypatch):
     pointer triple, written again only when they change), pointers, sizes, strides; grid, block, shared memory and
     stream as prepared."""
     import ctypes
+
+    from cupy.cuda import driver
     calls, launched = [], []
 
     def fake_encode(spec, ptr):
@@ -485,31 +489,31 @@ def test_launch_params(monkeypatch):
     def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
         struct = ctypes.c_uint64.from_address(argv).value
         launched.append(((fn, gx, gy, gz, bx, by, bz, smem, stream, extra),
-                         ctypes.string_at(struct, _sm90._PARAMS.itemsize)))
+                         ctypes.string_at(struct, _sm90.PARAMS.itemsize)))
 
-    monkeypatch.setattr(_sm90._MapSpec, "encode", fake_encode)
+    monkeypatch.setattr(tma.MapSpec, "encode", fake_encode)
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
     q, k = _bhsd(2, 8, 100, 128), _bhsd(2, 2, 70, 128)
-    p = np.zeros((), _sm90._PARAMS)
+    p = np.zeros((), _sm90.PARAMS)
     p["seqlen_q"], p["groups"] = 100, 4
-    maps = tuple(_sm90._MapSpec.of(a, 128) for a in (q, k, k))
-    launch = _sm90.Sm90Launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000)
-    launch._launch = fake_launch
+    maps = tuple(tma.MapSpec.of(a, 128) for a in (q, k, k))
+    launch = _sm90.build_launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000)
     launch.launch_on(77, 1000, 2000, 3000, 4000, 5000)
     assert calls == [1000, 2000, 3000]
     dims, raw = launched[-1]
     assert dims == (0xF00, 1, 8, 2, 384, 1, 1, 1000, 77, 0)
-    got = np.frombuffer(raw, _sm90._PARAMS)[0]
+    got = np.frombuffer(raw, _sm90.PARAMS)[0]
     assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
     assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
     assert len(raw) == 704 and raw[128] == 2000 % 251 and int.from_bytes(raw[512:520], "little") == 4000
     assert got["o_tma"] == 0 and not got["tma_o"].any(), "no out map prepared: 4-byte stores"
     launch.launch_on(77, 1000, 2000, 3000, 4001)
     assert len(calls) == 3, "same q/k/v pointers: maps reused"
-    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    got = np.frombuffer(launched[-1][1], _sm90.PARAMS)[0]
     assert (got["out"], got["lse"]) == (4001, 0) and (got["tma_k"] == 2000 % 251).all()
     launch.launch_on(78, 1016, 2000, 3000, 4001)
     assert len(calls) == 6
-    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    got = np.frombuffer(launched[-1][1], _sm90.PARAMS)[0]
     assert (got["tma_q"] == 1016 % 251).all() and launched[-1][0][8] == 78
     assert not p["out"] and not p["tma_q"].any(), "the prepared parameters are not written"
     with pytest.raises(ValueError, match="attn_mask"):
@@ -518,16 +522,15 @@ def test_launch_params(monkeypatch):
     # aligned, its map encoded once per out pointer; 4-byte stores (o_tma 0) for a base that is not.
     o = _bhsd(2, 8, 100, 128)
     assert _sm90.o_tma_reason(o) is None and "multiple of 8" in _sm90.o_tma_reason(_bhsd(2, 8, 100, 100))
-    launch = _sm90.Sm90Launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000, _sm90._MapSpec.of(o, 64))
-    launch._launch = fake_launch
+    launch = _sm90.build_launch(_FakeKernel(), p, maps, (1, 8, 2), (384,), 1000, tma.MapSpec.of(o, 64))
     calls.clear()
     launch.launch_on(77, 1000, 2000, 3000, 4096, 0)
-    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    got = np.frombuffer(launched[-1][1], _sm90.PARAMS)[0]
     assert calls == [1000, 2000, 3000, 4096] and got["o_tma"] == 1 and (got["tma_o"] == 4096 % 251).all()
     launch.launch_on(77, 1000, 2000, 3000, 4096, 0)
     assert len(calls) == 4, "same out pointer: its map reused"
     launch.launch_on(77, 1000, 2000, 3000, 4104, 0)
-    got = np.frombuffer(launched[-1][1], _sm90._PARAMS)[0]
+    got = np.frombuffer(launched[-1][1], _sm90.PARAMS)[0]
     assert len(calls) == 4 and got["o_tma"] == 0 and got["out"] == 4104, "an 8-byte aligned out: 4-byte stores"
 
 
@@ -630,14 +633,14 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
     B, Hq, L, E = q.shape
     out = cupy.empty((B, Hq, L, v.shape[-1]), dtype=_cp(q).dtype)
     launch = _flash.prepare(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
-    assert isinstance(launch, _sm90.Sm90Launch) == expect_fa3, f"{what}: launch {type(launch).__name__}"
+    assert (launch.params.dtype == _sm90.PARAMS) == expect_fa3, f"{what}: launch of {launch.kernel}"
     if expect_fa3:
         D = _sm90.head_bucket(E, v.shape[-1])
         tile = _sm90.tile_for(os.environ[_flash.ENV_FA3], D, causal is not None)
         assert launch.block == (tile.threads,) and launch.smem == tile.smem_bytes(D), what
         if os.environ.get(_sm90.ENV_M192) == "1" and D == 64:
             assert tile.block_m == 192, f"{what}: the 192-row tile forced"
-        assert launch.kernel is FAMILY.kernel(dtype=_sm90._C_TYPES[dtype], head_dim=D, tile=tile,
+        assert launch.kernel is FAMILY.kernel(dtype=C_TYPE_16[dtype], head_dim=D, tile=tile,
                                               qk_dim=_sm90.qk_dim(E, D)), f"{what}: variant"
         m_blocks = -(-L // tile.block_m)
         if tile.persistent:
@@ -803,7 +806,7 @@ def test_off_by_default(monkeypatch):
     import cupy
     monkeypatch.delenv(_flash.ENV_FA3, raising=False)
     q = cupy.zeros((1, 1, 8, 128), cupy.float16)
-    assert isinstance(_flash.prepare(q, q, q, cupy.empty_like(q), None, scale=0.1), _flash.FlashLaunch)
+    assert _flash.prepare(q, q, q, cupy.empty_like(q), None, scale=0.1).params.dtype != _sm90.PARAMS
 
 
 @pytest.mark.gpu

@@ -14,6 +14,8 @@ propagation; unaligned operands (4-byte copies); SDPA at fp32 with large logits 
 
     PYTHONPATH=. python3 -m pytest -m gpu tests/test_gemm_3xtf32.py
 """
+import types
+
 import numpy as np
 import pytest
 
@@ -218,8 +220,8 @@ def test_params_and_alignment_variant():
     p = gemm.params
     assert (int(p["m"]), int(p["n"]), int(p["k"]), int(p["batch"])) == (100, 300, 64, 3)
     assert (int(p["tiles_m"]), int(p["tiles_n"])) == (1, 3)
-    assert float(p["alpha"]) == 0.125 and gemm._dims[:2] == (9, 1) and gemm._dims[3] == 256
-    assert gemm.smem == _g.TILE.smem_bytes(True) and gemm._dims[6] == gemm.smem
+    assert float(p["alpha"]) == 0.125 and gemm.grid == (9,) and gemm.block == (256,)
+    assert gemm.smem == _g.TILE.smem_bytes(True)
     assert gemm.variant(4096, 8192) == {"tile": _g.TILE, "trans_b": "true", "align_a": "true", "align_b": "true"}
     ab = _g.Gemm3xTF32(**_problem(trans_b=False, ldb=300))
     assert ab.variant(0, 0)["trans_b"] == "false" and ab.smem == _g.TILE.smem_bytes(False) == 143360
@@ -248,8 +250,8 @@ def _schedule(monkeypatch, dtype=np.float32, allow_tf32=False, arch=90, B=2, H=3
 
     class Softmax:
         @staticmethod
-        def kernel(**row):
-            return ("softmax", row)
+        def kernel(**row):  # what a launch reads of a loaded kernel: its CUfunction
+            return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0), row=row)
 
     monkeypatch.setattr(split, "SOFTMAX", Softmax)
     monkeypatch.setattr(split, "_SCHEDULES", {})

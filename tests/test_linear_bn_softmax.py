@@ -19,6 +19,7 @@ from cupy_attn import reference
 from cupy_attn.linear_bn_softmax import api as lbs_api, backward as lbs_bwd, checks as lbs_checks, launch as lbs
 from cupy_attn.linear_bn_softmax import linear_batchnorm_softmax
 from cupy_attn.runtime import callcache as _callcache, compile as _compile, interop
+from cupy_attn.runtime.kernel_abi import C_TYPE
 
 torch = pytest.importorskip("torch")
 from torch import nn  # noqa: E402
@@ -387,7 +388,7 @@ def test_every_variant_compiles(family, arch):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_plans_are_declared_variants(dtype):
-    c = lbs._C_TYPES[dtype]
+    c = C_TYPE[dtype]
     rows = set(lbs.SOFTMAX_ROWS.name_expressions())
     streams = set(lbs.SOFTMAX_ROWS_STREAMING.name_expressions())
     for f in [1, 2, 3, 7, 8, 31, 32, 100, 1000, 1001, 2048, 2050, 4096, 8192, 8193, 16384, 16392, 20000, 20001]:
@@ -408,7 +409,7 @@ def test_plans_are_declared_variants(dtype):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 def test_backward_plans_are_declared_variants(dtype):
-    c = lbs._C_TYPES[dtype]
+    c = C_TYPE[dtype]
     npdt = np.dtype(dtype) if dtype != "bfloat16" else interop.dtype_of(torch.empty(1, dtype=torch.bfloat16),
                                                                          "torch_cpu")
     for f in [1, 3, 8, 31, 32, 264, 1000, 8192, 8200, 20001]:
@@ -456,24 +457,27 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
     by recorders. Returns (ctx, record): record["params"] the BwdParams of each launch, ["work"] workspace sizes,
     ["gemms"] (dx, dw) fakes, ["activations"] how often the CuPy context was entered."""
     import contextlib
+    import types
+
+    from cupy.cuda import driver
     record = {"params": [], "work": [], "activations": 0, "copies": []}
+
+    kernels = {name: types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=ptr), max_dynamic_shared_size_bytes=0)
+               for name, ptr in (("row_dot", 1), ("columns", 2))}
 
     def plan(device_id, dtype, n, k, f, ldx, ldw, allow_tf32, need_dx, need_dw):
         record["gemms"] = (_FakeGemm() if need_dx else None, _FakeGemm() if need_dw else None)
-        return lbs_bwd._Plan(row_dot=("row_dot", (1,), (256,)), columns=("columns", (1,), (256,)),
+        return lbs_bwd._Plan(row_dot=(kernels["row_dot"], (1,), (256,)), columns=(kernels["columns"], (1,), (256,)),
                              dx=record["gemms"][0], dw=record["gemms"][1])
 
-    class Group:  # StructLaunchGroup of the plan's two kernels: records the params of each launch (the words but
-        # the spare last one); "columns" writes a known pattern to the per-feature gradients
-        def __init__(self, launches):
-            self.fns = list(launches)
-
-        def __call__(self, stream_ptr, words):
-            for fn in self.fns:
-                p = words[:-1].view(lbs_bwd._BWD_PARAMS)[0].copy()
-                record["params"].append(p)
-                if fn == "columns":
-                    _write_feature_pattern(p)
+    def launch(fn_ptr, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        """cuLaunchKernel of the plan's two kernels: records the BwdParams each gets; "columns" writes a known
+        pattern to the per-feature gradients."""
+        raw = ctypes.string_at(ctypes.c_uint64.from_address(argv).value, lbs_bwd._BWD_PARAMS.itemsize)
+        p = np.frombuffer(raw, lbs_bwd._BWD_PARAMS)[0].copy()
+        record["params"].append(p)
+        if fn_ptr == 2:
+            _write_feature_pattern(p)
 
     def copy(dst, src, nbytes, kind, stream_ptr):
         record["copies"].append((dst, src, nbytes, kind, stream_ptr))
@@ -492,10 +496,9 @@ def _fake_backward_device(monkeypatch, stream_ptr=7):
             record["activations"] += 1
             yield
     monkeypatch.setattr(lbs_bwd, "_plan", plan)
-    monkeypatch.setattr(lbs_bwd, "StructLaunch", lambda fn, grid, block: fn)
-    monkeypatch.setattr(lbs_bwd, "StructLaunchGroup", Group)
+    monkeypatch.setattr(driver, "launchKernel", launch)
     monkeypatch.setattr(lbs_bwd, "_memcpy_fn", lambda: copy)
-    monkeypatch.setattr(lbs_bwd, "_workspace", work)
+    monkeypatch.setattr(lbs_bwd, "stream_workspace", work)
     monkeypatch.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
     monkeypatch.setattr(interop, "current_torch_stream", lambda device_id: stream_ptr)
     monkeypatch.setattr(interop, "context_for", lambda x, name="query": Ctx())

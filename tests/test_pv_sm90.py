@@ -65,13 +65,13 @@ def test_key_steps_cover_every_visible_key_of_the_block(L, S, offset):
 
 
 def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
-    """PvLaunch.launch_on: the kernel gets the struct with the maps of the call's P and V and out's base, the grid,
+    """build_launch's replay: the kernel gets the struct with the maps of the call's P and V and out's base, the grid,
     384 threads and its shared memory on the caller's stream; maps are encoded again only when a base moves."""
     rec = LaunchRecorder(monkeypatch, _pv._PARAMS)
     params = np.zeros((), dtype=_pv._PARAMS)
     params["seqlen_q"], params["seqlen_k"], params["head_dim_v"], params["is_causal"] = 512, 512, 1024, 1
     kernel = FakeKernel(99)
-    obj = _pv.PvLaunch(kernel, params, (rec.spec(1), rec.spec(2)), (132, 1, 1))
+    obj = _pv.build_launch(kernel, params, (rec.spec(1), rec.spec(2)), (132, 1, 1))
     assert kernel.max_dynamic_shared_size_bytes == _pv.smem_bytes() <= 232448
     for p_ptr, v_ptr, o_ptr, stream in ((16, 32, 48, 7), (16, 32, 64, 7), (80, 32, 64, 9)):
         obj.launch_on(stream, p_ptr, v_ptr, o_ptr)

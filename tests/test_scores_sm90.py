@@ -82,7 +82,7 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
 
 
 def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
-    """ScoresLaunch.launch_on (one cuLaunchKernel on the launch's own parameter bytes): the kernel gets exactly the
+    """build_launch's replay (one cuLaunchKernel on the launch's own parameter bytes): the kernel gets exactly the
     struct that filling a copy of ``params`` field by field gives (the three maps of the call's q, k, P and the lse
     pointer), the prepared grid, 384 threads, the tile's shared memory and the caller's stream; maps are encoded again
     and rewritten only when a base moves, and the lse word follows every call."""
@@ -91,7 +91,7 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
     params = np.zeros((), dtype=_scores._PARAMS)
     params["seqlen_q"], params["seqlen_k"], params["head_dim"], params["scale_log2"] = 512, 512, 1024, 0.0451
     kernel = FakeKernel(1234)
-    launch_obj = _scores.ScoresLaunch(kernel, params, (rec.spec(1), rec.spec(2), rec.spec(3)), (132, 1, 1), tile, 3)
+    launch_obj = _scores.build_launch(kernel, params, (rec.spec(1), rec.spec(2), rec.spec(3)), (132, 1, 1), tile, 3)
     assert kernel.max_dynamic_shared_size_bytes == tile.smem_bytes()  # raised past the 48 KB default
     for q, k, p, lse, stream in ((16, 32, 48, 64, 7), (16, 32, 48, 0, 7), (16, 96, 48, 80, 9)):
         launch_obj.launch_on(stream, q, k, p, lse)

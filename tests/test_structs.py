@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cupy_attn.linear_bn_softmax import launch
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile as _compile, launch as _launch
 from cupy_attn.runtime.structs import layout_asserts
 
 
@@ -53,9 +53,9 @@ def test_drifted_declaration_fails_to_compile():
 
 def test_launch_config_mirrors_cuda_h():
     """The ctypes CUlaunchAttribute / CUlaunchConfig that programmatic dependent launches pass to cuLaunchKernelEx
-    (runtime.compile._PdlLaunch) have cuda.h's sizes and offsets, and the attribute id is cuda.h's."""
+    (runtime.launch._PdlLaunch) have cuda.h's sizes and offsets, and the attribute id is cuda.h's."""
     import ctypes
-    Attribute, Config = _compile.launch_config_types()
+    Attribute, Config = _launch.launch_config_types()
     assert ctypes.sizeof(Attribute) == 72 and Attribute.value.offset == 8
     assert ctypes.sizeof(Config) == 56
     assert (Config.smem.offset, Config.stream.offset, Config.attrs.offset, Config.num_attrs.offset) == (24, 32, 40, 48)
@@ -65,7 +65,7 @@ def test_launch_config_mirrors_cuda_h():
         pytest.skip("no cuda.h among the CUDA include dirs")
     text = open(headers[0]).read()
     m = re.search(r"CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION\s*=\s*(\d+)", text)
-    assert m and int(m.group(1)) == _compile._PdlLaunch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+    assert m and int(m.group(1)) == _launch._PdlLaunch.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
 
 def test_pdl_supported_compares_compute_capability_as_a_number(monkeypatch):
@@ -78,5 +78,5 @@ def test_pdl_supported_compares_compute_capability_as_a_number(monkeypatch):
             self.compute_capability = {0: "80", 1: "90", 2: "100", 3: "120"}[device_id]
 
     monkeypatch.setattr(cupy.cuda, "Device", FakeDevice)
-    monkeypatch.setattr(_compile, "_libcuda", lambda: type("Lib", (), {"cuLaunchKernelEx": None})())
-    assert [_compile.pdl_supported(i) for i in range(4)] == [False, True, True, True]
+    monkeypatch.setattr(_launch, "_libcuda", lambda: type("Lib", (), {"cuLaunchKernelEx": None})())
+    assert [_launch.pdl_supported(i) for i in range(4)] == [False, True, True, True]

@@ -27,15 +27,14 @@ import numpy as np
 
 from .. import philox
 from ..runtime import blas, workspace
-from ..runtime.compile import KernelFamily, StructLaunch, struct_arg
+from ..runtime import env as runtime_env
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import AlignFlag, PreparedLaunch, Step, launch_struct
 from ..runtime.interop import dtype_name
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-_LOG2E = 1.4426950408889634
+from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND
 
 # BwdParams in backward.cu: every field 8 bytes wide.
-_PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
+BWD_PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
     "scores", "dp", "out", "dmask", "lse", "delta", "mask", "dout", "o", "rows", "rows_per_head", "row0",
     "seqlen_q", "seqlen_k", "ld", "head_dim_v", "head0", "num_heads", "causal_offset", "mask_kind",
     "mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s", "rng", "dropout_threshold",
@@ -62,29 +61,29 @@ BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_rows<{dtype}, {grad}, {dropout}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
-    structs=(("cupy_attn::BwdParams", _PARAMS),),
+    axes={"dtype": tuple(C_TYPE.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
+    structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_GROUP_SUM = KernelFamily(
     name="attn_bwd_group_sum",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_group_sum<{dtype}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "vec": (1, 4)},
-    structs=(("cupy_attn::BwdParams", _PARAMS),),
+    axes={"dtype": tuple(C_TYPE.values()), "vec": (1, 4)},
+    structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_DELTA_PADDED = KernelFamily(
     name="attn_bwd_delta_padded",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_delta_padded<{dtype}>",
     axes={"dtype": ("__half", "__nv_bfloat16")},
-    structs=(("cupy_attn::BwdParams", _PARAMS),),
+    structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_DELTA = KernelFamily(
     name="attn_bwd_delta",
     source="attention/backward.cu",
     template="cupy_attn::attn_bwd_delta<{dtype}>",
-    axes={"dtype": tuple(_C_TYPES.values())},
-    structs=(("cupy_attn::BwdParams", _PARAMS),),
+    axes={"dtype": tuple(C_TYPE.values())},
+    structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 
 # The fused backward (cuda_src/attention/flash_bwd.cu): head-dim bucket -> (warps, kBlockM); kBlockN = 16 · warps.
@@ -156,8 +155,7 @@ def plan_backward(p, arch: int | None = None) -> BackwardPlan:
     Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
     E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
-    import os
-    env = os.environ.get(ENV_BWD, "")
+    env = runtime_env.get(ENV_BWD, "")
     if env not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {env!r}")
     if env == "split":
@@ -239,15 +237,15 @@ class GroupSum:
     def __init__(self, ctype: str, rows: int, inner: int, groups: int):
         self.vec = rows % 4 == 0 and inner % 4 == 0
         self.dst_align = 4 * (4 if ctype == "float" else 2)  # bytes of 4 outputs
-        self.launches = {vec: StructLaunch(BACKWARD_GROUP_SUM.kernel(dtype=ctype, vec=vec),
-                                           (-(-rows // (256 * vec)),), (256,)) for vec in ((1, 4) if self.vec else (1,))}
-        self.params = np.zeros((), dtype=_PARAMS)
+        self.params = np.zeros((), dtype=BWD_PARAMS)
         self.params["rows"], self.params["ld"], self.params["num_heads"] = rows, inner, groups
+        self.launches = {vec: PreparedLaunch(self.params, [Step(BACKWARD_GROUP_SUM.kernel(dtype=ctype, vec=vec),
+                                                                (-(-rows // (256 * vec)),), (256,))],
+                                             args=("src", "dst"), pointers={"scores": "src", "out": "dst"})
+                         for vec in ((1, 4) if self.vec else (1,))}
 
     def run(self, stream: int, src: int, dst: int) -> None:
-        prm = self.params.copy()
-        prm["scores"], prm["out"] = src, dst
-        self.launches[4 if self.vec and src % 16 == 0 and dst % self.dst_align == 0 else 1](stream, prm)
+        self.launches[4 if self.vec and src % 16 == 0 and dst % self.dst_align == 0 else 1].launch_on(stream, src, dst)
 
 
 class FusedBackward:
@@ -274,7 +272,8 @@ class FusedBackward:
         del holder  # freed stream-ordered: the work above is enqueued
 
 
-def _aligned(nbytes: int) -> int:
+def round_up_256(nbytes: int) -> int:
+    """nbytes rounded up to a multiple of 256 (the scratch regions' alignment)."""
     return -(-nbytes // 256) * 256
 
 
@@ -287,12 +286,14 @@ class FlashBackward(FusedBackward):
         self.ctx = ctx = p.ctx
         B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
             p.head_dim_v
-        ctype = _C_TYPES[dtype_name(p.dtype)]
-        self.dq32_offset = _aligned(B * Hq * L * 4)
+        ctype = C_TYPE[dtype_name(p.dtype)]
+        self.dq32_offset = round_up_256(B * Hq * L * 4)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
-        self.delta = StructLaunch(BACKWARD_DELTA.kernel(dtype=ctype), (-(-B * Hq * L // 8),), (256,))
-        self.delta_params = np.zeros((), dtype=_PARAMS)
-        self.delta_params["rows"], self.delta_params["head_dim_v"] = B * Hq * L, Ev
+        delta = np.zeros((), dtype=BWD_PARAMS)
+        delta["rows"], delta["head_dim_v"] = B * Hq * L, Ev
+        self.delta = PreparedLaunch(delta, [Step(BACKWARD_DELTA.kernel(dtype=ctype), (-(-B * Hq * L // 8),), (256,))],
+                                    args=("dout", "out", "scratch"),
+                                    pointers={"dout": "dout", "o": "out", "delta": "scratch"})
 
         warps, block_m = FLASH_BWD_TILES[bucket]
         prm = self.params = np.zeros((), dtype=_FLASH_PARAMS)
@@ -300,10 +301,10 @@ class FlashBackward(FusedBackward):
         prm["num_heads"], prm["groups"] = Hq, p.groups
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
-        do = _Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it (base: per call)
+        do = Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it (base: per call)
         prm["vec_flags"] = _rows16(p.query) | _rows16(p.key) << 1 | _rows16(p.value) << 2
-        self.do_vec_flag = _rows16(do) << 3  # when dout's base is 16-byte aligned too
-        prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        do_vec_flag = _rows16(do) << 3  # when dout's base is 16-byte aligned too
+        prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
         if p.dropout_p > 0:
             prm["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
             prm["dropout_scale"] = philox.dropout_scale(p.dropout_p)
@@ -317,24 +318,21 @@ class FlashBackward(FusedBackward):
                                   dropout="true" if p.dropout_p > 0 else "false")
         block_n = 16 * warps
         smem = ((2 * block_n + 4 * block_m) * (bucket + 8) + block_n * (block_m + 8)) * 2 + 2 * block_m * 4
-        self.kernel = StructLaunch(kernel, (-(-S // block_n), Hkv, B), (warps * 32,), smem)
+        self.kernel = PreparedLaunch(
+            prm, [Step(kernel, (-(-S // block_n), Hkv, B), (warps * 32,), smem)],
+            args=("q", "k", "v", "dout", "lse", "scratch", "dk", "dv", "rng"),
+            pointers={"q": "q", "k": "k", "v": "v", "dout": "dout", "lse": "lse", "delta": "scratch",
+                      "dq_accum": ("scratch", self.dq32_offset), "dk": "dk", "dv": "dv", "rng": "rng"},
+            flags=[AlignFlag("vec_flags", "dout", 16, do_vec_flag)])
         self.cast = GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
     def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
-        pre = self.delta_params.copy()
-        pre["dout"], pre["o"], pre["delta"] = dout, out, scratch
-        self.delta(stream, pre)
-        prm = self.params.copy()
-        if dout % 16 == 0:
-            prm["vec_flags"] |= self.do_vec_flag
-        prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
-        prm["q"], prm["k"], prm["v"], prm["dout"], prm["lse"], prm["delta"], prm["rng"] = q, k, v, dout, lse, \
-            scratch, rng
-        self.kernel(stream, prm)
+        self.delta.launch_on(stream, dout, out, scratch)
+        self.kernel.launch_on(stream, q, k, v, dout, lse, scratch, dk, dv, rng)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class Layout:
     """Shape, byte strides, dtype and base address of an array, read as the launchers read a CuPy array's: an array
     the kernel will read whose memory does not exist yet (dout's contiguous layout)."""
     shape: tuple
@@ -351,7 +349,7 @@ class _Layout:
         return self.dtype.itemsize
 
     @classmethod
-    def contiguous(cls, shape, dtype, ptr: int = 0) -> "_Layout":
+    def contiguous(cls, shape, dtype, ptr: int = 0) -> "Layout":
         dtype = np.dtype(dtype)
         strides, step = [], dtype.itemsize
         for n in reversed(shape):
@@ -403,7 +401,7 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
     B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     g, n_heads = p.groups, p.batch * p.num_heads
     dtype = p.dtype
-    ctype = _C_TYPES[dtype_name(dtype)]
+    ctype = C_TYPE[dtype_name(dtype)]
     budget = workspace_bytes or DEFAULT_WORKSPACE_BYTES
     keep: list = []
     with ctx.activate():
@@ -437,20 +435,20 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
         holder, pbuf = _scratch(ctx, (heads * rows * ld,), dtype)
         keep.append(holder)
 
-        base = np.zeros((), dtype=_PARAMS)
+        base = np.zeros((), dtype=BWD_PARAMS)
         base["lse"], base["delta"], base["seqlen_q"], base["seqlen_k"], base["ld"] = lse.data.ptr, delta.data.ptr, L, S, ld
         base["head_dim_v"], base["num_heads"] = Ev, Hq
         base["causal_offset"] = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
         if p.mask is not None:
             m = p.mask
-            base["mask_kind"] = _MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(m.dtype)]
+            base["mask_kind"] = MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(m.dtype)]
             base["mask"] = m.data.ptr
             for axis, stride in zip("bhls", m.strides):
                 base[f"mask_stride_{axis}"] = stride // m.itemsize
 
         prm = base.copy()
         prm["rows"], prm["dout"], prm["o"] = n_heads * L, do.data.ptr, o.data.ptr
-        BACKWARD_DELTA.kernel(dtype=ctype)((-(-n_heads * L // 8),), (256,), (struct_arg(prm),))
+        launch_struct(BACKWARD_DELTA.kernel(dtype=ctype), (-(-n_heads * L // 8),), (256,), prm, ctx.stream.ptr)
         drop = "true" if p.dropout_p > 0 else "false"
         if p.dropout_p > 0:
             base["rng"] = p.rng.data.ptr
@@ -458,7 +456,7 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
             base["dropout_scale"] = philox.dropout_scale(p.dropout_p)
         rows_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="false", dropout=drop)
         grad_kernel = BACKWARD_ROWS.kernel(dtype=ctype, grad="true", dropout=drop)
-        alpha = p.scale * _LOG2E
+        alpha = p.scale * LOG2E
         isz = dtype.itemsize
         gemms: dict = {}
         # S is recomputed by the forward's own GEMM (fp32: gemm_3xtf32 unless CUPY_ATTN_FP32_GEMM=sgemm or allow_tf32),
@@ -509,12 +507,12 @@ def sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_bytes:
                 prm = base.copy()
                 prm["scores"], prm["dp"], prm["out"] = s32.data.ptr, dp32.data.ptr, pbuf.data.ptr
                 prm["rows"], prm["rows_per_head"], prm["row0"], prm["head0"] = nb * lc, lc, r0, h0
-                rows_kernel((nb * lc,), (128,), (struct_arg(prm),))
+                launch_struct(rows_kernel, (nb * lc,), (128,), prm, ctx.stream.ptr)
                 g_dv(dv32.data.ptr + h0 * S * Ev * 4, pbuf.data.ptr, do0)
                 g_dp(dp32.data.ptr, do0, v0)
                 if dmask is not None:  # (rows, S) of this chunk: heads h0.., rows r0.. of a (heads, L, S) array
                     prm["dmask"] = dmask.data.ptr + (h0 * L + r0) * S * 4
-                grad_kernel((nb * lc,), (128,), (struct_arg(prm),))
+                launch_struct(grad_kernel, (nb * lc,), (128,), prm, ctx.stream.ptr)
                 g_dq(dq.data.ptr + (h0 * L + r0) * E * isz, pbuf.data.ptr, k0)
                 g_dk(dk32.data.ptr + h0 * S * E * 4, pbuf.data.ptr, q0)
 

@@ -24,13 +24,12 @@ import math
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, StructLaunch
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import Maps, PreparedLaunch, Step
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, encode_tensor_map, tma_operand_reason
 from . import backward as _bwd
-from . import fused_sm90 as _fa3
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_LOG2E = 1.4426950408889634
 THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
 STAT_PAD = 128
@@ -95,11 +94,10 @@ SM90_BWD_TILES = {
     256: BwdSm90Tile(64, 64),
 }
 
-_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
 # asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
-_PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq")]
-                         + [(n, _F64 if n in ("scale", "scale_log2") else _I64, 8) for n in (
+_PARAMS = c_struct([(n, MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq")]
+                   + [(n, F64 if n in ("scale", "scale_log2") else I64, 8) for n in (
                              "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
                              "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
                              "scale_log2")])
@@ -108,7 +106,7 @@ FLASH_BWD_SM90 = KernelFamily(
     source="attention/flash_bwd_sm90.cu",
     template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(SM90_BWD_TILES),
         "tile": tuple(sorted(set(SM90_BWD_TILES.values()), key=dataclasses.astuple)),
     },
@@ -140,7 +138,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, ar
     """
     if arch != 90:
         return f"sm_{arch}: the Hopper backward needs sm_90a (H100/H200)"
-    if dtype_name(dtype) not in _C_TYPES:
+    if dtype_name(dtype) not in C_TYPE_16:
         return f"dtype {dtype_name(dtype)}: the Hopper backward serves fp16 and bf16"
     if head_bucket(head_dim, head_dim_v) is None:
         return f"head dims E={head_dim}, Ev={head_dim_v}: the Hopper backward serves head dims up to " \
@@ -157,9 +155,9 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, ar
 def layout_reason(q, k, v, dout) -> str | None:
     """None when TMA can read query, key, value and dout in place: 16-byte aligned bases, batch / head / row strides
     positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
-    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`_Layout.contiguous`)."""
+    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`backward.Layout.contiguous`)."""
     for name, a in (("query", q), ("key", k), ("value", v), ("grad_out", dout)):
-        why = _fa3.tma_operand_reason(name, a)
+        why = tma_operand_reason(name, a)
         if why is not None:
             return why
     if k.shape[1] > 65535 or k.shape[0] > 65535:
@@ -176,7 +174,7 @@ def problem_reason(p) -> str | None:
         # bytes) TMA needs a multiple of 16. (Views sliced to such an E can pass layout_reason's stride checks.)
         why = f"head_dim={p.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
     if why is None:
-        dout = _bwd._Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
+        dout = _bwd.Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
         why = layout_reason(p.query, p.key, p.value, dout)
     return why
 
@@ -194,52 +192,53 @@ class Sm90Backward(_bwd.FusedBackward):
         self.ctx = p.ctx
         B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
             p.head_dim_v
-        ctype = _C_TYPES[dtype_name(p.dtype)]
+        ctype = C_TYPE_16[dtype_name(p.dtype)]
         tile = SM90_BWD_TILES[bucket]
         l_pad = -(-L // STAT_PAD) * STAT_PAD
         self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
-        self.dq32_offset = _bwd._aligned(2 * self.delta_offset)
+        self.dq32_offset = _bwd.round_up_256(2 * self.delta_offset)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
         row_threads = _bwd.delta_row_threads(E, Ev)
-        self.pre = StructLaunch(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype),
-                                (-(-B * Hq * l_pad * row_threads // 256),), (256,))
-        pre = self.pre_params = np.zeros((), dtype=_bwd._PARAMS)
+        pre = np.zeros((), dtype=_bwd.BWD_PARAMS)
         pre["row_threads"] = row_threads
         pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
         pre["dq_cols"] = E  # the pre-pass zeroes the dQ accumulator (dq_zero, set per call)
+        # The scratch: lse·log2(e) rows at its base, D rows at delta_offset, the dQ accumulator at dq32_offset.
+        self.pre = PreparedLaunch(
+            pre, [Step(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad * row_threads // 256),),
+                       (256,))],
+            args=("dout", "out", "lse", "scratch"),
+            pointers={"dout": "dout", "o": "out", "lse": "lse", "lse_log2": "scratch",
+                      "delta": ("scratch", self.delta_offset), "dq_zero": ("scratch", self.dq32_offset)})
 
         prm = self.params = np.zeros((), dtype=_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
         prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, p.groups
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
-        prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
-        do = _bwd._Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
+        prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
+        do = _bwd.Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
-        self.maps = _fa3.TensorMaps(_fa3._MapSpec.of(a, rows).encode for a, rows in (
-            (p.query, tile.block_m), (p.key, tile.block_n), (p.value, tile.block_n), (do, tile.block_m)))
-        # Its own: the scratch's base moves between calls while the inputs' often do not.
-        stats = functools.partial(_fa3.encode_tensor_map, "float32", dims=(l_pad, 2 * B * Hq), strides=(4 * l_pad,),
+        inputs = Maps(("tma_q", "tma_k", "tma_v", "tma_do"), ("q", "k", "v", "dout"), tuple(
+            MapSpec.of(a, rows).encode for a, rows in ((p.query, tile.block_m), (p.key, tile.block_n),
+                                                        (p.value, tile.block_n), (do, tile.block_m))))
+        stats = functools.partial(encode_tensor_map, "float32", dims=(l_pad, 2 * B * Hq), strides=(4 * l_pad,),
                                   box=(tile.block_m, 1))
         # dQ's fp32 accumulator (B, Hq, L, E) for the kernel's TMA reduce: boxes of 32 columns (128 bytes, the
-        # swizzle's width) × 64 rows. Both maps move with the scratch.
-        dq = functools.partial(_fa3.encode_tensor_map, "float32", dims=(E, L, Hq, B),
+        # swizzle's width) × 64 rows. Both maps move with the scratch: a group of their own, since the scratch's base
+        # moves between calls while the inputs' often do not.
+        dq = functools.partial(encode_tensor_map, "float32", dims=(E, L, Hq, B),
                                strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
-        self.stats_map = _fa3.TensorMaps((stats, dq))
-        self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
-                                   (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
+        scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
+        self.kernel = PreparedLaunch(
+            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
+                       (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
+            args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
+            pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
+                      "delta": ("scratch", self.delta_offset)})
         self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
     def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
-        stats_log2, delta = scratch, scratch + self.delta_offset
-        pre = self.pre_params.copy()
-        pre["dout"], pre["o"], pre["lse"], pre["delta"], pre["lse_log2"] = dout, out, lse, delta, stats_log2
-        pre["dq_zero"] = scratch + self.dq32_offset
-        self.pre(stream, pre)
-        prm = self.params.copy()
-        prm["tma_q"], prm["tma_k"], prm["tma_v"], prm["tma_do"] = self.maps(q, k, v, dout)
-        prm["tma_stats"], prm["tma_dq"] = self.stats_map(scratch, scratch + self.dq32_offset)
-        prm["dk"], prm["dv"], prm["dq_accum"] = dk, dv, scratch + self.dq32_offset
-        prm["lse_log2"], prm["delta"] = stats_log2, delta
-        self.kernel(stream, prm)
+        self.pre.launch_on(stream, dout, out, lse, scratch)
+        self.kernel.launch_on(stream, q, k, v, dout, scratch, dk, dv)

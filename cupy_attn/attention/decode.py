@@ -14,16 +14,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import re
 
 import numpy as np
 
-from ..runtime import workspace
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims, launcher, pdl_supported, source_dir
+from ..runtime import env, workspace
+from ..runtime.compile import KernelFamily, source_dir
 from ..runtime.interop import device_sms, dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
+from ..runtime.launch import Maps, PreparedLaunch, Scratch, Step, field_offset, pdl_supported
+from ..runtime.tma import MAP, MapSpec, c_struct
 from . import fused as _fused
-from . import fused_sm90 as _fa3
 
 HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
 ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
@@ -33,8 +34,7 @@ WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many C
 MAX_SPLITS = 128
 ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
 PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode_pdl.py)
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+ARGS = ("q", "k", "v", "out", "lse", "mask")  # a replay's arguments: FlashDecodeParams' first six pointers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +147,7 @@ FLASH_DECODE = KernelFamily(
     template=("cupy_attn::flash_decode<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -157,10 +157,9 @@ FLASH_DECODE = KernelFamily(
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
-_MAP = np.dtype((np.uint8, 128))
 # FlashDecodeSm90Params: two CUtensorMaps (64-byte aligned) and FlashDecodeParams; the C struct's size is rounded to
 # 64 bytes like this one's (asserted when the family compiles).
-_SM90_PARAMS = _fa3._c_struct([("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("p", _PARAMS, 8)])
+_SM90_PARAMS = c_struct([("tma_k", MAP, 64), ("tma_v", MAP, 64), ("p", _PARAMS, 8)])
 
 FLASH_DECODE_SM90 = KernelFamily(
     name="flash_decode_sm90",
@@ -168,7 +167,7 @@ FLASH_DECODE_SM90 = KernelFamily(
     template=("cupy_attn::flash_decode_sm90<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{tile.ctas_per_sm}, {has_mask}>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(STREAM_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -183,12 +182,10 @@ FLASH_DECODE_COMBINE = KernelFamily(
     name="flash_decode_combine",
     source=_SOURCE,
     template="cupy_attn::flash_decode_combine<{dtype}>",
-    axes={"dtype": tuple(_C_TYPES.values())},
+    axes={"dtype": tuple(C_TYPE_16.values())},
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
 
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-_LOG2E = 1.4426950408889634
 
 
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
@@ -207,7 +204,7 @@ def tile_for(head_dim: int, arch: int, warps: int = 4) -> DecodeTile | None:
 def requested_warps() -> int | None:
     """flash_decode's warps per CTA that ``CUPY_ATTN_DECODE_WARPS`` asks for: 4, 8, or None (unset or empty: the rule,
     ``use_wide_tile``). ValueError for any other value."""
-    value = os.environ.get(ENV_WARPS)
+    value = env.get(ENV_WARPS)
     if value in (None, ""):
         return None
     if value not in ("4", "8"):
@@ -271,14 +268,14 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
 
 def enabled() -> bool:
     """False when ``CUPY_ATTN_DECODE=0``: the dispatcher never takes the decode kernel."""
-    return os.environ.get(ENV_DECODE, "1") != "0"
+    return env.get(ENV_DECODE, "1") != "0"
 
 
 def requested_variant() -> str:
     """The decode kernel ``CUPY_ATTN_DECODE`` asks for: "v1" (1: flash_decode), "stream" (2: flash_decode_sm90, one
     CTA per SM), "stream2" (3: two CTAs per SM); unset or 0: DEFAULT_VARIANT (0 turns the path off: ``enabled``).
     ValueError for any other value."""
-    value = os.environ.get(ENV_DECODE)
+    value = env.get(ENV_DECODE)
     if value in (None, "", "0"):
         return DEFAULT_VARIANT
     if value not in VARIANTS:
@@ -430,10 +427,6 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     return math.ceil(S / chunk), chunk
 
 
-def _estrides(a) -> list[int]:
-    return [s // a.itemsize for s in a.strides]
-
-
 # Partials up to this size live in a per-stream buffer kept across calls (runtime.workspace.persistent: one dict
 # look-up, where an allocation through torch's caching allocator costs a few µs before the launch, 2% of a 0.25 ms
 # GQA decode call); larger ones are per-call scratch, so that a rare huge call does not pin its memory.
@@ -460,23 +453,15 @@ def prepare_problem(p, num_splits, choice, out, lse):
     """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` of the decode kernel for a checked problem, on the
     call's device and stream, partials from the caller's allocator (what dispatch's plan returns). choice: the plan's
     DecodeChoice (None: made here)."""
-    launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
-                     num_splits=num_splits, choice=choice)
-    launch.ctx = ctx = p.ctx
-    if not isinstance(launch, DecodeSm90Launch):  # cuLaunchKernel on the call's stream (the caller has the device)
-        return functools.partial(launch.launch_on, ctx.stream.ptr)
-
-    def run(*ptrs):
-        with ctx.activate():
-            launch(*ptrs)
-    return run
+    return prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
+                   num_splits=num_splits, choice=choice, ctx=p.ctx).bind(p.ctx.stream)
 
 
 def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
                    num_splits: int | None = None, variant: str | None = None,
-                   warps: int | None = None) -> "DecodeLaunch":
+                   warps: int | None = None) -> PreparedLaunch:
     """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's;
-    variant and warps as choose_kernel's). Returns the launch (its ``choice`` says which kernel and tile ran)."""
+    variant and warps as choose_kernel's). Returns the launch (``info["choice"]`` says which kernel and tile ran)."""
     launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant,
                      warps=warps)
     launch(
@@ -487,7 +472,7 @@ def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None =
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
             num_splits: int | None = None, choice: DecodeChoice | None = None,
-            variant: str | None = None, warps: int | None = None) -> "DecodeLaunch":
+            variant: str | None = None, warps: int | None = None, ctx=None) -> PreparedLaunch:
     """Check a decode call and build its launch (all but the pointers), as fused.prepare.
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
@@ -495,7 +480,13 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
     small ones. num_splits: None (num_splits_for) or the requested count (see split_plan). choice: the kernel the
     plan chose (None: ``choose_kernel(..., variant, warps=warps)`` here, from CUPY_ATTN_DECODE when variant is None and
-    CUPY_ATTN_DECODE_WARPS when warps is None).
+    CUPY_ATTN_DECODE_WARPS when warps is None). ctx: the call's context (interop.CallContext), whose allocator gives
+    the splits' partials (None: CuPy's pool on its current stream).
+
+    The launch is replayed as ``launch_on(stream, q, k, v, out, lse, mask)``: every FlashDecodeParams field is 8 bytes
+    wide, the six pointers and the partials' two (o_part, lse_part: allocated per replay, _partials, and held until
+    the combine kernel is enqueued) are written into the launch's struct, and the split kernel then the combine kernel
+    read it (flash_decode_sm90's struct: the k and v tensor maps, then FlashDecodeParams, the combine kernel's).
     """
     import cupy
 
@@ -518,16 +509,14 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
-    c_type = _C_TYPES[dtype_name(dtype)]
+    c_type = C_TYPE_16[dtype_name(dtype)]
     kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
                                   has_mask="false" if mask is None else "true")
     combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
     smem = tile.smem_bytes(head_dim)
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
 
     def rows16(a) -> bool:  # every row start 16-byte aligned: 16-byte cp.async
-        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
 
     p = np.zeros((), dtype=_PARAMS)
     p["batch"], p["num_heads"], p["seqlen_q"], p["seqlen_k"] = B, Hq, L, S
@@ -535,136 +524,43 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
     p["num_splits"], p["split_keys"] = splits, chunk
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
+    p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
     p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2
-    p["scale_log2"] = float(scale) * _LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-        for axis, stride in zip(axes, _estrides(arr)):
+        for axis, stride in zip(axes, element_strides(arr)):
             p[f"{name}_stride_{axis}"] = stride
     if lse is not None:
-        for axis, stride in zip("bhl", _estrides(lse)):
+        for axis, stride in zip("bhl", element_strides(lse)):
             p[f"lse_stride_{axis}"] = stride
     if mask is not None:
-        for axis, stride in zip("bhls", _estrides(mask)):
+        for axis, stride in zip("bhls", element_strides(mask)):
             p[f"mask_stride_{axis}"] = stride
     rows = B * Hq * L
-    part_bytes = 0 if splits == 1 else splits * rows * (Ev + 1) * 4
+    o_part_bytes = splits * rows * Ev * 4  # lse_part's offset in the partials
+    part_bytes = 0 if splits == 1 else o_part_bytes + splits * rows * 4
     grid = (splits, Hkv * row_blocks, B)
     if choice.family is FLASH_DECODE_SM90:
-        maps = (_fa3._MapSpec.of(k, tile.block_n), _fa3._MapSpec.of(v, tile.block_n))
-        return DecodeSm90Launch(kernel, combine, p, grid, (tile.threads,), smem, rows, splits * rows * Ev * 4,
-                                part_bytes, choice, maps)
-    return DecodeLaunch(kernel, combine, p, grid, (tile.warps * 32,), smem, rows, splits * rows * Ev * 4, part_bytes,
-                        choice)
-
-
-@dataclasses.dataclass
-class DecodeLaunch:
-    """One prepared decode call: FlashDecodeParams without the pointers, grids, and the partials' size."""
-
-    kernel: object
-    combine: object          # None for one split (the split kernel writes out and lse itself)
-    params: np.ndarray
-    grid: tuple
-    block: tuple
-    smem: int
-    rows: int                # B · Hq · L: the combine kernel's grid
-    o_part_bytes: int        # offset of lse_part inside the workspace
-    part_bytes: int          # 0 for one split
-    choice: DecodeChoice
-
-    @property
-    def num_splits(self) -> int:
-        return int(self.params["num_splits"])
-
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
-        self.launch_on(_fused._current_stream_ptr(), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
-                  mask_ptr: int = 0) -> None:
-        """cuLaunchKernel of the split kernel, then of the combine kernel, on a raw stream handle, on the device the
-        launch was built for (which must be current). Every FlashDecodeParams field is 8 bytes wide: the six pointers
-        (out, lse, q, k, v, mask) and the partials' two (o_part, lse_part) are the first eight words of this launch's
-        own parameter buffer, and both kernels read the one struct; the driver copies it during each call, and the
-        lock keeps two threads replaying one launch from interleaving their writes (fused.FlashLaunch's scheme: ~1 µs
-        of host time a launch against ~6 through CuPy's RawKernel call, and no field-by-field structured-array
-        writes). The partials come from _partials (the caller's allocator on the call's stream) and go back after
-        the combine kernel is enqueued (stream-ordered reuse)."""
-        work = None
-        own = self._own
-        with own.lock:
-            own.words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
-            if self.part_bytes:
-                work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
-                own.words[6:8] = (ptr, ptr + self.o_part_bytes)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
-            if self._combine_ptr:
-                self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, own.argv_ptr, 0)
-        del work
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for: the parameter words with their kernelParams array and
-        # lock (OwnParams), the CUfunctions (the RawKernels keep their modules alive).
-        from cupy.cuda import runtime
-        assert self.params.dtype.names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
+        # FlashDecodeSm90Params: the maps of k and v (encoded again only when k or v moved: a decode loop over one KV
+        # cache encodes once; ~10 µs of host time otherwise), then FlashDecodeParams, which the combine kernel reads.
+        params, nested, block = np.zeros((), dtype=_SM90_PARAMS), "p.", (tile.threads,)
+        params["p"] = p
+        maps = (Maps(("tma_k", "tma_v"), ("k", "v"), (MapSpec.of(k, tile.block_n).encode,
+                                                      MapSpec.of(v, tile.block_n).encode)),)
+    else:
+        params, nested, block, maps = p, "", (tile.warps * 32,), ()
+    steps = [Step(kernel, grid, block, smem)]
+    scratch = None
+    if splits > 1:
         # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
-        # split kernel drains; it waits inside for the partials). The split kernel is launched plainly: as a dependent
-        # of whatever precedes it, it measured no device gain and ~0.5 µs more host time a call
+        # split kernel drains; it waits inside for the partials). The split kernel is launched plainly: as a
+        # dependent of whatever precedes it, it measured no device gain and ~0.5 µs more host time a call
         # (bench/experiments/decode_pdl.py, session 16).
-        self._launch = launcher()
-        self._launch_combine = launcher(PDL and self.combine is not None and pdl_supported(runtime.getDevice()))
-        self._own = OwnParams(self.params)
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        self._combine_ptr = 0 if self.combine is None else int(self.combine.kernel.ptr)
-        self._dims = launch_dims(self.grid, self.block, self.smem)
-
-    def call_current_stream(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
-                            mask_ptr: int = 0) -> None:
-        """The launch on CuPy's current stream with the structs built per call (the tensor-map variant's path: its
-        struct embeds the maps of the call's k and v), through the same launchers as :meth:`launch_on`; the
-        structs stay alive until both launches return (the driver copies them during each call)."""
-        p = self.params.copy()
-        p["q"], p["k"], p["v"], p["out"], p["lse"], p["mask"] = q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr
-        work = None
-        if self.part_bytes:
-            work, ptr = _partials(getattr(self, "ctx", None), self.part_bytes)
-            p["o_part"], p["lse_part"] = ptr, ptr + self.o_part_bytes
-        kp = self.kernel_params(p)  # held until the launch returns
-        stream_ptr = _fused._current_stream_ptr()
-        argv = np.array([kp.ctypes.data, p.ctypes.data], dtype=np.uint64)  # each kernel's kernelParams: one pointer
-        self._launch(self._fn_ptr, *self._dims, stream_ptr, argv.ctypes.data, 0)
-        if self.combine is not None:
-            self._launch_combine(self._combine_ptr, self.rows, 1, 1, 128, 1, 1, 0, stream_ptr, argv.ctypes.data + 8, 0)
-        del work
-
-    def kernel_params(self, p: np.ndarray) -> np.ndarray:
-        """The split kernel's parameter struct for complete FlashDecodeParams ``p`` (flash_decode's: ``p`` itself)."""
-        return p
-
-
-@dataclasses.dataclass
-class DecodeSm90Launch(DecodeLaunch):
-    """A flash_decode_sm90 launch: as DecodeLaunch, plus the K and V tensor-map layouts. The maps embed the base
-    addresses, so they are encoded again when k_ptr or v_ptr change (the last pair is remembered: a decode loop over
-    one KV cache encodes once; ~10 µs of host time otherwise)."""
-
-    maps: tuple = ()
-
-    def __post_init__(self):
-        super().__post_init__()
-        self._tensor_maps = _fa3.TensorMaps(spec.encode for spec in self.maps)
-
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (the struct, with the tensor maps, built per call)."""
-        self.call_current_stream(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, *ptrs) -> None:
-        raise NotImplementedError("flash_decode_sm90 launches through __call__ on CuPy's current stream")
-
-    def kernel_params(self, p: np.ndarray) -> np.ndarray:
-        """FlashDecodeSm90Params: the tensor maps of p's k and v pointers, and p."""
-        a = np.zeros((), dtype=_SM90_PARAMS)
-        a["tma_k"], a["tma_v"] = self._tensor_maps(int(p["k"]), int(p["v"]))
-        a["p"] = p
-        return a
+        from cupy.cuda import runtime
+        offset = field_offset(params.dtype, "p")[0] if nested else 0
+        steps.append(Step(combine, (rows,), (128,),
+                          pdl=PDL and pdl_supported(runtime.getDevice()), offset=offset))
+        scratch = Scratch(functools.partial(_partials, ctx, part_bytes),
+                          {nested + "o_part": 0, nested + "lse_part": o_part_bytes})
+    return PreparedLaunch(params, steps, args=ARGS, pointers={nested + name: name for name in ARGS}, maps=maps,
+                          scratch=scratch, info={"choice": choice, "num_splits": splits})

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Callable
 
+from ..runtime import env
 from . import gemm_3xtf32
 from . import split as _split
 
@@ -98,8 +98,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         return Plan("reference", f"{p.ctx.kind} inputs run the float64 NumPy reference on the CPU", copies=copies)
     arch = device_arch(p) if arch is None else arch
     requested = backend
-    if backend == "auto" and os.environ.get(ENV_BACKEND):
-        backend = os.environ[ENV_BACKEND]
+    if backend == "auto" and env.get(ENV_BACKEND):
+        backend = env.get(ENV_BACKEND)
         if backend not in ("fused", "split", "reference"):
             raise ValueError(f"{ENV_BACKEND} must be fused, split or reference, got {backend!r}")
     forced = f"forced by {ENV_BACKEND}" if requested == "auto" and backend != "auto" else "requested"
@@ -227,10 +227,10 @@ def fa3_mode(p, arch: int) -> str | None:
     wgmma kernel. Non-causal head dim 64 runs the 192-row tile (fused_sm90.tile_for), where "3" measured 0.99x "2" at
     (4,32,4096,64) and 1.03-1.06x at (8,16,2048,64) and (16,16,1024,64) (session 9, bench/experiments/m192_ab.py).
     """
-    env = os.environ.get("CUPY_ATTN_FA3")
-    if env in ("1", "2", "3"):
-        return env
-    if env == "0" or arch != 90:
+    mode = env.get("CUPY_ATTN_FA3")
+    if mode in ("1", "2", "3"):
+        return mode
+    if mode == "0" or arch != 90:
         return None
     flops = 4.0 * p.batch * p.num_heads * p.seqlen_q * p.seqlen_k * max(p.head_dim, p.head_dim_v)
     if flops < FA3_MIN_FLOPS:

@@ -8,19 +8,18 @@ are run-time arguments, which keeps the table at 52 instantiations (2 dtypes × 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
 
 import numpy as np
 
 from .. import philox
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime import env
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
+from ..runtime.launch import PreparedLaunch, Step
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,7 @@ _BY_HEAD_DIM = {
     # on Hopper. Fastest of the tiles swept at (8,16,1024,256) (NOTES_flash.md, sessions 1-2).
     (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
 }
-TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in _C_TYPES}
+TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in C_TYPE_16}
 
 # sm_90a (H100/H200) wgmma tiles, by head-dim bucket. 128-byte swizzle atoms hold 64 columns, so only multiples of 64
 # (other buckets keep mma.sync). block_m = 64 rows per warpgroup. Registers per thread: S (block_n/2) + O
@@ -93,8 +92,6 @@ WGMMA_TILES = {
     256: Tile(128, 64, 8, 2, True),
 }
 
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
-
 # FlashFwdParams in flash_fwd.cu: every field 8 bytes wide, so this dtype's layout is the C struct's.
 _PARAM_FIELDS = (
     "out", "lse", "q", "k", "v", "mask", "seqlen_q", "seqlen_k", "head_dim", "head_dim_v", "groups", "is_causal",
@@ -111,7 +108,7 @@ FLASH_FWD = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, false, false>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -133,7 +130,7 @@ _DROPOUT_BY_HEAD_DIM = {
     (96, 9): Tile(64, 64, 4, 2), (96, 8): Tile(64, 64, 4, 1),
     (128, 9): Tile(64, 64, 4, 2), (128, 8): Tile(64, 64, 4, 1),
 }
-DROPOUT_TILES = {(dtype, d, arch): tile for (d, arch), tile in _DROPOUT_BY_HEAD_DIM.items() for dtype in _C_TYPES}
+DROPOUT_TILES = {(dtype, d, arch): tile for (d, arch), tile in _DROPOUT_BY_HEAD_DIM.items() for dtype in C_TYPE_16}
 
 FLASH_FWD_DROPOUT = KernelFamily(
     name="flash_fwd_dropout",
@@ -141,7 +138,7 @@ FLASH_FWD_DROPOUT = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, false, true>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
         "tile": tuple(sorted(set(_DROPOUT_BY_HEAD_DIM.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -157,7 +154,7 @@ FLASH_FWD_SM90A = KernelFamily(
     template=("cupy_attn::flash_fwd<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.warps}, {tile.stages}, "
               "{has_mask}, true, false>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(WGMMA_TILES),
         "tile": tuple(sorted(set(WGMMA_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
@@ -167,14 +164,6 @@ FLASH_FWD_SM90A = KernelFamily(
     arch="sm_90a",
     structs=(("cupy_attn::FlashFwdParams", _PARAMS),),
 )
-
-
-_LOG2E = 1.4426950408889634
-
-
-def _current_stream_ptr() -> int:
-    import cupy
-    return cupy.cuda.get_current_stream().ptr
 
 
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
@@ -205,7 +194,7 @@ def select(dtype, head_dim: int, arch: int, dropout: bool = False) -> tuple[Kern
     """
     if dropout:
         return FLASH_FWD_DROPOUT, DROPOUT_TILES[(dtype_name(dtype), head_dim, _arch_major(arch))], head_dim
-    if arch == 90 and os.environ.get(ENV_WGMMA, "1") != "0":
+    if arch == 90 and env.get(ENV_WGMMA, "1") != "0":
         padded = WGMMA_PADDED.get(head_dim, head_dim)
         if padded in WGMMA_TILES:
             return FLASH_FWD_SM90A, WGMMA_TILES[padded], padded
@@ -239,7 +228,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     name = dtype_name(dtype)
     if name == "float32":
         return "fp32 is served by the split path"
-    if name not in _C_TYPES:
+    if name not in C_TYPE_16:
         return f"dtype {name} has no fused kernel (fp16 and bf16 only)"
     if arch < 80:
         return f"sm_{arch} lacks the sm_80 tensor-core instructions (mma.sync m16n8k16 bf16, cp.async)"
@@ -250,10 +239,6 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     if mask_kind not in ("none", "bool", "float"):
         return f"mask kind {mask_kind!r} is not one of none/bool/float"
     return None
-
-
-def _estrides(a) -> list[int]:
-    return [s // a.itemsize for s in a.strides]
 
 
 def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
@@ -268,7 +253,7 @@ def flash_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = 
 
 
 def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None, dropout_p: float = 0.0,
-            rng=None) -> "FlashLaunch":
+            rng=None) -> PreparedLaunch:
     """Check a fused-kernel call and build its launch: kernel, grid and parameters, all but the pointers.
 
     q: (B, Hq, L, E); k: (B, Hkv, S, E); v: (B, Hkv, S, Ev); fp16 or bf16, last-dim stride 1, any other strides
@@ -292,7 +277,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
 
     if dropout_p > 0 and (rng is None or rng.dtype != np.int64 or rng.size != 2):
         raise ValueError("fused attention: dropout_p > 0 needs rng, the call's int64 {seed, offset} CuPy array")
-    mode = os.environ.get(ENV_FA3)
+    mode = env.get(ENV_FA3)
     if mask is None and not dropout_p and mode in ("1", "2", "3"):  # opt-in: FA3-design kernel
         from . import fused_sm90
         if fa3_reason(q, k, v, out, scale=scale, arch=arch) is None:
@@ -326,7 +311,7 @@ def check_launch_arrays(what: str, reason_fn, arch: int, q, k, v, out, lse, caus
     if mask is not None:
         if mask.shape != (B, Hq, L, S):
             raise ValueError(f"{what}: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
-        if dtype_name(mask.dtype) not in _MASK_KIND:
+        if dtype_name(mask.dtype) not in MASK_KIND:
             raise ValueError(f"{what}: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
     if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
         raise ValueError(f"{what}: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
@@ -338,108 +323,71 @@ def prepare_problem(p, choice, out, lse):
     lse_ptr, mask_ptr)``. Nothing is re-checked."""
     if choice[0] == "fa3":  # ("fa3", mode): dispatch.fa3_mode's "1" (ping-pong), "2" (overlap), "3" (persistent)
         from . import fused_sm90
-        launch = fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
-                                    mode=choice[1])
-        return functools.partial(launch.launch_on, p.ctx.stream.ptr)
+        return fused_sm90.prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
+                                  mode=choice[1]).bind(p.ctx.stream)
     return _build(choice, p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal,
                   mask=p.mask, dropout_p=p.dropout_p, rng=p.rng).bind(p.ctx.stream)
 
 
-def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> "FlashLaunch":
+def _build(choice, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0, rng=None) -> PreparedLaunch:
     family, tile, head_dim = choice
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
+    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=head_dim, tile=tile,
                            has_mask="false" if mask is None else "true")
-    return FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
-                             dropout_p=dropout_p, rng=rng)
+    return build_launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                        dropout_p=dropout_p, rng=rng)
 
 
 def launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
            rng=None) -> None:
     """Launch one instantiation on these arrays (benchmarks call it directly to sweep tiles outside the table).
     Arguments as flash_forward's, already checked."""
-    FlashLaunch.build(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
-                      dropout_p=dropout_p, rng=rng)(
+    build_launch(kernel, tile, head_dim, q, k, v, out, lse, scale=scale, causal=causal, mask=mask,
+                 dropout_p=dropout_p, rng=rng)(
         q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
         0 if mask is None else mask.data.ptr)
 
 
-@dataclasses.dataclass
-class FlashLaunch:
-    """One prepared launch: FlashFwdParams with every field but the six pointers, grid, block, shared memory."""
+# A replay's arguments, the pointer fields of FlashFwdParams (which lists them first, in another order).
+ARGS = ("q", "k", "v", "out", "lse", "mask")
 
-    kernel: object
-    params: np.ndarray
-    grid: tuple
-    block: tuple
-    smem: int
 
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0,
-                 stream=None) -> None:
-        """Launch on ``stream`` (a CuPy stream; None: CuPy's current stream), on the device the launch was built for,
-        which must be current."""
-        self.launch_on(_current_stream_ptr() if stream is None else stream.ptr, q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-                       mask_ptr)
+def build_launch(kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
+                 rng=None) -> PreparedLaunch:
+    """The launch of one instantiation for these arrays (flash_forward's arguments, already checked), replayed as
+    ``launch_on(stream, q, k, v, out, lse, mask)``: FlashFwdParams from the arrays' shapes, strides and alignment, the
+    six pointers written per replay (one driver call: CuPy's RawKernel call costs ~6 µs of host time per call on an
+    H200 host, this ~1); with dropout, the rng array's address (read by the kernel at run time) and the keep
+    threshold.
+    """
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    if Hq > 65535 or B > 65535:
+        raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
+    smem = tile.smem_bytes(head_dim)
 
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int,
-                  mask_ptr: int) -> None:
-        """cuLaunchKernel on a raw stream handle. The six pointers are the first six 8-byte words of FlashFwdParams
-        (out, lse, q, k, v, mask), written into this launch's own parameter buffer; the driver copies the parameters
-        during the call, and the lock keeps two threads replaying one launch from interleaving their writes. One
-        driver call: CuPy's RawKernel/Function launch costs ~6 µs of host time per call here (H200 host), this ~1."""
-        own = self._own
-        with own.lock:
-            own.words[:6] = (out_ptr, lse_ptr, q_ptr, k_ptr, v_ptr, mask_ptr)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
+    def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
+        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
 
-    def bind(self, stream):
-        """``run(q, k, v, out, lse, mask)`` launching on ``stream`` (a CuPy stream): what the call cache replays."""
-        return functools.partial(self.launch_on, stream.ptr)
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for: the parameter words (every field of FlashFwdParams
-        # is 8 bytes wide) with their kernelParams array and lock (OwnParams), and the kernel's CUfunction. The
-        # RawKernel keeps the module, and with it the function, alive.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        self._dims = launch_dims(self.grid, self.block, self.smem)
-
-    @classmethod
-    def build(cls, kernel, tile: Tile, head_dim: int, q, k, v, out, lse, *, scale, causal, mask, dropout_p=0.0,
-              rng=None) -> "FlashLaunch":
-        """Parameters from the arrays' shapes, strides and alignment (flash_forward's arguments, already checked);
-        with dropout, the rng array's address (read by the kernel at run time) and the keep threshold."""
-        B, Hq, L, E = q.shape
-        _, Hkv, S, Ev = v.shape
-        if Hq > 65535 or B > 65535:
-            raise ValueError(f"fused attention: grid limit: heads {Hq} and batch {B} must each be <= 65535")
-        smem = tile.smem_bytes(head_dim)
-        if kernel.max_dynamic_shared_size_bytes < smem:
-            kernel.max_dynamic_shared_size_bytes = smem
-
-        def rows16(a) -> bool:  # every row start 16-byte aligned: the kernel may copy with 16-byte cp.async
-            return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in _estrides(a)[:-1])
-
-        p = np.zeros((), dtype=_PARAMS)
-        p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
-        p["is_causal"] = causal is not None
-        p["causal_offset"] = S - L if causal == "bottom_right" else 0
-        p["mask_kind"] = 0 if mask is None else _MASK_KIND[dtype_name(mask.dtype)]
-        out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in _estrides(out)[:-1])
-        p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
-        p["scale_log2"] = float(scale) * _LOG2E
-        for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-            for axis, stride in zip(axes, _estrides(arr)):
-                p[f"{name}_stride_{axis}"] = stride
-        if lse is not None:
-            for axis, stride in zip("bhl", _estrides(lse)):
-                p[f"lse_stride_{axis}"] = stride
-        if mask is not None:
-            for axis, stride in zip("bhls", _estrides(mask)):
-                p[f"mask_stride_{axis}"] = stride
-        if dropout_p > 0:
-            p["rng"] = rng.data.ptr
-            p["dropout_threshold"] = philox.dropout_threshold(dropout_p)
-            p["dropout_scale"] = philox.dropout_scale(dropout_p)
-        return cls(kernel, p, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)
+    p = np.zeros((), dtype=_PARAMS)
+    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["head_dim_v"], p["groups"] = L, S, E, Ev, Hq // Hkv
+    p["is_causal"] = causal is not None
+    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
+    out_pairs = out.data.ptr % 4 == 0 and all(s % 2 == 0 for s in element_strides(out)[:-1])
+    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2 | out_pairs << 3
+    p["scale_log2"] = float(scale) * LOG2E
+    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
+        for axis, stride in zip(axes, element_strides(arr)):
+            p[f"{name}_stride_{axis}"] = stride
+    if lse is not None:
+        for axis, stride in zip("bhl", element_strides(lse)):
+            p[f"lse_stride_{axis}"] = stride
+    if mask is not None:
+        for axis, stride in zip("bhls", element_strides(mask)):
+            p[f"mask_stride_{axis}"] = stride
+    if dropout_p > 0:
+        p["rng"] = rng.data.ptr
+        p["dropout_threshold"] = philox.dropout_threshold(dropout_p)
+        p["dropout_scale"] = philox.dropout_scale(dropout_p)
+    return PreparedLaunch(p, [Step(kernel, (math.ceil(L / tile.block_m), Hq, B), (tile.warps * 32,), smem)],
+                          args=ARGS, pointers={name: name for name in ARGS})

@@ -5,8 +5,8 @@ FlashAttention's online softmax with FlashAttention-3's TMA producer and two wgm
 P passes through shared memory. No L × S score buffer, and causal calls skip the key blocks above the diagonal (the
 split path computes them).
 
-It takes the same parameter struct and launch object as the head-dim ≤ 256 kernel (fused_sm90.FlashFwdSm90Params,
-Sm90Launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
+It takes the same parameter struct and launch as the head-dim ≤ 256 kernel (fused_sm90.PARAMS,
+fused_sm90.build_launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
 
 Dispatch (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
 takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.84x
@@ -14,19 +14,19 @@ the split path).
 """
 from __future__ import annotations
 
-import functools
-import os
-
 import numpy as np
 
+from ..runtime import env
 from ..runtime.compile import KernelFamily
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
+from ..runtime.launch import PreparedLaunch
+from ..runtime.tma import MapSpec, out_16b_reason
 from . import fused_sm90 as _sm90
 
 ENV = "CUPY_ATTN_D512"
 BLOCK_M, BLOCK_N, HEAD_DIM, V_KEYS, STAGES = 64, 256, 512, 32, 4
 THREADS = 384
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
 
 
 def smem_bytes(stages: int = STAGES) -> int:
@@ -39,9 +39,9 @@ FLASH_FWD_D512_SM90 = KernelFamily(
     name="flash_fwd_d512_sm90",
     source="attention/flash_fwd_d512_sm90.cu",
     template="cupy_attn::flash_fwd_d512_sm90<{dtype}, {stages}, {persistent}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,), "persistent": ("false", "true")},
+    axes={"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,), "persistent": ("false", "true")},
     archs=("sm_90a",),
-    structs=(("cupy_attn::FlashFwdSm90Params", _sm90._PARAMS),),
+    structs=(("cupy_attn::FlashFwdSm90Params", _sm90.PARAMS),),
     arch="sm_90a",
 )
 
@@ -56,7 +56,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     """
     if arch != 90:
         return f"sm_{arch}: the head-dim-512 kernel needs sm_90a (H100/H200)"
-    if dtype_name(dtype) not in _C_TYPES:
+    if dtype_name(dtype) not in C_TYPE_16:
         return f"dtype {dtype_name(dtype)}: the head-dim-512 kernel serves fp16 and bf16"
     if not (256 < max(head_dim, head_dim_v) and head_dim <= HEAD_DIM and head_dim_v <= HEAD_DIM
             and head_dim_v % 8 == 0):
@@ -78,12 +78,12 @@ def layout_reason(q, k, v, out) -> str | None:
     why = _sm90.layout_reason(q, k, v, None)
     if why is not None or out is None:
         return why
-    return _sm90.out_16b_reason(out)
+    return out_16b_reason(out)
 
 
 def enabled() -> str | None:
     """CUPY_ATTN_D512: "1" (every call it can serve), "0" (never), None (auto)."""
-    value = os.environ.get(ENV)
+    value = env.get(ENV)
     if value not in (None, "0", "1"):
         raise ValueError(f"{ENV} must be 0 or 1, got {value!r}")
     return value
@@ -137,7 +137,7 @@ def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: i
 
 
 def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: KernelFamily = FLASH_FWD_D512_SM90,
-            persistent: bool = True) -> "_sm90.Sm90Launch":
+            persistent: bool = True) -> PreparedLaunch:
     """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
     FLASH_FWD_D512_SM90 or a copy with other NVRTC options; persistent=False: one tile per CTA (the baseline row of
     bench/experiments/d512_wall.py)."""
@@ -149,28 +149,27 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: Kern
     # (2,8,4096,4096,512) bf16); persistent=False: one tile per CTA, causal row blocks longest first.
     from ..runtime.interop import device_sms
     import cupy
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
+    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
                            persistent="true" if persistent else "false")
-    p = np.zeros((), dtype=_sm90._PARAMS)
+    p = np.zeros((), dtype=_sm90.PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["scale_log2"] = float(scale) * _sm90._LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     p["batch"], p["num_heads"] = B, Hq
-    for axis, stride in zip("bhl", _sm90._estrides(out)):
+    for axis, stride in zip("bhl", element_strides(out)):
         p[f"out_stride_{axis}"] = stride
     if lse is not None:
-        for axis, stride in zip("bhl", _sm90._estrides(lse)):
+        for axis, stride in zip("bhl", element_strides(lse)):
             p[f"lse_stride_{axis}"] = stride
-    maps = (_sm90._MapSpec.of(q, BLOCK_M), _sm90._MapSpec.of(k, BLOCK_N), _sm90._MapSpec.of(v, V_KEYS))
+    maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, BLOCK_N), MapSpec.of(v, V_KEYS))
     grid, p["tile_pairs"] = grid_for(B, Hq, L, causal is not None, persistent, device_sms(cupy.cuda.Device().id))
-    return _sm90.Sm90Launch(kernel, p, maps, grid, (THREADS,), smem_bytes(), None)
+    return _sm90.build_launch(kernel, p, maps, grid, (THREADS,), smem_bytes())
 
 
 def prepare_problem(p, out, lse):
     """The launch for a checked problem (checks.SDPAProblem), bound to the call's stream."""
-    launch = prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal)
-    return functools.partial(launch.launch_on, p.ctx.stream.ptr)
+    return prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal).bind(p.ctx.stream)
 
 
 def details(p) -> dict:

@@ -18,25 +18,26 @@ too, ``0`` turns it off.
 
 Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
 
-Tensor maps (cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the arrays' base
-addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying a call on
-the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides, so BHSD and
-BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16 bytes. The box
-is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swizzle, 32 in the 64-byte one (D = 96).
+Tensor maps (runtime.tma: cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the
+arrays' base addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying
+a call on the same arrays encodes nothing). Each map is 4-D, (E, seqlen, heads, batch) with the arrays' own strides,
+so BHSD and BSHD views are read in place; TMA requires a 16-byte aligned base and strides that are multiples of 16
+bytes. The box is one swizzle atom wide (:func:`swizzle_bytes`): 64 columns in the 128-byte swizzle, 32 in the
+64-byte one (D = 96).
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
-import os
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime import env
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
+from ..runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, o_tma_reason, tma_operand_reason
 
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_LOG2E = 1.4426950408889634
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
 # cache's key (bench/experiments/m192_ab.py is the A/B).
@@ -126,8 +127,8 @@ def tile_for(mode: str, head_dim: int, causal: bool = False) -> Sm90Tile:
     >>> tile_for("2", 64).block_m, tile_for("3", 64, causal=True).block_m, tile_for("3", 128).block_m
     (192, 128, 128)
     """
-    env = os.environ.get(ENV_M192)
-    if env == "1" or (env != "0" and not causal):
+    m192 = env.get(ENV_M192)
+    if m192 == "1" or (m192 != "0" and not causal):
         tile = M192_MODE_TILES.get(mode, {}).get(head_dim)
         if tile is not None:
             return tile
@@ -138,28 +139,14 @@ def _all_tables() -> tuple:
     return (*MODE_TILES.values(), *M192_MODE_TILES.values())
 
 
-def _c_struct(fields) -> np.dtype:
-    """A NumPy dtype laid out as the C struct with these (name, dtype, alignment) members, in order."""
-    offsets, off, align = [], 0, 1
-    for _, dt, a in fields:
-        off = -(-off // a) * a
-        offsets.append(off)
-        off += dt.itemsize
-        align = max(align, a)
-    return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields], "offsets": offsets,
-                     "itemsize": -(-off // align) * align})
-
-
-_MAP = np.dtype((np.uint8, 128))
-_I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: its size and field sizes are asserted
 # at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
-_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("tma_o", _MAP, 64)]
-                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
-                        "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
-                        "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
-                        "o_tma")])
+PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_v", MAP, 64), ("tma_o", MAP, 64)]
+                   + [(n, F64 if n == "scale_log2" else I64, 8) for n in (
+                       "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
+                       "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
+                       "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
+                       "o_tma")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -170,7 +157,7 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
               "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}>"),
     axes={
-        "dtype": tuple(_C_TYPES.values()),
+        "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(SM90_TILES),
         "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
@@ -178,7 +165,7 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
-    structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
+    structs=(("cupy_attn::FlashFwdSm90Params", PARAMS),),
     arch="sm_90a",
 )
 
@@ -229,7 +216,7 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     """
     if arch != 90:
         return f"sm_{arch}: the FA3 kernel needs sm_90a (H100/H200)"
-    if dtype_name(dtype) not in _C_TYPES:
+    if dtype_name(dtype) not in C_TYPE_16:
         return f"dtype {dtype_name(dtype)}: the FA3 kernel serves fp16 and bf16"
     if head_bucket(head_dim, head_dim_v) is None:
         return (f"head dims E={head_dim}, Ev={head_dim_v}: the FA3 kernel serves head dims 33-256 (padded to "
@@ -245,29 +232,6 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, ar
     return None
 
 
-def _estrides(a) -> list[int]:
-    return [s // a.itemsize for s in a.strides]
-
-
-def tma_operand_reason(name: str, a) -> str | None:
-    """None when TMA can read the (B, H, S, D) array ``a`` in place (16-byte aligned base; batch / head / row strides
-    positive multiples of 16 bytes below 2^40, axes of size 1 aside), else why not, naming it ``name``."""
-    if a.data.ptr % 16:
-        return f"{name} is not 16-byte aligned (TMA)"
-    for axis, (n, s) in zip("bhs", zip(a.shape[:-1], a.strides[:-1])):
-        if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
-            return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
-    return None
-
-
-def out_16b_reason(out, kernel: str = "the kernel") -> str | None:
-    """None when ``kernel`` can store out's rows by 16-byte stores (16-byte aligned base, row / head / batch strides
-    multiples of 8 elements, unit column stride), else why not."""
-    if out.data.ptr % 16 or any(s % 8 for s in _estrides(out)[:-1]) or out.strides[-1] != out.itemsize:
-        return f"out rows are not 16-byte aligned ({kernel} stores 16 bytes at a time)"
-    return None
-
-
 def layout_reason(q, k, v, out) -> str | None:
     """None when TMA can read q, k, v in place and the epilogue can store out: 16-byte aligned bases, batch / head /
     row strides multiples of 16 bytes (any order: BHSD and BSHD), element pairs of out 4-byte aligned (out=None:
@@ -276,7 +240,7 @@ def layout_reason(q, k, v, out) -> str | None:
         why = tma_operand_reason(name, a)
         if why is not None:
             return why
-    if out is not None and (out.data.ptr % 4 or any(s % 2 for s in _estrides(out)[:-1])):
+    if out is not None and (out.data.ptr % 4 or any(s % 2 for s in element_strides(out)[:-1])):
         return "out element pairs are not 4-byte aligned"
     if q.shape[1] > 65535 or q.shape[0] > 65535:
         return "grid limit: heads and batch must each be <= 65535"
@@ -308,7 +272,7 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> "Sm90Launch":
+def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> PreparedLaunch:
     """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
     layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
     and persistent)."""
@@ -316,233 +280,49 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     _, Hkv, S, Ev = v.shape
     D = head_bucket(E, Ev)
     tile = tile_for(mode, D, causal is not None)
-    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
+    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                        qk_dim=qk_dim(E, D))
-    smem = tile.smem_bytes(D)
-    if kernel.max_dynamic_shared_size_bytes < smem:
-        kernel.max_dynamic_shared_size_bytes = smem
-    p = np.zeros((), dtype=_PARAMS)
+    p = np.zeros((), dtype=PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["scale_log2"] = float(scale) * _LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     num_sms = 0
     if tile.persistent:
         import cupy
         num_sms = device_sms(cupy.cuda.Device().id)
     grid, pairs = grid_for(tile, B, Hq, L, causal is not None, num_sms)
     p["batch"], p["num_heads"], p["tile_pairs"] = B, Hq, pairs
-    for axis, stride in zip("bhl", _estrides(out)):
+    for axis, stride in zip("bhl", element_strides(out)):
         p[f"out_stride_{axis}"] = stride
     if lse is not None:
-        for axis, stride in zip("bhl", _estrides(lse)):
+        for axis, stride in zip("bhl", element_strides(lse)):
             p[f"lse_stride_{axis}"] = stride
     cols = swizzle_bytes(D) // 2
-    maps = tuple(_MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
+    maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
     # The epilogue stores out by TMA (through shared memory) where TMA can write it exactly: Ev a multiple of 8 (the
     # 16-byte chunk at the Ev edge stays inside the row) and 16-byte row, head and batch strides; the base's
-    # alignment is checked per launch (Sm90Launch.launch_on). Else 4-byte stores from registers.
+    # alignment is checked per replay (build_launch). Else 4-byte stores from registers.
     o_map = None
     if o_tma_reason(out) is None:
-        o_map = _MapSpec.of(out, 64, cols)
-    return Sm90Launch(kernel, p, maps, grid, (tile.threads,), smem, o_map)
+        o_map = MapSpec.of(out, 64, cols)
+    return build_launch(kernel, p, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
 
 
-def o_tma_reason(out) -> str | None:
-    """None when the epilogue can store ``out`` (B, Hq, L, Ev) by TMA at a 16-byte aligned base, else why not."""
-    if out.shape[-1] % 8:
-        return f"head_dim_v {out.shape[-1]} is not a multiple of 8"
-    for axis, (n, st) in zip("bhl", zip(out.shape[:-1], out.strides[:-1])):
-        if n > 1 and (st % 16 or st <= 0 or st >= 2 ** 40):
-            return f"out stride along {axis} is {st} bytes"
-    if out.strides[-1] != out.itemsize:
-        return "out's last dimension is not contiguous"
-    return None
-
-
-@dataclasses.dataclass(frozen=True)
-class _MapSpec:
-    """Everything of one tensor map but its base address: element type, dims (E, seqlen, heads, batch), byte strides
-    of the last three, box (box_cols, rows, 1, 1): one swizzle atom wide (64 columns: 128-byte swizzle; 32: 64-byte)."""
-    dtype: str
-    dims: tuple
-    strides: tuple
-    box_rows: int
-    box_cols: int = 64
-
-    @classmethod
-    def of(cls, a, rows: int, cols: int = 64) -> "_MapSpec":
-        b, h, s, e = a.shape
-        # A stride along an axis of size 1 is never used, but the driver checks it (a multiple of 16): give such an
-        # axis the packed stride, rounded up to 16 bytes. layout_reason checked the others.
-        strides, extent = [], e * a.itemsize
-        for n, st in ((s, a.strides[2]), (h, a.strides[1]), (b, a.strides[0])):
-            st = st if n > 1 else -(-extent // 16) * 16
-            strides.append(st)
-            extent = st * n
-        return cls(dtype_name(a.dtype), (e, s, h, b), tuple(strides), rows, cols)
-
-    def encode(self, ptr: int) -> np.ndarray:
-        """The 128-byte CUtensorMap for this layout at base address ptr."""
-        return encode_tensor_map(self.dtype, ptr, self.dims, self.strides, (self.box_cols, self.box_rows, 1, 1))
-
-
-@functools.lru_cache(maxsize=None)
-def _driver_init() -> None:
-    """cuInit through cuda.bindings, once (CuPy has initialized the driver already; this is for cuda.bindings' own
-    entry points, as the CuTe GEMM example does)."""
-    from cuda.bindings import driver as cu
-    cu.cuInit(0)
-
-
-def encode_tensor_map(dtype: str, ptr: int, dims, strides, box, swizzle: int | None = None) -> np.ndarray:
-    """cuTensorMapEncodeTiled: a 16-bit tensor in the swizzle as wide as a box row (box inner dim 64 elements = 128
-    bytes: SWIZZLE_128B; 32 = 64 bytes: SWIZZLE_64B, the head-dim-96 tiles), or a float32 one unswizzled (rows of
-    statistics; box inner dim a multiple of 4 elements) unless ``swizzle=128`` (box inner dim 32 elements, 128 bytes:
-    the backward's dQ staging); zero fill out of bounds, L2 promotion of 256 bytes.
-    ``strides``: byte strides of dims[1:]. Returns the map's 128 bytes. ValueError for another 16-bit box width.
-    The binding's argument objects are built once per layout (``_encode_args``): a call on a new base address only
-    converts the address."""
-    import ctypes
-    from cuda.bindings import driver as cu
-
-    args = _encode_args(dtype, tuple(dims), tuple(strides), tuple(box), swizzle)
-    err, tmap = cu.cuTensorMapEncodeTiled(args[0], args[1], ptr, *args[2:])
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}): dims {dims}, byte strides {strides}, box {box}")
-    return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8)
-
-
-@functools.lru_cache(maxsize=1024)
-def _encode_args(dtype: str, dims: tuple, strides: tuple, box: tuple, swizzle_bytes: int | None = None) -> tuple:
-    """cuTensorMapEncodeTiled's arguments but the base address, as cuda.bindings objects (see encode_tensor_map)."""
-    from cuda.bindings import driver as cu
-
-    _driver_init()
-    types = cu.CUtensorMapDataType
-    data_type = {"float16": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT16, "bfloat16": types.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-                 "float32": types.CU_TENSOR_MAP_DATA_TYPE_FLOAT32}[dtype]
-    swizzles = {128: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                64: cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_64B}
-    if dtype == "float32":
-        if swizzle_bytes is None:
-            swizzle = cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_NONE
-        elif swizzle_bytes == 128 and box[0] * 4 == 128:
-            swizzle = swizzles[128]
-        else:
-            raise ValueError(f"box {box}, swizzle {swizzle_bytes}: a swizzled float32 map's box rows are 32 elements")
-    elif box[0] * 2 in swizzles:
-        swizzle = swizzles[box[0] * 2]
-    else:
-        raise ValueError(f"box {box}: a 16-bit tensor map's box rows are 64 or 128 bytes (the swizzle width)")
-    return (data_type, len(dims), [cu.cuuint64_t(d) for d in dims], [cu.cuuint64_t(s) for s in strides],
-            [cu.cuuint32_t(x) for x in box], [cu.cuuint32_t(1)] * len(dims),
-            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-
-
-class TensorMaps:
-    """Tensor maps of fixed layouts at base addresses that change between calls: ``maps(*ptrs)`` returns one encoded
-    map per encoder (a callable ptr -> the map's 128 bytes, e.g. _MapSpec.encode), encoding again only when the bases
-    differ from the last call's (~4 µs a map through cuda.bindings; a call replayed on the same arrays encodes
-    nothing). The last (bases, maps) pair is replaced as one tuple, so a concurrent caller sees the old pair or the
-    new one, never a mix."""
-
-    __slots__ = ("encoders", "_last")
-
-    def __init__(self, encoders):
-        self.encoders = tuple(encoders)
-        self._last = (None, None)
-
-    def __call__(self, *ptrs: int) -> tuple:
-        bases, maps = self._last
-        if bases != ptrs:
-            maps = tuple(encode(ptr) for encode, ptr in zip(self.encoders, ptrs))
-            self._last = (ptrs, maps)
-        return maps
-
-
-class ParamMaps:
-    """Tensor maps kept in a launch's own parameter bytes (runtime.compile.OwnParams) at fixed byte offsets:
-    ``write(*ptrs)`` encodes them again only when a base moved (TensorMaps) and copies the 128 bytes of each into the
-    parameter bytes only when they changed. Called under the OwnParams lock."""
-
-    __slots__ = ("_maps", "_bytes", "_offsets", "_written")
-
-    def __init__(self, encoders, own, offsets):
-        self._maps = TensorMaps(encoders)
-        self._bytes = own.bytes
-        self._offsets = tuple(offsets)
-        self._written = None
-
-    def write(self, *ptrs: int) -> None:
-        maps = self._maps(*ptrs)
-        if maps is not self._written:
-            for off, m in zip(self._offsets, maps):
-                self._bytes[off:off + 128] = m
-            self._written = maps
-
-
-@dataclasses.dataclass
-class Sm90Launch:
-    """One prepared launch: the parameters but the pointers and tensor maps, the map layouts, grid, block, smem.
-    Called like fused.FlashLaunch (mask_ptr must be 0)."""
-
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
-    block: tuple
-    smem: int
-    o_map: object = None  # _MapSpec of out when the epilogue may store it by TMA (prepare), else None
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for (fused.FlashLaunch's scheme): this launch's own copy of
-        # the parameter bytes with its kernelParams array and lock (OwnParams), the CUfunction, the launch dimensions.
-        from cupy.cuda import driver
-        self._o_maps = TensorMaps((self.o_map.encode,)) if self.o_map is not None else None
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_v")))
-        self._o_map_offset = fields["tma_o"][1]
-        self._o_tma_word = fields["o_tma"][1] // 8
-        self._o_written = None
-        self._out_word = fields["out"][1] // 8
-        assert fields["lse"][1] == fields["out"][1] + 8
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        self._dims = launch_dims(self.grid, self.block, self.smem)
-        if self.kernel.max_dynamic_shared_size_bytes < self.smem:
-            self.kernel.max_dynamic_shared_size_bytes = self.smem
-
-    def __call__(self, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
-        from .fused import _current_stream_ptr
-        self.launch_on(_current_stream_ptr(), q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, v_ptr: int, out_ptr: int, lse_ptr: int = 0,
-                  mask_ptr: int = 0) -> None:
-        """cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the three tensor maps (encoded again only when q, k or v moved, see TensorMaps; written into the parameter
-        bytes only when they changed) and the out and lse words go into this launch's own parameter buffer, which the
-        driver copies during the call; the lock keeps two threads replaying one launch from interleaving their
-        writes. ~1 µs of host time for the launch against ~6 through CuPy's RawKernel call and a per-call copy of the
-        704-byte struct."""
-        if mask_ptr:
-            raise ValueError("the FA3 kernel takes no attn_mask")
-        own = self._own
-        with own.lock:
-            self._maps.write(q_ptr, k_ptr, v_ptr)
-            own.words[self._out_word:self._out_word + 2] = (out_ptr, lse_ptr)
-            # out by TMA where prepare allowed it and this call's base is 16-byte aligned (its map encoded again only
-            # when out moved).
-            o_tma = self._o_maps is not None and out_ptr % 16 == 0
-            if o_tma:
-                (o_map,) = self._o_maps(out_ptr)
-                if o_map is not self._o_written:
-                    own.bytes[self._o_map_offset:self._o_map_offset + 128] = o_map
-                    self._o_written = o_map
-            own.words[self._o_tma_word] = int(o_tma)
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tuple, smem: int,
+                 o_map: MapSpec | None = None) -> PreparedLaunch:
+    """The launch of a FlashFwdSm90Params kernel (this module's and fused_d512's) with ``params`` prepared, replayed as
+    ``launch_on(stream, q, k, v, out, lse=0, mask=0)`` like fused.prepare's (mask must be 0: these kernels take no
+    attn_mask). q, k and v reach the kernel as tensor maps of the layouts ``maps`` (MapSpec each), encoded again only
+    when q, k or v moved; out and lse as pointers. ``o_map``: out's map where the epilogue may store it by TMA
+    (prepare), used by the replays whose out is 16-byte aligned (o_tma = 1, the map encoded again only when out
+    moved); the others, and every replay without it, store out by 4-byte stores from registers (o_tma = 0)."""
+    out_maps, flags = (), ()
+    if o_map is not None:
+        out_maps = (Maps(("tma_o",), ("out",), (o_map.encode,), align=16),)
+        flags = (AlignFlag("o_tma", "out", 16, 1),)
+    return PreparedLaunch(params, [Step(kernel, grid, block, smem)], args=("q", "k", "v", "out", "lse", "mask"),
+                          pointers={"out": "out", "lse": "lse"},
+                          maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),
+                                *out_maps),
+                          flags=flags, refuse={"mask": "the FA3 kernel takes no attn_mask"})

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime import env
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import PreparedLaunch, Step
 
 ENV_FP32_GEMM = "CUPY_ATTN_FP32_GEMM"
 ENV_FP32_GEMM_DEFAULT = "3xtf32"
@@ -80,9 +81,10 @@ GEMM_3XTF32 = KernelFamily(
 def setting() -> str:
     """``CUPY_ATTN_FP32_GEMM``: ``3xtf32`` (unset: the default, this module) or ``sgemm`` (cuBLAS). Raises ValueError
     for any other value (a misspelt A/B switch must not silently measure the default)."""
-    value = os.environ.get(ENV_FP32_GEMM, ENV_FP32_GEMM_DEFAULT).strip().lower() or ENV_FP32_GEMM_DEFAULT
+    raw = env.get(ENV_FP32_GEMM, ENV_FP32_GEMM_DEFAULT)
+    value = raw.strip().lower() or ENV_FP32_GEMM_DEFAULT
     if value not in CHOICES:
-        raise ValueError(f"{ENV_FP32_GEMM} must be one of {', '.join(CHOICES)}, got {os.environ[ENV_FP32_GEMM]!r}")
+        raise ValueError(f"{ENV_FP32_GEMM} must be one of {', '.join(CHOICES)}, got {raw!r}")
     return value
 
 
@@ -170,11 +172,9 @@ class Gemm3xTF32:
         self._rows16_a = lda % 4 == 0 and (stride_a % 4 == 0 or batch == 1)
         self._rows16_b = ldb % 4 == 0 and (stride_b % 4 == 0 or batch == 1)
         self.smem = tile.smem_bytes(self.trans_b)
-        self._dims = launch_dims((blocks,), (THREADS,), self.smem)
-        self._own = OwnParams(p)
-        self._fns: dict = {}
-        self._fns_lock = threading.Lock()
-        self._launch = None
+        self.grid, self.block = (blocks,), (THREADS,)
+        self._launches: dict = {}  # (align_a, align_b) -> PreparedLaunch, built at its first use
+        self._launches_lock = threading.Lock()
 
     def _aligned(self, a_ptr: int, b_ptr: int) -> tuple[bool, bool]:
         """Whether each operand's rows are 16-byte aligned at these addresses (16-byte copies), else 4-byte copies."""
@@ -187,31 +187,25 @@ class Gemm3xTF32:
         return {"tile": self.tile, "trans_b": _BOOL[self.trans_b], "align_a": _BOOL[align_a],
                 "align_b": _BOOL[align_b]}
 
-    def _function(self, align_a: bool, align_b: bool) -> int:
-        """The CUfunction for one alignment pair on the current device, compiled (or read from the compile cache)
-        and given its dynamic shared memory on first use."""
-        key = (align_a, align_b)
-        fn = self._fns.get(key)
-        if fn is None:
-            with self._fns_lock:
-                kernel = GEMM_3XTF32.kernel(tile=self.tile, trans_b=_BOOL[self.trans_b], align_a=_BOOL[align_a],
-                                            align_b=_BOOL[align_b])
-                if kernel.max_dynamic_shared_size_bytes < self.smem:
-                    kernel.max_dynamic_shared_size_bytes = self.smem
-                from cupy.cuda import driver
-                self._launch = driver.launchKernel
-                fn = self._fns[key] = int(kernel.kernel.ptr)  # the RawKernel (memoized) keeps the module alive
-        return fn
+    def _launch_for(self, key: tuple) -> PreparedLaunch:
+        """The launch of the kernel for one alignment pair on the current device, compiled (or read from the compile
+        cache) at its first use."""
+        with self._launches_lock:
+            launch = self._launches.get(key)
+            if launch is None:
+                kernel = GEMM_3XTF32.kernel(tile=self.tile, trans_b=_BOOL[self.trans_b], align_a=_BOOL[key[0]],
+                                            align_b=_BOOL[key[1]])
+                launch = self._launches[key] = PreparedLaunch(
+                    self.params, [Step(kernel, self.grid, self.block, self.smem)], args=("c", "a", "b"),
+                    pointers={"c": "c", "a": "a", "b": "b"})
+        return launch
 
     def launch_on(self, stream_ptr: int, c_ptr: int, a_ptr: int, b_ptr: int) -> None:
-        """cuLaunchKernel on a raw stream handle, on the device this GEMM runs on (which must be current). The three
-        pointers are the first three words of this GEMM's own parameter buffer; the driver copies the parameters
-        during the call, and the lock keeps two threads replaying one GEMM from interleaving their writes."""
-        fn = self._function(*self._aligned(a_ptr, b_ptr))
-        own = self._own
-        with own.lock:
-            own.words[:3] = (c_ptr, a_ptr, b_ptr)
-            self._launch(fn, *self._dims, stream_ptr, own.argv_ptr, 0)
+        """cuLaunchKernel on a raw stream handle, on the device this GEMM runs on (which must be current): the kernel
+        for these operands' alignment, its three pointers written into its launch's struct (runtime.launch)."""
+        key = self._aligned(a_ptr, b_ptr)
+        launch = self._launches.get(key) or self._launch_for(key)
+        launch.launch_on(stream_ptr, c_ptr, a_ptr, b_ptr)
 
     def bind(self, stream_ptr: int):
         """``fn(c_ptr, a_ptr, b_ptr)`` enqueuing this GEMM on ``stream_ptr``. Unlike cuBLASLt's bound call it holds

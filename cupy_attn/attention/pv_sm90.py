@@ -12,32 +12,30 @@ The split path uses it in place of cuBLAS's P·V row bands for causal calls on t
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime import env
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _estrides, _I64, out_16b_reason, tma_operand_reason
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
+from ..runtime.kernel_abi import C_TYPE_16, element_strides
+from ..runtime.launch import Maps, PreparedLaunch, Step
+from ..runtime.tma import I64, MAP, MapSpec, c_struct, out_16b_reason, tma_operand_reason
 THREADS = 384         # a producer warpgroup and two consumer warpgroups
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 STAGES = 4
 ENV = "CUPY_ATTN_SPLIT_PV"
 
 # PvSm90Params (cuda_src/attention/pv_sm90.cu), declared once here.
-_PARAMS = _c_struct([("tma_p", _MAP, 64), ("tma_v", _MAP, 64)]
-                    + [(n, _I64, 8) for n in (
-                        "out", "out_stride_b", "out_stride_h", "out_stride_l", "seqlen_q", "seqlen_k", "head_dim_v",
-                        "groups", "num_heads", "batch", "is_causal", "causal_offset")])
+_PARAMS = c_struct([("tma_p", MAP, 64), ("tma_v", MAP, 64)]
+                   + [(n, I64, 8) for n in (
+                       "out", "out_stride_b", "out_stride_h", "out_stride_l", "seqlen_q", "seqlen_k", "head_dim_v",
+                       "groups", "num_heads", "batch", "is_causal", "causal_offset")])
 
 PV_SM90 = KernelFamily(
     name="pv_sm90",
     source="attention/pv_sm90.cu",
     template="cupy_attn::pv_sm90<{dtype}, {stages}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,)},
+    axes={"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,)},
     archs=("sm_90a",),
     structs=(("cupy_attn::PvSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -53,7 +51,7 @@ def smem_bytes(stages: int = STAGES) -> int:
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_PV``: 0 (cuBLAS P·V always), 2 (this kernel for every call on the scores kernel it can
     serve), 1 (the default, unset or any other value: causal calls, and the others where :func:`prefer` says so)."""
-    return {"0": 0, "2": 2}.get(os.environ.get(ENV, "1"), 1)
+    return {"0": 0, "2": 2}.get(env.get(ENV, "1"), 1)
 
 
 def prefer(rows: int, seqlen_k: int, head_dim_v: int) -> bool:
@@ -109,7 +107,7 @@ def key_steps(seqlen_q: int, seqlen_k: int, m0: int, causal_offset: int | None) 
     return -(-n // BLOCK_K)
 
 
-def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> "PvLaunch":
+def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> PreparedLaunch:
     """The launch for P (B, Hq, L, S) as scores_sm90.prepare writes it (packed by (batch, query head), rows ``ld``
     elements apart), v (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by :func:`layout_reason`. causal: None,
     "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L): the row blocks skip the key
@@ -122,56 +120,31 @@ def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: Kerne
         raise ValueError(f"out {tuple(out.shape)} does not match value {tuple(v.shape)} and seqlen_q={seqlen_q}")
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8")
-    kernel = family.kernel(dtype=_C_TYPES[dtype_name(v.dtype)], stages=STAGES)
+    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(v.dtype)], stages=STAGES)
     p = np.zeros((), dtype=_PARAMS)
-    for axis, stride in zip("bhl", _estrides(out)):
+    for axis, stride in zip("bhl", element_strides(out)):
         p[f"out_stride_{axis}"] = stride
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["num_heads"], p["batch"] = Hq, B
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     isz = v.dtype.itemsize
-    p_map = _MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
-    maps = (p_map, _MapSpec.of(v, BLOCK_K))
+    p_map = MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (p_map, MapSpec.of(v, BLOCK_K))
     grid = grid_for(B, Hq, L, Ev, device_sms(v.device.id))
-    return PvLaunch(kernel, p, maps, grid)
+    return build_launch(kernel, p, maps, grid)
 
 
-@dataclasses.dataclass
-class PvLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, the grid."""
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple) -> PreparedLaunch:
+    """The launch of a PvSm90Params kernel with ``params`` prepared, replayed as ``launch_on(stream, p, v, out)``:
+    tensor maps of P and V (``maps``: their MapSpecs), encoded again only when a base moved, and out's pointer."""
+    return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), smem_bytes())], args=("p", "v", "out"),
+                          pointers={"out": "out"},
+                          maps=(Maps(("tma_p", "tma_v"), ("p", "v"), tuple(m.encode for m in maps)),))
 
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
 
-    def __post_init__(self):
-        # Resolved once (scores_sm90.ScoresLaunch's scheme): own parameter bytes, the CUfunction, launch dimensions.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_p", "tma_v")))
-        self._out_word = fields["out"][1] // 8
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        smem = smem_bytes()
-        self._dims = launch_dims(self.grid, (THREADS,), smem)
-        if self.kernel.max_dynamic_shared_size_bytes < smem:
-            self.kernel.max_dynamic_shared_size_bytes = smem
-
-    def launch_on(self, stream_ptr: int, p_ptr: int, v_ptr: int, out_ptr: int) -> None:
-        """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the maps of P and V (encoded again only when a base moved) and out's base go into this launch's own
-        parameter bytes, under its lock."""
-        own = self._own
-        with own.lock:
-            self._maps.write(p_ptr, v_ptr)
-            own.words[self._out_word] = out_ptr
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
-
-    def describe(self) -> str:
-        what = "causal: each 64-row block stops at its visible keys" if self.params["is_causal"] else "all keys"
-        return (f"pv_sm90 (128 rows x 256 columns per tile, 64 keys a stage, {STAGES} TMA stages, wgmma m64n256 x 2 "
-                f"warpgroups; persistent, grid {self.grid}; {what})")
+def describe(launch: PreparedLaunch) -> str:
+    """What a launch of :func:`prepare` runs, in words."""
+    what = "causal: each 64-row block stops at its visible keys" if launch.params["is_causal"] else "all keys"
+    return (f"pv_sm90 (128 rows x 256 columns per tile, 64 keys a stage, {STAGES} TMA stages, wgmma m64n256 x 2 "
+            f"warpgroups; persistent, grid {launch.grid}; {what})")

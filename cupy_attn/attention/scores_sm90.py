@@ -16,22 +16,21 @@ registers, the one-tile kernels stage it for TMA stores). Under a causal mask th
 runs a narrow row block and a wide one of the same head as one tile (:func:`causal_pairs`): at the seed's causal
 variant its time drops by 20-25% (0.92-1.02 ms against 1.18-1.28 in the same runs; H200, session 17).
 
-Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (fused_sm90._MapSpec), encoded when the
+Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (runtime.tma.MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
 """
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily, OwnParams, launch_dims
+from ..runtime import env
+from ..runtime.compile import KernelFamily
 from ..runtime.interop import device_sms, dtype_name
-from .fused_sm90 import _MAP, _MapSpec, ParamMaps, _c_struct, _F64, _I64
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16"}
-_LOG2E = 1.4426950408889634
+from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND
+from ..runtime.launch import Maps, PreparedLaunch, Step
+from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct
 THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
@@ -44,7 +43,6 @@ CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 # The persistent kernel with a key-only attn_mask added in its epilogue (key padding: a mask that does not vary along
 # the query rows), its own instantiation: the unmasked kernels' code is untouched.
 MASKED_KERNEL = "scores_softmax_sm90_persistent_masked"
-_MASK_KIND = {"bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}  # common/mask.cuh
 MASKED_NOT_BUILT = (192,)  # tiles (half_n) without a masked instantiation (SCORES_SOFTMAX_SM90.where)
 # Masked tiles that calls are sent to: those whose GPU tests have run (64 and 256 in session 17, 128 in session 18).
 MASKED_DISPATCHED = (64, 128, 256)
@@ -72,20 +70,20 @@ SCORES_TILES = {
 }
 
 # ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
-_PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_p", _MAP, 64)]
-                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
-                        "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
-                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
-                        "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
-                        "read_rows", "read_keys", "mask", "mask_kind", "mask_stride_b", "mask_stride_h",
-                        "mask_stride_k")]
-                    + [("tma_k64", _MAP, 64)])
+_PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_p", MAP, 64)]
+                   + [(n, F64 if n == "scale_log2" else I64, 8) for n in (
+                       "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
+                       "lse_stride_b", "lse_stride_h", "lse_stride_l", "is_causal", "causal_offset",
+                       "num_heads", "batch", "p", "ld", "pair_p0", "pair_n", "pair_count",
+                       "read_rows", "read_keys", "mask", "mask_kind", "mask_stride_b", "mask_stride_h",
+                       "mask_stride_k")]
+                   + [("tma_k64", MAP, 64)])
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
-    axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(_C_TYPES.values()),
+    axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(C_TYPE_16.values()),
           "tile": tuple(SCORES_TILES.values())},
     # The masked kernel's 192-key tile made ptxas serialize its wgmma (C7511: the mask loads' registers on the tile
     # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the 256-key tile.
@@ -106,7 +104,7 @@ def setting() -> int:
     1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. A ping-pong variant
     (each consumer warpgroup owning whole row blocks) measured no faster than 3 in session 12 and was removed (its
     code is in git history, 139e8c0 to 7c3e323); 4 now selects 3, as any other value does."""
-    return {"0": 0, "1": 1, "2": 2}.get(os.environ.get(ENV_SPLIT_FUSED, "3"), 3)
+    return {"0": 0, "1": 1, "2": 2}.get(env.get(ENV_SPLIT_FUSED, "3"), 3)
 
 
 def enabled() -> bool:
@@ -213,9 +211,8 @@ def mask_reason(mask, seqlen_q: int) -> str | None:
     >>> mask_reason(pad, 100) is None, mask_reason(np.ones((2, 4, 100, 300), np.float16), 100)
     (True, 'attn_mask varies along the query rows (stride 300 elements): the scores kernel adds key-only masks')
     """
-    from ..runtime.interop import dtype_name as _dn
-    if _dn(mask.dtype) not in _MASK_KIND:
-        return f"attn_mask dtype {_dn(mask.dtype)}: the scores kernel reads bool, float16, bfloat16, float32"
+    if dtype_name(mask.dtype) not in MASK_KIND:
+        return f"attn_mask dtype {dtype_name(mask.dtype)}: the scores kernel reads bool, float16, bfloat16, float32"
     if seqlen_q > 1 and mask.strides[2] != 0:
         return (f"attn_mask varies along the query rows (stride {mask.strides[2] // mask.itemsize} elements): the "
                 "scores kernel adds key-only masks")
@@ -233,7 +230,7 @@ def unsupported_reason(p, arch: int) -> str | None:
     """
     if arch != 90:
         return f"sm_{arch}: the scores kernel needs sm_90a"
-    if dtype_name(p.dtype) not in _C_TYPES:
+    if dtype_name(p.dtype) not in C_TYPE_16:
         return f"dtype {dtype_name(p.dtype)}: the scores kernel serves fp16 and bf16"
     if not 1 <= p.seqlen_k <= MAX_SEQLEN_K:
         return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
@@ -265,7 +262,7 @@ def unsupported_reason(p, arch: int) -> str | None:
 
 
 def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None,
-            p_read: tuple | None = None, mask=None) -> "ScoresLaunch":
+            p_read: tuple | None = None, mask=None) -> PreparedLaunch:
     """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
     :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
     multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
@@ -291,10 +288,10 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     grid = grid_for(B, Hq, L, variant, num_sms)
     tile = tile_for(S, masked=mask is not None)
     name = MASKED_KERNEL if mask is not None else KERNELS[variant]
-    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=_C_TYPES[dtype_name(q.dtype)], tile=tile)
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=C_TYPE_16[dtype_name(q.dtype)], tile=tile)
     p = np.zeros((), dtype=_PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
-    p["scale_log2"] = float(scale) * _LOG2E
+    p["scale_log2"] = float(scale) * LOG2E
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
@@ -303,86 +300,45 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
     if p_read is not None and variant == 3:
         p["read_rows"], p["read_keys"] = p_read
     if mask is not None:
-        p["mask_kind"] = _MASK_KIND[dtype_name(mask.dtype)]
+        p["mask_kind"] = MASK_KIND[dtype_name(mask.dtype)]
         p["mask_stride_b"], p["mask_stride_h"], p["mask_stride_k"] = (mask.strides[i] // mask.itemsize
                                                                       for i in (0, 1, 3))
     if lse is not None:
         for axis, stride in zip("bhl", lse.strides):
             p[f"lse_stride_{axis}"] = stride // lse.itemsize
     isz = q.dtype.itemsize
-    p_map = _MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
-    maps = (_MapSpec.of(q, BLOCK_M), _MapSpec.of(k, tile.half_n), p_map)
+    p_map = MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
+    maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, tile.half_n), p_map)
     if p["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
-        maps += (_MapSpec.of(k, 64),)
-    return ScoresLaunch(kernel, p, maps, grid, tile, variant)
+        maps += (MapSpec.of(k, 64),)
+    return build_launch(kernel, p, maps, grid, tile, variant)
 
 
-@dataclasses.dataclass
-class ScoresLaunch:
-    """One prepared launch: parameters but the pointers and tensor maps, the two map layouts, grid, tile, variant
-    (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by __cluster_dims__: a plain launch
-    of a grid whose x is a multiple of it)."""
+def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: ScoresTile,
+                 variant: int = 1) -> PreparedLaunch:
+    """The launch of a ScoresSm90Params kernel with ``params`` prepared, replayed as ``launch_on(stream, q, k, p,
+    lse=0, mask=0)``: tensor maps of q, k and P (``maps``: their MapSpecs, and a fourth of k in 64-row boxes for the
+    causal pair tiles), encoded again only when q, k or P moved; the lse, P (the persistent kernel's 16-byte stores)
+    and mask pointers. ``variant`` (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by
+    __cluster_dims__: a plain launch of a grid whose x is a multiple of it), ``tile`` and ``maps`` are kept in ``info``.
+    Measured on an H200 host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
+    per-call copy of the struct and its three 128-byte maps written field by field, all of it before the seed call's
+    first kernel starts; a replay here writes the words and the changed maps."""
+    fields, args = ("tma_q", "tma_k", "tma_p", "tma_k64")[:len(maps)], ("q", "k", "p", "k")[:len(maps)]
+    return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), tile.smem_bytes())],
+                          args=("q", "k", "p", "lse", "mask"), pointers={"lse": "lse", "p": "p", "mask": "mask"},
+                          maps=(Maps(fields, args, tuple(m.encode for m in maps)),),
+                          info={"variant": variant, "tile": tile, "maps": maps})
 
-    kernel: object
-    params: np.ndarray
-    maps: tuple
-    grid: tuple
-    tile: ScoresTile
-    variant: int = 1
 
-    @property
-    def cluster_m(self) -> int:
-        return CLUSTER_M[self.variant]
-
-    def __post_init__(self):
-        # Resolved once, on the device the launch is built for (fused_sm90.Sm90Launch's scheme): this launch's own copy
-        # of the parameter bytes with its kernelParams array and lock, the CUfunction, the launch dimensions.
-        from cupy.cuda import driver
-        self._launch = driver.launchKernel
-        self._own = OwnParams(self.params)
-        fields = self.params.dtype.fields
-        self._maps = ParamMaps((spec.encode for spec in self.maps), self._own,
-                               (fields[name][1] for name in ("tma_q", "tma_k", "tma_p", "tma_k64")))
-        self._k64 = len(self.maps) == 4  # causal pair tiles: a second map of K
-        self._lse_word, self._p_word, self._mask_word = (fields[n][1] // 8 for n in ("lse", "p", "mask"))
-        self._fn_ptr = int(self.kernel.kernel.ptr)
-        smem = self.tile.smem_bytes()
-        self._dims = launch_dims(self.grid, (THREADS,), smem)
-        if self.kernel.max_dynamic_shared_size_bytes < smem:
-            self.kernel.max_dynamic_shared_size_bytes = smem
-
-    def __call__(self, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0, mask_ptr: int = 0) -> None:
-        """Launch on CuPy's current stream (see :meth:`launch_on`)."""
-        import cupy
-        self.launch_on(cupy.cuda.get_current_stream().ptr, q_ptr, k_ptr, p_ptr, lse_ptr, mask_ptr)
-
-    def launch_on(self, stream_ptr: int, q_ptr: int, k_ptr: int, p_ptr: int, lse_ptr: int = 0,
-                  mask_ptr: int = 0) -> None:
-        """One cuLaunchKernel on a raw stream handle, on the device the launch was built for (which must be current):
-        the three tensor maps (encoded again only when q, k or P moved; written into the parameter bytes only when
-        they changed), the lse word, P's base (the persistent kernel's 16-byte stores) and the mask's go into this
-        launch's own parameter buffer, which the driver copies during the call; the lock keeps two threads replaying
-        one launch from interleaving their writes. Measured on an H200
-        host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a per-call copy of
-        the struct and its three 128-byte maps written field by field, all of it before the seed call's first kernel
-        starts."""
-        own = self._own
-        with own.lock:
-            if self._k64:
-                self._maps.write(q_ptr, k_ptr, p_ptr, k_ptr)
-            else:
-                self._maps.write(q_ptr, k_ptr, p_ptr)
-            own.words[self._lse_word] = lse_ptr
-            own.words[self._p_word] = p_ptr
-            own.words[self._mask_word] = mask_ptr
-            self._launch(self._fn_ptr, *self._dims, stream_ptr, own.argv_ptr, 0)
-
-    def describe(self) -> str:
-        shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
-                  3: ", persistent: one CTA per SM walks its row blocks"}.get(self.variant, "")
-        pairs = int(self.params["pair_count"])
-        if pairs:
-            shared += f"; causal: {pairs} pairs of row blocks per head share a tile"
-        return (f"{KERNELS[self.variant]} (64 rows x {2 * self.tile.half_n} keys per CTA, {self.tile.stages} TMA "
-                f"stages, wgmma m64n{self.tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
-                f"{self.grid})")
+def describe(launch: PreparedLaunch) -> str:
+    """What a launch of :func:`prepare` runs, in words."""
+    variant, tile = launch.info["variant"], launch.info["tile"]
+    shared = {2: ", clusters of 2 CTAs sharing K by TMA multicast",
+              3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, "")
+    pairs = int(launch.params["pair_count"])
+    if pairs:
+        shared += f"; causal: {pairs} pairs of row blocks per head share a tile"
+    return (f"{KERNELS[variant]} (64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA "
+            f"stages, wgmma m64n{tile.half_n} x 2 warpgroups, softmax in the epilogue{shared}; grid "
+            f"{launch.grid})")

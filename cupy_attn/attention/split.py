@@ -17,17 +17,16 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 
 import numpy as np
 
 from .. import philox
-from ..runtime import blas, workspace
-from ..runtime.compile import KernelFamily, struct_arg
+from ..runtime import blas, env, workspace
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import PreparedLaunch, Step
 from ..runtime.interop import dtype_name
+from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
 from . import gemm_3xtf32
-
-_C_TYPES = {"float16": "__half", "bfloat16": "__nv_bfloat16", "float32": "float"}
 
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
@@ -39,8 +38,6 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
     "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
     "true": ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
 }
-
-_MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
 _PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
@@ -54,7 +51,7 @@ SOFTMAX = KernelFamily(
     name="softmax",
     source="attention/softmax.cu",
     template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
-    axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
+    axes={"out_t": tuple(C_TYPE.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
           "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
     where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
                                                                           or row["masked"] == "true"),
@@ -63,6 +60,7 @@ SOFTMAX = KernelFamily(
 
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
+ENV_WORKSPACE_BYTES = "CUPY_ATTN_WORKSPACE_BYTES"
 
 
 def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
@@ -76,7 +74,7 @@ def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
 
 def workspace_bytes_default() -> int:
     """Scores-buffer budget: ``CUPY_ATTN_WORKSPACE_BYTES`` or 1 GiB."""
-    return int(os.environ.get("CUPY_ATTN_WORKSPACE_BYTES", DEFAULT_WORKSPACE_BYTES))
+    return int(env.get(ENV_WORKSPACE_BYTES, DEFAULT_WORKSPACE_BYTES))
 
 
 @dataclasses.dataclass
@@ -124,7 +122,8 @@ def _gemm_batch_groups(axes: list[_Axis]) -> list[list[_Axis]]:
 @dataclasses.dataclass
 class _Chunk:
     """One GEMM → softmax → GEMM step over a block of batch·heads (and query rows): byte offsets from the operands'
-    base pointers, the softmax kernel's parameters with every field but the pointers filled, its grid, the GEMMs."""
+    base pointers, the GEMMs, the softmax pass's launch (SoftmaxParams with every field but the pointers filled;
+    replayed on (scores, mask, lse, rng))."""
 
     q: int
     k: int
@@ -132,13 +131,10 @@ class _Chunk:
     o: int
     mask: int
     lse: int
-    params: np.ndarray
-    grid: int
     gemm_qk: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     gemm_pv: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     p: int = 0  # byte offset of the chunk's scores (cuBLAS path) or P (scores kernel) in the scratch buffer
-    kernel: object = None  # the softmax kernel for the chunk's key count (a causal band's, else the schedule's)
-    block: int = 0
+    softmax: PreparedLaunch | None = None  # the softmax pass over the chunk's keys (None under the scores kernel)
     stream: int = 0  # 0: the call's stream; i > 0: side stream i - 1 (causal bands, see causal_streams)
 
 
@@ -146,8 +142,8 @@ class _Chunk:
 class _Schedule:
     scores_elems: int
     chunks: list
-    # The Hopper scores kernel (scores_sm90.ScoresLaunch) when it replaces every chunk's Q·Kᵀ GEMM and softmax pass:
-    # one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
+    # The Hopper scores kernel (scores_sm90.prepare's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax
+    # pass: one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
     # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
@@ -156,8 +152,8 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
-    # The P·V kernel (pv_sm90.PvLaunch) after the scores kernel where pv_reason allows (causal calls, and others where
-    # it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
+    # The P·V kernel (pv_sm90.prepare's launch) after the scores kernel where pv_reason allows (causal calls, and others
+    # where it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
 
 
@@ -260,12 +256,7 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
                     c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
                     continue
                 c.gemm_qk(s0 + c.p, q0 + c.q, k0 + c.k, stream.ptr)
-                params = c.params.copy()
-                params["scores"] = s0 + c.p
-                params["mask"] = m0 + c.mask if m0 else 0
-                params["lse"] = l0 + c.lse if l0 else 0
-                params["rng"] = rng
-                c.kernel((c.grid,), (c.block,), (struct_arg(params),))
+                c.softmax.launch_on(stream.ptr, s0 + c.p, m0 + c.mask if m0 else 0, l0 + c.lse if l0 else 0, rng)
                 c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
         if streams is not None:
             _join(main, streams, joins)
@@ -405,10 +396,10 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     dropout = p.dropout_p > 0
     masked = "true" if p.mask is not None or p.causal is not None or dropout else "false"
     mask = p.mask
-    mask_kind = _MASK_KIND["bool" if p.mask_kind == "bool" else (dtype_name(mask.dtype) if mask is not None else None)]
+    mask_kind = MASK_NONE if mask is None else MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(mask.dtype)]
     mask_isz = mask.itemsize if mask is not None else 1
     causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
-    alpha = p.scale * 1.4426950408889634  # log2(e): the kernel works in base 2
+    alpha = p.scale * LOG2E  # the kernel works in base 2
     base = np.zeros((), dtype=_PARAMS)
     base["seqlen_k"], base["ld"], base["causal_offset"], base["mask_kind"] = S, ld, causal_offset, mask_kind
     base["n1"], base["n2"] = dec[1].size, dec[2].size
@@ -487,7 +478,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         """(kernel, block, rows per block) of the softmax pass over sc columns."""
         if sc not in softmax:
             t = softmax_tile(sc, masked == "true")
-            softmax[sc] = (SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=t, masked=masked,
+            softmax[sc] = (SOFTMAX.kernel(out_t=C_TYPE[dtype_name(dtype)], tile=t, masked=masked,
                                           dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
         return softmax[sc]
     chunks = []
@@ -508,15 +499,19 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
                 params["bh0"], params["seqlen_k"] = off["bh"], sc
                 gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
                 # Under the scores kernel no softmax pass runs: its kernel is not loaded.
-                sm_kernel, sm_block, sm_rows = softmax_for(sc) if scores_launch is None else (None, 0, 1)
+                launch = None
+                if scores_launch is None:
+                    sm_kernel, sm_block, sm_rows = softmax_for(sc)
+                    launch = PreparedLaunch(params, [Step(sm_kernel, (-(-nb * lc // sm_rows),), (sm_block,))],
+                                            args=("scores", "mask", "lse", "rng"),
+                                            pointers={name: name for name in ("scores", "mask", "lse", "rng")})
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
-                    mask=off["mask"] * mask_isz, lse=off["lse"] * 4, params=params,
-                    grid=-(-nb * lc // sm_rows), gemm_qk=gemm_qk, gemm_pv=gemm_pv,
+                    mask=off["mask"] * mask_isz, lse=off["lse"] * 4, gemm_qk=gemm_qk, gemm_pv=gemm_pv,
                     p=((off["bh"] + c0 * inner.bh) * L + r0) * ld_p * isz if scores_launch is not None
                     else int(band_offset[band]),
-                    kernel=sm_kernel, block=sm_block, stream=band_stream[band]))
+                    softmax=launch, stream=band_stream[band]))
     streams = max(band_stream) + 1
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,

@@ -11,8 +11,8 @@ from .. import reference
 from ..runtime import callcache, interop
 from . import autograd as _autograd
 from .checks import check
-from .launch import (AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _Entry, _Prepared, _VECTORS, _cupy_view, _empty,  # noqa: F401
-                     _torch_alloc, _unit_last_stride, _vector_ptr)
+from .launch import (AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, Entry, Prepared, VECTORS, cupy_view,  # noqa: F401
+                     empty_output, torch_alloc, unit_last_stride, vector_ptr)
 
 
 def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
@@ -87,7 +87,7 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     call_key = None if traced else _call_key(arrays, training, momentum, eps, allow_tf32)
     if call_key is not None:
         entry = callcache.get(call_key)
-        if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see _Prepared)
+        if entry is not None:  # the same layout, flags and stream ran before: replay its launches (see Prepared)
             return entry(arrays)
     elif traced or interop.is_tracing_tensor(x):  # or FakeTensor / FunctionalTensor inputs (make_fx, AOTAutograd)
         from .. import torch_ops
@@ -97,7 +97,7 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
                   num_batches_tracked)
     if not call.ctx.on_gpu:
-        return _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
+        return run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
                               training, momentum, eps, num_batches_tracked)
     ctx = call.ctx
     if allow_tf32 is None:
@@ -107,15 +107,16 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
         if n * f == 0:
             nbt = call.args["num_batches_tracked"]
             if call.update_running and nbt is not None:
-                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
-            return _empty(ctx, (n, f), call.dtype, like=x)[0]
-        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
-        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
+                cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
+            return empty_output(ctx, (n, f), call.dtype, like=x)[0]
+        xa, wa = (unit_last_stride(call.args[name]) for name in ("x", "weight"))
+        prepared = Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
         keep: list = []  # contiguous copies of strided vectors, alive until the launches are enqueued
-        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
-        out_native = prepared.execute(lambda: _empty(ctx, (n, f), call.dtype, like=x), xa.ptr(), wa.ptr(), vectors)
+        vectors = tuple(0 if call.args[name] is None else vector_ptr(call.args[name], keep) for name in VECTORS)
+        out_native = prepared.execute(lambda: empty_output(ctx, (n, f), call.dtype, like=x), xa.ptr(), wa.ptr(),
+                                      vectors)
         if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
-            callcache.put(call_key, _Entry(prepared, ctx, (n, f)))
+            callcache.put(call_key, Entry(prepared, ctx, (n, f)))
     return out_native
 
 
@@ -161,22 +162,22 @@ def forward_saving_entry(x, weight, bias, running_mean, running_var, bn_weight, 
     if allow_tf32 is None:
         allow_tf32 = bool(sys.modules["torch"].backends.cuda.matmul.allow_tf32)
     n, f = call.n, call.f
-    alloc = _torch_alloc(x)
+    alloc = torch_alloc(x)
     entry = None
     with ctx.activate():
         if n * f == 0:
             nbt = call.args["num_batches_tracked"]
             if call.update_running and nbt is not None:
-                _cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
+                cupy_view(nbt)[...] += 1   # torch counts an empty batch too (and leaves the stats alone)
             stats = alloc((AFFINE_ROWS, f), True)[0].zero_()
             return alloc((n, f), False)[0], alloc((n, f), False)[0], stats, None
-        xa, wa = (_unit_last_stride(call.args[name]) for name in ("x", "weight"))
-        prepared = _Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
+        xa, wa = (unit_last_stride(call.args[name]) for name in ("x", "weight"))
+        prepared = Prepared(call, momentum, eps, bool(allow_tf32), xa.strides()[0], wa.strides()[0])
         keep: list = []
-        vectors = tuple(0 if call.args[name] is None else _vector_ptr(call.args[name], keep) for name in _VECTORS)
+        vectors = tuple(0 if call.args[name] is None else vector_ptr(call.args[name], keep) for name in VECTORS)
         result = prepared.execute_saving(alloc, xa.ptr(), wa.ptr(), vectors)
         if call_key is not None and not keep and xa is call.args["x"] and wa is call.args["weight"]:
-            entry = _Entry(prepared, ctx, (n, f))
+            entry = Entry(prepared, ctx, (n, f))
             callcache.put(call_key, entry)
     return (*result, entry)
 
@@ -201,7 +202,7 @@ def _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weigh
     s = np.broadcast_to(host(scale).reshape(-1), (f,)) * 1.4426950408889634
     a, d = gamma * invstd * s, beta * s
     stats = np.stack([mu, a, d, d - a * mu, invstd])  # launch.AFFINE_ROWS: mu, a, d, b, invstd
-    out = _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+    out = run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
                          momentum, eps, num_batches_tracked)
     return (out, interop.from_numpy(y, call.ctx.kind, call.dtype),
             interop.from_numpy(stats, call.ctx.kind, np.dtype(np.float32)))
@@ -235,7 +236,7 @@ def _call_key(arrays: tuple, training, momentum, eps, allow_tf32) -> tuple | Non
             type(allow_tf32), allow_tf32)
 
 
-def _run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
+def run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,
                    momentum, eps, num_batches_tracked):
     """CPU inputs: the float64 reference; running stats and num_batches_tracked updated in place."""
     def host(v):

@@ -42,7 +42,7 @@ def cpu_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias
     """CPU torch tensors that autograd records: the reference math in float64 torch ops (differentiable), cast to x's
     dtype; the running stats and num_batches_tracked are updated in place by the NumPy reference, as on the
     forward-only CPU path. Slow, for checking, like the rest of the CPU path."""
-    from .api import _run_reference
+    from .api import run_reference
     from .checks import check
     torch = sys.modules["torch"]
     call = check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
@@ -64,7 +64,7 @@ def cpu_reference(x, weight, bias, running_mean, running_var, bn_weight, bn_bias
         z = z + bn_bias.double()
     out = torch.softmax(scale.double().reshape(-1) * z, dim=1).to(x.dtype)
     with torch.no_grad():  # the running-stat update, in place, by the reference (its output is not used)
-        _run_reference(call, *(None if t is None else t.detach() for t in (x, weight, bias)), running_mean,
+        run_reference(call, *(None if t is None else t.detach() for t in (x, weight, bias)), running_mean,
                        running_var, *(None if t is None else t.detach() for t in (bn_weight, bn_bias, scale)),
                        training, momentum, eps, num_batches_tracked)
     return out

@@ -21,9 +21,11 @@ import sys
 import numpy as np
 
 from ..runtime import blas, interop, workspace
-from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup
+from ..runtime.compile import KernelFamily
+from ..runtime.launch import PreparedLaunch, Step
 from .checks import CODE_OF as _CODE_OF
-from .launch import AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, _C_TYPES, _WIDE, _dtype_name_of_c, _sm_count, _workspace
+from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
+from .launch import AFFINE_ROWS, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, sm_count, stream_workspace
 
 # bwd_row_dot<T, kThreads, kVec>: one row per block; 256 threads × 16-byte loads cover 2048 (fp16) features per step.
 ROW_DOT_THREADS = 256
@@ -44,8 +46,8 @@ ROW_DOT = KernelFamily(
     name="lbs_bwd_row_dot",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_row_dot<{dtype}, {threads}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
-    where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
+    where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
 
@@ -53,8 +55,8 @@ COLUMNS = KernelFamily(
     name="lbs_bwd_columns",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_columns<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(COLUMN_TILES.values())},
-    where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "tile": tuple(COLUMN_TILES.values())},
+    where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
 
@@ -63,12 +65,12 @@ def column_tile(n_cols: int, dtype) -> tuple[int, int, int]:
     """(kVec, kColThreads, kThreads) of bwd_columns: 16-byte vectors when F is a multiple of the vector width, scalar
     otherwise. Example: F = 8192 fp16 → (8, 4, 256), 256 blocks; F = 1000 fp32 → (4, 8, 256), 32 blocks; F = 999 →
     (1, 32, 256)."""
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return COLUMN_TILES[wide if n_cols % wide == 0 else 1]
 
 
 def _vec(n_cols: int, dtype) -> int:
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return wide if n_cols % wide == 0 else 1
 
 
@@ -102,7 +104,7 @@ class _Plan:
 @functools.lru_cache(maxsize=256)
 def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw: int, allow_tf32: bool,
           need_dx: bool, need_dw: bool) -> _Plan:
-    ctype = _C_TYPES[np.dtype(dtype).name]
+    ctype = C_TYPE[np.dtype(dtype).name]
     row_dot = ROW_DOT.kernel(dtype=ctype, threads=ROW_DOT_THREADS, vec=_vec(f, dtype))
     tile = column_tile(f, dtype)
     columns = COLUMNS.kernel(dtype=ctype, tile=tile)
@@ -116,7 +118,7 @@ def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw
                                     b_dtype=dtype, ldb=ldx, stride_b=0, trans_b=False, m=f, n=k, k=n, batch=1,
                                     allow_tf32=allow_tf32))
     # Up to 16 row blocks per SM resident (256 threads): more rows than that take the grid-stride loop.
-    return _Plan(row_dot=(row_dot, (min(n, 16 * _sm_count(device_id)),), (ROW_DOT_THREADS,)),
+    return _Plan(row_dot=(row_dot, (min(n, 16 * sm_count(device_id)),), (ROW_DOT_THREADS,)),
                  columns=(columns, (-(-f // (tile[0] * tile[1])),), (tile[2],)), dx=dx, dw=dw)
 
 
@@ -139,6 +141,7 @@ def _gemm_operand(t, torch):
 _TAIL = np.dtype([(name, np.int64) for name in ("n_rows", "n_cols", "scale_stride")]
                  + [(name, np.int32) for name in ("gamma_t", "beta_t", "scale_t", "flags")])
 _POINTERS = 15
+_INPUTS = ("dout", "out", "y", "stats", "gamma", "beta", "scale")  # BwdParams' pointers to the call's inputs
 assert _POINTERS * 8 + _TAIL.itemsize == _BWD_PARAMS.itemsize
 
 
@@ -210,18 +213,25 @@ class _Call:
         self.work_bytes = scratch_bytes + (dy_bytes if self.dy_in_work else 0)
         self.f = f
         self.dy_off = scratch_bytes
-        # Params words relative to the workspace's base (refilled when the base moves), and the tail.
-        self._relative = [(0, self.dy_off if self.dy_in_work else None)]
-        self._relative += [(pos - 1, grad_offsets.get(pos)) for pos in (2, 3, 4, 5)]
-        self._relative += [(5, offsets["delta"]), (6, offsets["partial"]), (7, offsets["counter"])]
-        self._words = np.zeros(_POINTERS + 5 + 1, dtype=np.uint64)  # + StructLaunchGroup's spare word
-        self._words[_POINTERS:_POINTERS + 5] = tail
-        self._base = None
+        # BwdParams: the pointers into the workspace are offsets from its base (an argument of the replay: it may move
+        # between calls), the gradients not needed stay 0; dy is the workspace's unless it is a per-call allocation.
+        params = np.zeros((), dtype=_BWD_PARAMS)
+        params.reshape(1).view(np.uint64)[_POINTERS:] = tail
+        pointers = {name: ("work", off) for name, off in (
+            ("dbias", grad_offsets.get(2)), ("dgamma", grad_offsets.get(3)), ("dbeta", grad_offsets.get(4)),
+            ("dscale", grad_offsets.get(5)), ("delta", offsets["delta"]), ("dscale_partial", offsets["partial"]),
+            ("counter", offsets["counter"])) if off is not None}
+        if self.dy_in_work:
+            pointers["dy"] = ("work", self.dy_off)
+        elif self.need_dy:
+            pointers["dy"] = "dy"
+        pointers.update({name: name for name in _INPUTS})
         self.ready = False  # the GEMMs are bound to the stream: the CuPy context is needed only for another device
         self._get_device = _get_device_fn()
         self._split = torch.split_with_sizes
-        self._launch_all = StructLaunchGroup(StructLaunch(fn, grid, block)
-                                             for fn, grid, block in (self.plan.row_dot, self.plan.columns))
+        self.launch = PreparedLaunch(params, [Step(fn, grid, block) for fn, grid, block in (self.plan.row_dot,
+                                                                                               self.plan.columns)],
+                                     args=("work", "dy") + _INPUTS, pointers=pointers)
         self._copy = _memcpy_fn()
 
     def takes(self, grad_out) -> bool:
@@ -240,30 +250,23 @@ class _Call:
         self.ready = all(self.stream_ptr in g.bound for g in self.gemms)
         return grads
 
-    def _words_for(self, base: int) -> np.ndarray:
-        """The params words' template for a workspace at ``base`` (rebuilt only when the workspace moves)."""
-        if base != self._base:
-            for i, off in self._relative:
-                self._words[i] = 0 if off is None else base + off
-            self._base = base
-        return self._words.copy()
-
     def _run(self, grad_out, x, weight, y, out, stats, gamma, beta, scale):
         need_dx, need_dw = self.needs[0], self.needs[1]
         dw = weight.new_empty(self.w_shape) if need_dw else None
         dx = x.new_empty(self.x_shape) if need_dx else None
-        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        work = stream_workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
         base = workspace.pointer(work)
-        words = self._words_for(base)
         dy = None
-        if self.need_dy and not self.dy_in_work:
+        if self.dy_in_work:
+            dy_ptr = base + self.dy_off
+        elif self.need_dy:
             dy = x.new_empty((self.x_shape[0], self.f))
-            words[0] = dy.data_ptr()
-        dy_ptr = int(words[0])
-        words[8:_POINTERS] = (grad_out.data_ptr(), out.data_ptr(), y.data_ptr(), stats.data_ptr(), _ptr(gamma),
-                              _ptr(beta), scale.data_ptr())
+            dy_ptr = dy.data_ptr()
+        else:
+            dy_ptr = 0
         stream_ptr = self.stream_ptr
-        self._launch_all(stream_ptr, words)
+        self.launch.launch_on(stream_ptr, base, dy_ptr, grad_out.data_ptr(), out.data_ptr(), y.data_ptr(),
+                              stats.data_ptr(), _ptr(gamma), _ptr(beta), scale.data_ptr())
         plan = self.plan
         if plan.dx is not None:  # (K = 0: dx and dw are empty, no GEMM)
             plan.dx(dx.data_ptr(), dy_ptr, weight.data_ptr(), stream_ptr)

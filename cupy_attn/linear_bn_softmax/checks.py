@@ -26,7 +26,7 @@ _CODE_OF, _BF16 = CODE_OF, BF16
 
 
 @dataclasses.dataclass
-class _Arg:
+class Arg:
     """One array argument: the object, its kind, NumPy dtype and shape."""
 
     obj: Any
@@ -39,18 +39,18 @@ class _Arg:
             return self.obj.data_ptr()
         if self.kind == interop.CUPY:
             return self.obj.data.ptr
-        return interop._dlpack_view(self.obj).data.ptr
+        return interop.dlpack_view(self.obj).data.ptr
 
     def strides(self) -> tuple:
         """Strides in elements."""
         if self.kind == interop.TORCH:
             return tuple(self.obj.stride())
-        a = self.obj if self.kind == interop.CUPY else interop._dlpack_view(self.obj)
+        a = self.obj if self.kind == interop.CUPY else interop.dlpack_view(self.obj)
         return tuple(st // a.itemsize for st in a.strides)
 
 
 @dataclasses.dataclass
-class _Call:
+class Call:
     ctx: interop.CallContext
     dtype: np.dtype
     n: int
@@ -58,10 +58,10 @@ class _Call:
     f: int
     use_batch_stats: bool
     update_running: bool
-    args: dict            # name -> _Arg or None
+    args: dict            # name -> Arg or None
 
 
-def _arg(v: Any, name: str, ctx: interop.CallContext) -> _Arg:
+def _arg(v: Any, name: str, ctx: interop.CallContext) -> Arg:
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(v, torch.Tensor):
         # Fast path: a handful of attribute reads (~0.5 µs) instead of interop's generic kind/device/dtype helpers.
@@ -73,7 +73,7 @@ def _arg(v: Any, name: str, ctx: interop.CallContext) -> _Arg:
             interop.check_same_kind(name, kind, "x", ctx.kind)
         if dev >= 0 and dev != ctx.device_id:
             raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
-        return _Arg(v, kind, interop.torch_to_numpy_dtype(v.dtype), tuple(v.shape))
+        return Arg(v, kind, interop.torch_to_numpy_dtype(v.dtype), tuple(v.shape))
     kind = interop.kind_of(v, name)
     if (kind in interop.CPU_KINDS) != (not ctx.on_gpu):
         raise ValueError(f"{name} is on {'the CPU' if kind in interop.CPU_KINDS else 'a GPU'} but x is not")
@@ -82,10 +82,10 @@ def _arg(v: Any, name: str, ctx: interop.CallContext) -> _Arg:
         dev = interop.device_of(v, kind)
         if dev != ctx.device_id:
             raise ValueError(f"{name} is on device {dev}, x on device {ctx.device_id}")
-    return _Arg(v, kind, interop.dtype_of(v, kind), tuple(int(d) for d in v.shape))
+    return Arg(v, kind, interop.dtype_of(v, kind), tuple(int(d) for d in v.shape))
 
 
-def _vector(v: Any, name: str, f: int, ctx: interop.CallContext, *, allow_scalar: bool = False) -> _Arg | None:
+def _vector(v: Any, name: str, f: int, ctx: interop.CallContext, *, allow_scalar: bool = False) -> Arg | None:
     """A per-feature vector: shape (F,) (or (1,)/() when allow_scalar), float32/float16/bfloat16, x's device."""
     if v is None:
         return None
@@ -99,7 +99,7 @@ def _vector(v: Any, name: str, f: int, ctx: interop.CallContext, *, allow_scalar
 
 
 def check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training, momentum, eps,
-           num_batches_tracked) -> _Call:
+           num_batches_tracked) -> Call:
     ctx = interop.context_for(x, "x")
     xa = _arg(x, "x", ctx)
     if xa.dtype not in _CODE_OF:
@@ -151,5 +151,5 @@ def check(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale,
         args["num_batches_tracked"] = a
     if use_batch_stats and n == 1:
         raise ValueError(f"Expected more than 1 value per channel when training, got input size {(n, f)}")
-    return _Call(ctx, xa.dtype, n, k, f, use_batch_stats, update_running, args)
+    return Call(ctx, xa.dtype, n, k, f, use_batch_stats, update_running, args)
 

@@ -15,7 +15,7 @@ Host time before the GEMM is enqueued is kept small, because in a synchronized l
 call with the same layout, flags and stream is a call-cache hit (the key, then cuBLASLt's bound enqueue); the output
 is allocated and the launches after the GEMM are prepared while the GEMM runs.
 Kernels: cuda_src/linear_bn_softmax/linear_bn_softmax.cu (header comment: math, thread mapping, tile sizes, version ladder).
-The forward autograd records (:meth:`_Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
+The forward autograd records (:meth:`Prepared.execute_saving`) writes y and the Affine to per-call buffers instead,
 which the backward (backward.py) reads.
 """
 from __future__ import annotations
@@ -28,11 +28,14 @@ from typing import Any
 import numpy as np
 
 from ..runtime import blas, interop, workspace
-from ..runtime.compile import KernelFamily, StructLaunch, StructLaunchGroup, pdl_supported
-from .checks import CODE_OF as _CODE_OF, _Arg, _Call
+from ..runtime.compile import KernelFamily
+from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
+from ..runtime.launch import PreparedLaunch, Step, pdl_supported
+from .checks import CODE_OF as _CODE_OF, Arg, Call
 
-_C_TYPES = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}
-_WIDE = {"float32": 4, "float16": 8, "bfloat16": 8}           # elements per 16-byte vector
+DTYPES = ("float32", "float16", "bfloat16")                  # the kernel tables' element types, in their order
+VEC_WIDTH = {"float32": 4, "float16": 8, "bfloat16": 8}       # elements per 16-byte vector
+_C_DTYPES = tuple(C_TYPE[name] for name in DTYPES)
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
 # Rows of the per-feature Affine the statistics / fold kernels write (float32, (AFFINE_ROWS, F)): mu, a·log2e, d·log2e,
 # b = d − a·mu, invstd. The row kernels read rows 0–3; the backward reads mu (row 0) and invstd (row 4).
@@ -74,15 +77,11 @@ FOLD_THREADS = 256
 
 
 def _row_where(row: dict) -> bool:
-    wide = _WIDE[_dtype_name_of_c(row["dtype"])]
+    wide = VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]
     elems = row["vec"] * row["chunks"]
     if row["threads"] not in ROW_THREADS or row["rows"] != ROW_ROWS:
         return wide == 8 and (row["threads"], row["vec"], row["chunks"], row["rows"]) == WIDE_ROW_TILE[1:]
     return row["vec"] in (1, wide) and elems in ROW_ELEMS
-
-
-def _dtype_name_of_c(c_type: str) -> str:
-    return {v: k for k, v in _C_TYPES.items()}[c_type]
 
 
 # Params in linear_bn_softmax.cu: ten pointers and three int64 (8 bytes), six int32, two float32: 136 bytes, no padding.
@@ -93,17 +92,14 @@ _PARAMS = np.dtype(
     + [(name, np.int32) for name in ("bias_t", "gamma_t", "beta_t", "scale_t", "stats_t", "flags")]
     + [("eps", np.float32), ("momentum", np.float32)])
 assert _PARAMS.itemsize == 136
-_PARAMS_POINTERS = 10
-_PARAMS_TAIL = np.dtype([(name, _PARAMS.fields[name][0]) for name in _PARAMS.names[_PARAMS_POINTERS:]])
-_PARAMS_WORDS = _PARAMS.itemsize // 8
-assert _PARAMS_POINTERS * 8 + _PARAMS_TAIL.itemsize == _PARAMS.itemsize and _PARAMS.itemsize % 8 == 0
+POINTERS = _PARAMS.names[:10]  # Params' pointer fields: a replay's arguments (out, y, affine, then VECTORS)
 
 COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
-    where=lambda row: row["tile"][0] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": _C_DTYPES, "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
+    where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
@@ -111,7 +107,7 @@ SOFTMAX_ROWS = KernelFamily(
     name="lbs_softmax_rows",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows<{dtype}, {threads}, {vec}, {chunks}, {rows}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
+    axes={"dtype": _C_DTYPES, "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
           "chunks": (1, 2, 4, 8, 16), "rows": (1, ROW_ROWS)},
     where=_row_where,
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
@@ -129,8 +125,8 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
     name="lbs_softmax_rows_streaming",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
-    where=lambda row: row["vec"] in (1, _WIDE[_dtype_name_of_c(row["dtype"])]),
+    axes={"dtype": _C_DTYPES, "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
+    where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
 
@@ -139,8 +135,8 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
 # GEMM is enqueued (off the host's critical path: ~10 µs of an idle-start call on an H200 host); larger results are
 # computed in place in the output.
 Y_WORKSPACE_MAX_BYTES = 64 << 20
-# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (StructLaunch's pdl). A switch for A/B runs
-# (bench/experiments/lbs_pdl.py); read when a call is prepared.
+# Launch the kernels after the GEMM as programmatic dependents on sm_90+ (runtime.launch.Step's pdl). A switch for A/B
+# runs (bench/experiments/lbs_pdl.py); read when a call is prepared.
 PDL = True
 
 
@@ -165,7 +161,7 @@ def row_plan(n_cols: int, dtype) -> RowPlan:
     <__half, 128, 1, 4, 2>. F = 8200: no tile → streaming kernel.
     """
     name = np.dtype(dtype).name
-    vec = _WIDE[name] if n_cols % _WIDE[name] == 0 else 1
+    vec = VEC_WIDTH[name] if n_cols % VEC_WIDTH[name] == 0 else 1
     kernel, threads, wide_vec, chunks, rows = WIDE_ROW_TILE
     if vec == wide_vec and threads * wide_vec * chunks // 2 < n_cols <= threads * wide_vec * chunks:
         return RowPlan(kernel, threads, vec, chunks, rows)
@@ -180,12 +176,12 @@ def stats_tile(n_cols: int, dtype) -> tuple[int, int, int]:
     """(kVec, kColThreads, kThreads) of column_stats: 16-byte loads when F is a multiple of the vector width, scalar
     otherwise. Example: F = 8192 fp16 → (8, 4, 256), grid 8192 / 32 = 256 blocks; F = 1000 fp16 → (8, 4, 256),
     32 blocks; F = 8192 fp32 → (4, 8, 256), 256 blocks; F = 3 → (1, 32, 256), one block."""
-    wide = _WIDE[np.dtype(dtype).name]
+    wide = VEC_WIDTH[np.dtype(dtype).name]
     return STATS_TILES[wide if n_cols % wide == 0 else 1][0]
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(device_id: int) -> int:
+def sm_count(device_id: int) -> int:
     import cupy
     return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
@@ -200,11 +196,12 @@ def _blocks_per_sm(kernel, threads: int) -> int:
 
 
 # order (x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, num_batches_tracked).
-_VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
-_VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
+VECTORS = ("bias", "gamma", "beta", "scale", "running_mean", "running_var", "num_batches_tracked")
+assert POINTERS[3:] == VECTORS
+VECTOR_ARGS = (2, 5, 6, 7, 3, 4, 8)
 
 
-class _Prepared:
+class Prepared:
     """Everything a GPU call needs that depends on shapes, dtypes, flags, device and stream but not on addresses: the
     GEMM (cuBLASLt plan), the kernels after it with their grids, the workspaces and the constant fields of Params.
     The call cache replays it (the checks that built it hold for any arrays with the same signatures).
@@ -213,7 +210,7 @@ class _Prepared:
     (after the GEMM is enqueued, so it costs no idle GPU time), then the launches after the GEMM.
     """
 
-    def __init__(self, call: _Call, momentum, eps, allow_tf32: bool, ldx: int, ldw: int):
+    def __init__(self, call: Call, momentum, eps, allow_tf32: bool, ldx: int, ldw: int):
         n, k, f = call.n, call.k, call.f
         args = call.args
         self.ctx = call.ctx
@@ -225,12 +222,6 @@ class _Prepared:
         self.y_bytes = n * f * call.dtype.itemsize
         self.in_place = self.gemm is None or self.y_bytes > Y_WORKSPACE_MAX_BYTES
         launches = _launch_plan(self.device_id, call.dtype, n, f, call.use_batch_stats)
-        # One cuLaunchKernel each on the raw stream handle (StructLaunch: ~1 µs of host time against ~6 through CuPy's
-        # Function call; no current-stream switch on the replay path). On sm_90+ both as programmatic dependents
-        # (PDL): each is launched while the kernel before it drains, and waits inside for that kernel's output.
-        pdl = PDL and pdl_supported(self.device_id)
-        self.launches = tuple(StructLaunch(ln.kernel, (ln.grid,), (ln.block,), pdl=pdl) for ln in launches)
-        self._launch_all = StructLaunchGroup(self.launches)
         # The per-stream workspace: (AFFINE_ROWS, F) float32 folded per-feature affine, 256-byte aligned, then y unless
         # in place.
         self.affine_bytes = -(-AFFINE_ROWS * 4 * f // 256) * 256
@@ -244,30 +235,30 @@ class _Prepared:
                 flags |= _FLAG_COUNT_BATCH
         codes = [0 if args[name] is None else _CODE_OF[args[name].dtype] for name in ("bias", "gamma", "beta", "scale")]
         rm = args["running_mean"]
-        # Params' fields after the pointers, in order, as the 8-byte words they occupy.
-        self.tail = np.array((n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
-                              0 if rm is None else _CODE_OF[rm.dtype], flags, eps,
-                              0.0 if momentum is None else momentum), dtype=_PARAMS_TAIL).reshape(1).view(np.uint64)
-
-    def params(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> np.ndarray:
-        """Params' bytes as 17 uint64 words: the ten pointers, then the prepared tail (a structured scalar built per
-        call, field by field, cost ~2.5 µs; this ~1.2); and one spare word (StructLaunchGroup's kernelParams)."""
-        words = np.empty(_PARAMS_WORDS + 1, dtype=np.uint64)
-        words[:_PARAMS_POINTERS] = (out_ptr, y_ptr, affine_ptr, *vectors)
-        words[_PARAMS_POINTERS:_PARAMS_WORDS] = self.tail
-        return words
+        params = np.zeros((), dtype=_PARAMS)
+        for name, value in zip(_PARAMS.names[len(POINTERS):], (
+                n, f, 1 if args["scale"].shape == (f,) and f > 1 else 0, *codes,
+                0 if rm is None else _CODE_OF[rm.dtype], flags, eps, 0.0 if momentum is None else momentum)):
+            params[name] = value
+        # The kernels after the GEMM on the one Params, its ten pointers written per call: one cuLaunchKernel each on
+        # the raw stream handle (~1 µs of host time against ~6 through CuPy's Function call; no current-stream switch
+        # on the replay path). On sm_90+ both as programmatic dependents (PDL): each is launched while the kernel
+        # before it drains, and waits inside for that kernel's output.
+        pdl = PDL and pdl_supported(self.device_id)
+        self.launch = PreparedLaunch(params, [Step(ln.kernel, (ln.grid,), (ln.block,), pdl=pdl) for ln in launches],
+                                     args=POINTERS, pointers={name: name for name in POINTERS})
 
     def execute(self, alloc, x_ptr: int, w_ptr: int, vectors):
         """Enqueue the call on the prepared stream (the prepared device current) and return the output.
 
         ``alloc()`` -> (output array, its pointer), called after the GEMM is enqueued unless y is computed in place;
-        ``vectors``: pointers in _VECTORS order (0 for absent ones), or a function returning them, called after the
+        ``vectors``: pointers in VECTORS order (0 for absent ones), or a function returning them, called after the
         GEMM is enqueued.
         """
         # One workspace per call, looked up per call and held until the launches are enqueued: [affine | y] (y only
         # when not computed in the output). It may have grown for another shape on this stream, and under CUDA-graph
         # capture it is a per-call buffer (runtime.workspace.persistent); one look-up, one capture test.
-        work = _workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
+        work = stream_workspace(self.device_id, self.stream_ptr, "work", self.work_bytes)
         affine_ptr = workspace.pointer(work)
         if self.in_place:
             out, out_ptr = alloc()
@@ -309,17 +300,17 @@ class _Prepared:
         self._matmul = self.gemm.bind(self.stream_ptr)    # later calls: the bound C call (None: classic cuBLAS)
 
     def enqueue_post(self, out_ptr: int, y_ptr: int, affine_ptr: int, vectors: tuple) -> None:
-        """The launches after the GEMM; ``vectors``: pointers in _VECTORS order, 0 for absent ones."""
-        self._launch_all(self.stream_ptr, self.params(out_ptr, y_ptr, affine_ptr, vectors))
+        """The launches after the GEMM; ``vectors``: pointers in VECTORS order, 0 for absent ones."""
+        self.launch.launch_on(self.stream_ptr, out_ptr, y_ptr, affine_ptr, *vectors)
 
 
-class _Entry:
+class Entry:
     """A call-cache entry: allocate the output for the new arrays and replay the prepared launches on their
     pointers. Host time before the GEMM is enqueued: the cache key, the allocation and cuBLASLt's enqueue.
     ``backward_calls``: the backward's prepared calls for this layout, by which gradients are needed (entries of
     the recorded forward only; backward.grad_inputs' memo)."""
 
-    def __init__(self, prepared: _Prepared, ctx: interop.CallContext, out_shape: tuple):
+    def __init__(self, prepared: Prepared, ctx: interop.CallContext, out_shape: tuple):
         import cupy
         self.prepared, self.ctx, self.out_shape = prepared, ctx, out_shape
         self.backward_calls: dict = {}
@@ -345,11 +336,11 @@ class _Entry:
                     out = cupy.empty(self.out_shape, dtype=x.dtype)
                 return out, out.data.ptr
         return self.prepared.execute(alloc, ptr(x), ptr(arrays[1]),
-                                     lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+                                     lambda: tuple(ptr(arrays[i]) for i in VECTOR_ARGS))
 
 
     def saving(self, arrays: tuple):
-        """:meth:`_Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
+        """:meth:`Prepared.execute_saving` on new torch tensors: (out, y, affine) from torch's allocator."""
         if self._get_device() != self.prepared.device_id:
             with self.ctx.activate():
                 return self._run_saving(arrays)
@@ -357,12 +348,12 @@ class _Entry:
 
     def _run_saving(self, arrays: tuple):
         x, ptr = arrays[0], self._ptr
-        return self.prepared.execute_saving(_torch_alloc(x), ptr(x), ptr(arrays[1]),
-                                            lambda: tuple(ptr(arrays[i]) for i in _VECTOR_ARGS))
+        return self.prepared.execute_saving(torch_alloc(x), ptr(x), ptr(arrays[1]),
+                                            lambda: tuple(ptr(arrays[i]) for i in VECTOR_ARGS))
 
 
-def _torch_alloc(x):
-    """alloc(shape, float32) for :meth:`_Prepared.execute_saving`: x's dtype (or float32) and device, torch's
+def torch_alloc(x):
+    """alloc(shape, float32) for :meth:`Prepared.execute_saving`: x's dtype (or float32) and device, torch's
     allocator on the current stream."""
     f32 = sys.modules["torch"].float32
 
@@ -390,7 +381,7 @@ def _gemm_xwt_op(device_id: int, dtype: np.dtype, allow_tf32: bool, m: int, n: i
                                allow_tf32=allow_tf32)
 
 
-def _empty(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
+def empty_output(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
     """(native output, device pointer); torch outputs come from torch's allocator without a DLPack round trip."""
     if ctx.kind == interop.TORCH and like is not None:
         t = like.new_empty(shape)  # x's dtype and device, torch's allocator and current stream
@@ -402,7 +393,7 @@ def _empty(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=None):
 _NAME_OF = {dt: name for name, dt in zip(("float32", "float16", "bfloat16"), _CODE_OF)}
 
 
-def _cupy_view(a: _Arg):
+def cupy_view(a: Arg):
     import cupy
     if a.kind == interop.CUPY:
         return a.obj
@@ -411,21 +402,21 @@ def _cupy_view(a: _Arg):
     return cupy.from_dlpack(a.obj)
 
 
-def _unit_last_stride(a: _Arg) -> _Arg:
+def unit_last_stride(a: Arg) -> Arg:
     """cuBLAS reads any row stride but needs unit stride along the last axis: copy (CuPy) only when it is not."""
     st = a.strides()
     if st[1] == 1 and st[0] >= a.shape[1]:
         return a
     import cupy
-    return _Arg(cupy.ascontiguousarray(_cupy_view(a)), interop.CUPY, a.dtype, a.shape)
+    return Arg(cupy.ascontiguousarray(cupy_view(a)), interop.CUPY, a.dtype, a.shape)
 
 
-def _vector_ptr(a: _Arg, keep: list) -> int:
+def vector_ptr(a: Arg, keep: list) -> int:
     """Pointer to a contiguous copy of a per-feature vector (the array itself when already contiguous)."""
     if a.shape == () or a.shape == (1,) or a.strides()[0] == 1:
         return a.ptr()
     import cupy
-    c = cupy.ascontiguousarray(_cupy_view(a))
+    c = cupy.ascontiguousarray(cupy_view(a))
     keep.append(c)  # alive until the launches are enqueued (CuPy's pool is stream-ordered)
     return c.data.ptr
 
@@ -448,7 +439,7 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     seed shape (the barrier costs more than the launch it saves) and ~7 µs slower on a stream, where a cooperative
     launch waits for the GEMM to drain (bench/NOTES_linear_bn_softmax.md).
     """
-    ctype = _C_TYPES[_NAME_OF[dtype]]
+    ctype = C_TYPE[_NAME_OF[dtype]]
     if use_batch_stats:
         tile = stats_tile(f, dtype)
         first = _Launch(COLUMN_STATS.kernel(dtype=ctype, tile=tile), -(-f // (tile[0] * tile[1])), tile[2])
@@ -461,10 +452,10 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     else:
         rows = SOFTMAX_ROWS_STREAMING.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec)
         groups = n
-    return first, _Launch(rows, min(groups, _sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
+    return first, _Launch(rows, min(groups, sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
 
 
-def _workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
+def stream_workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):
     """The stream's persistent buffer ``name`` (runtime.workspace: from the stream owner's allocator, grown on demand;
     calls on one stream are ordered, so they may share it)."""
     return workspace.persistent(device_id, stream_ptr, f"lbs_{name}", nbytes)

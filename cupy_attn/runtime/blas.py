@@ -11,14 +11,12 @@ issued as Cᵀ = Bᵀ·Aᵀ: the operands swap places and each row-major matrix 
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
-from . import cublaslt, workspace
+from . import cublaslt, env, workspace
 from .interop import dtype_name
 
-USE_CUBLASLT = os.environ.get("CUPY_ATTN_CUBLASLT", "1") != "0"
+USE_CUBLASLT = env.get("CUPY_ATTN_CUBLASLT", "1") != "0"
 
 _OP_N, _OP_T = 0, 1
 _ALGO_DEFAULT = -1  # CUBLAS_GEMM_DEFAULT

@@ -18,12 +18,11 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import interop
+from . import env, interop
 
-# Environment variables that change a call's plan (read per call by the full path, so part of the key).
-ENV_KEYS = ("CUPY_ATTN_BACKEND", "CUPY_ATTN_WGMMA", "CUPY_ATTN_FA3", "CUPY_ATTN_FA3_M192", "CUPY_ATTN_WORKSPACE_BYTES",
-            "CUPY_ATTN_DECODE", "CUPY_ATTN_DECODE_WARPS", "CUPY_ATTN_BWD", "CUPY_ATTN_SPLIT_FUSED", "CUPY_ATTN_FP32_GEMM",
-            "CUPY_ATTN_D512", "CUPY_ATTN_SPLIT_PV")
+# Environment variables that change a call's plan (read per call by the full path, so part of the key): env.KNOBS'
+# launch=True entries.
+ENV_KEYS = env.CALL_KEY
 MAX_ENTRIES = 512
 
 _CACHE: dict = {}

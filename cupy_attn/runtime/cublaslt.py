@@ -30,13 +30,12 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import functools
-import os
 import warnings
 import weakref
 
 import numpy as np
 
-from . import workspace
+from . import env, workspace
 
 # Workspace offered to the heuristic. torch gives cuBLASLt 32 MiB on Hopper (CUBLASLT_WORKSPACE_SIZE default); split-K
 # and stream-K kernels need it for large-K problems such as the Linear-BN-softmax GEMM (K = 8192).
@@ -257,7 +256,7 @@ _PLANS: dict = {}
 TUNE_MIN_FLOPS = 2e9
 TUNE_CANDIDATES = 8
 TUNE_REPEATS = 3
-TUNE = os.environ.get("CUPY_ATTN_GEMM_TUNE", "1") != "0"
+TUNE = env.get("CUPY_ATTN_GEMM_TUNE", "1") != "0"
 
 
 def matmul(key: GemmKey, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta: float, beta_ptr: int,

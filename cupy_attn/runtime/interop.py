@@ -124,7 +124,7 @@ def dtype_of(x: Any, kind: str) -> np.dtype:
     if kind in (TORCH, TORCH_CPU):
         return torch_to_numpy_dtype(x.dtype)
     if kind == DLPACK:
-        return np.dtype(_dlpack_view(x).dtype)
+        return np.dtype(dlpack_view(x).dtype)
     return np.dtype(x.dtype)
 
 
@@ -169,7 +169,7 @@ def _numpy_to_torch_dtype(dt: np.dtype):
     return t
 
 
-def _dlpack_view(x: Any):
+def dlpack_view(x: Any):
     import cupy
     return cupy.from_dlpack(x)
 
@@ -287,7 +287,7 @@ def to_numpy(x: Any, kind: str) -> np.ndarray:
     if kind == NUMPY:
         return x
     import cupy
-    return cupy.asnumpy(_dlpack_view(x) if kind in (TORCH, DLPACK) else x)
+    return cupy.asnumpy(dlpack_view(x) if kind in (TORCH, DLPACK) else x)
 
 
 def from_numpy(a: np.ndarray, like_kind: str, dtype: np.dtype, device_id: int | None = None):

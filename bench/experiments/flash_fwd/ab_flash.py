@@ -31,8 +31,8 @@ def main(rounds: int = 3):
             fam = dataclasses.replace(_flash.FLASH_FWD_SM90A, source=source)
             kern = fam.kernel(dtype="__half", head_dim=D, tile=tile, has_mask="false")
             out = cupy.full((B, H, L, D), np.nan, dtype=cupy.float16)
-            launch = _flash.FlashLaunch.build(kern, tile, D, q, k, v, out, None, scale=D ** -0.5, causal=causal,
-                                              mask=None)
+            launch = _flash.build_launch(kern, tile, D, q, k, v, out, None, scale=D ** -0.5, causal=causal,
+                                         mask=None)
             launches[label] = lambda launch=launch, out=out: launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr)
             outs[label] = out
         times = {label: [] for label in launches}

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from common import case_main, fa3_case_inputs, rotated_rounds, wait_or_die  # noqa: E402
 from cupy_attn.attention import fused as _flash  # noqa: E402
 from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
+from cupy_attn.runtime.kernel_abi import C_TYPE_16  # noqa: E402
 
 # The session-5 cases, plus a causal call whose 512 tiles the one-tile launch's hardware order balances worst (1.27x
 # the ideal makespan, 1.03x for the persistent pairs: bench/experiments/flash_fwd/tile_order_sim.py) and a call of many short
@@ -52,9 +53,9 @@ def run_case(shape, causal, dtype_name, n_repeat):
         runs[name]()
         wait_or_die(f"first {name} launch {dtype_name} {shape} causal={causal} (grid {launch.grid})")
     family, tile, head_dim = _flash.select(cq.dtype, D, 90)
-    kern = family.kernel(dtype=_flash._C_TYPES[dtype_name], head_dim=head_dim, tile=tile, has_mask="false")
-    old = _flash.FlashLaunch.build(kern, tile, head_dim, cq, ck, cv, outs["wgmma"], None, scale=scale, causal=causal,
-                                   mask=None)
+    kern = family.kernel(dtype=C_TYPE_16[dtype_name], head_dim=head_dim, tile=tile, has_mask="false")
+    old = _flash.build_launch(kern, tile, head_dim, cq, ck, cv, outs["wgmma"], None, scale=scale, causal=causal,
+                              mask=None)
     runs["wgmma"] = lambda: old(*ptrs, outs["wgmma"].data.ptr)
     runs["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal is not None,
                                                                               scale=scale)

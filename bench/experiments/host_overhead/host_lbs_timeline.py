@@ -20,7 +20,6 @@ import torch  # noqa: E402
 from bench_linear_bn_softmax import K, N, F, _model  # noqa: E402
 from common import device_ms, median_ms  # noqa: E402
 from cupy_attn.linear_bn_softmax import backward, launch  # noqa: E402
-from cupy_attn.runtime import compile as compile_  # noqa: E402
 from cupy_attn.torch import LinearBatchNormSoftmax  # noqa: E402
 
 STAMPS: list = []
@@ -70,7 +69,7 @@ def trivial_overhead(n=200):
 
 
 def instrumented_saving(self, alloc, x_ptr, w_ptr, vectors):
-    """launch._Prepared.execute_saving with stamps."""
+    """launch.Prepared.execute_saving with stamps."""
     y, y_ptr = alloc(self.shape, False)
     stamp("fwd y allocated")
     self.enqueue_gemm(y_ptr, x_ptr, w_ptr)
@@ -103,11 +102,11 @@ def main():
     for name, fn in (("ours", ours), ("torch", theirs)):
         print(f"{name}: step from idle {median_ms(fn, 40, 5):.3f} ms, device {device_ms(fn):.3f} ms", flush=True)
 
-    wrap(launch._Prepared, "enqueue_gemm", "fwd gemm enqueue", "fwd gemm enqueued")
-    wrap(launch._Prepared, "enqueue_post", "fwd post enqueue", "fwd post enqueued")
+    wrap(launch.Prepared, "enqueue_gemm", "fwd gemm enqueue", "fwd gemm enqueued")
+    wrap(launch.Prepared, "enqueue_post", "fwd post enqueue", "fwd post enqueued")
     wrap(backward, "grad_inputs", "bwd entry", "bwd return")
     wrap(backward._Gemm, "__call__", "bwd gemm enqueue", "bwd gemm enqueued")
-    wrap(launch._Entry, "saving", "fwd cached entry", "fwd entry returned")
+    wrap(launch.Entry, "saving", "fwd cached entry", "fwd entry returned")
     wrap(fused, "forward", "module forward entry", "module forward return")
     for name, fn in (("ours", ours), ("torch", theirs)):
         per = []
@@ -120,8 +119,7 @@ def main():
         torch.cuda.synchronize()
         print(f"{name}: host per step, 20 back to back: {np.median(per):.1f} us", flush=True)
     if "--fine" in sys.argv:
-        launch._Prepared.execute_saving = instrumented_saving
-        wrap(compile_.StructLaunch, "__call__", "kernel launch", "kernel launched")
+        launch.Prepared.execute_saving = instrumented_saving
     rows = {}
     for _ in range(60):
         torch.cuda.synchronize()

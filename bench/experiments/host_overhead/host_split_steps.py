@@ -4,7 +4,7 @@ before its first kernel starts (what an idle-GPU timing counts) and after.
     PYTHONPATH=. python3 bench/experiments/host_overhead/host_split_steps.py [--shape B,H,L,S,D]
 
 Wraps the hot path's functions with perf_counter_ns timers (callcache.key, the cache entry's replay,
-workspace.scratch, the scores launch, its tensor maps) and prints the median µs of each over
+workspace.scratch, the tensor maps of the scores and P·V launches) and prints the median µs of each over
 200 calls, each started on an idle GPU (synchronized before), plus idle-vs-device milliseconds (host_gap.py's).
 """
 import argparse
@@ -47,13 +47,11 @@ def main():
     fn()
     torch.cuda.synchronize()
     print(f"idle {median_ms(fn, n_repeat=20):.4f} ms, device {device_ms(fn):.4f} ms")
-    from cupy_attn.attention import fused_sm90, scores_sm90
-    from cupy_attn.runtime import callcache, workspace
+    from cupy_attn.runtime import callcache, tma, workspace
     timed(callcache, "key", "callcache.key")
     timed(callcache.Entry, "__call__", "entry (alloc out + run)")
     timed(workspace, "scratch", "workspace.scratch")
-    timed(scores_sm90.ScoresLaunch, "__call__", "scores launch")
-    timed(fused_sm90.TensorMaps, "__call__", "tensor maps")
+    timed(tma.TensorMaps, "__call__", "tensor maps")
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -41,8 +41,8 @@ def main():
     base = launches["top_left"]
     unpaired = base.params.copy()
     unpaired["pair_count"] = 0
-    launches["top_left, no pairs"] = scores_sm90.ScoresLaunch(base.kernel, unpaired, base.maps[:3], base.grid,
-                                                              base.tile, base.variant)
+    launches["top_left, no pairs"] = scores_sm90.build_launch(base.kernel, unpaired, base.info["maps"][:3], base.grid,
+                                                              base.info["tile"], base.info["variant"])
 
     def scores(c):
         return lambda: launches[c](cq.data.ptr, ck.data.ptr, p.data_ptr(), lse.data.ptr)

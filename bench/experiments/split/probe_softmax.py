@@ -13,7 +13,7 @@ from cupyx.profiler import benchmark
 
 from cupy_attn.attention import split as _split
 from cupy_attn.runtime import compile as _compile
-from cupy_attn.runtime.compile import struct_arg
+from cupy_attn.runtime.launch import launch_struct
 
 EX2 = """
 __device__ __forceinline__ float probe_ex2(float x) { float y; asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x)); return y; }
@@ -66,8 +66,8 @@ def masked_tiles(rows, L, S, scores, rounds=3):
         times = {t: [] for t in tiles}
         for _ in range(rounds):
             for t, k in ks.items():
-                r = benchmark(lambda: k((rows // max(1, 128 // t[0]),), (max(128, t[0]),), (struct_arg(prm),)),
-                              n_repeat=20, n_warmup=3)
+                r = benchmark(lambda: launch_struct(k, (rows // max(1, 128 // t[0]),), (max(128, t[0]),), prm,
+                                                    cupy.cuda.get_current_stream().ptr), n_repeat=20, n_warmup=3)
                 times[t].append(float(np.median(r.gpu_times[0])) * 1e3)
         for t, ts in times.items():
             print(f"masked ({kind}) {t}: {min(ts):.3f}-{max(ts):.3f} ms")
@@ -88,7 +88,7 @@ def main():
     for name, k in kernels.items():
         cupy.random.seed(0)
         fill()
-        k((grids[name],), (blocks[name],), (struct_arg(prm),))
+        launch_struct(k, (grids[name],), (blocks[name],), prm, cupy.cuda.get_current_stream().ptr)
         got = scores.view(cupy.float16)[:, :S].astype(cupy.float32)
         if ref is None:
             ref = got.copy()
@@ -97,7 +97,8 @@ def main():
     for _ in range(3):
         for name, k in kernels.items():
             fill()
-            r = benchmark(lambda: k((grids[name],), (blocks[name],), (struct_arg(prm),)), n_repeat=20, n_warmup=3)
+            r = benchmark(lambda: launch_struct(k, (grids[name],), (blocks[name],), prm,
+                                                cupy.cuda.get_current_stream().ptr), n_repeat=20, n_warmup=3)
             times[name].append(float(np.median(r.gpu_times[0])) * 1e3)
     gb = rows * S * 6 / 1e9
     for name, ts in times.items():

@@ -45,15 +45,16 @@ def _max_active_clusters(launch) -> str:
         config = driver.CUlaunchConfig()
         config.gridDimX, config.gridDimY, config.gridDimZ = launch.grid
         config.blockDimX, config.blockDimY, config.blockDimZ = scores_sm90.THREADS, 1, 1
-        config.sharedMemBytes = launch.tile.smem_bytes()
+        config.sharedMemBytes = launch.smem
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = launch.cluster_m, 1, 1
+        cluster_m = scores_sm90.CLUSTER_M[launch.info["variant"]]
+        attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = cluster_m, 1, 1
         config.attrs, config.numAttrs = [attr], 1
         err, n = driver.cuOccupancyMaxActiveClusters(driver.CUfunction(int(launch.kernel.kernel.ptr)), config)
         if err != driver.CUresult.CUDA_SUCCESS:
             return f"n/a ({err})"
-        return f"{n} clusters = {n * launch.cluster_m} SMs"
+        return f"{n} clusters = {n * cluster_m} SMs"
     except Exception as exc:  # a probe for the notes: never stops the benchmark
         return f"n/a ({type(exc).__name__}: {exc})"
 
@@ -118,7 +119,7 @@ def run_shape(shape, dt, rounds):
     for m, launch in launches.items():
         t = min(k_ms[m])
         print(f"{name} kernel alone: {t:.3f} ms ({tflops(fl / 2, t):.0f} TFLOP/s), rounds "
-              f"{[round(x, 3) for x in k_ms[m]]}, {launch.describe()}; resident at once: "
+              f"{[round(x, 3) for x in k_ms[m]]}, {scores_sm90.describe(launch)}; resident at once: "
               f"{_max_active_clusters(launch)}", flush=True)
     speeds = ", ".join(f"{scores_sm90.KERNELS[m]} {min(k_ms[1]) / min(k_ms[m]):.3f}x" for m in k_ms if m != 1)
     print(f"{name} kernels alone against the one-CTA kernel: {speeds}; outputs "
