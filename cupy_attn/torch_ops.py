@@ -14,7 +14,7 @@ the current stream and cannot be traced. Each op's implementation is the eager e
 graph runs exactly the eager code (GPU kernels for CUDA tensors, the float64 reference for CPU tensors).
 
 Eager calls keep the direct path: the dispatcher costs far more than the ~2 µs the host-time budget could spare (a
-cached small GPU call is ~28 µs of host time against torch SDPA's ~16). bench/experiments/op_overhead.py, two runs on
+cached small GPU call is ~28 µs of host time against torch SDPA's ~16). bench/experiments/host_overhead/op_overhead.py, two runs on
 a 2-core AMD EPYC, torch 2.13.0+cpu, no-op ops with these exact schemas: SDPA 10.0 / 12.4 µs per call more than the
 plain Python function, Linear-BN-softmax 47 / 79 µs more (its three mutable arguments take the slow Python path of
 custom ops). So only traced calls take the op, and the route check an eager call pays is

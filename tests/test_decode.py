@@ -62,7 +62,7 @@ def test_stream_tile_table():
         assert (tile.block_n // tile.warps) % 16 == 0 and tile.block_n % 8 == 0 and tile.block_n <= 256
         assert tile.stages >= 2 and tile.ctas_per_sm == (1 if variant == "stream" else 2)
         assert tile.warps * 16 * (d + 2) * 4 <= 2 * tile.stages * tile.block_n * d * 2  # merge scratch in the ring
-        assert tile.in_flight_bytes(d) * tile.ctas_per_sm >= 128 * 1024  # per SM, see bench/NOTES_decode.md
+        assert tile.in_flight_bytes(d) * tile.ctas_per_sm >= 128 * 1024  # per SM, see bench/notes/decode.md
         for dtype in C_TYPE_16.values():
             for has_mask in ("false", "true"):
                 assert _decode.FLASH_DECODE_SM90.name_expression(dtype=dtype, head_dim=d, tile=tile,

@@ -418,7 +418,7 @@ def test_gemm_against_float64_and_sgemm(batch, m, n, k, trans_b):
     assert not bad.any(), f"{bad.sum().item()} elements off; first at {bad.nonzero()[:5].tolist()}"
     # Against SGEMM where the max error is a stable statistic: k ≥ 256 (long dot products) over ≥ 4096 outputs (a NumPy
     # model puts the two-level sum at 0.4-0.6× a sequential FFMA chain there, whether the unit rounds to nearest or
-    # truncates; measured on an H200 at large logits: 7.16e-5 against SGEMM's 2.92e-4, bench/NOTES_split.md session 10).
+    # truncates; measured on an H200 at large logits: 7.16e-5 against SGEMM's 2.92e-4, bench/notes/split.md session 10).
     if k >= 256:
         assert ours * 100 < tf32, f"3xTF32 max err {ours:.3g} is not far below TF32's {tf32:.3g}"
     if k >= 256 and m * n >= 4096:

@@ -974,7 +974,7 @@ def _y_rounding_noise(model, x, grad_out, p, dtype, use_batch_stats):
     of the same rounding noise (as _gemm_rounding_noise's accumulation noise). Where that noise dominates, one
     sample against twice the other fails often: the fused kernels' arithmetic, emulated in float32 on the test's
     inputs, reproduces the failures it caused bit for bit, and float64 arithmetic on the same rounded y and out gives
-    the same errors (bench/experiments/lbs_dscale_accuracy.py). Propagated:
+    the same errors (bench/experiments/linear_bn_softmax/lbs_dscale_accuracy.py). Propagated:
     out, per element and worst case like _gemm_rounding_noise: δz = slope·h, dP = P·(|δz| + Σ P|δz|) (bf16, eval,
     (33, 17, 129), per-feature scale: two logits of a row at P = 0.64 and 0.36 with slope 3.6 and |y| ≈ 9 moved by
     y's rounding alone gave our out a 4.5e-2 error, torch's rounding of y + bias 1.4e-2 at that element).
@@ -989,7 +989,7 @@ def _y_rounding_noise(model, x, grad_out, p, dtype, use_batch_stats):
     test (bf16, momentum=None, per-feature scale, no bias) y[2, 89] = 13.8429 of step 1 lies 0.0008 below the midpoint
     of its bf16 neighbours 13.8125 and 13.875, and which way it rounds moved dx[2, 85] by 1.8e-2 (error 4.9e-3 or
     2.2e-2; the H100 measured 2.195e-2 against torch's 7.45e-3, which rounds its own y). Over 80 emulated cases per
-    dtype (bench/experiments/lbs_dx_accuracy.py: both models' GPU arithmetic, one-step and five-step inputs) the bare
+    dtype (bench/experiments/linear_bn_softmax/lbs_dx_accuracy.py: both models' GPU arithmetic, one-step and five-step inputs) the bare
     rule failed dx and dW in 1.2% (bf16), the bias in 1.9% (eval, both dtypes), all within it plus this noise (at
     most 0.42 of that bound); our median error is 0.6× torch's for dx and dW; the BatchNorm parameters never failed.
     """
@@ -1027,7 +1027,7 @@ def _y_rounding_probe_sd(model, x, grad_out, dtype, use_batch_stats, probes=64):
     random signs (δy's variance), pushed through the float64 backward (BatchNorm, softmax and their backward in
     closed form, every row coupled through the batch statistics as in the op), the square of each gradient's change
     averaged: E[(J·δy)²] = Σ J²h²/3 exactly. 64 probes: 98% of the elements within 0.81-1.18 of the full
-    Jacobian's sd, median 0.99 (three five-step states, dx and dW, bench/experiments/lbs_dx_accuracy.py --jacobian).
+    Jacobian's sd, median 0.99 (three five-step states, dx and dW, bench/experiments/linear_bn_softmax/lbs_dx_accuracy.py --jacobian).
     Deterministic (a fixed seed). Cost: two float64 GEMMs per probe (dx and dW), ~0.4 s at (1024, 8192) -> 8192."""
     dev = x.device
 

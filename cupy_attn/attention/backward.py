@@ -125,7 +125,7 @@ def fused_bucket(p) -> int | None:
 # No size threshold for the Hopper backward (there was one, 2^34 forward FLOPs, taken from the forward's FA3 rule):
 # its prepared launch re-encodes a tensor map only when a base address moves, and at every size measured it was as
 # fast as the mma.sync kernel or faster. H200, fp16 training steps through autograd, same process (session 19,
-# bench/NOTES_backward.md): (1,8,256,64) 0.382 ms against 0.489; (2,8,512,128) 0.213 against 0.245; (4,16,512,128)
+# bench/notes/backward.md): (1,8,256,64) 0.382 ms against 0.489; (2,8,512,128) 0.213 against 0.245; (4,16,512,128)
 # 0.285 against 0.364; (2,16,1024,128) 0.411 against 0.533.
 
 

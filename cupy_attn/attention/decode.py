@@ -33,7 +33,7 @@ ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES),
 WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
 MAX_SPLITS = 128
 ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
-PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode_pdl.py)
+PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode/decode_pdl.py)
 ARGS = ("q", "k", "v", "out", "lse", "mask")  # a replay's arguments: FlashDecodeParams' first six pointers
 
 
@@ -67,7 +67,7 @@ DECODE_TILES = {
 
 # (head-dim bucket, arch major) -> flash_decode's 8-warp tile, for grids of about one CTA per SM or fewer
 # (use_wide_tile): there a 4-warp CTA leaves each of the SM's 4 schedulers one warp, and the loop is issue-bound
-# (bench/NOTES_decode.md, session 7: IPC 1.15 at 4 warps per SM). 128 keys per tile, 16 per warp: each warp's work
+# (bench/notes/decode.md, session 7: IPC 1.15 at 4 warps per SM). 128 keys per tile, 16 per warp: each warp's work
 # per tile is the 4-warp tile's (the same loop), and the SM holds 8 warps, 2 per scheduler. One CTA per SM (shared
 # memory), (stages - 1) · 128 keys in flight: D=128 3 stages, 197 KB, 2 × 64 KB in flight (4 stages would be 261 KB);
 # D=64 4 stages, 130 KB, 3 × 32 KB. D=256 has none (two 128-key stages alone are 256 KB), nor arch 8 (99 KB on
@@ -229,7 +229,7 @@ def use_wide_tile(grid_ctas: int, num_sms: int) -> bool:
     2048) the 4-warp tile's two CTAs per SM overlap one's start with the other's stream.
     Examples, H200 (132 SMs, up to 198 CTAs): (8, 32 q / 8 kv, L=1, S=32768) 64 CTAs × 1 auto split → 8 warps;
     (16, 64 q / 8 kv, L=1, S=8192) 128 × 1 → 8 warps; (8, 32 heads, L=1, S=32768) 256 × 1 → 4 warps; the GQA row with
-    4 splits forced, 256 → 4 warps. Untimed when written (bench/NOTES_decode.md)."""
+    4 splits forced, 256 → 4 warps. Untimed when written (bench/notes/decode.md)."""
     return grid_ctas <= WIDE_MAX_WAVES * num_sms
 
 
@@ -418,7 +418,7 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     block_n = tile_for(head_dim, arch).block_n if block_n is None else block_n
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
     # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
-    # second split only adds a combine (H200, bench/NOTES_decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
+    # second split only adds a combine (H200, bench/notes/decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
     # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309). Since the swizzled K/V
     # tiles (session 10) one CTA streams faster still, and half the SMs suffice: (8, 32/8, 1, 32768), 64 CTAs of
     # 8 warps on 132 SMs, 1 split 0.239 ms of device time against 2 splits 0.243 and 4 splits 0.247 (torch 0.242).
@@ -555,7 +555,7 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
         # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
         # split kernel drains; it waits inside for the partials). The split kernel is launched plainly: as a
         # dependent of whatever precedes it, it measured no device gain and ~0.5 µs more host time a call
-        # (bench/experiments/decode_pdl.py, session 16).
+        # (bench/experiments/decode/decode_pdl.py, session 16).
         from cupy.cuda import runtime
         offset = field_offset(params.dtype, "p")[0] if nested else 0
         steps.append(Step(combine, (rows,), (128,),

@@ -221,11 +221,11 @@ def fa3_mode(p, arch: int) -> str | None:
     (flash_fwd.cu) for a call on ``arch``.
 
     CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto), on Hopper for calls of
-    at least FA3_MIN_FLOPS: "3". Measured on an H200 (session 7, bench/experiments/fa3_fwd.py, fp16, rounds back to
+    at least FA3_MIN_FLOPS: "3". Measured on an H200 (session 7, bench/experiments/flash_fwd/fa3_fwd.py, fp16, rounds back to
     back; "3" against "2", 128-row tiles): (8,16,2048,128) 1.017x, (2,16,8192,128) causal 1.018x, (8,16,1024,256)
     1.019x, (1,16,4096,128) causal 1.163x, (16,16,1024,64) 1.024x, (4,32,4096,64) 0.947x; "2" itself is 1.2-1.9x the
     wgmma kernel. Non-causal head dim 64 runs the 192-row tile (fused_sm90.tile_for), where "3" measured 0.99x "2" at
-    (4,32,4096,64) and 1.03-1.06x at (8,16,2048,64) and (16,16,1024,64) (session 9, bench/experiments/m192_ab.py).
+    (4,32,4096,64) and 1.03-1.06x at (8,16,2048,64) and (16,16,1024,64) (session 9, bench/experiments/flash_fwd/m192_ab.py).
     """
     mode = env.get("CUPY_ATTN_FA3")
     if mode in ("1", "2", "3"):

@@ -50,17 +50,17 @@ class Tile:
 # allow 99 KB (101376 B) per block, so arch 8 keeps one K/V stage (untimed: no sm_8x device was measured). Both
 # dtypes use the same tiles (same width, same mma rate). Registers: Tile.accumulators() fp32 values per thread plus
 # ~50 of addresses and fragments must stay <= 255 with no spill (tests/test_flash.py checks every instantiation).
-# Measurements: H200, fp16, bench_flash.py --sweep (TFLOP/s); see bench/NOTES_flash.md.
+# Measurements: H200, fp16, bench_flash.py --sweep (TFLOP/s); see bench/notes/flash.md.
 _BY_HEAD_DIM = {
     # D=32: 128×128, 4 warps: 2 × (64 + 16) = 160 accumulators; 2 stages 51 KB (2+ CTAs/SM). Untimed.
     (32, 9): Tile(128, 128, 4, 2), (32, 8): Tile(128, 128, 4, 1),
     # D=64: 128×128, 4 warps: 2 × (64 + 32) = 192 accumulators, 2 stages 92 KB (2 CTAs/SM); arch 8: one stage, 55 KB.
-    # Fastest of the tiles swept at (4,32,4096,64) (NOTES_flash.md, session 2).
+    # Fastest of the tiles swept at (4,32,4096,64) (bench/notes/flash.md, session 2).
     (64, 9): Tile(128, 128, 4, 2), (64, 8): Tile(128, 128, 4, 1),
     # D=96: 128×64, 4 warps: 2 × (32 + 48) = 160 accumulators; 2 stages 80 KB (2 CTAs/SM). Untimed.
     (96, 9): Tile(128, 64, 4, 2), (96, 8): Tile(128, 64, 4, 1),
     # D=128: 128×64, 4 warps: 2 × (32 + 64) = 192 accumulators (251-255 registers), the limit; 2 stages 104 KB, 2
-    # CTAs/SM. Fastest of the tiles swept at (8,16,2048,128) (NOTES_flash.md, sessions 1-2).
+    # CTAs/SM. Fastest of the tiles swept at (8,16,2048,128) (bench/notes/flash.md, sessions 1-2).
     (128, 9): Tile(128, 64, 4, 2), (128, 8): Tile(128, 64, 4, 1),
     # D=160: 64×64, 4 warps: 32 + 80 = 112 accumulators; 2 stages 108 KB (2 CTAs/SM on Hopper). 128×32 (192
     # accumulators) spills 16-88 B with a mask at either stage count. Arch 8: 64×32 with 2 stages, 65 KB. Untimed.
@@ -69,7 +69,7 @@ _BY_HEAD_DIM = {
     # 64×64 with 4 warps and one stage, 75 KB. Untimed.
     (192, 9): Tile(128, 64, 8, 2), (192, 8): Tile(64, 64, 4, 1),
     # D=256: 64×64, 4 warps: 16 + 128 = 144 accumulators; one stage is 101376 B, exactly sm_86's limit, and 2 CTAs/SM
-    # on Hopper. Fastest of the tiles swept at (8,16,1024,256) (NOTES_flash.md, sessions 1-2).
+    # on Hopper. Fastest of the tiles swept at (8,16,1024,256) (bench/notes/flash.md, sessions 1-2).
     (256, 9): Tile(64, 64, 4, 1), (256, 8): Tile(64, 64, 4, 1),
 }
 TILES = {(dtype, d, arch): tile for (d, arch), tile in _BY_HEAD_DIM.items() for dtype in C_TYPE_16}
@@ -177,7 +177,7 @@ ENV_WGMMA = "CUPY_ATTN_WGMMA"
 
 # Hopper: buckets served faster by the wgmma kernel at a larger (zero-padded) head dim. (8,16,1024,160) fp16: mma.sync
 # at 160 0.419 ms, wgmma at 192 0.318 ms. Not taken: 96 → 128 (0.737 vs 0.731 ms at (8,16,2048,96): a tie) and
-# 32 → 64 (1.398 vs 1.565 ms at (4,32,4096,32): slower). bench/NOTES_flash.md, session 3.
+# 32 → 64 (1.398 vs 1.565 ms at (4,32,4096,32): slower). bench/notes/flash.md, session 3.
 WGMMA_PADDED = {160: 192}
 
 

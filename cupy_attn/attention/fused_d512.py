@@ -95,7 +95,7 @@ def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, st
     scores kernel (whole score rows on chip, cuBLAS P·V), which measured faster; below one wave of CTAs the split
     path's GEMMs spread the call wider (not measured).
 
-    Measured on an H200 (session 14: bench/experiments/d512_fwd.py and the main job, whole calls), this kernel
+    Measured on an H200 (session 14: bench/experiments/d512/d512_fwd.py and the main job, whole calls), this kernel
     against the split path: (4,16,2048,2048,512) fp16 1.28-1.40x, causal 1.59x; (2,8,4096,4096,512) bf16 1.28x,
     causal 1.73x; (8,16,1024,1024,512) fp16 1.27x; (4,16,2048,2048,384) fp16 1.17x; (4,16,2048,2048,320) bf16
     causal 1.29x; L = S = 1024-8192 at D = 512 1.32-1.39x (against the split rows of the previous main job); but
@@ -140,7 +140,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: Kern
             persistent: bool = True) -> PreparedLaunch:
     """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
     FLASH_FWD_D512_SM90 or a copy with other NVRTC options; persistent=False: one tile per CTA (the baseline row of
-    bench/experiments/d512_wall.py)."""
+    bench/experiments/d512/d512_wall.py)."""
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     # Persistent CTAs (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598 at (8,16,1024,1024,512)).

@@ -10,7 +10,7 @@ Variants, by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least 
 * ``3``: ``2`` as a persistent kernel (SM90_PERSISTENT_TILES): min(#SMs, #work units) CTAs, each looping over its
   tiles in the static order of cuda_src/attention/sm90/tile_scheduler.cuh, the producer loading the next tile's Q and
   K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
-  (4,32,4096,64) (bench/NOTES_flash.md).
+  (4,32,4096,64) (bench/notes/flash.md).
 
 Non-causal calls at head dim 64 in modes ``2`` and ``3`` run FlashAttention-3's own hdim-64 tile, 192 rows with
 three consumer warpgroups (M192_MODE_TILES, :func:`tile_for`); ``CUPY_ATTN_FA3_M192=1`` forces it for causal calls
@@ -40,7 +40,7 @@ from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, o_tma_reason, tma_op
 
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
-# cache's key (bench/experiments/m192_ab.py is the A/B).
+# cache's key (bench/experiments/flash_fwd/m192_ab.py is the A/B).
 ENV_M192 = "CUPY_ATTN_FA3_M192"
 
 
@@ -109,7 +109,7 @@ MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TIL
 # the consumers (128·32 + 384·160 = 65536; S 64 + O 32 + P 32 registers as in the 128-row tile, 80 fewer of headroom;
 # no spills). Shared memory 116 KB: Q 24 KB + 2 stages × (K + V) 64 KB + 24 KB of O staging (epilogue.cuh) +
 # barriers + the 3 KB row-sum anchor (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two
-# GEMMs; a third warpgroup keeps the tensor cores fed while two others run theirs (bench/NOTES_flash.md, sessions 8-9:
+# GEMMs; a third warpgroup keeps the tensor cores fed while two others run theirs (bench/notes/flash.md, sessions 8-9:
 # 1.09-1.15× the 128-row tile on non-causal calls, 0.82-1.06× on causal ones).
 M192_MODE_TILES = {"2": {64: Sm90Tile(192, 128, 2, overlap=True)},
                    "3": {64: Sm90Tile(192, 128, 2, overlap=True, persistent=True)}}
@@ -120,7 +120,7 @@ def tile_for(mode: str, head_dim: int, causal: bool = False) -> Sm90Tile:
     M192_MODE_TILES (head dim 64, modes "2" and "3") for non-causal calls, else MODE_TILES[mode][head_dim].
     CUPY_ATTN_FA3_M192=1 forces the 192-row tile where there is one (causal calls too), 0 turns it off.
 
-    Measured on an H200 (session 9, bench/experiments/m192_ab.py, same process, rounds rotated; × the 128-row tile in
+    Measured on an H200 (session 9, bench/experiments/flash_fwd/m192_ab.py, same process, rounds rotated; × the 128-row tile in
     its mode, fp16): non-causal (4,32,4096,64) 1.09-1.10×, (8,16,2048,64) 1.12-1.15×, (16,16,1024,64) 1.05-1.11×;
     causal 0.82-1.06× (a 192-row tile masks more on the diagonal blocks), so causal calls keep 128 rows.
 

@@ -10,7 +10,7 @@ relative per element and the dropped small·small term ≤ 2^-22 of a product; t
 k-step and product instead of after every multiply-add as in cuBLAS's SGEMM (CUBLAS_COMPUTE_32F_PEDANTIC). Unlike
 CUTLASS, that accumulator restarts at every 32-deep k-tile and is added to the result by one fp32 add, which keeps the
 tensor core's roundings at the scale of a partial sum: CUTLASS's single accumulator measured less accurate than SGEMM
-on an H200 (the unit truncates its sums; bench/NOTES_split.md, session 10). On the split path's scores at
+on an H200 (the unit truncates its sums; bench/notes/split.md, session 10). On the split path's scores at
 |scale·q·k| ~ 100, SGEMM made our fp32 attention 2.6-4× less accurate than torch's (issue 14); the two-level GEMM
 keeps it at torch's accuracy and runs at ~60 TFLOP/s on an H200 against SGEMM's ~50.
 
@@ -57,7 +57,7 @@ class Tile:
 # 8 warps per SM. Why two levels: the tensor core rounds its fp32 sum once per mma, 3·k/8 times along k at the
 # magnitude of the whole dot product; restarting from zero per k-tile rounds 12 times at the magnitude of a 32-term
 # partial sum and then once per k-tile at full magnitude. A NumPy model of attention at |s| ~ 100 (E = 1024, session
-# 10, NOTES_split) gives output errors, relative to an SGEMM chain's, of 0.19× (two levels) against 0.54× (one
+# 10, bench/notes/split.md) gives output errors, relative to an SGEMM chain's, of 0.19× (two levels) against 0.54× (one
 # accumulator) if the unit rounds to nearest, and 0.25× against 3.4× if it truncates; torch's measured error is
 # 0.22-0.33× SGEMM's. Measured on an H200, one accumulator (3 stages, two CTAs per SM) was 12-17% faster and less
 # accurate than SGEMM (GEMM max error at large logits 1.28e-3 against SGEMM's 2.92e-4 and two levels' 7.16e-5): removed.

@@ -57,7 +57,7 @@ def setting() -> int:
 def prefer(rows: int, seqlen_k: int, head_dim_v: int) -> bool:
     """Calls without a causal mask: True where this kernel beats the split path's tuned cuBLAS P·V. rows: B·Hq·L.
 
-    Measured on an H200 (session 18, bench/experiments/pv_sweep.py, whole non-causal calls, fp16, same process):
+    Measured on an H200 (session 18, bench/experiments/split/pv_sweep.py, whole non-causal calls, fp16, same process):
     - S (the GEMM's K) not a multiple of 8: cuBLAS's K tail is slow; at S = 300 this kernel took 0.54-0.77 of its
       time ((B, H) 8×16 and 32×32, L 256-1024, E 320-1024);
     - small calls (B·Hq·L ≤ 32768) with Ev a multiple of 256 (no partial 256-column tile): 0.79-0.99 of cuBLAS's time

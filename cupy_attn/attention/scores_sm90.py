@@ -97,9 +97,9 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
     64-row block), 2 (its cluster variant: CTA pairs sharing K by TMA multicast), 3 (persistent CTAs; the default,
-    unset or any other value). Measured on an H200 (session 7, bench/experiments/scores_sm90.py, device time against
+    unset or any other value). Measured on an H200 (session 7, bench/experiments/split/scores_sm90.py, device time against
     the cuBLAS + softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at
-    (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/NOTES_split.md). Session 10
+    (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/notes/split.md). Session 10
     (kernel_times.py, device time of 20 calls, two rounds): at the seed 3 takes 1.104-1.105 ms against 1's
     1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. A ping-pong variant
     (each consumer warpgroup owning whole row blocks) measured no faster than 3 in session 12 and was removed (its
@@ -163,7 +163,7 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     to 64, add up to at most 2·half_n = 512 (the window is cut short at its wide end where that pairs more blocks):
     warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
     of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
-    tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/NOTES_split.md,
+    tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/notes/split.md,
     session 12). Only the 256-key tile (S > 384) pairs; (0, 0, 0) otherwise. Measured on an H200 (session 17), the
     kernel alone at the seed's causal variant (32, 32, 512, 512, 1024) fp16: 0.92-1.02 ms with the pairs against
     1.18-1.28 without them (one tile per row block) and 1.14-1.28 without the causal mask, in the same runs.
@@ -321,7 +321,7 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: Sco
     causal pair tiles), encoded again only when q, k or P moved; the lse, P (the persistent kernel's 16-byte stores)
     and mask pointers. ``variant`` (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by
     __cluster_dims__: a plain launch of a grid whose x is a multiple of it), ``tile`` and ``maps`` are kept in ``info``.
-    Measured on an H200 host (bench/experiments/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
+    Measured on an H200 host (bench/experiments/host_overhead/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
     per-call copy of the struct and its three 128-byte maps written field by field, all of it before the seed call's
     first kernel starts; a replay here writes the words and the changed maps."""
     fields, args = ("tma_q", "tma_k", "tma_p", "tma_k64")[:len(maps)], ("q", "k", "p", "k")[:len(maps)]

@@ -32,7 +32,7 @@ from . import gemm_3xtf32
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
 # four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
 # budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. The two lists differ at S ≤ 512
-# (bench/experiments/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
+# (bench/experiments/split/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
 # 0.388, 128 × 1 0.532); rows with a key-padding mask 32 × 4 0.568 vs 64 × 2 0.685, causal rows 0.454 vs 0.461.
 SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
     "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
@@ -294,7 +294,7 @@ def causal_row_bands(seqlen_q: int) -> int:
     """How many row bands the P·V GEMM of a causal call on the scores kernel is cut into, so that band i's GEMM stops
     at its last row's visible key: with n equal bands of a square causal problem P·V does (n + 1) / (2n) of the full
     work, in GEMMs of L / n rows. Measured at the seed's causal variant (32, 32, 512, 512, 1024) fp16 on an H200
-    (session 9, bench/experiments/kernel_times.py, cuBLAS's device time): one GEMM 0.89-0.95 ms, 2 bands 0.78 ms,
+    (session 9, bench/experiments/tools/kernel_times.py, cuBLAS's device time): one GEMM 0.89-0.95 ms, 2 bands 0.78 ms,
     4 bands 0.99-1.04 ms (its 128-row GEMMs run at half the rate). So 2 bands from L = 256 on, else 1.
 
     >>> [causal_row_bands(L) for L in (1, 255, 256, 512, 4096)]
@@ -306,7 +306,7 @@ def causal_row_bands(seqlen_q: int) -> int:
 def cublas_causal_bands(seqlen_q: int) -> int:
     """How many row bands a causal call on the cuBLAS split path is cut into: band i's Q·Kᵀ GEMM, softmax pass and
     P·V GEMM stop at its last row's visible key, so with n equal bands of a square causal problem the path does
-    (n + 1) / (2n) of the full work. Measured on an H200 (bench/experiments/causal_bands.py, session 10), causal
+    (n + 1) / (2n) of the full work. Measured on an H200 (bench/experiments/split/causal_bands.py, session 10), causal
     time over the same call without causal: (2, 8, 4096, 4096, 512) bf16 1 band 1.06, 4 bands 0.76, 8 bands 0.80,
     16 bands 0.93; (8, 16, 2048, 2048, 512) fp16 1.05 / 0.79 / 0.87 / 1.12 (more bands: smaller GEMMs and softmax
     passes, more launches). So L // 256 bands (≥ 256 rows each), at most 4.
@@ -319,7 +319,7 @@ def cublas_causal_bands(seqlen_q: int) -> int:
 
 def causal_streams(seqlen_q: int, bands: int) -> int:
     """How many streams the row bands of a causal call on the cuBLAS split path run on at once (1: one after the
-    other on the call's stream). Measured on an H200 (bench/experiments/causal_bands.py, session 12), causal time
+    other on the call's stream). Measured on an H200 (bench/experiments/split/causal_bands.py, session 12), causal time
     over the same call without causal, 1 / 2 / 4 streams: (2, 8, 4096, 4096, 512) bf16 4 bands 0.769 / 0.738 / 0.759,
     8 bands 0.804 / 0.743 / 0.757; (8, 16, 2048, 2048, 512) fp16 4 bands 0.763 / 0.737 / 0.760, 8 bands 0.830 /
     0.760 / 0.772. One band's softmax pass runs beside the other's GEMMs. So 2 streams whenever there are bands.

@@ -136,7 +136,7 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
 # computed in place in the output.
 Y_WORKSPACE_MAX_BYTES = 64 << 20
 # Launch the kernels after the GEMM as programmatic dependents on sm_90+ (runtime.launch.Step's pdl). A switch for A/B
-# runs (bench/experiments/lbs_pdl.py); read when a call is prepared.
+# runs (bench/experiments/linear_bn_softmax/lbs_pdl.py); read when a call is prepared.
 PDL = True
 
 
@@ -437,7 +437,7 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
 
     One cooperative kernel for both (statistics, grid barrier, rows) was tried: 1.5 µs slower in a CUDA graph at the
     seed shape (the barrier costs more than the launch it saves) and ~7 µs slower on a stream, where a cooperative
-    launch waits for the GEMM to drain (bench/NOTES_linear_bn_softmax.md).
+    launch waits for the GEMM to drain (bench/notes/linear_bn_softmax.md).
     """
     ctype = C_TYPE[_NAME_OF[dtype]]
     if use_batch_stats:

@@ -3,7 +3,7 @@ per shape.
 
 CuPy binds the classic cuBLAS API only. ``cublasGemmStridedBatchedEx`` picks its kernel by an internal heuristic on
 every call and, on an H200, ran our GEMMs 4–10% slower than torch's cuBLASLt calls on the same shapes (see
-bench/NOTES_split.md, bench/NOTES_linear_bn_softmax.md). cuBLASLt lets us ask its heuristic once per problem with a
+bench/notes/split.md, bench/notes/linear_bn_softmax.md). cuBLASLt lets us ask its heuristic once per problem with a
 workspace, keep the chosen algorithm, and enqueue later calls with one C call (no per-call descriptor work).
 
 The binding is ``nvmath.bindings.cublasLt`` (nvmath-python, NVIDIA's maintained Cython bindings): enums, attribute
@@ -16,7 +16,7 @@ False and callers fall back to ``cupy.cuda.cublas`` (runtime/blas.py). Importing
 on the first :func:`available` call, not when cupy_attn is imported.
 
 Host time of one bound call (``Plan.bind``'s closure), measured without a GPU against a stub libcublasLt whose
-``cublasLtMatmul`` returns at once (bench/experiments/binding_overhead.py; AMD EPYC host, Python 3.11, median of
+``cublasLtMatmul`` returns at once (bench/experiments/host_overhead/binding_overhead.py; AMD EPYC host, Python 3.11, median of
 7 × 200k calls, timeit's ~0.05 µs lambda floor included): the closure 0.58–0.60 µs, of which nvmath's ``matmul`` on 16
 Python ints is 0.51; the ctypes closure it replaces (fixed arguments pre-built as ``c_void_p``) 2.9–3.2 µs. A
 no-argument call (``cublasLtGetVersion``): nvmath 0.12 µs, ctypes 0.38–0.43 µs.
@@ -251,7 +251,7 @@ _PLANS: dict = {}
 
 # Problems of at least this many FLOPs are timed once over the heuristic's first TUNE_CANDIDATES algorithms, and the
 # fastest is kept. On an H200 the heuristic's first choice was 8–11% slower than its third on the SDPA seed GEMMs
-# (QKᵀ fp32-out 1.068 vs 0.992 ms, PV 0.957 vs 0.864 ms; bench/experiments/probe_gemm.py, 2026-11-21); one tuning costs
+# (QKᵀ fp32-out 1.068 vs 0.992 ms, PV 0.957 vs 0.864 ms; bench/experiments/gemm/probe_gemm.py, 2026-11-21); one tuning costs
 # ~TUNE_CANDIDATES × (TUNE_REPEATS + 1) GEMMs and a stream synchronization, once per shape and process.
 TUNE_MIN_FLOPS = 2e9
 TUNE_CANDIDATES = 8
