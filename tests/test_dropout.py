@@ -17,7 +17,8 @@ import pytest
 
 import cupy_attn
 from cupy_attn import philox, reference
-from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout, fused as _flash
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout
+from cupy_attn.attention.kernels import flash_fwd as _flash
 from cupy_attn.runtime import interop as _interop
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
