@@ -10,7 +10,7 @@ GPU (``gpu`` marker): against float64 on odd shapes (1, 7, 33, 257, 1000), both 
 batch strides and a broadcast operand, alpha ≠ 1, NaN-poisoned C whose padding must stay NaN; max error ≤ cuBLAS
 SGEMM's (torch.matmul, TF32 off) on the same inputs for k ≥ 256 (over ≥ 4096 outputs) and far below TF32's; NaN
 propagation; unaligned operands (4-byte copies); SDPA at fp32 with large logits (|scale·q·k| up to ~100), head dims
-257-1024, masks and causal, against torch's own fp32 error (tests/_tolerance.py), with explain naming the 3xTF32 GEMM.
+257-1024, masks and causal, against torch's own fp32 error (tests/_helpers/_tolerance.py), with explain naming the 3xTF32 GEMM.
 
     PYTHONPATH=. python3 -m pytest -m gpu tests/test_gemm_3xtf32.py
 """
@@ -39,7 +39,7 @@ def test_every_variant_compiles_within_its_occupancy(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_sass_has_three_tf32_mmas_per_tile_and_no_local_memory(arch):
-    from test_flash_sm90 import _cuobjdump, sass_summary
+    from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     kernels = sass_summary(_compile.family_cubin(FAMILY, arch))
@@ -526,7 +526,7 @@ MASKS = ["none", "bool_key_padding", "float", "causal"]
 @pytest.mark.parametrize("B,H,L,S,E,Ev,mult,scale", SDPA_CASES)
 def test_sdpa_fp32_large_logits(B, H, L, S, E, Ev, mult, scale, mask, monkeypatch):
     """Issue 14: fp32 attention at |scale·q·k| up to ~100 and head dims 257-1024 within 2× torch's own fp32 error
-    (tests/_tolerance.py), on the split path's 3xTF32 GEMMs (explain says so)."""
+    (tests/_helpers/_tolerance.py), on the split path's 3xTF32 GEMMs (explain says so)."""
     import cupy_attn
     from cupy_attn import reference
     from _tolerance import as_f64, assert_close

@@ -19,7 +19,7 @@ from cupy_attn.attention.kernels import pv_sm90 as _pv
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 

@@ -12,7 +12,7 @@ the shared-memory exchange between the two warpgroups, the stores) reproduces th
 element of P[:L, :S] exactly once and nothing else; a step-by-step transcription of the TMA/mbarrier protocol (one
 CTA, and a cluster of two) runs hazard-free under random interleavings, and catches deliberately broken protocols.
 GPU (``gpu`` marker), both variants: the kernel alone on NaN-poisoned P (padding columns past S's 16-byte chunk and
-rows past the last one must stay NaN) and lse against the float64 reference with tests/_tolerance.py's rule (torch's
+rows past the last one must stay NaN) and lse against the float64 reference with tests/_helpers/_tolerance.py's rule (torch's
 same-precision softmax(Q Kᵀ) as the comparison); and through cupy_attn.scaled_dot_product_attention with the switch
 set (explain() names the kernel; a second call replays); causal in the kernel alone (pair tiles included) with every
 element of P checked; large logits (|scale·q·k| up to ~100) through the public call.
@@ -29,7 +29,7 @@ from cupy_attn.attention.kernels import scores_sm90 as _scores
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 

@@ -215,7 +215,7 @@ def test_runs_on_callers_torch_stream():
 
 
 def test_requires_grad_inputs_accepted():
-    """Inputs that require grad are recorded by autograd (tests/test_backward.py checks the gradients); under
+    """Inputs that require grad are recorded by autograd (tests/test_sdpa_backward.py checks the gradients); under
     no_grad the forward-only path runs."""
     g = torch.Generator("cuda").manual_seed(12)
     q, k, v = (_rand((1, 2, 32, 64), "float32", g).requires_grad_() for _ in range(3))

@@ -5,11 +5,11 @@ loads (UTMALDG), mbarrier operations (SYNCS), setmaxnreg (USETMAXREG) and no loc
 cuobjdump: ``pip install nvidia-cuda-cuobjdump``); the params dtype matches the C struct's declaration; tile table,
 the persistent variant's grid and tile order, and eligibility rules. GPU (``gpu`` marker; every test under
 CUPY_ATTN_FA3=1, 2 and 3: ping-pong, overlap, persistent): outputs and lse against the float64 reference with the
-tolerance rule of tests/_tolerance.py (NaN-poisoned outputs; tests/test_flash.py's _check), after asserting that
+tolerance rule of tests/_helpers/_tolerance.py (NaN-poisoned outputs; tests/test_flash_fwd.py's _check), after asserting that
 dispatch.fused_launch really chose this kernel and variant (and, persistent, its grid).
 
-    PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_sm90.py
-    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_sm90.py -k persistent   # the variant alone
+    PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_fwd_sm90.py
+    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_fwd_sm90.py -k persistent   # the variant alone
 
 A hang (a barrier protocol mistake) is ended by ``timeout``; the persistent variant's barrier invariants are in
 cuda_src/attention/sm90/mainloop.cuh.
@@ -638,10 +638,10 @@ def _rand(shape, dtype, gen):
 
 
 def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
-    """tests/test_flash.py's _check (NaN-poisoned out and lse, float64 reference, torch's same-precision error),
+    """tests/test_flash_fwd.py's _check (NaN-poisoned out and lse, float64 reference, torch's same-precision error),
     after checking which launch dispatch.fused_launch builds for these arrays."""
     import cupy
-    from test_flash import _check, _cp
+    from test_flash_fwd import _check, _cp
     B, Hq, L, E = q.shape
     out = cupy.empty((B, Hq, L, v.shape[-1]), dtype=_cp(q).dtype)
     launch = dispatch.fused_launch(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
@@ -683,7 +683,7 @@ def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
     import cupy
     from _tolerance import as_f64
     from cupy_attn import reference
-    from test_flash import _cp, assert_out_lse
+    from test_flash_fwd import _cp, assert_out_lse
     torch = _torch()
     g = torch.Generator("cuda").manual_seed(E + len(layout))
     B, H, L, S = 2, 3, 200, 150
@@ -701,7 +701,7 @@ def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
         out = buf[start:start + B * H * L * E].reshape(B, H, L, E)
         assert out.data.ptr % 16 == 8
     lse = cupy.full((B, H, L), np.nan, dtype=cupy.float32)
-    from test_flash import flash_forward
+    from test_flash_fwd import flash_forward
     flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=E ** -0.5, causal=None)
     ref, ref_lse = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), scale=E ** -0.5,
                                                           return_lse=True)

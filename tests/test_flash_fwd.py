@@ -4,7 +4,7 @@ float64 reference.
 GPU tests poison out and lse with NaN, run the launch dispatch.fused_launch builds (the plan's rules, the FA3-design
 kernel off: CUPY_ATTN_FA3=0) on CuPy views of torch tensors (zero-copy, strides kept),
 and accept an error of at most twice torch's own SDPA error in the same precision plus output rounding noise
-(tests/_tolerance.py). CPU tests: every instantiation compiles for sm_80 and sm_90 without spills, the tile table is
+(tests/_helpers/_tolerance.py). CPU tests: every instantiation compiles for sm_80 and sm_90 without spills, the tile table is
 consistent with the declared family and with each arch's shared-memory limit, and reason's answers.
 Every GPU test runs twice, once per kernel on Hopper (``flash_kernel``: the sm_90a wgmma kernel, then the mma.sync one
 forced by CUPY_ATTN_WGMMA=0), so both stay correct for every head-dim bucket they serve.
@@ -18,6 +18,7 @@ from cupy_attn.attention.kernels import flash_fwd as _flash
 from cupy_attn.runtime import compile as _compile
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
+from _compile_checks import wgmma_gen as _wgmma_gen
 from _tolerance import as_f64, assert_close
 
 
@@ -62,17 +63,6 @@ def test_sm90a_instantiations_compile_without_spills():
     # which silently removes the overlap the kernel is built around.
     serialized = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
     assert not serialized, f"ptxas performance warnings: {serialized}"
-
-
-def _wgmma_gen():
-    """tools/wgmma_gen.py, the generator of cuda_src/common/wgmma.cuh (outside the package)."""
-    import importlib.util
-    import pathlib
-    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / "wgmma_gen.py"
-    spec = importlib.util.spec_from_file_location("wgmma_gen", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_wgmma_header_is_generated():
@@ -229,7 +219,7 @@ def flash_forward(q, k, v, out, lse=None, **kw):
 
 
 def assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, what):
-    """out within the tolerance rule (tests/_tolerance.py) of the float64 reference; lse close where the reference is
+    """out within the tolerance rule (tests/_helpers/_tolerance.py) of the float64 reference; lse close where the reference is
     finite, and -inf for rows whose keys are all masked."""
     assert_close(out, ref, dtype, torch_out, what)
     got_lse = as_f64(lse)

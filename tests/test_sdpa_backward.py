@@ -1,6 +1,6 @@
 """Autograd of scaled_dot_product_attention on torch CUDA tensors: gradients of query, key, value (and a float
 attn_mask) against float64 autograd of the same math on the CPU, within twice torch's own error in the same precision
-(tests/_tolerance.py)."""
+(tests/_helpers/_tolerance.py)."""
 import zlib
 
 import pytest

@@ -8,11 +8,11 @@ included: no plain bulk copies), mbarrier operations, setmaxnreg, the dQ reducti
 two wgmma waits (they overlap dPᵀ = V dOᵀ); the tile table against shared memory, registers and the generated wgmma
 wrappers; the choice rules on fake problems (arch, dtype, head dims, mask, layout, size, dropout, CUPY_ATTN_BWD). GPU
 (``gpu`` marker): dq, dk, dv from backward.sdpa_backward into NaN-poisoned tensors, after asserting which kernel the
-plan chose, against the float64 reference with the tolerance rule of tests/_tolerance.py (torch's same-precision
+plan chose, against the float64 reference with the tolerance rule of tests/_helpers/_tolerance.py (torch's same-precision
 gradients as the error scale), and against the mma.sync kernel's gradients (the split backward's above head dim 128;
 the same rule with that backward's error as the scale).
 
-    PYTHONPATH=. timeout 1800 python3 -m pytest -m gpu tests/test_backward_sm90.py
+    PYTHONPATH=. timeout 1800 python3 -m pytest -m gpu tests/test_flash_bwd_sm90.py
 
 A wrong mbarrier phase or transaction count hangs the kernel: every GPU call here waits at most 120 s and then ends
 the process with a message (``_sync_or_die``).
@@ -47,7 +47,7 @@ def test_every_instantiation_compiles_without_spills():
 
 
 def _sass(expr):
-    from test_flash_sm90 import _cuobjdump, sass_text
+    from test_flash_fwd_sm90 import _cuobjdump, sass_text
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     return next(iter(sass_text(_compile.whole_cubin(
@@ -91,8 +91,8 @@ def test_sass(row):
 
 
 def test_tiles():
-    from test_flash import _wgmma_gen
-    _gen = _wgmma_gen()
+    from _compile_checks import wgmma_gen
+    _gen = wgmma_gen()
     declared = set(FAMILY.name_expressions())
     for d, tile in _sm90.TILES.items():
         assert tile.block_n in (64, 128) and tile.block_m % 64 == 0 and tile.stages >= 2
@@ -283,8 +283,8 @@ def _backward(q, k, v, dout, causal, mode, monkeypatch, expect, what):
 
 
 def _reference_grads(q, k, v, dout, causal):
-    """float64 CPU autograd (tests/test_backward.py's reference, rows without a visible key give 0)."""
-    from test_backward import _grads, _reference
+    """float64 CPU autograd (tests/test_sdpa_backward.py's reference, rows without a visible key give 0)."""
+    from test_sdpa_backward import _grads, _reference
     ins = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
     _, grads = _grads(lambda a, b, c: _reference(a, b, c, None, causal or False, None, q.shape[1] // k.shape[1]),
                       ins, dout.double().cpu())

@@ -1,5 +1,5 @@
 """The split-KV decode kernel (cupy_attn.attention.kernels.flash_decode): compile checks, the split rule, dispatch,
-num_splits validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_tolerance.py).
+num_splits validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_helpers/_tolerance.py).
 
 GPU tests poison out and lse with NaN, run dispatch.decode_launch on CuPy views of torch tensors (strides kept) with every
 forced split count and every kernel variant (flash_decode with its 4- and its 8-warp tile, the latter on Hopper at
@@ -41,7 +41,7 @@ def test_every_instantiation_compiles_without_spills(family, arch):
 def test_streaming_variant_sass_has_tma_mbarriers_and_no_local_memory():
     """flash_decode_sm90 in the SASS: TMA loads (UTMALDG) and mbarrier waits/arrivals (SYNCS), ldmatrix + mma.sync
     math, cp.async only for Q (one LDGSTS in the code), and no local memory."""
-    from test_flash_sm90 import _cuobjdump, sass_summary
+    from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     kernels = sass_summary(_compile.family_cubin(_decode.FLASH_DECODE_SM90, "sm_90a"))
@@ -395,7 +395,7 @@ SPLITS = (None, 1, 2, 3, 7, 16)
 VARIANTS = (("v1", 4), ("v1", 8), ("stream", None), ("stream2", None))
 
 
-from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
+from test_flash_fwd import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what="", torch_flip=False):

@@ -1,8 +1,8 @@
 """Host time of replaying each family's prepared launch, the driver calls replaced by no-ops (CPU; a comparison of two
 versions of the launch code on one machine, not a measurement of a GPU call): what a call-cache hit pays on top of
-the driver. Builds the launches as tests/_launch_capture.py's cases do.
+the driver. Builds the launches as tests/_helpers/_launch_capture.py's cases do.
 
-    PYTHONPATH=. python tests/_host_replay.py
+    PYTHONPATH=. python tests/_helpers/_host_replay.py
 """
 import sys
 import timeit

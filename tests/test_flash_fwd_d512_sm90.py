@@ -14,7 +14,7 @@ from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as _d512
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 
 FAMILY = _d512.FLASH_FWD_D512_SM90

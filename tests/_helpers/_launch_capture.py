@@ -10,7 +10,7 @@ on stand-in arrays with fixed addresses; only the device is replaced: kernels (a
 cuLaunchKernel and cuLaunchKernelEx (read back through their kernelParams), cuTensorMapEncodeTiled (128 bytes hashed
 from its arguments), workspaces, cuBLAS, the device's compute capability and SM count.
 
-    PYTHONPATH=. python tests/_launch_capture.py --write   # re-record tests/data/launch_bytes.json
+    PYTHONPATH=. python tests/_helpers/_launch_capture.py --write   # re-record tests/data/launch_bytes.json
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import types
 
 import numpy as np
 
-GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "launch_bytes.json"
+GOLDEN = pathlib.Path(__file__).resolve().parent.parent / "data" / "launch_bytes.json"
 STREAM = 0x5700
 F16 = np.dtype("float16")
 F32 = np.dtype("float32")
