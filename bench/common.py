@@ -268,7 +268,8 @@ def fa3_case_inputs(shape, dtype_name, names):
     import cupy
     import torch
 
-    from cupy_attn.attention import fused as _flash
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.kernels import flash_fwd_sm90
     B, H, L, D = shape
     g = torch.Generator("cuda").manual_seed(0)
     tdt = getattr(torch, dtype_name)
@@ -276,8 +277,37 @@ def fa3_case_inputs(shape, dtype_name, names):
     cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
     scale = D ** -0.5
     outs = {name: cupy.full((B, H, L, D), np.nan, dtype=cq.dtype) for name in names}
-    reason = _flash.fa3_reason(cq, ck, cv, outs[names[0]], scale=scale,
-                               arch=int(cupy.cuda.Device().compute_capability))
+    p = checks.array_problem(cq, ck, cv, outs[names[0]], scale=scale)
+    reason = flash_fwd_sm90.reason(p, dispatch.device_arch(p), outs[names[0]])
     if reason:
         raise RuntimeError(f"FA3 kernel not eligible: {reason}")
     return (q, k, v), (cq, ck, cv), scale, outs, (cq.data.ptr, ck.data.ptr, cv.data.ptr)
+
+
+KERNEL_COLUMNS = [("name", "case", ""), ("dtype", "dtype", ""), ("shape", "shape", ""), ("ms", "ms", ".3f"),
+                  ("tflops", "TFLOP/s", ".1f"), ("tbps", "TB/s", ".2f")]
+
+
+def randn(shape, dtype_name: str, seed: int = 0, scale: float = 1.0):
+    """A CuPy array of standard normal values (times ``scale``) in float16, bfloat16 or float32."""
+    import cupy
+    x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32) * scale
+    return x.astype(cupy.dtype("bfloat16") if dtype_name == "bfloat16" else getattr(cupy, dtype_name))
+
+
+def kernel_row(name: str, dtype_name: str, shape: tuple, fn, flops: float = 0.0, nbytes: float = 0.0,
+               n_repeat: int = 20) -> dict:
+    """One row of a per-family benchmark (bench/bench_<family>.py): fn() launches the kernel alone on prepared inputs
+    (no allocation, no host work but the launch), timed by :func:`median_ms`; TFLOP/s from ``flops``, TB/s from the
+    bytes the kernel must move (``nbytes``), either 0 for n/a."""
+    ms = median_ms(fn, n_repeat=n_repeat, n_warmup=3)
+    return dict(name=name, dtype=dtype_name, shape=shape, ms=ms, tflops=tflops(flops, ms) if flops else None,
+                tbps=nbytes / (ms * 1e-3) / 1e12 if nbytes else None)
+
+
+def kernel_main(benchmark, doc: str) -> None:
+    """The main() of a per-family benchmark: ``--quick``, then its rows as a table."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the first case in fp16 only")
+    print_table(benchmark(quick=ap.parse_args().quick), KERNEL_COLUMNS)
