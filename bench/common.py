@@ -311,3 +311,28 @@ def kernel_main(benchmark, doc: str) -> None:
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the first case in fp16 only")
     print_table(benchmark(quick=ap.parse_args().quick), KERNEL_COLUMNS)
+
+
+def fused_backward_rows(stem: str, bucket, cases, quick: bool) -> list[dict]:
+    """The rows of bench_flash_bwd.py / bench_flash_bwd_sm90.py: for each (name, (B, H, L, D), causal, dtype) case,
+    one backward of kernels/<stem>.py (the D pre-pass, the kernel, dQ's rounding) on the forward's out and lse,
+    prepared once by the module's build at ``bucket(D, D)`` as the autograd backward's call cache replays it; TFLOP/s
+    of 2.5 forwards (FlashAttention's count: 2.5 · 4·B·H·L·S·D, halved for causal)."""
+    import importlib
+
+    import cupy
+
+    import cupy_attn
+    from cupy_attn.attention import checks
+    module = importlib.import_module(f"cupy_attn.attention.kernels.{stem}")
+    rows = []
+    for name, (B, H, L, D), causal, dtype in cases[:1] if quick else cases:
+        q, k, v, dout = (randn((B, H, L, D), dtype, seed) for seed in range(4))
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal is not None, return_lse=True)
+        dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+        p = checks.array_problem(q, k, v, out, lse, scale=D ** -0.5, causal=causal)
+        launch = module.build(p, bucket(D, D))
+        ptrs = tuple(a.data.ptr for a in (q, k, v, out, lse, dout, dq, dk, dv))
+        flops = 2.5 * 4.0 * B * H * L * L * D / (2 if causal else 1)
+        rows.append(kernel_row(name, dtype, (B, H, L, D), lambda: launch(*ptrs), flops=flops))
+    return rows
