@@ -1,8 +1,6 @@
 """The backward's row kernels (cupy_attn.attention.kernels.bwd_rows, cuda_src/attention/backward.cu): the delta pre-pass's
 threads per row, the group sum's choice of its 4-wide kernel, and the split backward's shared BwdParams (CPU). They
 run on the GPU inside every backward test (tests/test_sdpa_backward.py, tests/test_flash_bwd_sm90.py)."""
-import types
-
 import numpy as np
 import pytest
 
@@ -22,9 +20,13 @@ def test_delta_row_threads(E, Ev, threads):
 
 def test_base_params_encode_no_causal_mask_as_every_key_visible():
     """The row kernels have no is_causal flag: without a causal mask the limit is S; with one the problem's offset."""
+    from cupy_attn.runtime import interop
+
     def problem(causal):
-        return types.SimpleNamespace(seqlen_q=100, seqlen_k=300, head_dim_v=64, num_heads=4, causal=causal,
-                                     causal_offset=checks.causal_offset(causal, 100, 300), mask=None)
+        return checks.SDPAProblem(ctx=interop.CallContext(interop.CUPY, 0), query=None, key=None, value=None,
+                                  batch_shape=(2, 4), batch=2, num_heads=4, num_kv_heads=4, seqlen_q=100,
+                                  seqlen_k=300, head_dim=64, head_dim_v=64, dtype=np.dtype("float16"), scale=0.1,
+                                  causal=causal)
     for causal, offset in ((None, 300), ("top_left", 0), ("bottom_right", 200)):
         base = bwd_rows.base_params(problem(causal), 0x1000, 0x2000, 304)
         assert int(base["causal_offset"]) == offset

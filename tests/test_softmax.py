@@ -31,10 +31,15 @@ def test_masked_calls_take_the_masked_tiles():
 
 def test_base_params_encode_no_causal_mask_as_every_key_visible():
     """The kernel has no is_causal flag: without a causal mask the limit is S (key j < S ≤ i + S), with one the
-    problem's offset (checks.causal_offset)."""
+    problem's offset (checks.SDPAProblem.visible_offset)."""
+    from cupy_attn.attention import checks
+    from cupy_attn.runtime import interop
+
     def call(causal):
-        return types.SimpleNamespace(seqlen_q=100, seqlen_k=300, causal=causal, mask=None, mask_kind="none",
-                                     dropout_p=0.0, causal_offset=200 if causal == "bottom_right" else 0)
+        return checks.SDPAProblem(ctx=interop.CallContext(interop.CUPY, 0), query=None, key=None, value=None,
+                                  batch_shape=(2, 4), batch=2, num_heads=4, num_kv_heads=4, seqlen_q=100,
+                                  seqlen_k=300, head_dim=64, head_dim_v=64, dtype=np.dtype("float16"), scale=0.1,
+                                  causal=causal)
     axes = [(1, 0, 0, 0), (2, 0, 100, 1), (3, 0, 200, 2)]
     for causal, offset in ((None, 300), ("top_left", 0), ("bottom_right", 200)):
         base = _softmax.base_params(call(causal), 304, axes)

@@ -68,6 +68,13 @@ class SDPAProblem:
         """The causal limit's offset: query row i sees keys j ≤ i + causal_offset (:func:`causal_offset`)."""
         return causal_offset(self.causal, self.seqlen_q, self.seqlen_k)
 
+    @property
+    def visible_offset(self) -> int:
+        """Row i sees keys j ≤ i + visible_offset: causal_offset under a causal mask, S without one (every key), the
+        convention of the kernels that have no is_causal flag (the softmax pass, the backward's row kernels) and of
+        the split path's causal bands."""
+        return self.seqlen_k if self.causal is None else self.causal_offset
+
     def flops(self) -> float:
         """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
         f = 2.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)

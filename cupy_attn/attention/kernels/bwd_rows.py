@@ -79,14 +79,14 @@ BACKWARD_DELTA = KernelFamily(
 
 def base_params(p, lse_ptr: int, delta_ptr: int, ld: int) -> np.ndarray:
     """The split backward's BwdParams shared by every chunk of the call ``p`` (checks.SDPAProblem): lse and D (device
-    pointers), the sizes, the score buffers' pitch ``ld`` (elements), the causal limit (S without one: the kernels
-    have no is_causal flag), and the mask's kind, pointer and strides. Dropout's fields are set by the schedule after
+    pointers), the sizes, the score buffers' pitch ``ld`` (elements), the causal limit (checks.SDPAProblem.visible_offset:
+    the kernels have no is_causal flag), and the mask's kind, pointer and strides. Dropout's fields are set by the schedule after
     the D pass (:func:`dropout_params`)."""
     L, S = p.seqlen_q, p.seqlen_k
     base = np.zeros((), dtype=BWD_PARAMS)
     base["lse"], base["delta"], base["seqlen_q"], base["seqlen_k"], base["ld"] = lse_ptr, delta_ptr, L, S, ld
     base["head_dim_v"], base["num_heads"] = p.head_dim_v, p.num_heads
-    base["causal_offset"] = S if p.causal is None else p.causal_offset
+    base["causal_offset"] = p.visible_offset
     if p.mask is not None:
         m = p.mask
         base["mask_kind"] = MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(m.dtype)]

@@ -66,13 +66,13 @@ def masked(p) -> bool:
 
 def base_params(p, ld: int, axes) -> np.ndarray:
     """SoftmaxParams with what every chunk of the call ``p`` (checks.SDPAProblem) shares: S, the buffer's pitch ``ld``
-    (elements), the causal limit (S without one), the mask's kind and strides, dropout's threshold and scale, and the
+    (elements), the causal limit (checks.SDPAProblem.visible_offset: S without one), the mask's kind and strides, dropout's threshold and scale, and the
     batch axes ``axes``: three (size, mask stride, lse stride, Philox (batch, head) index step) tuples, outermost
     first, the GEMMs' batch index decomposed over them (sizes of the inner two: n1, n2)."""
     S, mask = p.seqlen_k, p.mask
     base = np.zeros((), dtype=PARAMS)
     base["seqlen_k"], base["ld"] = S, ld
-    base["causal_offset"] = S if p.causal is None else p.causal_offset
+    base["causal_offset"] = p.visible_offset
     base["mask_kind"] = MASK_NONE if mask is None else MASK_KIND["bool" if p.mask_kind == "bool" else
                                                                  dtype_name(mask.dtype)]
     base["n1"], base["n2"] = axes[1][0], axes[2][0]

@@ -369,7 +369,7 @@ def _build_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
     bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
-    causal_offset = S if p.causal is None else p.causal_offset  # the visible keys of a band: r0 + lc + offset
+    causal_offset = p.visible_offset  # the visible keys of a band: r0 + lc + offset
     alpha = p.scale * LOG2E  # the kernel works in base 2
     softmax_base = softmax.base_params(p, ld, [(ax.size, ax.mask, ax.lse, ax.bh) for ax in dec])
     mask_isz = p.mask.itemsize if p.mask is not None else 1
