@@ -73,6 +73,13 @@ class FakeArray:
             step *= n
         self.flags = types.SimpleNamespace(c_contiguous=self.strides == tuple(reversed(packed)))
 
+    def __getitem__(self, index):
+        """A leading slice ``a[:n]`` (batch chunks): the same strides and base, n along the first axis."""
+        if not (isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)):
+            raise TypeError(f"FakeArray takes only a[:n], got {index!r}")
+        n = min(self.shape[0], self.shape[0] if index.stop is None else index.stop)
+        return FakeArray((n,) + self.shape[1:], self.dtype, self.data.ptr, self.strides)
+
 
 def bshd(B, H, S, D, dtype, ptr):
     """A (B, H, S, D) view of a (B, S, H, D) array."""
