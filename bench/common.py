@@ -268,7 +268,8 @@ def fa3_case_inputs(shape, dtype_name, names):
     import cupy
     import torch
 
-    from cupy_attn.attention import fused as _flash
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.kernels import flash_fwd_sm90
     B, H, L, D = shape
     g = torch.Generator("cuda").manual_seed(0)
     tdt = getattr(torch, dtype_name)
@@ -276,8 +277,62 @@ def fa3_case_inputs(shape, dtype_name, names):
     cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
     scale = D ** -0.5
     outs = {name: cupy.full((B, H, L, D), np.nan, dtype=cq.dtype) for name in names}
-    reason = _flash.fa3_reason(cq, ck, cv, outs[names[0]], scale=scale,
-                               arch=int(cupy.cuda.Device().compute_capability))
+    p = checks.array_problem(cq, ck, cv, outs[names[0]], scale=scale)
+    reason = flash_fwd_sm90.reason(p, dispatch.device_arch(p), outs[names[0]])
     if reason:
         raise RuntimeError(f"FA3 kernel not eligible: {reason}")
     return (q, k, v), (cq, ck, cv), scale, outs, (cq.data.ptr, ck.data.ptr, cv.data.ptr)
+
+
+KERNEL_COLUMNS = [("name", "case", ""), ("dtype", "dtype", ""), ("shape", "shape", ""), ("ms", "ms", ".3f"),
+                  ("tflops", "TFLOP/s", ".1f"), ("tbps", "TB/s", ".2f")]
+
+
+def randn(shape, dtype_name: str, seed: int = 0, scale: float = 1.0):
+    """A CuPy array of standard normal values (times ``scale``) in float16, bfloat16 or float32."""
+    import cupy
+    x = cupy.random.RandomState(seed).standard_normal(shape, dtype=cupy.float32) * scale
+    return x.astype(cupy.dtype("bfloat16") if dtype_name == "bfloat16" else getattr(cupy, dtype_name))
+
+
+def kernel_row(name: str, dtype_name: str, shape: tuple, fn, flops: float = 0.0, nbytes: float = 0.0,
+               n_repeat: int = 20) -> dict:
+    """One row of a per-family benchmark (bench/bench_<family>.py): fn() launches the kernel alone on prepared inputs
+    (no allocation, no host work but the launch), timed by :func:`median_ms`; TFLOP/s from ``flops``, TB/s from the
+    bytes the kernel must move (``nbytes``), either 0 for n/a."""
+    ms = median_ms(fn, n_repeat=n_repeat, n_warmup=3)
+    return dict(name=name, dtype=dtype_name, shape=shape, ms=ms, tflops=tflops(flops, ms) if flops else None,
+                tbps=nbytes / (ms * 1e-3) / 1e12 if nbytes else None)
+
+
+def kernel_main(benchmark, doc: str) -> None:
+    """The main() of a per-family benchmark: ``--quick``, then its rows as a table."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="the first case in fp16 only")
+    print_table(benchmark(quick=ap.parse_args().quick), KERNEL_COLUMNS)
+
+
+def fused_backward_rows(stem: str, bucket, cases, quick: bool) -> list[dict]:
+    """The rows of bench_flash_bwd.py / bench_flash_bwd_sm90.py: for each (name, (B, H, L, D), causal, dtype) case,
+    one backward of kernels/<stem>.py (the D pre-pass, the kernel, dQ's rounding) on the forward's out and lse,
+    prepared once by the module's build at ``bucket(D, D)`` as the autograd backward's call cache replays it; TFLOP/s
+    of 2.5 forwards (FlashAttention's count: 2.5 · 4·B·H·L·S·D, halved for causal)."""
+    import importlib
+
+    import cupy
+
+    import cupy_attn
+    from cupy_attn.attention import checks
+    module = importlib.import_module(f"cupy_attn.attention.kernels.{stem}")
+    rows = []
+    for name, (B, H, L, D), causal, dtype in cases[:1] if quick else cases:
+        q, k, v, dout = (randn((B, H, L, D), dtype, seed) for seed in range(4))
+        out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal is not None, return_lse=True)
+        dq, dk, dv = cupy.empty_like(q), cupy.empty_like(k), cupy.empty_like(v)
+        p = checks.array_problem(q, k, v, out, lse, scale=D ** -0.5, causal=causal)
+        launch = module.build(p, bucket(D, D))
+        ptrs = tuple(a.data.ptr for a in (q, k, v, out, lse, dout, dq, dk, dv))
+        flops = 2.5 * 4.0 * B * H * L * L * D / (2 if causal else 1)
+        rows.append(kernel_row(name, dtype, (B, H, L, D), lambda: launch(*ptrs), flops=flops))
+    return rows

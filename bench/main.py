@@ -56,18 +56,18 @@ def cpu_job() -> int:
 
 
 TITLES = {"bench_sdpa": "scaled_dot_product_attention (seed shape (32, 32, 512, 1024) and sweeps)",
-          "bench_flash": "Fused attention kernel (head dims ≤ 256)",
+          "bench_flash_fwd": "Fused attention kernel (head dims ≤ 256)",
           "bench_linear_bn_softmax": "Linear → BatchNorm1d → scale → softmax, x (1024, 8192), 8192 → 8192 (forward; "
                                      "train step: forward + backward)",
           "bench_backward": "Training: forward + backward of scaled_dot_product_attention",
-          "bench_decode": "Decode (one query row against a long KV cache), K+V bandwidth"}
+          "bench_flash_decode": "Decode (one query row against a long KV cache), K+V bandwidth"}
 
 
 def gpu_job(quick: bool) -> int:
     env = environment()
     print(env, flush=True)
     sections = []
-    for name in ("bench_sdpa", "bench_flash", "bench_linear_bn_softmax", "bench_backward", "bench_decode"):
+    for name in ("bench_sdpa", "bench_flash_fwd", "bench_linear_bn_softmax", "bench_backward", "bench_flash_decode"):
         try:
             mod = importlib.import_module(name)
         except ImportError as exc:

@@ -1,7 +1,14 @@
-"""Shared test set-up: the ``gpu`` marker skips when no CUDA device is usable."""
+"""Shared test set-up: the ``gpu`` marker skips when no CUDA device is usable; the shared helpers (tests/_helpers/:
+float64 references, the tolerance rule, compile checks, launch fakes and recorders) are importable by name."""
 import functools
+import pathlib
+import sys
 
 import pytest
+
+_HELPERS = str(pathlib.Path(__file__).resolve().parent / "_helpers")
+if _HELPERS not in sys.path:
+    sys.path.insert(0, _HELPERS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -181,7 +181,7 @@ def test_strided_gemm(monkeypatch, backend, trans_a, trans_b, m, n, k, batch, br
 @pytest.mark.parametrize("trans_a,trans_b,batch", [(False, False, 1), (False, True, 3), (True, False, 2),
                                                    (True, True, 4)])
 def test_plan_descriptors_without_gpu(tmp_path, trans_a, trans_b, batch):
-    """Plan's descriptors, built by the real libcublasLt without a GPU (tests/_cublaslt_cpu_probe.py: a stub driver,
+    """Plan's descriptors, built by the real libcublasLt without a GPU (tests/_helpers/_cublaslt_cpu_probe.py: a stub driver,
     handle 0, a stand-in heuristic), read back: the row-major → column-major swap, types, batch count and strides, the
     32 MiB workspace preference; the preference is destroyed after the query and every other descriptor when the
     plan is collected."""
@@ -200,7 +200,7 @@ def test_plan_descriptors_without_gpu(tmp_path, trans_a, trans_b, batch):
     stride_a, stride_b, stride_c = (m * lda, 0, m * ldc) if batch > 1 else (0, 0, 0)
     key = [0, runtime.CUDA_R_16BF, runtime.CUDA_R_16BF, runtime.CUDA_R_32F, cublas.CUBLAS_COMPUTE_32F, m, n, k, batch,
            trans_a, trans_b, lda, ldb, ldc, stride_a, stride_b, stride_c]
-    probe = os.path.join(os.path.dirname(__file__), "_cublaslt_cpu_probe.py")
+    probe = os.path.join(os.path.dirname(__file__), "_helpers", "_cublaslt_cpu_probe.py")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     run = subprocess.run([sys.executable, probe, str(tmp_path), json.dumps(key)], capture_output=True, text=True,

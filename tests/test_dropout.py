@@ -9,7 +9,7 @@ dropout tile table. The NVRTC compile of every dropout variant is tests/test_com
 GPU (``-m gpu``): the device Philox against the same vectors; the kernels' masks equal the NumPy mask bit for bit
 (V = identity makes the mask visible in the output), fused and split; the keep rate; outputs and gradients against a
 float64 reference given the same mask, within twice the error of torch's math backend in the same precision with the
-same mask (tests/_tolerance.py); same seed -> same results, another seed -> another mask; CUDA-graph replays draw new
+same mask (tests/_helpers/_tolerance.py); same seed -> same results, another seed -> another mask; CUDA-graph replays draw new
 masks and each still matches the reference for the pair it drew; p = 1 gives zeros; CuPy inputs.
 """
 import numpy as np
@@ -17,7 +17,8 @@ import pytest
 
 import cupy_attn
 from cupy_attn import philox, reference
-from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout, fused as _flash
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch, dropout as _dropout
+from cupy_attn.attention.kernels import flash_fwd as _flash
 from cupy_attn.runtime import interop as _interop
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 

@@ -11,9 +11,9 @@ from cupy_attn.runtime import callcache, env
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "cupy_attn"
 NAME = re.compile(r"CUPY_ATTN_[A-Z0-9_]+")
-# Read directly: compile.cache_dir (the compile cache's own code, reworked on its own; it reads CUPY_ATTN_CACHE_DIR per
-# call) and callcache.env_values (the call cache's key, reading env.CALL_KEY's names from os.environ's own mapping:
-# ~0.4 µs a name less than os.environ.get).
+# Read directly: compile.py's other variables (XDG_CACHE_HOME, CUDA_PATH, CUDA_HOME: not cupy_attn's; it reads
+# CUPY_ATTN_CACHE_DIR through env.get) and callcache.env_values (the call cache's key, reading env.CALL_KEY's names from
+# os.environ's own mapping: ~0.4 µs a name less than os.environ.get).
 DIRECT_READERS = {"runtime/compile.py", "runtime/callcache.py", "runtime/env.py"}
 
 
@@ -44,6 +44,13 @@ def test_modules_read_through_env_get():
                     and node.attr in ("environ", "getenv", "putenv"):
                 offenders.append(f"{rel}:{node.lineno}")
     assert not offenders, f"read CUPY_ATTN_ variables through cupy_attn.runtime.env.get: {offenders}"
+    # The direct readers read no CUPY_ATTN_ variable by name (compile.py: CUPY_ATTN_CACHE_DIR through env.get).
+    tree = ast.parse((PACKAGE / "runtime" / "compile.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get" \
+                and ast.unparse(node.func.value) == "os.environ":
+            arg = ast.unparse(node.args[0])
+            assert "CUPY_ATTN" not in arg and arg != "ENV_CACHE_DIR", f"compile.py:{node.lineno} reads {arg}"
 
 
 def test_get_refuses_an_undeclared_name(monkeypatch):

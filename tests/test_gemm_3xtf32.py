@@ -1,4 +1,4 @@
-"""gemm_3xtf32 (cupy_attn/attention/gemm_3xtf32.py, cuda_src/attention/gemm_3xtf32.cu): the split path's fp32 GEMM on
+"""gemm_3xtf32 (cupy_attn/attention/kernels/gemm_3xtf32.py, cuda_src/attention/gemm_3xtf32.cu): the split path's fp32 GEMM on
 TF32 tensor cores at fp32 accuracy (3xTF32, CUTLASS's FastF32 recipe).
 
 CPU: every variant compiles for sm_80/sm_90 without spills, and its SASS holds the 48 HMMA of one k-step and no local
@@ -10,7 +10,7 @@ GPU (``gpu`` marker): against float64 on odd shapes (1, 7, 33, 257, 1000), both 
 batch strides and a broadcast operand, alpha ≠ 1, NaN-poisoned C whose padding must stay NaN; max error ≤ cuBLAS
 SGEMM's (torch.matmul, TF32 off) on the same inputs for k ≥ 256 (over ≥ 4096 outputs) and far below TF32's; NaN
 propagation; unaligned operands (4-byte copies); SDPA at fp32 with large logits (|scale·q·k| up to ~100), head dims
-257-1024, masks and causal, against torch's own fp32 error (tests/_tolerance.py), with explain naming the 3xTF32 GEMM.
+257-1024, masks and causal, against torch's own fp32 error (tests/_helpers/_tolerance.py), with explain naming the 3xTF32 GEMM.
 
     PYTHONPATH=. python3 -m pytest -m gpu tests/test_gemm_3xtf32.py
 """
@@ -19,7 +19,7 @@ import types
 import numpy as np
 import pytest
 
-from cupy_attn.attention import gemm_3xtf32 as _g
+from cupy_attn.attention.kernels import gemm_3xtf32 as _g
 from cupy_attn.runtime import compile as _compile
 from _compile_checks import assert_clean
 
@@ -39,7 +39,7 @@ def test_every_variant_compiles_within_its_occupancy(arch):
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_sass_has_three_tf32_mmas_per_tile_and_no_local_memory(arch):
-    from test_flash_sm90 import _cuobjdump, sass_summary
+    from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     kernels = sass_summary(_compile.family_cubin(FAMILY, arch))
@@ -243,9 +243,12 @@ class _RecordingGemm:
 
 
 def _schedule(monkeypatch, dtype=np.float32, allow_tf32=False, arch=90, B=2, H=3, L=100, S=300, E=257, Ev=200):
-    """(schedule, problem, out): split.schedule for a (B, H, L, S, E/Ev) call on NumPy stand-ins (shapes and strides
-    are all it reads), with the softmax kernel, the device's arch and cuBLAS replaced: nothing touches a GPU."""
-    from cupy_attn.attention import checks, dispatch, split
+    """(schedule, problem, out): split.schedule of the plan's choice (dispatch.split_choice) for a (B, H, L, S, E/Ev)
+    call on NumPy stand-ins (shapes and strides are all it reads), with the softmax kernel, the device's arch and cuBLAS
+    replaced: nothing touches a GPU."""
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.kernels import softmax
+    from cupy_attn.attention.paths import split
     from cupy_attn.runtime import blas, interop
 
     class Softmax:
@@ -253,7 +256,7 @@ def _schedule(monkeypatch, dtype=np.float32, allow_tf32=False, arch=90, B=2, H=3
         def kernel(**row):  # what a launch reads of a loaded kernel: its CUfunction
             return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0), row=row)
 
-    monkeypatch.setattr(split, "SOFTMAX", Softmax)
+    monkeypatch.setattr(softmax, "SOFTMAX", Softmax)
     monkeypatch.setattr(split, "_SCHEDULES", {})
     monkeypatch.setattr(dispatch, "device_arch", lambda p: arch)
     monkeypatch.setattr(blas, "StridedGemm", _RecordingGemm)
@@ -262,7 +265,7 @@ def _schedule(monkeypatch, dtype=np.float32, allow_tf32=False, arch=90, B=2, H=3
     p = checks.SDPAProblem(ctx=interop.CallContext(interop.CUPY, 0), query=q, key=k, value=v, batch_shape=(B, H),
                            batch=B, num_heads=H, num_kv_heads=H, seqlen_q=L, seqlen_k=S, head_dim=E, head_dim_v=Ev,
                            dtype=np.dtype(dtype), scale=0.05, causal=None)
-    return split.schedule(p, out, allow_tf32=allow_tf32), p, out
+    return split.schedule(p, dispatch.split_choice(p, arch, allow_tf32=allow_tf32, out=out), out), p, out
 
 
 def test_split_schedule_runs_fp32_on_3xtf32(monkeypatch):
@@ -294,18 +297,23 @@ def test_split_schedule_keeps_cublas_otherwise(monkeypatch, env, allow_tf32, arc
 
 
 def test_schedule_key_tracks_the_switch(monkeypatch):
-    """Switching CUPY_ATTN_FP32_GEMM builds another schedule (its GEMMs differ), not the cached one."""
-    from cupy_attn.attention import split
+    """Switching CUPY_ATTN_FP32_GEMM plans another choice, whose schedule is another (its GEMMs differ), not the cached
+    one."""
+    from cupy_attn.attention import dispatch
+    from cupy_attn.attention.paths import split
     monkeypatch.delenv(_g.ENV_FP32_GEMM, raising=False)
     first, p, out = _schedule(monkeypatch)
-    assert split.schedule(p, out) is first
+
+    def planned():
+        return split.schedule(p, dispatch.split_choice(p, 90, out=out), out)
+    assert planned() is first
     monkeypatch.setenv(_g.ENV_FP32_GEMM, "sgemm")
-    second = split.schedule(p, out)
+    second = planned()
     assert second is not first and isinstance(second.chunks[0].gemm_qk, _RecordingGemm)
     monkeypatch.setenv(_g.ENV_FP32_GEMM, "3xtf32")
-    assert split.schedule(p, out) is first, "the explicit default is the default's schedule"
+    assert planned() is first, "the explicit default is the default's schedule"
     monkeypatch.delenv(_g.ENV_FP32_GEMM)
-    assert split.schedule(p, out) is first
+    assert planned() is first
 
 
 @pytest.mark.parametrize("env,allow_tf32,arch,words", [
@@ -518,7 +526,7 @@ MASKS = ["none", "bool_key_padding", "float", "causal"]
 @pytest.mark.parametrize("B,H,L,S,E,Ev,mult,scale", SDPA_CASES)
 def test_sdpa_fp32_large_logits(B, H, L, S, E, Ev, mult, scale, mask, monkeypatch):
     """Issue 14: fp32 attention at |scale·q·k| up to ~100 and head dims 257-1024 within 2× torch's own fp32 error
-    (tests/_tolerance.py), on the split path's 3xTF32 GEMMs (explain says so)."""
+    (tests/_helpers/_tolerance.py), on the split path's 3xTF32 GEMMs (explain says so)."""
     import cupy_attn
     from cupy_attn import reference
     from _tolerance import as_f64, assert_close

@@ -89,7 +89,7 @@ def test_torch_cuda_graph_capture_and_replay(name, shape, dtype, kw):
 def test_first_call_inside_capture(name, shape, dtype, kw):
     """A call whose layout was never seen made first inside capture works (call cache, split schedules, cuBLASLt plans
     and loaded kernel modules cleared): nothing on the path allocates outside torch's allocator or synchronizes."""
-    from cupy_attn.attention import split
+    from cupy_attn.attention.paths import split
     from cupy_attn.runtime import compile as _compile, cublaslt
     g = torch.Generator("cuda").manual_seed(7)
     q, k, v, kw = _inputs(shape, dtype, kw, g)

@@ -1,9 +1,9 @@
-"""The P·V kernel (cupy_attn.attention.pv_sm90, cuda_src/attention/pv_sm90.cu): out = P V after the split path's
+"""The P·V kernel (cupy_attn.attention.kernels.pv_sm90, cuda_src/attention/pv_sm90.cu): out = P V after the split path's
 scores kernel, each 64-row block stopping at its visible keys (causal calls at head dims above 256 and S ≤ 512).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA
 64x256x16, TMA loads, 16-byte stores and no local memory; key_steps against a brute force over the rows of each block;
-the launch writes the struct the kernel reads; pv_reason's answers.
+the launch writes the struct the kernel reads; reason's answers.
 GPU (``gpu`` marker): the kernel alone on P whose keys past each block's last step are NaN (the kernel must not read
 them) and whose out is NaN-poisoned with a poisoned tail (every row below L written, nothing past it), against
 float64 P·V with torch's same-precision matmul as the error bound; the public call goes through it (explain names it)
@@ -14,12 +14,12 @@ in tests/test_scores_sm90.py's causal cases.
 import numpy as np
 import pytest
 
-from cupy_attn.attention import pv_sm90 as _pv
-from cupy_attn.attention import split as _split
+from cupy_attn.attention import checks
+from cupy_attn.attention.kernels import pv_sm90 as _pv
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 
@@ -90,23 +90,35 @@ def _problem(**kw):
     return types.SimpleNamespace(**{**p, **kw})
 
 
+def _reason(p, out=None):
+    """pv_sm90.reason in CUPY_ATTN_SPLIT_PV's mode; out None: an out of the value's layout."""
+    return _pv.reason(p, out if out is not None else p.value, _pv.setting())
+
+
+def _pv_problem(v, L, causal):
+    """What build() reads of a problem: the value, L and the causal limit."""
+    import types
+    return types.SimpleNamespace(value=v, seqlen_q=L, causal=causal,
+                                 causal_offset=checks.causal_offset(causal, L, v.shape[2]))
+
+
 def test_pv_reasons(monkeypatch):
     monkeypatch.delenv(_pv.ENV, raising=False)
-    assert _split.pv_reason(_problem()) is None
-    assert _split.pv_reason(_problem(causal="bottom_right"), _bhsd(2, 4, 512, 1024)) is None
+    assert _reason(_problem()) is None
+    assert _reason(_problem(causal="bottom_right"), _bhsd(2, 4, 512, 1024)) is None
     padded = _FakeArray((2, 4, 512, 1020), (4 * 512 * 2048, 512 * 2048, 2048, 2))  # Ev = 1020 in rows of 1024
-    assert _split.pv_reason(_problem(causal=None, seqlen_k=300)) is None  # cuBLAS is slow at K % 8 != 0
-    assert _split.pv_reason(_problem(causal=None, batch=1, num_heads=8)) is None  # a small call
+    assert _reason(_problem(causal=None, seqlen_k=300)) is None  # cuBLAS is slow at K % 8 != 0
+    assert _reason(_problem(causal=None, batch=1, num_heads=8)) is None  # a small call
     for kw, out, words in (({"causal": None, "seqlen_k": 512}, None, "not causal"), ({}, padded, "multiple of 8"),
                            ({"value": _bhsd(2, 4, 512, 1020)}, None, "stride along s"),
                            ({"value": _bhsd(2, 4, 512, 1024, ptr=(1 << 20) + 8)}, None, "16-byte"),
                            ({}, _bhsd(2, 4, 512, 1024, ptr=(1 << 20) + 4), "16-byte")):
-        why = _split.pv_reason(_problem(**kw), out)
+        why = _reason(_problem(**kw), out)
         assert why is not None and words in why, (kw, why)
     monkeypatch.setenv(_pv.ENV, "0")
-    assert _pv.ENV in _split.pv_reason(_problem())
+    assert _pv.ENV in _reason(_problem())
     monkeypatch.setenv(_pv.ENV, "2")  # every call it can serve
-    assert _split.pv_reason(_problem(causal=None)) is None
+    assert _reason(_problem(causal=None)) is None
 
 
 def test_switch_is_part_of_the_call_cache_key():
@@ -160,7 +172,7 @@ def test_kernel(B, Hq, Hkv, L, S, Ev, causal, dtype):
     # out with 64 poisoned rows after each head's L (a padded head stride): a write past row L would land there
     out_all = torch.full((B, Hq, L + 64, Ev), float("nan"), dtype=dt, device="cuda")
     out = out_all[:, :, :L]
-    launch = _pv.prepare(cupy.from_dlpack(v), cupy.from_dlpack(out), seqlen_q=L, ld=ld, causal=causal)
+    launch = _pv.build(_pv_problem(cupy.from_dlpack(v), L, causal), cupy.from_dlpack(out), ld=ld)
     launch.launch_on(cupy.cuda.get_current_stream().ptr, P.data_ptr(), v.data_ptr(), out.data_ptr())
     torch.cuda.synchronize()
     assert bool(torch.isnan(out_all[:, :, L:]).all()), "the kernel wrote past a head's last row"
@@ -239,7 +251,7 @@ def test_public_api_on_poisoned_scratch(B, Hq, Hkv, L, S, E, causal, variant, mo
     tile per row block with variant 1)."""
     import cupy_attn
     from cupy_attn import reference
-    from cupy_attn.attention import scores_sm90
+    from cupy_attn.attention.kernels import scores_sm90
     from cupy_attn.runtime import workspace
     torch = _torch()
     real = workspace.scratch

@@ -1,4 +1,4 @@
-"""The Hopper scores kernel (cupy_attn.attention.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
+"""The Hopper scores kernel (cupy_attn.attention.kernels.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
 scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its three variants (one CTA per 64-row
 block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent); and the
 split path's schedule that runs it before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one
@@ -12,7 +12,7 @@ the shared-memory exchange between the two warpgroups, the stores) reproduces th
 element of P[:L, :S] exactly once and nothing else; a step-by-step transcription of the TMA/mbarrier protocol (one
 CTA, and a cluster of two) runs hazard-free under random interleavings, and catches deliberately broken protocols.
 GPU (``gpu`` marker), both variants: the kernel alone on NaN-poisoned P (padding columns past S's 16-byte chunk and
-rows past the last one must stay NaN) and lse against the float64 reference with tests/_tolerance.py's rule (torch's
+rows past the last one must stay NaN) and lse against the float64 reference with tests/_helpers/_tolerance.py's rule (torch's
 same-precision softmax(Q Kᵀ) as the comparison); and through cupy_attn.scaled_dot_product_attention with the switch
 set (explain() names the kernel; a second call replays); causal in the kernel alone (pair tiles included) with every
 element of P checked; large logits (|scale·q·k| up to ~100) through the public call.
@@ -24,11 +24,12 @@ element of P checked; large logits (|scale·q·k| up to ~100) through the public
 import numpy as np
 import pytest
 
-from cupy_attn.attention import scores_sm90 as _scores
+from cupy_attn.attention import checks
+from cupy_attn.attention.kernels import scores_sm90 as _scores
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 from _launch_fake import FakeKernel, LaunchRecorder, assert_same_struct, blob
 
@@ -41,8 +42,8 @@ DTYPES = ("float16", "bfloat16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    masked_tiles = len(_scores.SCORES_TILES) - len(_scores.MASKED_NOT_BUILT)
-    assert len(reports) == (len(_scores.KERNELS) * len(_scores.SCORES_TILES) + masked_tiles) * len(DTYPES)
+    masked_tiles = len(_scores.TILES) - len(_scores.MASKED_NOT_BUILT)
+    assert len(reports) == (len(_scores.KERNELS) * len(_scores.TILES) + masked_tiles) * len(DTYPES)
     assert_clean(reports, max_registers=168)
 
 
@@ -59,7 +60,7 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
     kernels = sass_summary(cubin)
     listings = sass_text(cubin)
     assert len(kernels) == len(listings) == len(FAMILY.name_expressions())
-    assert sum("_cluster2" in name for name in kernels) == len(DTYPES) * len(_scores.SCORES_TILES)
+    assert sum("_cluster2" in name for name in kernels) == len(DTYPES) * len(_scores.TILES)
     for name, ops in kernels.items():
         half_n = int(name.split("ELi")[0].split("Li")[-1])  # ..._sm90I6__halfLi256ELi3EE...: the first int argument
         text = listings[name]
@@ -87,7 +88,7 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
     pointer), the prepared grid, 384 threads, the tile's shared memory and the caller's stream; maps are encoded again
     and rewritten only when a base moves, and the lse word follows every call."""
     rec = LaunchRecorder(monkeypatch, _scores._PARAMS)
-    tile = _scores.SCORES_TILES[256]
+    tile = _scores.TILES[256]
     params = np.zeros((), dtype=_scores._PARAMS)
     params["seqlen_q"], params["seqlen_k"], params["head_dim"], params["scale_log2"] = 512, 512, 1024, 0.0451
     kernel = FakeKernel(1234)
@@ -107,7 +108,7 @@ def test_launch_writes_the_struct_the_kernel_reads_cpu(monkeypatch):
 
 def test_tiles():
     declared = set(FAMILY.name_expressions())
-    for half_n, tile in _scores.SCORES_TILES.items():
+    for half_n, tile in _scores.TILES.items():
         assert tile.half_n == half_n and half_n % 64 == 0 and half_n <= 256 and tile.stages >= 2
         assert tile.smem_bytes() <= 232448, tile
         for dtype in ("__half", "__nv_bfloat16"):
@@ -674,12 +675,12 @@ def _key_mask(dtype=bool):
 
 def test_unsupported_reasons(monkeypatch):
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
-    if _scores.unsupported_reason(_problem(), 90) is not None:
-        pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
-    assert _scores.unsupported_reason(_problem(dtype=np.dtype("bfloat16")), 90) is None
+    if _scores.reason(_problem(), 90, _scores.setting()) is not None:
+        pytest.skip(_scores.reason(_problem(), 90, _scores.setting()))  # cuda-bindings missing
+    assert _scores.reason(_problem(dtype=np.dtype("bfloat16")), 90, _scores.setting()) is None
     for dt in (bool, np.float16, np.float32):  # key-only masks: the masked persistent kernel
-        assert _scores.unsupported_reason(_problem(mask=_key_mask(dt), seqlen_k=400), 90) is None
-        assert _scores.unsupported_reason(_problem(mask=_key_mask(dt)), 90) is None  # S = 300: the 512-key tile
+        assert _scores.reason(_problem(mask=_key_mask(dt), seqlen_k=400), 90, _scores.setting()) is None
+        assert _scores.reason(_problem(mask=_key_mask(dt)), 90, _scores.setting()) is None  # S = 300: the 512-key tile
     for kw, arch, words in (({}, 80, "sm_80"), ({"dtype": np.dtype("float32")}, 90, "float32"),
                             ({"seqlen_k": 513}, 90, "512"),
                             ({"mask": np.ones((2, 4, 100, 300), bool)}, 90, "query rows"),
@@ -688,10 +689,10 @@ def test_unsupported_reasons(monkeypatch):
                             ({"dropout_p": 0.1}, 90, "dropout"),
                             ({"scale": -1.0}, 90, "scale"), ({"key": _bhsd(2, 4, 300, 1024, ptr=(1 << 20) + 8)}, 90,
                                                              "16-byte")):
-        why = _scores.unsupported_reason(_problem(**kw), arch)
+        why = _scores.reason(_problem(**kw), arch, _scores.setting())
         assert why is not None and words in why, (kw, why)
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "1")
-    assert "persistent" in _scores.unsupported_reason(_problem(mask=_key_mask(), seqlen_k=400), 90)
+    assert "persistent" in _scores.reason(_problem(mask=_key_mask(), seqlen_k=400), 90, _scores.setting())
 
 
 def test_switch_reads_the_environment(monkeypatch):
@@ -725,7 +726,8 @@ def _run_kernel(q, k, scale, ld, variant=1, causal=None):
     lse_all = torch.full((n_lse + 64,), float("nan"), dtype=torch.float32, device=q.device)
     P, lse = P_all[:n_p].view(B, Hq, L, ld), lse_all[:n_lse].view(B, Hq, L)
     cq, ck, clse = cupy.from_dlpack(q), cupy.from_dlpack(k), cupy.from_dlpack(lse)
-    launch = _scores.prepare(cq, ck, clse, scale=scale, ld=ld, variant=variant, causal=causal)
+    p = checks.array_problem(cq, ck, ck, None, clse, scale=scale, causal=causal)
+    launch = _scores.build(p, _scores.choose(p, variant), clse, ld=ld)
     m = _scores.CLUSTER_M[variant]
     assert launch.grid[0] % m == 0 and (variant == 3 or launch.grid[0] * 64 >= L), launch.grid
     launch(cq.data.ptr, ck.data.ptr, P.data_ptr(), lse.data_ptr())
@@ -921,15 +923,15 @@ def test_unsupported_reason_causal(monkeypatch):
     """is_causal runs on the one-CTA and persistent kernels (CUPY_ATTN_SPLIT_FUSED 1, unset or 3), not on the
     cluster variant (2)."""
     monkeypatch.delenv(_scores.ENV_SPLIT_FUSED, raising=False)
-    if _scores.unsupported_reason(_problem(), 90) is not None:
-        pytest.skip(_scores.unsupported_reason(_problem(), 90))  # cuda-bindings missing
+    if _scores.reason(_problem(), 90, _scores.setting()) is not None:
+        pytest.skip(_scores.reason(_problem(), 90, _scores.setting()))  # cuda-bindings missing
     for align in ("top_left", "bottom_right"):
-        assert _scores.unsupported_reason(_problem(causal=align), 90) is None
+        assert _scores.reason(_problem(causal=align), 90, _scores.setting()) is None
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, "2")
-    assert "is_causal" in _scores.unsupported_reason(_problem(causal="top_left"), 90)
+    assert "is_causal" in _scores.reason(_problem(causal="top_left"), 90, _scores.setting())
     with pytest.raises(ValueError, match="causal"):
-        _scores.prepare(_bhsd(1, 1, 64, 64), _bhsd(1, 1, 64, 64), None, scale=0.1, ld=64, variant=2,
-                        causal="top_left")
+        p = _problem(query=_bhsd(1, 1, 64, 64), key=_bhsd(1, 1, 64, 64), seqlen_k=64, causal="top_left")
+        _scores.build(p, _scores.choose(p, 2), None, ld=64)
 
 
 @pytest.mark.gpu
@@ -954,7 +956,7 @@ def test_public_api_causal(B, Hq, Hkv, L, S, D, align, dtype, variant, pv, monke
     alignment), a second call on new arrays replays."""
     import cupy_attn
     from cupy_attn import reference
-    from cupy_attn.attention import pv_sm90
+    from cupy_attn.attention.kernels import pv_sm90
     torch = _torch()
     monkeypatch.setenv(_scores.ENV_SPLIT_FUSED, str(variant))
     monkeypatch.setenv(pv_sm90.ENV, "1" if pv else "0")
@@ -1036,7 +1038,7 @@ def test_batch_chunks_over_the_workspace_budget(causal, monkeypatch):
     second call replays the cached schedule on new arrays."""
     import cupy_attn
     from cupy_attn import reference
-    from cupy_attn.attention import split
+    from cupy_attn.attention.paths import split
     torch = _torch()
     B, Hq, Hkv, L, S, D = 5, 4, 2, 320, 448, 512
     per_batch = Hq * L * S * 2

@@ -151,7 +151,7 @@ def test_causal_bands_on_streams(streams, alignment, dtype, L, S, E, chunked, mo
     # a workspace of two batch·heads of fp32 scores makes three batch chunks whose bands reuse their regions on the
     # same streams. Unchunked E > 256 calls with S <= 512 run the Hopper scores kernel on sm_90 (only P·V banded, on one
     # stream: causal_streams is not asked there).
-    from cupy_attn.attention import split
+    from cupy_attn.attention.paths import split
     from cupy_attn.runtime import callcache
     monkeypatch.setattr(split, "causal_streams", lambda L_, bands: streams)
     monkeypatch.setattr(split, "cublas_causal_bands", lambda L_: 4)
@@ -215,7 +215,7 @@ def test_runs_on_callers_torch_stream():
 
 
 def test_requires_grad_inputs_accepted():
-    """Inputs that require grad are recorded by autograd (tests/test_backward.py checks the gradients); under
+    """Inputs that require grad are recorded by autograd (tests/test_sdpa_backward.py checks the gradients); under
     no_grad the forward-only path runs."""
     g = torch.Generator("cuda").manual_seed(12)
     q, k, v = (_rand((1, 2, 32, 64), "float32", g).requires_grad_() for _ in range(3))

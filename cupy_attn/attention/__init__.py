@@ -1,5 +1,5 @@
-"""Attention: sdpa (public entry points), checks, dispatch (the plan), fused (FlashAttention kernel launcher),
-split (cuBLAS + softmax kernel), wgmma_gen (Hopper MMA wrappers generator)."""
+"""Attention: sdpa (public entry points), checks (argument checks, the problem), dispatch (the plan: every choice),
+autograd, dropout; kernels/ (one launcher per kernel family), paths/ (the split and backward schedules)."""
 from .sdpa import explain, scaled_dot_product_attention
 
 __all__ = ["scaled_dot_product_attention", "explain"]

@@ -1,6 +1,6 @@
 """Autograd for scaled_dot_product_attention on torch tensors: the forward saves out and lse (not the scores) and,
-with dropout, the call's rng pair (two int64, not the mask); the backward is backward.sdpa_backward (FlashAttention-2's
-backward, P recomputed from lse and the keep mask recomputed from the rng pair).
+with dropout, the call's rng pair (two int64, not the mask); the backward is planned once (dispatch.plan_backward) and
+run by paths/backward.py (FlashAttention-2's backward, P recomputed from lse and the keep mask from the rng pair).
 
 Used by the public function when autograd would record the call (grad mode on and query, key, value or a float
 attn_mask requiring grad); calls under ``torch.no_grad()``/``inference_mode`` or on tensors that need no grad keep the
@@ -66,7 +66,8 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
     ``cache_key`` (backward_key's): when the call runs a fused backward kernel on the caller's tensors in place, its
     prepared launch is kept under that key for the next call of the same layout (:class:`BackwardEntry`).
     """
-    from . import backward, checks, dropout
+    from . import checks, dispatch, dropout
+    from .paths import backward
 
     torch = sys.modules["torch"]
     p = checks.check_sdpa(query.detach(), key.detach(), value.detach(),
@@ -77,9 +78,10 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
     B, Hq, Hkv, L, S = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k
     E, Ev = p.head_dim, p.head_dim_v
     empty = min(query.numel(), key.numel(), value.numel(), grad_out.numel()) == 0
+    plan = None if empty else dispatch.plan_backward(p, allow_tf32=allow_tf32)
     if cache_key is not None and not empty and not need_mask_grad and not p.copies and out.is_contiguous() \
             and lse.is_contiguous() and grad_out.is_contiguous():
-        launch = backward.prepare(p)
+        launch = backward.prepare(p, plan)
         if launch is not None:
             entry = _BACKWARD_CACHE[cache_key] = BackwardEntry(p.ctx, launch)
             return (*entry(query, key, value, out, lse, grad_out), None)
@@ -98,7 +100,7 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
         v.reshape(shape) for v, shape in zip(views, ((B, Hq, L, Ev), (B, Hq, L), (B, Hq, L, Ev), (B, Hq, L, E),
                                                      (B, Hkv, S, E), (B, Hkv, S, Ev))))
     dm4 = None if dmask_full is None else ctx.as_cupy(dmask_full).reshape(B, Hq, L, S)
-    backward.sdpa_backward(p, o4, lse3, do4, dq4, dk4, dv4, dm4, workspace_bytes=workspace_bytes,
+    backward.sdpa_backward(p, plan, o4, lse3, do4, dq4, dk4, dv4, dm4, workspace_bytes=workspace_bytes,
                            allow_tf32=allow_tf32)
     dmask = None
     if dmask_full is not None:

@@ -2,7 +2,9 @@
 
 ``check_sdpa`` validates kinds, devices, dtypes, shapes, the mask and the flags, and returns an :class:`SDPAProblem`:
 the call normalized to 4-D views (batch, heads, seqlen, head_dim) with the mask broadcast to (batch, Hq, L, S) by
-strides. Every backend reads that one description.
+strides. Every backend reads that one description. :func:`array_problem` makes the same description of 4-D CuPy arrays
+as a kernel takes them (kernel-level calls: tests, benchmarks), :func:`causal_offset` the causal limit every kernel
+applies.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import numpy as np
 
 from ..reference import CAUSAL_ALIGNMENTS
 from ..runtime import interop
+from ..runtime.kernel_abi import MASK_KIND
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 # NumPy dtype objects of FLOAT_DTYPES: a set hit is ~20x cheaper than reading dtype.name on the hot path.
@@ -60,10 +63,41 @@ class SDPAProblem:
         """Query heads per key/value head (1 without GQA)."""
         return self.num_heads // self.num_kv_heads
 
+    @property
+    def causal_offset(self) -> int:
+        """The causal limit's offset: query row i sees keys j ≤ i + causal_offset (:func:`causal_offset`)."""
+        return causal_offset(self.causal, self.seqlen_q, self.seqlen_k)
+
+    @property
+    def visible_offset(self) -> int:
+        """Row i sees keys j ≤ i + visible_offset: causal_offset under a causal mask, S without one (every key), the
+        convention of the kernels that have no is_causal flag (the softmax pass, the backward's row kernels) and of
+        the split path's causal bands."""
+        return self.seqlen_k if self.causal is None else self.causal_offset
+
     def flops(self) -> float:
         """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
         f = 2.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
         return f / 2 if self.causal else f
+
+
+def causal_offset(causal: str | None, seqlen_q: int, seqlen_k: int) -> int:
+    """The offset d of a causal mask, in every kernel's convention: query row i sees keys j ≤ i + d. "top_left"
+    (torch's is_causal): 0; "bottom_right" (the last query row sees every key): S − L; None: 0 (the kernels read
+    is_causal separately).
+
+    >>> causal_offset("top_left", 100, 300), causal_offset("bottom_right", 100, 300), causal_offset(None, 5, 9)
+    (0, 200, 0)
+    """
+    return seqlen_k - seqlen_q if causal == "bottom_right" else 0
+
+
+def check_num_splits(num_splits) -> None:
+    """num_splits must be None (auto) or a positive int (not a bool); ValueError naming it otherwise."""
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
+        raise ValueError(f"num_splits must be None (auto) or a positive int, got {num_splits!r}")
 
 
 def _is_float(dtype: np.dtype) -> bool:
@@ -222,3 +256,47 @@ def _to_gpu_views(p: SDPAProblem) -> None:
             m = ctx.as_cupy(p.mask)
             m = cupy.broadcast_to(m, p.batch_shape + (p.seqlen_q, p.seqlen_k))
             p.mask = _fold_leading(m, "attn_mask", p.copies)
+
+
+def array_problem(q, k, v, out=None, lse=None, *, scale: float, causal: str | None = None, mask=None,
+                  dropout_p: float = 0.0, rng=None, ctx=None, what: str = "attention") -> SDPAProblem:
+    """The problem of a kernel-level call on 4-D CuPy arrays (tests, benchmarks: the public API checks with
+    :func:`check_sdpa`): q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) of one dtype, last axes contiguous,
+    Hq a multiple of Hkv, L and S ≥ 1; out (B, Hq, L, Ev) in q's dtype with a contiguous last axis and lse (B, Hq, L)
+    float32, each None or checked; mask None or a view broadcast to (B, Hq, L, S) (bool, float16, bfloat16,
+    float32); causal None, "top_left" or "bottom_right"; dropout_p > 0 with ``rng``, the call's int64 {seed, offset}
+    array. ``ctx``: the call's context (None: CuPy arrays on the current device and stream). ValueError naming
+    ``what`` otherwise. Which kernel can run it is the plan's question (dispatch)."""
+    B, Hq, L, E = q.shape
+    _, Hkv, S, Ev = v.shape
+    dtype = q.dtype
+    if k.shape != (B, Hkv, S, E) or Hq % Hkv or (out is not None and out.shape != (B, Hq, L, Ev)):
+        raise ValueError(f"{what}: shapes q {q.shape}, k {k.shape}, v {v.shape}"
+                         f"{'' if out is None else f', out {out.shape}'} disagree")
+    arrays = (q, k, v) + (() if out is None else (out,))
+    if any(a.dtype != dtype for a in arrays):
+        raise ValueError(f"{what}: q, k, v and out must share one dtype")
+    if any(a.strides[-1] != a.itemsize for a in arrays):
+        raise ValueError(f"{what}: the last dimension of q, k, v and out must be contiguous")
+    if L < 1 or S < 1:
+        raise ValueError(f"{what}: L and S must be at least 1 (the caller handles empty sequences)")
+    if causal not in (None, "top_left", "bottom_right"):
+        raise ValueError(f"{what}: causal must be None, 'top_left' or 'bottom_right', got {causal!r}")
+    mask_kind = "none"
+    if mask is not None:
+        if mask.shape != (B, Hq, L, S):
+            raise ValueError(f"{what}: mask must be broadcast to {(B, Hq, L, S)}, got {mask.shape}")
+        if interop.dtype_name(mask.dtype) not in MASK_KIND:
+            raise ValueError(f"{what}: mask dtype {mask.dtype} is not bool/float16/bfloat16/float32")
+        mask_kind = "bool" if mask.dtype == np.bool_ else "float"
+    if lse is not None and (lse.shape != (B, Hq, L) or lse.dtype != np.float32):
+        raise ValueError(f"{what}: lse must be float32 {(B, Hq, L)}, got {lse.dtype} {lse.shape}")
+    if dropout_p > 0 and (rng is None or rng.dtype != np.int64 or rng.size != 2):
+        raise ValueError(f"{what}: dropout_p > 0 needs rng, the call's int64 {{seed, offset}} CuPy array")
+    if ctx is None:
+        import cupy
+        ctx = interop.CallContext(interop.CUPY, cupy.cuda.Device().id, cupy.cuda.get_current_stream())
+    return SDPAProblem(ctx=ctx, query=q, key=k, value=v, batch_shape=(B, Hq), batch=B, num_heads=Hq,
+                       num_kv_heads=Hkv, seqlen_q=L, seqlen_k=S, head_dim=E, head_dim_v=Ev, dtype=np.dtype(dtype),
+                       scale=float(scale), causal=causal, mask=mask, mask_kind=mask_kind, dropout_p=float(dropout_p),
+                       rng=rng)

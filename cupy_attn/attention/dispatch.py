@@ -1,61 +1,75 @@
-"""Per-call choice of the attention path: fused kernel, split path (cuBLAS + softmax kernel), or float64 reference.
+"""The plan of a call: every choice of path, kernel, tile, variant and schedule, made once, here.
 
-The decision is a pure function of the checked problem and the device's compute capability, so it can be printed
-(``cupy_attn.explain``) and tested on a machine without a GPU. ``CUPY_ATTN_BACKEND`` (fused | split | reference)
-overrides ``backend="auto"`` for debugging, on GPU calls only: CPU inputs always run the reference.
+A :class:`Plan` is a pure function of the checked problem, the device's compute capability (and SM count) and the
+environment knobs, so it can be printed (``cupy_attn.explain`` prints the plan that runs) and tested on a machine
+without a GPU. The plan holds the chosen kernel module (kernels/<family>.py) and that module's choice, or the split
+path's :class:`~cupy_attn.attention.paths.split.SplitChoice`; ``Plan.prepare(out, lse)`` builds the launch from them
+without deciding anything again. ``CUPY_ATTN_BACKEND`` (fused | split | reference) overrides ``backend="auto"`` for
+debugging, on GPU calls only: CPU inputs always run the reference. :func:`plan_backward` is the backward's plan.
+
+Kernel-level calls on CuPy arrays (tests, benchmarks) go through :func:`fused_launch` and :func:`decode_launch`, which
+apply the same rules.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable
+from typing import Any, Callable
 
 from ..runtime import env
-from . import gemm_3xtf32
-from . import split as _split
+import numpy as np
+
+from ..runtime.interop import device_sms, dtype_name
+from ..runtime.kernel_abi import Layout
+from . import checks
+from .kernels import flash_bwd, flash_bwd_sm90, flash_decode, flash_fwd, flash_fwd_d512_sm90 as d512, \
+    flash_fwd_sm90, gemm_3xtf32, pv_sm90, scores_sm90, softmax
+from .paths import split
 
 ENV_BACKEND = "CUPY_ATTN_BACKEND"
+ENV_FA3 = "CUPY_ATTN_FA3"
+ENV_WORKSPACE_BYTES = "CUPY_ATTN_WORKSPACE_BYTES"
+DEFAULT_WORKSPACE_BYTES = 1 << 30
 _CPU_NAMES = {"numpy": "NumPy", "torch_cpu": "CPU torch"}
 
 
 @dataclasses.dataclass
 class Plan:
-    """What one call will run, and why. ``details`` is computed when read (explain), not on every call."""
+    """What one call will run, and why. ``kernel`` (the module of kernels/ that builds the launch; None on the split
+    and reference paths) and ``choice`` (that module's choice, or the split path's SplitChoice) are what
+    :meth:`prepare` builds; ``details`` describes them (computed when read, by explain(), not on every call)."""
 
     backend: str                       # "fused" | "decode" | "split" | "reference"
     reason: str
     num_splits: int | None = None      # decode: the key splits it launches
     describe: Callable[[], dict] | None = dataclasses.field(default=None, repr=False)
     copies: list = dataclasses.field(default_factory=list)
-    # prepare(out, lse) -> run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr): the launch this plan chose, built on
-    # the checked problem without checking or deciding anything again (None for the reference path).
-    prepare: Callable | None = dataclasses.field(default=None, repr=False)
+    problem: Any = dataclasses.field(default=None, repr=False)
+    kernel: Any = dataclasses.field(default=None, repr=False)
+    choice: Any = None
 
     @property
     def details(self) -> dict:
         return self.describe() if self.describe is not None else {}
+
+    def build(self, out, lse):
+        """The PreparedLaunch of a fused or decode plan for these outputs (the kernel module's build)."""
+        return self.kernel.build(self.problem, self.choice, out, lse)
+
+    def prepare(self, out, lse) -> Callable:
+        """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)``: the plan's launch for the call's outputs, built
+        without checking or deciding anything again, bound to the call's stream (what the call cache replays)."""
+        if self.backend == "split":
+            return split.prepare(self.problem, self.choice, out, lse)
+        if self.kernel is None:
+            raise ValueError("the reference path has no launch")
+        return self.build(out, lse).bind(self.problem.ctx.stream)
 
     def __str__(self) -> str:
         lines = [f"backend: {self.backend}", f"why: {self.reason}"]
         lines += [f"{k}: {v}" for k, v in self.details.items()]
         lines += [f"copy: {c}" for c in self.copies]
         return "\n".join(lines)
-
-
-def _flash_module():
-    try:
-        from . import fused as _flash
-    except ImportError:  # the fused family is not part of this build
-        return None
-    return _flash
-
-
-def fused_unsupported_reason(p, arch: int) -> str | None:
-    """None when the fused kernel can run ``p`` on compute capability ``arch``, else why not."""
-    flash = _flash_module()
-    if flash is None:
-        return "the fused kernel is not available in this build"
-    return flash.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch)
 
 
 def device_arch(p) -> int:
@@ -70,11 +84,9 @@ def prefer_fused(p) -> tuple[bool, str]:
     """Auto rule between the two GPU paths for a call both can run.
 
     The split path's cost is its two GEMMs plus one pass over an L×S fp32 score buffer (12 bytes per score: write fp32,
-    read fp32, write P, read P); the fused kernel moves no scores but runs its GEMMs below cuBLAS's rate. Measured on
-    an H200 (bench/RESULTS.md, 2026-11-21, session 3: sm_90a wgmma kernel, call cache), B=4, H=16, L=S=2048, whole
-    calls fused vs split in ms: fp16 D=64 0.27 vs 0.92, D=128 0.39 vs 0.95, D=256 0.68 vs 1.03; bf16 D=64 0.30 vs
-    0.92, D=128 0.39 vs 0.95, D=256 0.68 vs 1.01. The closest case, D=256, is 1.5x in favour of the fused kernel (the
-    mma.sync kernel alone, the sm_8x path, measured 1.14 vs 1.24 ms in session 2: still 8% ahead), so auto takes it
+    read fp32, write P, read P); the fused kernel moves no scores but runs its GEMMs below cuBLAS's rate. At B=4, H=16,
+    L=S=2048 the fused kernel measured 1.5x (D=256) to 3.4x (D=64) faster than the split path, in fp16 and bf16 (and
+    the mma.sync kernel alone, the sm_8x path, still 8% ahead at D=256; bench/notes/flash.md), so auto takes it
     whenever it supports the call; the split path serves fp32 and head dims above 256.
     """
     return True, "fused kernel supports this call (no L×S score buffer; faster than split at every measured head dim)"
@@ -88,7 +100,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     CUPY_ATTN_BACKEND is ignored for them (it overrides ``backend="auto"`` on GPU calls only). On the GPU, ValueError
     when a forced path cannot run the call. num_splits: the caller's split count for the decode kernel (None: auto);
     num_sms: the device's SM count (looked up when None; tests pass it with a fake arch). ``workspace_bytes`` and
-    ``allow_tf32`` configure the split path's launch (``Plan.prepare``).
+    ``allow_tf32`` configure the split path (:func:`split_choice`).
     """
     copies = list(p.copies)
     if not p.ctx.on_gpu:  # CUPY_ATTN_BACKEND is not read here: it overrides GPU calls only
@@ -105,7 +117,7 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     forced = f"forced by {ENV_BACKEND}" if requested == "auto" and backend != "auto" else "requested"
     if backend == "reference":
         return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
-    fused_why_not = fused_unsupported_reason(p, arch)
+    fused_why_not = flash_fwd.reason(p, arch)
     if p.dropout_p > 0 and num_splits is not None:
         raise ValueError(f"num_splits={num_splits} asks for the decode kernel, which has no dropout (dropout_p="
                          f"{p.dropout_p}): pass num_splits=None")
@@ -120,99 +132,100 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     if backend == "fused":
         if fused_why_not:
             raise ValueError(f"backend='fused' cannot run this call: {fused_why_not}")
-        return _fused_plan(p, arch, f"fused {forced}", copies)
+        return plan_fused(p, arch, f"fused {forced}", copies)
     if backend == "auto" and fused_why_not is None:
         use_fused, why = prefer_fused(p)
         if use_fused:
-            return _fused_plan(p, arch, why, copies)
+            return plan_fused(p, arch, why, copies)
     reason = f"split {forced}" if backend == "split" else f"split path: {fused_why_not}"
     if p.dropout_p > 0:
         reason += f"; dropout_p={p.dropout_p} applied by the softmax kernel (P written dropped and scaled)"
-    return Plan("split", reason, describe=functools.partial(split_details, p, arch, allow_tf32), copies=copies,
-                prepare=functools.partial(_split.prepare, p, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32))
+    choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    return Plan("split", reason, describe=functools.partial(split_details, p, choice), copies=copies, problem=p,
+                choice=choice)
 
 
 def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | None) -> Plan | None:
-    """The head-dim 257-512 fused kernel's plan (fused_d512) when it can run the call and is chosen: by
-    backend="fused", by CUPY_ATTN_D512=1, or under auto by fused_d512.prefer_grid; never with CUPY_ATTN_D512=0."""
-    from . import fused_d512 as _d512
-    setting = _d512.enabled()
-    if setting == "0" or _d512.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch, p.scale):
+    """The head-dim 257-512 fused kernel's plan (kernels/flash_fwd_d512_sm90) when it can run the call and is chosen:
+    by backend="fused", by CUPY_ATTN_D512=1, or under auto by d512.prefer_grid; never with CUPY_ATTN_D512=0."""
+    setting = d512.enabled()
+    if setting == "0" or d512.reason(p, arch):
         return None
     if backend == "fused":
         why = f"fused {forced}: the head-dim-512 kernel"
     elif setting == "1":
-        why = f"{_d512.ENV}=1: the head-dim-512 kernel"
+        why = f"{d512.ENV}=1: the head-dim-512 kernel"
     else:
         if num_sms is None:
-            from ..runtime.interop import device_sms
             num_sms = device_sms(p.ctx.device_id)
-        take, why = _d512.prefer_grid(p.batch, p.num_heads, p.seqlen_q, p.seqlen_k, num_sms)
+        take, why = d512.prefer_grid(p.batch, p.num_heads, p.seqlen_q, p.seqlen_k, num_sms)
         if not take:
             return None
-    if p.query is not None and _d512.layout_reason(p.query, p.key, p.value, None):
+    if p.query is not None and d512.layout_reason(p.query, p.key, p.value, None):
         return None
-    return Plan("fused", why, describe=functools.partial(_d512.details, p), copies=copies,
-                prepare=functools.partial(_d512.prepare_problem, p))
+    choice = d512.Choice()
+    return Plan("fused", why, describe=functools.partial(d512.describe, choice, p), copies=copies, problem=p,
+                kernel=d512, choice=choice)
 
 
 def _decode_plan(p, backend: str, arch: int, num_splits: int | None, num_sms: int | None, copies) -> Plan | None:
     """The decode plan when the split-KV kernel takes this fused-eligible call, else None: under backend="auto" by
-    decode.prefer_decode, or whenever the caller passed num_splits (auto or fused); never with CUPY_ATTN_DECODE=0."""
-    from . import decode as _decode
-    if not _decode.enabled() or (backend == "fused" and num_splits is None):
+    flash_decode.prefer_decode, or whenever the caller passed num_splits (auto or fused); never with
+    CUPY_ATTN_DECODE=0."""
+    if not flash_decode.enabled() or (backend == "fused" and num_splits is None):
         return None
-    if _decode.unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask_kind, arch) is not None:
+    if flash_decode.reason(p, arch) is not None:
         return None
     if num_splits is None:
-        take, why = _decode.prefer_decode(p.seqlen_q, p.seqlen_k, p.groups)
+        take, why = flash_decode.prefer_decode(p.seqlen_q, p.seqlen_k, p.groups)
         if not take:
             return None
     else:
         why = f"num_splits={num_splits} requested"
     if num_sms is None:
-        num_sms = _decode.device_sms(p.ctx.device_id)
-    head_dim = _decode.head_dim_bucket(p.head_dim, p.head_dim_v)
-    S = max(p.seqlen_k, 1)
-    choice = _decode.choose_kernel(head_dim, arch, p.key, p.value, num_sms=num_sms, grid_ctas=_decode.launch_ctas(
-        p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, num_sms, num_splits))
-    n, chunk = _decode.split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, head_dim, arch, num_sms,
-                                  num_splits, choice.tile.block_n)
-    details = {"kernel": choice.family.name, "head-dim bucket": head_dim, "tile": choice.describe(),
+        num_sms = device_sms(p.ctx.device_id)
+    choice = flash_decode.choose(p, arch, num_sms, num_splits)
+    n = choice.num_splits
+    details = {"kernel": choice.family.name, "head-dim bucket": flash_decode.head_dim_bucket(p.head_dim, p.head_dim_v),
+               "tile": choice.describe(),
                "packed rows": f"{p.seqlen_q} query rows x {p.groups} heads per K/V head",
-               "splits": f"{n} of {chunk} keys" + (" (auto)" if num_splits is None else f" ({num_splits} requested)")}
+               "splits": f"{n} of {choice.split_keys} keys" + (" (auto)" if num_splits is None
+                                                                 else f" ({num_splits} requested)")}
     return Plan("decode", f"decode (split-KV, {n} splits): {why}", describe=lambda: details, copies=copies,
-                num_splits=n, prepare=functools.partial(_decode.prepare_problem, p, num_splits, choice))
+                num_splits=n, problem=p, kernel=flash_decode, choice=choice)
 
 
-def _fused_plan(p, arch: int, why: str, copies: list) -> Plan:
-    """The fused plan with its kernel choice (family, tile, instantiated head dim) made once, here."""
-    flash = _flash_module()
+def plan_fused(p, arch: int, why: str = "fused kernel", copies=(), out=None) -> Plan:
+    """The fused plan of a call flash_fwd serves (flash_fwd.reason), its kernel choice made once, here: the
+    FA3-design kernel (flash_fwd_sm90, in :func:`fa3_mode`'s mode) where it can take the call with output ``out``
+    (None: the call's own, contiguous), else flash_fwd's family and tile (flash_fwd.select), its dropout variant for
+    dropout calls."""
+    copies = list(copies)
+    bucket = flash_fwd.head_dim_bucket(p.head_dim, p.head_dim_v)
     if p.dropout_p > 0:  # only the mma.sync kernel has a dropout variant (it runs on Hopper too)
-        choice = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch, dropout=True)
+        choice = flash_fwd.select(p.dtype, bucket, arch, dropout=True)
         extra = {"dropout": f"p={p.dropout_p}: the mma.sync kernel's dropout variant (the FA3-design, wgmma and "
                             "decode kernels have no dropout)"}
         return Plan("fused", why, describe=functools.partial(fused_details, choice, extra), copies=copies,
-                    prepare=functools.partial(flash.prepare_problem, p, choice))
+                    problem=p, kernel=flash_fwd, choice=choice)
     mode = fa3_mode(p, arch)
     if mode is not None and p.mask is None:
-        # out=None: the call's output comes from the allocator, contiguous and aligned.
-        why_not = flash.fa3_reason(p.query, p.key, p.value, None, scale=p.scale, arch=arch)
+        why_not = flash_fwd_sm90.reason(p, arch, out)
         if why_not is None:
-            bucket = _fa3_bucket(p.head_dim, p.head_dim_v)
-            return Plan("fused", why, describe=functools.partial(fa3_details, bucket, mode, p.causal is not None), copies=copies,
-                        prepare=functools.partial(flash.prepare_problem, p, ("fa3", mode)))
+            choice = flash_fwd_sm90.choose(p, mode)
+            return Plan("fused", why, describe=functools.partial(fa3_details, choice), copies=copies, problem=p,
+                        kernel=flash_fwd_sm90, choice=choice)
         fa3 = {"FA3 kernel": f"not used: {why_not}"}
     else:
         fa3 = {}
-    choice = flash.select(p.dtype, flash.head_dim_bucket(p.head_dim, p.head_dim_v), arch)
-    return Plan("fused", why, describe=functools.partial(fused_details, choice, fa3), copies=copies,
-                prepare=functools.partial(flash.prepare_problem, p, choice))
+    choice = flash_fwd.select(p.dtype, bucket, arch)
+    return Plan("fused", why, describe=functools.partial(fused_details, choice, fa3), copies=copies, problem=p,
+                kernel=flash_fwd, choice=choice)
 
 
 # Below this many FLOPs (4·B·H·L·S·D) auto keeps the wgmma kernel for Hopper calls the FA3-design kernel could take:
-# the FA3 launch encodes three TMA tensor maps per call (~12 µs of host time through cuda.bindings, measured on the
-# H200 host), which a small call would pay in full; at 2^34 FLOPs (~30 µs of kernel time) it hides behind the queue.
+# the FA3 launch encodes three TMA tensor maps per call (~12 µs of host time through cuda.bindings), which a small call
+# would pay in full; at 2^34 FLOPs (~30 µs of kernel time) it hides behind the queue.
 FA3_MIN_FLOPS = 2 ** 34
 
 
@@ -221,13 +234,12 @@ def fa3_mode(p, arch: int) -> str | None:
     (flash_fwd.cu) for a call on ``arch``.
 
     CUPY_ATTN_FA3=0 turns it off, 1, 2 or 3 force it for every call it can take; unset (auto), on Hopper for calls of
-    at least FA3_MIN_FLOPS: "3". Measured on an H200 (session 7, bench/experiments/flash_fwd/fa3_fwd.py, fp16, rounds back to
-    back; "3" against "2", 128-row tiles): (8,16,2048,128) 1.017x, (2,16,8192,128) causal 1.018x, (8,16,1024,256)
-    1.019x, (1,16,4096,128) causal 1.163x, (16,16,1024,64) 1.024x, (4,32,4096,64) 0.947x; "2" itself is 1.2-1.9x the
-    wgmma kernel. Non-causal head dim 64 runs the 192-row tile (fused_sm90.tile_for), where "3" measured 0.99x "2" at
-    (4,32,4096,64) and 1.03-1.06x at (8,16,2048,64) and (16,16,1024,64) (session 9, bench/experiments/flash_fwd/m192_ab.py).
+    at least FA3_MIN_FLOPS: "3", which measured 1.02-1.16x "2" at most shapes (0.95x at (4,32,4096,64), where
+    non-causal calls now run the 192-row tile instead: flash_fwd_sm90.tile_for), and "2" 1.2-1.9x the wgmma kernel
+    (bench/experiments/flash_fwd/fa3_fwd.py; bench/notes/flash.md). E.g. (8, 16, 2048, 128) fp16: 2^36 FLOPs → "3";
+    (1, 8, 512, 64): 2^29 → the wgmma kernel.
     """
-    mode = env.get("CUPY_ATTN_FA3")
+    mode = env.get(ENV_FA3)
     if mode in ("1", "2", "3"):
         return mode
     if mode == "0" or arch != 90:
@@ -238,12 +250,11 @@ def fa3_mode(p, arch: int) -> str | None:
     return "3"
 
 
-def fa3_details(head_dim: int, mode: str, causal: bool = False) -> dict:
-    """The FA3-design kernel's configuration (mode "1", "2" or "3", see fa3_mode)."""
-    tile = _fa3_tile(head_dim, mode, causal)
-    variant = "overlap, persistent" if tile.persistent else "overlap" if tile.overlap else "ping-pong"
-    return {"head-dim bucket": head_dim,
-            "kernel": f"flash_fwd_sm90_tma ({variant})",
+def fa3_details(choice: flash_fwd_sm90.Choice) -> dict:
+    """The FA3-design kernel's configuration (flash_fwd_sm90.choose's choice)."""
+    tile = choice.tile
+    return {"head-dim bucket": choice.head_dim,
+            "kernel": f"flash_fwd_sm90_tma ({choice.variant})",
             "tile": f"{tile.block_m}x{tile.block_n}, producer + {tile.block_m // 64} consumer warpgroups, "
                     f"{tile.stages} K/V stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
                     + (", persistent (one CTA per SM)" if tile.persistent else ""),
@@ -251,85 +262,230 @@ def fa3_details(head_dim: int, mode: str, causal: bool = False) -> dict:
                         "of 8 or out's strides or base are not 16-byte aligned)"}
 
 
-def fused_details(choice, extra: dict | None = None) -> dict:
-    """The instantiation the fused kernel will use: (family, tile, head dim) from fused.select."""
+def fused_details(choice: flash_fwd.Choice, extra: dict | None = None) -> dict:
+    """The instantiation the fused kernel will use: (family, tile, head dim) from flash_fwd.select."""
     family, tile, head_dim = choice
     return {**(extra or {}), "head-dim bucket": head_dim, "kernel": family.name,
             "tile": f"{tile.block_m}x{tile.block_n}, {tile.warps} warps, {tile.stages} K/V stage(s)"
                     + (", wgmma" if tile.wgmma else ", mma.sync")}
 
 
-def _fa3_bucket(head_dim: int, head_dim_v: int) -> int:
-    from . import fused_sm90
-    return fused_sm90.head_bucket(head_dim, head_dim_v)
+def fused_launch(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
+                 dropout_p: float = 0.0, rng=None, ctx=None):
+    """The fused kernel's PreparedLaunch for 4-D CuPy arrays (kernel-level calls: tests, benchmarks), the kernel
+    chosen by :func:`plan_fused`'s rules for this out (checks.array_problem's arguments and checks); ValueError when
+    flash_fwd cannot run the call."""
+    p = checks.array_problem(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, dropout_p=dropout_p, rng=rng,
+                             ctx=ctx, what="fused attention")
+    arch = device_arch(p)
+    why_not = flash_fwd.reason(p, arch)
+    if why_not:
+        raise ValueError(f"fused attention: {why_not}")
+    return plan_fused(p, arch, "kernel-level call", out=out).build(out, lse)
 
 
-def _fa3_tile(head_dim: int, mode: str, causal: bool):
-    from . import fused_sm90
-    return fused_sm90.tile_for(mode, head_dim, causal)
+def decode_launch(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
+                  num_splits: int | None = None, variant: str | None = None, warps: int | None = None, ctx=None):
+    """The decode kernel's PreparedLaunch for 4-D CuPy arrays (kernel-level calls), chosen by flash_decode.choose
+    (variant and warps None: the environment's, as the plan's); ``info["choice"]`` says which kernel and tile run.
+    ValueError when the decode kernel cannot run the call."""
+    checks.check_num_splits(num_splits)
+    p = checks.array_problem(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, ctx=ctx,
+                             what="decode attention")
+    arch = device_arch(p)
+    why_not = flash_decode.reason(p, arch)
+    if why_not:
+        raise ValueError(f"decode attention: {why_not}")
+    choice = flash_decode.choose(p, arch, device_sms(p.ctx.device_id), num_splits, variant=variant, warps=warps)
+    return flash_decode.build(p, choice, out, lse)
 
 
-def split_details(p, arch: int | None = None, allow_tf32: bool = False) -> dict:
-    """The split path's schedule as split.prepare will run it: the scores kernel and its P buffer, or the chunking of
-    the fp32 score buffer, and the GEMMs (for fp32: gemm_3xtf32.fp32_gemm's choice under ``allow_tf32``). ``arch``:
-    the plan's compute capability; None: the call's device's."""
-    if arch is None:
-        arch = device_arch(p)
-    gemm_kind = gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch)
-    gemm_name = {None: "cuBLAS", "tf32": "cuBLAS TF32", "sgemm": "cuBLAS SGEMM",
-                 "3xtf32": "3xTF32 (gemm_3xtf32)"}[gemm_kind]
-    ld = -(-p.seqlen_k // 8) * 8
-    per_item = p.seqlen_q * ld * 4
-    budget = _split.workspace_bytes_default()
-    why_not = _split.fused_reason(p, budget, arch)
-    if why_not is None:
-        from . import scores_sm90
-        tile = scores_sm90.tile_for(p.seqlen_k, masked=p.mask is not None)
+# ---------------------------------------------------------------------------------------------------------------------
+# The split path's choice.
+
+def workspace_bytes_default() -> int:
+    """Scores-buffer budget: ``CUPY_ATTN_WORKSPACE_BYTES`` or 1 GiB."""
+    return int(env.get(ENV_WORKSPACE_BYTES, DEFAULT_WORKSPACE_BYTES))
+
+
+def scores_reason(p, arch: int, variant: int, budget: int) -> str | None:
+    """None when the split path runs the Hopper scores kernel (scores_sm90: Q·Kᵀ with the softmax in its epilogue,
+    P written in the input dtype) followed by the P·V GEMM, else why not: ``variant`` (CUPY_ATTN_SPLIT_FUSED,
+    scores_sm90.setting) must not be 0, the kernel must take the call (scores_sm90.reason) and P of one batch's heads
+    (Hq·L·⌈S/8⌉·8 elements) must fit the workspace budget (batches beyond it run in chunks:
+    split.scores_batch_chunk)."""
+    if variant == 0:
+        return f"{scores_sm90.ENV_SPLIT_FUSED}=0"
+    why = scores_sm90.reason(p, arch, variant)
+    if why is not None:
+        return why
+    need = split.p_bytes_per_batch(p)
+    if need > budget:
+        return (f"P of one batch's heads needs {need / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace "
+                "budget")
+    return None
+
+
+def split_choice(p, arch: int, *, workspace_bytes: int | None = None, allow_tf32: bool = False,
+                 out=None) -> split.SplitChoice:
+    """Every choice of the split path for a checked problem on compute capability ``arch``, with output ``out`` (None:
+    the call's own, contiguous): the budget, the fp32 GEMM (gemm_3xtf32.fp32_gemm), the scores kernel
+    (:func:`scores_reason`) in CUPY_ATTN_SPLIT_FUSED's variant, its P·V kernel per chunk of batches
+    (pv_sm90.reason in CUPY_ATTN_SPLIT_PV's mode), the chunks of batches (split.scores_batch_chunk), the causal row
+    bands and their streams (split.causal_row_bands, split.cublas_causal_bands, split.band_streams)."""
+    budget = workspace_bytes or workspace_bytes_default()
+    gemm = gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch)
+    variant = scores_sm90.setting()
+    why_not = scores_reason(p, arch, variant, budget)
+    L, banded = p.seqlen_q, p.causal is not None
+    if why_not is not None:
+        bands = split.cublas_causal_bands(L) if banded else 1
+        return split.SplitChoice(budget, gemm, allow_tf32, scores_why_not=why_not, batch_chunk=p.batch, bands=bands,
+                                 streams=split.band_streams(L, p.seqlen_k, bands, budget) if banded else 1)
+    chunk = split.scores_batch_chunk(p, budget)
+    mode = pv_sm90.setting()
+    pv = []
+    for nb in dict.fromkeys((chunk, p.batch % chunk or chunk)):  # the chunk sizes launched: one, or two
+        sub, sub_out = (p, out) if nb == p.batch else (split.batch_slice(p, nb), None if out is None else out[:nb])
+        if sub_out is None:
+            sub_out = Layout.contiguous((nb, p.num_heads, L, p.head_dim_v), p.dtype)
+        pv.append((nb, pv_sm90.reason(sub, sub_out, mode)))
+    return split.SplitChoice(budget, gemm, allow_tf32, scores=scores_sm90.choose(p, variant), pv=tuple(pv),
+                             batch_chunk=chunk, bands=split.causal_row_bands(L) if banded else 1)
+
+
+def split_details(p, choice: split.SplitChoice) -> dict:
+    """The split path's schedule as the plan's choice runs it: the scores kernel and its P buffer, or the chunking of
+    the fp32 score buffer, and the GEMMs (for fp32: gemm_3xtf32.fp32_gemm's kind)."""
+    budget = choice.budget
+    if choice.scores is not None:
+        tile, variant = choice.scores.tile, choice.scores.variant
         ld_p = -(-p.seqlen_k // 8) * 8
-        variant = scores_sm90.setting()
-        kernel = scores_sm90.MASKED_KERNEL if p.mask is not None else scores_sm90.KERNELS[variant]
-        pv_why = _split.pv_reason(p)
+        pv_why = choice.pv_reason(min(choice.batch_chunk, p.batch))
         pv = "cuBLAS P·V" if pv_why is not None else "pv_sm90 P·V (TMA + wgmma, each row block to its visible keys)"
+        last = dict(choice.pv).get(p.batch % choice.batch_chunk, pv_why)
         return {
-            "schedule": f"{kernel} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → {pv} "
+            "schedule": f"{choice.scores.kernel} (Q·Kᵀ + softmax in the epilogue, TMA + wgmma) → {pv} "
                         f"({scores_sm90.ENV_SPLIT_FUSED}={variant})",
             "scores kernel": f"64 rows x {2 * tile.half_n} keys per CTA, {tile.stages} TMA stages"
                              + {2: ", clusters of 2 CTAs sharing K by TMA multicast",
                                 3: ", persistent: one CTA per SM walks its row blocks"}.get(variant, ""),
-            "P buffer": _p_buffer_detail(p, budget, ld_p),
+            "P buffer": _p_buffer_detail(p, choice, ld_p),
+            **({"last chunk's P·V": "cuBLAS P·V" if last is not None else "pv_sm90 P·V"}
+               if (last is None) != (pv_why is None) else {}),
             **({"attn_mask": f"{p.mask_kind}, varies only along the keys: added in the scores kernel's epilogue "
                              f"({scores_sm90.MASKED_KERNEL})"} if p.mask is not None else {}),
             **({"causal": f"{p.causal}: row blocks past the diagonal skip their wgmma; " + (
                 "P·V by pv_sm90, each 64-row block stopping at its last visible key (rounded up to 64)"
-                if pv_why is None else f"P·V in {_split.causal_row_bands(p.seqlen_q)} cuBLAS row bands, each "
+                if pv_why is None else f"P·V in {choice.bands} cuBLAS row bands, each "
                 f"stopping at its last visible key ({pv_why})")} if p.causal is not None else {}),
         }
+    gemm_name = {None: "cuBLAS", "tf32": "cuBLAS TF32", "sgemm": "cuBLAS SGEMM",
+                 "3xtf32": "3xTF32 (gemm_3xtf32)"}[choice.gemm]
+    ld = -(-p.seqlen_k // 8) * 8
+    per_item = p.seqlen_q * ld * 4
     return {
         "schedule": f"{gemm_name} Q·Kᵀ (fp32 scores) → softmax kernel → {gemm_name} P·V",
-        "GEMMs": gemm_3xtf32.DESCRIPTIONS[gemm_kind],
-        "scores kernel": f"not used: {why_not}",
+        "GEMMs": gemm_3xtf32.DESCRIPTIONS[choice.gemm],
+        "scores kernel": f"not used: {choice.scores_why_not}",
         "scores buffer": f"fp32, {p.seqlen_q}x{p.seqlen_k} (pitch {ld}) per head, {per_item / 2**20:.1f} MiB each",
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
-        "softmax tile": "threads/row, vec4 per thread = %s" % (_split.softmax_tile(
-            p.seqlen_k, p.mask is not None or p.causal is not None or p.dropout_p > 0),),
+        "softmax tile": "threads/row, vec4 per thread = %s" % (softmax.tile_for(p.seqlen_k, softmax.masked(p)),),
     } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {}) \
-      | ({"causal": _cublas_bands_detail(p, budget)} if p.causal is not None else {})
+      | ({"causal": (f"{p.causal}: {choice.bands} row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its "
+                     "last visible key" + (f", on {choice.streams} streams at once" if choice.streams > 1 else ""))}
+         if p.causal is not None else {})
 
 
-def _p_buffer_detail(p, budget: int, ld_p: int) -> str:
-    """The scores kernel's P buffer: all batch·heads in one, or one batch chunk at a time (split.scores_batch_chunk)."""
+def _p_buffer_detail(p, choice: split.SplitChoice, ld_p: int) -> str:
+    """The scores kernel's P buffer: all batch·heads in one, or one batch chunk at a time (choice.batch_chunk)."""
     per_head = f"{p.dtype.name}, {p.seqlen_q}x{p.seqlen_k} (pitch {ld_p}) per head"
-    mib = _split.p_bytes_per_batch(p) / 2**20  # one batch's heads
-    n = _split.scores_batch_chunk(p, budget)
+    mib = split.p_bytes_per_batch(p) / 2**20  # one batch's heads
+    n = choice.batch_chunk
     if n >= p.batch:
         return f"{per_head}, all heads in one buffer of {p.batch * mib:.0f} MiB"
-    return (f"{per_head}; all heads would take {p.batch * mib:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace "
-            f"budget: chunks of {n} batches ({n * mib:.0f} MiB), each one scores launch and its P·V GEMMs")
+    return (f"{per_head}; all heads would take {p.batch * mib:.0f} MiB, over the {choice.budget / 2**20:.0f} MiB "
+            f"workspace budget: chunks of {n} batches ({n * mib:.0f} MiB), each one scores launch and its P·V GEMMs")
 
 
-def _cublas_bands_detail(p, budget: int) -> str:
-    """How a causal call on the cuBLAS split path is banded (split._build_schedule's rule)."""
-    bands = _split.cublas_causal_bands(p.seqlen_q)
-    streams = _split.band_streams(p.seqlen_q, p.seqlen_k, bands, budget)
-    return (f"{p.causal}: {bands} row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its last visible key"
-            + (f", on {streams} streams at once" if streams > 1 else ""))
+# ---------------------------------------------------------------------------------------------------------------------
+# The backward's plan.
+
+# Which backward runs (tests, comparisons): "split" the split backward, "mma" the mma.sync kernel (flash_bwd.cu) where
+# it applies, "sm90" the Hopper wgmma kernel (flash_bwd_sm90.cu) wherever it applies; unset or "auto": plan_backward.
+ENV_BWD = "CUPY_ATTN_BWD"
+_ENV_BWD_VALUES = ("", "auto", "split", "mma", "sm90")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardPlan:
+    """Which backward a call runs: ``kernel`` "sm90" (flash_bwd_sm90.cu), "mma" (flash_bwd.cu) or "split"; ``bucket``
+    the fused kernels' head-dim bucket (None for split); ``reason`` why, for explain-style printing; ``gemm`` the
+    split backward's scores GEMM kind (gemm_3xtf32.fp32_gemm: the forward's, None for fp16/bf16)."""
+    kernel: str
+    bucket: int | None
+    reason: str
+    gemm: str | None = None
+
+    def __str__(self) -> str:
+        bucket = f", head-dim bucket {self.bucket}" if self.bucket else ""
+        return f"backward: {self.kernel}{bucket} ({self.reason})"
+
+
+def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> BackwardPlan:
+    """Choose the backward of a checked problem (checks.SDPAProblem on the GPU; ``arch``: compute capability as an int,
+    read from the call's device when None, so that tests can pass one).
+
+    The split backward serves everything; the mma.sync fused kernel (flash_bwd.cu) fp16/bf16 without attn_mask at head
+    dims ≤ 128 on compute capability ≥ 8.0; the Hopper kernel (flash_bwd_sm90.cu) fp16/bf16 without attn_mask or
+    dropout at head dims ≤ 256 on 9.0 for layouts TMA reads in place (flash_bwd_sm90.reason). ``CUPY_ATTN_BWD``:
+    "split", "mma" (never sm90), "sm90" (sm90 wherever it applies); unset or "auto": sm90 wherever it applies, at any
+    size (it measured as fast as the mma.sync kernel or faster down to (1, 8, 256, 64); bench/notes/backward.md), else
+    mma at head dims ≤ 128 and split above. ValueError for another value of the variable. The split backward's scores
+    GEMM is the forward's kind (gemm_3xtf32.fp32_gemm under ``allow_tf32``).
+    Example: (8, 16, 1024, 256) fp16 on an H100 plans sm90 with bucket 256; under CUPY_ATTN_BWD=mma it plans split;
+    E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
+    """
+    plan = _backward_kernel(p, arch)
+    if plan.kernel == "split" and p.dtype == np.float32:  # the scores GEMM's kind (None for fp16/bf16: cuBLAS)
+        arch = device_arch(p) if arch is None else arch
+        plan = dataclasses.replace(plan, gemm=gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch))
+    return plan
+
+
+def _backward_kernel(p, arch: int | None) -> BackwardPlan:
+    setting = env.get(ENV_BWD, "")
+    if setting not in _ENV_BWD_VALUES:
+        raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
+    if setting == "split":
+        return BackwardPlan("split", None, f"forced by {ENV_BWD}=split")
+    if p.mask is not None:
+        return BackwardPlan("split", None, "attn_mask: the fused backward kernels have no mask input")
+    if dtype_name(p.dtype) not in ("float16", "bfloat16"):
+        return BackwardPlan("split", None, f"dtype {dtype_name(p.dtype)}: the fused backward serves fp16 and bf16")
+    bucket = flash_bwd.head_dim_bucket(p.head_dim, p.head_dim_v)  # the mma.sync kernel's, None above 128
+    top = max(flash_bwd_sm90.TILES)
+    if max(p.head_dim, p.head_dim_v) > top:
+        return BackwardPlan("split", None, f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the fused backward kernels "
+                                           f"serve head dims up to {top}")
+    if arch is None:
+        arch = device_arch(p)
+    if arch < 80:
+        return BackwardPlan("split", None, f"sm_{arch}: the fused backward needs sm_80 (mma.sync, cp.async)")
+    no_mma = f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the mma.sync kernel serves head dims up to " \
+             f"{max(flash_bwd.TILES)}"
+    if setting == "mma":
+        return (BackwardPlan("mma", bucket, f"mma.sync kernel forced by {ENV_BWD}=mma") if bucket else
+                BackwardPlan("split", None, f"{ENV_BWD}=mma and {no_mma}"))
+    if p.dropout_p > 0:
+        return (BackwardPlan("mma", bucket, "mma.sync kernel: dropout (the Hopper kernel has no dropout variant)")
+                if bucket else BackwardPlan("split", None, f"dropout (the Hopper kernel has none) and {no_mma}"))
+    why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
+    if why_not is None:
+        sm90_bucket = flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v)
+        if setting == "sm90":
+            return BackwardPlan("sm90", sm90_bucket, f"Hopper wgmma kernel forced by {ENV_BWD}=sm90")
+        return BackwardPlan("sm90", sm90_bucket, "Hopper wgmma kernel (TMA, warp-specialized, FlashAttention-3 design)")
+    if bucket is None:
+        return BackwardPlan("split", None, f"{no_mma}; Hopper kernel not used: {why_not}")
+    return BackwardPlan("mma", bucket, f"mma.sync kernel; Hopper kernel not used: {why_not}")

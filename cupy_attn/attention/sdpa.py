@@ -1,6 +1,7 @@
 """scaled_dot_product_attention and explain: the attention call path.
 
-    interop (context_for) -> checks.check_sdpa -> dispatch.plan_sdpa -> fused.prepare / split.schedule -> launch -> wrap
+    interop (context_for) -> checks.check_sdpa -> dispatch.plan_sdpa -> Plan.prepare (kernels/, paths/) -> launch
+    -> wrap
 
 A repeated call with the same layout, flags and stream skips everything before the launch (runtime.callcache).
 """
@@ -10,7 +11,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import autograd, checks, decode, dispatch, dropout
+from . import autograd, checks, dispatch, dropout
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -86,7 +87,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes, generator)
-    decode.check_num_splits(num_splits)  # before the cache key, which must hash it
+    checks.check_num_splits(num_splits)  # before the cache key, which must hash it
     if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
         if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0 and query.is_cuda:
             # No rng pair to draw and no CPU reference: the forward inside the Function checks the call (its call
@@ -172,7 +173,7 @@ def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, works
         return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
                                             backend=backend, return_lse=True, workspace_bytes=workspace_bytes,
                                             allow_tf32=allow_tf32, num_splits=num_splits)
-    decode.check_num_splits(num_splits)
+    checks.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
     p.rng = dropout.as_array(p.ctx, rng)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, None, None)
@@ -205,7 +206,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     (for float32: the 3xTF32 tensor-core GEMM, cuBLAS SGEMM under CUPY_ATTN_FP32_GEMM=sgemm, or TF32 with
     ``allow_tf32``).
     """
-    decode.check_num_splits(num_splits)
+    checks.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 

@@ -38,12 +38,14 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
-# Modules that declare kernel families; the compile check imports them all so that none is forgotten.
-FAMILY_MODULES = ("cupy_attn.attention.split", "cupy_attn.attention.fused", "cupy_attn.attention.fused_sm90",
-                  "cupy_attn.attention.backward", "cupy_attn.attention.backward_sm90", "cupy_attn.attention.decode",
-                  "cupy_attn.attention.scores_sm90", "cupy_attn.attention.pv_sm90", "cupy_attn.attention.fused_d512",
-                  "cupy_attn.attention.gemm_3xtf32", "cupy_attn.linear_bn_softmax.launch",
-                  "cupy_attn.linear_bn_softmax.backward")
+from . import env
+
+# Modules that declare kernel families; the compile check imports them all so that none is forgotten (tests/
+# test_compile.py checks that every module of cupy_attn/attention/kernels/ is listed).
+FAMILY_MODULES = tuple(f"cupy_attn.attention.kernels.{stem}" for stem in (
+    "softmax", "flash_fwd", "flash_fwd_sm90", "bwd_rows", "flash_bwd", "flash_bwd_sm90", "flash_decode", "scores_sm90",
+    "pv_sm90", "flash_fwd_d512_sm90", "gemm_3xtf32")) + ("cupy_attn.linear_bn_softmax.launch",
+                                                          "cupy_attn.linear_bn_softmax.backward")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.
 DEFAULT_ARCHS = ("sm_80", "sm_90")
@@ -68,14 +70,14 @@ def cache_dir() -> Path:
 
     Read on every call (not memoized), so a test or a benchmark can point it at a temporary directory.
     """
-    if d := os.environ.get(ENV_CACHE_DIR):
+    if d := env.get(ENV_CACHE_DIR):
         return Path(d)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "cupy_attn"
 
 
 def cache_dir_origin() -> str:
     """What chose :func:`cache_dir`: ``"$CUPY_ATTN_CACHE_DIR"``, ``"$XDG_CACHE_HOME"`` or ``"the default"``."""
-    if os.environ.get(ENV_CACHE_DIR):
+    if env.get(ENV_CACHE_DIR):
         return f"${ENV_CACHE_DIR}"
     return "$XDG_CACHE_HOME" if os.environ.get("XDG_CACHE_HOME") else "the default"
 
@@ -738,10 +740,10 @@ def timed_load(family: KernelFamily, row: Mapping[str, Any], device_id: int | No
     Cold, then warm, for a variant nothing has compiled yet::
 
         import tempfile, os; os.environ["CUPY_ATTN_CACHE_DIR"] = tempfile.mkdtemp()
-        from cupy_attn.attention import fused
-        row = next(fused.FLASH_FWD.variants())
-        timed_load(fused.FLASH_FWD, row)   # (~1 s, 'compiled')
-        timed_load(fused.FLASH_FWD, row)   # (~ms, 'cache')
+        from cupy_attn.attention.kernels import flash_fwd
+        row = next(flash_fwd.FLASH_FWD.variants())
+        timed_load(flash_fwd.FLASH_FWD, row)   # (~1 s, 'compiled')
+        timed_load(flash_fwd.FLASH_FWD, row)   # (~ms, 'cache')
     """
     import cupy
 

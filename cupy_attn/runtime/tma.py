@@ -10,7 +10,8 @@ Every Hopper launcher (forward, head-dim 512, scores, P·V, decode, backward) bu
 - :class:`TensorMaps` keeps the maps of the last base addresses, so a launch replayed on the same arrays encodes
   nothing (~4 µs a map otherwise); runtime.launch's tensor-map slots write them into a launch's parameter bytes.
 - :func:`tma_operand_reason`, :func:`out_16b_reason`, :func:`o_tma_reason`: whether TMA (or 16-byte stores) can
-  read or write an array in place, and if not, why (the launchers' layout checks and explain()).
+  read or write an array in place, and if not, why (the launchers' layout checks and explain()); :func:`bindings_reason`
+  whether cuda-bindings is there to encode maps at all (:func:`exp2_tma_reason`: and scale > 0).
 
 TMA requires a 16-byte aligned base and strides that are positive multiples of 16 bytes below 2^40.
 """
@@ -42,6 +43,23 @@ def c_struct(fields) -> np.dtype:
         align = max(align, a)
     return np.dtype({"names": [f[0] for f in fields], "formats": [f[1] for f in fields], "offsets": offsets,
                      "itemsize": -(-off // align) * align})
+
+
+def bindings_reason() -> str | None:
+    """None when cuda-bindings imports (cuTensorMapEncodeTiled, which every tensor map needs), else why not."""
+    try:
+        from cuda.bindings import driver  # noqa: F401
+    except ImportError:
+        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+    return None
+
+
+def exp2_tma_reason(kernel: str, scale: float) -> str | None:
+    """What the Hopper kernels that fold the scale into exp2 and read by TMA ask of every call: scale > 0 and
+    cuda-bindings (:func:`bindings_reason`); None, or why not, naming ``kernel``."""
+    if not scale > 0:
+        return f"scale {scale}: {kernel} folds the scale into exp2 and needs scale > 0"
+    return bindings_reason()
 
 
 def tma_operand_reason(name: str, a) -> str | None:

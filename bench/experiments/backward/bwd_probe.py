@@ -13,7 +13,9 @@ import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
 from common import median_ms  # noqa: E402
-from cupy_attn.attention import backward, checks  # noqa: E402
+from cupy_attn.attention import checks, dispatch  # noqa: E402
+from cupy_attn.attention.kernels import flash_bwd as backward  # noqa: E402  (FLASH_BWD, TILES, FlashBackward)
+from cupy_attn.attention.paths import backward as paths_backward  # noqa: E402
 
 
 def variant(name, edit):
@@ -43,13 +45,13 @@ def main():
         flops = 2.5 * 4.0 * B * H * L * L * D
         print(f"({B},{H},{L},{D}) fp16: forward {fwd:.3f} ms", flush=True)
         for name, fam in variants.items():
-            saved, saved_tile = backward.FLASH_BWD, backward.FLASH_BWD_TILES[D]
+            saved, saved_tile = backward.FLASH_BWD, backward.TILES[D]
             backward.FLASH_BWD = fam
             try:
-                for tile in backward.FLASH_BWD_TILE_CHOICES:
-                    backward.FLASH_BWD_TILES[D] = tile
+                for tile in backward.TILE_CHOICES:
+                    backward.TILES[D] = tile
                     launch = backward.FlashBackward(p, D)
-                    fn = lambda: backward._run_fused(launch, p, *views)  # noqa: E731
+                    fn = lambda: paths_backward._run_fused(launch, p, *views)  # noqa: E731
                     ms = median_ms(fn, n_repeat=10)
                     print(f"  fused backward {name:14s} {tile} {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s",
                           flush=True)
@@ -57,9 +59,9 @@ def main():
                 print(f"  {name}: {type(exc).__name__}: {exc}", flush=True)
             finally:
                 backward.FLASH_BWD = saved
-                backward.FLASH_BWD_TILES[D] = saved_tile
+                backward.TILES[D] = saved_tile
         os.environ["CUPY_ATTN_BWD"] = "split"
-        ms = median_ms(lambda: backward.sdpa_backward(p, *views), n_repeat=5)
+        ms = median_ms(lambda: paths_backward.sdpa_backward(p, dispatch.plan_backward(p), *views), n_repeat=5)
         del os.environ["CUPY_ATTN_BWD"]
         print(f"  split backward        {ms:7.3f} ms  {flops / ms / 1e9:5.0f} TFLOP/s", flush=True)
 

@@ -38,7 +38,8 @@ def run_case(shape, causal, dtype_name, n_repeat):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cupy_attn
-    from cupy_attn.attention import backward, checks
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.paths import backward
 
     B, H, L, D = shape
     tdt = getattr(torch, dtype_name)
@@ -53,18 +54,18 @@ def run_case(shape, causal, dtype_name, n_repeat):
     grads = {}
     ms = {}
     for mode in ("sm90", base):
-        os.environ[backward.ENV_BWD] = mode
-        plan = backward.plan_backward(p)
+        os.environ[dispatch.ENV_BWD] = mode
+        plan = dispatch.plan_backward(p)
         if plan.kernel != mode:
             raise RuntimeError(f"CUPY_ATTN_BWD={mode} planned {plan}")
         gq, gk, gv = (torch.full_like(x, float("nan")) for x in (q, k, v))
         views = [p.ctx.as_cupy(t) for t in (out, lse, dout, gq, gk, gv)]
-        run = lambda: backward.sdpa_backward(p, *views)  # noqa: E731
+        run = lambda: backward.sdpa_backward(p, plan, *views)  # noqa: E731
         run()
         wait_or_die(f"first {mode} backward {dtype_name} {shape} causal={causal}")
         grads[mode] = (gq, gk, gv)
         ms[mode] = median_ms(run, n_repeat)
-    del os.environ[backward.ENV_BWD]
+    del os.environ[dispatch.ENV_BWD]
     ms["ours fwd"] = median_ms(lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal), n_repeat)
 
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):

@@ -1,5 +1,5 @@
 """The cost of attention dropout: forward and forward + backward with dropout_p = 0 and 0.1, ours (fused and split
-paths) and torch's SDPA (its default backend), fp16, at the shapes of bench_flash.
+paths) and torch's SDPA (its default backend), fp16, at the shapes of bench_flash_fwd.
 
     PYTHONPATH=. python3 bench/experiments/backward/dropout.py
 """

@@ -18,7 +18,7 @@ os.environ["CUPY_ATTN_CACHE_DIR"] = tempfile.mkdtemp(prefix="cupy_attn_cache_")
 
 import cupy  # noqa: E402
 
-from cupy_attn.attention import fused  # noqa: E402
+from cupy_attn.attention.kernels import flash_fwd as fused  # noqa: E402
 from cupy_attn.runtime import compile as _compile  # noqa: E402
 
 

@@ -39,7 +39,8 @@ def main():
     import torch.nn.functional as F
 
     import cupy_attn
-    from cupy_attn.attention import fused_d512
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as fused_d512
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="4,16,2048,2048,512")
     ap.add_argument("--dtype", default="float16")
@@ -50,7 +51,8 @@ def main():
     cq, ck, cv = (cupy.from_dlpack(x) for x in (q, k, v))
     out = cupy.empty((B, H, L, D), cq.dtype)
     lse = cupy.empty((B, H, L), cupy.float32)
-    launch = fused_d512.prepare(cq, ck, cv, out, lse, scale=D ** -0.5, causal=None)
+    prob = checks.array_problem(cq, ck, cv, out, lse, scale=D ** -0.5)
+    launch = fused_d512.build(prob, fused_d512.Choice(), out, lse)
 
     def bare():
         launch.launch_on(cupy.cuda.get_current_stream().ptr, cq.data.ptr, ck.data.ptr, cv.data.ptr, out.data.ptr,

@@ -23,7 +23,7 @@ def main():
     import torch.nn.functional as F
 
     import cupy_attn
-    from cupy_attn.attention import decode
+    from cupy_attn.attention.kernels import flash_decode as decode
     from cupy_attn.runtime import callcache
     print(cupy.cuda.runtime.getDeviceProperties(0)["name"].decode(), flush=True)
     print(f"{'(B, Hq/Hkv, S)':22s} {'splits':>6s} {'dev plain':>10s} {'dev PDL':>8s} {'idle plain':>11s} "

@@ -16,9 +16,10 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-sys.path.insert(0, os.path.join(ROOT, "tests"))  # test_flash_sm90._cuobjdump; cupy_attn from PYTHONPATH
+sys.path.insert(0, os.path.join(ROOT, "tests", "_helpers"))  # the tests' helpers
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # test_flash_fwd_sm90._cuobjdump; cupy_attn from PYTHONPATH
 
-from cupy_attn.attention import decode as _decode  # noqa: E402
+from cupy_attn.attention.kernels import flash_decode as _decode  # noqa: E402
 from cupy_attn.runtime import compile as _compile  # noqa: E402
 
 
@@ -66,9 +67,9 @@ def loop_paths(sass: str) -> dict:
 
 
 def main():
-    from test_flash_sm90 import _cuobjdump
+    from test_flash_fwd_sm90 import _cuobjdump
     arch = sys.argv[1] if len(sys.argv) > 1 else "sm_90"
-    tiles = [(d, t) for (d, a), t in (*_decode.DECODE_TILES.items(), *_decode.WIDE_TILES.items()) if a == 9]
+    tiles = [(d, t) for (d, a), t in (*_decode.TILES.items(), *_decode.WIDE_TILES.items()) if a == 9]
     names = [_decode.FLASH_DECODE.name_expression(dtype="__nv_bfloat16", head_dim=d, tile=t, has_mask="false")
              for d, t in tiles]
     family = _decode.FLASH_DECODE

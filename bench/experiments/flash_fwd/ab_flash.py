@@ -13,7 +13,8 @@ import cupy
 import numpy as np
 from cupyx.profiler import benchmark
 
-from cupy_attn.attention import fused as _flash
+from cupy_attn.attention import checks
+from cupy_attn.attention.kernels import flash_fwd as _flash
 
 CASES = (("d128", (8, 16, 2048, 128), None), ("d128 causal", (2, 16, 8192, 128), "top_left"),
          ("d256", (8, 16, 1024, 256), None), ("d64", (4, 32, 4096, 64), None))
@@ -29,10 +30,9 @@ def main(rounds: int = 3):
         launches, outs = {}, {}
         for label, source in (("new", "flash_fwd.cu"), ("old", old_src)):
             fam = dataclasses.replace(_flash.FLASH_FWD_SM90A, source=source)
-            kern = fam.kernel(dtype="__half", head_dim=D, tile=tile, has_mask="false")
             out = cupy.full((B, H, L, D), np.nan, dtype=cupy.float16)
-            launch = _flash.build_launch(kern, tile, D, q, k, v, out, None, scale=D ** -0.5, causal=causal,
-                                         mask=None)
+            prob = checks.array_problem(q, k, v, out, scale=D ** -0.5, causal=causal)
+            launch = _flash.build(prob, _flash.Choice(fam, tile, D), out, None)
             launches[label] = lambda launch=launch, out=out: launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr)
             outs[label] = out
         times = {label: [] for label in launches}

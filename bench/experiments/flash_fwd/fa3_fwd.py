@@ -23,9 +23,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
 from common import case_main, fa3_case_inputs, rotated_rounds, wait_or_die  # noqa: E402
-from cupy_attn.attention import fused as _flash  # noqa: E402
-from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
-from cupy_attn.runtime.kernel_abi import C_TYPE_16  # noqa: E402
+from cupy_attn.attention import checks  # noqa: E402
+from cupy_attn.attention.kernels import flash_fwd as _flash  # noqa: E402
+from cupy_attn.attention.kernels import flash_fwd_sm90 as _sm90  # noqa: E402
 
 # The session-5 cases, plus a causal call whose 512 tiles the one-tile launch's hardware order balances worst (1.27x
 # the ideal makespan, 1.03x for the persistent pairs: bench/experiments/flash_fwd/tile_order_sim.py) and a call of many short
@@ -45,17 +45,15 @@ def run_case(shape, causal, dtype_name, n_repeat):
 
     B, H, L, D = shape
     (q, k, v), (cq, ck, cv), scale, outs, ptrs = fa3_case_inputs(shape, dtype_name, [*VARIANTS, "wgmma"])
-    launches = {name: _sm90.prepare(cq, ck, cv, outs[name], None, scale=scale, causal=causal, mode=mode)
+    probs = {name: checks.array_problem(cq, ck, cv, outs[name], scale=scale, causal=causal) for name in outs}
+    launches = {name: _sm90.build(probs[name], _sm90.choose(probs[name], mode), outs[name], None)
                 for name, mode in VARIANTS.items()}
     runs = {}
     for name, launch in launches.items():
         runs[name] = lambda launch=launch, out=outs[name]: launch(*ptrs, out.data.ptr)
         runs[name]()
         wait_or_die(f"first {name} launch {dtype_name} {shape} causal={causal} (grid {launch.grid})")
-    family, tile, head_dim = _flash.select(cq.dtype, D, 90)
-    kern = family.kernel(dtype=C_TYPE_16[dtype_name], head_dim=head_dim, tile=tile, has_mask="false")
-    old = _flash.build_launch(kern, tile, head_dim, cq, ck, cv, outs["wgmma"], None, scale=scale, causal=causal,
-                              mask=None)
+    old = _flash.build(probs["wgmma"], _flash.select(cq.dtype, D, 90), outs["wgmma"], None)
     runs["wgmma"] = lambda: old(*ptrs, outs["wgmma"].data.ptr)
     runs["torch"] = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal is not None,
                                                                               scale=scale)

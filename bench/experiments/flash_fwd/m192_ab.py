@@ -21,7 +21,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # bench/: common
 
 from common import case_main, environ, fa3_case_inputs, rotated_rounds, wait_or_die  # noqa: E402
-from cupy_attn.attention import fused_sm90 as _sm90  # noqa: E402
+from cupy_attn.attention import checks  # noqa: E402
+from cupy_attn.attention.kernels import flash_fwd_sm90 as _sm90  # noqa: E402
 
 # Issue 10's case (0.94x cuDNN with the 128-row tile), a short-sequence one, and a causal one; each causal and not.
 SHAPES = ((4, 32, 4096, 64), (16, 16, 1024, 64), (8, 16, 2048, 64))
@@ -33,9 +34,10 @@ def flops(B, H, L, S, D, causal) -> float:
 
 
 def prepare(cq, ck, cv, out, *, scale, causal, mode, m192):
-    """fused_sm90.prepare with CUPY_ATTN_FA3_M192 set to m192 for the call (the tile is chosen there)."""
+    """flash_fwd_sm90.build with CUPY_ATTN_FA3_M192 set to m192 for the choice (flash_fwd_sm90.choose: the tile)."""
     with environ(**{_sm90.ENV_M192: m192}):
-        return _sm90.prepare(cq, ck, cv, out, None, scale=scale, causal=causal, mode=mode)
+        prob = checks.array_problem(cq, ck, cv, out, scale=scale, causal=causal)
+        return _sm90.build(prob, _sm90.choose(prob, mode), out, None)
 
 
 def run_case(shape, causal, dtype_name, n_repeat):

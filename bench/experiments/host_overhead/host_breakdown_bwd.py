@@ -12,7 +12,8 @@ import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
 from common import device_ms, host_us, median_ms  # noqa: E402
-from cupy_attn.attention import autograd, backward, checks  # noqa: E402
+from cupy_attn.attention import autograd, checks, dispatch  # noqa: E402
+from cupy_attn.attention.paths import backward  # noqa: E402
 
 
 def main(B=8, H=16, L=1024, D=256):
@@ -26,10 +27,10 @@ def main(B=8, H=16, L=1024, D=256):
 
     out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, return_lse=True)
     p = checks.check_sdpa(qd, kd, vd, None, 0.0, False, None, False, "auto")
-    plan = backward.plan_backward(p)
+    plan = dispatch.plan_backward(p)
     ctx = p.ctx
     grads = [torch.empty_like(t) for t in (qd, kd, vd)]
-    launch = backward.prepare(p)
+    launch = backward.prepare(p, plan)
 
     class Identity(torch.autograd.Function):
         @staticmethod
@@ -48,10 +49,10 @@ def main(B=8, H=16, L=1024, D=256):
         "grad_inputs (the backward body)": lambda: autograd.grad_inputs(
             q, k, v, None, out, lse, dout, is_causal=False, scale=None, enable_gqa=False, need_mask_grad=False),
         "check_sdpa": lambda: checks.check_sdpa(qd, kd, vd, None, 0.0, False, None, False, "auto"),
-        "plan_backward": lambda: backward.plan_backward(p),
+        "plan_backward": lambda: dispatch.plan_backward(p),
         "3 x empty_like": lambda: [torch.empty_like(t) for t in (qd, kd, vd)],
         "6 x as_cupy": lambda: [ctx.as_cupy(t) for t in (out, lse, dout, *grads)],
-        "backward.prepare (a new layout's launch)": lambda: backward.prepare(p),
+        "backward.prepare (a new layout's launch)": lambda: backward.prepare(p, plan),
         "prepared backward launch (pointers)": lambda: launch(
             *(t.data_ptr() for t in (qd, kd, vd, out, lse, dout, *grads))),
     }

@@ -1,7 +1,7 @@
 """Where the host time of a fused SDPA call goes (torch inputs, public API vs the kernel's launcher).
 
 Prints, for one shape: the call timed from an idle GPU (cupyx.profiler.benchmark) through the public API and through
-_flash.flash_forward, the host µs of each step (median, GPU synchronized between calls), and the top of a cProfile.
+dispatch.fused_launch, the host µs of each step (median, GPU synchronized between calls), and the top of a cProfile.
 
     PYTHONPATH=. python3 bench/experiments/host_overhead/host_fused.py [B H L D]
 """
@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from cupyx.profiler import benchmark  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from cupy_attn.attention import checks as _checks, dispatch as _dispatch, fused as _flash  # noqa: E402
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch  # noqa: E402
 from common import host_us, print_profile  # noqa: E402
 
 
@@ -27,7 +27,8 @@ def main():
     p = _checks.check_sdpa(q, k, v, None, 0.0, False, None, False, "auto")
     with p.ctx.activate():
         _, out = p.ctx.empty((B, H, L, D), p.dtype)
-    direct = lambda: _flash.flash_forward(p.query, p.key, p.value, out, None, scale=p.scale)  # noqa: E731
+    ptrs = (p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr)
+    direct = lambda: _dispatch.fused_launch(p.query, p.key, p.value, out, None, scale=p.scale)(*ptrs)  # noqa: E731
     direct()
     tc = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v)  # noqa: E731
     for name, fn in (("public API", api), ("flash_forward", direct), ("torch default", tc)):

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 import cupy_attn
-from cupy_attn.attention import checks as _checks, dispatch as _dispatch, split as _split
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch
+from cupy_attn.attention.paths import split as _split
 from cupy_attn.runtime import blas as _cublas, interop as _interop
 
 
@@ -54,7 +55,7 @@ def main():
             "activate (enter+exit)": lambda: _enter_exit(ctx),
             "ctx.empty": lambda: ctx.empty(shape, p.dtype),
             "gemm1 enqueue": lambda: gemm1(scores.data_ptr(), q.data_ptr(), k.data_ptr()),
-            "split_forward": lambda: _split.split_forward(p, out),
+            "split_forward": lambda: _split.split_forward(p, _dispatch.split_choice(p, _dispatch.device_arch(p)), out),
             "whole call": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, backend="split"),
         }
         print(f"shape {shape}:", flush=True)

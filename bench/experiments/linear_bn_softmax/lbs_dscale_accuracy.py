@@ -17,6 +17,7 @@ import zlib
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.path.join(ROOT, "tests", "_helpers"))  # the tests' helpers
 sys.path.insert(0, os.path.join(ROOT, "tests"))  # test_linear_bn_softmax; cupy_attn from PYTHONPATH
 
 import ml_dtypes  # noqa: E402

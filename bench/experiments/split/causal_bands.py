@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from cupy_attn.attention import split  # noqa: E402
+from cupy_attn.attention.paths import split  # noqa: E402
 from cupy_attn.runtime import callcache  # noqa: E402
 from common import median_ms  # noqa: E402
 

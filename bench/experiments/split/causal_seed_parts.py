@@ -23,7 +23,8 @@ def main():
     import torch
 
     import cupy_attn
-    from cupy_attn.attention import scores_sm90
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import scores_sm90
     B, H, L, D = 32, 32, 512, 1024
     dt = torch.float16
     q, k, v = (torch.randn(B, H, L, D, device="cuda", dtype=dt) for _ in range(3))
@@ -31,12 +32,13 @@ def main():
     p = torch.empty(B, H, L, L, device="cuda", dtype=dt)
     lse = cupy.empty((B, H, L), cupy.float32)
     scale = D ** -0.5
-    launches = {c: scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3, causal=c)
-                for c in (None, "top_left")}
+    def prepare(causal, p_read=None):
+        prob = checks.array_problem(cq, ck, ck, None, lse, scale=scale, causal=causal)
+        return scores_sm90.build(prob, scores_sm90.choose(prob, 3), lse, ld=L, p_read=p_read)
+    launches = {c: prepare(c) for c in (None, "top_left")}
 
     # The launch the public call makes: P's zeros past the first P·V band's keys (rows < L/2) left unwritten.
-    launches["top_left, band reads"] = scores_sm90.prepare(cq, ck, lse, scale=scale, ld=L, variant=3,
-                                                           causal="top_left", p_read=(L // 2, L // 2))
+    launches["top_left, band reads"] = prepare("top_left", p_read=(L // 2, L // 2))
     # The causal launch without its pair tiles (scores_sm90.causal_pairs): one tile per row block, as before them.
     base = launches["top_left"]
     unpaired = base.params.copy()

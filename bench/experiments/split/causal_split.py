@@ -25,7 +25,7 @@ def main():
     args = ap.parse_args()
     forced = os.environ.get("CAUSAL_BANDS")
     if forced:
-        from cupy_attn.attention import split
+        from cupy_attn.attention.paths import split
         split.causal_row_bands = lambda L: int(forced)
     F = torch.nn.functional
     cases = (((32, 32, 512, 512, 1024), torch.float16), ((32, 32, 512, 512, 1024), torch.bfloat16),

@@ -11,7 +11,7 @@ import cupy
 import numpy as np
 from cupyx.profiler import benchmark
 
-from cupy_attn.attention import split as _split
+from cupy_attn.attention.kernels import softmax as _split  # the softmax pass: SOFTMAX, PARAMS
 from cupy_attn.runtime import compile as _compile
 from cupy_attn.runtime.launch import launch_struct
 
@@ -52,7 +52,7 @@ def masked_tiles(rows, L, S, scores, rounds=3):
     """kMasked = true instances (key-padding bool mask, then causal) for the tiles that cover S = 512."""
     mask = cupy.random.random((rows // L, S)) > 0.1           # one key-padding row per (batch, head)
     for kind, tiles in (("keypad", ((32, 4), (64, 2))), ("causal", ((32, 4), (64, 2)))):
-        prm = np.zeros((), dtype=_split._PARAMS)
+        prm = np.zeros((), dtype=_split.PARAMS)
         prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
         prm["n1"], prm["n2"] = 1, 1
         if kind == "keypad":
@@ -77,7 +77,7 @@ def main():
     n, L, S = 1024, 512, 512
     rows = n * L
     scores = cupy.empty((rows, S), dtype=cupy.float32)
-    prm = np.zeros((), dtype=_split._PARAMS)
+    prm = np.zeros((), dtype=_split.PARAMS)
     prm["scores"], prm["rows"], prm["rows_per_batch"], prm["seqlen_k"], prm["ld"] = scores.data.ptr, rows, L, S, S
     prm["causal_offset"], prm["n1"], prm["n2"] = S, 1, 1
     kernels = {name: kernel(*v) for name, v in VARIANTS.items()}

@@ -22,7 +22,9 @@ def main():
     import torch
 
     import cupy_attn
-    from cupy_attn.attention import pv_sm90, split
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import pv_sm90
+    from cupy_attn.attention.paths import split
     from common import rotated_ms
 
     ap = argparse.ArgumentParser()
@@ -58,8 +60,8 @@ def main():
             P = torch.rand(B, H, L, ld, device="cuda").tril(diagonal=0).to(dt)
             out = torch.empty(B, H, L, D, device="cuda", dtype=dt)
             cv, co = cupy.from_dlpack(v), cupy.from_dlpack(out)
-            kern = pv_sm90.prepare(cv, co, seqlen_q=L, ld=ld, causal="top_left")
-            full = pv_sm90.prepare(cv, co, seqlen_q=L, ld=ld, causal=None)
+            kern, full = (pv_sm90.build(checks.array_problem(cv[:, :, :L], cv, cv, co, scale=1.0, causal=c), co, ld=ld)
+                          for c in ("top_left", None))  # the problem's query: only its shape (L rows) is read
             Pv = P[..., :S]
             bands = split._row_bands(L, L, split.causal_row_bands(L))
 

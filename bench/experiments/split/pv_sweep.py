@@ -16,7 +16,7 @@ def main():
     import torch
 
     import cupy_attn
-    from cupy_attn.attention import pv_sm90
+    from cupy_attn.attention.kernels import pv_sm90
     from common import rotated_ms
 
     ap = argparse.ArgumentParser()

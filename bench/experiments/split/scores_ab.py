@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from cupyx.profiler import benchmark
 
-from cupy_attn.attention import scores_sm90
+from cupy_attn.attention import checks
+from cupy_attn.attention.kernels import scores_sm90
 
 BASE = "attention/scores_ab_base.cu"
 
@@ -25,7 +26,8 @@ def launch_for(family, q, k, lse, ld, causal):
     saved = scores_sm90.SCORES_SOFTMAX_SM90
     scores_sm90.SCORES_SOFTMAX_SM90 = family
     try:
-        return scores_sm90.prepare(q, k, lse, scale=q.shape[-1] ** -0.5, ld=ld, variant=3, causal=causal)
+        prob = checks.array_problem(q, k, k, None, lse, scale=q.shape[-1] ** -0.5, causal=causal)
+        return scores_sm90.build(prob, scores_sm90.choose(prob, 3), lse, ld=ld)
     finally:
         scores_sm90.SCORES_SOFTMAX_SM90 = saved
 

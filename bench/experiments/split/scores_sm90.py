@@ -21,7 +21,8 @@ import cupy  # noqa: E402
 import torch  # noqa: E402
 
 import cupy_attn  # noqa: E402
-from cupy_attn.attention import scores_sm90  # noqa: E402
+from cupy_attn.attention import checks  # noqa: E402
+from cupy_attn.attention.kernels import scores_sm90  # noqa: E402
 from common import device_ms, median_ms, tflops, wait_or_die  # noqa: E402
 
 SHAPES = ((32, 32, 512, 512, 1024), (16, 32, 512, 300, 1024), (8, 16, 1024, 512, 512))
@@ -97,8 +98,8 @@ def run_shape(shape, dt, rounds):
     for m in sorted(int(x) for x in MODES if x != "0"):
         P = cupy.empty((B, H, L, ld), dtype=cq.dtype)
         lse = cupy.empty((B, H, L), dtype=cupy.float32)
-        launch = scores_sm90.prepare(cq, ck, lse, scale=D ** -0.5, ld=ld, variant=m,
-                                     causal="top_left" if CAUSAL else None)
+        prob = checks.array_problem(cq, ck, ck, None, lse, scale=D ** -0.5, causal="top_left" if CAUSAL else None)
+        launch = scores_sm90.build(prob, scores_sm90.choose(prob, m), lse, ld=ld)
         launches[m] = launch
         kernels[m] = lambda launch=launch, P=P, lse=lse: launch(cq.data.ptr, ck.data.ptr, P.data.ptr, lse.data.ptr)
         kernels[m]()

@@ -35,7 +35,7 @@ def main():
     ap.add_argument("--dtype", default="float16")
     args = ap.parse_args()
     if os.environ.get("CAUSAL_BANDS"):  # the split path's causal row bands, forced (A/B): both paths' rules
-        from cupy_attn.attention import split
+        from cupy_attn.attention.paths import split
         split.causal_row_bands = split.cublas_causal_bands = lambda L: int(os.environ["CAUSAL_BANDS"])
     B, H, L, S, D = map(int, args.shape.split(","))
     dt = getattr(torch, args.dtype)

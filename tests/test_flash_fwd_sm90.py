@@ -1,15 +1,15 @@
-"""The opt-in FA3-design kernel (cupy_attn.attention.fused_sm90, cuda_src/attention/flash_fwd_sm90.cu).
+"""The FA3-design kernel (cupy_attn.attention.kernels.flash_fwd_sm90, cuda_src/attention/flash_fwd_sm90.cu).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings; its SASS holds HGMMA, TMA
 loads (UTMALDG), mbarrier operations (SYNCS), setmaxnreg (USETMAXREG) and no local memory (skipped without
 cuobjdump: ``pip install nvidia-cuda-cuobjdump``); the params dtype matches the C struct's declaration; tile table,
 the persistent variant's grid and tile order, and eligibility rules. GPU (``gpu`` marker; every test under
 CUPY_ATTN_FA3=1, 2 and 3: ping-pong, overlap, persistent): outputs and lse against the float64 reference with the
-tolerance rule of tests/_tolerance.py (NaN-poisoned outputs; tests/test_flash.py's _check), after asserting that
-fused.prepare really chose this kernel and variant (and, persistent, its grid).
+tolerance rule of tests/_helpers/_tolerance.py (NaN-poisoned outputs; tests/test_flash_fwd.py's _check), after asserting that
+dispatch.fused_launch really chose this kernel and variant (and, persistent, its grid).
 
-    PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_sm90.py
-    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_sm90.py -k persistent   # the variant alone
+    PYTHONPATH=. timeout 3000 python3 -m pytest -m gpu tests/test_flash_fwd_sm90.py
+    PYTHONPATH=. timeout 1200 python3 -m pytest -m gpu tests/test_flash_fwd_sm90.py -k persistent   # the variant alone
 
 A hang (a barrier protocol mistake) is ended by ``timeout``; the persistent variant's barrier invariants are in
 cuda_src/attention/sm90/mainloop.cuh.
@@ -25,8 +25,8 @@ import sys
 import numpy as np
 import pytest
 
-from cupy_attn.attention import fused as _flash
-from cupy_attn.attention import fused_sm90 as _sm90
+from cupy_attn.attention import dispatch
+from cupy_attn.attention.kernels import flash_fwd_sm90 as _sm90
 from cupy_attn.runtime import compile as _compile
 from cupy_attn.runtime import tma
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
@@ -41,7 +41,7 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
     # dtypes × (variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles)
-    qk_dims = len(_sm90.SM90_TILES) + sum(len(d) for d in _sm90.SM90_QK_DIMS.values())
+    qk_dims = len(_sm90.TILES) + sum(len(d) for d in _sm90.QK_DIMS.values())
     m192 = sum(len(table) for table in _sm90.M192_MODE_TILES.values())
     assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192)
     assert_clean(reports, max_registers=168)
@@ -179,10 +179,10 @@ def test_tiles():
         for d, tile in table.items():
             assert tile.block_m == 128 and tile.block_n % 64 == 0 and tile.stages >= 2
             assert (tile.overlap, tile.persistent) == (overlap, persistent)
-            assert dataclasses.replace(tile, overlap=False, persistent=False) == _sm90.SM90_TILES[d]
+            assert dataclasses.replace(tile, overlap=False, persistent=False) == _sm90.TILES[d]
             assert tile.smem_bytes(d) <= 232448, (d, tile)
             for dtype in C_TYPE_16.values():
-                for qk in (d, *_sm90.SM90_QK_DIMS.get(d, ())):
+                for qk in (d, *_sm90.QK_DIMS.get(d, ())):
                     assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
     # The 192-row tiles: the 128-row overlap / persistent tile of head dim 64 with three consumer warpgroups.
     assert set(_sm90.M192_MODE_TILES) == {"2", "3"}
@@ -213,14 +213,18 @@ def test_tile_for_m192_override(monkeypatch):
         else:
             monkeypatch.setenv(_sm90.ENV_M192, env)
         for m in _sm90.MODE_TILES:
-            for d in _sm90.SM90_TILES:
+            for d in _sm90.TILES:
                 for causal in (False, True):
                     want = m192(m, d, causal) if rule(causal) else _sm90.MODE_TILES[m][d]
                     assert _sm90.tile_for(m, d, causal) == want, (env, m, d, causal)
-    from cupy_attn.attention import dispatch
-    got = dispatch.fa3_details(64, "3")
+    monkeypatch.delenv(_sm90.ENV_M192)
+
+    def details(d):
+        kind = _kind(F16, d, d, causal=None)
+        return dispatch.fa3_details(_sm90.choose(kind, "3"))
+    got = details(64)
     assert got["tile"].startswith("192x128, producer + 3 consumer warpgroups") and "persistent" in got["tile"]
-    assert dispatch.fa3_details(128, "3")["tile"].startswith("128x128, producer + 2 consumer warpgroups")
+    assert details(128)["tile"].startswith("128x128, producer + 2 consumer warpgroups")
 
 
 def _swizzle(addr, swz: int):
@@ -275,15 +279,15 @@ def _operand_mismatches(D: int, tile, swz: int, atom_cols: int, steps_per_block:
     return bad
 
 
-@pytest.mark.parametrize("D,block_m", [(d, 128) for d in sorted(_sm90.SM90_TILES)] + [(64, 192)])
+@pytest.mark.parametrize("D,block_m", [(d, 128) for d in sorted(_sm90.TILES)] + [(64, 192)])
 def test_smem_operand_layout_matches_the_tma_swizzle(D, block_m):
     """A NumPy emulation of the shared-memory addressing of every bucket (and of the 192-row tile: three warpgroups'
     Q rows, K/V stages after 24 KB of Q): TMA's swizzled writes against the addresses the kernel's wgmma descriptors
-    read (_operand_mismatches), with the swizzle of fused_sm90.swizzle_bytes (the
+    read (_operand_mismatches), with the swizzle of flash_fwd_sm90.swizzle_bytes (the
     launcher's tensor maps) and the kernel's constants. The 128-byte buckets run on the GPU already, so they check the
     model; D = 96 is the 64-byte swizzle, where the 128-byte constants must fail (the check has teeth)."""
     swz = _sm90.swizzle_bytes(D)
-    tile = _sm90.SM90_TILES[D] if block_m == 128 else _sm90.M192_MODE_TILES["2"][D]
+    tile = _sm90.TILES[D] if block_m == 128 else _sm90.M192_MODE_TILES["2"][D]
     assert tile.block_m == block_m
     # The chunk rule the model must agree with: 16-byte chunk c of row r at c ^ (r % 8) (128 B), c ^ ((r / 2) % 4)
     # (64 B: two rows per 128-byte line), per 8-row atom of 8·swz bytes.
@@ -299,7 +303,7 @@ def test_smem_operand_layout_matches_the_tma_swizzle(D, block_m):
         assert _operand_mismatches(128, tile, 128, 64, 4, 1024) == 0
 
 
-@pytest.mark.parametrize("D", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("D", sorted(_sm90.TILES))
 def test_epilogue_staging_matches_the_tma_store_box(D):
     """A NumPy emulation of store_output_tma (cuda_src/attention/sm90/epilogue.cuh): the st.shared address each lane
     writes O's element (row, column) to, per chunk of min(D, 128) columns of one warpgroup's 64 rows, against the
@@ -339,7 +343,7 @@ def test_epilogue_staging_matches_the_tma_store_box(D):
             banks.add(((col // atom) * box_bytes + g * swz + (((col % atom) // 8) ^ sw) * 16 + 4 * t) // 4 % 32)
         assert len(banks) == 32, (D, dd, sorted(banks))
     # The staging buffers (one per consumer warpgroup) in the shared-memory size the launcher requests.
-    for tile in (_sm90.SM90_TILES[D], _sm90.SM90_PERSISTENT_TILES[D]):
+    for tile in (_sm90.TILES[D], _sm90.PERSISTENT_TILES[D]):
         without = (tile.block_m + 2 * tile.stages * tile.block_n) * D * 2 + 8 * (2 + 4 * tile.stages) + 1024
         assert tile.smem_bytes(D) - without == (tile.block_m // 64) * 64 * chunk_cols * 2 <= 32768
         assert tile.smem_bytes(D) <= 232448
@@ -363,10 +367,18 @@ F16 = np.dtype("float16")
     ((np.dtype("float32"), 128, 128, "none", 90, 0.1), "fp16 and bf16"),
 ])
 def test_unsupported_reason(args, expect):
-    got = _sm90.unsupported_reason(*args)
+    dtype, E, Ev, mask_kind, arch, scale = args
+    got = _sm90.reason(_kind(dtype, E, Ev, mask_kind, scale), arch)
     if got is not None and "cuda-bindings" in got:
         pytest.skip(got)
     assert got is None if expect is None else expect in got
+
+
+def _kind(dtype, E, Ev, mask_kind="none", scale=0.1, causal=None):
+    """What reason() and choose() read of a problem made without arrays."""
+    import types
+    return types.SimpleNamespace(dtype=dtype, head_dim=E, head_dim_v=Ev, mask_kind=mask_kind, scale=scale,
+                                 causal=causal, query=None)
 
 
 class _FakeArray:
@@ -565,7 +577,7 @@ def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms, block_m):
     """The persistent grid covers every tile exactly once; causal calls with more tiles than SMs run equal-cost pairs
     (m-blocks M-1-k and k: M + 1 key blocks at L = S), the longer first; consecutive units are m-blocks of one head.
     Also for the 192-row tile (M = ⌈L / 192⌉ m-blocks; a pair's key blocks ⌈1.5(M-1-k+1)⌉ + ⌈1.5(k+1)⌉ vary by one)."""
-    tile = _sm90.SM90_PERSISTENT_TILES[128] if block_m == 128 else _sm90.M192_MODE_TILES["3"][64]
+    tile = _sm90.PERSISTENT_TILES[128] if block_m == 128 else _sm90.M192_MODE_TILES["3"][64]
     assert tile.block_m == block_m
     grid, pairs = _sm90.grid_for(tile, B, Hq, L, causal, num_sms)
     M = -(-L // block_m)
@@ -592,7 +604,7 @@ def test_persistent_grid_and_tile_order(B, Hq, L, causal, num_sms, block_m):
 
 
 def test_one_tile_grid():
-    assert _sm90.grid_for(_sm90.SM90_OVERLAP_TILES[64], 3, 5, 700, True, 132) == ((6, 5, 3), False)
+    assert _sm90.grid_for(_sm90.OVERLAP_TILES[64], 3, 5, 700, True, 132) == ((6, 5, 3), False)
     assert _sm90.grid_for(_sm90.M192_MODE_TILES["2"][64], 3, 5, 700, True, 132) == ((4, 5, 3), False)
 
 
@@ -611,7 +623,7 @@ DTYPES = ("float16", "bfloat16")
 def fa3(request, monkeypatch):
     """CUPY_ATTN_FA3=1 (the kernel), =2 (its intra-warpgroup-overlap variant), =3 (that variant, persistent), with
     the 128-row tiles (CUPY_ATTN_FA3_M192=0; fa3_m192 below forces the 192-row tile, the non-causal default at 64)."""
-    monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    monkeypatch.setenv(dispatch.ENV_FA3, request.param)
     monkeypatch.setenv(_sm90.ENV_M192, "0")
     return request.param
 
@@ -626,17 +638,17 @@ def _rand(shape, dtype, gen):
 
 
 def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
-    """tests/test_flash.py's _check (NaN-poisoned out and lse, float64 reference, torch's same-precision error),
-    after checking which launch fused.prepare builds for these arrays."""
+    """tests/test_flash_fwd.py's _check (NaN-poisoned out and lse, float64 reference, torch's same-precision error),
+    after checking which launch dispatch.fused_launch builds for these arrays."""
     import cupy
-    from test_flash import _check, _cp
+    from test_flash_fwd import _check, _cp
     B, Hq, L, E = q.shape
     out = cupy.empty((B, Hq, L, v.shape[-1]), dtype=_cp(q).dtype)
-    launch = _flash.prepare(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
+    launch = dispatch.fused_launch(_cp(q), _cp(k), _cp(v), out, None, scale=E ** -0.5, causal=causal)
     assert (launch.params.dtype == _sm90.PARAMS) == expect_fa3, f"{what}: launch of {launch.kernel}"
     if expect_fa3:
         D = _sm90.head_bucket(E, v.shape[-1])
-        tile = _sm90.tile_for(os.environ[_flash.ENV_FA3], D, causal is not None)
+        tile = _sm90.tile_for(os.environ[dispatch.ENV_FA3], D, causal is not None)
         assert launch.block == (tile.threads,) and launch.smem == tile.smem_bytes(D), what
         if os.environ.get(_sm90.ENV_M192) == "1" and D == 64:
             assert tile.block_m == 192, f"{what}: the 192-row tile forced"
@@ -671,7 +683,7 @@ def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
     import cupy
     from _tolerance import as_f64
     from cupy_attn import reference
-    from test_flash import _cp, assert_out_lse
+    from test_flash_fwd import _cp, assert_out_lse
     torch = _torch()
     g = torch.Generator("cuda").manual_seed(E + len(layout))
     B, H, L, S = 2, 3, 200, 150
@@ -689,7 +701,8 @@ def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
         out = buf[start:start + B * H * L * E].reshape(B, H, L, E)
         assert out.data.ptr % 16 == 8
     lse = cupy.full((B, H, L), np.nan, dtype=cupy.float32)
-    _flash.flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=E ** -0.5, causal=None)
+    from test_flash_fwd import flash_forward
+    flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=E ** -0.5, causal=None)
     ref, ref_lse = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), scale=E ** -0.5,
                                                           return_lse=True)
     torch_out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=E ** -0.5)
@@ -708,7 +721,7 @@ def test_out_layouts_through_the_tma_epilogue(fa3, dtype, E, layout):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("L,S", LS)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 def test_shapes(fa3, dtype, E, L, S, causal):
@@ -719,7 +732,7 @@ def test_shapes(fa3, dtype, E, L, S, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 def test_gqa(fa3, dtype, E, causal):
     """8 query heads on 2 key/value heads: query head h reads kv head h // 4."""
@@ -730,7 +743,7 @@ def test_gqa(fa3, dtype, E, causal):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_bshd_views(fa3, dtype, E, causal):
     """(B, S, H, D) storage viewed as (B, H, S, D): head stride D, row stride H·D, read in place by the 4-D maps."""
@@ -758,7 +771,7 @@ def test_padded_head_dims(fa3, dtype, E, Ev, bucket, causal):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("L,S", [(700, 300), (640, 640), (333, 1000), (1000, 333)])
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 def test_many_tiles(fa3, E, L, S, causal):
@@ -804,9 +817,9 @@ def test_falls_back(fa3):
 @pytest.mark.gpu
 def test_off_by_default(monkeypatch):
     import cupy
-    monkeypatch.delenv(_flash.ENV_FA3, raising=False)
+    monkeypatch.delenv(dispatch.ENV_FA3, raising=False)
     q = cupy.zeros((1, 1, 8, 128), cupy.float16)
-    assert _flash.prepare(q, q, q, cupy.empty_like(q), None, scale=0.1).params.dtype != _sm90.PARAMS
+    assert dispatch.fused_launch(q, q, q, cupy.empty_like(q), None, scale=0.1).params.dtype != _sm90.PARAMS
 
 
 @pytest.mark.gpu
@@ -833,7 +846,7 @@ def test_public_api_and_replay(fa3):
 @pytest.fixture(params=["2", "3"], ids=["m192-overlap", "m192-persistent"])
 def fa3_m192(request, monkeypatch):
     """CUPY_ATTN_FA3=2 or 3 with CUPY_ATTN_FA3_M192=1: head dim 64 runs the 192-row tile (_check_fa3 asserts it)."""
-    monkeypatch.setenv(_flash.ENV_FA3, request.param)
+    monkeypatch.setenv(dispatch.ENV_FA3, request.param)
     monkeypatch.setenv(_sm90.ENV_M192, "1")
     return request.param
 
@@ -933,34 +946,35 @@ def test_explain_details(monkeypatch):
     least dispatch.FA3_MIN_FLOPS), or say why not."""
     import types
     from cupy_attn.attention import dispatch
-    if _sm90.unsupported_reason(F16, 128, 128, "none", 90, 0.1):
+    if _sm90.reason(_kind(F16, 128, 128), 90):
         pytest.skip("cuda-bindings missing")
     q = _bhsd(2, 8, 100, 128)
     p = types.SimpleNamespace(query=q, key=q, value=q, mask=None, scale=0.1, dtype=F16, head_dim=128, head_dim_v=128,
-                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100, dropout_p=0.0, causal=None)
+                              batch=2, num_heads=8, seqlen_q=100, seqlen_k=100, dropout_p=0.0, causal=None,
+                              mask_kind="none")
 
     def details():
-        return dispatch._fused_plan(p, 90, "test", []).details
+        return dispatch.plan_fused(p, 90, "test").details
 
-    monkeypatch.delenv(_flash.ENV_FA3, raising=False)
+    monkeypatch.delenv(dispatch.ENV_FA3, raising=False)
     assert details()["kernel"] == "flash_fwd_sm90a"  # auto: a small call keeps the wgmma kernel
     big = types.SimpleNamespace(**{**vars(p), "seqlen_q": 4096, "seqlen_k": 4096})
     # auto: the persistent variant (dispatch.fa3_mode); at head dim 64 the 192-row tile unless causal (tile_for)
     monkeypatch.delenv(_sm90.ENV_M192, raising=False)
-    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
+    assert dispatch.plan_fused(big, 90, "test").details["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)"
     q64 = _bhsd(2, 8, 4096, 64)
     big64 = types.SimpleNamespace(**{**vars(big), "query": q64, "key": q64, "value": q64, "head_dim": 64,
                                      "head_dim_v": 64})
-    got = dispatch._fused_plan(big64, 90, "test", []).details
+    got = dispatch.plan_fused(big64, 90, "test").details
     assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("192x128")
     assert got["epilogue"].startswith("out through shared memory by TMA")
     big64.causal = "top_left"
-    got = dispatch._fused_plan(big64, 90, "test", []).details
+    got = dispatch.plan_fused(big64, 90, "test").details
     assert got["kernel"] == "flash_fwd_sm90_tma (overlap, persistent)" and got["tile"].startswith("128x128")
-    monkeypatch.setenv(_flash.ENV_FA3, "0")
-    assert dispatch._fused_plan(big, 90, "test", []).details["kernel"] == "flash_fwd_sm90a"
+    monkeypatch.setenv(dispatch.ENV_FA3, "0")
+    assert dispatch.plan_fused(big, 90, "test").details["kernel"] == "flash_fwd_sm90a"
     for mode, overlap in (("1", False), ("2", True), ("3", True)):
-        monkeypatch.setenv(_flash.ENV_FA3, mode)
+        monkeypatch.setenv(dispatch.ENV_FA3, mode)
         got = details()
         assert got["kernel"].startswith("flash_fwd_sm90_tma") and ("overlap" in got["tile"]) == overlap
         assert ("persistent" in got["kernel"]) == ("persistent" in got["tile"]) == (mode == "3")

@@ -1,9 +1,11 @@
-"""The fused FlashAttention-2 kernel (cupy_attn.attention.fused) called through its launcher, against the float64 reference.
+"""The fused FlashAttention-2 kernel (cupy_attn.attention.kernels.flash_fwd) called through its launcher, against the
+float64 reference.
 
-GPU tests poison out and lse with NaN, run flash_forward on CuPy views of torch tensors (zero-copy, strides kept),
+GPU tests poison out and lse with NaN, run the launch dispatch.fused_launch builds (the plan's rules, the FA3-design
+kernel off: CUPY_ATTN_FA3=0) on CuPy views of torch tensors (zero-copy, strides kept),
 and accept an error of at most twice torch's own SDPA error in the same precision plus output rounding noise
-(tests/_tolerance.py). CPU tests: every instantiation compiles for sm_80 and sm_90 without spills, the tile table is
-consistent with the declared family and with each arch's shared-memory limit, and unsupported_reason's answers.
+(tests/_helpers/_tolerance.py). CPU tests: every instantiation compiles for sm_80 and sm_90 without spills, the tile table is
+consistent with the declared family and with each arch's shared-memory limit, and reason's answers.
 Every GPU test runs twice, once per kernel on Hopper (``flash_kernel``: the sm_90a wgmma kernel, then the mma.sync one
 forced by CUPY_ATTN_WGMMA=0), so both stay correct for every head-dim bucket they serve.
 """
@@ -11,10 +13,12 @@ import numpy as np
 import pytest
 
 from cupy_attn import reference
-from cupy_attn.attention import fused as _flash
+from cupy_attn.attention import dispatch
+from cupy_attn.attention.kernels import flash_fwd as _flash
 from cupy_attn.runtime import compile as _compile
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
+from _compile_checks import wgmma_gen as _wgmma_gen
 from _tolerance import as_f64, assert_close
 
 
@@ -25,8 +29,11 @@ def pytest_generate_tests(metafunc):
 
 @pytest.fixture(autouse=True)
 def flash_kernel(request, monkeypatch):
-    """GPU tests: which kernel serves the wgmma buckets (64, 128, 192, 256) on Hopper; CPU tests: unparametrized."""
+    """GPU tests: which kernel serves the wgmma buckets (64, 128, 192, 256) on Hopper (the FA3-design kernel off, which
+    tests/test_flash_fwd_sm90.py covers); CPU tests: unparametrized."""
     kind = getattr(request, "param", None)
+    if kind is not None:
+        monkeypatch.setenv("CUPY_ATTN_FA3", "0")
     if kind == "mma.sync":
         monkeypatch.setenv(_flash.ENV_WGMMA, "0")
     elif kind == "wgmma":
@@ -59,9 +66,9 @@ def test_sm90a_instantiations_compile_without_spills():
 
 
 def test_wgmma_header_is_generated():
-    from cupy_attn.attention import wgmma_gen as _wgmma_gen
-    assert _wgmma_gen.header_path().read_text() == _wgmma_gen.generate(), \
-        "cuda_src/common/wgmma.cuh is stale: run python -m cupy_attn.attention.wgmma_gen"
+    gen = _wgmma_gen()
+    assert gen.header_path().read_text() == gen.generate(), \
+        "cuda_src/common/wgmma.cuh is stale: run python tools/wgmma_gen.py"
 
 
 def test_wgmma_tiles():
@@ -78,8 +85,7 @@ def test_wgmma_tiles():
 
 
 def _wgmma_n(name):
-    from cupy_attn.attention import wgmma_gen as _wgmma_gen
-    return getattr(_wgmma_gen, name)
+    return getattr(_wgmma_gen(), name)
 
 
 @pytest.mark.parametrize("arch,bucket,family,head_dim", [
@@ -132,12 +138,18 @@ def _bf16():
     ((np.dtype("float64"), 64, 64, "none", 90), "fp16 and bf16 only"),
 ])
 def test_unsupported_reason(args, expect):
-    got = _flash.unsupported_reason(*args)
+    got = _flash.reason(_kind(*args[:4]), args[4])
     assert got is None if expect is None else expect in got
 
 
+def _kind(dtype, E, Ev, mask_kind="none"):
+    """What reason() reads of a problem."""
+    import types
+    return types.SimpleNamespace(dtype=dtype, head_dim=E, head_dim_v=Ev, mask_kind=mask_kind)
+
+
 def test_unsupported_reason_bf16():
-    assert _flash.unsupported_reason(_bf16(), 128, 128, "bool", 90) is None
+    assert _flash.reason(_kind(_bf16(), 128, 128, "bool"), 90) is None
 
 
 @pytest.mark.parametrize("E,Ev,bucket", [(1, 1, 32), (32, 32, 32), (40, 40, 64), (64, 128, 128), (192, 128, 192),
@@ -170,7 +182,7 @@ def _cp(x):
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, what=""):
-    """Run flash_forward on poisoned outputs; compare out and lse with the float64 reference."""
+    """Run flash_forward (the fused launch) on poisoned outputs; compare out and lse with the float64 reference."""
     import cupy
     torch = _torch()
     F = torch.nn.functional
@@ -184,7 +196,7 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, what=""):
     out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
     lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
     cmask = None if mask is None else cupy.broadcast_to(_cp(mask), (B, Hq, L, S))
-    _flash.flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask)
+    flash_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask)
 
     tmask = mask if mask is None or mask.dtype == torch.bool else mask.to(q.dtype)
     if causal == "bottom_right" or (causal and mask is not None):
@@ -197,8 +209,17 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, what=""):
     return out
 
 
+def flash_forward(q, k, v, out, lse=None, **kw):
+    """out (and lse) = attention(q, k, v) by the fused kernel the plan's rules choose (dispatch.fused_launch), launched
+    on the arrays' own pointers on CuPy's current stream."""
+    mask = kw.get("mask")
+    dispatch.fused_launch(q, k, v, out, lse, **kw)(
+        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
+        0 if mask is None else mask.data.ptr)
+
+
 def assert_out_lse(out, lse, ref, ref_lse, dtype, torch_out, what):
-    """out within the tolerance rule (tests/_tolerance.py) of the float64 reference; lse close where the reference is
+    """out within the tolerance rule (tests/_helpers/_tolerance.py) of the float64 reference; lse close where the reference is
     finite, and -inf for rows whose keys are all masked."""
     assert_close(out, ref, dtype, torch_out, what)
     got_lse = as_f64(lse)
@@ -368,7 +389,7 @@ def test_rejects_what_it_cannot_run():
     import cupy
     q = cupy.zeros((1, 1, 4, 300), dtype=cupy.float16)
     with pytest.raises(ValueError, match="up to 256"):
-        _flash.flash_forward(q, q, q, cupy.empty_like(q), scale=1.0)
+        flash_forward(q, q, q, cupy.empty_like(q), scale=1.0)
     q = cupy.zeros((1, 1, 4, 64), dtype=cupy.float32)
     with pytest.raises(ValueError, match="split path"):
-        _flash.flash_forward(q, q, q, cupy.empty_like(q), scale=1.0)
+        flash_forward(q, q, q, cupy.empty_like(q), scale=1.0)

@@ -1,6 +1,6 @@
 """Autograd of scaled_dot_product_attention on torch CUDA tensors: gradients of query, key, value (and a float
 attn_mask) against float64 autograd of the same math on the CPU, within twice torch's own error in the same precision
-(tests/_tolerance.py)."""
+(tests/_helpers/_tolerance.py)."""
 import zlib
 
 import pytest
@@ -110,8 +110,8 @@ def _check_case(dtype, case, bwd, seed):
         return cupy_attn.scaled_dot_product_attention(q_, k_, v_, attn_mask=m_, **kw)
 
     if bwd == "sm90" and mask_kind is None and max(E, Ev) <= 256 and dtype != "float32":
-        from cupy_attn.attention import backward, checks
-        plan = backward.plan_backward(checks.check_sdpa(q.detach(), k.detach(), v.detach(), None, 0.0, causal, None,
+        from cupy_attn.attention import checks, dispatch
+        plan = dispatch.plan_backward(checks.check_sdpa(q.detach(), k.detach(), v.detach(), None, 0.0, causal, None,
                                                           Hq != Hkv, "auto"))
         assert plan.kernel == "sm90", str(plan)
     out, grads = _grads(ours, inputs, dout)

@@ -1,5 +1,5 @@
-"""The Hopper fused backward (cupy_attn.attention.backward_sm90, cuda_src/attention/flash_bwd_sm90.cu) and the
-backward's kernel choice (backward.plan_backward).
+"""The Hopper fused backward (cupy_attn.attention.kernels.flash_bwd_sm90, cuda_src/attention/flash_bwd_sm90.cu) and
+the backward's kernel choice (dispatch.plan_backward).
 
 CPU: every instantiation (head dims 64, 128, 256) compiles for sm_90a without spills, stack or ptxas performance
 warnings; its SASS holds HGMMA of the shapes its warpgroup split implies (with the transposed-operand form of dQ = dS
@@ -8,11 +8,11 @@ included: no plain bulk copies), mbarrier operations, setmaxnreg, the dQ reducti
 two wgmma waits (they overlap dPᵀ = V dOᵀ); the tile table against shared memory, registers and the generated wgmma
 wrappers; the choice rules on fake problems (arch, dtype, head dims, mask, layout, size, dropout, CUPY_ATTN_BWD). GPU
 (``gpu`` marker): dq, dk, dv from backward.sdpa_backward into NaN-poisoned tensors, after asserting which kernel the
-plan chose, against the float64 reference with the tolerance rule of tests/_tolerance.py (torch's same-precision
+plan chose, against the float64 reference with the tolerance rule of tests/_helpers/_tolerance.py (torch's same-precision
 gradients as the error scale), and against the mma.sync kernel's gradients (the split backward's above head dim 128;
 the same rule with that backward's error as the scale).
 
-    PYTHONPATH=. timeout 1800 python3 -m pytest -m gpu tests/test_backward_sm90.py
+    PYTHONPATH=. timeout 1800 python3 -m pytest -m gpu tests/test_flash_bwd_sm90.py
 
 A wrong mbarrier phase or transaction count hangs the kernel: every GPU call here waits at most 120 s and then ends
 the process with a message (``_sync_or_die``).
@@ -25,9 +25,10 @@ import types
 import numpy as np
 import pytest
 
-from cupy_attn.attention import backward as _bwd
-from cupy_attn.attention import backward_sm90 as _sm90
-from cupy_attn.attention import wgmma_gen as _gen
+from cupy_attn.attention import dispatch as _plan
+from cupy_attn.attention.kernels import flash_bwd as _mma
+from cupy_attn.attention.kernels import flash_bwd_sm90 as _sm90
+from cupy_attn.attention.paths import backward as _bwd
 from cupy_attn.runtime import compile as _compile
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 from _compile_checks import assert_clean
@@ -41,12 +42,12 @@ F16 = np.dtype("float16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.SM90_BWD_TILES)
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.TILES)
     assert_clean(reports, max_registers=168)
 
 
 def _sass(expr):
-    from test_flash_sm90 import _cuobjdump, sass_text
+    from test_flash_fwd_sm90 import _cuobjdump, sass_text
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     return next(iter(sass_text(_compile.whole_cubin(
@@ -90,8 +91,10 @@ def test_sass(row):
 
 
 def test_tiles():
+    from _compile_checks import wgmma_gen
+    _gen = wgmma_gen()
     declared = set(FAMILY.name_expressions())
-    for d, tile in _sm90.SM90_BWD_TILES.items():
+    for d, tile in _sm90.TILES.items():
         assert tile.block_n in (64, 128) and tile.block_m % 64 == 0 and tile.stages >= 2
         assert _sm90.STAT_PAD % tile.block_m == 0
         assert tile.smem_bytes(d) <= 232448, (d, tile)
@@ -104,13 +107,13 @@ def test_tiles():
         for dtype in C_TYPE_16.values():
             assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
     # Above the mma.sync kernel's 128, the Hopper kernel's 256 (the forward's FA3 buckets).
-    assert set(_sm90.SM90_BWD_TILES) == set(_bwd.FLASH_BWD_TILES) | {256}
+    assert set(_sm90.TILES) == set(_mma.TILES) | {256}
 
 
 def test_tile_registers_fit_by_columns_only_at_256():
     """Why D = 256 splits by columns: a 64-key warpgroup holding dK and dV over all 256 columns needs 256 fp32
     accumulators per thread, above setmaxnreg's 240; by columns it holds 128, + Sᵀ/dPᵀ 32 + dQ 64 = 224."""
-    tile = _sm90.SM90_BWD_TILES[256]
+    tile = _sm90.TILES[256]
     assert tile.by_columns and 2 * 256 // 2 > 240
     assert 2 * 128 // 2 + 2 * tile.block_m // 2 // 2 + 256 * (tile.block_m // 64) // 2 // 2 <= 240
 
@@ -199,18 +202,18 @@ def _cuda_bindings():
 ])
 def test_plan_backward(env, arch, problem, kernel, why, monkeypatch):
     _cuda_bindings()
-    monkeypatch.setenv(_bwd.ENV_BWD, env)
-    plan = _bwd.plan_backward(_problem(**problem), arch)
+    monkeypatch.setenv(_plan.ENV_BWD, env)
+    plan = _plan.plan_backward(_problem(**problem), arch)
     assert (plan.kernel, why in plan.reason) == (kernel, True), str(plan)
     assert (plan.bucket is None) == (kernel == "split")
     if kernel == "sm90":
-        assert plan.bucket in _sm90.SM90_BWD_TILES
+        assert plan.bucket in _sm90.TILES
 
 
 def test_plan_backward_rejects_unknown_env(monkeypatch):
-    monkeypatch.setenv(_bwd.ENV_BWD, "fast")
+    monkeypatch.setenv(_plan.ENV_BWD, "fast")
     with pytest.raises(ValueError, match="CUPY_ATTN_BWD must be one of"):
-        _bwd.plan_backward(_problem(), 90)
+        _plan.plan_backward(_problem(), 90)
 
 
 def test_auto_takes_the_hopper_backward_at_any_size():
@@ -218,7 +221,7 @@ def test_auto_takes_the_hopper_backward_at_any_size():
     measured); mma stays for dropout and under CUPY_ATTN_BWD=mma."""
     _cuda_bindings()
     for B, H, L, S in ((4, 8, 1024, 1024), (4, 8, 1024, 1023), (1, 1, 1, 1), (1, 8, 256, 64)):
-        assert _bwd.plan_backward(_problem(B=B, H=H, L=L, S=S), 90).kernel == "sm90"
+        assert _plan.plan_backward(_problem(B=B, H=H, L=L, S=S), 90).kernel == "sm90"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -265,23 +268,23 @@ def _backward(q, k, v, dout, causal, mode, monkeypatch, expect, what):
     import cupy_attn
     from cupy_attn.attention import checks
     torch = _torch()
-    monkeypatch.setenv(_bwd.ENV_BWD, mode)
+    monkeypatch.setenv(_plan.ENV_BWD, mode)
     gqa = q.shape[1] != k.shape[1]
     out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=_IS_CAUSAL[causal], enable_gqa=gqa,
                                                       return_lse=True)
     p = checks.check_sdpa(q, k, v, None, 0.0, _IS_CAUSAL[causal], None, gqa, "auto")
-    plan = _bwd.plan_backward(p)
+    plan = _plan.plan_backward(p)
     assert plan.kernel == expect, f"{what}: {plan}"
     grads = [torch.full(x.shape, float("nan"), dtype=x.dtype, device="cuda") for x in (q, k, v)]
     views = [p.ctx.as_cupy(t) for t in (out, lse, dout, *grads)]
-    _bwd.sdpa_backward(p, *views)
+    _bwd.sdpa_backward(p, plan, *views)
     _sync_or_die(f"{mode} backward, {what}")
     return grads
 
 
 def _reference_grads(q, k, v, dout, causal):
-    """float64 CPU autograd (tests/test_backward.py's reference, rows without a visible key give 0)."""
-    from test_backward import _grads, _reference
+    """float64 CPU autograd (tests/test_sdpa_backward.py's reference, rows without a visible key give 0)."""
+    from test_sdpa_backward import _grads, _reference
     ins = [x.detach().double().cpu().requires_grad_() for x in (q, k, v)]
     _, grads = _grads(lambda a, b, c: _reference(a, b, c, None, causal or False, None, q.shape[1] // k.shape[1]),
                       ins, dout.double().cpu())
@@ -304,7 +307,7 @@ def _torch_grads(q, k, v, dout, causal):
 
 def _other(q, v) -> str:
     """The backward to compare with: the mma.sync kernel up to head dim 128, the split backward above."""
-    return "mma" if max(q.shape[-1], v.shape[-1]) <= max(_bwd.FLASH_BWD_TILES) else "split"
+    return "mma" if max(q.shape[-1], v.shape[-1]) <= max(_mma.TILES) else "split"
 
 
 def _check(q, k, v, dtype, causal, monkeypatch, what, expect="sm90"):
@@ -328,7 +331,7 @@ LS = [(1, 1), (17, 17), (129, 129), (1000, 1000), (1, 1000), (1000, 17), (17, 12
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_BWD_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("L,S", LS)
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 def test_shapes(dtype, E, L, S, causal, monkeypatch):
@@ -340,7 +343,7 @@ def test_shapes(dtype, E, L, S, causal, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_BWD_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("causal", [None, "top_left", "bottom_right"])
 def test_gqa(dtype, E, causal, monkeypatch):
     """8 query heads on 2 key/value heads: a block's dK and dV sum over the 4 query heads of its group."""
@@ -352,7 +355,7 @@ def test_gqa(dtype, E, causal, monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("E", sorted(_sm90.SM90_BWD_TILES))
+@pytest.mark.parametrize("E", sorted(_sm90.TILES))
 @pytest.mark.parametrize("causal", [None, "bottom_right"])
 def test_bshd_views(dtype, E, causal, monkeypatch):
     """(B, S, H, D) storage viewed as (B, H, S, D): read in place by the 4-D tensor maps."""
@@ -412,11 +415,11 @@ def test_auto_takes_it_through_autograd(shape, monkeypatch):
     q, k, v = (_rand(shape, "bfloat16", g) for _ in range(3))
     dout = _rand(shape, "bfloat16", g)
     other = _other(q, v)
-    monkeypatch.delenv(_bwd.ENV_BWD, raising=False)
-    assert _bwd.plan_backward(checks.check_sdpa(q, k, v, None, 0.0, True, None, False, "auto")).kernel == "sm90"
+    monkeypatch.delenv(_plan.ENV_BWD, raising=False)
+    assert _plan.plan_backward(checks.check_sdpa(q, k, v, None, 0.0, True, None, False, "auto")).kernel == "sm90"
     grads = {}
     for mode in ("auto", other):
-        monkeypatch.setenv(_bwd.ENV_BWD, mode)
+        monkeypatch.setenv(_plan.ENV_BWD, mode)
         ins = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         cupy_attn.scaled_dot_product_attention(*ins, is_causal=True).backward(dout)
         _sync_or_die(f"autograd backward ({mode})")

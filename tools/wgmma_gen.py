@@ -2,9 +2,10 @@
 
 A wgmma with an N-column tile names all N/2 fp32 accumulator registers of each thread in its operand list (128 at
 N = 256), so the wrappers are generated from the table below instead of being written out by hand; the header is
-committed, and a CPU test (tests/test_flash.py) checks that it equals this module's output.
+committed, and a CPU test (tests/test_flash_fwd.py) checks that it equals this module's output. The tables below
+are also what the kernels' tests check their tiles against (the N values a wrapper exists for).
 
-    python -m cupy_attn.attention.wgmma_gen            # rewrite the header
+    python tools/wgmma_gen.py            # rewrite the header
 """
 from __future__ import annotations
 
@@ -163,8 +164,8 @@ def generate() -> str:
 
 
 def header_path() -> Path:
-    from ..runtime.compile import source_dir
-    return source_dir() / "common" / "wgmma.cuh"
+    """cuda_src/common/wgmma.cuh of this checkout."""
+    return Path(__file__).resolve().parent.parent / "cuda_src" / "common" / "wgmma.cuh"
 
 
 if __name__ == "__main__":

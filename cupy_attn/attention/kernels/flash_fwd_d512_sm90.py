@@ -5,24 +5,25 @@ FlashAttention's online softmax with FlashAttention-3's TMA producer and two wgm
 P passes through shared memory. No L × S score buffer, and causal calls skip the key blocks above the diagonal (the
 split path computes them).
 
-It takes the same parameter struct and launch as the head-dim ≤ 256 kernel (fused_sm90.PARAMS,
-fused_sm90.build_launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
+It takes the same parameter struct and launch as the head-dim ≤ 256 kernel (flash_fwd_sm90.PARAMS,
+flash_fwd_sm90.build_launch), with its own boxes: Q (64 columns, 64 rows), K (64, 256), V (64, 32).
 
-Dispatch (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
-takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device; measured 1.17-1.84x
-the split path).
+The plan (dispatch.plan_sdpa): ``CUPY_ATTN_D512=1`` takes it for every call it can serve, ``0`` never; unset, auto
+takes it where :func:`prefer_grid` says so (S > 512 and a grid that fills the device).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
-from ..runtime import env
-from ..runtime.compile import KernelFamily
-from ..runtime.interop import dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
-from ..runtime.launch import PreparedLaunch
-from ..runtime.tma import MapSpec, out_16b_reason
-from . import fused_sm90 as _sm90
+from ...runtime import env
+from ...runtime.compile import KernelFamily
+from ...runtime.interop import device_sms, dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, LOG2E, set_strides
+from ...runtime.launch import PreparedLaunch
+from ...runtime.tma import MapSpec, exp2_tma_reason, out_16b_reason
+from . import flash_fwd_sm90 as _sm90
 
 ENV = "CUPY_ATTN_D512"
 BLOCK_M, BLOCK_N, HEAD_DIM, V_KEYS, STAGES = 64, 256, 512, 32, 4
@@ -46,35 +47,32 @@ FLASH_FWD_D512_SM90 = KernelFamily(
 )
 
 
-def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
-    """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
+def reason(p, arch: int) -> str | None:
+    """None when this kernel can serve a call of this kind (``p``: an SDPAProblem, or anything with its dtype, head
+    dims, mask_kind and scale); its layout: :func:`layout_reason`.
 
-    >>> unsupported_reason(np.dtype("float16"), 320, 320, "none", 90, 0.05) is None
-    True
-    >>> unsupported_reason(np.dtype("float16"), 1024, 1024, "none", 90, 0.03)
-    'head dims E=1024, Ev=1024: the head-dim-512 kernel serves 257-512 (Ev a multiple of 8)'
+    >>> import types
+    >>> kind = lambda E, scale: types.SimpleNamespace(dtype=np.dtype("float16"), head_dim=E, head_dim_v=E,
+    ...                                                mask_kind="none", scale=scale)
+    >>> reason(kind(320, 0.05), 90) is None, reason(kind(1024, 0.03), 90)
+    (True, 'head dims E=1024, Ev=1024: the head-dim-512 kernel serves 257-512 (Ev a multiple of 8)')
     """
+    head_dim, head_dim_v = p.head_dim, p.head_dim_v
     if arch != 90:
         return f"sm_{arch}: the head-dim-512 kernel needs sm_90a (H100/H200)"
-    if dtype_name(dtype) not in C_TYPE_16:
-        return f"dtype {dtype_name(dtype)}: the head-dim-512 kernel serves fp16 and bf16"
+    if dtype_name(p.dtype) not in C_TYPE_16:
+        return f"dtype {dtype_name(p.dtype)}: the head-dim-512 kernel serves fp16 and bf16"
     if not (256 < max(head_dim, head_dim_v) and head_dim <= HEAD_DIM and head_dim_v <= HEAD_DIM
             and head_dim_v % 8 == 0):
         return f"head dims E={head_dim}, Ev={head_dim_v}: the head-dim-512 kernel serves 257-512 (Ev a multiple of 8)"
-    if mask_kind != "none":
+    if p.mask_kind != "none":
         return "attn_mask: the head-dim-512 kernel has no mask input (causal only)"
-    if not scale > 0:
-        return f"scale {scale}: the head-dim-512 kernel folds the scale into exp2 and needs scale > 0"
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
-    return None
+    return exp2_tma_reason("the head-dim-512 kernel", p.scale)
 
 
 def layout_reason(q, k, v, out) -> str | None:
-    """fused_sm90.layout_reason (TMA reads q, k, v in place), and out's rows 16-byte aligned (16-byte stores; out=None:
-    allocated by the call, contiguous)."""
+    """flash_fwd_sm90.layout_reason (TMA reads q, k, v in place), and out's rows 16-byte aligned (16-byte stores;
+    out=None: allocated by the call, contiguous)."""
     why = _sm90.layout_reason(q, k, v, None)
     if why is not None or out is None:
         return why
@@ -93,14 +91,9 @@ def prefer_grid(B: int, Hq: int, L: int, S: int, num_sms: int) -> tuple[bool, st
     """Auto rule between this kernel and the split path for a call both can run: this kernel when L ≥ 128, S > 512 and
     its grid (⌈L / 64⌉ · Hq · B CTAs, one per SM) fills the device at least once. At S ≤ 512 the split path runs the
     scores kernel (whole score rows on chip, cuBLAS P·V), which measured faster; below one wave of CTAs the split
-    path's GEMMs spread the call wider (not measured).
-
-    Measured on an H200 (session 14: bench/experiments/d512/d512_fwd.py and the main job, whole calls), this kernel
-    against the split path: (4,16,2048,2048,512) fp16 1.28-1.40x, causal 1.59x; (2,8,4096,4096,512) bf16 1.28x,
-    causal 1.73x; (8,16,1024,1024,512) fp16 1.27x; (4,16,2048,2048,384) fp16 1.17x; (4,16,2048,2048,320) bf16
-    causal 1.29x; L = S = 1024-8192 at D = 512 1.32-1.39x (against the split rows of the previous main job); but
-    (128,16,256,256,512) fp16 0.906 ms against the split path's 0.810 (scores kernel). Session 15 (v1.3, 6-7% faster
-    kernel): (4,16,2048,2048,512) fp16 1.41-1.50x, causal 1.69x; (2,8,4096,4096,512) bf16 1.45x, causal 1.84x.
+    path's GEMMs spread the call wider (not measured). Example, 132 SMs: (4, 16, 2048, 2048, 512) has 32 · 16 · 4 =
+    2048 CTAs and S > 512: this kernel (measured 1.4-1.5x the split path there, 1.7x causal; bench/notes/split.md);
+    (128, 16, 256, 256, 512) has S = 256: the split path (its scores kernel measured faster there).
 
     >>> prefer_grid(4, 16, 2048, 2048, 132)[0], prefer_grid(1, 2, 300, 700, 132)[0], prefer_grid(128, 16, 256, 256, 132)[0]
     (True, False, False)
@@ -136,44 +129,40 @@ def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: i
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: KernelFamily = FLASH_FWD_D512_SM90,
-            persistent: bool = True) -> PreparedLaunch:
-    """The launch for arrays accepted by unsupported_reason and layout_reason (out as allocated by the call); family:
-    FLASH_FWD_D512_SM90 or a copy with other NVRTC options; persistent=False: one tile per CTA (the baseline row of
-    bench/experiments/d512/d512_wall.py)."""
+class Choice(NamedTuple):
+    """What a call runs: the family (FLASH_FWD_D512_SM90, or a copy with other NVRTC options: A/B runs) and whether
+    its CTAs are persistent (the default; False: one tile per CTA, the baseline row of bench/experiments/d512)."""
+    family: KernelFamily = FLASH_FWD_D512_SM90
+    persistent: bool = True
+
+
+def build(p, choice: Choice, out, lse) -> PreparedLaunch:
+    """The launch for a checked problem accepted by :func:`reason` and :func:`layout_reason` (out as allocated by the
+    call), replayed as flash_fwd_sm90.build_launch's. Persistent CTAs walk the tiles of sm90/tile_scheduler.cuh:
+    causal calls with more tiles than SMs in m-block pairs (M−1−k, k) of equal cost; one tile per CTA otherwise, causal
+    row blocks longest first (bench/notes/split.md has the measurements behind both)."""
+    q, k, v = p.query, p.key, p.value
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    # Persistent CTAs (v1.2: 1.028 vs 1.057 ms at (4,16,2048,2048,512) fp16, 0.579 vs 0.598 at (8,16,1024,1024,512)).
-    # Causal calls with more tiles than SMs walk m-block pairs (M−1−k, k) of equal cost (tile_scheduler.cuh; static
-    # striding over single tiles, longest first, measured 0.715 ms against 0.548 for one tile per CTA at
-    # (2,8,4096,4096,512) bf16); persistent=False: one tile per CTA, causal row blocks longest first.
-    from ..runtime.interop import device_sms
     import cupy
-    kernel = family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
-                           persistent="true" if persistent else "false")
-    p = np.zeros((), dtype=_sm90.PARAMS)
-    p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["scale_log2"] = float(scale) * LOG2E
-    p["batch"], p["num_heads"] = B, Hq
-    for axis, stride in zip("bhl", element_strides(out)):
-        p[f"out_stride_{axis}"] = stride
-    if lse is not None:
-        for axis, stride in zip("bhl", element_strides(lse)):
-            p[f"lse_stride_{axis}"] = stride
+    kernel = choice.family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
+                                  persistent="true" if choice.persistent else "false")
+    prm = np.zeros((), dtype=_sm90.PARAMS)
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
+    prm["is_causal"] = p.causal is not None
+    prm["causal_offset"] = p.causal_offset
+    prm["scale_log2"] = float(p.scale) * LOG2E
+    prm["batch"], prm["num_heads"] = B, Hq
+    set_strides(prm, ("out", out, "bhl"), ("lse", lse, "bhl"))
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, BLOCK_N), MapSpec.of(v, V_KEYS))
-    grid, p["tile_pairs"] = grid_for(B, Hq, L, causal is not None, persistent, device_sms(cupy.cuda.Device().id))
-    return _sm90.build_launch(kernel, p, maps, grid, (THREADS,), smem_bytes())
+    grid, prm["tile_pairs"] = grid_for(B, Hq, L, p.causal is not None, choice.persistent,
+                                       device_sms(cupy.cuda.Device().id))
+    return _sm90.build_launch(kernel, prm, maps, grid, (THREADS,), smem_bytes())
 
 
-def prepare_problem(p, out, lse):
-    """The launch for a checked problem (checks.SDPAProblem), bound to the call's stream."""
-    return prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal).bind(p.ctx.stream)
-
-
-def details(p) -> dict:
-    return {"kernel": FLASH_FWD_D512_SM90.name,
+def describe(choice: Choice, p) -> dict:
+    """The plan's details of a call on this kernel (explain())."""
+    return {"kernel": choice.family.name,
             "tile": f"{BLOCK_M} rows x {BLOCK_N}-key blocks, head dim padded to {HEAD_DIM}; two consumer warpgroups "
                     f"(S split by keys, O by columns, P through shared memory), {STAGES} x 32 KB TMA stages",
             "causal": "key blocks above the diagonal skipped" if p.causal else "none"}

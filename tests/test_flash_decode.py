@@ -1,7 +1,7 @@
-"""The split-KV decode kernel (cupy_attn.attention.decode): compile checks, the split rule, dispatch, num_splits
-validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_tolerance.py).
+"""The split-KV decode kernel (cupy_attn.attention.kernels.flash_decode): compile checks, the split rule, dispatch,
+num_splits validation (CPU); against the float64 reference with torch's error as the yardstick (GPU, tests/_helpers/_tolerance.py).
 
-GPU tests poison out and lse with NaN, run decode_forward on CuPy views of torch tensors (strides kept) with every
+GPU tests poison out and lse with NaN, run dispatch.decode_launch on CuPy views of torch tensors (strides kept) with every
 forced split count and every kernel variant (flash_decode with its 4- and its 8-warp tile, the latter on Hopper at
 head dims 64 and 128; flash_decode_sm90 with one and two CTAs per SM, which on an H100/H200 must really run where TMA
 can read the layout), and check lse; a few run through scaled_dot_product_attention (auto dispatch, num_splits,
@@ -12,7 +12,8 @@ import pytest
 
 import cupy_attn
 from cupy_attn import reference
-from cupy_attn.attention import checks as _checks, decode as _decode, dispatch as _dispatch
+from cupy_attn.attention import checks as _checks, dispatch as _dispatch
+from cupy_attn.attention.kernels import flash_decode as _decode
 from cupy_attn.runtime import compile as _compile, interop as _interop
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
@@ -40,7 +41,7 @@ def test_every_instantiation_compiles_without_spills(family, arch):
 def test_streaming_variant_sass_has_tma_mbarriers_and_no_local_memory():
     """flash_decode_sm90 in the SASS: TMA loads (UTMALDG) and mbarrier waits/arrivals (SYNCS), ldmatrix + mma.sync
     math, cp.async only for Q (one LDGSTS in the code), and no local memory."""
-    from test_flash_sm90 import _cuobjdump, sass_summary
+    from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     kernels = sass_summary(_compile.family_cubin(_decode.FLASH_DECODE_SM90, "sm_90a"))
@@ -212,8 +213,8 @@ _SMEM_LIMIT = {8: 101376, 9: 232448}
 
 def test_tile_table():
     declared = set(_decode.FLASH_DECODE.name_expressions())
-    assert {d for d, _ in _decode.DECODE_TILES} == set(_decode.HEAD_DIMS)
-    for (d, arch), tile in _decode.DECODE_TILES.items():
+    assert {d for d, _ in _decode.TILES} == set(_decode.HEAD_DIMS)
+    for (d, arch), tile in _decode.TILES.items():
         assert tile.smem_bytes(d) <= _SMEM_LIMIT[arch], (d, arch, tile)
         assert tile.ctas_per_sm * tile.smem_bytes(d) <= {8: 167936, 9: 233472}[arch], (d, arch, tile)
         assert (tile.block_n // tile.warps) % 16 == 0 and tile.stages >= 2
@@ -394,7 +395,7 @@ SPLITS = (None, 1, 2, 3, 7, 16)
 VARIANTS = (("v1", 4), ("v1", 8), ("stream", None), ("stream2", None))
 
 
-from test_flash import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
+from test_flash_fwd import _cp, _rand, _torch, assert_out_lse  # noqa: E402  (the fused kernel's GPU test helpers)
 
 
 def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS, what="", torch_flip=False):
@@ -432,8 +433,10 @@ def _check(q, k, v, dtype, *, causal=None, mask=None, scale=None, splits=SPLITS,
         for n in splits:
             out = cupy.full((B, Hq, L, Ev), np.nan, dtype=_cp(q).dtype)
             lse = cupy.full((B, Hq, L), np.nan, dtype=cupy.float32)
-            launch = _decode.decode_forward(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal, mask=cmask,
-                                            num_splits=n, variant=variant, warps=warps)
+            launch = _dispatch.decode_launch(_cp(q), _cp(k), _cp(v), out, lse, scale=scale, causal=causal,
+                                             mask=cmask, num_splits=n, variant=variant, warps=warps)
+            launch(_cp(q).data.ptr, _cp(k).data.ptr, _cp(v).data.ptr, out.data.ptr, lse.data.ptr,
+                   0 if cmask is None else cmask.data.ptr)
             streaming = variant != "v1" and hopper and tma_ok
             choice = launch.info["choice"]
             assert (choice.family is _decode.FLASH_DECODE_SM90) == streaming, choice.describe()

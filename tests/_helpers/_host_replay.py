@@ -1,8 +1,8 @@
 """Host time of replaying each family's prepared launch, the driver calls replaced by no-ops (CPU; a comparison of two
 versions of the launch code on one machine, not a measurement of a GPU call): what a call-cache hit pays on top of
-the driver. Builds the launches as tests/_launch_capture.py's cases do.
+the driver. Builds the launches as tests/_helpers/_launch_capture.py's cases do.
 
-    PYTHONPATH=. python tests/_host_replay.py
+    PYTHONPATH=. python tests/_helpers/_host_replay.py
 """
 import sys
 import timeit
@@ -37,30 +37,33 @@ def main():
         for mod in c._launch_modules():
             if hasattr(mod, "_cu_launch_kernel_ex"):
                 mp.setattr(mod, "_cu_launch_kernel_ex", lambda: noop)
-        from cupy_attn.attention import (backward, backward_sm90, decode, fused, fused_sm90, gemm_3xtf32, pv_sm90,
-                                         scores_sm90)
+        from cupy_attn.attention import checks, dispatch
+        from cupy_attn.attention.kernels import (flash_bwd, flash_bwd_sm90, flash_decode, flash_fwd_sm90, gemm_3xtf32,
+                                                 pv_sm90, scores_sm90)
         F16 = c.F16
         q, k, v, o = c._qkvo(2, 8, 2, 100, 300, 64, 64, F16)
         lse = c.FakeArray((2, 8, 100), c.F32, c.LSE)
         ptrs = c._ptrs(q, k, v, o, lse, None)
         rec.cc = 90
-        run = fused.prepare(q, k, v, o, lse, scale=0.1).bind(c.FakeStream(c.STREAM))
+        run = dispatch.fused_launch(q, k, v, o, lse, scale=0.1).bind(c.FakeStream(c.STREAM))
         timed("flash replay (bound)", lambda: run(*ptrs))
-        fa3 = fused_sm90.prepare(q, k, v, o, lse, scale=0.1, causal=None, mode="3")
+        prob = checks.array_problem(q, k, v, o, lse, scale=0.1, ctx=c.FakeCtx())
+        fa3 = flash_fwd_sm90.build(prob, flash_fwd_sm90.choose(prob, "3"), o, lse)
         timed("fa3 replay", lambda: fa3.launch_on(c.STREAM, *ptrs))
-        sc = scores_sm90.prepare(q, k, lse, scale=0.1, ld=304, variant=3)
+        sc = scores_sm90.build(prob, scores_sm90.choose(prob, 3), lse, ld=304)
         timed("scores launch_on", lambda: sc.launch_on(c.STREAM, c.Q, c.K, c.P_BUF, c.LSE, 0))
-        pv = pv_sm90.prepare(v, c.FakeArray((2, 8, 100, 64), F16, c.O), seqlen_q=100, ld=304, causal="top_left")
+        pv_prob = checks.array_problem(q, k, v, o, scale=0.1, causal="top_left", ctx=c.FakeCtx())
+        pv = pv_sm90.build(pv_prob, c.FakeArray((2, 8, 100, 64), F16, c.O), ld=304)
         timed("pv launch_on", lambda: pv.launch_on(c.STREAM, c.P_BUF, c.V, c.O))
         qd, kd, vd, od = c._qkvo(4, 8, 2, 1, 4096, 128, 128, F16)
         ld_ = c.FakeArray((4, 8, 1), c.F32, c.LSE)
         for env, splits in (("1", 1), ("1", 4), ("2", 3)):
             mp.setenv("CUPY_ATTN_DECODE", env)
-            from cupy_attn.attention import checks
             p = checks.SDPAProblem(ctx=c.FakeCtx(), query=qd, key=kd, value=vd, batch_shape=(4, 8), batch=4,
                                    num_heads=8, num_kv_heads=2, seqlen_q=1, seqlen_k=4096, head_dim=128,
                                    head_dim_v=128, dtype=F16, scale=0.1, causal=None)
-            drun = decode.prepare_problem(p, splits, None, od, ld_)
+            choice = flash_decode.choose(p, 90, 132, splits)
+            drun = flash_decode.build(p, choice, od, ld_).bind(p.ctx.stream)
             dptrs = c._ptrs(qd, kd, vd, od, ld_, None)
             timed(f"decode {env} splits={splits}", lambda: drun(*dptrs))
         g = gemm_3xtf32.Gemm3xTF32(c_dtype=c.F32, ldc=300, stride_c=30000, a_dtype=c.F32, lda=64, stride_a=6400,
@@ -68,9 +71,9 @@ def main():
                                    k=64, batch=3)
         timed("gemm_3xtf32 launch_on", lambda: g.launch_on(c.STREAM, c.O, c.Q, c.K))
         p = c._problem(B=2, Hq=4, Hkv=2, L=100, S=130, E=64, Ev=64)
-        fb = backward.FlashBackward(p, 64)
+        fb = flash_bwd.FlashBackward(p, 64)
         timed("flash backward call", lambda: fb(c.Q, c.K, c.V, c.O, c.LSE, c.O, c.O, c.K, c.V), n=5000)
-        sb = backward_sm90.Sm90Backward(p, 64)
+        sb = flash_bwd_sm90.Sm90Backward(p, 64)
         timed("sm90 backward call", lambda: sb(c.Q, c.K, c.V, c.O, c.LSE, c.O, c.O, c.K, c.V), n=5000)
     finally:
         mp.undo()

@@ -1,16 +1,20 @@
-"""The split attention path: GEMM → fused mask + softmax kernel → GEMM.
+"""The split attention path's schedule: GEMM → fused mask + softmax kernel → GEMM, or the Hopper scores kernel → P·V.
 
     scores = (scale·log2 e) · Q Kᵀ      cuBLAS (fp16/bf16 in, fp32 compute) or, for fp32, gemm_3xtf32; fp32 out
-    P      = softmax2(scores + mask)     cuda_src/attention/softmax.cu, in place over the scores buffer (P in the input dtype)
+    P      = softmax2(scores + mask)     kernels/softmax.py, in place over the scores buffer (P in the input dtype)
     out    = P V                          the same GEMM kind, fp32 compute, out in the input dtype
 
-fp32 inputs run their two GEMMs on gemm_3xtf32 (3xTF32 tensor cores at fp32 accuracy, CUTLASS's FastF32 recipe, as
-torch's memory-efficient attention does) on sm_80+, or on cuBLAS SGEMM with ``CUPY_ATTN_FP32_GEMM=sgemm``; TF32 with
-``allow_tf32`` (gemm_3xtf32.fp32_gemm decides).
+or, where the plan chose the Hopper scores kernel (kernels/scores_sm90.py: Q·Kᵀ with the softmax in its epilogue, P
+written in the input dtype) and its P·V kernel (kernels/pv_sm90.py) or cuBLAS's P·V.
 
-Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies. The L×S scores
-buffer is the only large temporary: batch·heads (and, for very long rows, query rows) are processed in chunks so that
-it stays under ``workspace_bytes``.
+The plan (dispatch.split_choice) makes every choice once, into a :class:`SplitChoice`: which kernels, the fp32 GEMM's
+kind, the workspace budget, the batch chunks of the scores kernel, the causal row bands and the streams they run on.
+This module turns a choice into a :class:`_Schedule` for the call's layout (the GEMMs' batch folding, the chunks of
+batch·heads and query rows that keep the L×S score buffer under the budget, their offsets and launches) and replays
+it (:func:`run`). The heuristics the plan takes the chunking, bands and streams from are here too
+(:func:`scores_batch_chunk`, :func:`causal_row_bands`, :func:`cublas_causal_bands`, :func:`band_streams`).
+
+Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies.
 """
 from __future__ import annotations
 
@@ -20,61 +24,40 @@ import functools
 
 import numpy as np
 
-from .. import philox
-from ..runtime import blas, env, workspace
-from ..runtime.compile import KernelFamily
-from ..runtime.launch import PreparedLaunch, Step
-from ..runtime.interop import dtype_name
-from ..runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
-from . import gemm_3xtf32
-
-# (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
-# first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
-# four warps of loads in flight); wider groups keep ≤ 32 fp32 values per thread (8 vectors), well under the register
-# budget at full occupancy. (512, 0) loops over rows longer than 16384 columns. The two lists differ at S ≤ 512
-# (bench/experiments/split/probe_softmax.py, seed buffer, H200, same machine): unmasked rows 64 × 2 0.380 ms vs 32 × 4 0.399 (16 × 8
-# 0.388, 128 × 1 0.532); rows with a key-padding mask 32 × 4 0.568 vs 64 × 2 0.685, causal rows 0.454 vs 0.461.
-SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
-    "false": ((32, 1), (32, 2), (64, 2), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
-    "true": ((32, 1), (32, 2), (32, 4), (128, 2), (128, 4), (256, 4), (256, 8), (512, 8), (512, 0)),
-}
-
-# Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
-_PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
-    "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
-    "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
-    "lse_stride_b0", "lse_stride_b1", "lse_stride_b2",
-    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2")])
-
-# dropout=true only with masked=true: a dropout call takes the masked tiles (the mask test is free next to Philox).
-SOFTMAX = KernelFamily(
-    name="softmax",
-    source="attention/softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
-    axes={"out_t": tuple(C_TYPE.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
-          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
-    where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
-                                                                          or row["masked"] == "true"),
-    structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
-)
+from ...runtime import blas, workspace
+from ...runtime.kernel_abi import LOG2E
+from ...runtime.launch import PreparedLaunch
+from ..kernels import gemm_3xtf32, pv_sm90, scores_sm90, softmax
 
 
-DEFAULT_WORKSPACE_BYTES = 1 << 30
-ENV_WORKSPACE_BYTES = "CUPY_ATTN_WORKSPACE_BYTES"
+@dataclasses.dataclass(frozen=True)
+class SplitChoice:
+    """Everything the plan chose for a call on the split path (dispatch.split_choice), read by the schedule.
 
+    budget:      bytes of the score (or P) buffer: workspace_bytes, CUPY_ATTN_WORKSPACE_BYTES or 1 GiB.
+    gemm:        the fp32 GEMM's kind (gemm_3xtf32.fp32_gemm: None for fp16/bf16, "3xtf32", "sgemm", "tf32");
+                 ``allow_tf32`` the caller's flag, passed to cuBLAS.
+    scores:      the Hopper scores kernel's choice (scores_sm90.Choice), or None: cuBLAS Q·Kᵀ and the softmax pass;
+                 ``scores_why_not`` says why not.
+    pv:          ((batches, why not), ...): for a scores-kernel launch of that many batches, None where pv_sm90 runs
+                 its P·V, else why cuBLAS does (one entry per chunk size: pv_sm90.prefer depends on the rows).
+    batch_chunk: batches per scores-kernel launch (scores_batch_chunk; the batch when P of all of them fits).
+    bands:       row bands of a causal call (causal_row_bands on the scores kernel, cublas_causal_bands on cuBLAS;
+                 1 when not causal); ``streams``: the streams the cuBLAS path's bands run on (band_streams).
+    """
+    budget: int
+    gemm: str | None = None
+    allow_tf32: bool = False
+    scores: scores_sm90.Choice | None = None
+    scores_why_not: str | None = None
+    pv: tuple = ()
+    batch_chunk: int = 1
+    bands: int = 1
+    streams: int = 1
 
-def softmax_tile(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
-    """The first SOFTMAX_TILES entry (masked or unmasked list) whose register row covers seqlen_k columns
-    (S=1024 → (128, 2); S=512 → (32, 4) masked, (64, 2) unmasked)."""
-    for threads, vecs in SOFTMAX_TILES["true" if masked else "false"]:
-        if vecs == 0 or threads * vecs * 4 >= seqlen_k:
-            return threads, vecs
-    raise AssertionError("SOFTMAX_TILES ends with a looping entry")
-
-
-def workspace_bytes_default() -> int:
-    """Scores-buffer budget: ``CUPY_ATTN_WORKSPACE_BYTES`` or 1 GiB."""
-    return int(env.get(ENV_WORKSPACE_BYTES, DEFAULT_WORKSPACE_BYTES))
+    def pv_reason(self, batches: int) -> str | None:
+        """None when a scores-kernel launch of ``batches`` batches runs its P·V on pv_sm90, else why cuBLAS does."""
+        return dict(self.pv).get(batches, "no scores kernel")
 
 
 @dataclasses.dataclass
@@ -135,16 +118,16 @@ class _Chunk:
     gemm_pv: blas.StridedGemm | gemm_3xtf32.Gemm3xTF32
     p: int = 0  # byte offset of the chunk's scores (cuBLAS path) or P (scores kernel) in the scratch buffer
     softmax: PreparedLaunch | None = None  # the softmax pass over the chunk's keys (None under the scores kernel)
-    stream: int = 0  # 0: the call's stream; i > 0: side stream i - 1 (causal bands, see causal_streams)
+    stream: int = 0  # 0: the call's stream; i > 0: side stream i - 1 (causal bands, see band_streams)
 
 
 @dataclasses.dataclass
 class _Schedule:
     scores_elems: int
     chunks: list
-    # The Hopper scores kernel (scores_sm90.prepare's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax
+    # The Hopper scores kernel (scores_sm90.build's launch) when it replaces every chunk's Q·Kᵀ GEMM and softmax
     # pass: one launch writes P for all batch·heads into a scratch buffer of scores_elems input-dtype elements, and the
-    # chunks run only their P·V GEMMs (CUPY_ATTN_SPLIT_FUSED=1 or 2, see fused_reason).
+    # chunks run only their P·V GEMMs (SplitChoice.scores).
     scores: object = None
     itemsize: int = 4  # bytes per scratch element: fp32 scores, or P in the input dtype under ``scores``
     streams: int = 1  # streams the chunks are spread over (the call's and streams - 1 side streams)
@@ -152,8 +135,8 @@ class _Schedule:
     # schedule per chunk size, replayed per chunk of batches at byte offsets (q, k, v, out, lse, mask) from the
     # call's pointers. Empty otherwise; when set, scores and chunks are unused.
     batch_chunks: list = dataclasses.field(default_factory=list)
-    # The P·V kernel (pv_sm90.prepare's launch) after the scores kernel where pv_reason allows (causal calls, and others
-    # where it beats cuBLAS): one launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
+    # The P·V kernel (pv_sm90.build's launch) after the scores kernel where the plan chose it (SplitChoice.pv): one
+    # launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
 
 
@@ -161,12 +144,11 @@ _SCHEDULES: dict = {}
 _MAX_SCHEDULES = 256
 
 
-def _schedule_key(p, out, lse, budget: int, allow_tf32: bool) -> tuple:
-    """Everything a schedule depends on: shapes, strides, dtypes, mask layout, causal, scale, budget, the GEMM and
-    scores-kernel and P·V switches, the operands' 16-byte alignment (TMA); not pointers."""
+def _schedule_key(p, choice: SplitChoice, out, lse) -> tuple:
+    """Everything a schedule depends on: the plan's choice, shapes, strides, dtypes, mask layout, causal, scale, the
+    operands' 16-byte alignment (TMA); not pointers."""
     m = p.mask
-    return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, budget, allow_tf32, p.dropout_p,
-            _scores_sm90().setting(), _pv_sm90().setting(), gemm_3xtf32.setting() if p.dtype == np.float32 else None,
+    return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, p.dropout_p, choice,
             *((a.shape, a.strides, _align16(a)) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -177,23 +159,19 @@ def _align16(a) -> int:
     return (a.__array_interface__["data"][0] if ptr is None else ptr) % 16
 
 
-def split_forward(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> None:
-    """Run the split path for a checked problem ``p`` (see _checks.SDPAProblem) on CuPy's current stream.
-
-    out: (batch, Hq, L, Ev) CuPy array, query dtype, non-empty; lse: None or (batch, Hq, L) float32; S ≥ 1. Raises
-    MemoryError through CuPy if even one query row of scores exceeds the device's memory. The launch schedule
-    (chunks, GEMM plans, kernel parameters) is built once per layout (see _schedule_key) and reused.
-    """
-    sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
-    run(sched, p.ctx, p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
-        0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr, rng=_rng_ptr(p))
+def split_forward(p, choice: SplitChoice, out, lse=None) -> None:
+    """Run the split path for a checked problem ``p`` (checks.SDPAProblem) and the plan's ``choice`` on the call's
+    stream. out: (batch, Hq, L, Ev) CuPy array, query dtype, non-empty; lse: None or (batch, Hq, L) float32; S ≥ 1.
+    Raises MemoryError through CuPy if even one query row of scores exceeds the device's memory."""
+    prepare(p, choice, out, lse)(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out.data.ptr,
+                                 0 if lse is None else lse.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
 
 
-def prepare(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False):
-    """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` for a checked problem: its schedule bound to the
-    call's context (what dispatch's plan returns and the call cache replays) and, with dropout, to the call's rng
-    pair (p.rng: such calls are never replayed by the call cache)."""
-    sched = schedule(p, out, lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+def prepare(p, choice: SplitChoice, out, lse=None):
+    """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` for a checked problem and the plan's choice: its
+    schedule bound to the call's context (what the plan's prepare returns and the call cache replays) and, with
+    dropout, to the call's rng pair (p.rng: such calls are never replayed by the call cache)."""
+    sched = schedule(p, choice, out, lse)
     if p.dropout_p > 0:
         return functools.partial(run, sched, p.ctx, rng=_rng_ptr(p))
     return functools.partial(run, sched, p.ctx)
@@ -208,18 +186,17 @@ def _rng_ptr(p) -> int:
     return 0
 
 
-def schedule(p, out, lse=None, *, workspace_bytes: int | None = None, allow_tf32: bool = False) -> "_Schedule":
-    """The launch schedule of split_forward for this layout (cached; see _schedule_key). It holds no pointers: run()
-    replays it on any arrays of the same layout."""
+def schedule(p, choice: SplitChoice, out, lse=None) -> "_Schedule":
+    """The launch schedule of ``choice`` for this layout (built once per layout: _schedule_key). It holds no
+    pointers: run() replays it on any arrays of the same layout."""
     if out.size == 0 or p.seqlen_k == 0:
         raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
-    budget = workspace_bytes or workspace_bytes_default()
-    key = _schedule_key(p, out, lse, budget, allow_tf32)
+    key = _schedule_key(p, choice, out, lse)
     sched = _SCHEDULES.get(key)
     if sched is None:
         if len(_SCHEDULES) >= _MAX_SCHEDULES:
             _SCHEDULES.clear()
-        sched = _SCHEDULES[key] = _build_schedule(p, out, lse, budget, allow_tf32)
+        sched = _SCHEDULES[key] = _build_schedule(p, choice, out, lse)
     return sched
 
 
@@ -293,9 +270,9 @@ def _join(main, streams: list, events: list) -> None:
 def causal_row_bands(seqlen_q: int) -> int:
     """How many row bands the P·V GEMM of a causal call on the scores kernel is cut into, so that band i's GEMM stops
     at its last row's visible key: with n equal bands of a square causal problem P·V does (n + 1) / (2n) of the full
-    work, in GEMMs of L / n rows. Measured at the seed's causal variant (32, 32, 512, 512, 1024) fp16 on an H200
-    (session 9, bench/experiments/tools/kernel_times.py, cuBLAS's device time): one GEMM 0.89-0.95 ms, 2 bands 0.78 ms,
-    4 bands 0.99-1.04 ms (its 128-row GEMMs run at half the rate). So 2 bands from L = 256 on, else 1.
+    work, in GEMMs of L / n rows. At the seed's causal variant (32, 32, 512, 512, 1024) 2 bands measured faster than
+    one GEMM and than 4 bands, whose 128-row GEMMs run at half the rate (bench/notes/split.md). So 2 bands from
+    L = 256 on, else 1: L = 512 → 2 GEMMs of 256 rows, stopping at keys 256 and 512.
 
     >>> [causal_row_bands(L) for L in (1, 255, 256, 512, 4096)]
     [1, 1, 2, 2, 2]
@@ -306,10 +283,10 @@ def causal_row_bands(seqlen_q: int) -> int:
 def cublas_causal_bands(seqlen_q: int) -> int:
     """How many row bands a causal call on the cuBLAS split path is cut into: band i's Q·Kᵀ GEMM, softmax pass and
     P·V GEMM stop at its last row's visible key, so with n equal bands of a square causal problem the path does
-    (n + 1) / (2n) of the full work. Measured on an H200 (bench/experiments/split/causal_bands.py, session 10), causal
-    time over the same call without causal: (2, 8, 4096, 4096, 512) bf16 1 band 1.06, 4 bands 0.76, 8 bands 0.80,
-    16 bands 0.93; (8, 16, 2048, 2048, 512) fp16 1.05 / 0.79 / 0.87 / 1.12 (more bands: smaller GEMMs and softmax
-    passes, more launches). So L // 256 bands (≥ 256 rows each), at most 4.
+    (n + 1) / (2n) of the full work, but more bands mean smaller GEMMs and softmax passes and more launches: 4 bands
+    measured fastest at (2, 8, 4096, 4096, 512) and (8, 16, 2048, 2048, 512), 0.76-0.79 of the call without causal
+    (bench/experiments/split/causal_bands.py; bench/notes/split.md). So L // 256 bands (≥ 256 rows each), at most 4:
+    L = 1024 → 4 bands of 256 rows, 5/8 of the work.
 
     >>> [cublas_causal_bands(L) for L in (1, 511, 512, 1024, 4096, 65536)]
     [1, 1, 2, 4, 4, 4]
@@ -319,12 +296,10 @@ def cublas_causal_bands(seqlen_q: int) -> int:
 
 def causal_streams(seqlen_q: int, bands: int) -> int:
     """How many streams the row bands of a causal call on the cuBLAS split path run on at once (1: one after the
-    other on the call's stream). Measured on an H200 (bench/experiments/split/causal_bands.py, session 12), causal time
-    over the same call without causal, 1 / 2 / 4 streams: (2, 8, 4096, 4096, 512) bf16 4 bands 0.769 / 0.738 / 0.759,
-    8 bands 0.804 / 0.743 / 0.757; (8, 16, 2048, 2048, 512) fp16 4 bands 0.763 / 0.737 / 0.760, 8 bands 0.830 /
-    0.760 / 0.772. One band's softmax pass runs beside the other's GEMMs. So 2 streams whenever there are bands.
-    (Under the scores kernel, whose P·V bands are the only banded step, streams changed nothing: seed causal 4 bands
-    1.042 / 1.044 / 1.044; it keeps one stream.)
+    other on the call's stream). One band's softmax pass runs beside another's GEMMs: 2 streams measured 3-4% faster
+    than 1 and than 4 at (2, 8, 4096, 4096, 512) and (8, 16, 2048, 2048, 512) (bench/experiments/split/causal_bands.py;
+    bench/notes/split.md). So 2 streams whenever there are bands. (Under the scores kernel, whose P·V bands are the
+    only banded step, streams changed nothing; it keeps one stream.)
 
     >>> causal_streams(4096, 4), causal_streams(4096, 1)
     (2, 1)
@@ -368,10 +343,11 @@ def _row_bands(L: int, rows_per_chunk: int, bands: int) -> list[tuple[int, int]]
     return blocks
 
 
-def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
-    fused = fused_reason(p, budget) is None  # the Hopper scores kernel replaces Q·Kᵀ and the softmax pass
-    if fused and scores_batch_chunk(p, budget) < p.batch:
-        return _batch_chunked_schedule(p, out, lse, budget, allow_tf32)
+def _build_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
+    budget = choice.budget
+    fused = choice.scores is not None  # the Hopper scores kernel replaces Q·Kᵀ and the softmax pass
+    if fused and choice.batch_chunk < p.batch:
+        return _batch_chunked_schedule(p, choice, out, lse)
     L, S, E, Ev = p.seqlen_q, p.seqlen_k, p.head_dim, p.head_dim_v
     dtype = p.dtype
     isz = dtype.itemsize
@@ -393,24 +369,10 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     bq, bk, bv, bo = inner.q, inner.k, inner.v, inner.o
     dec = ([_Axis(1, 0, 0, 0, 0, 0, 0, 0)] * (3 - len(batch_group))) + batch_group
 
-    dropout = p.dropout_p > 0
-    masked = "true" if p.mask is not None or p.causal is not None or dropout else "false"
-    mask = p.mask
-    mask_kind = MASK_NONE if mask is None else MASK_KIND["bool" if p.mask_kind == "bool" else dtype_name(mask.dtype)]
-    mask_isz = mask.itemsize if mask is not None else 1
-    causal_offset = {None: S, "top_left": 0, "bottom_right": S - L}[p.causal]
+    causal_offset = p.visible_offset  # the visible keys of a band: r0 + lc + offset
     alpha = p.scale * LOG2E  # the kernel works in base 2
-    base = np.zeros((), dtype=_PARAMS)
-    base["seqlen_k"], base["ld"], base["causal_offset"], base["mask_kind"] = S, ld, causal_offset, mask_kind
-    base["n1"], base["n2"] = dec[1].size, dec[2].size
-    for i, ax in enumerate(dec):
-        base[f"mask_stride_b{i}"], base[f"lse_stride_b{i}"], base[f"bh_stride_b{i}"] = ax.mask, ax.lse, ax.bh
-    if dropout:
-        base["dropout_threshold"] = philox.dropout_threshold(p.dropout_p)
-        base["dropout_scale"] = philox.dropout_scale(p.dropout_p)
-    if mask is not None:
-        base["mask_stride_q"], base["mask_stride_k"] = mask.strides[2] // mask_isz, mask.strides[3] // mask_isz
-
+    softmax_base = softmax.base_params(p, ld, [(ax.size, ax.mask, ax.lse, ax.bh) for ax in dec])
+    mask_isz = p.mask.itemsize if p.mask is not None else 1
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
     gemms: dict = {}
     # Under the scores kernel P is packed by (batch, query head): flat index bh = b·Hq + h at bh·L·ld_p elements,
@@ -420,30 +382,26 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     # kernel P is 0 past each row's limit and only the P·V GEMM is banded (causal_row_bands); on the cuBLAS path
     # each band's Q·Kᵀ GEMM, softmax pass (over sc columns) and P·V GEMM stop at sc (cublas_causal_bands).
     banded = p.causal is not None
-    bands = (causal_row_bands(L) if fused else cublas_causal_bands(L)) if banded else 1
-    row_bands = _row_bands(L, rows_per_chunk, bands)
+    row_bands = _row_bands(L, rows_per_chunk, choice.bands)
     scores_launch = pv_launch = None
     if fused:
         ld_p = -(-S // 8) * 8
-        scores = _scores_sm90()
         # A causal call's first P·V row band reads only its visible keys: P's zeros past them go unwritten. The P·V
         # kernel reads no row past its block's visible keys (rounded up to 64, which the scores kernel writes): no
         # zeros at all.
         p_read = None
-        if pv_reason(p, out) is None:
-            pv_launch = _pv_sm90().prepare(p.value, out, seqlen_q=L, ld=ld_p, causal=p.causal)
+        if choice.pv_reason(p.batch) is None:
+            pv_launch = pv_sm90.build(p, out, ld=ld_p)
             p_read = (-(-L // 64) * 64, 0) if banded else None
         elif banded and row_bands[0][1] < L:
             r0, lc = row_bands[0]
             p_read = (lc, max(1, min(S, r0 + lc + causal_offset)))
-        scores_launch = scores.prepare(p.query, p.key, lse, scale=p.scale, ld=ld_p, variant=scores.setting(),
-                                       causal=p.causal, p_read=p_read, mask=p.mask)
+        scores_launch = scores_sm90.build(p, choice.scores, lse, ld=ld_p, p_read=p_read)
         if pv_launch is not None:
             return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=[], scores=scores_launch,
                              itemsize=isz, pv=pv_launch)
 
-    from .dispatch import device_arch
-    gemm = functools.partial(gemm_3xtf32.strided_gemm, allow_tf32=allow_tf32, arch=device_arch(p))
+    gemm = functools.partial(gemm_3xtf32.strided_gemm, choice.gemm, allow_tf32=choice.allow_tf32)
 
     def gemm_pair(nb: int, lc: int, sc: int = S):
         """(QKᵀ, PV) for nb batches of lc query rows against the first sc keys (a causal band's; else S); chunks of
@@ -464,23 +422,14 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         return gemms[nb, lc, sc]
 
     # Bands are independent: on the cuBLAS path, with their own regions of the scores buffer, they run on several
-    # streams at once (causal_streams), longest first.
-    streams = band_streams(L, S, len(row_bands), budget) if banded and scores_launch is None else 1
+    # streams at once (the plan's choice.streams: band_streams), longest first.
+    streams = choice.streams if banded and scores_launch is None else 1
     band_stream = _spread([(r0 + lc + causal_offset) * lc for r0, lc in row_bands], streams)
     band_offset = np.cumsum([0] + [per_chunk * lc * ld * 4 for _, lc in row_bands])[:-1] if streams > 1 \
         else [0] * len(row_bands)
     # Longest band first: with several streams the GPU starts the critical path first.
     band_order = sorted(range(len(row_bands)), key=lambda b: -row_bands[b][0]) if streams > 1 \
         else range(len(row_bands))
-    softmax = {}
-
-    def softmax_for(sc: int):
-        """(kernel, block, rows per block) of the softmax pass over sc columns."""
-        if sc not in softmax:
-            t = softmax_tile(sc, masked == "true")
-            softmax[sc] = (SOFTMAX.kernel(out_t=C_TYPE[dtype_name(dtype)], tile=t, masked=masked,
-                                          dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
-        return softmax[sc]
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
         off = {f: 0 for f in ("q", "k", "v", "o", "mask", "lse", "bh")}
@@ -494,17 +443,12 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
             for band in band_order:
                 r0, lc = row_bands[band]
                 sc = max(1, min(S, r0 + lc + causal_offset)) if banded else S
-                params = base.copy()
-                params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = nb * lc, lc, r0, c0
-                params["bh0"], params["seqlen_k"] = off["bh"], sc
                 gemm_qk, gemm_pv = gemm_pair(nb, lc, sc)
                 # Under the scores kernel no softmax pass runs: its kernel is not loaded.
                 launch = None
                 if scores_launch is None:
-                    sm_kernel, sm_block, sm_rows = softmax_for(sc)
-                    launch = PreparedLaunch(params, [Step(sm_kernel, (-(-nb * lc // sm_rows),), (sm_block,))],
-                                            args=("scores", "mask", "lse", "rng"),
-                                            pointers={name: name for name in ("scores", "mask", "lse", "rng")})
+                    launch = softmax.build(p, softmax_base, batches=nb, rows=lc, row0=r0, batch0=c0, bh0=off["bh"],
+                                           seqlen_k=sc)
                 chunks.append(_Chunk(
                     q=(off["q"] + c0 * bq + r0 * sq) * isz, k=(off["k"] + c0 * bk) * isz,
                     v=(off["v"] + c0 * bv) * isz, o=(off["o"] + c0 * bo + r0 * so) * isz,
@@ -519,53 +463,6 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
     return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks, streams=streams)
 
 
-def _scores_sm90():
-    from . import scores_sm90
-    return scores_sm90
-
-
-def _pv_sm90():
-    from . import pv_sm90
-    return pv_sm90
-
-
-def pv_reason(p, out=None) -> str | None:
-    """None when a call on the scores kernel (fused_reason None) runs its P·V in pv_sm90's one launch instead of
-    cuBLAS (row bands under a causal mask), else why not: CUPY_ATTN_SPLIT_PV must not be 0; causal calls (each row
-    block then stops at its visible keys), and the others only where pv_sm90.prefer says the kernel is faster (or
-    with CUPY_ATTN_SPLIT_PV=2); value and out (None: not checked) must take its TMA loads and 16-byte stores
-    (pv_sm90.layout_reason)."""
-    pv = _pv_sm90()
-    mode = pv.setting()
-    if mode == 0:
-        return f"{pv.ENV}=0"
-    if p.causal is None and mode == 1 and not pv.prefer(p.batch * p.num_heads * p.seqlen_q, p.seqlen_k,
-                                                          p.head_dim_v):
-        return "not causal: cuBLAS's GEMM is as fast at this shape (pv_sm90.prefer)"
-    return pv.layout_reason(p.value, out if out is not None else p.value)
-
-
-def fused_reason(p, budget: int, arch: int | None = None) -> str | None:
-    """None when the split path runs the Hopper scores kernel (scores_sm90: Q·Kᵀ with the softmax in its epilogue,
-    P written in the input dtype) followed by the P·V GEMM, else why not: CUPY_ATTN_SPLIT_FUSED must not be 0
-    (scores_sm90.setting: unset = 3), the kernel must take the call (scores_sm90.unsupported_reason) and P
-    for all batch·heads (B·Hq·L·⌈S/8⌉·8 elements) must fit the workspace budget (the kernel writes it in one launch;
-    seed (32, 32, 512, 1024) fp16: 512 MiB). ``arch``: the compute capability as an int (None: the call's device's)."""
-    scores = _scores_sm90()
-    if not scores.enabled():
-        return f"{scores.ENV_SPLIT_FUSED}=0"
-    if arch is None:
-        from .dispatch import device_arch
-        arch = device_arch(p)
-    why = scores.unsupported_reason(p, arch)
-    if why is not None:
-        return why
-    need = p_bytes_per_batch(p)
-    if need > budget:
-        return f"P of one batch's heads needs {need / 2**20:.0f} MiB, over the {budget / 2**20:.0f} MiB workspace budget"
-    return None
-
-
 def p_bytes_per_batch(p) -> int:
     """Bytes of the scores kernel's P for one batch: Hq·L rows of ⌈S/8⌉·8 input-dtype elements."""
     return p.num_heads * p.seqlen_q * (-(-p.seqlen_k // 8) * 8) * p.dtype.itemsize
@@ -573,11 +470,10 @@ def p_bytes_per_batch(p) -> int:
 
 def scores_batch_chunk(p, budget: int) -> int:
     """Batches per scores-kernel launch: all of them when P of all batch·heads fits the workspace budget (one launch,
-    one buffer), else as many as fit (at least one: fused_reason asks that much). Each chunk of batches then runs the
-    scores kernel and its P·V GEMMs on one P buffer, reused chunk after chunk on the call's stream. Measured on an
-    H200 (session 17, same process), the seed with batch 128 (P 2 GiB, over the default 1 GiB budget) in two chunks
-    of 64 batches: 9.11 ms against 10.53 on the cuBLAS Q·Kᵀ + softmax pass it used to fall back to (causal 8.04
-    against 9.04; torch 32.8 and 19.4); one launch with a 3 GiB budget 9.47 (causal 7.69).
+    one buffer), else as many as fit (at least one: the plan asks that much, dispatch.scores_reason). Each chunk of
+    batches then runs the scores kernel and its P·V GEMMs on one P buffer, reused chunk after chunk on the call's
+    stream. The seed with batch 128 (P 2 GiB, over the default 1 GiB budget) runs two chunks of 64 batches, measured
+    14% faster than the cuBLAS Q·Kᵀ + softmax pass (bench/notes/split.md).
 
     >>> import types, numpy as np
     >>> seed = types.SimpleNamespace(batch=128, num_heads=32, seqlen_q=512, seqlen_k=512, dtype=np.dtype(np.float16))
@@ -587,19 +483,25 @@ def scores_batch_chunk(p, budget: int) -> int:
     return max(1, min(p.batch, budget // p_bytes_per_batch(p)))
 
 
-def _batch_chunked_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
+def batch_slice(p, nb: int):
+    """The problem of the first ``nb`` batches of ``p`` (batch slices of its arrays: the same strides), as a chunk of
+    batches runs it. Arrays absent (plans made without them, tests) stay None."""
+    def first(a):
+        return None if a is None else a[:nb]
+    return dataclasses.replace(p, query=first(p.query), key=first(p.key), value=first(p.value), batch=nb,
+                               batch_shape=(nb,), mask=first(p.mask))
+
+
+def _batch_chunked_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
     """The scores-kernel schedule of a call whose P (all batch·heads) exceeds the budget: the schedules of its batch
-    chunks (scores_batch_chunk batches, and the remainder), built on batch slices of the arrays (same strides), each
+    chunks (choice.batch_chunk batches, and the remainder), built on batch slices of the arrays (same strides), each
     replayed at its chunk's byte offsets by run()."""
-    n = scores_batch_chunk(p, budget)
+    n = choice.batch_chunk
     subs, chunks = {}, []
     for b0 in range(0, p.batch, n):
         nb = min(n, p.batch - b0)
         if nb not in subs:
-            sub_p = dataclasses.replace(p, query=p.query[:nb], key=p.key[:nb], value=p.value[:nb], batch=nb,
-                                        batch_shape=(nb,), mask=None if p.mask is None else p.mask[:nb])
-            subs[nb] = schedule(sub_p, out[:nb], None if lse is None else lse[:nb], workspace_bytes=budget,
-                                allow_tf32=allow_tf32)
+            subs[nb] = schedule(batch_slice(p, nb), choice, out[:nb], None if lse is None else lse[:nb])
         offsets = tuple(b0 * a.strides[0] if a is not None else 0 for a in (p.query, p.key, p.value, out, lse, p.mask))
         chunks.append((offsets, subs[nb]))
     return _Schedule(scores_elems=0, chunks=[], batch_chunks=chunks)

@@ -5,13 +5,14 @@ wgmma (Shah et al. 2024, FlashAttention-3, §3; FlashAttention-2's Algorithm 2 f
 head dims up to 256 (E and Ev each padded to the bucket 64, 128 or 256 by TMA's zero fill, as the forward's FA3 kernel
 does), no attn_mask, causal either alignment or none, GQA, any L and S ≥ 1, on compute capability 9.0, for query, key
 and value layouts TMA can read in place (16-byte aligned bases, batch / head / row strides multiples of 16 bytes:
-BHSD and BSHD both qualify). backward.plan_backward decides when it runs (``CUPY_ATTN_BWD``); everything else keeps
-the mma.sync kernel (flash_bwd.cu) or the split backward.
+BHSD and BSHD both qualify). The plan (dispatch.plan_backward) decides when it runs (``CUPY_ATTN_BWD``); everything
+else keeps the mma.sync kernel (flash_bwd.cu) or the split backward. :func:`reason` says whether it serves a call,
+:func:`build` prepares a call's :class:`Sm90Backward`.
 
 A launch: one pre-pass (attn_bwd_delta_padded: D = rowsum(dO ∘ O) and lse·log2 e in rows padded to a multiple of
 STAT_PAD, so each query block's statistics are one aligned TMA box; it also zeroes the fp32 dQ accumulator), the kernel
 (one block per 128 keys of a key/value head, 64 at head dim 256), and the rounding of dQ to the input dtype
-(backward.cu's group sum with one member). The kernel adds each step's dQ tile into the accumulator by TMA reduces
+(bwd_rows' group sum with one member). The kernel adds each step's dQ tile into the accumulator by TMA reduces
 (a writer warp, from a shared staging buffer; at 256 in two halves, with dO single-staged to make room). Six tensor
 maps (Q, K, V, dO, the lse/D rows and the dQ accumulator) are encoded through cuda.bindings (~4 µs each on the host)
 when their base address differs from the last call's.
@@ -24,12 +25,13 @@ import math
 
 import numpy as np
 
-from ..runtime.compile import KernelFamily
-from ..runtime.launch import Maps, PreparedLaunch, Step
-from ..runtime.interop import dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, LOG2E
-from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, encode_tensor_map, tma_operand_reason
-from . import backward as _bwd
+from ...runtime.compile import KernelFamily
+from ...runtime.launch import Maps, PreparedLaunch, Step
+from ...runtime.interop import dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, LOG2E, Layout, head_dim_bucket
+from ...runtime.tma import F64, I64, MAP, MapSpec, bindings_reason, c_struct, encode_tensor_map, \
+    tma_operand_reason
+from . import bwd_rows
 THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
 STAT_PAD = 128
@@ -68,7 +70,7 @@ class BwdSm90Tile:
         (1 + 2·stages + 2·do_stages), 1 KB of slack for the 1024-byte alignment: BwdSharedStorage::kBytes in
         cuda_src/attention/sm90/bwd_mainloop.cuh.
 
-        >>> [SM90_BWD_TILES[d].smem_bytes(d) for d in (64, 128, 256)]
+        >>> [TILES[d].smem_bytes(d) for d in (64, 128, 256)]
         [199752, 198728, 231224]
         """
         score_buffers = 4 if self.by_columns else 2
@@ -82,7 +84,7 @@ class BwdSm90Tile:
 # dK + dV head_dim fp32, Sᵀ + dPᵀ block_m fp32, Pᵀ + dSᵀ block_m/2 packed, dQ 32; with block_n = 64 (by columns),
 # dK + dV head_dim/2, Sᵀ + dPᵀ block_m/2, dQ head_dim/4. Shared memory: BwdSm90Tile.smem_bytes of the 227 KB
 # (232448 B) per block.
-SM90_BWD_TILES = {
+TILES = {
     # 128 queries per step (FlashAttention-3's hdim-64 tile): 64 dK/dV + 128 Sᵀ/dPᵀ registers; 195 KB.
     64: BwdSm90Tile(128),
     # 64 queries per step (FlashAttention-3's hdim-128 tile): 128 dK/dV + 64 Sᵀ/dPᵀ registers; 194 KB.
@@ -107,10 +109,10 @@ FLASH_BWD_SM90 = KernelFamily(
     template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
     axes={
         "dtype": tuple(C_TYPE_16.values()),
-        "head_dim": tuple(SM90_BWD_TILES),
-        "tile": tuple(sorted(set(SM90_BWD_TILES.values()), key=dataclasses.astuple)),
+        "head_dim": tuple(TILES),
+        "tile": tuple(sorted(set(TILES.values()), key=dataclasses.astuple)),
     },
-    where=lambda row: row["tile"] == SM90_BWD_TILES[row["head_dim"]],
+    where=lambda row: row["tile"] == TILES[row["head_dim"]],
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashBwdSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -119,15 +121,12 @@ FLASH_BWD_SM90 = KernelFamily(
 
 def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
     """The instantiated head dim (64, 128 or 256) for E and Ev: the smallest ≥ max(E, Ev); None above 256 or below
-    1. TMA zero-fills the columns past E (Ev), as in the forward's FA3 kernel (fused_sm90.head_bucket).
+    1. TMA zero-fills the columns past E (Ev), as in the forward's FA3 kernel (flash_fwd_sm90.head_bucket).
 
     >>> head_bucket(64, 64), head_bucket(80, 96), head_bucket(8, 40), head_bucket(160, 160), head_bucket(257, 64)
     (64, 128, 64, 256, None)
     """
-    need = max(head_dim, head_dim_v)
-    if min(head_dim, head_dim_v) < 1:
-        return None
-    return next((d for d in sorted(SM90_BWD_TILES) if d >= need), None)
+    return head_dim_bucket(head_dim, head_dim_v, TILES)
 
 
 def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, arch: int) -> str | None:
@@ -142,20 +141,16 @@ def unsupported_reason(dtype, head_dim: int, head_dim_v: int, has_mask: bool, ar
         return f"dtype {dtype_name(dtype)}: the Hopper backward serves fp16 and bf16"
     if head_bucket(head_dim, head_dim_v) is None:
         return f"head dims E={head_dim}, Ev={head_dim_v}: the Hopper backward serves head dims up to " \
-               f"{max(SM90_BWD_TILES)}"
+               f"{max(TILES)}"
     if has_mask:
         return "attn_mask: the Hopper backward has no mask input (causal only)"
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
-    return None
+    return bindings_reason()
 
 
 def layout_reason(q, k, v, dout) -> str | None:
     """None when TMA can read query, key, value and dout in place: 16-byte aligned bases, batch / head / row strides
     positive multiples of 16 bytes below 2^40 (axes of size 1 exempt), heads and batch within the grid's 65535.
-    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: :meth:`backward.Layout.contiguous`)."""
+    ``dout``: the array the kernel reads (the launcher passes a contiguous copy: kernel_abi.Layout.contiguous)."""
     for name, a in (("query", q), ("key", k), ("value", v), ("grad_out", dout)):
         why = tma_operand_reason(name, a)
         if why is not None:
@@ -165,21 +160,21 @@ def layout_reason(q, k, v, dout) -> str | None:
     return None
 
 
-def problem_reason(p) -> str | None:
-    """None when this kernel runs the backward of a checked problem (checks.SDPAProblem) on a compute capability 9.0
-    device; else why not (arch not checked here: the caller's plan has it)."""
-    why = unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask is not None, 90)
+def reason(p, arch: int) -> str | None:
+    """None when this kernel runs the backward of a checked problem (checks.SDPAProblem) on compute capability
+    ``arch``; else why not."""
+    why = unsupported_reason(p.dtype, p.head_dim, p.head_dim_v, p.mask is not None, arch)
     if why is None and p.head_dim % 4:
         # The kernel adds dQ into its fp32 (B, Hq, L, E) accumulator through a tensor map, whose row stride (4·E
         # bytes) TMA needs a multiple of 16. (Views sliced to such an E can pass layout_reason's stride checks.)
         why = f"head_dim={p.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
     if why is None:
-        dout = _bwd.Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
+        dout = Layout.contiguous((p.batch, p.num_heads, p.seqlen_q, p.head_dim_v), p.dtype)
         why = layout_reason(p.query, p.key, p.value, dout)
     return why
 
 
-class Sm90Backward(_bwd.FusedBackward):
+class Sm90Backward(bwd_rows.FusedBackward):
     """The Hopper backward of one problem layout, prepared once (the autograd backward's call cache replays it):
     everything but the pointers and tensor maps is computed here. A call: the pre-pass (attn_bwd_delta_padded: D and
     lse·log2 e in rows padded to STAT_PAD, and the fp32 dQ accumulator zeroed), the kernel, dQ's rounding. Scratch
@@ -193,19 +188,19 @@ class Sm90Backward(_bwd.FusedBackward):
         B, Hq, Hkv, L, S, E, Ev = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k, p.head_dim, \
             p.head_dim_v
         ctype = C_TYPE_16[dtype_name(p.dtype)]
-        tile = SM90_BWD_TILES[bucket]
+        tile = TILES[bucket]
         l_pad = -(-L // STAT_PAD) * STAT_PAD
         self.delta_offset = B * Hq * l_pad * 4  # lse·log2(e) rows, then D rows, then (aligned) the dQ accumulator
-        self.dq32_offset = _bwd.round_up_256(2 * self.delta_offset)
+        self.dq32_offset = bwd_rows.round_up_256(2 * self.delta_offset)
         self.scratch_bytes = self.dq32_offset + B * Hq * L * E * 4
-        row_threads = _bwd.delta_row_threads(E, Ev)
-        pre = np.zeros((), dtype=_bwd.BWD_PARAMS)
+        row_threads = bwd_rows.delta_row_threads(E, Ev)
+        pre = np.zeros((), dtype=bwd_rows.BWD_PARAMS)
         pre["row_threads"] = row_threads
         pre["rows"], pre["ld"], pre["seqlen_q"], pre["head_dim_v"] = B * Hq * l_pad, l_pad, L, Ev
         pre["dq_cols"] = E  # the pre-pass zeroes the dQ accumulator (dq_zero, set per call)
         # The scratch: lse·log2(e) rows at its base, D rows at delta_offset, the dQ accumulator at dq32_offset.
         self.pre = PreparedLaunch(
-            pre, [Step(_bwd.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad * row_threads // 256),),
+            pre, [Step(bwd_rows.BACKWARD_DELTA_PADDED.kernel(dtype=ctype), (-(-B * Hq * l_pad * row_threads // 256),),
                        (256,))],
             args=("dout", "out", "lse", "scratch"),
             pointers={"dout": "dout", "o": "out", "lse": "lse", "lse_log2": "scratch",
@@ -215,9 +210,9 @@ class Sm90Backward(_bwd.FusedBackward):
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
         prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, p.groups
         prm["is_causal"] = p.causal is not None
-        prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
+        prm["causal_offset"] = p.causal_offset
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
-        do = _bwd.Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
+        do = Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
         inputs = Maps(("tma_q", "tma_k", "tma_v", "tma_do"), ("q", "k", "v", "dout"), tuple(
@@ -237,8 +232,14 @@ class Sm90Backward(_bwd.FusedBackward):
             args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
             pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
                       "delta": ("scratch", self.delta_offset)})
-        self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
+        self.cast = bwd_rows.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 
     def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
         self.pre.launch_on(stream, dout, out, lse, scratch)
         self.kernel.launch_on(stream, q, k, v, dout, scratch, dk, dv)
+
+
+def build(p, bucket: int) -> Sm90Backward:
+    """The prepared backward of a checked problem accepted by :func:`reason` at head-dim bucket ``bucket`` (the
+    plan's: dispatch.plan_backward), replayed as ``launch(q, k, v, out, lse, dout, dq, dk, dv, rng)``."""
+    return Sm90Backward(p, bucket)

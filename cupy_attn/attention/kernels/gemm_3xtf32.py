@@ -10,7 +10,7 @@ relative per element and the dropped small·small term ≤ 2^-22 of a product; t
 k-step and product instead of after every multiply-add as in cuBLAS's SGEMM (CUBLAS_COMPUTE_32F_PEDANTIC). Unlike
 CUTLASS, that accumulator restarts at every 32-deep k-tile and is added to the result by one fp32 add, which keeps the
 tensor core's roundings at the scale of a partial sum: CUTLASS's single accumulator measured less accurate than SGEMM
-on an H200 (the unit truncates its sums; bench/notes/split.md, session 10). On the split path's scores at
+on an H200 (the unit truncates its sums; bench/notes/split.md). On the split path's scores at
 |scale·q·k| ~ 100, SGEMM made our fp32 attention 2.6-4× less accurate than torch's (issue 14); the two-level GEMM
 keeps it at torch's accuracy and runs at ~60 TFLOP/s on an H200 against SGEMM's ~50.
 
@@ -26,9 +26,9 @@ import threading
 
 import numpy as np
 
-from ..runtime import env
-from ..runtime.compile import KernelFamily
-from ..runtime.launch import PreparedLaunch, Step
+from ...runtime import env
+from ...runtime.compile import KernelFamily
+from ...runtime.launch import PreparedLaunch, Step
 
 ENV_FP32_GEMM = "CUPY_ATTN_FP32_GEMM"
 ENV_FP32_GEMM_DEFAULT = "3xtf32"
@@ -56,11 +56,9 @@ class Tile:
 # partial sum: 128 accumulators, 215-231 registers, one CTA per SM; 4 stages (144 KB) to keep copies in flight with
 # 8 warps per SM. Why two levels: the tensor core rounds its fp32 sum once per mma, 3·k/8 times along k at the
 # magnitude of the whole dot product; restarting from zero per k-tile rounds 12 times at the magnitude of a 32-term
-# partial sum and then once per k-tile at full magnitude. A NumPy model of attention at |s| ~ 100 (E = 1024, session
-# 10, bench/notes/split.md) gives output errors, relative to an SGEMM chain's, of 0.19× (two levels) against 0.54× (one
-# accumulator) if the unit rounds to nearest, and 0.25× against 3.4× if it truncates; torch's measured error is
-# 0.22-0.33× SGEMM's. Measured on an H200, one accumulator (3 stages, two CTAs per SM) was 12-17% faster and less
-# accurate than SGEMM (GEMM max error at large logits 1.28e-3 against SGEMM's 2.92e-4 and two levels' 7.16e-5): removed.
+# partial sum and then once per k-tile at full magnitude, which keeps attention's output error at large logits near
+# torch's (a single accumulator was faster but less accurate than SGEMM; bench/notes/split.md has the model and the
+# measurements).
 TILE = Tile(block_m=128, block_n=128, stages=4)
 
 _FIELDS = ("c", "a", "b", "m", "n", "k", "batch", "lda", "ldb", "ldc", "stride_a", "stride_b", "stride_c", "tiles_m",
@@ -220,11 +218,11 @@ class Gemm3xTF32:
         self.launch_on(stream_ptr, c_ptr, a_ptr, b_ptr)
 
 
-def strided_gemm(*, allow_tf32: bool = False, arch: int = 0, **problem):
-    """The split path's GEMM for one problem (blas.StridedGemm's keywords): :class:`Gemm3xTF32` when
-    :func:`fp32_gemm` picks ``"3xtf32"``, else cuBLAS's :class:`~cupy_attn.runtime.blas.StridedGemm`. ``arch``: the
-    device's compute capability as an int."""
-    if fp32_gemm(problem["a_dtype"], allow_tf32, arch) == "3xtf32":
+def strided_gemm(kind: str | None, *, allow_tf32: bool = False, **problem):
+    """The GEMM of one problem (blas.StridedGemm's keywords) of the kind the plan chose (:func:`fp32_gemm`'s):
+    :class:`Gemm3xTF32` for ``"3xtf32"``, else cuBLAS's :class:`~cupy_attn.runtime.blas.StridedGemm` (with
+    ``allow_tf32``: the caller's flag, FAST_TF32 for float32 operands)."""
+    if kind == "3xtf32":
         return Gemm3xTF32(allow_tf32=False, **problem)
-    from ..runtime import blas
+    from ...runtime import blas
     return blas.StridedGemm(allow_tf32=allow_tf32, **problem)

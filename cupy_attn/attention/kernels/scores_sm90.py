@@ -5,16 +5,16 @@
 
 for seqlen_k ≤ 512 (a CTA holds whole score rows: 64 query rows × all keys in wgmma accumulators), fp16/bf16, any head
 dim E with 16-byte row strides, no mask, is_causal in both alignments (the one-CTA kernel; P is 0 past each row's
-limit), GQA by head index. The split path (split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass unless
-``CUPY_ATTN_SPLIT_FUSED=0`` (:func:`enabled`), and its
-cuBLAS P·V GEMM reads P directly: no fp32 score buffer (issue 14: head dims above 256, e.g. the seed
-(32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by ``CUPY_ATTN_SPLIT_FUSED``, see
-:func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row blocks sharing each K tile by TMA
-multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM, each walking its row blocks so that
-one block's softmax and P stores overlap the next block's loads (3, the default; P leaves it by 16-byte stores from
-registers, the one-tile kernels stage it for TMA stores). Under a causal mask the persistent kernel's 256-key tile
-runs a narrow row block and a wide one of the same head as one tile (:func:`causal_pairs`): at the seed's causal
-variant its time drops by 20-25% (0.92-1.02 ms against 1.18-1.28 in the same runs; H200, session 17).
+limit), GQA by head index; with the persistent kernel, an attn_mask that varies only along the keys. The split path
+(paths/split.py) runs it in place of its Q·Kᵀ GEMM + softmax pass where the plan says so (dispatch: unless
+``CUPY_ATTN_SPLIT_FUSED=0``, :func:`enabled`), and its P·V GEMM reads P directly: no fp32 score buffer (head dims
+above 256, e.g. the seed (32, 32, 512, 1024)). Three variants of the kernel (:data:`KERNELS`, chosen by
+``CUPY_ATTN_SPLIT_FUSED``, see :func:`setting`): one CTA per 64-row block (1); clusters of two CTAs of adjacent row
+blocks sharing each K tile by TMA multicast, half the L2 → shared-memory traffic (2); persistent CTAs, one per SM,
+each walking its row blocks so that one block's softmax and P stores overlap the next block's loads (3, the default;
+P leaves it by 16-byte stores from registers, the one-tile kernels stage it for TMA stores). Under a causal mask the
+persistent kernel's 256-key tile runs a narrow row block and a wide one of the same head as one tile
+(:func:`causal_pairs`). :func:`choose` makes a call's choice (variant, kernel, tile), :func:`build` its launch.
 
 Tensor maps are 4-D, (E, seqlen, heads, batch), with the arrays' own strides (runtime.tma.MapSpec), encoded when the
 q/k pointers change (the last pair is remembered).
@@ -22,15 +22,17 @@ q/k pointers change (the last pair is remembered).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import numpy as np
 
-from ..runtime import env
-from ..runtime.compile import KernelFamily
-from ..runtime.interop import device_sms, dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND
-from ..runtime.launch import Maps, PreparedLaunch, Step
-from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct
+from ...runtime import env
+from ...runtime.compile import KernelFamily
+from ...runtime.interop import device_sms, dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, set_strides
+from ...runtime.launch import Maps, PreparedLaunch, Step
+from ...runtime.tma import F64, I64, MAP, MapSpec, c_struct, exp2_tma_reason, tma_operand_reason
+
 THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
 MAX_SEQLEN_K = 512   # 2 × 256: two warpgroups of m64n256 fp32 accumulators (128 registers per thread each)
@@ -44,7 +46,7 @@ CLUSTER_M = {1: 1, 2: 2, 3: 1}  # variant -> CTAs per cluster
 # the query rows), its own instantiation: the unmasked kernels' code is untouched.
 MASKED_KERNEL = "scores_softmax_sm90_persistent_masked"
 MASKED_NOT_BUILT = (192,)  # tiles (half_n) without a masked instantiation (SCORES_SOFTMAX_SM90.where)
-# Masked tiles that calls are sent to: those whose GPU tests have run (64 and 256 in session 17, 128 in session 18).
+# Masked tiles that calls are sent to: those whose GPU tests have run.
 MASKED_DISPATCHED = (64, 128, 256)
 
 
@@ -62,7 +64,7 @@ class ScoresTile:
 
 
 # half_n -> tile, the smallest half_n with 2·half_n ≥ S taken. Shared memory of the 227 KB (232448 B) per block:
-SCORES_TILES = {
+TILES = {
     64: ScoresTile(64, 4),     # 4 × 24 KB = 98 KB (more stages would not help: the ring covers 4 head-dim steps)
     128: ScoresTile(128, 4),   # 4 × 40 KB = 162 KB
     192: ScoresTile(192, 4),   # 4 × 56 KB = 226 KB: the most that fits
@@ -84,7 +86,7 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
     source="attention/scores_softmax_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
     axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(C_TYPE_16.values()),
-          "tile": tuple(SCORES_TILES.values())},
+          "tile": tuple(TILES.values())},
     # The masked kernel's 192-key tile made ptxas serialize its wgmma (C7511: the mask loads' registers on the tile
     # whose four stages fill shared memory): not built; masked calls with 257-384 keys take the 256-key tile.
     where=lambda row: row["kernel"] != MASKED_KERNEL or row["tile"].half_n not in MASKED_NOT_BUILT,
@@ -97,18 +99,13 @@ SCORES_SOFTMAX_SM90 = KernelFamily(
 def setting() -> int:
     """``CUPY_ATTN_SPLIT_FUSED``: 0 (the split path keeps its cuBLAS Q·Kᵀ + softmax pass), 1 (this kernel, one CTA per
     64-row block), 2 (its cluster variant: CTA pairs sharing K by TMA multicast), 3 (persistent CTAs; the default,
-    unset or any other value). Measured on an H200 (session 7, bench/experiments/split/scores_sm90.py, device time against
-    the cuBLAS + softmax-pass schedule): 1 at 0.99-1.00x at the seed (32,32,512,512,1024), 1.01x at
-    (8,16,1024,512,512), 1.36x at (16,32,512,300,1024); 2 at 0.84-0.97x of 1 (bench/notes/split.md). Session 10
-    (kernel_times.py, device time of 20 calls, two rounds): at the seed 3 takes 1.104-1.105 ms against 1's
-    1.185-1.188 (causal 1.164-1.168 against 1.220-1.275); the whole call 1.94 against 2.02 ms. A ping-pong variant
-    (each consumer warpgroup owning whole row blocks) measured no faster than 3 in session 12 and was removed (its
-    code is in git history, 139e8c0 to 7c3e323); 4 now selects 3, as any other value does."""
+    unset or any other value). Why 3: at the seed (32,32,512,512,1024) it measured 7% faster than 1 (causal 5%), and
+    2 slower than 1 (bench/experiments/split/scores_sm90.py; bench/notes/split.md)."""
     return {"0": 0, "1": 1, "2": 2}.get(env.get(ENV_SPLIT_FUSED, "3"), 3)
 
 
 def enabled() -> bool:
-    """``CUPY_ATTN_SPLIT_FUSED`` is not 0: the split path runs this kernel wherever :func:`unsupported_reason` allows
+    """``CUPY_ATTN_SPLIT_FUSED`` is not 0: the split path runs this kernel wherever :func:`reason` allows
     (:func:`setting` picks the variant)."""
     return setting() > 0
 
@@ -144,7 +141,7 @@ def tile_for(seqlen_k: int, masked: bool = False) -> ScoresTile:
     """
     if not 1 <= seqlen_k <= MAX_SEQLEN_K:
         raise ValueError(f"seqlen_k={seqlen_k}: the scores kernel holds rows of 1-{MAX_SEQLEN_K} keys")
-    return next(SCORES_TILES[n] for n in sorted(SCORES_TILES)
+    return next(TILES[n] for n in sorted(TILES)
                 if 2 * n >= seqlen_k and not (masked and n in MASKED_NOT_BUILT))
 
 
@@ -163,10 +160,9 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     to 64, add up to at most 2·half_n = 512 (the window is cut short at its wide end where that pairs more blocks):
     warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
     of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
-    tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one (bench/notes/split.md,
-    session 12). Only the 256-key tile (S > 384) pairs; (0, 0, 0) otherwise. Measured on an H200 (session 17), the
-    kernel alone at the seed's causal variant (32, 32, 512, 512, 1024) fp16: 0.92-1.02 ms with the pairs against
-    1.18-1.28 without them (one tile per row block) and 1.14-1.28 without the causal mask, in the same runs.
+    tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one. Only the 256-key tile
+    (S > 384) pairs; (0, 0, 0) otherwise. At the seed's causal variant (32, 32, 512, 512, 1024) the pairs measured
+    20-25% off the kernel's time (bench/notes/split.md).
 
     >>> causal_pairs(512, 512, 0, 256), causal_pairs(448, 448, 0, 256), causal_pairs(1024, 512, -512, 256)
     ((0, 7, 3), (0, 6, 3), (8, 7, 3))
@@ -219,14 +215,14 @@ def mask_reason(mask, seqlen_q: int) -> str | None:
     return None
 
 
-def unsupported_reason(p, arch: int) -> str | None:
-    """None when this kernel can produce P and lse for a checked problem ``p`` (checks.SDPAProblem) on compute
-    capability ``arch``, else why not (the split path then keeps its GEMM + softmax pass).
+def reason(p, arch: int, variant: int) -> str | None:
+    """None when this kernel, in ``variant`` (:func:`setting`), can produce P and lse for a checked problem ``p``
+    (checks.SDPAProblem) on compute capability ``arch``, else why not (the split path then keeps its GEMM + softmax
+    pass).
 
     Needs sm_90 (wgmma, TMA), fp16/bf16, 1 ≤ S ≤ 512, no dropout, attn_mask only key-only (mask_reason) and on the
-    persistent kernel, is_causal not in the cluster
-    variant (CUPY_ATTN_SPLIT_FUSED=2's clusters pair row blocks that would see different keys), scale > 0 (folded
-    into exp2), q and k readable by TMA in place (fused_sm90.layout_reason).
+    persistent kernel, is_causal not in the cluster variant (variant 2's clusters pair row blocks that would see
+    different keys), scale > 0 (folded into exp2), q and k readable by TMA in place.
     """
     if arch != 90:
         return f"sm_{arch}: the scores kernel needs sm_90a"
@@ -240,41 +236,55 @@ def unsupported_reason(p, arch: int) -> str | None:
         why = mask_reason(p.mask, p.seqlen_q)
         if why is not None:
             return why
-        if setting() != 3:
+        if variant != 3:
             return f"attn_mask: only the persistent scores kernel ({ENV_SPLIT_FUSED}=3, the default) adds it"
         half_n = tile_for(p.seqlen_k, masked=True).half_n
         if half_n not in MASKED_DISPATCHED:
             return (f"attn_mask with seqlen_k={p.seqlen_k}: the masked scores kernel's {2 * half_n}-key tile has not "
                     "run on a GPU yet")
-    if p.causal is not None and setting() == 2:
+    if p.causal is not None and variant == 2:
         return f"is_causal: the scores kernel's cluster variant ({ENV_SPLIT_FUSED}=2) is not causal"
-    if not p.scale > 0:
-        return f"scale {p.scale}: the scores kernel folds the scale into exp2 and needs scale > 0"
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
-    from .fused_sm90 import layout_reason
-    why = layout_reason(p.query, p.key, p.key, None)
+    why = exp2_tma_reason("the scores kernel", p.scale)
     if why is not None:
         return why
+    if p.query is None:  # a plan made without arrays (tests): the layout is not known
+        return None
+    for name, a in (("q", p.query), ("k", p.key)):
+        why = tma_operand_reason(name, a)
+        if why is not None:
+            return why
+    if p.query.shape[1] > 65535 or p.query.shape[0] > 65535:
+        return "grid limit: heads and batch must each be <= 65535"
     return None
 
 
-def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str | None = None,
-            p_read: tuple | None = None, mask=None) -> PreparedLaunch:
-    """The launch for q (B, Hq, L, E), k (B, Hkv, S, E) and lse (None or (B, Hq, L) float32), already accepted by
-    :func:`unsupported_reason`. P is written packed by heads: (b, h) at (b·Hq + h)·L·ld elements, rows ld (≥ S, a
-    multiple of 8) elements apart; in the persistent kernel the chunk of 8 keys holding key S − 1 is written whole
-    (zeros past S, within the pitch), the columns past it are not written. variant: 1 (scores_softmax_sm90), 2
-    (scores_softmax_sm90_cluster2, K shared by TMA multicast) or 3 (scores_softmax_sm90_persistent, one CTA per SM of
-    q's device); the grid comes from :func:`grid_for`. causal: None, "top_left" or "bottom_right" (key j visible to
-    row i iff j ≤ i, or j ≤ i + S − L); P is 0 past each row's limit. p_read: None, or (rows, keys) when the reader of
-    P (the split path's causal P·V bands) reads only keys < keys of rows < rows: the persistent kernel then leaves
-    those rows' zeros past ``keys`` unwritten (their P there is undefined). mask: None, or the call's attn_mask as a
-    (B, Hq, L, S) view accepted by :func:`mask_reason` (variant 3: the masked kernel; its pointer is passed per launch).
-    Raises ValueError for a short ld or one not a multiple of 8, another variant, causal with variant 2, or a mask
-    with another variant or with causal."""
+class Choice(NamedTuple):
+    """What a call runs: the variant (:data:`KERNELS`), the kernel (its variant's, or the masked persistent one) and
+    the tile."""
+    variant: int
+    kernel: str
+    tile: ScoresTile
+
+
+def choose(p, variant: int) -> Choice:
+    """The choice for a problem this kernel serves in ``variant`` (:func:`reason`): the masked kernel for a call with
+    an attn_mask, the variant's otherwise; the tile covering seqlen_k (:func:`tile_for`). The plan's, made once."""
+    masked = p.mask is not None
+    return Choice(variant, MASKED_KERNEL if masked else KERNELS[variant], tile_for(p.seqlen_k, masked=masked))
+
+
+def build(p, choice: Choice, lse, *, ld: int, p_read: tuple | None = None) -> PreparedLaunch:
+    """The launch for the problem ``p``'s q (B, Hq, L, E) and k (B, Hkv, S, E), its causal alignment and attn_mask,
+    and lse (None or (B, Hq, L) float32), accepted by :func:`reason`. P is written packed by heads: (b, h) at
+    (b·Hq + h)·L·ld elements, rows ld (≥ S, a multiple of 8) elements apart; in the persistent kernel the chunk of 8
+    keys holding key S − 1 is written whole (zeros past S, within the pitch), the columns past it are not written.
+    The grid comes from :func:`grid_for` (variant 3: one CTA per SM of q's device). Causal (key j visible to row i iff
+    j ≤ i + p.causal_offset): P is 0 past each row's limit. p_read: None, or (rows, keys) when the reader of P (the
+    split path's causal P·V bands) reads only keys < keys of rows < rows: the persistent kernel then leaves those rows'
+    zeros past ``keys`` unwritten (their P there is undefined). An attn_mask (variant 3: the masked kernel) is read
+    by the pointer passed per launch. Raises ValueError for a short ld or one not a multiple of 8, causal with variant
+    2, or a mask with another variant or with causal."""
+    q, k, mask, causal, variant = p.query, p.key, p.mask, p.causal, choice.variant
     B, Hq, L, E = q.shape
     Hkv, S = k.shape[1], k.shape[2]
     if ld < S or ld % 8:
@@ -286,32 +296,29 @@ def prepare(q, k, lse, *, scale: float, ld: int, variant: int = 1, causal: str |
         raise ValueError(f"mask: the masked scores kernel is persistent (variant=3, not {variant}) and not causal")
     num_sms = device_sms(q.device.id) if variant == 3 else 0
     grid = grid_for(B, Hq, L, variant, num_sms)
-    tile = tile_for(S, masked=mask is not None)
-    name = MASKED_KERNEL if mask is not None else KERNELS[variant]
-    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=name, dtype=C_TYPE_16[dtype_name(q.dtype)], tile=tile)
-    p = np.zeros((), dtype=_PARAMS)
-    p["seqlen_q"], p["seqlen_k"], p["head_dim"], p["groups"] = L, S, E, Hq // Hkv
-    p["scale_log2"] = float(scale) * LOG2E
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["num_heads"], p["batch"], p["ld"] = Hq, B, ld
+    tile = choice.tile
+    kernel = SCORES_SOFTMAX_SM90.kernel(kernel=choice.kernel, dtype=C_TYPE_16[dtype_name(q.dtype)], tile=tile)
+    prm = np.zeros((), dtype=_PARAMS)
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim"], prm["groups"] = L, S, E, Hq // Hkv
+    prm["scale_log2"] = float(p.scale) * LOG2E
+    prm["is_causal"] = causal is not None
+    prm["causal_offset"] = p.causal_offset
+    prm["num_heads"], prm["batch"], prm["ld"] = Hq, B, ld
     if causal is not None and variant == 3:
-        p["pair_p0"], p["pair_n"], p["pair_count"] = causal_pairs(L, S, int(p["causal_offset"]), tile.half_n)
+        prm["pair_p0"], prm["pair_n"], prm["pair_count"] = causal_pairs(L, S, p.causal_offset, tile.half_n)
     if p_read is not None and variant == 3:
-        p["read_rows"], p["read_keys"] = p_read
+        prm["read_rows"], prm["read_keys"] = p_read
     if mask is not None:
-        p["mask_kind"] = MASK_KIND[dtype_name(mask.dtype)]
-        p["mask_stride_b"], p["mask_stride_h"], p["mask_stride_k"] = (mask.strides[i] // mask.itemsize
-                                                                      for i in (0, 1, 3))
-    if lse is not None:
-        for axis, stride in zip("bhl", lse.strides):
-            p[f"lse_stride_{axis}"] = stride // lse.itemsize
+        prm["mask_kind"] = MASK_KIND[dtype_name(mask.dtype)]
+        prm["mask_stride_b"], prm["mask_stride_h"], prm["mask_stride_k"] = (mask.strides[i] // mask.itemsize
+                                                                            for i in (0, 1, 3))
+    set_strides(prm, ("lse", lse, "bhl"))
     isz = q.dtype.itemsize
     p_map = MapSpec(dtype_name(q.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, tile.half_n), p_map)
-    if p["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
+    if prm["pair_count"] > 0:  # a pair tile loads keys 256 ... in 64-row pieces
         maps += (MapSpec.of(k, 64),)
-    return build_launch(kernel, p, maps, grid, tile, variant)
+    return build_launch(kernel, prm, maps, grid, tile, variant)
 
 
 def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: ScoresTile,
@@ -321,9 +328,7 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, tile: Sco
     causal pair tiles), encoded again only when q, k or P moved; the lse, P (the persistent kernel's 16-byte stores)
     and mask pointers. ``variant`` (:data:`KERNELS`; variant 2's CTAs per cluster are compiled into the kernel by
     __cluster_dims__: a plain launch of a grid whose x is a multiple of it), ``tile`` and ``maps`` are kept in ``info``.
-    Measured on an H200 host (bench/experiments/host_overhead/host_split_steps.py): 28.9 µs through CuPy's RawKernel call with a
-    per-call copy of the struct and its three 128-byte maps written field by field, all of it before the seed call's
-    first kernel starts; a replay here writes the words and the changed maps."""
+    A replay writes the words and the changed maps (bench/notes/split.md: the host time this saves)."""
     fields, args = ("tma_q", "tma_k", "tma_p", "tma_k64")[:len(maps)], ("q", "k", "p", "k")[:len(maps)]
     return PreparedLaunch(params, [Step(kernel, grid, (THREADS,), tile.smem_bytes())],
                           args=("q", "k", "p", "lse", "mask"), pointers={"lse": "lse", "p": "p", "mask": "mask"},

@@ -8,7 +8,7 @@ device time alone: queued behind a spin kernel); ``tbps`` (K+V bytes read, B·Hk
 ``pct_copy`` (against the measured device-to-device copy, read + write bytes: torch's read-only stream passes 100%);
 ``speedup`` = torch_ms / ms; ``max_err`` / ``torch_err``: max |out − ref| against torch's fp32 math on the same inputs.
 
-    PYTHONPATH=. python3 bench/bench_decode.py [--quick]
+    PYTHONPATH=. python3 bench/bench_flash_decode.py [--quick]
 """
 from __future__ import annotations
 
@@ -71,4 +71,4 @@ if __name__ == "__main__":
     from common import print_table
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    print_table(benchmark(ap.parse_args().quick), COLUMNS, title="bench_decode")
+    print_table(benchmark(ap.parse_args().quick), COLUMNS, title="bench_flash_decode")

@@ -1,4 +1,4 @@
-"""The fused forward for head dims 257-512 on Hopper (cupy_attn/attention/fused_d512.py,
+"""The fused forward for head dims 257-512 on Hopper (cupy_attn/attention/kernels/flash_fwd_d512_sm90.py,
 cuda_src/attention/flash_fwd_d512_sm90.cu).
 
 CPU: every instantiation compiles for sm_90a without spills or ptxas performance warnings, its SASS has the wgmma
@@ -10,14 +10,20 @@ new arrays replaying the cached launch, and BSHD views.
 import numpy as np
 import pytest
 
-from cupy_attn.attention import fused_d512 as _d512
+from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as _d512
 from cupy_attn.runtime import compile as _compile
 
 from _tolerance import as_f64, assert_close
-from test_flash_sm90 import _cuobjdump, sass_summary, sass_text
+from test_flash_fwd_sm90 import _cuobjdump, sass_summary, sass_text
 from _compile_checks import assert_clean
 
 FAMILY = _d512.FLASH_FWD_D512_SM90
+
+
+def _kind(dtype, E, Ev, mask_kind, scale):
+    """What reason() reads of a problem."""
+    import types
+    return types.SimpleNamespace(dtype=dtype, head_dim=E, head_dim_v=Ev, mask_kind=mask_kind, scale=scale)
 DTYPES = ("float16", "bfloat16")
 
 
@@ -52,14 +58,14 @@ def test_shared_memory_fits_and_matches_the_kernel():
 
 def test_support_rule():
     f16 = np.dtype("float16")
-    assert _d512.unsupported_reason(f16, 512, 512, "none", 90, 0.04) is None
-    assert _d512.unsupported_reason(f16, 320, 264, "none", 90, 0.04) is None
-    assert "257-512" in _d512.unsupported_reason(f16, 256, 256, "none", 90, 0.04)   # the FA3 kernel's
-    assert "257-512" in _d512.unsupported_reason(f16, 1024, 1024, "none", 90, 0.04)
-    assert "257-512" in _d512.unsupported_reason(f16, 512, 300, "none", 90, 0.04)   # Ev not a multiple of 8
-    assert "sm_90a" in _d512.unsupported_reason(f16, 512, 512, "none", 80, 0.04)
-    assert "fp16 and bf16" in _d512.unsupported_reason(np.dtype("float32"), 512, 512, "none", 90, 0.04)
-    assert "mask" in _d512.unsupported_reason(f16, 512, 512, "bool", 90, 0.04)
+    assert _d512.reason(_kind(f16, 512, 512, "none", 0.04), 90) is None
+    assert _d512.reason(_kind(f16, 320, 264, "none", 0.04), 90) is None
+    assert "257-512" in _d512.reason(_kind(f16, 256, 256, "none", 0.04), 90)   # the FA3 kernel's
+    assert "257-512" in _d512.reason(_kind(f16, 1024, 1024, "none", 0.04), 90)
+    assert "257-512" in _d512.reason(_kind(f16, 512, 300, "none", 0.04), 90)   # Ev not a multiple of 8
+    assert "sm_90a" in _d512.reason(_kind(f16, 512, 512, "none", 0.04), 80)
+    assert "fp16 and bf16" in _d512.reason(_kind(np.dtype("float32"), 512, 512, "none", 0.04), 90)
+    assert "mask" in _d512.reason(_kind(f16, 512, 512, "bool", 0.04), 90)
 
 
 def test_env_is_part_of_the_call_cache_key():

@@ -2,21 +2,22 @@
 
 TMA loads into an mbarrier K/V ring, a producer warpgroup and two ping-ponging consumer warpgroups. It serves fp16 and
 bf16, head dims 33-256 (run at 64, 96, 128 or 256), no attn_mask, causal or not, GQA, on compute capability 9.0.
-Variants, by ``CUPY_ATTN_FA3`` (dispatch.fa3_mode; unset, for calls of at least dispatch.FA3_MIN_FLOPS on Hopper:
-"3"):
+Variants, by mode (``CUPY_ATTN_FA3``, read once by the plan: dispatch.fa3_mode; unset, for calls of at least
+dispatch.FA3_MIN_FLOPS on Hopper: "3"):
 
-* ``1``: one 128-row tile per CTA, ping-pong consumers (SM90_TILES);
-* ``2``: the same with FA3's intra-warpgroup overlap (SM90_OVERLAP_TILES);
-* ``3``: ``2`` as a persistent kernel (SM90_PERSISTENT_TILES): min(#SMs, #work units) CTAs, each looping over its
-  tiles in the static order of cuda_src/attention/sm90/tile_scheduler.cuh, the producer loading the next tile's Q and
-  K/V during the current tile's epilogue (:func:`grid_for`). Measured 1.02-1.16x ``2`` on an H200, except 0.95x at
-  (4,32,4096,64) (bench/notes/flash.md).
+* ``1``: one 128-row tile per CTA, ping-pong consumers (TILES);
+* ``2``: the same with FA3's intra-warpgroup overlap (OVERLAP_TILES);
+* ``3``: ``2`` as a persistent kernel (PERSISTENT_TILES): min(#SMs, #work units) CTAs, each looping over its tiles in
+  the static order of cuda_src/attention/sm90/tile_scheduler.cuh, the producer loading the next tile's Q and K/V
+  during the current tile's epilogue (:func:`grid_for`). Faster than ``2`` at most measured shapes
+  (bench/notes/flash.md).
 
 Non-causal calls at head dim 64 in modes ``2`` and ``3`` run FlashAttention-3's own hdim-64 tile, 192 rows with
 three consumer warpgroups (M192_MODE_TILES, :func:`tile_for`); ``CUPY_ATTN_FA3_M192=1`` forces it for causal calls
 too, ``0`` turns it off.
 
-Everything else keeps flash_fwd.cu (``fused.prepare`` asks :func:`unsupported_reason` and :func:`layout_reason` first).
+Everything else keeps flash_fwd.cu (the plan asks :func:`reason` first). :func:`choose` makes the choice of a mode
+(bucket, tile, S GEMM columns), :func:`build` its launch.
 
 Tensor maps (runtime.tma: cuTensorMapEncodeTiled, through ``cuda.bindings.driver``, imported lazily) embed the
 arrays' base addresses, so a launch re-encodes them when the pointers change (the last three are remembered: replaying
@@ -31,21 +32,24 @@ import dataclasses
 
 import numpy as np
 
-from ..runtime import env
-from ..runtime.compile import KernelFamily
-from ..runtime.interop import device_sms, dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides
-from ..runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
-from ..runtime.tma import F64, I64, MAP, MapSpec, c_struct, o_tma_reason, tma_operand_reason
+from typing import NamedTuple
+
+from ...runtime import env
+from ...runtime.compile import KernelFamily
+from ...runtime.interop import device_sms, dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides, head_dim_bucket, set_strides
+from ...runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
+from ...runtime.tma import F64, I64, MAP, MapSpec, c_struct, exp2_tma_reason, o_tma_reason, \
+    tma_operand_reason
 
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
-# cache's key (bench/experiments/flash_fwd/m192_ab.py is the A/B).
+# cache's key.
 ENV_M192 = "CUPY_ATTN_FA3_M192"
 
 
 @dataclasses.dataclass(frozen=True)
-class Sm90Tile:
+class Tile:
     """Query rows per block (block_m / 64 consumer warpgroups of 64 rows: two or three), key rows per K/V stage, stages
     in the ring."""
     block_m: int
@@ -79,50 +83,51 @@ class Sm90Tile:
 
 
 # (head dim) -> tile; both dtypes alike. Registers per consumer thread: S block_n/2 + O head_dim/2 fp32 + P block_n/4,
-# under setmaxnreg's 240. Shared memory: Sm90Tile.smem_bytes of the 227 KB (232448 B) per block.
-SM90_TILES = {
+# under setmaxnreg's 240. Shared memory: Tile.smem_bytes of the 227 KB (232448 B) per block.
+TILES = {
     # 128×128: 64 S + 32 O + 32 P registers; 81 KB.
-    64: Sm90Tile(128, 128, 2),
+    64: Tile(128, 128, 2),
     # 128×128: 64 S + 48 O + 32 P; 169 KB with 3 stages (121 KB with 2). 64-byte swizzle, P·V at N = 96
     # (FlashAttention-3's hdim-96 layout). A K/V stage is 3/4 of D = 128's GEMM work, so two stages give the loads
     # a quarter less time ahead of use; the third costs no occupancy (one CTA per SM either way: 384 threads at 168
     # registers fill the register file) and a `% 3` per ring index. Ev = 80 runs N = 96 too: a 64-byte-swizzled
     # MN-major B operand spans whole 32-column atoms (CUTLASS's canonical ((8,4,m),(8,k)) layout), N = 80 would be
     # 2.5; it would take V in the 32-byte swizzle and an 80 bucket of its own for 1/6 of the P·V work (unmeasured).
-    96: Sm90Tile(128, 128, 3),
+    96: Tile(128, 128, 3),
     # 128×128: 64 S + 64 O + 32 P; 161 KB.
-    128: Sm90Tile(128, 128, 2),
+    128: Tile(128, 128, 2),
     # 128×64: 32 S + 128 O + 16 P; 193 KB (kBlockN = 128 would need 321 KB for two stages).
-    256: Sm90Tile(128, 64, 2),
+    256: Tile(128, 64, 2),
 }
 # The same tiles with the intra-warpgroup overlap (CUPY_ATTN_FA3=2): the same registers (S stays fp32 while the
 # previous P·V runs, P is packed after it) and shared memory.
-SM90_OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in SM90_TILES.items()}
+OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in TILES.items()}
 # The overlap tiles as a persistent kernel (CUPY_ATTN_FA3=3): the same shared memory (q_empty is in every variant's
 # barrier block), a few consumer registers for the tile loop.
-SM90_PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in SM90_OVERLAP_TILES.items()}
-# CUPY_ATTN_FA3 mode (dispatch.fa3_mode) -> its tile table.
-MODE_TILES = {"1": SM90_TILES, "2": SM90_OVERLAP_TILES, "3": SM90_PERSISTENT_TILES}
+PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in OVERLAP_TILES.items()}
+# mode (CUPY_ATTN_FA3, dispatch.fa3_mode) -> its tile table.
+MODE_TILES = {"1": TILES, "2": OVERLAP_TILES, "3": PERSISTENT_TILES}
 # FlashAttention-3's head-dim-64 tile for causal calls (hopper/tile_size.h: 192 × 128, three consumer warpgroups + the
 # producer, 512 threads; FA3 runs 192 × 192 with P through shared memory when not causal), the default for
 # non-causal calls in modes "2" and "3" (:func:`tile_for`). Registers: setmaxnreg 32 for the producer, 160 for
 # the consumers (128·32 + 384·160 = 65536; S 64 + O 32 + P 32 registers as in the 128-row tile, 80 fewer of headroom;
 # no spills). Shared memory 116 KB: Q 24 KB + 2 stages × (K + V) 64 KB + 24 KB of O staging (epilogue.cuh) +
 # barriers + the 3 KB row-sum anchor (mainloop.cuh) + 1 KB. At D = 64 the per-block softmax is large against the two
-# GEMMs; a third warpgroup keeps the tensor cores fed while two others run theirs (bench/notes/flash.md, sessions 8-9:
-# 1.09-1.15× the 128-row tile on non-causal calls, 0.82-1.06× on causal ones).
-M192_MODE_TILES = {"2": {64: Sm90Tile(192, 128, 2, overlap=True)},
-                   "3": {64: Sm90Tile(192, 128, 2, overlap=True, persistent=True)}}
+# GEMMs; a third warpgroup keeps the tensor cores fed while two others run theirs (faster than the 128-row tile on
+# non-causal calls, not on causal ones: bench/notes/flash.md).
+M192_MODE_TILES = {"2": {64: Tile(192, 128, 2, overlap=True)},
+                   "3": {64: Tile(192, 128, 2, overlap=True, persistent=True)}}
 
 
-def tile_for(mode: str, head_dim: int, causal: bool = False) -> Sm90Tile:
+def tile_for(mode: str, head_dim: int, causal: bool = False) -> Tile:
     """The tile a call of this mode ("1", "2", "3"), head-dim bucket and causality runs: the 192-row tile of
     M192_MODE_TILES (head dim 64, modes "2" and "3") for non-causal calls, else MODE_TILES[mode][head_dim].
     CUPY_ATTN_FA3_M192=1 forces the 192-row tile where there is one (causal calls too), 0 turns it off.
 
-    Measured on an H200 (session 9, bench/experiments/flash_fwd/m192_ab.py, same process, rounds rotated; × the 128-row tile in
-    its mode, fp16): non-causal (4,32,4096,64) 1.09-1.10×, (8,16,2048,64) 1.12-1.15×, (16,16,1024,64) 1.05-1.11×;
-    causal 0.82-1.06× (a 192-row tile masks more on the diagonal blocks), so causal calls keep 128 rows.
+    Why: at head dim 64 the 192-row tile measured 1.05-1.15× the 128-row one in its mode on non-causal calls, e.g.
+    (4,32,4096,64) fp16 1.09×, and 0.82-1.06× on causal ones, where a 192-row tile masks more of its diagonal blocks
+    (bench/experiments/flash_fwd/m192_ab.py; bench/notes/flash.md). So a causal (2,16,8192,64) call runs 128 rows, a
+    non-causal (8,16,2048,64) one 192.
 
     >>> tile_for("2", 64).block_m, tile_for("3", 64, causal=True).block_m, tile_for("3", 128).block_m
     (192, 128, 128)
@@ -150,7 +155,7 @@ PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_v", MAP, 64), (
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
-SM90_QK_DIMS = {96: (80,), 128: (80, 96)}
+QK_DIMS = {96: (80,), 128: (80, 96)}
 FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
@@ -158,12 +163,12 @@ FLASH_FWD_SM90_TMA = KernelFamily(
               "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}>"),
     axes={
         "dtype": tuple(C_TYPE_16.values()),
-        "head_dim": tuple(SM90_TILES),
+        "head_dim": tuple(TILES),
         "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
-        "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
+        "qk_dim": tuple(sorted(set(TILES) | {d for dims in QK_DIMS.values() for d in dims})),
     },
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
-                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
+                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in QK_DIMS.get(row["head_dim"], ()))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", PARAMS),),
     arch="sm_90a",
@@ -180,20 +185,17 @@ def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
     >>> head_bucket(80, 80), head_bucket(96, 64), head_bucket(72, 128), head_bucket(160, 160), head_bucket(32, 32)
     (96, 96, 128, 256, None)
     """
-    need = max(head_dim, head_dim_v)
-    if min(head_dim, head_dim_v) < 1 or need <= 32:
-        return None
-    return next((d for d in sorted(SM90_TILES) if d >= need), None)
+    return head_dim_bucket(head_dim, head_dim_v, TILES, floor=32)
 
 
 def qk_dim(head_dim: int, bucket: int) -> int:
-    """The S GEMM's columns for query/key head dim E in this bucket: the smallest of SM90_QK_DIMS[bucket] ≥ E, else
+    """The S GEMM's columns for query/key head dim E in this bucket: the smallest of QK_DIMS[bucket] ≥ E, else
     the bucket.
 
     >>> qk_dim(80, 96), qk_dim(72, 96), qk_dim(96, 96), qk_dim(72, 128), qk_dim(100, 128), qk_dim(160, 256)
     (80, 80, 96, 80, 128, 256)
     """
-    return next((d for d in SM90_QK_DIMS.get(bucket, ()) if d >= head_dim), bucket)
+    return next((d for d in QK_DIMS.get(bucket, ()) if d >= head_dim), bucket)
 
 
 def swizzle_bytes(head_dim: int) -> int:
@@ -208,28 +210,30 @@ def swizzle_bytes(head_dim: int) -> int:
     return 128 if head_dim * 2 % 128 == 0 else 64
 
 
-def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int, scale: float) -> str | None:
-    """None when this kernel can serve a call of this kind (layout still to check: :func:`layout_reason`).
+def reason(p, arch: int, out=None) -> str | None:
+    """None when this kernel runs the problem ``p`` (checks.SDPAProblem: its kind, and the layout of its arrays where
+    it has them) on compute capability ``arch`` with output ``out`` (None: the call's own, contiguous); else why not.
 
-    >>> unsupported_reason(np.dtype("float16"), 32, 32, "none", 90, 0.1)
+    >>> import types
+    >>> reason(types.SimpleNamespace(dtype=np.dtype("float16"), head_dim=32, head_dim_v=32, mask_kind="none",
+    ...                              scale=0.1, query=None), 90)
     'head dims E=32, Ev=32: the FA3 kernel serves head dims 33-256 (padded to (64, 96, 128, 256))'
     """
     if arch != 90:
         return f"sm_{arch}: the FA3 kernel needs sm_90a (H100/H200)"
-    if dtype_name(dtype) not in C_TYPE_16:
-        return f"dtype {dtype_name(dtype)}: the FA3 kernel serves fp16 and bf16"
-    if head_bucket(head_dim, head_dim_v) is None:
-        return (f"head dims E={head_dim}, Ev={head_dim_v}: the FA3 kernel serves head dims 33-256 (padded to "
-                f"{tuple(SM90_TILES)})")
-    if mask_kind != "none":
+    if dtype_name(p.dtype) not in C_TYPE_16:
+        return f"dtype {dtype_name(p.dtype)}: the FA3 kernel serves fp16 and bf16"
+    if head_bucket(p.head_dim, p.head_dim_v) is None:
+        return (f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the FA3 kernel serves head dims 33-256 (padded to "
+                f"{tuple(TILES)})")
+    if p.mask_kind != "none":
         return "attn_mask: the FA3 kernel has no mask input (causal only)"
-    if not scale > 0:
-        return f"scale {scale}: the FA3 kernel folds the scale into exp2 and needs scale > 0"
-    try:
-        from cuda.bindings import driver  # noqa: F401
-    except ImportError:
-        return "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
-    return None
+    why = exp2_tma_reason("the FA3 kernel", p.scale)
+    if why is not None:
+        return why
+    if p.query is None:  # a plan made without arrays (tests): the layout is not known
+        return None
+    return layout_reason(p.query, p.key, p.value, out)
 
 
 def layout_reason(q, k, v, out) -> str | None:
@@ -247,7 +251,7 @@ def layout_reason(q, k, v, out) -> str | None:
     return None
 
 
-def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int) -> tuple[tuple, bool]:
+def grid_for(tile: Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int) -> tuple[tuple, bool]:
     """(grid, tile_pairs) of a launch. One tile per CTA: (⌈L / block_m⌉, Hq, B). Persistent: min(num_sms, units) CTAs
     that stride over the work units of sm90/tile_scheduler.cuh; causal calls with more tiles than SMs pair the m-blocks
     (M−1−k, k) of a head into units of equal cost (tile_pairs), others have one m-block per unit.
@@ -256,10 +260,10 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     (the last round 100 of 132 busy: makespan 8 pairs against 7.76 ideal, 1.03); (1, 8, 1024) causal: 64 tiles, one
     per CTA, no pairs; (8, 16, 2048) not causal: 2048 tiles, 132 CTAs of 15-16.
 
-    >>> t = SM90_PERSISTENT_TILES[128]
+    >>> t = PERSISTENT_TILES[128]
     >>> grid_for(t, 2, 16, 8192, True, 132), grid_for(t, 1, 8, 1024, True, 132), grid_for(t, 8, 16, 2048, False, 132)
     (((132, 1, 1), True), ((64, 1, 1), False), ((132, 1, 1), False))
-    >>> grid_for(SM90_OVERLAP_TILES[128], 2, 16, 8192, True, 132)
+    >>> grid_for(OVERLAP_TILES[128], 2, 16, 8192, True, 132)
     ((64, 16, 2), False)
     >>> grid_for(M192_MODE_TILES["3"][64], 4, 32, 4096, True, 132), grid_for(M192_MODE_TILES["2"][64], 1, 1, 1000, False, 132)
     (((132, 1, 1), True), ((6, 1, 1), False))
@@ -272,32 +276,48 @@ def grid_for(tile: Sm90Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int
     return (min(num_sms, units), 1, 1), pairs
 
 
-def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = "1") -> PreparedLaunch:
-    """The launch of this kernel for arrays already checked by fused.prepare and accepted by unsupported_reason and
-    layout_reason; mode: the variant, a key of MODE_TILES ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap
-    and persistent)."""
+class Choice(NamedTuple):
+    """What a call runs: the mode ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap and persistent), the
+    instantiated head dim, the tile and the S GEMM's columns."""
+    mode: str
+    head_dim: int
+    tile: Tile
+    qk_dim: int
+
+    @property
+    def variant(self) -> str:
+        return "overlap, persistent" if self.tile.persistent else "overlap" if self.tile.overlap else "ping-pong"
+
+
+def choose(p, mode: str) -> Choice:
+    """The choice for a problem this kernel serves (:func:`reason`) in ``mode``: its bucket (:func:`head_bucket`),
+    tile (:func:`tile_for`) and S GEMM columns (:func:`qk_dim`). The plan's, made once (dispatch)."""
+    bucket = head_bucket(p.head_dim, p.head_dim_v)
+    return Choice(mode, bucket, tile_for(mode, bucket, p.causal is not None), qk_dim(p.head_dim, bucket))
+
+
+def build(p, choice: Choice, out, lse) -> PreparedLaunch:
+    """The launch of ``choice`` for a checked problem accepted by :func:`reason`, replayed as ``launch_on(stream, q,
+    k, v, out, lse=0, mask=0)`` (:func:`build_launch`): out (B, Hq, L, Ev) in q's dtype, lse None or (B, Hq, L)
+    float32."""
+    q, k, v = p.query, p.key, p.value
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    D = head_bucket(E, Ev)
-    tile = tile_for(mode, D, causal is not None)
+    D, tile = choice.head_dim, choice.tile
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
-                                       qk_dim=qk_dim(E, D))
-    p = np.zeros((), dtype=PARAMS)
-    p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["scale_log2"] = float(scale) * LOG2E
+                                       qk_dim=choice.qk_dim)
+    prm = np.zeros((), dtype=PARAMS)
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
+    prm["is_causal"] = p.causal is not None
+    prm["causal_offset"] = p.causal_offset
+    prm["scale_log2"] = float(p.scale) * LOG2E
     num_sms = 0
     if tile.persistent:
         import cupy
         num_sms = device_sms(cupy.cuda.Device().id)
-    grid, pairs = grid_for(tile, B, Hq, L, causal is not None, num_sms)
-    p["batch"], p["num_heads"], p["tile_pairs"] = B, Hq, pairs
-    for axis, stride in zip("bhl", element_strides(out)):
-        p[f"out_stride_{axis}"] = stride
-    if lse is not None:
-        for axis, stride in zip("bhl", element_strides(lse)):
-            p[f"lse_stride_{axis}"] = stride
+    grid, pairs = grid_for(tile, B, Hq, L, p.causal is not None, num_sms)
+    prm["batch"], prm["num_heads"], prm["tile_pairs"] = B, Hq, pairs
+    set_strides(prm, ("out", out, "bhl"), ("lse", lse, "bhl"))
     cols = swizzle_bytes(D) // 2
     maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q, tile.block_m), (k, tile.block_n), (v, tile.block_n)))
     # The epilogue stores out by TMA (through shared memory) where TMA can write it exactly: Ev a multiple of 8 (the
@@ -306,16 +326,16 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     o_map = None
     if o_tma_reason(out) is None:
         o_map = MapSpec.of(out, 64, cols)
-    return build_launch(kernel, p, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
+    return build_launch(kernel, prm, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
 
 
 def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tuple, smem: int,
                  o_map: MapSpec | None = None) -> PreparedLaunch:
-    """The launch of a FlashFwdSm90Params kernel (this module's and fused_d512's) with ``params`` prepared, replayed as
-    ``launch_on(stream, q, k, v, out, lse=0, mask=0)`` like fused.prepare's (mask must be 0: these kernels take no
-    attn_mask). q, k and v reach the kernel as tensor maps of the layouts ``maps`` (MapSpec each), encoded again only
+    """The launch of a FlashFwdSm90Params kernel (this module's and flash_fwd_d512_sm90's) with ``params`` prepared,
+    replayed as ``launch_on(stream, q, k, v, out, lse=0, mask=0)`` like flash_fwd's (mask must be 0: these kernels take
+    no attn_mask). q, k and v reach the kernel as tensor maps of the layouts ``maps`` (MapSpec each), encoded again only
     when q, k or v moved; out and lse as pointers. ``o_map``: out's map where the epilogue may store it by TMA
-    (prepare), used by the replays whose out is 16-byte aligned (o_tma = 1, the map encoded again only when out
+    (:func:`build`), used by the replays whose out is 16-byte aligned (o_tma = 1, the map encoded again only when out
     moved); the others, and every replay without it, store out by 4-byte stores from registers (o_tma = 0)."""
     out_maps, flags = (), ()
     if o_map is not None:

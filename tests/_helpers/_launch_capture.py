@@ -4,13 +4,13 @@ memsets, copies and GEMM calls around it, in order. tests/test_launch_bytes.py c
 tests/data/launch_bytes.json, made from the code before the launch layer (runtime/launch.py) replaced the per-family
 launch classes: the same bytes reach every kernel.
 
-The cases call each launcher through its module-level entry points (``prepare``, ``prepare_problem``, the backward and
-GEMM classes, the Linear-BN-softmax prepared calls, the split path's ``schedule`` and ``run``) on stand-in arrays with
-fixed addresses; only the device is replaced: kernels (a fake CUfunction per name expression), cuLaunchKernel and
-cuLaunchKernelEx (read back through their kernelParams), cuTensorMapEncodeTiled (128 bytes hashed from its
-arguments), workspaces, cuBLAS, the device's compute capability and SM count.
+The cases build each launch as the plan does (dispatch.fused_launch, the kernel modules' ``build`` on the plan's
+choices, the backward and GEMM classes, the Linear-BN-softmax prepared calls, the split path's ``schedule`` and ``run``)
+on stand-in arrays with fixed addresses; only the device is replaced: kernels (a fake CUfunction per name expression),
+cuLaunchKernel and cuLaunchKernelEx (read back through their kernelParams), cuTensorMapEncodeTiled (128 bytes hashed
+from its arguments), workspaces, cuBLAS, the device's compute capability and SM count.
 
-    PYTHONPATH=. python tests/_launch_capture.py --write   # re-record tests/data/launch_bytes.json
+    PYTHONPATH=. python tests/_helpers/_launch_capture.py --write   # re-record tests/data/launch_bytes.json
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import types
 
 import numpy as np
 
-GOLDEN = pathlib.Path(__file__).resolve().parent / "data" / "launch_bytes.json"
+GOLDEN = pathlib.Path(__file__).resolve().parent.parent / "data" / "launch_bytes.json"
 STREAM = 0x5700
 F16 = np.dtype("float16")
 F32 = np.dtype("float32")
@@ -73,6 +73,13 @@ class FakeArray:
             step *= n
         self.flags = types.SimpleNamespace(c_contiguous=self.strides == tuple(reversed(packed)))
 
+    def __getitem__(self, index):
+        """A leading slice ``a[:n]`` (batch chunks): the same strides and base, n along the first axis."""
+        if not (isinstance(index, slice) and index.start in (None, 0) and index.step in (None, 1)):
+            raise TypeError(f"FakeArray takes only a[:n], got {index!r}")
+        n = min(self.shape[0], self.shape[0] if index.stop is None else index.stop)
+        return FakeArray((n,) + self.shape[1:], self.dtype, self.data.ptr, self.strides)
+
 
 def bshd(B, H, S, D, dtype, ptr):
     """A (B, H, S, D) view of a (B, S, H, D) array."""
@@ -94,6 +101,7 @@ class FakeStream:
 class FakeCtx:
     kind = "cupy"
     device_id = 0
+    on_gpu = True
 
     def __init__(self, stream=STREAM):
         self.stream = FakeStream(stream)
@@ -152,10 +160,12 @@ class Recorder:
 
         # Every launcher imported first: a module importing a patched name while the patch is on would keep it.
         import importlib
-        for name in ("attention.fused", "attention.fused_sm90", "attention.fused_d512", "attention.scores_sm90",
-                     "attention.pv_sm90", "attention.decode", "attention.gemm_3xtf32", "attention.backward",
-                     "attention.backward_sm90", "attention.split", "attention.dispatch", "linear_bn_softmax.launch",
-                     "linear_bn_softmax.backward"):
+        for name in ("attention.kernels.flash_fwd", "attention.kernels.flash_fwd_sm90",
+                     "attention.kernels.flash_fwd_d512_sm90", "attention.kernels.scores_sm90",
+                     "attention.kernels.pv_sm90", "attention.kernels.flash_decode", "attention.kernels.gemm_3xtf32",
+                     "attention.kernels.softmax", "attention.kernels.bwd_rows", "attention.kernels.flash_bwd",
+                     "attention.kernels.flash_bwd_sm90", "attention.paths.backward", "attention.paths.split",
+                     "attention.dispatch", "linear_bn_softmax.launch", "linear_bn_softmax.backward"):
             importlib.import_module("cupy_attn." + name)
         self.log: list = []
         self.scratches = 0
@@ -278,7 +288,7 @@ def _launch_modules() -> list:
     import importlib
     mods = []
     for name in ("cupy_attn.runtime.compile", "cupy_attn.runtime.launch", "cupy_attn.runtime.tma",
-                 "cupy_attn.attention.fused_sm90"):
+                 "cupy_attn.attention.kernels.flash_fwd_sm90"):
         try:
             mods.append(importlib.import_module(name))
         except ImportError:
@@ -315,7 +325,7 @@ def _ptrs(q, k, v, o, lse, mask, move=0, out_shift=0):
 
 def _flash(rec, mp, *, cc, dtype, shape, causal=None, mask_dtype=None, dropout=0.0, layout="bhsd", lse=True,
            env=None):
-    from cupy_attn.attention import fused
+    from cupy_attn.attention import dispatch
     rec.cc = cc
     for key, value in (env or {}).items():
         mp.setenv(key, value)
@@ -327,7 +337,7 @@ def _flash(rec, mp, *, cc, dtype, shape, causal=None, mask_dtype=None, dropout=0
         mask = FakeArray((B, Hq, L, S), mask_dtype, MASK, (0, 0, S * np.dtype(mask_dtype).itemsize,
                                                            np.dtype(mask_dtype).itemsize))
     rng = FakeArray((2,), np.int64, RNG) if dropout else None
-    launch = fused.prepare(q, k, v, o, l, scale=0.125, causal=causal, mask=mask, dropout_p=dropout, rng=rng)
+    launch = dispatch.fused_launch(q, k, v, o, l, scale=0.125, causal=causal, mask=mask, dropout_p=dropout, rng=rng)
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, mask))
     launch.launch_on(STREAM + 1, *_ptrs(q, k, v, o, l, mask, move=256, out_shift=8))
     launch(*_ptrs(q, k, v, o, l, mask))  # CuPy's current stream
@@ -347,16 +357,18 @@ case("flash_sm86_d256")(lambda r, m: _flash(r, m, cc=86, dtype="bf16", shape=(3,
 
 
 def _fa3(rec, mp, *, mode, dtype, shape, causal=None, layout="bhsd", lse=True, via_fused=False):
-    from cupy_attn.attention import fused, fused_sm90
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.kernels import flash_fwd_sm90
     rec.cc = 90
     B, Hq, Hkv, L, S, E, Ev = shape
     q, k, v, o = _qkvo(B, Hq, Hkv, L, S, E, Ev, _dtype(dtype), layout)
     l = FakeArray((B, Hq, L), F32, LSE) if lse else None
     if via_fused:
         mp.setenv("CUPY_ATTN_FA3", mode)
-        launch = fused.prepare(q, k, v, o, l, scale=0.09, causal=causal)
+        launch = dispatch.fused_launch(q, k, v, o, l, scale=0.09, causal=causal)
     else:
-        launch = fused_sm90.prepare(q, k, v, o, l, scale=0.09, causal=causal, mode=mode)
+        p = checks.array_problem(q, k, v, o, l, scale=0.09, causal=causal)
+        launch = flash_fwd_sm90.build(p, flash_fwd_sm90.choose(p, mode), o, l)
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, None))
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, None, None, out_shift=4096))   # out and lse move: no q/k/v encode
     launch.launch_on(STREAM + 1, *_ptrs(q, k, v, o, l, None, move=1024))      # q moves
@@ -377,12 +389,14 @@ case("fa3_mode3_causal_pairs_via_fused")(lambda r, m: _fa3(r, m, mode="3", dtype
 
 
 def _d512(rec, mp, *, persistent, causal, shape=(2, 4, 2, 700, 900, 320, 512)):
-    from cupy_attn.attention import fused_d512
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as d512
     rec.cc = 90
     B, Hq, Hkv, L, S, E, Ev = shape
     q, k, v, o = _qkvo(B, Hq, Hkv, L, S, E, Ev, F16)
     l = FakeArray((B, Hq, L), F32, LSE)
-    launch = fused_d512.prepare(q, k, v, o, l, scale=0.04, causal=causal, persistent=persistent)
+    p = checks.array_problem(q, k, v, o, l, scale=0.04, causal=causal)
+    launch = d512.build(p, d512.Choice(persistent=persistent), o, l)
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, None))
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, None, move=512, out_shift=16))
 
@@ -392,14 +406,16 @@ case("d512_tiles")(lambda r, m: _d512(r, m, persistent=False, causal=None))
 
 
 def _scores(rec, mp, *, variant, S, causal=None, mask=False, p_read=None, lse=True, E=100):
-    from cupy_attn.attention import scores_sm90
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import scores_sm90
     rec.cc = 90
     B, Hq, Hkv, L = 2, 4, 2, 300
-    q, k, _, _ = _qkvo(B, Hq, Hkv, L, S, E, E, F16)
+    q, k, v, _ = _qkvo(B, Hq, Hkv, L, S, E, E, F16)
     l = FakeArray((B, Hq, L), F32, LSE) if lse else None
     m = FakeArray((B, Hq, L, S), BOOL, MASK, (S, 0, 0, 1)) if mask else None
     ld = -(-S // 8) * 8
-    launch = scores_sm90.prepare(q, k, l, scale=0.1, ld=ld, variant=variant, causal=causal, p_read=p_read, mask=m)
+    p = checks.array_problem(q, k, v, None, l, scale=0.1, causal=causal, mask=m)
+    launch = scores_sm90.build(p, scores_sm90.choose(p, variant), l, ld=ld, p_read=p_read)
     launch.launch_on(STREAM, Q, K, P_BUF, LSE if lse else 0, MASK if mask else 0)
     launch.launch_on(STREAM, Q, K, P_BUF, 0, MASK if mask else 0)
     launch.launch_on(STREAM + 3, Q, K + 4096, P_BUF + 64, LSE if lse else 0, MASK if mask else 0)
@@ -412,11 +428,14 @@ case("scores_v3_masked")(lambda r, m: _scores(r, m, variant=3, S=300, mask=True)
 
 
 def _pv(rec, mp, *, causal, L=300, S=200, Ev=300):
-    from cupy_attn.attention import pv_sm90
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import pv_sm90
     rec.cc = 90
     v = FakeArray((2, 2, S, Ev), F16, V)
     o = FakeArray((2, 4, L, Ev), F16, O)
-    launch = pv_sm90.prepare(v, o, seqlen_q=L, ld=-(-S // 8) * 8, causal=causal)
+    q, k = FakeArray((2, 4, L, 64), F16, Q), FakeArray((2, 2, S, 64), F16, K)
+    p = checks.array_problem(q, k, v, o, scale=0.1, causal=causal)
+    launch = pv_sm90.build(p, o, ld=-(-S // 8) * 8)
     launch.launch_on(STREAM, P_BUF, V, O)
     launch.launch_on(STREAM, P_BUF, V, O + 4096)
     launch.launch_on(STREAM, P_BUF + 512, V, O)
@@ -428,7 +447,9 @@ case("pv_full")(lambda r, m: _pv(r, m, causal=None, L=64, S=300, Ev=512))
 
 def _decode(rec, mp, *, cc=90, env=None, shape=(4, 8, 2, 1, 4096, 128, 128), num_splits=None, mask=False,
             causal=None, lse=True):
-    from cupy_attn.attention import checks, decode
+    from cupy_attn.attention import checks, dispatch
+    from cupy_attn.attention.kernels import flash_decode
+    from cupy_attn.runtime.interop import device_sms
     rec.cc = cc
     for key, value in (env or {}).items():
         mp.setenv(key, value)
@@ -440,7 +461,8 @@ def _decode(rec, mp, *, cc=90, env=None, shape=(4, 8, 2, 1, 4096, 128, 128), num
     p = checks.SDPAProblem(ctx=ctx, query=q, key=k, value=v, batch_shape=(B, Hq), batch=B, num_heads=Hq,
                            num_kv_heads=Hkv, seqlen_q=L, seqlen_k=S, head_dim=E, head_dim_v=Ev, dtype=F16,
                            scale=0.088, causal=causal, mask=m, mask_kind="bool" if mask else "none")
-    run = decode.prepare_problem(p, num_splits, None, o, l)
+    choice = flash_decode.choose(p, dispatch.device_arch(p), device_sms(0), num_splits)
+    run = flash_decode.build(p, choice, o, l).bind(p.ctx.stream)
     run(*_ptrs(q, k, v, o, l, m))
     run(*_ptrs(q, k, v, o, l, m, out_shift=256))
     run(*_ptrs(q, k, v, o, l, m, move=512))
@@ -458,7 +480,7 @@ case("decode_stream2_d256")(lambda r, m: _decode(r, m, env={"CUPY_ATTN_DECODE": 
 
 
 def _gemm(rec, mp, *, trans_b, shifts):
-    from cupy_attn.attention import gemm_3xtf32
+    from cupy_attn.attention.kernels import gemm_3xtf32
     kw = dict(c_dtype=F32, ldc=300, stride_c=100 * 300, a_dtype=F32, lda=64, stride_a=100 * 64, trans_a=False,
               b_dtype=F32, ldb=64 if trans_b else 300, stride_b=300 * 64, trans_b=trans_b, m=100, n=300, k=64,
               batch=3, alpha=0.125)
@@ -485,14 +507,10 @@ def _problem(*, B, Hq, Hkv, L, S, E, Ev, dtype=F16, causal=None, dropout=0.0, ma
 
 
 def _backward(rec, mp, *, kernel, bucket, **shape):
-    from cupy_attn.attention import backward
+    from cupy_attn.attention.kernels import flash_bwd, flash_bwd_sm90
     rec.cc = 90
     p = _problem(**shape)
-    if kernel == "sm90":
-        from cupy_attn.attention import backward_sm90
-        launch = backward_sm90.Sm90Backward(p, bucket)
-    else:
-        launch = backward.FlashBackward(p, bucket)
+    launch = (flash_bwd_sm90 if kernel == "sm90" else flash_bwd).build(p, bucket)
     dq, dk, dv, dout = 0xA0_0000_0000, 0xB0_0000_0000, 0xC0_0000_0000, 0xD0_0000_0000
     launch(Q, K, V, O, LSE, dout, dq, dk, dv, RNG if shape.get("dropout") else 0)
     launch(Q, K, V, O, LSE, dout + 8, dq + 4, dk, dv, RNG if shape.get("dropout") else 0)
@@ -513,7 +531,8 @@ case("bwd_sm90_d256")(lambda r, m: _backward(r, m, kernel="sm90", bucket=256, B=
 
 def _split(rec, mp, *, cc, dtype, causal=None, mask_dtype=None, dropout=0.0, shape=(2, 4, 2, 100, 300, 72, 96),
            budget=None, lse=True):
-    from cupy_attn.attention import dispatch, split
+    from cupy_attn.attention import dispatch
+    from cupy_attn.attention.paths import split
     rec.cc = cc
     mp.setattr(dispatch, "device_arch", lambda p: cc)
     mp.setattr(split, "_SCHEDULES", {})
@@ -526,7 +545,7 @@ def _split(rec, mp, *, cc, dtype, causal=None, mask_dtype=None, dropout=0.0, sha
     p = _problem(B=B, Hq=Hq, Hkv=Hkv, L=L, S=S, E=E, Ev=Ev, dtype=dtype, causal=causal, dropout=dropout, mask=mask)
     o = FakeArray((B, Hq, L, Ev), dtype, O)
     l = FakeArray((B, Hq, L), F32, LSE) if lse else None
-    sched = split.schedule(p, o, l, workspace_bytes=budget)
+    sched = split.schedule(p, dispatch.split_choice(p, cc, workspace_bytes=budget, out=o), o, l)
     ptrs = _ptrs(p.query, p.key, p.value, o, l, mask)
     split.run(sched, p.ctx, *ptrs, rng=RNG if dropout else 0)
     split.run(sched, p.ctx, *ptrs[:3], O + 256, *ptrs[4:], rng=RNG if dropout else 0)
@@ -544,7 +563,8 @@ case("split_scores_cublas_pv")(lambda r, m: _split(r, m, cc=90, dtype=F16, shape
 
 def _split_backward(rec, mp, *, dtype=F16, causal=None, mask_dtype=None, dropout=0.0, budget=None,
                     shape=(2, 3, 3, 100, 130, 72, 40)):
-    from cupy_attn.attention import backward, dispatch
+    from cupy_attn.attention import dispatch
+    from cupy_attn.attention.paths import backward
     rec.cc = 90
     mp.setenv("CUPY_ATTN_BWD", "split")
     mp.setattr(dispatch, "device_arch", lambda p: 90)
@@ -567,7 +587,7 @@ def _split_backward(rec, mp, *, dtype=F16, causal=None, mask_dtype=None, dropout
     lse = FakeArray((B, Hq, L), F32, LSE)
     dq, dk, dv = (FakeArray(a.shape, dtype, ptr) for a, ptr in ((p.query, 0xA0_0000_0000), (p.key, 0xB0_0000_0000),
                                                                (p.value, 0xC0_0000_0000)))
-    backward.sdpa_backward(p, out, lse, dout, dq, dk, dv, dmask, workspace_bytes=budget)
+    backward.sdpa_backward(p, dispatch.plan_backward(p), out, lse, dout, dq, dk, dv, dmask, workspace_bytes=budget)
 
 
 case("bwd_split_causal")(lambda r, m: _split_backward(r, m, causal="top_left"))

@@ -1,4 +1,5 @@
-"""Benchmark of the fused attention kernel (cupy_attn.attention.fused) against torch's SDPA backends, in one process.
+"""Benchmark of the fused forward (kernels/flash_fwd.py, kernels/flash_fwd_sm90.py: the kernels the plan picks for
+head dims ≤ 256) against torch's SDPA backends, in one process.
 
 Each row: our public API forced to the fused kernel (torch tensors in, as users call it; host time included, as
 torch's), torch's FLASH_ATTENTION backend and torch's default choice (cuDNN on Hopper; with a mask, the backend
@@ -7,7 +8,7 @@ warm-up, five alternating rounds: common.interleaved_ms) on the same random inpu
 ``flops()`` (4·B·H·L·S·D, halved for causal).
 ``max_err`` is our max |error| against a float64 reference of batch 0, heads 0 and H-1 (computed with CuPy in fp64).
 
-    PYTHONPATH=. python3 bench/bench_flash.py [--quick]
+    PYTHONPATH=. python3 bench/bench_flash_fwd.py [--quick]
 """
 from __future__ import annotations
 
@@ -68,8 +69,8 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import cupy_attn
-    from cupy_attn.attention import fused as _flash
-    from cupy_attn.runtime.kernel_abi import C_TYPE_16
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import flash_fwd as _flash
 
     B, H, L, D = shape
     S = L
@@ -89,14 +90,14 @@ def run_case(name, shape, causal, mask_kind, dtype_name, n_repeat=20, tile=None)
         def ours():
             return cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=tmask, is_causal=causal == "top_left",
                                                           scale=scale, backend="fused")
-    else:  # tile sweep: a one-row family outside the table, launched by the same code
+    else:  # tile sweep: a one-row family outside the table, launched by the same code (flash_fwd.build)
         hd = _flash.head_dim_bucket(D, D)
         base = _flash.FLASH_FWD_SM90A if tile.wgmma else _flash.FLASH_FWD
         fam = dataclasses.replace(base, axes=dict(base.axes, tile=(tile,)), where=None)
-        kern = fam.kernel(dtype=C_TYPE_16[dtype_name], head_dim=hd, tile=tile,
-                          has_mask="false" if cmask is None else "true")
-        ours = lambda: _flash.launch(kern, tile, hd, cq, ck, cv, out, None, scale=scale, causal=causal,  # noqa: E731
-                                     mask=cmask)
+        p = checks.array_problem(cq, ck, cv, out, scale=scale, causal=causal, mask=cmask)
+        launch = _flash.build(p, _flash.Choice(fam, tile, hd), out, None)
+        ptrs = (cq.data.ptr, ck.data.ptr, cv.data.ptr, out.data.ptr, 0, 0 if cmask is None else cmask.data.ptr)
+        ours = lambda: launch(*ptrs)  # noqa: E731
     is_causal = causal == "top_left"
 
     def torch_call():
@@ -155,8 +156,8 @@ def format_table(rows: list[dict]) -> str:
 
 
 def sweep_tiles(dtype_names: tuple = ("float16",)) -> list[dict]:
-    """Tile candidates per head dim on the target shapes (the measurements behind _flash.TILES)."""
-    from cupy_attn.attention.fused import Tile
+    """Tile candidates per head dim on the target shapes (the measurements behind flash_fwd.TILES)."""
+    from cupy_attn.attention.kernels.flash_fwd import Tile
 
     candidates = {  # mma.sync (the table's sm_90 entries), then sm_90a wgmma shapes
         "d64": [Tile(128, 128, 4, 2), Tile(128, 128, 8, 2, True), Tile(128, 64, 8, 2, True),
@@ -180,7 +181,8 @@ def sanitize_run() -> int:
     for compute-sanitizer memcheck/racecheck. Returns the number of launches."""
     import cupy
 
-    from cupy_attn.attention import fused as _flash
+    from cupy_attn.attention import checks
+    from cupy_attn.attention.kernels import flash_fwd as _flash
 
     rng = np.random.default_rng(0)
     n = 0
@@ -199,8 +201,10 @@ def sanitize_run() -> int:
             cupy.broadcast_to(cupy.asarray(rng.standard_normal((L, S)), dtype=cupy.float32), (B, H, L, S))]
         for mask in masks:
             for causal in (None, "bottom_right"):
-                _flash.launch(family.kernel(**row), tile, d, q, k, v, out, lse, scale=E ** -0.5,
-                              causal=causal, mask=mask)
+                p = checks.array_problem(q, k, v, out, lse, scale=E ** -0.5, causal=causal, mask=mask)
+                _flash.build(p, _flash.Choice(family, tile, d), out, lse)(
+                    q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                    0 if mask is None else mask.data.ptr)
                 n += 1
     cupy.cuda.Device().synchronize()
     return n

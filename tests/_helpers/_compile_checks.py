@@ -10,3 +10,15 @@ def assert_clean(reports, max_registers: int) -> None:
     assert not spilled, f"register spills / stack: {spilled}"
     warned = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
     assert not warned, f"ptxas performance warnings: {warned}"
+
+
+def wgmma_gen():
+    """tools/wgmma_gen.py, the generator of cuda_src/common/wgmma.cuh (outside the package): its tables of the wgmma
+    widths a wrapper exists for, which the Hopper kernels' tests check their tiles against."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).resolve().parents[2] / "tools" / "wgmma_gen.py"
+    spec = importlib.util.spec_from_file_location("wgmma_gen", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

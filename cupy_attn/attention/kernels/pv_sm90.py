@@ -7,19 +7,20 @@ P is the scores kernel's output (scores_sm90.prepare: packed by (batch, query he
 past each row's causal limit); V is read in place through a 4-D tensor map (GQA by head index); out by 16-byte stores.
 A persistent wgmma GEMM (TMA producer + two consumer warpgroups, tiles of 128 rows × 256 columns, 64 keys a stage)
 whose 64-row blocks each multiply only the 64-key steps holding their visible keys, one launch for all batch·heads.
-The split path uses it in place of cuBLAS's P·V row bands for causal calls on the scores kernel
-(``CUPY_ATTN_SPLIT_PV``: :func:`setting`).
+The split path uses it in place of cuBLAS's P·V (row bands, for causal calls) after the scores kernel where
+:func:`reason` allows (``CUPY_ATTN_SPLIT_PV``: :func:`setting`); :func:`build` prepares its launch.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..runtime import env
-from ..runtime.compile import KernelFamily
-from ..runtime.interop import device_sms, dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, element_strides
-from ..runtime.launch import Maps, PreparedLaunch, Step
-from ..runtime.tma import I64, MAP, MapSpec, c_struct, out_16b_reason, tma_operand_reason
+from ...runtime import env
+from ...runtime.compile import KernelFamily
+from ...runtime.interop import device_sms, dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, set_strides
+from ...runtime.launch import Maps, PreparedLaunch, Step
+from ...runtime.tma import I64, MAP, MapSpec, c_struct, out_16b_reason, tma_operand_reason
+
 THREADS = 384         # a producer warpgroup and two consumer warpgroups
 BLOCK_M, BLOCK_N, BLOCK_K = 128, 256, 64
 STAGES = 4
@@ -57,12 +58,11 @@ def setting() -> int:
 def prefer(rows: int, seqlen_k: int, head_dim_v: int) -> bool:
     """Calls without a causal mask: True where this kernel beats the split path's tuned cuBLAS P·V. rows: B·Hq·L.
 
-    Measured on an H200 (session 18, bench/experiments/split/pv_sweep.py, whole non-causal calls, fp16, same process):
-    - S (the GEMM's K) not a multiple of 8: cuBLAS's K tail is slow; at S = 300 this kernel took 0.54-0.77 of its
-      time ((B, H) 8×16 and 32×32, L 256-1024, E 320-1024);
-    - small calls (B·Hq·L ≤ 32768) with Ev a multiple of 256 (no partial 256-column tile): 0.79-0.99 of cuBLAS's time
-      at (8, 16, 256, S 128-512, E 512/1024);
-    - elsewhere cuBLAS is as fast or faster (this kernel 0.96-1.19x its time, 1.09x at the seed).
+    Where it won, measured on whole non-causal calls (bench/experiments/split/pv_sweep.py; bench/notes/split.md):
+    - S (the GEMM's K) not a multiple of 8: cuBLAS's K tail is slow (at S = 300 this kernel took 0.54-0.77 of its
+      time);
+    - small calls (B·Hq·L ≤ 32768) with Ev a multiple of 256 (no partial 256-column tile), e.g. (8, 16, 256, S, 512);
+    - elsewhere cuBLAS is as fast or faster (the seed (32, 32, 512, 512, 1024): False).
 
     >>> prefer(32 * 32 * 512, 512, 1024), prefer(32 * 32 * 512, 300, 1024), prefer(8 * 16 * 256, 512, 1024)
     (False, True, True)
@@ -80,6 +80,20 @@ def layout_reason(v, out) -> str | None:
     if out.shape[-1] % 8:
         return f"head_dim_v={out.shape[-1]}: the P·V kernel stores 8 columns at a time (a multiple of 8)"
     return out_16b_reason(out, "the P·V kernel")
+
+
+def reason(p, out, mode: int) -> str | None:
+    """None when a call on the scores kernel runs its P·V in this kernel's one launch instead of cuBLAS (row bands
+    under a causal mask), else why not: ``mode`` (:func:`setting`) must not be 0; causal calls (each row block then
+    stops at its visible keys), and the others only where :func:`prefer` says the kernel is faster (or in mode 2);
+    value and out (B, Hq, L, Ev) must take its TMA loads and 16-byte stores (:func:`layout_reason`)."""
+    if mode == 0:
+        return f"{ENV}=0"
+    if p.causal is None and mode == 1 and not prefer(p.batch * p.num_heads * p.seqlen_q, p.seqlen_k, p.head_dim_v):
+        return "not causal: cuBLAS's GEMM is as fast at this shape (pv_sm90.prefer)"
+    if p.value is None:  # a plan made without arrays (tests): the layout is not known
+        return None
+    return layout_reason(p.value, out)
 
 
 def grid_for(batch: int, num_heads: int, seqlen_q: int, head_dim_v: int, num_sms: int) -> tuple:
@@ -107,13 +121,14 @@ def key_steps(seqlen_q: int, seqlen_k: int, m0: int, causal_offset: int | None) 
     return -(-n // BLOCK_K)
 
 
-def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: KernelFamily = PV_SM90) -> PreparedLaunch:
-    """The launch for P (B, Hq, L, S) as scores_sm90.prepare writes it (packed by (batch, query head), rows ``ld``
-    elements apart), v (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by :func:`layout_reason`. causal: None,
-    "top_left" or "bottom_right" (key j visible to row i iff j ≤ i, or j ≤ i + S − L): the row blocks skip the key
+def build(p, out, *, ld: int, family: KernelFamily = PV_SM90) -> PreparedLaunch:
+    """The launch for P (B, Hq, L, S) as scores_sm90.build writes it (packed by (batch, query head), rows ``ld``
+    elements apart), the problem ``p``'s value (B, Hkv, S, Ev) and out (B, Hq, L, Ev), accepted by
+    :func:`layout_reason`. Causal (key j visible to row i iff j ≤ i + p.causal_offset): the row blocks skip the key
     steps past their last row's limit, where P must be 0 up to the step's end (the scores kernel writes it so).
     family: PV_SM90 or a copy with other NVRTC options (A/B runs). Raises ValueError for a short ld or one not a
     multiple of 8, or mismatched shapes."""
+    v, seqlen_q = p.value, p.seqlen_q
     B, Hkv, S, Ev = v.shape
     Bo, Hq, L, Evo = out.shape
     if (Bo, Evo, L) != (B, Ev, seqlen_q) or Hq % Hkv:
@@ -121,18 +136,17 @@ def prepare(v, out, *, seqlen_q: int, ld: int, causal: str | None, family: Kerne
     if ld < S or ld % 8:
         raise ValueError(f"ld={ld}: P rows need a pitch of at least seqlen_k={S} elements, a multiple of 8")
     kernel = family.kernel(dtype=C_TYPE_16[dtype_name(v.dtype)], stages=STAGES)
-    p = np.zeros((), dtype=_PARAMS)
-    for axis, stride in zip("bhl", element_strides(out)):
-        p[f"out_stride_{axis}"] = stride
-    p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
-    p["num_heads"], p["batch"] = Hq, B
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
+    prm = np.zeros((), dtype=_PARAMS)
+    set_strides(prm, ("out", out, "bhl"))
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
+    prm["num_heads"], prm["batch"] = Hq, B
+    prm["is_causal"] = p.causal is not None
+    prm["causal_offset"] = p.causal_offset
     isz = v.dtype.itemsize
     p_map = MapSpec(dtype_name(v.dtype), (S, L, Hq, B), (ld * isz, L * ld * isz, Hq * L * ld * isz), BLOCK_M)
     maps = (p_map, MapSpec.of(v, BLOCK_K))
     grid = grid_for(B, Hq, L, Ev, device_sms(v.device.id))
-    return build_launch(kernel, p, maps, grid)
+    return build_launch(kernel, prm, maps, grid)
 
 
 def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple) -> PreparedLaunch:

@@ -1,13 +1,15 @@
-"""The decode path: split-KV attention for short queries (Flash-Decoding; cuda_src/attention/flash_decode.cu).
+"""Split-KV attention for short queries, the decode path's kernels (Flash-Decoding; cuda_src/attention/flash_decode.cu).
 
 Three kernel families from one source: ``FLASH_DECODE`` (dtype × head-dim bucket × tile × has-mask; one CTA per split
 × (kv head, 16 packed query rows) × batch, K/V by cp.async), ``FLASH_DECODE_SM90`` (the same work and math, K/V by TMA
 into an mbarrier ring fed by a producer warp; sm_90a) and ``FLASH_DECODE_COMBINE`` (dtype; merges the splits' fp32
 partials by their lse). The query heads that share a K/V head are packed into the rows of one tile (GQA), so K/V is
-read once. ``prefer_decode`` says when the dispatcher takes the decode path, ``num_splits_for`` how many splits,
-``choose_kernel`` which of the two kernels (``CUPY_ATTN_DECODE``: 0 off, 1 flash_decode, 2 and 3 flash_decode_sm90
-with one or two CTAs per SM; unset: ``DEFAULT_VARIANT``) and, for flash_decode, its 4- or 8-warp tile
-(``CUPY_ATTN_DECODE_WARPS``: 4 or 8; unset: ``use_wide_tile``, 8 warps where the grid has about one CTA per SM or fewer).
+read once. The decode kernel's choices, each made once by the plan (dispatch) through :func:`choose`:
+``prefer_decode`` says when the plan takes the decode path, ``choose_kernel`` which of the two kernels
+(``CUPY_ATTN_DECODE``: 0 off, 1 flash_decode, 2 and 3 flash_decode_sm90 with one or two CTAs per SM; unset:
+``DEFAULT_VARIANT``) and, for flash_decode, its 4- or 8-warp tile (``CUPY_ATTN_DECODE_WARPS``: 4 or 8; unset:
+``use_wide_tile``, 8 warps where the grid has about one CTA per SM or fewer), ``split_plan`` how many splits of how
+many keys. :func:`build` prepares the launch of a :class:`DecodeChoice`.
 """
 from __future__ import annotations
 
@@ -18,22 +20,23 @@ import re
 
 import numpy as np
 
-from ..runtime import env, workspace
-from ..runtime.compile import KernelFamily, source_dir
-from ..runtime.interop import device_sms, dtype_name
-from ..runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides
-from ..runtime.launch import Maps, PreparedLaunch, Scratch, Step, field_offset, pdl_supported
-from ..runtime.tma import MAP, MapSpec, c_struct
-from . import fused as _fused
+from ...runtime import env, workspace
+from ...runtime.compile import KernelFamily, source_dir
+from ...runtime.interop import dtype_name
+from ...runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, head_dim_bucket as _bucket, rows16, set_strides, \
+    tile_arch
+from ...runtime.launch import Maps, PreparedLaunch, Scratch, Step, field_offset, pdl_supported
+from ...runtime.tma import MAP, MapSpec, bindings_reason, c_struct, tma_operand_reason
+from . import flash_fwd
 
 HEAD_DIMS = (64, 128, 256)   # buckets; E, Ev are zero-padded up to one (bytes read stay E·2 and Ev·2 per key)
 ROWS = 16                    # packed query rows per CTA (one mma m16 tile)
 ENV_DECODE = "CUPY_ATTN_DECODE"
-ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (DECODE_TILES), "8" (WIDE_TILES); unset: use_wide_tile
+ENV_WARPS = "CUPY_ATTN_DECODE_WARPS"  # flash_decode's tile: "4" (TILES), "8" (WIDE_TILES); unset: use_wide_tile
 WIDE_MAX_WAVES = 1.5                  # use_wide_tile: 8 warps up to this many CTAs per SM
 MAX_SPLITS = 128
 ONE_SPLIT_FILL = 0.45                 # split_plan: one split once B·Hkv·row blocks ≥ this fraction of the SMs
-PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/experiments/decode/decode_pdl.py)
+PDL = True  # the combine kernel as a programmatic dependent of the split kernel on sm_90+ (bench/notes/decode.md)
 ARGS = ("q", "k", "v", "out", "lse", "mask")  # a replay's arguments: FlashDecodeParams' first six pointers
 
 
@@ -55,7 +58,7 @@ class DecodeTile:
 # (head-dim bucket, arch major) -> DecodeTile. Hopper: 227 KB per block, 228 KB per SM; arch 8 must fit the 99 KB of
 # sm_86/sm_89 (and is untimed). Decode is memory-bound, so the entries maximize bytes in flight per SM:
 # (stages - 1) · block_n · 2 · D · 2 bytes per CTA × CTAs per SM. (Sizes are DecodeTile.smem_bytes.)
-DECODE_TILES = {
+TILES = {
     # D=64: 4 stages, 66 KB: 2 CTAs/SM (3 by shared memory; 2 assumed for the split rule), 2 × 3 × 16 KB in flight.
     (64, 9): DecodeTile(64, 4, 4, 2), (64, 8): DecodeTile(64, 4, 4, 1),
     # D=128: 3 stages, 101 KB: 2 CTAs/SM on Hopper, 2 × 2 × 32 KB in flight (4 stages, 133 KB, would allow 1).
@@ -67,7 +70,7 @@ DECODE_TILES = {
 
 # (head-dim bucket, arch major) -> flash_decode's 8-warp tile, for grids of about one CTA per SM or fewer
 # (use_wide_tile): there a 4-warp CTA leaves each of the SM's 4 schedulers one warp, and the loop is issue-bound
-# (bench/notes/decode.md, session 7: IPC 1.15 at 4 warps per SM). 128 keys per tile, 16 per warp: each warp's work
+# (IPC 1.15 at 4 warps per SM, bench/notes/decode.md). 128 keys per tile, 16 per warp: each warp's work
 # per tile is the 4-warp tile's (the same loop), and the SM holds 8 warps, 2 per scheduler. One CTA per SM (shared
 # memory), (stages - 1) · 128 keys in flight: D=128 3 stages, 197 KB, 2 × 64 KB in flight (4 stages would be 261 KB);
 # D=64 4 stages, 130 KB, 3 × 32 KB. D=256 has none (two 128-key stages alone are 256 KB), nor arch 8 (99 KB on
@@ -149,10 +152,10 @@ FLASH_DECODE = KernelFamily(
     axes={
         "dtype": tuple(C_TYPE_16.values()),
         "head_dim": HEAD_DIMS,
-        "tile": tuple(sorted(set(DECODE_TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
+        "tile": tuple(sorted(set(TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
     },
-    where=lambda row: any(t == row["tile"] for (d, _), t in (*DECODE_TILES.items(), *WIDE_TILES.items())
+    where=lambda row: any(t == row["tile"] for (d, _), t in (*TILES.items(), *WIDE_TILES.items())
                           if d == row["head_dim"]),
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
 )
@@ -190,15 +193,14 @@ FLASH_DECODE_COMBINE = KernelFamily(
 
 def head_dim_bucket(head_dim: int, head_dim_v: int) -> int | None:
     """The smallest decode bucket ≥ max(E, Ev) (E=40 → 64, E=96 → 128), None past 256."""
-    need = max(head_dim, head_dim_v)
-    return next((d for d in HEAD_DIMS if d >= need), None)
+    return _bucket(head_dim, head_dim_v, HEAD_DIMS)
 
 
 def tile_for(head_dim: int, arch: int, warps: int = 4) -> DecodeTile | None:
-    """flash_decode's tile at this head-dim bucket and arch: the 4-warp DECODE_TILES entry, or with warps=8 the
+    """flash_decode's tile at this head-dim bucket and arch: the 4-warp TILES entry, or with warps=8 the
     WIDE_TILES one (None where there is none: D=256, arch 8)."""
-    key = (head_dim, 9 if arch // 10 == 9 else 8)
-    return DECODE_TILES[key] if warps == 4 else WIDE_TILES.get(key)
+    key = (head_dim, tile_arch(arch))
+    return TILES[key] if warps == 4 else WIDE_TILES.get(key)
 
 
 def requested_warps() -> int | None:
@@ -229,7 +231,7 @@ def use_wide_tile(grid_ctas: int, num_sms: int) -> bool:
     2048) the 4-warp tile's two CTAs per SM overlap one's start with the other's stream.
     Examples, H200 (132 SMs, up to 198 CTAs): (8, 32 q / 8 kv, L=1, S=32768) 64 CTAs × 1 auto split → 8 warps;
     (16, 64 q / 8 kv, L=1, S=8192) 128 × 1 → 8 warps; (8, 32 heads, L=1, S=32768) 256 × 1 → 4 warps; the GQA row with
-    4 splits forced, 256 → 4 warps. Untimed when written (bench/notes/decode.md)."""
+    4 splits forced, 256 → 4 warps. (bench/notes/decode.md.)"""
     return grid_ctas <= WIDE_MAX_WAVES * num_sms
 
 
@@ -260,10 +262,10 @@ def v1_tile(head_dim: int, arch: int, grid_ctas: int | None = None, num_sms: int
     return tile_for(head_dim, arch), "4 warps (forced)"
 
 
-def unsupported_reason(dtype, head_dim: int, head_dim_v: int, mask_kind: str, arch: int) -> str | None:
-    """None when the decode kernel can run the call, else why not (the fused kernel's limits: fp16/bf16, sm_80+,
-    head dims ≤ 256)."""
-    return _fused.unsupported_reason(dtype, head_dim, head_dim_v, mask_kind, arch)
+def reason(p, arch: int) -> str | None:
+    """None when the decode kernel can run a call of this kind, else why not: flash_fwd's limits (fp16/bf16, sm_80+,
+    head dims ≤ 256, the same mask kinds)."""
+    return flash_fwd.reason(p, arch)
 
 
 def enabled() -> bool:
@@ -286,12 +288,15 @@ def requested_variant() -> str:
 @dataclasses.dataclass(frozen=True)
 class DecodeChoice:
     """Which decode kernel runs a call: the family, its tile (DecodeTile or StreamTile), and why the streaming variant
-    was asked for but not taken (None otherwise). Made once by the plan (``choose_kernel``), used by ``prepare``."""
+    was asked for but not taken (None otherwise); with :func:`choose`, the splits launched and the keys of each. Made
+    once by the plan, used by :func:`build`."""
     family: KernelFamily
     tile: object
     variant: str
     fallback: str | None = None
     warps_note: str | None = None  # flash_decode: why this tile's warps (v1_tile), where not the 4-warp default
+    num_splits: int = 1
+    split_keys: int = 0
 
     def describe(self) -> str:
         t = self.tile
@@ -305,16 +310,9 @@ class DecodeChoice:
 
 
 def stream_layout_reason(k, v) -> str | None:
-    """None when TMA can read k and v (B, Hkv, S, E) in place: 16-byte aligned bases, and batch / head / row strides
-    positive multiples of 16 bytes below 2^40 (BHSD and BSHD with E·2 a multiple of 16 qualify). Axes of size 1 are
-    not checked (their stride is never used)."""
-    for name, a in (("key", k), ("value", v)):
-        if a.data.ptr % 16:
-            return f"{name} is not 16-byte aligned (TMA)"
-        for axis, n, s in zip("bhs", a.shape[:-1], a.strides[:-1]):
-            if n > 1 and (s % 16 or s <= 0 or s >= 2 ** 40):
-                return f"{name} stride along {axis} is {s} bytes: TMA needs a positive multiple of 16 below 2^40"
-    return None
+    """None when TMA can read k and v (B, Hkv, S, E) in place (runtime.tma.tma_operand_reason: BHSD and BSHD with E·2
+    a multiple of 16 qualify), else why not."""
+    return tma_operand_reason("key", k) or tma_operand_reason("value", v)
 
 
 def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str | None = None, *,
@@ -341,10 +339,7 @@ def choose_kernel(head_dim: int, arch: int, key=None, value=None, variant: str |
     elif key is not None:
         why = stream_layout_reason(key, value)
     if why is None:
-        try:
-            from cuda.bindings import driver  # noqa: F401
-        except ImportError:
-            why = "cuda-bindings is not installed (cuTensorMapEncodeTiled)"
+        why = bindings_reason()
     if why is not None:
         return dataclasses.replace(v1, fallback=why)
     return DecodeChoice(FLASH_DECODE_SM90, STREAM_TILES[(variant, head_dim)], variant)
@@ -400,14 +395,6 @@ def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2,
     return next(n for n, e in enumerate(eff, 1) if e >= 0.85 * best)
 
 
-def check_num_splits(num_splits) -> None:
-    """num_splits must be None (auto) or a positive int (not a bool); ValueError naming it otherwise."""
-    if num_splits is None:
-        return
-    if isinstance(num_splits, bool) or not isinstance(num_splits, (int, np.integer)) or num_splits < 1:
-        raise ValueError(f"num_splits must be None (auto) or a positive int, got {num_splits!r}")
-
-
 @functools.lru_cache(maxsize=None)
 def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
                num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
@@ -418,10 +405,9 @@ def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arc
     block_n = tile_for(head_dim, arch).block_n if block_n is None else block_n
     ctas = B * Hkv * math.ceil(L * groups / ROWS)
     # Waves are counted per SM, not per CTA slot: one CTA per SM already keeps enough K/V bytes in flight, and a
-    # second split only adds a combine (H200, bench/notes/decode.md: (16, 64/8, 1, 8192) 1 split 0.167 ms against the
-    # slot rule's 2 at 0.185; (8, 32/8, 1, 32768) 2 splits 0.303 against its 4 at 0.309). Since the swizzled K/V
-    # tiles (session 10) one CTA streams faster still, and half the SMs suffice: (8, 32/8, 1, 32768), 64 CTAs of
-    # 8 warps on 132 SMs, 1 split 0.239 ms of device time against 2 splits 0.243 and 4 splits 0.247 (torch 0.242).
+    # second split only adds a combine; with the swizzled K/V tiles half the SMs suffice (ONE_SPLIT_FILL). E.g.
+    # (8, 32/8, 1, 32768): 64 CTAs of 8 warps on 132 SMs run one split (measured no slower than 2 or 4 splits;
+    # bench/notes/decode.md).
     n = num_splits_for(ctas, S, num_sms, 1, fill=ONE_SPLIT_FILL) if num_splits is None else int(num_splits)
     chunk = math.ceil(math.ceil(S / n) / block_n) * block_n
     return math.ceil(S / chunk), chunk
@@ -437,105 +423,71 @@ def _partials(ctx, nbytes: int):
     """(holder, pointer) of the splits' fp32 partials: up to PERSISTENT_PARTIALS_MAX bytes the call stream's kept
     buffer (stream order: the next call's split kernel runs after this call's combine kernel has read it), else from
     the caller's allocator on the call's stream (runtime.workspace.scratch; freed stream-ordered after the combine
-    kernel has read them), or from CuPy's pool on its current stream when the launch has no call context
-    (decode_forward, tests)."""
-    if ctx is not None:
-        if nbytes <= PERSISTENT_PARTIALS_MAX:
-            buf = workspace.persistent(ctx.device_id, ctx.stream.ptr, "decode_partials", nbytes)
-            return buf, workspace.pointer(buf)
-        return workspace.scratch(ctx, nbytes)
-    import cupy
-    a = cupy.empty(nbytes, dtype=cupy.uint8)
-    return a, a.data.ptr
+    kernel has read them)."""
+    if nbytes <= PERSISTENT_PARTIALS_MAX:
+        buf = workspace.persistent(ctx.device_id, ctx.stream.ptr, "decode_partials", nbytes)
+        return buf, workspace.pointer(buf)
+    return workspace.scratch(ctx, nbytes)
 
 
-def prepare_problem(p, num_splits, choice, out, lse):
-    """``run(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, mask_ptr)`` of the decode kernel for a checked problem, on the
-    call's device and stream, partials from the caller's allocator (what dispatch's plan returns). choice: the plan's
-    DecodeChoice (None: made here)."""
-    return prepare(p.query, p.key, p.value, out, lse, scale=p.scale, causal=p.causal, mask=p.mask,
-                   num_splits=num_splits, choice=choice, ctx=p.ctx).bind(p.ctx.stream)
+def choose(p, arch: int, num_sms: int, num_splits: int | None = None, *, variant: str | None = None,
+           warps: int | None = None) -> DecodeChoice:
+    """The decode kernel's whole choice for a problem it serves (:func:`reason`), made once by the plan: the kernel
+    and tile (:func:`choose_kernel`, on the launch's CTAs: :func:`launch_ctas`; variant and warps None: from
+    CUPY_ATTN_DECODE and CUPY_ATTN_DECODE_WARPS), then the splits and keys per split (:func:`split_plan`; num_splits
+    None: automatic). ``num_sms``: the device's SM count."""
+    head_dim = head_dim_bucket(p.head_dim, p.head_dim_v)
+    S = max(p.seqlen_k, 1)
+    choice = choose_kernel(head_dim, arch, p.key, p.value, variant, num_sms=num_sms, warps=warps,
+                           grid_ctas=launch_ctas(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, num_sms,
+                                                 num_splits))
+    n, chunk = split_plan(p.batch, p.num_kv_heads, p.seqlen_q, p.groups, S, head_dim, arch, num_sms, num_splits,
+                          choice.tile.block_n)
+    return dataclasses.replace(choice, num_splits=n, split_keys=chunk)
 
 
-def decode_forward(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
-                   num_splits: int | None = None, variant: str | None = None,
-                   warps: int | None = None) -> PreparedLaunch:
-    """out (and lse) = attention(q, k, v) by the decode kernel, on CuPy's current stream (arguments as prepare's;
-    variant and warps as choose_kernel's). Returns the launch (``info["choice"]`` says which kernel and tile ran)."""
-    launch = prepare(q, k, v, out, lse, scale=scale, causal=causal, mask=mask, num_splits=num_splits, variant=variant,
-                     warps=warps)
-    launch(
-        q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, 0 if lse is None else lse.data.ptr,
-        0 if mask is None else mask.data.ptr)
-    return launch
-
-
-def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, mask=None,
-            num_splits: int | None = None, choice: DecodeChoice | None = None,
-            variant: str | None = None, warps: int | None = None, ctx=None) -> PreparedLaunch:
-    """Check a decode call and build its launch (all but the pointers), as fused.prepare.
+def build(p, choice: DecodeChoice, out, lse) -> PreparedLaunch:
+    """The launch of ``choice`` (:func:`choose`'s) for a checked problem ``p`` (checks.SDPAProblem) on its device and
+    stream, partials from the caller's allocator (p.ctx).
 
     q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev): fp16/bf16, last-dim stride 1, other strides free; out (B,
     Hq, L, Ev) in q's dtype, last-dim stride 1; lse None or (B, Hq, L) fp32; mask None or broadcast to (B, Hq, L, S);
-    causal None / "top_left" / "bottom_right". Any L works (rows are packed 16 per CTA); the dispatcher sends it
-    small ones. num_splits: None (num_splits_for) or the requested count (see split_plan). choice: the kernel the
-    plan chose (None: ``choose_kernel(..., variant, warps=warps)`` here, from CUPY_ATTN_DECODE when variant is None and
-    CUPY_ATTN_DECODE_WARPS when warps is None). ctx: the call's context (interop.CallContext), whose allocator gives
-    the splits' partials (None: CuPy's pool on its current stream).
+    either causal alignment. Any L works (rows are packed 16 per CTA); the plan sends it small ones. ValueError for a
+    grid over the limit.
 
     The launch is replayed as ``launch_on(stream, q, k, v, out, lse, mask)``: every FlashDecodeParams field is 8 bytes
     wide, the six pointers and the partials' two (o_part, lse_part: allocated per replay, _partials, and held until
     the combine kernel is enqueued) are written into the launch's struct, and the split kernel then the combine kernel
     read it (flash_decode_sm90's struct: the k and v tensor maps, then FlashDecodeParams, the combine kernel's).
     """
-    import cupy
-
-    check_num_splits(num_splits)
-    arch = int(cupy.cuda.Device().compute_capability)
-    _fused.check_launch_arrays("decode attention", unsupported_reason, arch, q, k, v, out, lse, causal, mask)
+    q, k, v, mask = p.query, p.key, p.value, p.mask
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
-    dtype = q.dtype
-
     head_dim = head_dim_bucket(E, Ev)
     groups = Hq // Hkv
     row_blocks = math.ceil(L * groups / ROWS)
-    num_sms = device_sms(cupy.cuda.Device().id)
-    if choice is None:
-        choice = choose_kernel(head_dim, arch, k, v, variant, num_sms=num_sms, warps=warps,
-                               grid_ctas=launch_ctas(B, Hkv, L, groups, S, num_sms, num_splits))
     tile = choice.tile
-    splits, chunk = split_plan(B, Hkv, L, groups, S, head_dim, arch, num_sms, num_splits, tile.block_n)
+    splits, chunk = choice.num_splits, choice.split_keys
     if Hkv * row_blocks > 65535 or B > 65535:
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
-    c_type = C_TYPE_16[dtype_name(dtype)]
+    c_type = C_TYPE_16[dtype_name(q.dtype)]
     kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
                                   has_mask="false" if mask is None else "true")
     combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
     smem = tile.smem_bytes(head_dim)
 
-    def rows16(a) -> bool:  # every row start 16-byte aligned: 16-byte cp.async
-        return a.data.ptr % 16 == 0 and all(s % 8 == 0 for s in element_strides(a)[:-1])
-
-    p = np.zeros((), dtype=_PARAMS)
-    p["batch"], p["num_heads"], p["seqlen_q"], p["seqlen_k"] = B, Hq, L, S
-    p["head_dim"], p["head_dim_v"], p["groups"], p["row_blocks"] = E, Ev, groups, row_blocks
-    p["num_splits"], p["split_keys"] = splits, chunk
-    p["is_causal"] = causal is not None
-    p["causal_offset"] = S - L if causal == "bottom_right" else 0
-    p["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
-    p["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2
-    p["scale_log2"] = float(scale) * LOG2E
-    for name, arr, axes in (("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl")):
-        for axis, stride in zip(axes, element_strides(arr)):
-            p[f"{name}_stride_{axis}"] = stride
-    if lse is not None:
-        for axis, stride in zip("bhl", element_strides(lse)):
-            p[f"lse_stride_{axis}"] = stride
-    if mask is not None:
-        for axis, stride in zip("bhls", element_strides(mask)):
-            p[f"mask_stride_{axis}"] = stride
+    prm = np.zeros((), dtype=_PARAMS)
+    prm["batch"], prm["num_heads"], prm["seqlen_q"], prm["seqlen_k"] = B, Hq, L, S
+    prm["head_dim"], prm["head_dim_v"], prm["groups"], prm["row_blocks"] = E, Ev, groups, row_blocks
+    prm["num_splits"], prm["split_keys"] = splits, chunk
+    prm["is_causal"] = p.causal is not None
+    prm["causal_offset"] = p.causal_offset
+    prm["mask_kind"] = 0 if mask is None else MASK_KIND[dtype_name(mask.dtype)]
+    prm["vec_flags"] = rows16(q) | rows16(k) << 1 | rows16(v) << 2
+    prm["scale_log2"] = float(p.scale) * LOG2E
+    set_strides(prm, ("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl"), ("lse", lse, "bhl"),
+                ("mask", mask, "bhls"))
     rows = B * Hq * L
     o_part_bytes = splits * rows * Ev * 4  # lse_part's offset in the partials
     part_bytes = 0 if splits == 1 else o_part_bytes + splits * rows * 4
@@ -544,23 +496,22 @@ def prepare(q, k, v, out, lse=None, *, scale: float, causal: str | None = None, 
         # FlashDecodeSm90Params: the maps of k and v (encoded again only when k or v moved: a decode loop over one KV
         # cache encodes once; ~10 µs of host time otherwise), then FlashDecodeParams, which the combine kernel reads.
         params, nested, block = np.zeros((), dtype=_SM90_PARAMS), "p.", (tile.threads,)
-        params["p"] = p
+        params["p"] = prm
         maps = (Maps(("tma_k", "tma_v"), ("k", "v"), (MapSpec.of(k, tile.block_n).encode,
                                                       MapSpec.of(v, tile.block_n).encode)),)
     else:
-        params, nested, block, maps = p, "", (tile.warps * 32,), ()
+        params, nested, block, maps = prm, "", (tile.warps * 32,), ()
     steps = [Step(kernel, grid, block, smem)]
     scratch = None
     if splits > 1:
         # The combine kernel as a programmatic dependent of the split kernel on sm_90+ (PDL: launched while the
         # split kernel drains; it waits inside for the partials). The split kernel is launched plainly: as a
-        # dependent of whatever precedes it, it measured no device gain and ~0.5 µs more host time a call
-        # (bench/experiments/decode/decode_pdl.py, session 16).
+        # dependent of whatever precedes it, it measured no device gain and more host time (bench/notes/decode.md).
         from cupy.cuda import runtime
         offset = field_offset(params.dtype, "p")[0] if nested else 0
         steps.append(Step(combine, (rows,), (128,),
                           pdl=PDL and pdl_supported(runtime.getDevice()), offset=offset))
-        scratch = Scratch(functools.partial(_partials, ctx, part_bytes),
+        scratch = Scratch(functools.partial(_partials, p.ctx, part_bytes),
                           {nested + "o_part": 0, nested + "lse_part": o_part_bytes})
     return PreparedLaunch(params, steps, args=ARGS, pointers={nested + name: name for name in ARGS}, maps=maps,
                           scratch=scratch, info={"choice": choice, "num_splits": splits})
