@@ -23,22 +23,84 @@ def causal_keep(seqlen_q: int, seqlen_k: int, alignment: str = "top_left") -> np
     return np.tri(seqlen_q, seqlen_k, k=offset, dtype=bool)
 
 
+def window_bounds(window_size) -> tuple[int | None, int | None]:
+    """``window_size`` as (left, right) with None for an unbounded side: None, or a pair whose entries are None or
+    negative (FlashAttention's -1), mean unbounded. ValueError for anything else."""
+    if window_size is None:
+        return None, None
+    try:
+        left, right = window_size
+    except (TypeError, ValueError):
+        raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}") from None
+    out = []
+    for name, w in (("left", left), ("right", right)):
+        if w is None:
+            out.append(None)
+        elif isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+            out.append(None if w < 0 else int(w))
+        else:
+            raise ValueError(f"window_size {name} must be an int >= 0, or None / -1 for unbounded, got {w!r}")
+    return out[0], out[1]
+
+
+def visible_keys(seqlen_q: int, seqlen_k: int, is_causal=False, window_size=None) -> np.ndarray:
+    """(seqlen_q, seqlen_k) bool: True where query i sees key j under the causal mask and the sliding window.
+
+    is_causal: False; True / "top_left" (torch's): j <= i; "bottom_right" (FlashAttention's): j <= i + S - L.
+    window_size (left, right), bottom-right aligned as FlashAttention's: i + S - L - left <= j <= i + S - L + right,
+    None or -1 leaving a side unbounded. Both apply when both are given (their intersection).
+    """
+    keep = np.ones((seqlen_q, seqlen_k), dtype=bool)
+    if is_causal:
+        keep &= causal_keep(seqlen_q, seqlen_k, "top_left" if is_causal is True else is_causal)
+    left, right = window_bounds(window_size)
+    if left is not None or right is not None:
+        diag = np.arange(seqlen_k)[None, :] - np.arange(seqlen_q)[:, None] - (seqlen_k - seqlen_q)  # j - (i + S - L)
+        if left is not None:
+            keep &= diag >= -left
+        if right is not None:
+            keep &= diag <= right
+    return keep
+
+
+def alibi_bias(slopes, seqlen_q: int, seqlen_k: int) -> np.ndarray:
+    """ALiBi (Press et al. 2022) with FlashAttention's convention: bias[..., h, i, j] = -slopes[..., h] ·
+    |i + S - L - j|, added to the scaled (and soft-capped) scores. slopes (..., Hq) -> bias (..., Hq, L, S) float64."""
+    slopes = np.asarray(slopes, dtype=np.float64)
+    dist = np.abs(np.arange(seqlen_q)[:, None] + (seqlen_k - seqlen_q) - np.arange(seqlen_k)[None, :])
+    return -slopes[..., None, None] * dist
+
+
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                                 return_lse=False, dropout_p=0.0, dropout_mask=None):
-    """softmax(scale · Q Kᵀ + mask) V in float64, with torch's semantics (dropout included).
+                                 return_lse=False, dropout_p=0.0, dropout_mask=None, *, window_size=None,
+                                 softcap=None, sinks=None, alibi_slopes=None):
+    """softmax(scale · Q Kᵀ + mask) V in float64, with torch's semantics (dropout included) and FlashAttention's
+    variants (sliding window, softcap, sinks, ALiBi).
+
+    Per row i of a head, with s_j = scale · q_i·k_j:
+        s_j <- c · tanh(s_j / c)                   softcap=c (Gemma 2), first
+        s_j <- s_j - slope_h · |i + S - L - j|     alibi_slopes (FlashAttention's ALiBi)
+        s_j <- -inf where key j is not visible     is_causal, window_size (see visible_keys), bool attn_mask;
+        s_j <- s_j + attn_mask[i, j]               float attn_mask
+        out_i = Σ_j e^(s_j) v_j / (Σ_j e^(s_j) + e^(sink_h)),  lse_i = log(Σ_j e^(s_j) + e^(sink_h))
+    where the sink term is present only with ``sinks`` (one logit per query head, gpt-oss's learned sinks: it takes
+    part in the denominator and adds nothing to the output). Rows with no visible key give output 0 and lse -inf
+    (lse = sink_h with sinks); NaN/Inf propagate.
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); Hkv == Hq unless enable_gqa, where
     query head h reads key/value head h // (Hq // Hkv). attn_mask broadcastable to (..., Hq, L, S): bool (True = take
     part) or float (added to the scaled scores). is_causal: False, True / "top_left", or "bottom_right".
-    scale defaults to 1/sqrt(E). Rows with every key masked give output 0 and lse -inf; NaN/Inf propagate.
+    window_size: None or (left, right), each an int >= 0 or None / -1 (unbounded). softcap: None or c > 0.
+    sinks: None or (Hq,) (broadcastable to (..., Hq)), natural-log logits. alibi_slopes: None or broadcastable to
+    (..., Hq), e.g. (Hq,) or (B, Hq). scale defaults to 1/sqrt(E).
     dropout_p > 0 needs ``dropout_mask``, the keep mask (bool, broadcastable to (..., Hq, L, S); True = kept, e.g.
     philox.keep_mask for a call's rng pair): out = (P ∘ Z / (1 − dropout_p)) V with P the softmax (torch's dropout of
     the attention weights), out = 0 for dropout_p = 1; lse is that of the undropped scores.
     dtypes: anything ``np.asarray`` reads as numbers (bf16 as ml_dtypes.bfloat16 included), computed in float64.
 
     Returns out (..., Hq, L, Ev) float64, and lse (..., Hq, L) float64 (natural log) when return_lse.
-    Raises: only what NumPy raises for shapes that do not broadcast or multiply (ValueError); the arguments are not
-    checked here (``cupy_attn.scaled_dot_product_attention`` checks them, naming each).
+    Raises: ValueError for a malformed window_size, and what NumPy raises for shapes that do not broadcast or multiply;
+    the other arguments are not checked here (``cupy_attn.scaled_dot_product_attention`` checks them, naming each).
     """
     q = np.asarray(query, dtype=np.float64)
     k = np.asarray(key, dtype=np.float64)
@@ -51,16 +113,25 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
         k = np.repeat(k, groups, axis=-3)
         v = np.repeat(v, groups, axis=-3)
     s = (q @ np.swapaxes(k, -1, -2)) * scale
-    if is_causal:
-        alignment = "top_left" if is_causal is True else is_causal
-        s = np.where(causal_keep(seqlen_q, seqlen_k, alignment), s, -np.inf)
+    if softcap is not None:
+        s = softcap * np.tanh(s / softcap)
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, seqlen_q, seqlen_k)
+    if is_causal or window_size is not None:
+        s = np.where(visible_keys(seqlen_q, seqlen_k, is_causal, window_size), s, -np.inf)
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
         s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float64)
     m = np.max(s, axis=-1, keepdims=True)
+    sink = None
+    if sinks is not None:
+        sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[..., None, None], m.shape)
+        m = np.maximum(m, sink)
     m_safe = np.where(m == -np.inf, 0.0, m)          # a fully masked row has max -inf; exp(-inf - 0) = 0 keeps it 0
     p = np.exp(s - m_safe)
     denom = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        denom = denom + np.exp(sink - m_safe)
     if dropout_p > 0:
         if dropout_mask is None:
             raise ValueError("dropout_p > 0 needs dropout_mask (the keep mask, e.g. philox.keep_mask)")

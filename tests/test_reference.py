@@ -84,3 +84,122 @@ def test_matches_torch_cpu_float64():
                                                      scale=kwargs.get("scale"))
         expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs)
         np.testing.assert_allclose(ref, expected.numpy(), rtol=1e-10, atol=1e-12)
+
+
+def _direct_variants(q, k, v, scale, *, causal=False, window=(None, None), softcap=None, sinks=None, slopes=None):
+    """The variants row by row as written in the docstring: softcap, then ALiBi, then visibility, then the softmax
+    whose denominator holds e^sink. Returns (out, lse)."""
+    *lead, L, E = q.shape
+    S = k.shape[-2]
+    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
+    lse = np.full(q.shape[:-1], -np.inf)
+    left, right = window
+    for idx in np.ndindex(*lead):
+        h = idx[-1]
+        for i in range(L):
+            logits, vis = [], []
+            for j in range(S):
+                s = scale * np.dot(q[idx][i], k[idx][j])
+                if softcap is not None:
+                    s = softcap * np.tanh(s / softcap)
+                if slopes is not None:
+                    s -= slopes[h] * abs(i + S - L - j)
+                ok = True
+                if causal == "top_left":
+                    ok &= j <= i
+                elif causal == "bottom_right":
+                    ok &= j <= i + S - L
+                if left is not None:
+                    ok &= j >= i + S - L - left
+                if right is not None:
+                    ok &= j <= i + S - L + right
+                logits.append(s)
+                vis.append(ok)
+            terms = [np.exp(s) for s, ok in zip(logits, vis) if ok]
+            if sinks is not None:
+                terms.append(np.exp(sinks[h]))
+            if not terms:
+                continue
+            denom = sum(terms)
+            lse[idx][i] = np.log(denom)
+            out[idx][i] = sum(np.exp(s) * v[idx][j] for j, (s, ok) in enumerate(zip(logits, vis)) if ok) / denom
+    return out, lse
+
+
+@pytest.mark.parametrize("L,S", [(6, 6), (4, 9), (9, 4)])
+@pytest.mark.parametrize("causal", [False, "top_left", "bottom_right"])
+@pytest.mark.parametrize("window", [(2, 0), (0, 0), (0, 3), (1, None), (None, 1), (100, 100), (-1, 2)])
+def test_sliding_window(L, S, causal, window):
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((1, 2, L, 4)), rng.standard_normal((1, 2, S, 4)), rng.standard_normal((1, 2, S, 3))
+    out, lse = reference.scaled_dot_product_attention(q, k, v, is_causal=causal, window_size=window, return_lse=True)
+    w = tuple(None if x is not None and x < 0 else x for x in window)
+    ref_out, ref_lse = _direct_variants(q, k, v, 0.5, causal=causal, window=w)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+    assert np.all((lse == -np.inf) == ~reference.visible_keys(L, S, causal, window).any(-1))
+
+
+def test_visible_keys_window_examples():
+    # L = S: the window is centred on the diagonal; left=2, right=0 is causal with the 2 previous keys.
+    keep = reference.visible_keys(5, 5, window_size=(2, 0))
+    assert keep.sum(-1).tolist() == [1, 2, 3, 3, 3] and keep[4].tolist() == [False, False, True, True, True]
+    # L < S, bottom-right: the last query row's window ends at the last key.
+    assert reference.visible_keys(2, 6, window_size=(1, 0)).tolist() == [
+        [False, False, False, True, True, False], [False, False, False, False, True, True]]
+    # A window wider than S sees everything; (None, None) is no window.
+    assert reference.visible_keys(3, 4, window_size=(10, 10)).all()
+    assert reference.visible_keys(3, 4, window_size=(None, None)).all()
+    with pytest.raises(ValueError, match="window_size"):
+        reference.visible_keys(3, 4, window_size=(1.5, 0))
+    with pytest.raises(ValueError, match="pair"):
+        reference.visible_keys(3, 4, window_size=3)
+
+
+@pytest.mark.parametrize("c", [0.5, 5.0, 50.0])
+def test_softcap(c):
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((1, 2, 5, 8)) * 4 for _ in range(3))  # |scores| >> c for the small caps
+    out, lse = reference.scaled_dot_product_attention(q, k, v, softcap=c, return_lse=True, is_causal=True)
+    ref_out, ref_lse = _direct_variants(q, k, v, 8 ** -0.5, causal="top_left", softcap=c)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+
+
+def test_sinks_with_fully_masked_rows():
+    rng = np.random.default_rng(5)
+    q, k, v = rng.standard_normal((2, 3, 4, 4)), rng.standard_normal((2, 3, 6, 4)), rng.standard_normal((2, 3, 6, 2))
+    sinks = np.array([-1.0, 0.5, 3.0])
+    out, lse = reference.scaled_dot_product_attention(q, k, v, sinks=sinks, return_lse=True)
+    ref_out, ref_lse = _direct_variants(q, k, v, 0.5, sinks=sinks)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+    # The sink only adds to the denominator: the output is the plain output scaled by (1 - its weight).
+    plain, plain_lse = reference.scaled_dot_product_attention(q, k, v, return_lse=True)
+    w = np.exp(sinks[:, None] - lse)
+    np.testing.assert_allclose(out, plain * (1 - w)[..., None], atol=1e-12)
+    # Rows with no visible key: output 0, lse = the sink (its term alone in the denominator).
+    keep = np.ones((2, 1, 4, 6), bool)
+    keep[1, 0, 2] = False
+    out, lse = reference.scaled_dot_product_attention(q, k, v, attn_mask=keep, sinks=sinks, return_lse=True)
+    assert np.all(out[1, :, 2] == 0) and np.allclose(lse[1, :, 2], sinks)
+
+
+def test_alibi_with_gqa_and_window():
+    rng = np.random.default_rng(6)
+    q = rng.standard_normal((2, 4, 5, 4))
+    k, v = rng.standard_normal((2, 2, 7, 4)), rng.standard_normal((2, 2, 7, 3))
+    slopes = np.array([0.5, 0.25, 0.125, 0.0625])
+    out, lse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, alibi_slopes=slopes,
+                                                      window_size=(3, 1), softcap=2.0, return_lse=True)
+    kk, vv = np.repeat(k, 2, axis=-3), np.repeat(v, 2, axis=-3)
+    ref_out, ref_lse = _direct_variants(q, kk, vv, 0.5, slopes=slopes, window=(3, 1), softcap=2.0)
+    np.testing.assert_allclose(out, ref_out, atol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-12)
+    # (B, Hq) slopes: one row of slopes per batch item.
+    per_batch = np.stack([slopes, 2 * slopes])
+    out2 = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, alibi_slopes=per_batch)
+    np.testing.assert_allclose(out2[0], reference.scaled_dot_product_attention(
+        q[:1], k[:1], v[:1], enable_gqa=True, alibi_slopes=slopes)[0], atol=1e-12)
+    np.testing.assert_allclose(out2[1], reference.scaled_dot_product_attention(
+        q[1:], k[1:], v[1:], enable_gqa=True, alibi_slopes=2 * slopes)[0], atol=1e-12)
