@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
     tma::setmaxnreg_dec<kBwdProducerRegs>();
     if (threadIdx.x == 0) {
       bwd_produce(p, ss, n0, h_kv, b, steps);
-    } else if (BwdDq<kHeadDim, kBlockM, kBlockN>::kTma && threadIdx.x / 32 == 1) {  // warp 1: the dQ writer
+    } else if (threadIdx.x / 32 == 1) {  // warp 1: the dQ writer
       bwd_dq_write(p, ss, h_kv, b, steps, threadIdx.x % 32);
     }
   } else {

@@ -95,13 +95,10 @@ struct SharedStorage {
   }
 };
 
-// P·V in parts (v1.3): a block's P goes to shared memory in kPParts parts of 128 / kPParts keys per warpgroup, each
-// followed by the P·V stages of its keys, so the exponentials of part k + 1 run under the wgmma of part k (only the
-// first part's are exposed). -DCUPY_ATTN_D512_P_PARTS=1 gives v1.2's order (all of P, then P·V), for A/B runs.
-#ifndef CUPY_ATTN_D512_P_PARTS
-#define CUPY_ATTN_D512_P_PARTS 4
-#endif
-constexpr int kPParts = CUPY_ATTN_D512_P_PARTS;
+// P·V in parts: a block's P goes to shared memory in kPParts parts of 128 / kPParts keys per warpgroup, each followed
+// by the P·V stages of its keys, so the exponentials of part k + 1 run under the wgmma of part k (only the first
+// part's are exposed).
+constexpr int kPParts = 4;
 static_assert(kPParts == 1 || kPParts == 2 || kPParts == 4, "P in 1, 2 or 4 parts");
 
 // The first key (within the block) of P·V stage vc (32 keys): part vc / (8 / kPParts) takes 128 / kPParts keys from
@@ -132,17 +129,6 @@ __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
 // as values in [0, 1]); most blocks then skip O's 128 multiplications per thread (−2.5 to −3.7% kernel time at D = 512,
 // session 14).
 constexpr float kLazySlack = 8.f;
-// Ablations for bench/experiments/d512_wall.py, compiled in only with -DCUPY_ATTN_D512_ABLATE=bits (the library never
-// sets it; ablated kernels write wrong results). Bits: 1 no wgmma (S = 0), 2 no TMA loads (the producer arrives with no
-// bytes: wgmma on whatever shared memory holds), 4 no softmax (no max exchange, exponentials or rescale: P = S),
-// 8 no P stores (and no P barrier; S kept alive by a sum), 16 no row-max exchange (each warpgroup its own max, no
-// barrier), 32 no exponentials (an FFMA in their place). They separate load pacing, tensor work and the softmax.
-#ifndef CUPY_ATTN_D512_ABLATE
-#define CUPY_ATTN_D512_ABLATE 0
-#endif
-constexpr bool kAblateMma = CUPY_ATTN_D512_ABLATE & 1, kAblateLoads = CUPY_ATTN_D512_ABLATE & 2,
-               kAblateSoftmax = CUPY_ATTN_D512_ABLATE & 4, kAblateP = CUPY_ATTN_D512_ABLATE & 8,
-               kAblateExchange = CUPY_ATTN_D512_ABLATE & 16, kAblateExp = CUPY_ATTN_D512_ABLATE & 32;
 // kPersistent: grid min(units, SMs); each CTA walks the units blockIdx.x, + gridDim.x, ... of sm90/tile_scheduler.cuh
 // (row block fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next
 // tile's Q once both consumers are done with the current one's (q_empty) and its K stages while they finish the
@@ -201,8 +187,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     auto stage = [&]() -> unsigned char* {
       const int s = step % kStages;
       tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-      if constexpr (kAblateLoads) tma::mbar_arrive(&ss.full[s]);
-      else tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
+      tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
       return ss.ring + s * kStageBytes;
     };
     for (int m0, h, b; next_tile(m0, h, b);) {
@@ -210,20 +195,19 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     const int n_blocks = key_blocks(p, m0);
     if (n_blocks == 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
     if (q_round > 0) tma::mbar_wait(ss.q_empty, (q_round - 1) & 1);
-    if constexpr (kAblateLoads) tma::mbar_arrive(ss.q_full);
-    else tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
-    for (int i = 0; i < kKChunks && !kAblateLoads; ++i)
+    tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
+    for (int i = 0; i < kKChunks; ++i)
       tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_full, i * 64, m0, h, b);
     ++q_round;
     for (int j = 0; j < n_blocks; ++j) {
       for (int c = 0; c < kKChunks; ++c, ++step) {
         unsigned char* dst = stage();
-        if (!kAblateLoads) tma::load_4d(dst, &p.tma_k, &ss.full[step % kStages], c * 64, j * kBlockN, h_kv, b);
+        tma::load_4d(dst, &p.tma_k, &ss.full[step % kStages], c * 64, j * kBlockN, h_kv, b);
       }
       for (int c = 0; c < kVChunks; ++c, ++step) {
         unsigned char* dst = stage();
         #pragma unroll
-        for (int i = 0; i < kHeadDim / 64 && !kAblateLoads; ++i)
+        for (int i = 0; i < kHeadDim / 64; ++i)
           tma::load_4d(dst + i * (kVKeys * 128), &p.tma_v, &ss.full[step % kStages], i * 64,
                        j * kBlockN + v_stage_key<kPParts>(c), h_kv, b);
       }
@@ -271,12 +255,6 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     float s[64];
     for (int kc = 0; kc < kKChunks; ++kc, ++step) {
       const unsigned k_st = wait_full() + wg * 128 * 128;
-      if (kAblateMma) {
-        if (kc == 0)
-          for (int i = 0; i < 64; ++i) s[i] = 0.f;
-        if (kc > 0) release(step - 1);
-        continue;
-      }
       wgmma::fence();
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -308,7 +286,6 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     }
 
     float ref[2] = {0.f, 0.f};  // the exponentials' reference: the running max (0 while a row has seen no key)
-    if constexpr (!kAblateSoftmax) {
     // The block's row max: this warpgroup's (a quad shuffle), then the peer's through shared memory (buffers
     // alternate by block parity: the peer read this buffer two blocks ago, before the P barrier in between).
     float mx[2] = {neg_inf(), neg_inf()};
@@ -324,11 +301,11 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
       if (t == 0) mbuf[wg * kBlockM + r0 + 8 * half] = mx[half];
     }
-    if (!kAblateExchange) tma::named_barrier_sync(kMaxBarrier, 256);
+    tma::named_barrier_sync(kMaxBarrier, 256);
     float alpha[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float m_blk = kAblateExchange ? mx[half] : fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
+      const float m_blk = fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
       float m_new = fmaxf(m_run[half], m_blk * c);
       if (m_new <= m_run[half] + kLazySlack) m_new = m_run[half];  // −inf + 8 = −inf: a first key moves it
       alpha[half] = m_new == m_run[half] ? 1.f : exp2_approx(m_run[half] - m_new);  // −inf → −inf: 1, not NaN
@@ -346,7 +323,6 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
           #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * jj + 2 * half + e] *= alpha[half];
     }
-    }
 
     // The block's P in kPParts parts of 128 / kPParts keys per warpgroup. Part k: P = 2^(s·c − m) of those keys in
     // place (and this lane's share of the sum), into shared memory, a barrier, then the P·V stages of those keys from
@@ -357,42 +333,30 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
     constexpr int kJJ = 16 / kPParts, kPartStages = kVChunks / kPParts;
     #pragma unroll
     for (int part = 0; part < kPParts; ++part) {
-      if constexpr (!kAblateSoftmax) {
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float sum = 0.f;
-          #pragma unroll
-          for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj)
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& x = s[4 * jj + 2 * half + e];
-              x = kAblateExp ? fmaf(x, c, -ref[half]) * 0.001f : exp2_approx(fmaf(x, c, -ref[half]));
-              sum += x;
-            }
-          l_part[half] += sum;
-        }
-      }
-      if constexpr (kAblateP) {
-        float keep = 0.f;
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float sum = 0.f;
         #pragma unroll
         for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj)
           #pragma unroll
-          for (int i = 0; i < 4; ++i) keep += s[4 * jj + i];
-        if (keep == 1234.5f) o[0] += 1.f;
-      } else {
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = r0 + 8 * half;
-          #pragma unroll
-          for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj) {
-            const P2 v = sm90::Pair<T>::make(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]);
-            *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) =
-                v;
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * jj + 2 * half + e];
+            x = exp2_approx(fmaf(x, c, -ref[half]));
+            sum += x;
           }
-        }
-        tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
-        tma::named_barrier_sync(kPBarrier, 256);
+        l_part[half] += sum;
       }
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + 8 * half;
+        #pragma unroll
+        for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj) {
+          const P2 v = sm90::Pair<T>::make(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]);
+          *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) = v;
+        }
+      }
+      tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
+      tma::named_barrier_sync(kPBarrier, 256);
 
       // O_w (64 × 256) += P V[:, 256w ...]: per stage 32 keys, two k steps of 16; V is the MN-major B operand (eight
       // 64-column boxes of 32 rows: LBO 4 KB between them, SBO 1 KB between 8-row groups).
@@ -400,10 +364,6 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       for (int i = 0; i < kPartStages; ++i, ++step) {
         const int vc = part * kPartStages + i;
         const unsigned v_st = wait_full() + wg * 4 * (kVKeys * 128);
-        if (kAblateMma) {
-          if (vc > 0) release(step - 1);
-          continue;
-        }
         wgmma::fence();
         #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {

@@ -51,17 +51,6 @@ constexpr int kPBytes = kBlockM * kBlockK * 2;  // two 8 KB atoms of 64 rows
 constexpr int kVBytes = kBlockK * kBlockN * 2;  // four 8 KB boxes of 64 keys × 64 columns
 constexpr int kStageBytes = kPBytes + kVBytes;
 constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-#ifndef CUPY_ATTN_PV_DEFER_STORES
-#define CUPY_ATTN_PV_DEFER_STORES 1
-#endif
-constexpr bool kDeferStores = CUPY_ATTN_PV_DEFER_STORES;  // -DCUPY_ATTN_PV_DEFER_STORES=0: store each tile at once
-// -DCUPY_ATTN_PV_ABLATE_STORES: the stores issued but predicated off by a run-time false condition (out left
-// unwritten; an A/B of what the stores cost).
-#ifdef CUPY_ATTN_PV_ABLATE_STORES
-__device__ __forceinline__ bool stores_on(const PvSm90Params& p) { return p.groups < 0; }
-#else
-__device__ __forceinline__ constexpr bool stores_on(const PvSm90Params&) { return true; }
-#endif
 
 template <int kStages>
 struct SharedStorage {
@@ -161,7 +150,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
   };
   // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
-  // and are stored under them: the stores leave the tensor pipe's critical path (kDeferStores; else stored at once).
+  // and are stored under them: the stores leave the tensor pipe's critical path.
   unsigned packed[2][32];
   T* pend_out = nullptr;  // the packed rows' first row (this lane's r0) in out; nullptr: none
   long long pend_row = 0;
@@ -171,7 +160,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     for (int half = 0; half < 2; ++half) {
       const long long row = pend_row + 8 * half;
       sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l,
-                                   row < p.seqlen_q && stores_on(p), pend_n0, p.head_dim_v, t);
+                                   row < p.seqlen_q, pend_n0, p.head_dim_v, t);
     }
     pend_out = nullptr;
   };
@@ -194,7 +183,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     };
     if (mine > 0) {  // the first k step apart: the previous tile's packed rows are stored under its wgmma
       mma_step(0);
-      if (kDeferStores && pend_out != nullptr) store_pending();
+      if (pend_out != nullptr) store_pending();
       ++step;
     }
     for (int k = 1; k < mine; ++k, ++step) {
@@ -218,7 +207,6 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     pend_row = m0 + wg * (kBlockM / 2) + r0;
     pend_n0 = n0;
     pend_out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + pend_row * p.out_stride_l;
-    if (!kDeferStores) store_pending();
     // The stages this warpgroup does not read (the other block's extra keys): waited for, so that this warpgroup's
     // arrivals stay in the ring's round (an early arrival would count toward the previous round's release), and
     // released.
