@@ -29,6 +29,8 @@
 #include "common/types.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/pack.cuh"
 
 namespace cupy_attn {
@@ -50,18 +52,16 @@ constexpr int kBlockK = 64;   // keys per stage
 constexpr int kPBytes = kBlockM * kBlockK * 2;  // two 8 KB atoms of 64 rows
 constexpr int kVBytes = kBlockK * kBlockN * 2;  // four 8 KB boxes of 64 keys × 64 columns
 constexpr int kStageBytes = kPBytes + kVBytes;
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 
 template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kStages * kStageBytes + 8 * 2 * kStages + 1024;
   unsigned char* ring;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // full: the stage's P and V boxes; empty: 8 arrivals, lane 0 of each consumer warp
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    ring = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
-    empty = full + kStages;
+    ring = sm90::smem_base(base);
+    bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
+    bars.empty = bars.full + kStages;
   }
 };
 
@@ -74,81 +74,44 @@ __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   return static_cast<int>((n + kBlockK - 1) / kBlockK);
 }
 
-}  // namespace pv
-
-template <typename T, int kStages>
-__global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
-  using namespace pv;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
-  const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
-  const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
-  const int heads = static_cast<int>(p.num_heads);
-  const int count = m_tiles * n_tiles * heads * static_cast<int>(p.batch);
-  // Tile t: (m tile heaviest first, n tile) fastest, then head, then batch.
-  auto tile = [&](int t, int& m0, int& n0, int& h, int& b) {
-    const int per_head = m_tiles * n_tiles, i = t % per_head, hb = t / per_head;
-    m0 = (m_tiles - 1 - i / n_tiles) * kBlockM;
-    n0 = (i % n_tiles) * kBlockN;
-    h = hb % heads;
-    b = hb / heads;
-  };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
+// The producer thread: per tile, the key steps of its wider block, each stage P's box and V's four.
+template <int kStages, typename Tile>
+__device__ __forceinline__ void produce(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile) {
+  tma::prefetch_map(&p.tma_p);
+  tma::prefetch_map(&p.tma_v);
+  int step = 0;
+  for (int t = blockIdx.x; t < count; t += gridDim.x) {
+    int m0, n0, h, b;
+    tile(t, m0, n0, h, b);
+    const int h_kv = h / static_cast<int>(p.groups);
+    const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
+    for (int k = 0; k < steps; ++k, ++step) {
+      unsigned long long* full = ss.bars.acquire(step, kStageBytes);
+      unsigned char* dst = ss.ring + ss.bars.stage(step) * kStageBytes;
+      tma::load_4d(dst, &p.tma_p, full, k * kBlockK, m0, h, b);
+      #pragma unroll
+      for (int i = 0; i < kBlockN / 64; ++i)
+        tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, full, n0 + i * 64, k * kBlockK, h_kv, b);
     }
-    tma::fence_barrier_init();
   }
-  __syncthreads();
+}
 
-  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues the loads
-    tma::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma::prefetch_map(&p.tma_p);
-    tma::prefetch_map(&p.tma_v);
-    int step = 0;
-    for (int t = blockIdx.x; t < count; t += gridDim.x) {
-      int m0, n0, h, b;
-      tile(t, m0, n0, h, b);
-      const int h_kv = h / static_cast<int>(p.groups);
-      const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
-      for (int k = 0; k < steps; ++k, ++step) {
-        const int s = step % kStages;
-        tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
-        unsigned char* dst = ss.ring + s * kStageBytes;
-        tma::load_4d(dst, &p.tma_p, &ss.full[s], k * kBlockK, m0, h, b);
-        #pragma unroll
-        for (int i = 0; i < kBlockN / 64; ++i)
-          tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, &ss.full[s], n0 + i * 64, k * kBlockK, h_kv, b);
-      }
-    }
-    return;
-  }
-  tma::setmaxnreg_inc<kConsumerRegs>();
-
-  const int tid = threadIdx.x - 128;
+// One consumer warpgroup (tid over both, 0 ... 255): its 64-row block of every tile.
+template <typename T, int kStages, typename Tile>
+__device__ __forceinline__ void consume(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile, int tid) {
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the warpgroup's block: r0 and r0 + 8
   const unsigned ring_base = tma::smem_u32(ss.ring);
   int step = 0;
   auto wait_full = [&]() -> unsigned {
-    const int s = step % kStages;
-    tma::mbar_wait(&ss.full[s], (step / kStages) & 1);
-    return ring_base + s * kStageBytes;
+    ss.bars.wait(step);
+    return ring_base + ss.bars.stage(step) * kStageBytes;
   };
   // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
-  };
+  auto release = [&](int st) { ss.bars.release(st, lane); };
   // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
   // and are stored under them: the stores leave the tensor pipe's critical path.
   unsigned packed[2][32];
@@ -216,6 +179,39 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     }
   }
   if (pend_out != nullptr) store_pending();
+}
+
+}  // namespace pv
+
+template <typename T, int kStages>
+__global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
+  using namespace pv;
+  using Smem = SharedStorage<kStages>;
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const Smem ss(smem_raw);
+  const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+  const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
+  const int heads = static_cast<int>(p.num_heads);
+  const int count = m_tiles * n_tiles * heads * static_cast<int>(p.batch);
+  // Tile t: (m tile heaviest first, n tile) fastest, then head, then batch.
+  auto tile = [&](int t, int& m0, int& n0, int& h, int& b) {
+    const int per_head = m_tiles * n_tiles, i = t % per_head, hb = t / per_head;
+    m0 = (m_tiles - 1 - i / n_tiles) * kBlockM;
+    n0 = (i % n_tiles) * kBlockN;
+    h = hb % heads;
+    b = hb / heads;
+  };
+
+  sm90::init_barriers([&] { ss.bars.init(8); });  // empty: lane 0 of each consumer warp
+
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) produce(p, ss, count, tile);  // one thread issues the loads
+      },
+      [&](int tid) { consume<T>(p, ss, count, tile, tid); });
 }
 
 }  // namespace cupy_attn
