@@ -89,6 +89,11 @@ struct Slot {
   }
   // Consumer: fill `round` has landed.
   __device__ __forceinline__ void wait(int round) const { tma::mbar_wait(full, round & 1); }
+  // Consumer warp: done with the buffer's contents (lane 0 arrives after __syncwarp, as Ring::release).
+  __device__ __forceinline__ void release(int lane) const {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(empty);
+  }
 };
 
 }  // namespace pipeline
