@@ -57,22 +57,11 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "attention/sm90/params.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/mainloop.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
-
-// Register split by the number of consumer warpgroups (FlashAttention-3's, hopper/flash_fwd_kernel_sm90.h), the
-// launch-time allocation being 65536 / threads per thread at one block per SM (__launch_bounds__):
-//   two (kBlockM = 128, 384 threads): 128·24 + 256·240 = 64512 <= 65536 (168 per thread at launch);
-//   three (kBlockM = 192, 512 threads): 128·32 + 384·160 = 65536 (128 per thread at launch).
-template <int kConsumerWarpgroups>
-struct RegisterSplit {
-  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  static constexpr int kProducer = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumer = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(128 * kProducer + 128 * kConsumerWarpgroups * kConsumer <= 65536, "one block's registers per SM");
-};
 
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
@@ -127,39 +116,30 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
     n_blocks = static_cast<int>(last_key / kBlockN) + 1;
   }
 
-  if (threadIdx.x == 0) {
-    tma::mbar_init(ss.q_full, 1);
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.k_full[s], 1);
-      tma::mbar_init(&ss.v_full[s], 1);
-      tma::mbar_init(&ss.k_empty[s], 4 * kConsumerWarpgroups);  // lane 0 of each consumer warp
-      tma::mbar_init(&ss.v_empty[s], 4 * kConsumerWarpgroups);
-    }
-    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  sm90::init_barriers([&] {
+    tma::mbar_init(ss.q_bars.full, 1);
+    pipeline::init_rings<kStages>(4 * kConsumerWarpgroups, ss.k_bars, ss.v_bars);  // lane 0 of each consumer warp
+    if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
+  });
 
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<Regs::kProducer>();
-    if (threadIdx.x == 0) {
-      if constexpr (kPersistent) {
-        produce_persistent(p, ss);
-      } else {
-        produce(p, ss, m0, h, b, n_blocks);
-      }
-    }
-  } else {
-    tma::setmaxnreg_inc<Regs::kConsumer>();
-    if constexpr (kPersistent) {
-      consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, threadIdx.x - 128);
-    } else {
-      consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128,
-                                                                        0, 0u);
-    }
-    if (p.o_tma) sm90::epilogue_drain((threadIdx.x - 128) % 128);
-  }
+  warp_specialize<Regs>(
+      [&](int tid) {
+        if (tid != 0) return;  // one thread issues every load
+        if constexpr (kPersistent) {
+          produce_persistent(p, ss);
+        } else {
+          produce(p, ss, m0, h, b, n_blocks);
+        }
+      },
+      [&](int tid) {
+        if constexpr (kPersistent) {
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, tid);
+        } else {
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, tid,
+                                                                                       0, 0u);
+        }
+        if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
+      });
 }
 
 }  // namespace cupy_attn

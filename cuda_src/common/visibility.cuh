@@ -1,0 +1,89 @@
+// Which keys a query row sees: the one definition every attention kernel asks (forward, decode, scores, P·V,
+// backward). Rows are query indices 0 ... L − 1 and keys 0 ... S − 1 of one (batch, head).
+//
+//   key j is visible to row i  iff  first_key(i) <= j <= last_key(i), with
+//     first_key(i) = 0
+//     last_key(i)  = S − 1, and under a causal mask min(S − 1, i + causal_offset)
+//   causal_offset = 0 for the top-left alignment (torch's is_causal), S − L for bottom-right (the last row sees the
+//   last key). A row with last_key(i) < first_key(i) sees no key (bottom-right with L > S): out 0, lse −inf.
+//
+// Where the next variants plug in (not here yet):
+//   * sliding window (left, right), FlashAttention's convention: first_key(i) = max(0, i + (S − L) − left) and
+//     last_key(i) = min(last_key(i), i + (S − L) + right). The per-row bounds, the key-block ranges and the lane
+//     limits below then have a lower end as well as an upper one (first_key is already asked where one is needed).
+//   * ALiBi, softcap, sinks and user score_mod hooks act on a visible key's score (and sinks on the row sum), after
+//     this test: a `score(i, j, s)` hook beside `visible`.
+//
+// The kernels' parameter structs carry (seqlen_k, is_causal, causal_offset); Visibility is built from them. Some
+// kernels (bwd_rows, softmax, flash_bwd) receive causal_offset = S when the call is not causal, so that their
+// test j <= i + causal_offset is the causal one unchanged (i + S >= S − 1 for every row): limit_offset() gives that
+// form from a Visibility.
+#pragma once
+
+namespace cupy_attn {
+
+// The key blocks [first, last] of kBlockN keys a row tile visits; empty (count() <= 0) when its rows see no key.
+struct KeyBlocks {
+  int first, last;
+  __device__ __forceinline__ int count() const { return last - first + 1; }
+};
+
+struct Visibility {
+  long long seqlen_k;       // S
+  long long causal_offset;  // 0 or S − L; used only when causal
+  bool causal;
+
+  // The last key row `row` sees (< 0: none).
+  __device__ __forceinline__ long long last_key(long long row) const {
+    long long last = seqlen_k - 1;
+    if (causal) last = min(last, row + causal_offset);
+    return last;
+  }
+  // The first key row `row` sees (0 until a window gives it a lower end).
+  __device__ __forceinline__ long long first_key(long long) const { return 0; }
+  // One past the last key row `row` sees, last_key(row) + 1 (the form of the kernels that count keys).
+  __device__ __forceinline__ long long end_key(long long row) const {
+    long long end = seqlen_k;
+    if (causal) end = min(end, row + causal_offset + 1);
+    return end;
+  }
+
+  // The key blocks a row tile with rows first_row ... last_row visits: from the block of first_row's first key to
+  // the block of last_row's last key (every row in between sees a sub-range of that union). last_key(last_row) < 0:
+  // no block (the caller checks that before dividing; see key_block_count).
+  template <int kBlockN>
+  __device__ __forceinline__ KeyBlocks key_blocks(long long first_row, long long last_row) const {
+    return {static_cast<int>(first_key(first_row) / kBlockN), static_cast<int>(last_key(last_row) / kBlockN)};
+  }
+
+  // Whether a key tile [n0, n0 + kN) needs per-element masks for the rows from row0 on: it holds keys past S, or
+  // (causal) keys past the limit of row0, the row that sees the fewest (later rows see more).
+  template <int kN>
+  __device__ __forceinline__ bool tile_needs_mask(long long n0, long long row0) const {
+    return n0 + kN > seqlen_k || (causal && n0 + kN - 1 > row0 + causal_offset);
+  }
+
+  // The per-element test of a lane's kN consecutive-in-the-layout columns: the limit relative to the lane's first
+  // column (key n0 + lane_col), clamped to [-1, kN] so that it fits an int and each column c (a compile-time constant
+  // per element) is visible iff c <= lane_limit. Comparing the 64-bit keys themselves kept the column indices live
+  // next to the score accumulators and spilled (flash_fwd.cu at 128 × 128, D = 64: 208-688 bytes).
+  template <int kN>
+  __device__ __forceinline__ int lane_limit(long long row, int n0, int lane_col) const {
+    return static_cast<int>(max(-1ll, min(static_cast<long long>(kN), last_key(row) - n0 - lane_col)));
+  }
+
+  // The backward's view, per key: the first row that sees key `key` (may be negative or past L: the caller clamps).
+  // All rows from there on see it (no window yet: a window adds a last row, key − (S − L) + left).
+  __device__ __forceinline__ long long first_row(long long key) const { return causal ? key - causal_offset : 0; }
+
+  // The causal test as `key <= row + limit_offset()` for every row: causal_offset, or S when not causal.
+  __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }
+};
+
+// A kernel's Visibility from its parameter struct (every struct names the three fields alike).
+template <typename Params>
+__device__ __forceinline__ Visibility visibility_of(const Params& p) {
+  return {static_cast<long long>(p.seqlen_k), static_cast<long long>(p.causal_offset), p.is_causal != 0};
+}
+
+}  // namespace cupy_attn
