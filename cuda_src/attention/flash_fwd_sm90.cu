@@ -56,6 +56,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/roles.cuh"
 #include "attention/sm90/mainloop.cuh"
@@ -100,8 +101,8 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
     // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
     // writes the empty-row result (out 0, lse -inf) directly. (sm90::key_blocks and store_empty_rows, spelled out here:
     // calling them changed this variant's SASS, which is kept byte-identical to before the persistent variant.)
-    long long last_key = p.seqlen_k - 1;
-    if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+    const Visibility vis = visibility_of(p);
+    const long long last_key = vis.last_key(m0 + rows_valid - 1);
     if (last_key < 0) {
       T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
       const int Ev = static_cast<int>(p.head_dim_v);
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       }
       return;
     }
-    n_blocks = static_cast<int>(last_key / kBlockN) + 1;
+    n_blocks = vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
   }
 
   sm90::init_barriers([&] {

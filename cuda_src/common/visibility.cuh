@@ -33,10 +33,12 @@ struct Visibility {
   long long causal_offset;  // 0 or S − L; used only when causal
   bool causal;
 
+  // The causal limit of row `row`: under a causal mask it sees no key past it.
+  __device__ __forceinline__ long long causal_limit(long long row) const { return row + causal_offset; }
   // The last key row `row` sees (< 0: none).
   __device__ __forceinline__ long long last_key(long long row) const {
     long long last = seqlen_k - 1;
-    if (causal) last = min(last, row + causal_offset);
+    if (causal) last = min(last, causal_limit(row));
     return last;
   }
   // The first key row `row` sees (0 until a window gives it a lower end).
@@ -44,23 +46,25 @@ struct Visibility {
   // One past the last key row `row` sees, last_key(row) + 1 (the form of the kernels that count keys).
   __device__ __forceinline__ long long end_key(long long row) const {
     long long end = seqlen_k;
-    if (causal) end = min(end, row + causal_offset + 1);
+    if (causal) end = min(end, causal_limit(row) + 1);
     return end;
   }
 
-  // The key blocks a row tile with rows first_row ... last_row visits: from the block of first_row's first key to
-  // the block of last_row's last key (every row in between sees a sub-range of that union). last_key(last_row) < 0:
-  // no block (the caller checks that before dividing; see key_block_count).
+  // The key blocks of kBlockN keys that hold keys first ... last (first <= last, both >= 0). A row tile with rows
+  // first_row ... last_row visits blocks(first_key(first_row), last_key(last_row)): every row in between sees a
+  // sub-range of that union. The caller tests last_key(last_row) < 0 (no key: no block) first, once: the kernels
+  // compute that key once and pass it here.
   template <int kBlockN>
-  __device__ __forceinline__ KeyBlocks key_blocks(long long first_row, long long last_row) const {
-    return {static_cast<int>(first_key(first_row) / kBlockN), static_cast<int>(last_key(last_row) / kBlockN)};
+  __device__ __forceinline__ static KeyBlocks blocks(long long first, long long last) {
+    return {static_cast<int>(first / kBlockN), static_cast<int>(last / kBlockN)};
   }
 
   // Whether a key tile [n0, n0 + kN) needs per-element masks for the rows from row0 on: it holds keys past S, or
-  // (causal) keys past the limit of row0, the row that sees the fewest (later rows see more).
+  // (causal) keys past the limit of row0, the row that sees the fewest (later rows see more). Tile indices are ints
+  // (S < 2^31 keys); the causal limit is 64-bit.
   template <int kN>
-  __device__ __forceinline__ bool tile_needs_mask(long long n0, long long row0) const {
-    return n0 + kN > seqlen_k || (causal && n0 + kN - 1 > row0 + causal_offset);
+  __device__ __forceinline__ bool tile_needs_mask(int n0, int row0) const {
+    return n0 + kN > static_cast<int>(seqlen_k) || (causal && n0 + kN - 1 > causal_limit(row0));
   }
 
   // The per-element test of a lane's kN consecutive-in-the-layout columns: the limit relative to the lane's first

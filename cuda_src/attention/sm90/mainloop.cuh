@@ -26,6 +26,7 @@
 #pragma once
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/softmax.cuh"
@@ -93,9 +94,9 @@ struct SharedStorage {
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
   const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+  const Visibility vis = visibility_of(p);
+  const long long last_key = vis.last_key(m0 + rows_valid - 1);
+  return last_key < 0 ? 0 : vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
@@ -317,7 +318,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   auto mask = [&](int i) {
     const int n0 = (n_blocks - 1 - i) * kBlockN;
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, p.seqlen_k, causal, causal_offset);
+      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{p.seqlen_k, causal_offset, causal});
   };
   // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
   // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
