@@ -31,7 +31,7 @@ struct Ring {
   unsigned long long* empty;  // [kStages]
 
   __device__ __forceinline__ static int stage(int it) { return it % kStages; }
-  __device__ __forceinline__ static unsigned phase(int it) { return (it / kStages) & 1; }
+  __device__ __forceinline__ static int phase(int it) { return (it / kStages) & 1; }
 
   // Stage s's barriers (one thread, before tma::fence_barrier_init).
   __device__ __forceinline__ void init_full(int s) const { tma::mbar_init(&full[s], 1); }
@@ -52,8 +52,13 @@ struct Ring {
     tma::mbar_arrive_expect_tx(&full[s], bytes);
     return &full[s];
   }
-  // Consumer: iteration it's loads have landed.
-  __device__ __forceinline__ void wait(int it) const { tma::mbar_wait(&full[stage(it)], phase(it)); }
+  // Consumer: iteration it's loads have landed. Returns its stage. (stage and phase spelled out: calling them here
+  // changed flash_decode_sm90's SASS at kStages = 3 and 6, where % and / are not shifts.)
+  __device__ __forceinline__ int wait(int it) const {
+    const int s = it % kStages;
+    tma::mbar_wait(&full[s], (it / kStages) & 1);
+    return s;
+  }
   // Consumer: one arrival on iteration it's empty barrier (a single thread, usually lane 0 of a warp).
   __device__ __forceinline__ void arrive_empty(int it) const { tma::mbar_arrive(&empty[stage(it)]); }
   // Consumer warp: release iteration it's stage once every lane's reads of it have returned (__syncwarp orders them
