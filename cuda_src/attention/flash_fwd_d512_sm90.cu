@@ -449,7 +449,7 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
   TileWalk<kPersistent> tiles(p);
-  sm90::init_barriers([&] {
+  pipeline::init_barriers([&] {
     ss.bars.init(8);  // lane 0 of each consumer warp
     ss.q_bars.init(8);
   });

@@ -117,7 +117,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
     n_blocks = vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
   }
 
-  sm90::init_barriers([&] {
+  pipeline::init_barriers([&] {
     tma::mbar_init(ss.q_bars.full, 1);
     pipeline::init_rings<kStages>(4 * kConsumerWarpgroups, ss.k_bars, ss.v_bars);  // lane 0 of each consumer warp
     if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile

@@ -205,7 +205,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     b = hb / heads;
   };
 
-  sm90::init_barriers([&] { ss.bars.init(8); });  // empty: lane 0 of each consumer warp
+  pipeline::init_barriers([&] { ss.bars.init(8); });  // empty: lane 0 of each consumer warp
 
   sm90::warp_specialize<sm90::RegisterSplit<2>>(
       [&](int tid) {

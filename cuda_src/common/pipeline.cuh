@@ -52,6 +52,12 @@ struct Ring {
     tma::mbar_arrive_expect_tx(&full[s], bytes);
     return &full[s];
   }
+  // The same for a stage and phase the producer computed already (stage(it), phase(it)).
+  __device__ __forceinline__ unsigned long long* acquire(int s, unsigned phase, unsigned bytes) const {
+    tma::mbar_wait(&empty[s], phase ^ 1);
+    tma::mbar_arrive_expect_tx(&full[s], bytes);
+    return &full[s];
+  }
   // Consumer: iteration it's loads have landed. Returns its stage. (stage and phase spelled out: calling them here
   // changed flash_decode_sm90's SASS at kStages = 3 and 6, where % and / are not shifts.)
   __device__ __forceinline__ int wait(int it) const {
@@ -78,6 +84,17 @@ __device__ __forceinline__ void init_rings(unsigned readers, const Rings&... rin
     (rings.init_full(s), ...);
     (rings.init_empty(s, readers), ...);
   }
+}
+
+// Thread 0 runs init (the mbarrier initializations) and fences them for the async proxy; the block barrier then
+// publishes them to every thread.
+template <typename Init>
+__device__ __forceinline__ void init_barriers(const Init& init) {
+  if (threadIdx.x == 0) {
+    init();
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
 }
 
 struct Slot {

@@ -76,9 +76,11 @@ struct Visibility {
     return static_cast<int>(max(-1ll, min(static_cast<long long>(kN), last_key(row) - n0 - lane_col)));
   }
 
-  // The backward's view, per key: the first row that sees key `key` (may be negative or past L: the caller clamps).
-  // All rows from there on see it (no window yet: a window adds a last row, key − (S − L) + left).
-  __device__ __forceinline__ long long first_row(long long key) const { return causal ? key - causal_offset : 0; }
+  // The backward's view, per key: the first row the causal mask lets see key `key`, the inverse of causal_limit
+  // (may be negative or past L: the caller clamps), and the first row that sees it under this Visibility. All rows
+  // from there on see it (no window yet: a window adds a last row, key − (S − L) + left).
+  __device__ __forceinline__ long long causal_first_row(long long key) const { return key - causal_offset; }
+  __device__ __forceinline__ long long first_row(long long key) const { return causal ? causal_first_row(key) : 0; }
 
   // The causal test as `key <= row + limit_offset()` for every row: causal_offset, or S when not causal.
   __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }

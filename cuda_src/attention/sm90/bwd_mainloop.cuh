@@ -36,6 +36,8 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/bwd_params.cuh"
 #include "attention/sm90/bwd_epilogue.cuh"
@@ -105,11 +107,9 @@ struct BwdSharedStorage {
   float* dq_stage;  // consumer warpgroup w's dQ staging at w·kDqStageBytes
   float* lse;    // kStages rows of kBlockM
   float* delta;  // kDoStages rows of kBlockM
-  unsigned long long* kv_full;
-  unsigned long long* q_full;
-  unsigned long long* q_empty;
-  unsigned long long* do_full;
-  unsigned long long* do_empty;
+  unsigned long long* kv_full;         // K and V of the block, loaded once
+  pipeline::Ring<kStages> q_bars;      // Q (and its lse row) per step
+  pipeline::Ring<kDoStages> do_bars;   // dO (and its D row) per step
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
@@ -123,10 +123,10 @@ struct BwdSharedStorage {
     lse = dq_stage + 2 * kDqStageBytes / 4;
     delta = lse + kStages * kBlockM;
     kv_full = reinterpret_cast<unsigned long long*>(delta + kDoStages * kBlockM);
-    q_full = kv_full + 1;
-    q_empty = q_full + kStages;
-    do_full = q_empty + kStages;
-    do_empty = do_full + kDoStages;
+    q_bars.full = kv_full + 1;
+    q_bars.empty = q_bars.full + kStages;
+    do_bars.full = q_bars.empty + kStages;
+    do_bars.empty = do_bars.full + kDoStages;
   }
 };
 
@@ -159,27 +159,26 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   const int groups = static_cast<int>(p.groups);
   #pragma unroll 1  // not unrolled: 24 registers (setmaxnreg.dec), shared with the dQ writer's warp
   for (int i = 0; i < steps.count; ++i) {
-    const int s = i % kStages, sd = i % Smem::kDoStages;
-    const unsigned parity = (i / kStages) & 1, parity_do = (i / Smem::kDoStages) & 1;
+    // Stages and phases up front: computed at the waits instead, ptxas scheduled this 24-register loop differently.
+    const int s = ss.q_bars.stage(i), sd = ss.do_bars.stage(i);
+    const unsigned parity = ss.q_bars.phase(i), parity_do = ss.do_bars.phase(i);
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
     // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B) like
     // the tiles: compute-sanitizer racecheck flagged the consumers' reads against plain bulk copies into the rows.
     const int stat_row = b * static_cast<int>(p.num_heads) + h;
-    tma::mbar_wait(&ss.q_empty[s], parity ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.q_full[s], Smem::kQBytes + Smem::kStatBytes);
+    unsigned long long* q_full = ss.q_bars.acquire(s, parity, Smem::kQBytes + Smem::kStatBytes);
     T* q_dst = ss.q + s * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, &ss.q_full[s], c * 64, m0, h, b);
-    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, &ss.q_full[s], m0, stat_row);
-    tma::mbar_wait(&ss.do_empty[sd], parity_do ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.do_full[sd], Smem::kQBytes + Smem::kStatBytes);
+      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, q_full, c * 64, m0, h, b);
+    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, q_full, m0, stat_row);
+    unsigned long long* do_full = ss.do_bars.acquire(sd, parity_do, Smem::kQBytes + Smem::kStatBytes);
     T* do_dst = ss.dout + sd * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[sd], c * 64, m0, h, b);
-    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, &ss.do_full[sd], m0,
+      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, do_full, c * 64, m0, h, b);
+    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, do_full, m0,
                  static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row);
   }
 }
@@ -342,24 +341,18 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       wgmma::Mma<T, kKvN>::rs(acc, a[kk], wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
     wgmma::commit();
   };
-  auto release = [&](unsigned long long* empty) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty);
-  };
 
   tma::mbar_wait(ss.kv_full, 0);
   for (int i = 0; i < steps.count; ++i) {
     const int s = i % kStages;
-    const unsigned parity = (i / kStages) & 1;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
     const int sd = i % Smem::kDoStages;
-    const unsigned parity_do = (i / Smem::kDoStages) & 1;
     const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + sd * Smem::kQBytes;
     const unsigned ds_buf = (i & 1) * Smem::kDSBytes;
 
-    tma::mbar_wait(&ss.q_full[s], parity);
+    ss.q_bars.wait(i);
     issue_ss(acc_s, k_base, q_st);
-    tma::mbar_wait(&ss.do_full[sd], parity_do);
+    ss.do_bars.wait(i);
     issue_ss(acc_dp, v_base, do_st);
 
     // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal are masked
@@ -383,6 +376,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
         // Columns 8j + e of this lane (query q0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
         // of them past S, those below the diagonal's column key − causal_offset − q0 when causal.
         const int key = key0 + 8 * half;
+        // (Visibility::causal_first_row(key) − q0 − 2t, in int: the 64-bit helper changed the SASS here.)
         const int first = key >= S ? kSN : (causal ? key - causal_offset - q0 - 2 * t : 0);
         #pragma unroll
         for (int j = 0; j < kSN / 8; ++j)
@@ -443,7 +437,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     wgmma::commit();
     wgmma::wait<1>();  // dV += Pᵀ dO done: dO's stage is free
     wgmma::fence_operands(acc_dv);
-    release(&ss.do_empty[sd]);
+    ss.do_bars.release(i, lane);
     if constexpr (Split::kByColumns) {
       issue_dkv_ss<T, kKvN, kBlockM, kBlockN>(acc_dk, ds_base + ds_buf, q_kv);
     } else {
@@ -478,7 +472,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     }
     wgmma::wait<0>();  // dK += dSᵀ Q done: Q's stage is free
     wgmma::fence_operands(acc_dk);
-    release(&ss.q_empty[s]);
+    ss.q_bars.release(i, lane);
   }
 
   const long long kv_head = static_cast<long long>(b) * (p.num_heads / groups) + h_kv;

@@ -5,6 +5,7 @@
 // common/pipeline.cuh's; each kernel's SharedStorage lays out its own tiles from smem_base.
 #pragma once
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -27,17 +28,6 @@ struct RegisterSplit {
 // declare their extern buffer __align__(16), so that the compiler cannot fold this realignment away.
 __device__ __forceinline__ unsigned char* smem_base(unsigned char* raw) {
   return raw + ((1024 - tma::smem_u32(raw) % 1024) % 1024);
-}
-
-// Thread 0 runs init (the mbarrier initializations) and fences them for the async proxy; the block barrier then
-// publishes them to every thread.
-template <typename Init>
-__device__ __forceinline__ void init_barriers(const Init& init) {
-  if (threadIdx.x == 0) {
-    init();
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
 }
 
 // Warp specialization: warpgroup 0 gives registers back (setmaxnreg.dec to Regs::kProducer) and runs
