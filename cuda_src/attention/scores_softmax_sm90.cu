@@ -75,6 +75,7 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
 #include "attention/sm90/pack.cuh"
 
 namespace cupy_attn {
@@ -125,17 +126,16 @@ struct SharedStorage {
 
   T* q;  // kStages tiles
   T* k;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // empty: 8 arrivals per CTA of the cluster (every consumer warp reading the stage)
   float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
-    full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
-    empty = full + kStages;
-    stats = reinterpret_cast<float2*>(empty + kStages);
+    bars.full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
+    bars.empty = bars.full + kStages;
+    stats = reinterpret_cast<float2*>(bars.empty + kStages);
   }
 };
 
@@ -154,20 +154,6 @@ constexpr int kScoresProducerRegs = 24;
 constexpr int kScoresConsumerRegs = 240;
 
 namespace scores_sm90 {
-
-// Thread 0: the ring's barriers (full: the producer's one arrival + the TMA bytes; empty: `readers` arrivals, lane 0
-// of each consumer warp that reads a stage), fenced for the async proxy and the cluster.
-template <int kStages>
-__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned readers) {
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&full[s], 1);
-      tma::mbar_init(&empty[s], readers);
-    }
-    tma::fence_barrier_init();
-  }
-}
 
 // The producer warpgroup's entry: its registers down to kScoresProducerRegs; true in thread 0, the one that issues
 // the TMA loads, after it has prefetched the Q and K maps.
@@ -216,8 +202,7 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   // Stage kb's four k steps, issued and committed once its loads have landed.
   auto issue = [&](int kb) {
-    const int s = (step0 + kb) % kStages;
-    tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
+    const int s = ss.bars.wait(step0 + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
     wgmma::fence();
     #pragma unroll
@@ -232,8 +217,8 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
     if (kb > 0) {
       __syncwarp();
       if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(step0 + kb - 1) % kStages]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(step0 + kb - 1) % kStages], rank ^ 1);
+        ss.bars.arrive_empty(step0 + kb - 1);
+        if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step0 + kb - 1, rank ^ 1);
       }
     }
   };
@@ -529,8 +514,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   const int c1 = tl.n1 / 64;
   const unsigned q_base = tma::smem_u32(ss.q), k_base = tma::smem_u32(ss.k);
   auto issue = [&](int kb) {
-    const int s = (step + kb) % kStages;
-    tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+    const int s = ss.bars.wait(step + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k0 = k_base + s * Smem::kKBytes, k1 = k0 + 256 * 128;
     wgmma::fence();
     #pragma unroll
@@ -549,7 +533,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     wgmma::wait<1>();
     if (kb > 0) {
       __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[(step + kb - 1) % kStages]);
+      if (lane == 0) ss.bars.arrive_empty(step + kb - 1);
     }
   };
   for (int kb = 0; kb < k_blocks; ++kb) {
@@ -560,8 +544,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   #pragma unroll
   for (int c = 0; c < 4; ++c) wgmma::fence_operands(acc[c]);
   // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it.
-  __syncwarp();
-  if (lane == 0) tma::mbar_arrive(&ss.empty[(step + k_blocks - 1) % kStages]);
+  ss.bars.release(step + k_blocks - 1, lane);
 
   // Chunk c's keys start at n0[c] and its rows at m0c[c].
   int n0[4], m0c[4];
@@ -661,7 +644,10 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
   const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
 
-  init_ring<kStages>(ss.full, ss.empty, 8 * kClusterM);  // every consumer warp, of every CTA in the cluster
+  if (threadIdx.x == 0) {
+    ss.bars.init(8 * kClusterM);  // every consumer warp, of every CTA in the cluster
+    tma::fence_barrier_init();
+  }
   if constexpr (kClusterM > 1) {
     // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
     // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
@@ -683,15 +669,14 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
             // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
             const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
             for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-              const int s = step % kStages;
-              tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);
-              tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
+              const int s = ss.bars.stage(step);
+              unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
               T* k = ss.k + s * 2 * kHalfN * 64;
-              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
-              tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
+              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+              tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
               for (int i = 0; i < tl.n1 / 64; ++i)
-                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, &ss.full[s], kb * 64, 256 + 64 * i, h_kv, tl.b);
-              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, &ss.full[s], kb * 64, tl.lo_m0, tl.h, tl.b);
+                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, full, kb * 64, 256 + 64 * i, h_kv, tl.b);
+              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, full, kb * 64, tl.lo_m0, tl.h, tl.b);
             }
             continue;
           }
@@ -702,20 +687,19 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
         const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
         const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-          const int s = step % kStages;
-          tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
           // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
           // while, and the phase still needs this arrival to complete.
-          tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
+          const int s = ss.bars.stage(step);
+          unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
+          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
           T* k = ss.k + s * 2 * kHalfN * 64;
           if constexpr (kClusterM > 1) {
             if (rank == 0 || load_hi)
-              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
+              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, full, 0x3, kb * 64, rank * kHalfN,
                                      h_kv, tl.b);
           } else {
-            tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
-            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, tl.nw, h_kv, tl.b);
+            tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, full, kb * 64, tl.nw, h_kv, tl.b);
           }
         }
       }
@@ -744,7 +728,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     const int n0 = wg * nw;
     const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
     // The tile's last stage: released after the wgmma (persistent), or P's staging, released after its TMA stores.
-    const int last = (step + k_blocks - 1) % kStages;
+    const int last = ss.bars.stage(step + k_blocks - 1);
 
     // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
     float acc[kHalfN / 2];
@@ -767,12 +751,11 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
       // so the empty barriers keep their count; the last is released with the active path's (after the wgmma in the
       // persistent kernel, after the stores where P is staged in it).
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = (step + kb) % kStages;
-        tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+        ss.bars.wait(step + kb);
         __syncwarp();
         if (lane == 0 && kb + 1 < k_blocks) {
-          tma::mbar_arrive(&ss.empty[s]);
-          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
+          ss.bars.arrive_empty(step + kb);
+          if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step + kb, rank ^ 1);
         }
       }
     }
@@ -780,8 +763,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     if constexpr (kPersistent) {
       // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it (k_loop's
       // wait<0>), so the producer refills all kStages stages while the softmax and the stores run.
-      __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
+      ss.bars.release_stage(last, lane);
     }
     // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).

@@ -67,11 +67,20 @@ struct Ring {
   }
   // Consumer: one arrival on iteration it's empty barrier (a single thread, usually lane 0 of a warp).
   __device__ __forceinline__ void arrive_empty(int it) const { tma::mbar_arrive(&empty[stage(it)]); }
+  // The same arrival on the empty barrier of CTA `cta` of this cluster (a stage its producer multicasts into).
+  __device__ __forceinline__ void arrive_empty_cluster(int it, unsigned cta) const {
+    tma::mbar_arrive_cluster(&empty[it % kStages], cta);
+  }
   // Consumer warp: release iteration it's stage once every lane's reads of it have returned (__syncwarp orders them
   // before lane 0's arrival, which has release semantics).
   __device__ __forceinline__ void release(int it, int lane) const {
     __syncwarp();
     if (lane == 0) arrive_empty(it);
+  }
+  // The same for a stage index the caller holds (stage(it)).
+  __device__ __forceinline__ void release_stage(int s, int lane) const {
+    __syncwarp();
+    if (lane == 0) tma::mbar_arrive(&empty[s]);
   }
 };
 
