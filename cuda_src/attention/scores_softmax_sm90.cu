@@ -77,6 +77,7 @@
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/roles.cuh"
 
 namespace cupy_attn {
 
@@ -150,20 +151,7 @@ constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
 
-constexpr int kScoresProducerRegs = 24;
-constexpr int kScoresConsumerRegs = 240;
-
 namespace scores_sm90 {
-
-// The producer warpgroup's entry: its registers down to kScoresProducerRegs; true in thread 0, the one that issues
-// the TMA loads, after it has prefetched the Q and K maps.
-__device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
-  tma::setmaxnreg_dec<kScoresProducerRegs>();
-  if (threadIdx.x != 0) return false;
-  tma::prefetch_map(&p.tma_q);
-  tma::prefetch_map(&p.tma_k);
-  return true;
-}
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0:
@@ -614,105 +602,66 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   }
 }
 
-// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
-// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
-// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
-// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
-// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
-// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
-// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
-// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
-// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
-// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
-// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
-// stage as soon as its wgmma have read it, before the softmax.
-template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
-__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+// The producer thread: every tile's k blocks in ring order, each stage Q's box and the K boxes (a cluster CTA its own K
+// box, multicast to both; a causal pair tile both blocks' Q tiles and the wide block's keys past 256 in 64-row
+// pieces).
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kPairTiles>
+__device__ __forceinline__ void produce(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
-  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
-  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
-  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
-  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && !kMasked;  // masks are never causal
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
-  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
-  const Smem ss(smem_raw);
-  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
-  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
-
-  if (threadIdx.x == 0) {
-    ss.bars.init(8 * kClusterM);  // every consumer warp, of every CTA in the cluster
-    tma::fence_barrier_init();
-  }
-  if constexpr (kClusterM > 1) {
-    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
-    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
-    tma::cluster_arrive_relaxed();
-    tma::cluster_wait();
-  } else {
-    __syncthreads();
-  }
-
-  if (threadIdx.x < 128) {
-    if (producer_enter(p)) {
-      int step = 0;
-      for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
-        const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
-        const int h_kv = tl.h / static_cast<int>(p.groups);
-        if constexpr (kPairTiles) {
-          if (tl.pair()) {
-            // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
-            // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
-            const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
-            for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-              const int s = ss.bars.stage(step);
-              unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
-              T* k = ss.k + s * 2 * kHalfN * 64;
-              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
-              tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
-              for (int i = 0; i < tl.n1 / 64; ++i)
-                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, full, kb * 64, 256 + 64 * i, h_kv, tl.b);
-              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, full, kb * 64, tl.lo_m0, tl.h, tl.b);
-            }
-            continue;
-          }
-        }
-        // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
-        // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-        const bool load_hi = tl.nw < tl.n_vis;
-        const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
-        const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+  int step = 0;
+  for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
+    const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
+    const int h_kv = tl.h / static_cast<int>(p.groups);
+    if constexpr (kPairTiles) {
+      if (tl.pair()) {
+        // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
+        // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
+        const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-          // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
-          // while, and the phase still needs this arrival to complete.
           const int s = ss.bars.stage(step);
           unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
-          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
           T* k = ss.k + s * 2 * kHalfN * 64;
-          if constexpr (kClusterM > 1) {
-            if (rank == 0 || load_hi)
-              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, full, 0x3, kb * 64, rank * kHalfN,
-                                     h_kv, tl.b);
-          } else {
-            tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
-            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, full, kb * 64, tl.nw, h_kv, tl.b);
-          }
+          tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+          tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+          for (int i = 0; i < tl.n1 / 64; ++i)
+            tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, full, kb * 64, 256 + 64 * i, h_kv, tl.b);
+          tma::load_4d(k + (256 + 192) * 64, &p.tma_q, full, kb * 64, tl.lo_m0, tl.h, tl.b);
         }
+        continue;
       }
     }
-    if constexpr (kClusterM > 1) {
-      tma::cluster_arrive();
-      tma::cluster_wait();
+    // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
+    // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
+    const bool load_hi = tl.nw < tl.n_vis;
+    const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
+    const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+    for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+      // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
+      // while, and the phase still needs this arrival to complete.
+      const int s = ss.bars.stage(step);
+      unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
+      if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+      T* k = ss.k + s * 2 * kHalfN * 64;
+      if constexpr (kClusterM > 1) {
+        if (rank == 0 || load_hi)
+          tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, full, 0x3, kb * 64, rank * kHalfN,
+                                 h_kv, tl.b);
+      } else {
+        tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, full, kb * 64, tl.nw, h_kv, tl.b);
+      }
     }
-    return;
   }
-  tma::setmaxnreg_inc<kScoresConsumerRegs>();
+}
 
-  const int tid = threadIdx.x - 128;
+// The consumer warpgroups (tid = 0 ... 255 over both): per tile the S block of their keys (k_loop, or a pair tile's
+// warpgroup 1: pair_tile_wg1), the masks, the row statistics exchanged between the two, and P and lse stored.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked, bool kPairTiles>
+__device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank, int tid) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
@@ -852,6 +801,64 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
   }
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
+}
+
+// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
+// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
+// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
+// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
+// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
+// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
+// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
+// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
+// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
+// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
+// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
+// stage as soon as its wgmma have read it, before the softmax.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
+__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
+  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
+  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
+  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && !kMasked;  // masks are never causal
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
+  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
+  const Smem ss(smem_raw);
+  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
+  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
+
+  if (threadIdx.x == 0) {
+    ss.bars.init(8 * kClusterM);  // every consumer warp, of every CTA in the cluster
+    tma::fence_barrier_init();
+  }
+  if constexpr (kClusterM > 1) {
+    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
+    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
+    tma::cluster_arrive_relaxed();
+    tma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) {  // one thread issues every load
+          tma::prefetch_map(&p.tma_q);
+          tma::prefetch_map(&p.tma_k);
+          produce<T, kHalfN, kStages, kClusterM, kPersistent, kPairTiles>(p, ss, k_blocks, rank);
+        }
+        if constexpr (kClusterM > 1) {  // the producer's last remote access (multicast) is behind it
+          tma::cluster_arrive();
+          tma::cluster_wait();
+        }
+      },
+      [&](int tid) { consume<T, kHalfN, kStages, kClusterM, kPersistent, kMasked, kPairTiles>(p, ss, k_blocks, rank, tid); });
 }
 
 }  // namespace scores_sm90
