@@ -67,7 +67,7 @@ namespace cupy_attn {
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK>
+          int kHeadDimQK, bool kVariants>
 __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
                                                                               FlashFwdSm90Params p) {
   using namespace sm90;
@@ -88,33 +88,21 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
 
   // One tile per CTA (the persistent variant's CTAs take theirs from the scheduler inside produce_persistent and
   // consume_persistent).
-  int m0 = 0, h = 0, b = 0, n_blocks = 0;
+  int m0 = 0, h = 0, b = 0;
+  KeyBlocks kb{0, -1};
   if constexpr (!kPersistent) {
     // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
     const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     h = blockIdx.y;
     b = blockIdx.z;
     m0 = m_block * kBlockM;
-    const int L = static_cast<int>(p.seqlen_q);
-    const int rows_valid = min(kBlockM, L - m0);
-
-    // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
-    // writes the empty-row result (out 0, lse -inf) directly. (sm90::key_blocks and store_empty_rows, spelled out here:
-    // calling them changed this variant's SASS, which is kept byte-identical to before the persistent variant.)
-    const Visibility vis = visibility_of(p);
-    const long long last_key = vis.last_key(m0 + rows_valid - 1);
-    if (last_key < 0) {
-      T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
-      const int Ev = static_cast<int>(p.head_dim_v);
-      for (int i = threadIdx.x; i < rows_valid * Ev; i += blockDim.x)
-        out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
-      if (p.lse) {
-        float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
-        for (int i = threadIdx.x; i < rows_valid; i += blockDim.x) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
-      }
+    // The key blocks of this tile; a tile whose rows see nothing (bottom-right alignment with L > S, a window past the
+    // keys) writes the empty-row result (out 0, lse -inf or the sink) directly.
+    kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    if (kb.count() <= 0) {
+      store_empty_rows<T, kVariants>(p, m0, h, b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), threadIdx.x, blockDim.x);
       return;
     }
-    n_blocks = vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
   }
 
   pipeline::init_barriers([&] {
@@ -127,17 +115,17 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       [&](int tid) {
         if (tid != 0) return;  // one thread issues every load
         if constexpr (kPersistent) {
-          produce_persistent(p, ss);
+          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants>(p, ss);
         } else {
-          produce(p, ss, m0, h, b, n_blocks);
+          produce(p, ss, m0, h, b, kb);
         }
       },
       [&](int tid) {
         if constexpr (kPersistent) {
-          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, tid);
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants>(p, ss, tid);
         } else {
-          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, tid,
-                                                                                       0, 0u);
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, m0, h, b, kb,
+                                                                                                  tid, 0, 0u);
         }
         if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
       });

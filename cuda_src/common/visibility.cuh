@@ -2,19 +2,19 @@
 // backward). Rows are query indices 0 ... L − 1 and keys 0 ... S − 1 of one (batch, head).
 //
 //   key j is visible to row i  iff  first_key(i) <= j <= last_key(i), with
-//     first_key(i) = 0
-//     last_key(i)  = S − 1, and under a causal mask min(S − 1, i + causal_offset)
-//   causal_offset = 0 for the top-left alignment (torch's is_causal), S − L for bottom-right (the last row sees the
-//   last key). A row with last_key(i) < first_key(i) sees no key (bottom-right with L > S): out 0, lse −inf.
+//     first_key(i) = 0, or with a lower bound max(0, i + window_lo)
+//     last_key(i)  = S − 1, and under an upper bound min(S − 1, i + causal_offset)
+//   The upper bound (is_causal = 1) is the causal mask's, causal_offset = 0 for the top-left alignment (torch's
+//   is_causal) or S − L for bottom-right (the last row sees the last key), and/or a sliding window's right side,
+//   S − L + right (the launcher passes the smaller of the two); the lower bound is a window's left side, window_lo =
+//   S − L − left (FlashAttention's bottom-right aligned window (left, right): i + S − L − left <= j <= i + S − L +
+//   right). A row with last_key(i) < first_key(i) sees no key (bottom-right with L > S, or a window past the keys):
+//   out 0, lse −inf.
 //
-// Where the next variants plug in (not here yet):
-//   * sliding window (left, right), FlashAttention's convention: first_key(i) = max(0, i + (S − L) − left) and
-//     last_key(i) = min(last_key(i), i + (S − L) + right). The per-row bounds, the key-block ranges and the lane
-//     limits below then have a lower end as well as an upper one (first_key is already asked where one is needed).
-//   * ALiBi, softcap, sinks and user score_mod hooks act on a visible key's score (and sinks on the row sum), after
-//     this test: a `score(i, j, s)` hook beside `visible`.
+// ALiBi, softcap and sinks act on a visible key's score and on the row sum after this test (common/score_mod.cuh).
 //
-// The kernels' parameter structs carry (seqlen_k, is_causal, causal_offset); Visibility is built from them. Some
+// The kernels' parameter structs carry (seqlen_k, is_causal, causal_offset), and window_lo where the kernel serves
+// windows; Visibility is built from them (visibility_of: no lower bound for a struct without window_lo). Some
 // kernels (bwd_rows, softmax, flash_bwd) receive causal_offset = S when the call is not causal, so that their
 // test j <= i + causal_offset is the causal one unchanged (i + S >= S − 1 for every row): limit_offset() gives that
 // form from a Visibility.
@@ -28,10 +28,15 @@ struct KeyBlocks {
   __device__ __forceinline__ int count() const { return last - first + 1; }
 };
 
+// A window_lo that never binds: far below any row index minus any key index (rows and keys are < 2^31).
+constexpr long long kNoLowerBound = -(1ll << 40);
+
 struct Visibility {
   long long seqlen_k;       // S
-  long long causal_offset;  // 0 or S − L; used only when causal
-  bool causal;
+  long long causal_offset;  // the upper bound's offset: used only when causal
+  bool causal;              // the keys have an upper bound per row (causal and/or a window's right side)
+  bool lower = false;       // the keys have a lower bound per row (a window's left side)
+  long long window_lo = kNoLowerBound;  // key j >= row + window_lo; used only when lower
 
   // The causal limit of row `row`: under a causal mask it sees no key past it.
   __device__ __forceinline__ long long causal_limit(long long row) const { return row + causal_offset; }
@@ -41,8 +46,10 @@ struct Visibility {
     if (causal) last = min(last, causal_limit(row));
     return last;
   }
-  // The first key row `row` sees (0 until a window gives it a lower end).
-  __device__ __forceinline__ long long first_key(long long) const { return 0; }
+  // The first key row `row` sees (0 without a lower bound).
+  __device__ __forceinline__ long long first_key(long long row) const {
+    return lower ? max(0ll, row + window_lo) : 0ll;
+  }
   // One past the last key row `row` sees, last_key(row) + 1 (the form of the kernels that count keys).
   __device__ __forceinline__ long long end_key(long long row) const {
     long long end = seqlen_k;
@@ -76,6 +83,13 @@ struct Visibility {
     return static_cast<int>(max(-1ll, min(static_cast<long long>(kN), last_key(row) - n0 - lane_col)));
   }
 
+  // The lower end of the same test: column c of the lane is visible iff c >= lane_lower, clamped to [0, kN] (0 when
+  // there is no lower bound: every column).
+  template <int kN>
+  __device__ __forceinline__ int lane_lower(long long row, int n0, int lane_col) const {
+    return static_cast<int>(max(0ll, min(static_cast<long long>(kN), first_key(row) - n0 - lane_col)));
+  }
+
   // The backward's view, per key: the first row the causal mask lets see key `key`, the inverse of causal_limit
   // (may be negative or past L: the caller clamps), and the first row that sees it under this Visibility. All rows
   // from there on see it (no window yet: a window adds a last row, key − (S − L) + left).
@@ -86,10 +100,26 @@ struct Visibility {
   __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }
 };
 
-// A kernel's Visibility from its parameter struct (every struct names the three fields alike).
+// Whether a parameter struct has a window_lo field (the kernels that serve windows).
+template <typename Params, typename = void>
+struct HasWindowLo {
+  static constexpr bool value = false;
+};
+template <typename Params>
+struct HasWindowLo<Params, decltype(void(Params::window_lo))> {
+  static constexpr bool value = true;
+};
+
+// A kernel's Visibility from its parameter struct (every struct names the three fields alike; window_lo where the
+// kernel has one, kNoLowerBound meaning none).
 template <typename Params>
 __device__ __forceinline__ Visibility visibility_of(const Params& p) {
-  return {static_cast<long long>(p.seqlen_k), static_cast<long long>(p.causal_offset), p.is_causal != 0};
+  if constexpr (HasWindowLo<Params>::value) {
+    return {static_cast<long long>(p.seqlen_k), static_cast<long long>(p.causal_offset), p.is_causal != 0,
+            p.window_lo != kNoLowerBound, static_cast<long long>(p.window_lo)};
+  } else {
+    return {static_cast<long long>(p.seqlen_k), static_cast<long long>(p.causal_offset), p.is_causal != 0};
+  }
 }
 
 }  // namespace cupy_attn

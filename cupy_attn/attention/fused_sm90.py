@@ -155,11 +155,12 @@ _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: its size and field sizes are asserted
 # at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
 _PARAMS = _c_struct([("tma_q", _MAP, 64), ("tma_k", _MAP, 64), ("tma_v", _MAP, 64), ("tma_o", _MAP, 64)]
-                    + [(n, _F64 if n == "scale_log2" else _I64, 8) for n in (
+                    + [(n, _F64 if n in ("scale_log2", "softcap_in", "alibi_scale") else _I64, 8) for n in (
                         "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                         "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                         "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
-                        "o_tma")])
+                        "o_tma", "window_lo", "sinks", "sinks_kind", "softcap_in", "alibi_slopes", "alibi_stride_b",
+                        "alibi_scale")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -168,15 +169,17 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}>"),
+              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}, {variants}>"),
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_TILES),
         "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(SM90_TILES) | {d for dims in SM90_QK_DIMS.values() for d in dims})),
+        "variants": ("false", "true"),
     },
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
-                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))),
+                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in SM90_QK_DIMS.get(row["head_dim"], ()))
+                       and (row["variants"] == "false" or (row["tile"].persistent and row["qk_dim"] == row["head_dim"]))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -317,7 +320,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     D = head_bucket(E, Ev)
     tile = tile_for(mode, D, causal is not None)
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], head_dim=D, tile=tile,
-                                       qk_dim=qk_dim(E, D))
+                                       qk_dim=qk_dim(E, D), variants="false")
     smem = tile.smem_bytes(D)
     if kernel.max_dynamic_shared_size_bytes < smem:
         kernel.max_dynamic_shared_size_bytes = smem
@@ -326,6 +329,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, mode: str = 
     p["is_causal"] = causal is not None
     p["causal_offset"] = S - L if causal == "bottom_right" else 0
     p["scale_log2"] = float(scale) * _LOG2E
+    p["window_lo"] = -(1 << 40)
     num_sms = 0
     if tile.persistent:
         import cupy

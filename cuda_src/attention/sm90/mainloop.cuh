@@ -29,6 +29,7 @@
 #include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
+#include "common/score_mod.cuh"
 #include "attention/sm90/softmax.cuh"
 #include "attention/sm90/epilogue.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
@@ -88,15 +89,27 @@ struct SharedStorage {
   }
 };
 
-// Key blocks the kBlockM-row tile at query row m0 visits (key blocks n_blocks-1 down to 0, up to the last key any of
-// its rows may see); 0 for a tile whose rows see no key (bottom-right alignment with L > S). The same rule as the
+// The kernel's Visibility: with kVariants the window's lower bound (window_lo) is read at run time; the plain
+// instantiations have none, at compile time.
+template <bool kVariants>
+__device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p) {
+  if constexpr (kVariants) {
+    return visibility_of(p);
+  } else {
+    return {p.seqlen_k, p.causal_offset, p.is_causal != 0};
+  }
+}
+
+// Key blocks the kBlockM-row tile at query row m0 visits: from the block of the first key its first row sees (0
+// without a window's lower bound) to the block of the last key its last row sees, visited last to first; count() <= 0
+// for a tile whose rows see no key (bottom-right alignment with L > S, a window past the keys). The same rule as the
 // one-tile kernel's prologue (flash_fwd_sm90.cu).
-template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
+template <int kBlockM, int kBlockN, bool kVariants>
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
   const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
-  const Visibility vis = visibility_of(p);
-  const long long last_key = vis.last_key(m0 + rows_valid - 1);
-  return last_key < 0 ? 0 : vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
+  const Visibility vis = fwd_visibility<kVariants>(p);
+  const long long last_key = vis.last_key(m0 + rows_valid - 1), first_key = vis.first_key(m0);
+  return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
@@ -136,17 +149,18 @@ struct Producer {
   }
 };
 
-// One thread, one tile. Q once, then the K and V tiles of key blocks n_blocks-1 down to 0 (the order the consumers
-// visit them), each stage reused once all consumer warpgroups have released it.
+// One thread, one tile. Q once, then the K and V tiles of key blocks kb.last down to kb.first (the order the
+// consumers visit them), each stage reused once all consumer warpgroups have released it.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, int n_blocks) {
+                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
   load.prefetch_maps();
   load.load_q(m0, h, b);
   const int h_kv = h / static_cast<int>(p.groups);
+  const int n_blocks = kb.count();
   for (int i = 0; i < n_blocks; ++i) {
-    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    const int n0 = (kb.last - i) * kBlockN;
     load.load_k(i, n0, h_kv, b);
     load.load_v(i, n0, h_kv, b);
   }
@@ -156,7 +170,7 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 // on across tiles. Per tile: K of its first block (its stage was freed by an S GEMM of the tile before, so this need
 // not wait for that tile to end), then Q once the consumers have released the previous tile's (q_empty), then V and
 // the remaining blocks. Tiles with no key to visit are skipped (the consumers write their rows).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
@@ -166,15 +180,16 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
-    if (n_blocks == 0) continue;
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    const int n_blocks = kb.count();
+    if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
-    load.load_k(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
+    load.load_k(it, kb.last * kBlockN, h_kv, w.b);
     ss.q_bars.wait_free(tiles);
     load.load_q(m0, w.h, w.b);
-    load.load_v(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
+    load.load_v(it, kb.last * kBlockN, h_kv, w.b);
     for (int i = 1; i < n_blocks; ++i) {
-      const int n0 = (n_blocks - 1 - i) * kBlockN;
+      const int n0 = (kb.last - i) * kBlockN;
       load.load_k(it + i, n0, h_kv, w.b);
       load.load_v(it + i, n0, h_kv, w.b);
     }
@@ -204,7 +219,10 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
 constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 ... kBlockM/64 - 1; tid = thread index within the consumer warpgroups, from 0): 64
-// query rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
+// query rows m0 + 64·wg ... of the block against key blocks kb.last down to kb.first (kb.count() >= 1), then the
+// epilogue. kVariants: the window's lower bound, the softcap and ALiBi of common/score_mod.cuh on each S block
+// before its mask, and the sinks in the epilogue (read at run time: any of them may be off); the plain
+// instantiations carry none of that code.
 // kPersistent: one tile of consume_persistent's loop: it0 = the K/V iterations of the CTA's earlier tiles, q_parity =
 // the q_full phase of this tile's Q; the ping-pong's first grant and last turn are consume_persistent's, and the
 // warps release Q (q_empty) once their last S GEMM has completed.
@@ -219,10 +237,11 @@ constexpr int kPingPongBarrier = 1;
 // runs 5 of its 6 k steps (E = 80 or 96 with Ev > 96 in the 128 tiles: 5 or 6 of 8; the rest are TMA's zeros),
 // while P·V keeps N = kHeadDim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK = kHeadDim>
+          int kHeadDimQK = kHeadDim, bool kVariants = false>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, int n_blocks, int tid, int it0,
+                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb, int tid, int it0,
                                         unsigned q_parity) {
+  const int n_blocks = kb.count();
   constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -246,6 +265,12 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   const bool causal = p.is_causal != 0;
   const long long causal_offset = p.causal_offset;
   const float sc = static_cast<float>(p.scale_log2);
+  ScoreMods score_mods{};
+  if constexpr (kVariants) {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_stride_b + h] : 0.f;
+    score_mods = {static_cast<float>(p.softcap_in), -slope * static_cast<float>(p.alibi_scale),
+                  static_cast<int>(p.seqlen_k - p.seqlen_q)};
+  }
 
   OnlineSoftmax<kBlockN, kHeadDim> softmax;
   softmax.init();
@@ -314,11 +339,17 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_bars.empty);
     }
   };
-  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
+  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal (the upper bound) or
+  // the lower edge of its window need element masks. The lower edge: the warpgroup's last row sees keys from
+  // wg_row0 + 63 + window_lo on. With kVariants the score mods come first (mask_tile's -inf wins).
+  const bool lower = kVariants && p.window_lo != kNoLowerBound;
   auto mask = [&](int i) {
-    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    const int n0 = (kb.last - i) * kBlockN;
+    if constexpr (kVariants) apply_score_mods<kBlockN>(acc_s, score_mods, lane_row0(), n0, t);
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
       mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{p.seqlen_k, causal_offset, causal});
+    if (lower && n0 < wg_row0 + 63 + p.window_lo)
+      mask_tile_lower<kBlockN>(acc_s, lane_row0(), n0, t, p.window_lo);
   };
   // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
   // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
@@ -410,6 +441,11 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
   float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
+  if (kVariants && p.sinks) {  // the sink's term joins each row's sum (common/score_mod.cuh); once per tile, off the mainloop
+    const float sink = sink_log2<T>(p.sinks, p.sinks_kind, h);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) softmax.add_sink(half, sink);
+  }
   if (p.o_tma) {
     store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p, m0,
                                                                           h, b, lse);
@@ -423,7 +459,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 // producer walks the same sequence), each through consume()'s mainloop and epilogue; a tile whose rows see no key
 // writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
 // closing empty turn are here (kPingPongBarrier).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK,
+          bool kVariants>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss, int tid) {
   constexpr int kWGs = kBlockM / 64;
@@ -434,14 +471,14 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
-    if (n_blocks == 0) {
-      store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    if (kb.count() <= 0) {
+      store_empty_rows<T, kVariants>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
       continue;
     }
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tid, it,
-                                                                     static_cast<unsigned>(tiles & 1));
-    it += n_blocks;
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants>(
+        p, ss, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1));
+    it += kb.count();
     ++tiles;
   }
   if (wg == 0) tma::named_barrier_sync(kPingPongBarrier, 256);
