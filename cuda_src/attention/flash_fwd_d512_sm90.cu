@@ -49,7 +49,10 @@
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
 #include "attention/sm90/params.cuh"
+#include "common/visibility.cuh"
+#include "common/score_mod.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/softmax.cuh"
 #include "attention/sm90/roles.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
 
@@ -109,14 +112,24 @@ __device__ __forceinline__ int v_stage_key(int vc) {
   return (i < half ? 0 : kBlockN / 2) + part * (kBlockN / 2 / kParts) + (i % half) * kVKeys;
 }
 
-// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask).
-__device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) {
+// Key blocks a 64-row block visits (common/visibility.cuh): from the block of the first key its first row sees (0
+// without a window's lower bound, which only kVariants reads) through the block of the last key its last row sees;
+// count() <= 0 when its rows see no key.
+template <bool kVariants>
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
+  if constexpr (kVariants) {
+    const Visibility vis = visibility_of(p);
     const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    last_key = min(last_key, last_row + p.causal_offset);
+    const long long last_key = vis.last_key(last_row), first_key = vis.first_key(m0);
+    return last_key < first_key ? KeyBlocks{0, -1} : Visibility::blocks<kBlockN>(first_key, last_key);
+  } else {
+    long long last_key = p.seqlen_k - 1;
+    if (p.is_causal) {
+      const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
+      last_key = min(last_key, last_row + p.causal_offset);
+    }
+    return {0, last_key < 0 ? -1 : static_cast<int>(last_key / kBlockN)};
   }
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
 }
 
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
@@ -153,7 +166,7 @@ struct TileWalk {
 
 // The producer thread. Per tile with keys to see: Q once its previous contents are released (q_bars), then per key
 // block the 8 K chunks and the 8 V chunks in the order the consumers read them.
-template <int kStages, typename Tiles>
+template <int kStages, bool kVariants, typename Tiles>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<kStages>& ss, Tiles& tiles) {
   tma::prefetch_map(&p.tma_q);
   tma::prefetch_map(&p.tma_k);
@@ -165,14 +178,15 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
   };
   for (int m0, h, b; tiles.next(p, m0, h, b);) {
     const int h_kv = h / static_cast<int>(p.groups);
-    const int n_blocks = key_blocks(p, m0);
-    if (n_blocks == 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
+    const KeyBlocks kb = key_blocks<kVariants>(p, m0);
+    if (kb.count() <= 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
     ss.q_bars.wait_free(q_round);
     tma::mbar_arrive_expect_tx(ss.q_bars.full, kQBytes);
     for (int i = 0; i < kKChunks; ++i)
       tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_bars.full, i * 64, m0, h, b);
     ++q_round;
-    for (int j = 0; j < n_blocks; ++j) {
+    for (int i = 0; i < kb.count(); ++i) {
+      const int j = kb.first + i;
       for (int c = 0; c < kKChunks; ++c, ++step) {
         unsigned char* dst = stage();
         tma::load_4d(dst, &p.tma_k, &ss.bars.full[ss.bars.stage(step)], c * 64, j * kBlockN, h_kv, b);
@@ -190,7 +204,7 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 
 // One consumer thread (tid over both consumer warpgroups, 0 ... 255) and its walk over the ring: the phases of a key
 // block (s_block, mask, rescale, pv_parts) and of a tile's end (store).
-template <typename T, int kStages>
+template <typename T, int kStages, bool kVariants>
 struct Consumer {
   using P2 = typename sm90::Pair<T>::type;
   using Smem = SharedStorage<kStages>;
@@ -242,9 +256,23 @@ struct Consumer {
     wgmma::fence_operands(s);
   }
 
-  // Keys past S or past a row's causal limit: −inf. s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
+  // kVariants: softcap and ALiBi (common/score_mod.cuh) on the block's scores, before the mask. Row r0 + 8·half,
+  // key key0 + 8jj + 2t + e.
+  __device__ __forceinline__ void score_mods(const Params& p, float (&s)[64], int j, int m0, int h, int b) const {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_stride_b + h] : 0.f;
+    const ScoreMods mods{static_cast<float>(p.softcap_in), -slope * static_cast<float>(p.alibi_scale),
+                         static_cast<int>(p.seqlen_k - p.seqlen_q)};
+    sm90::apply_score_mods<128>(s, mods, m0 + r0, j * kBlockN + wg * 128, t);
+  }
+
+  // Keys past S or past a row's causal limit: −inf; kVariants: keys before the window's lower bound too.
+  // s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
   __device__ __forceinline__ void mask(const Params& p, float (&s)[64], int j, int m0) const {
     const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
+    if constexpr (kVariants) {
+      if (p.window_lo != kNoLowerBound && key0 < m0 + kBlockM - 1 + p.window_lo)
+        sm90::mask_tile_lower<128>(s, m0 + r0, static_cast<int>(key0), t, p.window_lo);
+    }
     if (key0 + 128 > S || (p.is_causal && key0 + 127 > m0 + p.causal_offset)) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -365,7 +393,10 @@ struct Consumer {
   // A row that saw no key (bottom-right, L > S) has l = 0: out 0, lse −inf. out by 16-byte stores: a quad's
   // transpose gives lane t the 8 consecutive columns 32i + 8t ... + 7.
   __device__ __forceinline__ void store(const Params& p, const Smem& ss, const float (&o)[128],
-                                        const float (&m_run)[2], const float (&l_part)[2], int m0, int h, int b) const {
+                                        const float (&m_in)[2], const float (&l_part)[2], int m0, int h, int b) const {
+    float m_run[2];
+    m_run[0] = m_in[0];
+    m_run[1] = m_in[1];
     float inv[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -378,7 +409,10 @@ struct Consumer {
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int r = r0 + 8 * half;
-      const float l = __fadd_rn(ss.row_sum[r], ss.row_sum[kBlockM + r]);
+      float l = __fadd_rn(ss.row_sum[r], ss.row_sum[kBlockM + r]);
+      if constexpr (kVariants) {  // the sink's term joins the row sum (a row that saw no key: lse = the sink)
+        if (p.sinks) add_sink(m_run[half], l, sink_log2<T>(p.sinks, p.sinks_kind, h));
+      }
       inv[half] = l > 0.f ? 1.f / l : 0.f;
       const int row = m0 + r;
       if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
@@ -411,17 +445,20 @@ struct Consumer {
   // warpgroups have read this one's (a tile without key blocks reaches them with no barrier in between).
   template <bool kPersistent>
   __device__ __forceinline__ void tile(const Params& p, const Smem& ss, int m0, int h, int b) {
-    const int n_blocks = key_blocks(p, m0);
+    const KeyBlocks kb = key_blocks<kVariants>(p, m0);
+    const int n_blocks = kb.count();
     float o[128];
     #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
     float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
     float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
     if (n_blocks > 0) ss.q_bars.wait(q_round++);
-    for (int j = 0; j < n_blocks; ++j, ++blk) {
+    for (int i = 0; i < n_blocks; ++i, ++blk) {
+      const int j = kb.first + i;
       float s[64];
       s_block(ss, s);
-      if (j == n_blocks - 1) ss.q_bars.release(lane);  // the tile's last S: Q may be reloaded for the next tile
+      if (i == n_blocks - 1) ss.q_bars.release(lane);  // the tile's last S: Q may be reloaded for the next tile
+      if constexpr (kVariants) score_mods(p, s, j, m0, h, b);
       mask(p, s, j, m0);
       float ref[2] = {0.f, 0.f};
       rescale(ss, s, o, m_run, l_part, ref);
@@ -439,7 +476,7 @@ struct Consumer {
 // fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next tile's Q
 // once both consumers are done with the current one's (q_bars) and its K stages while they finish the tile's last
 // P·V and store O. Otherwise one tile per CTA.
-template <typename T, int kStages, bool kPersistent>
+template <typename T, int kStages, bool kPersistent, bool kVariants>
 __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace d512;
   using Smem = SharedStorage<kStages>;
@@ -455,10 +492,10 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
   });
   sm90::warp_specialize<sm90::RegisterSplit<2>>(
       [&](int tid) {
-        if (tid == 0) produce(p, ss, tiles);  // one thread issues the loads
+        if (tid == 0) produce<kStages, kVariants>(p, ss, tiles);  // one thread issues the loads
       },
       [&](int tid) {
-        Consumer<T, kStages> consumer(p, ss, tid);
+        Consumer<T, kStages, kVariants> consumer(p, ss, tid);
         for (int m0, h, b; tiles.next(p, m0, h, b);) consumer.template tile<kPersistent>(p, ss, m0, h, b);
       });
 }

@@ -38,8 +38,11 @@ def smem_bytes(stages: int = STAGES) -> int:
 FLASH_FWD_D512_SM90 = KernelFamily(
     name="flash_fwd_d512_sm90",
     source="attention/flash_fwd_d512_sm90.cu",
-    template="cupy_attn::flash_fwd_d512_sm90<{dtype}, {stages}, {persistent}>",
-    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,), "persistent": ("false", "true")},
+    template="cupy_attn::flash_fwd_d512_sm90<{dtype}, {stages}, {persistent}, {variants}>",
+    axes={"dtype": tuple(_C_TYPES.values()), "stages": (STAGES,), "persistent": ("false", "true"),
+          "variants": ("false", "true")},
+    # The variants run one tile per CTA: the persistent kernel, at its 240-register limit, spills with them.
+    where=lambda row: row["variants"] == "false" or row["persistent"] == "false",
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _sm90._PARAMS),),
     arch="sm_90a",
@@ -150,7 +153,7 @@ def prepare(q, k, v, out, lse, *, scale: float, causal: str | None, family: Kern
     from ..runtime.interop import device_sms
     import cupy
     kernel = family.kernel(dtype=_C_TYPES[dtype_name(q.dtype)], stages=STAGES,
-                           persistent="true" if persistent else "false")
+                           persistent="true" if persistent else "false", variants="false")
     p = np.zeros((), dtype=_sm90._PARAMS)
     p["seqlen_q"], p["seqlen_k"], p["head_dim_v"], p["groups"] = L, S, Ev, Hq // Hkv
     p["is_causal"] = causal is not None
