@@ -35,6 +35,8 @@
 #include "common/reduce.cuh"
 #include "common/mask.cuh"
 #include "common/philox.cuh"
+#include "common/visibility.cuh"
+#include "common/score_mod.cuh"
 
 namespace cupy_attn {
 
@@ -54,6 +56,19 @@ struct SoftmaxParams {
   long long dropout_threshold;
   double dropout_scale;
   long long bh0, bh_stride_b0, bh_stride_b1, bh_stride_b2;
+  // Variants (kVariants only; common/visibility.cuh, common/score_mod.cuh), in the scores' base-2 units: key j is
+  // visible only if j >= i + window_lo (kNoLowerBound: no lower bound); softcap_log2 = c·log2(e) (0: none); ALiBi
+  // slope of the row's (batch, head) at alibi_slopes + the decomposed batch offset (alibi_stride_b0..2), distance
+  // |i + diag − j| (diag = S − L); the sink logit of its head at sinks + the decomposed offset (sink_stride_b0..2),
+  // fp32 (sinks_kind 0) or OutT (1).
+  long long window_lo;
+  double softcap_log2;
+  const float* alibi_slopes;
+  long long alibi_stride_b0, alibi_stride_b1, alibi_stride_b2;
+  long long diag;
+  const void* sinks;
+  long long sinks_kind;
+  long long sink_stride_b0, sink_stride_b1, sink_stride_b2;
 };
 
 __device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
@@ -77,12 +92,50 @@ __device__ __forceinline__ float apply_mask(float s, long long j, long long limi
   }
 }
 
+// The variants of one row (kVariants): the window's lower bound, softcap and ALiBi on each score (base-2 units),
+// and the sink's logit for the row's statistics.
+struct RowVariants {
+  long long first_key;  // keys j < first_key are not visible
+  float softcap;        // c·log2(e), or 0
+  float slope;          // −slope·log2(e), or 0
+  long long dist0;      // i + diag: ALiBi's distance to key j is |dist0 − j|
+  bool has_sink;
+  float sink;           // the sink's logit in base-2 units
+
+  // gbatch < 2^31 (batch·heads): its decomposition in 32-bit arithmetic (a 64-bit division is a called subroutine,
+  // whose stack frame spilled here).
+  template <typename OutT>
+  __device__ __forceinline__ static RowVariants of(const SoftmaxParams& p, long long gbatch, long long i) {
+    const unsigned n1 = static_cast<unsigned>(p.n1), n2 = static_cast<unsigned>(p.n2);
+    unsigned idx = static_cast<unsigned>(gbatch);
+    const unsigned i2 = idx % n2;
+    idx /= n2;
+    const unsigned i1 = idx % n1, i0 = idx / n1;
+    RowVariants r;
+    r.first_key = p.window_lo == kNoLowerBound ? 0 : i + p.window_lo;
+    r.softcap = static_cast<float>(p.softcap_log2);
+    r.slope = 0.f;
+    if (p.alibi_slopes)
+      r.slope = -kLog2e * p.alibi_slopes[i0 * p.alibi_stride_b0 + i1 * p.alibi_stride_b1 + i2 * p.alibi_stride_b2];
+    r.dist0 = i + p.diag;
+    r.has_sink = p.sinks != nullptr;
+    r.sink = 0.f;
+    if (r.has_sink) {
+      const long long off = i0 * p.sink_stride_b0 + i1 * p.sink_stride_b1 + i2 * p.sink_stride_b2;
+      r.sink = kLog2e * (p.sinks_kind == 1 ? to_float(static_cast<const OutT*>(p.sinks)[off])
+                                           : static_cast<const float*>(p.sinks)[off]);
+    }
+    return r;
+  }
+};
+
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
 // per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
 // bench/experiments/probe_softmax.py). kDropout: dropout_p > 0 (declared with kMasked only).
-template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout>
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants>
 __global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
 masked_softmax(const SoftmaxParams p) {
+  static_assert(kMasked || !kVariants, "the variants run on the masked instantiations");
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
   constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   __shared__ float scratch[kBlockThreads / 32];
@@ -114,6 +167,18 @@ masked_softmax(const SoftmaxParams p) {
     keep_scale = static_cast<float>(p.dropout_scale);
   }
 
+  RowVariants rv{};
+  if constexpr (kVariants) rv = RowVariants::of<OutT>(p, gbatch, i);
+  // The score of key j after the variants and the mask (kMasked), in base-2 units.
+  auto score = [&](float x, long long j) {
+    if constexpr (kVariants) {
+      if (j < rv.first_key) return -inf();
+      if (rv.softcap != 0.f) x = rv.softcap * tanh_approx(x / rv.softcap);
+      if (rv.slope != 0.f) x = fmaf(rv.slope, fabsf(static_cast<float>(rv.dist0 - j)), x);
+    }
+    return apply_mask(x, j, limit, p, mask_row);
+  };
+
   float m = -inf(), l = 0.f;
   if constexpr (kVecs > 0) {
     float x[kVecs][4];
@@ -126,7 +191,7 @@ masked_softmax(const SoftmaxParams p) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if constexpr (kMasked) {
-          x[v][e] = (active && c + e < S) ? apply_mask(x[v][e], c + e, limit, p, mask_row) : -inf();
+          x[v][e] = (active && c + e < S) ? score(x[v][e], c + e) : -inf();
         } else {
           x[v][e] = (active && c + e < S) ? x[v][e] : -inf();
         }
@@ -134,6 +199,9 @@ masked_softmax(const SoftmaxParams p) {
       }
     }
     m = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    if constexpr (kVariants) {
+      if (rv.has_sink) m = fmaxf(m, rv.sink);  // the sink takes part in the max and the sum
+    }
     // A fully masked row has m = -inf; subtracting 0 instead keeps every 2^(s - m) at 0 (and NaN stays NaN).
     const float m_safe = m == -inf() ? 0.f : m;
     #pragma unroll
@@ -141,6 +209,9 @@ masked_softmax(const SoftmaxParams p) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) { x[v][e] = exp2f(x[v][e] - m_safe); l += x[v][e]; }
     l = group_reduce<kThreadsPerRow>(l, SumOp(), scratch);  // its barrier also ends every read of this row
+    if constexpr (kVariants) {
+      if (rv.has_sink) l += exp2f(rv.sink - m_safe);
+    }
     const float inv_l = l == 0.f ? 0.f : 1.f / l;
     if (active) {
       #pragma unroll
@@ -164,15 +235,21 @@ masked_softmax(const SoftmaxParams p) {
     for (long long c = 4LL * t; c < S; c += 4LL * kThreadsPerRow) {
       const float4 f = active ? *reinterpret_cast<const float4*>(srow + c) : make_float4(0.f, 0.f, 0.f, 0.f);
       auto online = [&](float x, int e) {
-        const float s = (active && c + e < S) ? apply_mask(x, c + e, limit, p, mask_row) : -inf();
+        const float s = (active && c + e < S) ? score(x, c + e) : -inf();
         if (s > m) { l = l * exp2f(m - s) + 1.f; m = s; }
         else l += exp2f(s - (m == -inf() ? 0.f : m));
       };
       online(f.x, 0); online(f.y, 1); online(f.z, 2); online(f.w, 3);
     }
-    const float m_row = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    float m_row = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    if constexpr (kVariants) {
+      if (rv.has_sink) m_row = fmaxf(m_row, rv.sink);
+    }
     const float m_safe = m_row == -inf() ? 0.f : m_row;
     l = group_reduce<kThreadsPerRow>(l * exp2f((m == -inf() ? 0.f : m) - m_safe), SumOp(), scratch);
+    if constexpr (kVariants) {
+      if (rv.has_sink) l += exp2f(rv.sink - m_safe);
+    }
     const float inv_l = l == 0.f ? 0.f : 1.f / l;
     // Sweep 2: read a tile, barrier, write it (see the in-place note in the header).
     for (long long base = 0; base < S; base += 4LL * kThreadsPerRow) {
@@ -183,7 +260,7 @@ masked_softmax(const SoftmaxParams p) {
         const unsigned z = kDropout ? drop.keep4(bh, i, c) : 0xFu;
         const float kept = kDropout ? inv_l * keep_scale : inv_l;
         auto prob = [&](float s, int e) {
-          return c + e < S && (z >> e) & 1u ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * kept : 0.f;
+          return c + e < S && (z >> e) & 1u ? exp2f(score(s, c + e) - m_safe) * kept : 0.f;
         };
         y = make_float4(prob(y.x, 0), prob(y.y, 1), prob(y.z, 2), prob(y.w, 3));
       }

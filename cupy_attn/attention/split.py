@@ -43,21 +43,24 @@ SOFTMAX_TILES = {  # masked (attn_mask or causal) -> tiles
 _MASK_KIND = {None: 0, "bool": 1, "float16": 2, "bfloat16": 3, "float32": 4}
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
-_PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
+_PARAMS = np.dtype([(name, np.float64 if name in ("dropout_scale", "softcap_log2") else np.int64) for name in (
     "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
     "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
     "lse_stride_b0", "lse_stride_b1", "lse_stride_b2",
-    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2")])
+    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2",
+    "window_lo", "softcap_log2", "alibi_slopes", "alibi_stride_b0", "alibi_stride_b1", "alibi_stride_b2", "diag",
+    "sinks", "sinks_kind", "sink_stride_b0", "sink_stride_b1", "sink_stride_b2")])
 
 # dropout=true only with masked=true: a dropout call takes the masked tiles (the mask test is free next to Philox).
 SOFTMAX = KernelFamily(
     name="softmax",
     source="attention/softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}, {variants}>",
     axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
-          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
+          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true"), "variants": ("false", "true")},
     where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
-                                                                          or row["masked"] == "true"),
+                                                                          or row["masked"] == "true")
+                      and (row["variants"] == "false" or row["masked"] == "true"),
     structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
 )
 
@@ -488,7 +491,8 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         if sc not in softmax:
             t = softmax_tile(sc, masked == "true")
             softmax[sc] = (SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=t, masked=masked,
-                                          dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
+                                          dropout="true" if dropout else "false", variants="false"), max(t[0], 128),
+                           max(1, 128 // t[0]))
         return softmax[sc]
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
