@@ -170,11 +170,13 @@ masked_softmax(const SoftmaxParams p) {
   RowVariants rv{};
   if constexpr (kVariants) rv = RowVariants::of<OutT>(p, gbatch, i);
   // The score of key j after the variants and the mask (kMasked), in base-2 units.
+  const long long first_key = rv.first_key, dist0 = rv.dist0;
+  const float softcap = rv.softcap, slope = rv.slope;
   auto score = [&](float x, long long j) {
     if constexpr (kVariants) {
-      if (j < rv.first_key) return -inf();
-      if (rv.softcap != 0.f) x = rv.softcap * tanh_approx(x / rv.softcap);
-      if (rv.slope != 0.f) x = fmaf(rv.slope, fabsf(static_cast<float>(rv.dist0 - j)), x);
+      if (j < first_key) return -inf();
+      if (softcap != 0.f) x = softcap * tanh_approx(__fdividef(x, softcap));
+      if (slope != 0.f) x = fmaf(slope, fabsf(static_cast<float>(dist0 - j)), x);
     }
     return apply_mask(x, j, limit, p, mask_row);
   };
