@@ -71,6 +71,22 @@ struct SoftmaxParams {
   long long sink_stride_b0, sink_stride_b1, sink_stride_b2;
 };
 
+// The global batch index as its (outer, middle, inner) axis indices. k32: in 32-bit arithmetic (the variants'
+// instantiations: a 64-bit division is a called subroutine, and around its calls their rows spilled); the plain ones
+// keep 64-bit batch_offset below.
+struct BatchIndex {
+  long long i0, i1, i2;
+  __device__ __forceinline__ static BatchIndex of32(long long idx, long long n1, long long n2) {
+    unsigned x = static_cast<unsigned>(idx);
+    const unsigned i2 = x % static_cast<unsigned>(n2);
+    x /= static_cast<unsigned>(n2);
+    return {x / static_cast<unsigned>(n1), x % static_cast<unsigned>(n1), i2};
+  }
+  __device__ __forceinline__ long long offset(long long s0, long long s1, long long s2) const {
+    return i0 * s0 + i1 * s1 + i2 * s2;
+  }
+};
+
 __device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
                                                   long long s0, long long s1, long long s2) {
   const long long i2 = idx % n2; idx /= n2;
@@ -98,30 +114,23 @@ struct RowVariants {
   long long first_key;  // keys j < first_key are not visible
   float softcap;        // c·log2(e), or 0
   float slope;          // −slope·log2(e), or 0
-  long long dist0;      // i + diag: ALiBi's distance to key j is |dist0 − j|
+  int dist0;            // i + diag: ALiBi's distance to key j is |dist0 − j| (rows and keys are < 2^31)
   bool has_sink;
   float sink;           // the sink's logit in base-2 units
 
-  // gbatch < 2^31 (batch·heads): its decomposition in 32-bit arithmetic (a 64-bit division is a called subroutine,
-  // whose stack frame spilled here).
   template <typename OutT>
-  __device__ __forceinline__ static RowVariants of(const SoftmaxParams& p, long long gbatch, long long i) {
-    const unsigned n1 = static_cast<unsigned>(p.n1), n2 = static_cast<unsigned>(p.n2);
-    unsigned idx = static_cast<unsigned>(gbatch);
-    const unsigned i2 = idx % n2;
-    idx /= n2;
-    const unsigned i1 = idx % n1, i0 = idx / n1;
+  __device__ __forceinline__ static RowVariants of(const SoftmaxParams& p, const BatchIndex& bi, long long i) {
     RowVariants r;
     r.first_key = p.window_lo == kNoLowerBound ? 0 : i + p.window_lo;
     r.softcap = static_cast<float>(p.softcap_log2);
     r.slope = 0.f;
     if (p.alibi_slopes)
-      r.slope = -kLog2e * p.alibi_slopes[i0 * p.alibi_stride_b0 + i1 * p.alibi_stride_b1 + i2 * p.alibi_stride_b2];
-    r.dist0 = i + p.diag;
+      r.slope = -kLog2e * p.alibi_slopes[bi.offset(p.alibi_stride_b0, p.alibi_stride_b1, p.alibi_stride_b2)];
+    r.dist0 = static_cast<int>(i + p.diag);
     r.has_sink = p.sinks != nullptr;
     r.sink = 0.f;
     if (r.has_sink) {
-      const long long off = i0 * p.sink_stride_b0 + i1 * p.sink_stride_b1 + i2 * p.sink_stride_b2;
+      const long long off = bi.offset(p.sink_stride_b0, p.sink_stride_b1, p.sink_stride_b2);
       r.sink = kLog2e * (p.sinks_kind == 1 ? to_float(static_cast<const OutT*>(p.sinks)[off])
                                            : static_cast<const float*>(p.sinks)[off]);
     }
@@ -132,9 +141,9 @@ struct RowVariants {
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
 // per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
 // bench/experiments/probe_softmax.py). kDropout: dropout_p > 0 (declared with kMasked only).
+// kVariants: the window's lower bound, softcap, ALiBi and sinks (RowVariants), in the masked_softmax_variants kernels.
 template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants>
-__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
-masked_softmax(const SoftmaxParams p) {
+__device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
   static_assert(kMasked || !kVariants, "the variants run on the masked instantiations");
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
   constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
@@ -144,15 +153,32 @@ masked_softmax(const SoftmaxParams p) {
   const int t = threadIdx.x % kThreadsPerRow;
   // Rows past the end still join the block reductions (barriers) but never touch memory.
   const bool active = row < p.rows;
-  const long long b = active ? row / p.rows_per_batch : 0;
-  const long long i = p.row0 + (active ? row % p.rows_per_batch : 0);
+  long long b, i;
+  if constexpr (kVariants) {  // 32-bit (BatchIndex): a launch's rows are < 2^32
+    const unsigned r = active ? static_cast<unsigned>(row) : 0u, per = static_cast<unsigned>(p.rows_per_batch);
+    b = r / per;
+    i = p.row0 + r % per;
+  } else {
+    b = active ? row / p.rows_per_batch : 0;
+    i = p.row0 + (active ? row % p.rows_per_batch : 0);
+  }
   const long long limit = i + p.causal_offset;
   const long long gbatch = p.batch0 + b;
+  BatchIndex bi{};
+  if constexpr (kVariants) bi = BatchIndex::of32(gbatch, p.n1, p.n2);
+  // The row's offset along the batch axes for strides (s0, s1, s2).
+  auto batch_off = [&](long long s0, long long s1, long long s2) {
+    if constexpr (kVariants) {
+      return bi.offset(s0, s1, s2);
+    } else {
+      return batch_offset(gbatch, p.n1, p.n2, s0, s1, s2);
+    }
+  };
   const char* mask_row = nullptr;
   if (p.mask_kind != kMaskNone) {
     mask_row = reinterpret_cast<const char*>(p.mask) +
-               (batch_offset(gbatch, p.n1, p.n2, p.mask_stride_b0, p.mask_stride_b1, p.mask_stride_b2) +
-                i * p.mask_stride_q) * mask_itemsize(p.mask_kind);
+               (batch_off(p.mask_stride_b0, p.mask_stride_b1, p.mask_stride_b2) + i * p.mask_stride_q) *
+               mask_itemsize(p.mask_kind);
   }
   float* srow = p.scores + (active ? row : 0) * p.ld;
   OutT* prow = reinterpret_cast<OutT*>(srow);
@@ -162,21 +188,21 @@ masked_softmax(const SoftmaxParams p) {
   float keep_scale = 1.f;
   if constexpr (kDropout) {
     drop = Dropout::load(p.rng, p.dropout_threshold);
-    bh = static_cast<unsigned>(p.bh0 + batch_offset(gbatch, p.n1, p.n2, p.bh_stride_b0, p.bh_stride_b1,
-                                                     p.bh_stride_b2));
+    bh = static_cast<unsigned>(p.bh0 + batch_off(p.bh_stride_b0, p.bh_stride_b1, p.bh_stride_b2));
     keep_scale = static_cast<float>(p.dropout_scale);
   }
 
   RowVariants rv{};
-  if constexpr (kVariants) rv = RowVariants::of<OutT>(p, gbatch, i);
+  if constexpr (kVariants) rv = RowVariants::of<OutT>(p, bi, i);
   // The score of key j after the variants and the mask (kMasked), in base-2 units.
-  const long long first_key = rv.first_key, dist0 = rv.dist0;
+  const long long first_key = rv.first_key;
+  const int dist0 = rv.dist0;
   const float softcap = rv.softcap, slope = rv.slope;
   auto score = [&](float x, long long j) {
     if constexpr (kVariants) {
       if (j < first_key) return -inf();
       if (softcap != 0.f) x = softcap * tanh_approx(__fdividef(x, softcap));
-      if (slope != 0.f) x = fmaf(slope, fabsf(static_cast<float>(dist0 - j)), x);
+      if (slope != 0.f) x = fmaf(slope, fabsf(static_cast<float>(dist0 - static_cast<int>(j))), x);
     }
     return apply_mask(x, j, limit, p, mask_row);
   };
@@ -237,16 +263,15 @@ masked_softmax(const SoftmaxParams p) {
     for (long long c = 4LL * t; c < S; c += 4LL * kThreadsPerRow) {
       const float4 f = active ? *reinterpret_cast<const float4*>(srow + c) : make_float4(0.f, 0.f, 0.f, 0.f);
       auto online = [&](float x, int e) {
-        const float s = (active && c + e < S) ? score(x, c + e) : -inf();
+        const float s = (active && c + e < S) ? (kVariants ? score(x, c + e) : apply_mask(x, c + e, limit, p, mask_row))
+                                              : -inf();
         if (s > m) { l = l * exp2f(m - s) + 1.f; m = s; }
         else l += exp2f(s - (m == -inf() ? 0.f : m));
       };
       online(f.x, 0); online(f.y, 1); online(f.z, 2); online(f.w, 3);
     }
-    float m_row = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
-    if constexpr (kVariants) {
-      if (rv.has_sink) m_row = fmaxf(m_row, rv.sink);
-    }
+    const float m_red = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    const float m_row = kVariants && rv.has_sink ? fmaxf(m_red, rv.sink) : m_red;
     const float m_safe = m_row == -inf() ? 0.f : m_row;
     l = group_reduce<kThreadsPerRow>(l * exp2f((m == -inf() ? 0.f : m) - m_safe), SumOp(), scratch);
     if constexpr (kVariants) {
@@ -262,7 +287,8 @@ masked_softmax(const SoftmaxParams p) {
         const unsigned z = kDropout ? drop.keep4(bh, i, c) : 0xFu;
         const float kept = kDropout ? inv_l * keep_scale : inv_l;
         auto prob = [&](float s, int e) {
-          return c + e < S && (z >> e) & 1u ? exp2f(score(s, c + e) - m_safe) * kept : 0.f;
+          if (!(c + e < S && (z >> e) & 1u)) return 0.f;
+          return exp2f((kVariants ? score(s, c + e) : apply_mask(s, c + e, limit, p, mask_row)) - m_safe) * kept;
         };
         y = make_float4(prob(y.x, 0), prob(y.y, 1), prob(y.z, 2), prob(y.w, 3));
       }
@@ -273,9 +299,23 @@ masked_softmax(const SoftmaxParams p) {
   }
 
   if (p.lse != nullptr && active && t == 0) {
-    const long long off = batch_offset(gbatch, p.n1, p.n2, p.lse_stride_b0, p.lse_stride_b1, p.lse_stride_b2) + i;
+    const long long off = batch_off(p.lse_stride_b0, p.lse_stride_b1, p.lse_stride_b2) + i;
     p.lse[off] = l == 0.f ? -inf() : kLn2 * ((m == -inf() ? 0.f : m) + log2f(l));
   }
+}
+
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
+masked_softmax(const SoftmaxParams p) {
+  softmax_rows<OutT, kThreadsPerRow, kVecs, kMasked, kDropout, false>(p);
+}
+
+// The variants (always masked). One block per SM is declared: left to its own heuristic, ptxas held the wide tiles
+// to 64 registers and spilled around the row's extra state.
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kDropout>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128, 1)
+masked_softmax_variants(const SoftmaxParams p) {
+  softmax_rows<OutT, kThreadsPerRow, kVecs, true, kDropout, true>(p);
 }
 
 }  // namespace cupy_attn

@@ -55,12 +55,20 @@ _PARAMS = np.dtype([(name, np.float64 if name in ("dropout_scale", "softcap_log2
 SOFTMAX = KernelFamily(
     name="softmax",
     source="attention/softmax.cu",
-    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}, {variants}>",
+    template="cupy_attn::masked_softmax<{out_t}, {tile[0]}, {tile[1]}, {masked}, {dropout}>",
     axes={"out_t": tuple(_C_TYPES.values()), "tile": tuple(sorted(set(sum(SOFTMAX_TILES.values(), ())))),
-          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true"), "variants": ("false", "true")},
+          "masked": tuple(SOFTMAX_TILES), "dropout": ("false", "true")},
     where=lambda row: row["tile"] in SOFTMAX_TILES[row["masked"]] and (row["dropout"] == "false"
-                                                                          or row["masked"] == "true")
-                      and (row["variants"] == "false" or row["masked"] == "true"),
+                                                                          or row["masked"] == "true"),
+    structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
+)
+
+# The variants (window, softcap, ALiBi, sinks) on the masked tiles, with and without dropout.
+SOFTMAX_VARIANTS = KernelFamily(
+    name="softmax_variants",
+    source="attention/softmax.cu",
+    template="cupy_attn::masked_softmax_variants<{out_t}, {tile[0]}, {tile[1]}, {dropout}>",
+    axes={"out_t": tuple(_C_TYPES.values()), "tile": SOFTMAX_TILES["true"], "dropout": ("false", "true")},
     structs=(("cupy_attn::SoftmaxParams", _PARAMS),),
 )
 
@@ -491,8 +499,7 @@ def _build_schedule(p, out, lse, budget: int, allow_tf32: bool) -> _Schedule:
         if sc not in softmax:
             t = softmax_tile(sc, masked == "true")
             softmax[sc] = (SOFTMAX.kernel(out_t=_C_TYPES[dtype_name(dtype)], tile=t, masked=masked,
-                                          dropout="true" if dropout else "false", variants="false"), max(t[0], 128),
-                           max(1, 128 // t[0]))
+                                          dropout="true" if dropout else "false"), max(t[0], 128), max(1, 128 // t[0]))
         return softmax[sc]
     chunks = []
     for loop_index in np.ndindex(*[int(np.prod([a.size for a in g])) for g in loops]):
