@@ -1,7 +1,8 @@
 """torch.library custom ops over cupy_attn's entry points, so torch.compile / torch.export see one opaque op per call.
 
     torch.ops.cupy_attn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, rng, is_causal, scale,
-        enable_gqa, backend, return_lse, allow_tf32, workspace_bytes) -> (out, lse)
+        enable_gqa, backend, return_lse, allow_tf32, workspace_bytes, window_left, window_right, softcap, sinks,
+        alibi_slopes) -> (out, lse)
     torch.ops.cupy_attn.linear_batchnorm_softmax(x, weight, bias, running_mean!, running_var!, bn_weight, bn_bias,
         scale, training, momentum, eps, num_batches_tracked!, allow_tf32) -> out
     torch.ops.cupy_attn.linear_batchnorm_softmax_forward / _backward: the differentiable pair (see Autograd below)
@@ -26,6 +27,9 @@ Schema choices (a custom op's arguments must be typed, not Python unions):
   (0,) float32 tensor otherwise, so the schema has one fixed return type.
 - scale (float | None), attn_mask (Tensor | None), workspace_bytes (int | None), allow_tf32 (bool | None) map to
   optional schema types.
+- The variants: window_size travels as window_left and window_right (ints, -1 for an unbounded side or no window),
+  softcap as a float (0: none), sinks and alibi_slopes as optional tensors; sinks is differentiable (the backward op
+  returns its gradient).
 - Dropout: a schema has no Generator type, so the wrapper draws the call's rng pair (two int64 from ``generator``,
   attention/dropout.draw: a torch.randint, traced as an ordinary RNG op) and the op takes it as ``rng`` (Tensor?,
   None when dropout_p = 0). The op is then a pure function of its inputs, and its registered backward receives the
@@ -95,24 +99,43 @@ def _check_flags(attn_mask, dropout_p: float, is_causal: str, rng=None) -> None:
         raise ValueError("attn_mask and is_causal cannot both be set (as in torch): fold the causal mask into attn_mask")
 
 
+def _variants(window_left: int, window_right: int, softcap: float, sinks, alibi_slopes) -> tuple:
+    """The op's variant arguments as the eager API's (window_size, softcap, sinks, alibi_slopes)."""
+    window = None if window_left < 0 and window_right < 0 else (window_left, window_right)
+    return window, (softcap or None), sinks, alibi_slopes
+
+
+def window_to_ints(window_size) -> tuple[int, int]:
+    """window_size of the public API as the op's two ints (-1: unbounded); None -> (-1, -1)."""
+    if window_size is None:
+        return -1, -1
+    left, right = window_size
+    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+
+
 @torch.library.custom_op("cupy_attn::scaled_dot_product_attention", mutates_args=())
 def _sdpa_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
              dropout_p: float, rng: torch.Tensor | None, is_causal: str, scale: float | None, enable_gqa: bool,
-             backend: str, return_lse: bool, allow_tf32: bool,
-             workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+             backend: str, return_lse: bool, allow_tf32: bool, workspace_bytes: int | None, window_left: int = -1,
+             window_right: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+             alibi_slopes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     _check_flags(attn_mask, dropout_p, is_causal, rng)
+    variants = _variants(window_left, window_right, softcap, sinks, alibi_slopes)
     # lse is always computed (B·H·L floats): the registered backward needs it whether or not the caller asked.
     if dropout_p > 0.0:
         return _sdpa_forward(query, key, value, attn_mask, is_causal=_CAUSAL[is_causal], scale=scale,
                              enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
-                             backend=backend, dropout_p=dropout_p, rng=rng)
+                             backend=backend, dropout_p=dropout_p, rng=rng, variants=variants)
+    window_size, softcap_, sinks_, slopes = variants
     return _sdpa_eager(query, key, value, attn_mask, dropout_p, _CAUSAL[is_causal], scale, enable_gqa,
+                       window_size=window_size, softcap=softcap_, sinks=sinks_, alibi_slopes=slopes,
                        backend=backend, return_lse=True, allow_tf32=allow_tf32, workspace_bytes=workspace_bytes)
 
 
 @_sdpa_op.register_fake
 def _sdpa_fake(query, key, value, attn_mask, dropout_p, rng, is_causal, scale, enable_gqa, backend, return_lse,
-               allow_tf32, workspace_bytes):
+               allow_tf32, workspace_bytes, window_left=-1, window_right=-1, softcap=0.0, sinks=None,
+               alibi_slopes=None):
     _check_flags(attn_mask, dropout_p, is_causal, rng)
     if query.dim() < 3 or key.dim() != query.dim() or value.dim() != query.dim():
         raise ValueError(f"query, key and value must have the same number of axes (at least 3), got "
@@ -126,41 +149,53 @@ def _sdpa_fake(query, key, value, attn_mask, dropout_p, rng, is_causal, scale, e
 def _sdpa_backward_op(grad_out: torch.Tensor, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attn_mask: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, dropout_p: float,
                       rng: torch.Tensor | None, is_causal: str, scale: float | None, enable_gqa: bool,
-                      need_mask_grad: bool, allow_tf32: bool,
-                      workspace_bytes: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                      need_mask_grad: bool, allow_tf32: bool, workspace_bytes: int | None, window_left: int = -1,
+                      window_right: int = -1, softcap: float = 0.0, sinks: torch.Tensor | None = None,
+                      alibi_slopes: torch.Tensor | None = None,
+                      need_sinks_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                              torch.Tensor]:
     from .attention import autograd
-    dq, dk, dv, dmask = autograd.grad_inputs(query, key, value, attn_mask, out, lse, grad_out.contiguous(),
+    grad_out = grad_out.contiguous()
+    dq, dk, dv, dmask = autograd.grad_inputs(query, key, value, attn_mask, out, lse, grad_out,
                                              is_causal=_CAUSAL[is_causal], scale=scale, enable_gqa=enable_gqa,
                                              need_mask_grad=need_mask_grad, workspace_bytes=workspace_bytes,
-                                             allow_tf32=allow_tf32, dropout_p=dropout_p, rng=rng)
-    return dq, dk, dv, query.new_empty((0,)) if dmask is None else dmask
+                                             allow_tf32=allow_tf32, dropout_p=dropout_p, rng=rng,
+                                             variants=_variants(window_left, window_right, softcap, sinks,
+                                                                alibi_slopes))
+    dsinks = autograd.sinks_grad(sinks, out, lse, grad_out) if need_sinks_grad else query.new_empty((0,))
+    return dq, dk, dv, query.new_empty((0,)) if dmask is None else dmask, dsinks
 
 
 @_sdpa_backward_op.register_fake
 def _sdpa_backward_fake(grad_out, query, key, value, attn_mask, out, lse, dropout_p, rng, is_causal, scale,
-                        enable_gqa, need_mask_grad, allow_tf32, workspace_bytes):
+                        enable_gqa, need_mask_grad, allow_tf32, workspace_bytes, window_left=-1, window_right=-1,
+                        softcap=0.0, sinks=None, alibi_slopes=None, need_sinks_grad=False):
     dmask = attn_mask.new_empty(attn_mask.shape) if need_mask_grad else query.new_empty((0,))
+    dsinks = sinks.new_empty(sinks.shape) if need_sinks_grad else query.new_empty((0,))
     return (torch.empty_like(query, memory_format=torch.contiguous_format),
             torch.empty_like(key, memory_format=torch.contiguous_format),
-            torch.empty_like(value, memory_format=torch.contiguous_format), dmask)
+            torch.empty_like(value, memory_format=torch.contiguous_format), dmask, dsinks)
 
 
 def _sdpa_setup_context(ctx, inputs, output):
-    query, key, value, attn_mask, dropout_p, rng, is_causal, scale, enable_gqa, _, _, allow_tf32, workspace_bytes = \
-        inputs
+    (query, key, value, attn_mask, dropout_p, rng, is_causal, scale, enable_gqa, _, _, allow_tf32, workspace_bytes,
+     window_left, window_right, softcap, sinks, alibi_slopes) = inputs
     out, lse = output
-    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng)
-    ctx.flags = (dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes)
+    ctx.save_for_backward(query, key, value, attn_mask, out, lse, rng, sinks, alibi_slopes)
+    ctx.flags = (dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes, window_left, window_right,
+                 softcap)
 
 
 def _sdpa_backward(ctx, grad_out, _grad_lse):
-    query, key, value, attn_mask, out, lse, rng = ctx.saved_tensors
-    dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes = ctx.flags
+    query, key, value, attn_mask, out, lse, rng, sinks, alibi_slopes = ctx.saved_tensors
+    dropout_p, is_causal, scale, enable_gqa, allow_tf32, workspace_bytes, window_left, window_right, softcap = \
+        ctx.flags
     need_mask = attn_mask is not None and ctx.needs_input_grad[3]
-    dq, dk, dv, dmask = torch.ops.cupy_attn.scaled_dot_product_attention_backward(
+    need_sinks = sinks is not None and ctx.needs_input_grad[16]
+    dq, dk, dv, dmask, dsinks = torch.ops.cupy_attn.scaled_dot_product_attention_backward(
         grad_out, query, key, value, attn_mask, out, lse, dropout_p, rng, is_causal, scale, enable_gqa, need_mask,
-        allow_tf32, workspace_bytes)
-    return dq, dk, dv, dmask if need_mask else None, None, None, None, None, None, None, None, None, None
+        allow_tf32, workspace_bytes, window_left, window_right, softcap, sinks, alibi_slopes, need_sinks)
+    return (dq, dk, dv, dmask if need_mask else None) + (None,) * 12 + (dsinks if need_sinks else None, None)
 
 
 _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup_context)
@@ -168,7 +203,8 @@ _sdpa_op.register_autograd(_sdpa_backward, setup_context=_sdpa_setup_context)
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None, generator=None):
+                                 workspace_bytes=None, generator=None, window_size=None, softcap=None, sinks=None,
+                                 alibi_slopes=None):
     """:func:`cupy_attn.scaled_dot_product_attention` (same arguments, results and errors) through the custom op.
 
     dropout_p > 0: the call's rng pair is drawn here from ``generator`` (torch.Generator or None: torch's default
@@ -181,7 +217,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     out, lse = torch.ops.cupy_attn.scaled_dot_product_attention(
         query, key, value, attn_mask, dropout_p, rng, causal_to_str(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), backend, bool(return_lse), bool(allow_tf32),
-        workspace_bytes)
+        workspace_bytes, *window_to_ints(window_size), float(softcap or 0.0), sinks, alibi_slopes)
     return (out, lse) if return_lse else out
 
 

@@ -294,7 +294,7 @@ def test_call_cache_key_includes_num_splits_and_env():
     from cupy_attn.runtime import callcache as _callcache
     assert "CUPY_ATTN_DECODE" in _callcache.ENV_KEYS and _decode.ENV_WARPS in _callcache.ENV_KEYS
     import inspect
-    assert list(inspect.signature(_callcache.key).parameters)[-1] == "num_splits"
+    assert "num_splits" in list(inspect.signature(_callcache.key).parameters)
 
 
 def _problem(dtype="float16", E=128, Ev=128, mask_kind="none", B=8, H=32, Hkv=8, L=1, S=32768, causal=None):

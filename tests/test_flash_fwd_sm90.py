@@ -40,10 +40,12 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    # dtypes × (variants (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles)
+    # dtypes × (modes (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles), and the
+    # window/softcap/ALiBi/sinks instantiations: the persistent tiles at each bucket's own S GEMM width
     qk_dims = len(_sm90.TILES) + sum(len(d) for d in _sm90.QK_DIMS.values())
     m192 = sum(len(table) for table in _sm90.M192_MODE_TILES.values())
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192)
+    persistent = len(_sm90.PERSISTENT_TILES) + len(_sm90.M192_MODE_TILES["3"])
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192 + persistent)
     assert_clean(reports, max_registers=168)
     # 512 threads at one block per SM: 128 registers per thread at launch (the consumers' 160 come from setmaxnreg).
     assert all(r.registers <= 128 for r in reports if " 192," in r.name_expression), reports
@@ -97,7 +99,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     for dtype in C_TYPE_16.values():
         for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk)
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk, variants="false")
             text = next(iter(sass_text(_compile.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -183,7 +185,7 @@ def test_tiles():
             assert tile.smem_bytes(d) <= 232448, (d, tile)
             for dtype in C_TYPE_16.values():
                 for qk in (d, *_sm90.QK_DIMS.get(d, ())):
-                    assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk) in declared
+                    assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk, variants="false") in declared
     # The 192-row tiles: the 128-row overlap / persistent tile of head dim 64 with three consumer warpgroups.
     assert set(_sm90.M192_MODE_TILES) == {"2", "3"}
     for mode, table in _sm90.M192_MODE_TILES.items():
@@ -194,7 +196,7 @@ def test_tiles():
         # (192 + 2·2·128)·64·2 + 3·64·64·2 O staging + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
         assert tile.smem_bytes(64) == 90112 + 24576 + 80 + 3072 + 1024
         for dtype in C_TYPE_16.values():
-            assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64) in declared
+            assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64, variants="false") in declared
 
 
 def test_tile_for_m192_override(monkeypatch):
@@ -517,7 +519,7 @@ def test_launch_params(monkeypatch):
     got = np.frombuffer(raw, _sm90.PARAMS)[0]
     assert (got["tma_q"] == 1000 % 251).all() and (got["tma_v"] == 3000 % 251).all()
     assert (got["out"], got["lse"], got["seqlen_q"], got["groups"]) == (4000, 5000, 100, 4)
-    assert len(raw) == 704 and raw[128] == 2000 % 251 and int.from_bytes(raw[512:520], "little") == 4000
+    assert len(raw) == 768 and raw[128] == 2000 % 251 and int.from_bytes(raw[512:520], "little") == 4000
     assert got["o_tma"] == 0 and not got["tma_o"].any(), "no out map prepared: 4-byte stores"
     launch.launch_on(77, 1000, 2000, 3000, 4001)
     assert len(calls) == 3, "same q/k/v pointers: maps reused"

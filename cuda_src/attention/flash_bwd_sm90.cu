@@ -53,14 +53,12 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/bwd_params.cuh"
 #include "attention/sm90/bwd_mainloop.cuh"
+#include "attention/sm90/roles.cuh"
 
 namespace cupy_attn {
-
-// Register split (FlashAttention-3's for two consumer warpgroups): 128·24 + 256·240 = 64512 <= 65536 per SM.
-constexpr int kBwdProducerRegs = 24;
-constexpr int kBwdConsumerRegs = 240;
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
@@ -78,7 +76,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
   // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise.
   BwdSteps steps;
-  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, (n0 - p.causal_offset) / kBlockM)) : 0;
+  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, visibility_of(p).causal_first_row(n0) / kBlockM)) : 0;
   steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
   steps.count = steps.m_count > 0 ? static_cast<int>(p.groups) * steps.m_count : 0;
   if (steps.count == 0) {  // no query sees these keys (causal): their dK and dV are 0
@@ -92,33 +90,20 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
     return;
   }
 
-  if (threadIdx.x == 0) {
+  pipeline::init_barriers([&] {
     tma::mbar_init(ss.kv_full, 1);
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.q_full[s], 1);
-      tma::mbar_init(&ss.q_empty[s], 8);  // lane 0 of each of the 8 consumer warps
-    }
-    #pragma unroll
-    for (int s = 0; s < Smem::kDoStages; ++s) {
-      tma::mbar_init(&ss.do_full[s], 1);
-      tma::mbar_init(&ss.do_empty[s], 8);
-    }
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kBwdProducerRegs>();
-    if (threadIdx.x == 0) {
-      bwd_produce(p, ss, n0, h_kv, b, steps);
-    } else if (BwdDq<kHeadDim, kBlockM, kBlockN>::kTma && threadIdx.x / 32 == 1) {  // warp 1: the dQ writer
-      bwd_dq_write(p, ss, h_kv, b, steps, threadIdx.x % 32);
-    }
-  } else {
-    tma::setmaxnreg_inc<kBwdConsumerRegs>();
-    bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, threadIdx.x - 128);
-  }
+    ss.q_bars.init(8);  // lane 0 of each of the 8 consumer warps
+    ss.do_bars.init(8);
+  });
+  warp_specialize<RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) {
+          bwd_produce(p, ss, n0, h_kv, b, steps);
+        } else if (tid / 32 == 1) {  // warp 1: the dQ writer
+          bwd_dq_write(p, ss, h_kv, b, steps, tid % 32);
+        }
+      },
+      [&](int tid) { bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, tid); });
 }
 
 }  // namespace cupy_attn

@@ -64,6 +64,7 @@
 #include "common/mma.cuh"
 #include "common/mask.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
 #include "common/pdl.cuh"
 
 namespace cupy_attn {
@@ -740,15 +741,14 @@ struct StreamSmem {
   unsigned char* k;  // stage s at k + s · kTileBytes
   unsigned char* v;
   unsigned char* q;
-  unsigned long long* full;   // [kStages]: 1 arrival (the producer's expect_tx) + the TMA bytes
-  unsigned long long* empty;  // [kStages]: one arrival per consumer warp
+  pipeline::Ring<kStages> bars;  // full: 1 arrival (the producer's expect_tx) + the TMA bytes; empty: each consumer warp
 
   __device__ __forceinline__ explicit StreamSmem(unsigned char* base) {
     k = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
     v = k + kStages * kTileBytes;
     q = v + kStages * kTileBytes;
-    full = reinterpret_cast<unsigned long long*>(q + kQBytes);
-    empty = full + kStages;
+    bars.full = reinterpret_cast<unsigned long long*>(q + kQBytes);
+    bars.empty = bars.full + kStages;
   }
 };
 
@@ -792,32 +792,26 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   const int kb_k = (E + 63) / 64, kb_v = (Ev + 63) / 64;  // column blocks TMA loads; the rest stay zero
 
   if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], kNWarps);
-    }
+    ss.bars.init(kNWarps);
     tma::fence_barrier_init();
   }
   __syncthreads();
 
   if (warp == kNWarps) {
-    // Producer: tile it goes to stage it % kStages in round it / kStages. Round 0 waits on parity 1 of a fresh empty
-    // barrier, which returns at once; round r > 0 waits for the consumers' release of round r - 1.
+    // Producer: tile it fills ring iteration it (common/pipeline.cuh).
     if (lane == 0 && w.n_tiles > 0) {
       tma::prefetch_map(&P.tma_k);
       tma::prefetch_map(&P.tma_v);
       #pragma unroll 1
       for (int it = 0; it < w.n_tiles; ++it) {
-        const int s = it % kStages, n0 = w.n_start + it * kBlockN;
-        tma::mbar_wait(&ss.empty[s], ((it / kStages) & 1) ^ 1);
-        tma::mbar_arrive_expect_tx(&ss.full[s], (kb_k + kb_v) * kBlockN * 128);
+        const int s = ss.bars.stage(it), n0 = w.n_start + it * kBlockN;
+        unsigned long long* full = ss.bars.acquire(it, (kb_k + kb_v) * kBlockN * 128);
         #pragma unroll 1
         for (int c = 0; c < kb_k; ++c)
-          tma::load_4d(ss.k + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_k, &ss.full[s], c * 64, n0, w.hkv, w.b);
+          tma::load_4d(ss.k + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_k, full, c * 64, n0, w.hkv, w.b);
         #pragma unroll 1
         for (int c = 0; c < kb_v; ++c)
-          tma::load_4d(ss.v + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_v, &ss.full[s], c * 64, n0, w.hkv, w.b);
+          tma::load_4d(ss.v + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_v, full, c * 64, n0, w.hkv, w.b);
       }
     }
     return;
@@ -861,8 +855,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
 
   #pragma unroll 1
   for (int it = 0; it < w.n_tiles; ++it) {
-    const int s = it % kStages;
-    tma::mbar_wait(&ss.full[s], (it / kStages) & 1);
+    const int s = ss.bars.wait(it);
     // The split's last tile may run past n_end into keys below S (the next split's, or past a causal limit), which
     // arrive as real data: zero this warp's V rows there, as flash_decode's loads do (P is 0 there, but 0 · inf or
     // NaN is NaN). Each warp reads only its own kWarpN rows, so __syncwarp orders the writes before its ldmatrix.
@@ -883,10 +876,8 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
         [&](int nj, int kk) { return k_st + (kk / 4) * kBlockN * 128 + nj * 16 * 128 + (((kk % 4) * 2) ^ xk) * 16; },
         [&](int kk, int dn) { return v_st + (dn / 4) * kBlockN * 128 + kk * 16 * 128 + (((dn % 4) * 2) ^ xv) * 16; },
         w.n_start + it * kBlockN + warp * kWarpN, rl, scale_log2, t, it < w.n_fast ? mode_fast : kTileGeneral);
-    // Release the stage once every lane's ldmatrix of it has returned (__syncwarp orders them before lane 0's
-    // arrive, which has release semantics).
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.empty[s]);
+    // Release the stage once every lane's ldmatrix of it has returned.
+    ss.bars.release(it, lane);
   }
 
   // The merge reuses the ring: every TMA load issued has landed (each full barrier was waited for), and after the

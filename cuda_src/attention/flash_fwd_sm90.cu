@@ -56,28 +56,18 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/params.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/mainloop.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
 
-// Register split by the number of consumer warpgroups (FlashAttention-3's, hopper/flash_fwd_kernel_sm90.h), the
-// launch-time allocation being 65536 / threads per thread at one block per SM (__launch_bounds__):
-//   two (kBlockM = 128, 384 threads): 128·24 + 256·240 = 64512 <= 65536 (168 per thread at launch);
-//   three (kBlockM = 192, 512 threads): 128·32 + 384·160 = 65536 (128 per thread at launch).
-template <int kConsumerWarpgroups>
-struct RegisterSplit {
-  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  static constexpr int kProducer = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumer = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(128 * kProducer + 128 * kConsumerWarpgroups * kConsumer <= 65536, "one block's registers per SM");
-};
-
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK>
+          int kHeadDimQK, bool kVariants>
 __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
                                                                               FlashFwdSm90Params p) {
   using namespace sm90;
@@ -98,68 +88,47 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
 
   // One tile per CTA (the persistent variant's CTAs take theirs from the scheduler inside produce_persistent and
   // consume_persistent).
-  int m0 = 0, h = 0, b = 0, n_blocks = 0;
+  int m0 = 0, h = 0, b = 0;
+  KeyBlocks kb{0, -1};
   if constexpr (!kPersistent) {
     // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
     const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     h = blockIdx.y;
     b = blockIdx.z;
     m0 = m_block * kBlockM;
-    const int L = static_cast<int>(p.seqlen_q);
-    const int rows_valid = min(kBlockM, L - m0);
-
-    // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
-    // writes the empty-row result (out 0, lse -inf) directly. (sm90::key_blocks and store_empty_rows, spelled out here:
-    // calling them changed this variant's SASS, which is kept byte-identical to before the persistent variant.)
-    long long last_key = p.seqlen_k - 1;
-    if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
-    if (last_key < 0) {
-      T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
-      const int Ev = static_cast<int>(p.head_dim_v);
-      for (int i = threadIdx.x; i < rows_valid * Ev; i += blockDim.x)
-        out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
-      if (p.lse) {
-        float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
-        for (int i = threadIdx.x; i < rows_valid; i += blockDim.x) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
-      }
+    // The key blocks of this tile; a tile whose rows see nothing (bottom-right alignment with L > S, a window past the
+    // keys) writes the empty-row result (out 0, lse -inf or the sink) directly.
+    kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    if (kb.count() <= 0) {
+      store_empty_rows<T, kVariants>(p, m0, h, b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), threadIdx.x, blockDim.x);
       return;
     }
-    n_blocks = static_cast<int>(last_key / kBlockN) + 1;
   }
 
-  if (threadIdx.x == 0) {
-    tma::mbar_init(ss.q_full, 1);
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.k_full[s], 1);
-      tma::mbar_init(&ss.v_full[s], 1);
-      tma::mbar_init(&ss.k_empty[s], 4 * kConsumerWarpgroups);  // lane 0 of each consumer warp
-      tma::mbar_init(&ss.v_empty[s], 4 * kConsumerWarpgroups);
-    }
-    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  pipeline::init_barriers([&] {
+    tma::mbar_init(ss.q_bars.full, 1);
+    pipeline::init_rings<kStages>(4 * kConsumerWarpgroups, ss.k_bars, ss.v_bars);  // lane 0 of each consumer warp
+    if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
+  });
 
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<Regs::kProducer>();
-    if (threadIdx.x == 0) {
-      if constexpr (kPersistent) {
-        produce_persistent(p, ss);
-      } else {
-        produce(p, ss, m0, h, b, n_blocks);
-      }
-    }
-  } else {
-    tma::setmaxnreg_inc<Regs::kConsumer>();
-    if constexpr (kPersistent) {
-      consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, threadIdx.x - 128);
-    } else {
-      consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128,
-                                                                        0, 0u);
-    }
-    if (p.o_tma) sm90::epilogue_drain((threadIdx.x - 128) % 128);
-  }
+  warp_specialize<Regs>(
+      [&](int tid) {
+        if (tid != 0) return;  // one thread issues every load
+        if constexpr (kPersistent) {
+          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants>(p, ss);
+        } else {
+          produce(p, ss, m0, h, b, kb);
+        }
+      },
+      [&](int tid) {
+        if constexpr (kPersistent) {
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants>(p, ss, tid);
+        } else {
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, m0, h, b, kb,
+                                                                                                  tid, 0, 0u);
+        }
+        if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
+      });
 }
 
 }  // namespace cupy_attn

@@ -29,6 +29,8 @@
 #include "common/types.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/pack.cuh"
 
 namespace cupy_attn {
@@ -50,29 +52,16 @@ constexpr int kBlockK = 64;   // keys per stage
 constexpr int kPBytes = kBlockM * kBlockK * 2;  // two 8 KB atoms of 64 rows
 constexpr int kVBytes = kBlockK * kBlockN * 2;  // four 8 KB boxes of 64 keys × 64 columns
 constexpr int kStageBytes = kPBytes + kVBytes;
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-#ifndef CUPY_ATTN_PV_DEFER_STORES
-#define CUPY_ATTN_PV_DEFER_STORES 1
-#endif
-constexpr bool kDeferStores = CUPY_ATTN_PV_DEFER_STORES;  // -DCUPY_ATTN_PV_DEFER_STORES=0: store each tile at once
-// -DCUPY_ATTN_PV_ABLATE_STORES: the stores issued but predicated off by a run-time false condition (out left
-// unwritten; an A/B of what the stores cost).
-#ifdef CUPY_ATTN_PV_ABLATE_STORES
-__device__ __forceinline__ bool stores_on(const PvSm90Params& p) { return p.groups < 0; }
-#else
-__device__ __forceinline__ constexpr bool stores_on(const PvSm90Params&) { return true; }
-#endif
 
 template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kStages * kStageBytes + 8 * 2 * kStages + 1024;
   unsigned char* ring;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // full: the stage's P and V boxes; empty: 8 arrivals, lane 0 of each consumer warp
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    ring = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
-    empty = full + kStages;
+    ring = sm90::smem_base(base);
+    bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
+    bars.empty = bars.full + kStages;
   }
 };
 
@@ -83,6 +72,113 @@ __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   long long n = p.seqlen_k;
   if (p.is_causal) n = max(0ll, min(n, min(m0 + kBlockM / 2, p.seqlen_q) + p.causal_offset));
   return static_cast<int>((n + kBlockK - 1) / kBlockK);
+}
+
+// The producer thread: per tile, the key steps of its wider block, each stage P's box and V's four.
+template <int kStages, typename Tile>
+__device__ __forceinline__ void produce(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile) {
+  tma::prefetch_map(&p.tma_p);
+  tma::prefetch_map(&p.tma_v);
+  int step = 0;
+  for (int t = blockIdx.x; t < count; t += gridDim.x) {
+    int m0, n0, h, b;
+    tile(t, m0, n0, h, b);
+    const int h_kv = h / static_cast<int>(p.groups);
+    const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
+    for (int k = 0; k < steps; ++k, ++step) {
+      unsigned long long* full = ss.bars.acquire(step, kStageBytes);
+      unsigned char* dst = ss.ring + ss.bars.stage(step) * kStageBytes;
+      tma::load_4d(dst, &p.tma_p, full, k * kBlockK, m0, h, b);
+      #pragma unroll
+      for (int i = 0; i < kBlockN / 64; ++i)
+        tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, full, n0 + i * 64, k * kBlockK, h_kv, b);
+    }
+  }
+}
+
+// One consumer warpgroup (tid over both, 0 ... 255): its 64-row block of every tile.
+template <typename T, int kStages, typename Tile>
+__device__ __forceinline__ void consume(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile, int tid) {
+  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int r0 = warp * 16 + g;  // this lane's rows in the warpgroup's block: r0 and r0 + 8
+  const unsigned ring_base = tma::smem_u32(ss.ring);
+  int step = 0;
+  auto wait_full = [&]() -> unsigned {
+    ss.bars.wait(step);
+    return ring_base + ss.bars.stage(step) * kStageBytes;
+  };
+  // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
+  auto release = [&](int st) { ss.bars.release(st, lane); };
+  // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
+  // and are stored under them: the stores leave the tensor pipe's critical path.
+  unsigned packed[2][32];
+  T* pend_out = nullptr;  // the packed rows' first row (this lane's r0) in out; nullptr: none
+  long long pend_row = 0;
+  int pend_n0 = 0;
+  auto store_pending = [&]() {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const long long row = pend_row + 8 * half;
+      sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l,
+                                   row < p.seqlen_q, pend_n0, p.head_dim_v, t);
+    }
+    pend_out = nullptr;
+  };
+  for (int tt = blockIdx.x; tt < count; tt += gridDim.x) {
+    int m0, n0, h, b;
+    tile(tt, m0, n0, h, b);
+    const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
+    const int mine = key_steps(p, m0 + wg * (kBlockM / 2));  // ≤ steps: a later block sees at least as many keys
+    float o[128];
+    // One k step: four wgmma m64n256k16 on the stage; the tile's first k step overwrites the accumulators.
+    auto mma_step = [&](int k) {
+      const unsigned st = wait_full();
+      wgmma::fence();
+      #pragma unroll
+      for (int kk = 0; kk < kBlockK / 16; ++kk)
+        wgmma::Mma<T, 256>::ss_bmn(o, wgmma::desc_sw128(st + wg * 8192 + kk * 32, 16, 1024),
+                                   wgmma::desc_sw128(st + kPBytes + kk * 16 * 128, kBlockK * 128, 1024),
+                                   k > 0 || kk > 0);
+      wgmma::commit();
+    };
+    if (mine > 0) {  // the first k step apart: the previous tile's packed rows are stored under its wgmma
+      mma_step(0);
+      if (pend_out != nullptr) store_pending();
+      ++step;
+    }
+    for (int k = 1; k < mine; ++k, ++step) {
+      mma_step(k);
+      wgmma::wait<1>();
+      release(step - 1);
+    }
+    wgmma::wait<0>();
+    if (mine > 0) release(step - 1);
+    wgmma::fence_operands(o);
+    if (pend_out != nullptr) store_pending();  // no wgmma in this tile to hide them under
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (mine > 0) {
+        sm90::pack_row_half<T, 256>(o, half, 1.f, packed[half]);
+      } else {  // rows that see no key: out 0
+        #pragma unroll
+        for (int i = 0; i < 32; ++i) packed[half][i] = 0u;
+      }
+    }
+    pend_row = m0 + wg * (kBlockM / 2) + r0;
+    pend_n0 = n0;
+    pend_out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + pend_row * p.out_stride_l;
+    // The stages this warpgroup does not read (the other block's extra keys): waited for, so that this warpgroup's
+    // arrivals stay in the ring's round (an early arrival would count toward the previous round's release), and
+    // released.
+    for (int k = mine; k < steps; ++k, ++step) {
+      wait_full();
+      release(step);
+    }
+  }
+  if (pend_out != nullptr) store_pending();
 }
 
 }  // namespace pv
@@ -109,125 +205,13 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     b = hb / heads;
   };
 
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
-    }
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  pipeline::init_barriers([&] { ss.bars.init(8); });  // empty: lane 0 of each consumer warp
 
-  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues the loads
-    tma::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma::prefetch_map(&p.tma_p);
-    tma::prefetch_map(&p.tma_v);
-    int step = 0;
-    for (int t = blockIdx.x; t < count; t += gridDim.x) {
-      int m0, n0, h, b;
-      tile(t, m0, n0, h, b);
-      const int h_kv = h / static_cast<int>(p.groups);
-      const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
-      for (int k = 0; k < steps; ++k, ++step) {
-        const int s = step % kStages;
-        tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
-        unsigned char* dst = ss.ring + s * kStageBytes;
-        tma::load_4d(dst, &p.tma_p, &ss.full[s], k * kBlockK, m0, h, b);
-        #pragma unroll
-        for (int i = 0; i < kBlockN / 64; ++i)
-          tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, &ss.full[s], n0 + i * 64, k * kBlockK, h_kv, b);
-      }
-    }
-    return;
-  }
-  tma::setmaxnreg_inc<kConsumerRegs>();
-
-  const int tid = threadIdx.x - 128;
-  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int r0 = warp * 16 + g;  // this lane's rows in the warpgroup's block: r0 and r0 + 8
-  const unsigned ring_base = tma::smem_u32(ss.ring);
-  int step = 0;
-  auto wait_full = [&]() -> unsigned {
-    const int s = step % kStages;
-    tma::mbar_wait(&ss.full[s], (step / kStages) & 1);
-    return ring_base + s * kStageBytes;
-  };
-  // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
-  };
-  // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
-  // and are stored under them: the stores leave the tensor pipe's critical path (kDeferStores; else stored at once).
-  unsigned packed[2][32];
-  T* pend_out = nullptr;  // the packed rows' first row (this lane's r0) in out; nullptr: none
-  long long pend_row = 0;
-  int pend_n0 = 0;
-  auto store_pending = [&]() {
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const long long row = pend_row + 8 * half;
-      sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l,
-                                   row < p.seqlen_q && stores_on(p), pend_n0, p.head_dim_v, t);
-    }
-    pend_out = nullptr;
-  };
-  for (int tt = blockIdx.x; tt < count; tt += gridDim.x) {
-    int m0, n0, h, b;
-    tile(tt, m0, n0, h, b);
-    const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
-    const int mine = key_steps(p, m0 + wg * (kBlockM / 2));  // ≤ steps: a later block sees at least as many keys
-    float o[128];
-    // One k step: four wgmma m64n256k16 on the stage; the tile's first k step overwrites the accumulators.
-    auto mma_step = [&](int k) {
-      const unsigned st = wait_full();
-      wgmma::fence();
-      #pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk)
-        wgmma::Mma<T, 256>::ss_bmn(o, wgmma::desc_sw128(st + wg * 8192 + kk * 32, 16, 1024),
-                                   wgmma::desc_sw128(st + kPBytes + kk * 16 * 128, kBlockK * 128, 1024),
-                                   k > 0 || kk > 0);
-      wgmma::commit();
-    };
-    if (mine > 0) {  // the first k step apart: the previous tile's packed rows are stored under its wgmma
-      mma_step(0);
-      if (kDeferStores && pend_out != nullptr) store_pending();
-      ++step;
-    }
-    for (int k = 1; k < mine; ++k, ++step) {
-      mma_step(k);
-      wgmma::wait<1>();
-      release(step - 1);
-    }
-    wgmma::wait<0>();
-    if (mine > 0) release(step - 1);
-    wgmma::fence_operands(o);
-    if (pend_out != nullptr) store_pending();  // no wgmma in this tile to hide them under
-    #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (mine > 0) {
-        sm90::pack_row_half<T, 256>(o, half, 1.f, packed[half]);
-      } else {  // rows that see no key: out 0
-        #pragma unroll
-        for (int i = 0; i < 32; ++i) packed[half][i] = 0u;
-      }
-    }
-    pend_row = m0 + wg * (kBlockM / 2) + r0;
-    pend_n0 = n0;
-    pend_out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + pend_row * p.out_stride_l;
-    if (!kDeferStores) store_pending();
-    // The stages this warpgroup does not read (the other block's extra keys): waited for, so that this warpgroup's
-    // arrivals stay in the ring's round (an early arrival would count toward the previous round's release), and
-    // released.
-    for (int k = mine; k < steps; ++k, ++step) {
-      wait_full();
-      release(step);
-    }
-  }
-  if (pend_out != nullptr) store_pending();
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) produce(p, ss, count, tile);  // one thread issues the loads
+      },
+      [&](int tid) { consume<T>(p, ss, count, tile, tid); });
 }
 
 }  // namespace cupy_attn

@@ -75,7 +75,9 @@
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/roles.cuh"
 
 namespace cupy_attn {
 
@@ -125,17 +127,16 @@ struct SharedStorage {
 
   T* q;  // kStages tiles
   T* k;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // empty: 8 arrivals per CTA of the cluster (every consumer warp reading the stage)
   float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
     unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
-    full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
-    empty = full + kStages;
-    stats = reinterpret_cast<float2*>(empty + kStages);
+    bars.full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
+    bars.empty = bars.full + kStages;
+    stats = reinterpret_cast<float2*>(bars.empty + kStages);
   }
 };
 
@@ -150,116 +151,7 @@ constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
 
-// Ablations for bench/experiments/scores_wall.py, compiled in only with -DCUPY_ATTN_SCORES_ABLATE=bits (the library
-// never sets it; ablated kernels write wrong P). Bits: 1 no wgmma, 2 no TMA loads (the producer arrives with no bytes:
-// wgmma on whatever shared memory holds), 4 only the first K box loaded (40 of 72 KB per stage), 8 no epilogue
-// (persistent kernel: a tile's last stage released after its wgmma; no softmax, no P), 32 no exponentials (the FFMA
-// alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing from its tensor work, and the
-// epilogue's parts (NOTES_split, session 13). Non-causal calls only: a causal pair tile's warpgroup 1 does not follow
-// the bits (with bit 8 its warpgroup 0 would skip the statistics barrier it waits at). Leaving the pair path out of
-// these builds instead made ptxas serialize their wgmma (C7511) at bit 8.
-#ifndef CUPY_ATTN_SCORES_ABLATE
-#define CUPY_ATTN_SCORES_ABLATE 0
-#endif
-constexpr int kScoresAblate = CUPY_ATTN_SCORES_ABLATE;
-// P out of the persistent kernel: 16-byte global stores from registers (default), or with
-// -DCUPY_ATTN_SCORES_P_TMA the one-tile kernels' staging through the tile's last stage and TMA stores (a row of
-// bench/experiments/scores_wall.py).
-#ifdef CUPY_ATTN_SCORES_P_TMA
-constexpr bool kDirectP = false;
-#else
-constexpr bool kDirectP = true;
-#endif
-
-constexpr bool kAblateMma = kScoresAblate & 1, kAblateLoads = kScoresAblate & 2, kAblateHi = kScoresAblate & 4,
-               kAblateEpilogue = kScoresAblate & 8, kAblateExp = kScoresAblate & 32, kAblateStores = kScoresAblate & 64;
-
-// Phase timing for bench/experiments/scores_trace.py, compiled in only with -DCUPY_ATTN_SCORES_TRACE (otherwise
-// every call below is empty and the SASS is unchanged): per CTA, tile and consumer warpgroup, clock64 stamps of the
-// tile's phases and the cycles its k loop waited on full barriers (TMA data) and on wgmma.wait_group, summed in
-// registers and stored once per tile, read back through the module global g_scores_trace; per CTA the producer's
-// cycles waiting on empty barriers and the CTA's globaltimer span.
-namespace scores_trace {
-constexpr int kTiles = 80, kFields = 8, kCtas = 160;
-}  // namespace scores_trace
-}  // namespace cupy_attn
-#ifdef CUPY_ATTN_SCORES_TRACE
-extern "C" {
-__device__ unsigned long long g_scores_trace[cupy_attn::scores_trace::kCtas * cupy_attn::scores_trace::kTiles * 2 *
-                                                 cupy_attn::scores_trace::kFields + cupy_attn::scores_trace::kCtas * 4];
-}
-#endif
-namespace cupy_attn {
-namespace scores_trace {
-#ifdef CUPY_ATTN_SCORES_TRACE
-struct Clock {
-  unsigned long long* rec = nullptr;  // this tile's record, or nullptr (not a warpgroup's leader thread)
-  unsigned long long wait_full = 0, wait_mma = 0;
-  __device__ __forceinline__ void open(int tile, int wg, bool leader) {
-    rec = leader && tile < kTiles && blockIdx.x < kCtas
-              ? &g_scores_trace[((blockIdx.x * kTiles + tile) * 2 + wg) * kFields] : nullptr;
-    wait_full = wait_mma = 0;
-  }
-  __device__ __forceinline__ static unsigned long long now() { return clock64(); }
-  __device__ __forceinline__ void stamp(int f) { if (rec) rec[f] = clock64(); }
-  __device__ __forceinline__ void full(unsigned long long d) { wait_full += d; }
-  __device__ __forceinline__ void mma(unsigned long long d) { wait_mma += d; }
-  __device__ __forceinline__ void close() { if (rec) { rec[1] = wait_full; rec[2] = wait_mma; } }
-};
-__device__ __forceinline__ void producer_wait(unsigned long long& sum, unsigned long long d) { sum += d; }
-__device__ __forceinline__ void producer_done(unsigned long long sum) {
-  if (blockIdx.x < kCtas) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4] = sum;
-}
-__device__ __forceinline__ void cta_span(int f) {
-  if (blockIdx.x >= kCtas) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 1 + f] = t;
-  if (f == 0) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 3] = clock64();
-}
-#else
-struct Clock {
-  __device__ __forceinline__ void open(int, int, bool) {}
-  __device__ __forceinline__ static unsigned long long now() { return 0; }
-  __device__ __forceinline__ void stamp(int) {}
-  __device__ __forceinline__ void full(unsigned long long) {}
-  __device__ __forceinline__ void mma(unsigned long long) {}
-  __device__ __forceinline__ void close() {}
-};
-__device__ __forceinline__ void producer_wait(unsigned long long&, unsigned long long) {}
-__device__ __forceinline__ void producer_done(unsigned long long) {}
-__device__ __forceinline__ void cta_span(int) {}
-#endif
-}  // namespace scores_trace
-
-constexpr int kScoresProducerRegs = 24;
-constexpr int kScoresConsumerRegs = 240;
-
 namespace scores_sm90 {
-
-// Thread 0: the ring's barriers (full: the producer's one arrival + the TMA bytes; empty: `readers` arrivals, lane 0
-// of each consumer warp that reads a stage), fenced for the async proxy and the cluster.
-template <int kStages>
-__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned readers) {
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&full[s], 1);
-      tma::mbar_init(&empty[s], readers);
-    }
-    tma::fence_barrier_init();
-  }
-}
-
-// The producer warpgroup's entry: its registers down to kScoresProducerRegs; true in thread 0, the one that issues
-// the TMA loads, after it has prefetched the Q and K maps.
-__device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
-  tma::setmaxnreg_dec<kScoresProducerRegs>();
-  if (threadIdx.x != 0) return false;
-  tma::prefetch_map(&p.tma_q);
-  tma::prefetch_map(&p.tma_k);
-  return true;
-}
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0:
@@ -276,7 +168,7 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = acc[4 * j + 2 * half + e];
-        x = kAblateExp ? fmaf(x, c, -m_c[half]) : exp2_approx(fmaf(x, c, -m_c[half]));
+        x = exp2_approx(fmaf(x, c, -m_c[half]));
         sum[half] += x;
       }
   #pragma unroll
@@ -293,34 +185,28 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
                                        unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
-                                       int step0, scores_trace::Clock& clk) {
+                                       int step0) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   // Stage kb's four k steps, issued and committed once its loads have landed.
   auto issue = [&](int kb) {
-    const int s = (step0 + kb) % kStages;
-    const unsigned long long t_full = clk.now();
-    tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
-    clk.full(clk.now() - t_full);
+    const int s = ss.bars.wait(step0 + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      if constexpr (!kAblateMma)
-        wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+      wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
                               wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
     wgmma::commit();
   };
   // wait<1>: stage kb − 1's wgmma have completed; release that stage (kb ≥ 1).
   auto retire = [&](int kb) {
-    const unsigned long long t_mma = clk.now();
     wgmma::wait<1>();
-    clk.mma(clk.now() - t_mma);
     if (kb > 0) {
       __syncwarp();
       if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(step0 + kb - 1) % kStages]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(step0 + kb - 1) % kStages], rank ^ 1);
+        ss.bars.arrive_empty(step0 + kb - 1);
+        if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step0 + kb - 1, rank ^ 1);
       }
     }
   };
@@ -343,16 +229,15 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
                                              const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
-                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0,
-                                             scores_trace::Clock& clk) {
+                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
     } else {
       k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
-                                                           step0, clk);
+                                                           step0);
     }
   }
 }
@@ -567,7 +452,9 @@ __device__ __forceinline__ void store_p(const float (&a)[kN / 2], const float (&
       }
       quad_transpose(w, t);
       const int col = n0 + 32 * i + 8 * t;
-      if (row < p.seqlen_q && col < p.seqlen_k && (!kAblateStores || w[0] == 0x7fff7fffu))
+      // (`&& true`: NVRTC's front end lowers this three-term form to the schedule the kernel was measured with; the
+      // two-term test moves one 64-bit compare and costs 8 more SASS instructions.)
+      if (row < p.seqlen_q && col < p.seqlen_k && true)
         *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
@@ -609,15 +496,13 @@ __device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, co
 template <typename T, int kStages>
 __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedStorage<T, 256, kStages>& ss,
                                               const Tile<256>& tl,
-                                              const ScoresSm90Params& p, int step, int k_blocks, int tid,
-                                              scores_trace::Clock& clk) {
+                                              const ScoresSm90Params& p, int step, int k_blocks, int tid) {
   using Smem = SharedStorage<T, 256, kStages>;
   const int lane = tid % 32, t = lane % 4, r0 = ((tid / 32) % 4) * 16 + lane / 4;
   const int c1 = tl.n1 / 64;
   const unsigned q_base = tma::smem_u32(ss.q), k_base = tma::smem_u32(ss.k);
   auto issue = [&](int kb) {
-    const int s = (step + kb) % kStages;
-    tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+    const int s = ss.bars.wait(step + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k0 = k_base + s * Smem::kKBytes, k1 = k0 + 256 * 128;
     wgmma::fence();
     #pragma unroll
@@ -636,7 +521,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     wgmma::wait<1>();
     if (kb > 0) {
       __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[(step + kb - 1) % kStages]);
+      if (lane == 0) ss.bars.arrive_empty(step + kb - 1);
     }
   };
   for (int kb = 0; kb < k_blocks; ++kb) {
@@ -647,9 +532,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   #pragma unroll
   for (int c = 0; c < 4; ++c) wgmma::fence_operands(acc[c]);
   // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it.
-  __syncwarp();
-  if (lane == 0) tma::mbar_arrive(&ss.empty[(step + k_blocks - 1) % kStages]);
-  clk.stamp(3);
+  ss.bars.release(step + k_blocks - 1, lane);
 
   // Chunk c's keys start at n0[c] and its rows at m0c[c].
   int n0[4], m0c[4];
@@ -683,7 +566,6 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     ref_hi[half] = m_hi[half] == neg_inf() ? 0.f : m_hi[half];
     ref_lo[half] = m_lo[half] == neg_inf() ? 0.f : m_lo[half];
   }
-  clk.stamp(4);
   float sum_hi[2] = {0.f, 0.f}, sum_lo[2] = {0.f, 0.f};
   #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -702,7 +584,6 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   for (int half = 0; half < 2; ++half)
     if (t == 0) st[kBlockM + r0 + 8 * half] = make_float2(m_hi[half], sum_hi[half]);
   tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
-  clk.stamp(5);
   float inv_hi[2], inv_lo[2];
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -721,112 +602,66 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   }
 }
 
-// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
-// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
-// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
-// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
-// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
-// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
-// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
-// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
-// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
-// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
-// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
-// stage as soon as its wgmma have read it, before the softmax (with -DCUPY_ATTN_SCORES_P_TMA, as in the one-tile
-// kernels, each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage and
-// releases the stage only after its TMA stores have read shared memory).
-template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
-__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+// The producer thread: every tile's k blocks in ring order, each stage Q's box and the K boxes (a cluster CTA its own K
+// box, multicast to both; a causal pair tile both blocks' Q tiles and the wide block's keys past 256 in 64-row
+// pieces).
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kPairTiles>
+__device__ __forceinline__ void produce(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
-  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
-  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
-  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
-  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && kDirectP && !kMasked;  // masks are never causal
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
-  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
-  const Smem ss(smem_raw);
-  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
-  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
-
-  init_ring<kStages>(ss.full, ss.empty, 8 * kClusterM);  // every consumer warp, of every CTA in the cluster
-  if constexpr (kClusterM > 1) {
-    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
-    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
-    tma::cluster_arrive_relaxed();
-    tma::cluster_wait();
-  } else {
-    __syncthreads();
-  }
-
-  if (threadIdx.x < 128) {
-    if (producer_enter(p)) {
-      int step = 0;
-      unsigned long long waited = 0;
-      for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
-        const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
-        const int h_kv = tl.h / static_cast<int>(p.groups);
-        if constexpr (kPairTiles) {
-          if (tl.pair()) {
-            // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
-            // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
-            const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
-            for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-              const int s = step % kStages;
-              tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);
-              tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-              T* k = ss.k + s * 2 * kHalfN * 64;
-              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
-              tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
-              for (int i = 0; i < tl.n1 / 64; ++i)
-                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, &ss.full[s], kb * 64, 256 + 64 * i, h_kv, tl.b);
-              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, &ss.full[s], kb * 64, tl.lo_m0, tl.h, tl.b);
-            }
-            continue;
-          }
-        }
-        // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
-        // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-        const bool load_hi = tl.nw < tl.n_vis && !kAblateHi;
-        const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
-        const unsigned bytes = kAblateLoads ? 0u
-                             : (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+  int step = 0;
+  for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
+    const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
+    const int h_kv = tl.h / static_cast<int>(p.groups);
+    if constexpr (kPairTiles) {
+      if (tl.pair()) {
+        // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
+        // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
+        const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-          const int s = step % kStages;
-          const unsigned long long t_empty = scores_trace::Clock::now();
-          tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-          scores_trace::producer_wait(waited, scores_trace::Clock::now() - t_empty);
-          // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
-          // while, and the phase still needs this arrival to complete.
-          tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-          if constexpr (kAblateLoads) continue;
-          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
+          const int s = ss.bars.stage(step);
+          unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
           T* k = ss.k + s * 2 * kHalfN * 64;
-          if constexpr (kClusterM > 1) {
-            if (rank == 0 || load_hi)
-              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
-                                     h_kv, tl.b);
-          } else {
-            tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
-            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, tl.nw, h_kv, tl.b);
-          }
+          tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+          tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+          for (int i = 0; i < tl.n1 / 64; ++i)
+            tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, full, kb * 64, 256 + 64 * i, h_kv, tl.b);
+          tma::load_4d(k + (256 + 192) * 64, &p.tma_q, full, kb * 64, tl.lo_m0, tl.h, tl.b);
         }
+        continue;
       }
-      scores_trace::producer_done(waited);
     }
-    if constexpr (kClusterM > 1) {
-      tma::cluster_arrive();
-      tma::cluster_wait();
+    // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
+    // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
+    const bool load_hi = tl.nw < tl.n_vis;
+    const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
+    const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+    for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+      // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
+      // while, and the phase still needs this arrival to complete.
+      const int s = ss.bars.stage(step);
+      unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
+      if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+      T* k = ss.k + s * 2 * kHalfN * 64;
+      if constexpr (kClusterM > 1) {
+        if (rank == 0 || load_hi)
+          tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, full, 0x3, kb * 64, rank * kHalfN,
+                                 h_kv, tl.b);
+      } else {
+        tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, full, kb * 64, tl.nw, h_kv, tl.b);
+      }
     }
-    return;
   }
-  tma::setmaxnreg_inc<kScoresConsumerRegs>();
+}
 
-  const int tid = threadIdx.x - 128;
+// The consumer warpgroups (tid = 0 ... 255 over both): per tile the S block of their keys (k_loop, or a pair tile's
+// warpgroup 1: pair_tile_wg1), the masks, the row statistics exchanged between the two, and P and lse stored.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked, bool kPairTiles>
+__device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank, int tid) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
@@ -836,17 +671,13 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
   int step = 0;  // the ring step of the tile's first k block
-  if (tid == 0) scores_trace::cta_span(0);
-  scores_trace::Clock clk;
   for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more(); step += k_blocks) {
-    clk.open(step / k_blocks, wg, tid % 128 == 0);
-    clk.stamp(0);
     const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
     const int m0 = tl.m0, h = tl.h, b = tl.b, n_vis = tl.n_vis, nw = tl.nw;
     const int n0 = wg * nw;
     const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
     // The tile's last stage: released after the wgmma (persistent), or P's staging, released after its TMA stores.
-    const int last = (step + k_blocks - 1) % kStages;
+    const int last = ss.bars.stage(step + k_blocks - 1);
 
     // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
     float acc[kHalfN / 2];
@@ -854,46 +685,34 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
     if constexpr (kPairTiles) {
       if (tl.pair() && wg == 1) {  // warpgroup 0 runs a pair tile's wide block as in any tile
-        pair_tile_wg1<T, kStages>(*reinterpret_cast<float (*)[4][32]>(&acc[0]), ss, tl, p, step, k_blocks, tid, clk);
+        pair_tile_wg1<T, kStages>(*reinterpret_cast<float (*)[4][32]>(&acc[0]), ss, tl, p, step, k_blocks, tid);
         T* const head = static_cast<T*>(p.p) + (static_cast<long long>(tl.b) * p.num_heads + tl.h) * p.seqlen_q * p.ld;
         zero_tail(head, tl.m0, tl.zero_from, tid, p);
         zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
-        clk.close();
         continue;
       }
     }
     if (active) {
-      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step,
-                                                          clk);
+      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step);
     } else {
       // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the
       // ring's phases, releasing each stage but the tile's last (in a cluster, in both CTAs) as soon as it has come,
       // so the empty barriers keep their count; the last is released with the active path's (after the wgmma in the
       // persistent kernel, after the stores where P is staged in it).
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = (step + kb) % kStages;
-        tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+        ss.bars.wait(step + kb);
         __syncwarp();
         if (lane == 0 && kb + 1 < k_blocks) {
-          tma::mbar_arrive(&ss.empty[s]);
-          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
+          ss.bars.arrive_empty(step + kb);
+          if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step + kb, rank ^ 1);
         }
       }
     }
     wgmma::fence_operands(acc);
-    clk.stamp(3);
-    if constexpr (kPersistent && (kDirectP || kAblateEpilogue)) {
+    if constexpr (kPersistent) {
       // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it (k_loop's
       // wait<0>), so the producer refills all kStages stages while the softmax and the stores run.
-      __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
-      if constexpr (kAblateEpilogue) {  // keep the wgmma: ptxas drops those whose accumulators nothing reads
-        float sink = 0.f;
-        #pragma unroll
-        for (int i = 0; i < kHalfN / 2; ++i) sink += acc[i];
-        if (sink == 1234.5f && p.lse != nullptr) p.lse[0] = sink;
-        continue;
-      }
+      ss.bars.release_stage(last, lane);
     }
     // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
@@ -918,7 +737,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // needs), so a second barrier closes the exchange there.
     float m_c[2], ref[2], sum[2];
     row_max<kHalfN>(acc, c, m_c, ref);
-    clk.stamp(4);
     // P unnormalized in place: 2^(s·c − m_w·c), and this warpgroup's share of each row's sum.
     exp2_rows<kHalfN>(acc, c, ref, sum);
     float2* const st = ss.stats;
@@ -926,7 +744,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     for (int half = 0; half < 2; ++half)
       if (t == 0) st[wg * kBlockM + r0 + 8 * half] = make_float2(m_c[half], sum[half]);
     tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
-    clk.stamp(5);
     float inv[2];  // this warpgroup's P scale, 2^(m_w − m) / l
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -936,8 +753,8 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
 
-    // The one-tile kernels (and the persistent one under -DCUPY_ATTN_SCORES_P_TMA): stores through shared memory and
-    // TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
+    // The one-tile kernels: stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its
+    // own K box of the
     // tile's last stage (that stage's loads have landed and this warpgroup's wgmma reading it have completed; the
     // stage is not refilled before its release below), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte
     // chunk c of row r at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the
@@ -949,14 +766,11 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
-    if constexpr (kPersistent && kDirectP) {
+    if constexpr (kPersistent) {
       T* const head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
       store_p<T, kHalfN>(acc, inv, head, m0, r0, t, n0, nw, p);
       zero_tail(head, m0, tl.zero_from, tid, p);
       if (tl.pair()) zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
-      clk.stamp(6);
-      clk.stamp(7);
-      clk.close();
       continue;
     }
     unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + last * Smem::kKBytes + wg * kHalfN * 128;
@@ -979,23 +793,72 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     tma::fence_proxy_async();
     tma::named_barrier_sync(kStoreBarrier + wg, 128);
-    clk.stamp(6);
     if (tid % 128 == 0) {
       for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
       for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
       tma::bulk_commit();
       tma::bulk_wait_read();
     }
-    if constexpr (kPersistent) {
-      // The stores have read the staging: release the tile's last stage to the producer (the next tile's k blocks).
-      tma::named_barrier_sync(kStoreBarrier + wg, 128);
-      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
-    }
-    clk.stamp(7);
-    clk.close();
   }
-  if (tid == 0) scores_trace::cta_span(1);
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
+}
+
+// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
+// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
+// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
+// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
+// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
+// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
+// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
+// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
+// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
+// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
+// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
+// stage as soon as its wgmma have read it, before the softmax.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
+__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
+  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
+  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
+  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && !kMasked;  // masks are never causal
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
+  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
+  const Smem ss(smem_raw);
+  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
+  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
+
+  if (threadIdx.x == 0) {
+    ss.bars.init(8 * kClusterM);  // every consumer warp, of every CTA in the cluster
+    tma::fence_barrier_init();
+  }
+  if constexpr (kClusterM > 1) {
+    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
+    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
+    tma::cluster_arrive_relaxed();
+    tma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) {  // one thread issues every load
+          tma::prefetch_map(&p.tma_q);
+          tma::prefetch_map(&p.tma_k);
+          produce<T, kHalfN, kStages, kClusterM, kPersistent, kPairTiles>(p, ss, k_blocks, rank);
+        }
+        if constexpr (kClusterM > 1) {  // the producer's last remote access (multicast) is behind it
+          tma::cluster_arrive();
+          tma::cluster_wait();
+        }
+      },
+      [&](int tid) { consume<T, kHalfN, kStages, kClusterM, kPersistent, kMasked, kPairTiles>(p, ss, k_blocks, rank, tid); });
 }
 
 }  // namespace scores_sm90

@@ -35,6 +35,8 @@
 #include "common/reduce.cuh"
 #include "common/mask.cuh"
 #include "common/philox.cuh"
+#include "common/visibility.cuh"
+#include "common/score_mod.cuh"
 
 namespace cupy_attn {
 
@@ -54,6 +56,32 @@ struct SoftmaxParams {
   long long dropout_threshold;
   double dropout_scale;
   long long bh0, bh_stride_b0, bh_stride_b1, bh_stride_b2;
+  // Variants (masked_softmax_variants only; common/visibility.cuh, common/score_mod.cuh), in the scores' base-2
+  // units: key j is visible only if j >= i + window_lo (kNoLowerBound: no lower bound); softcap_log2 = c·log2(e) (0:
+  // none); the ALiBi slope and the sink logit of the row's (batch, query head) at its flat index bh (the Philox
+  // counter's: bh0 + the decomposed batch index over bh_stride_b0..2) in fp32 arrays of B·Hq (the launcher expands
+  // them), or nullptr; ALiBi's distance |i + diag − j| (diag = S − L).
+  long long window_lo;
+  double softcap_log2;
+  const float* alibi_slopes;
+  const float* sinks;
+  long long diag;
+};
+
+// The global batch index as its (outer, middle, inner) axis indices. k32: in 32-bit arithmetic (the variants'
+// instantiations: a 64-bit division is a called subroutine, and around its calls their rows spilled); the plain ones
+// keep 64-bit batch_offset below.
+struct BatchIndex {
+  long long i0, i1, i2;
+  __device__ __forceinline__ static BatchIndex of32(long long idx, long long n1, long long n2) {
+    unsigned x = static_cast<unsigned>(idx);
+    const unsigned i2 = x % static_cast<unsigned>(n2);
+    x /= static_cast<unsigned>(n2);
+    return {x / static_cast<unsigned>(n1), x % static_cast<unsigned>(n1), i2};
+  }
+  __device__ __forceinline__ long long offset(long long s0, long long s1, long long s2) const {
+    return i0 * s0 + i1 * s1 + i2 * s2;
+  }
 };
 
 __device__ __forceinline__ long long batch_offset(long long idx, long long n1, long long n2,
@@ -77,12 +105,38 @@ __device__ __forceinline__ float apply_mask(float s, long long j, long long limi
   }
 }
 
+// The variants of one row (kVariants): the window's lower bound, softcap and ALiBi on each score (base-2 units),
+// and the sink's logit for the row's statistics.
+struct RowVariants {
+  long long first_key;  // keys j < first_key are not visible
+  float softcap;        // c·log2(e), or 0
+  float slope;          // −slope·log2(e), or 0
+  int dist0;            // i + diag: ALiBi's distance to key j is |dist0 − j| (rows and keys are < 2^31)
+  bool has_sink;
+  float sink;           // the sink's logit in base-2 units
+
+  __device__ __forceinline__ static RowVariants of(const SoftmaxParams& p, const BatchIndex& bi, long long i) {
+    const long long bh = p.bh0 + bi.offset(p.bh_stride_b0, p.bh_stride_b1, p.bh_stride_b2);
+    RowVariants r;
+    r.first_key = p.window_lo == kNoLowerBound ? 0 : i + p.window_lo;
+    r.softcap = static_cast<float>(p.softcap_log2);
+    r.slope = 0.f;
+    if (p.alibi_slopes) r.slope = -kLog2e * p.alibi_slopes[bh];
+    r.dist0 = static_cast<int>(i + p.diag);
+    r.has_sink = p.sinks != nullptr;
+    r.sink = 0.f;
+    if (r.has_sink) r.sink = kLog2e * p.sinks[bh];
+    return r;
+  }
+};
+
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
 // per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
 // bench/experiments/probe_softmax.py). kDropout: dropout_p > 0 (declared with kMasked only).
-template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout>
-__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
-masked_softmax(const SoftmaxParams p) {
+// kVariants: the window's lower bound, softcap, ALiBi and sinks (RowVariants), in the masked_softmax_variants kernels.
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants>
+__device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
+  static_assert(kMasked || !kVariants, "the variants run on the masked instantiations");
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
   constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
   __shared__ float scratch[kBlockThreads / 32];
@@ -91,15 +145,32 @@ masked_softmax(const SoftmaxParams p) {
   const int t = threadIdx.x % kThreadsPerRow;
   // Rows past the end still join the block reductions (barriers) but never touch memory.
   const bool active = row < p.rows;
-  const long long b = active ? row / p.rows_per_batch : 0;
-  const long long i = p.row0 + (active ? row % p.rows_per_batch : 0);
+  long long b, i;
+  if constexpr (kVariants) {  // 32-bit (BatchIndex): a launch's rows are < 2^32
+    const unsigned r = active ? static_cast<unsigned>(row) : 0u, per = static_cast<unsigned>(p.rows_per_batch);
+    b = r / per;
+    i = p.row0 + r % per;
+  } else {
+    b = active ? row / p.rows_per_batch : 0;
+    i = p.row0 + (active ? row % p.rows_per_batch : 0);
+  }
   const long long limit = i + p.causal_offset;
   const long long gbatch = p.batch0 + b;
+  BatchIndex bi{};
+  if constexpr (kVariants) bi = BatchIndex::of32(gbatch, p.n1, p.n2);
+  // The row's offset along the batch axes for strides (s0, s1, s2).
+  auto batch_off = [&](long long s0, long long s1, long long s2) {
+    if constexpr (kVariants) {
+      return bi.offset(s0, s1, s2);
+    } else {
+      return batch_offset(gbatch, p.n1, p.n2, s0, s1, s2);
+    }
+  };
   const char* mask_row = nullptr;
   if (p.mask_kind != kMaskNone) {
     mask_row = reinterpret_cast<const char*>(p.mask) +
-               (batch_offset(gbatch, p.n1, p.n2, p.mask_stride_b0, p.mask_stride_b1, p.mask_stride_b2) +
-                i * p.mask_stride_q) * mask_itemsize(p.mask_kind);
+               (batch_off(p.mask_stride_b0, p.mask_stride_b1, p.mask_stride_b2) + i * p.mask_stride_q) *
+               mask_itemsize(p.mask_kind);
   }
   float* srow = p.scores + (active ? row : 0) * p.ld;
   OutT* prow = reinterpret_cast<OutT*>(srow);
@@ -109,10 +180,24 @@ masked_softmax(const SoftmaxParams p) {
   float keep_scale = 1.f;
   if constexpr (kDropout) {
     drop = Dropout::load(p.rng, p.dropout_threshold);
-    bh = static_cast<unsigned>(p.bh0 + batch_offset(gbatch, p.n1, p.n2, p.bh_stride_b0, p.bh_stride_b1,
-                                                     p.bh_stride_b2));
+    bh = static_cast<unsigned>(p.bh0 + batch_off(p.bh_stride_b0, p.bh_stride_b1, p.bh_stride_b2));
     keep_scale = static_cast<float>(p.dropout_scale);
   }
+
+  RowVariants rv{};
+  if constexpr (kVariants) rv = RowVariants::of(p, bi, i);
+  // The score of key j after the variants and the mask (kMasked), in base-2 units.
+  const long long first_key = rv.first_key;
+  const int dist0 = rv.dist0;
+  const float softcap = rv.softcap, slope = rv.slope;
+  auto score = [&](float x, long long j) {
+    if constexpr (kVariants) {
+      if (j < first_key) return -inf();
+      if (softcap != 0.f) x = softcap * tanh_approx(__fdividef(x, softcap));
+      if (slope != 0.f) x = fmaf(slope, fabsf(static_cast<float>(dist0 - static_cast<int>(j))), x);
+    }
+    return apply_mask(x, j, limit, p, mask_row);
+  };
 
   float m = -inf(), l = 0.f;
   if constexpr (kVecs > 0) {
@@ -126,7 +211,7 @@ masked_softmax(const SoftmaxParams p) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if constexpr (kMasked) {
-          x[v][e] = (active && c + e < S) ? apply_mask(x[v][e], c + e, limit, p, mask_row) : -inf();
+          x[v][e] = (active && c + e < S) ? score(x[v][e], c + e) : -inf();
         } else {
           x[v][e] = (active && c + e < S) ? x[v][e] : -inf();
         }
@@ -134,6 +219,9 @@ masked_softmax(const SoftmaxParams p) {
       }
     }
     m = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    if constexpr (kVariants) {
+      if (rv.has_sink) m = fmaxf(m, rv.sink);  // the sink takes part in the max and the sum
+    }
     // A fully masked row has m = -inf; subtracting 0 instead keeps every 2^(s - m) at 0 (and NaN stays NaN).
     const float m_safe = m == -inf() ? 0.f : m;
     #pragma unroll
@@ -141,6 +229,9 @@ masked_softmax(const SoftmaxParams p) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) { x[v][e] = exp2f(x[v][e] - m_safe); l += x[v][e]; }
     l = group_reduce<kThreadsPerRow>(l, SumOp(), scratch);  // its barrier also ends every read of this row
+    if constexpr (kVariants) {
+      if (rv.has_sink) l += exp2f(rv.sink - m_safe);
+    }
     const float inv_l = l == 0.f ? 0.f : 1.f / l;
     if (active) {
       #pragma unroll
@@ -164,15 +255,20 @@ masked_softmax(const SoftmaxParams p) {
     for (long long c = 4LL * t; c < S; c += 4LL * kThreadsPerRow) {
       const float4 f = active ? *reinterpret_cast<const float4*>(srow + c) : make_float4(0.f, 0.f, 0.f, 0.f);
       auto online = [&](float x, int e) {
-        const float s = (active && c + e < S) ? apply_mask(x, c + e, limit, p, mask_row) : -inf();
+        const float s = (active && c + e < S) ? (kVariants ? score(x, c + e) : apply_mask(x, c + e, limit, p, mask_row))
+                                              : -inf();
         if (s > m) { l = l * exp2f(m - s) + 1.f; m = s; }
         else l += exp2f(s - (m == -inf() ? 0.f : m));
       };
       online(f.x, 0); online(f.y, 1); online(f.z, 2); online(f.w, 3);
     }
-    const float m_row = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    const float m_red = group_reduce<kThreadsPerRow>(m, MaxOp(), scratch);
+    const float m_row = kVariants && rv.has_sink ? fmaxf(m_red, rv.sink) : m_red;
     const float m_safe = m_row == -inf() ? 0.f : m_row;
     l = group_reduce<kThreadsPerRow>(l * exp2f((m == -inf() ? 0.f : m) - m_safe), SumOp(), scratch);
+    if constexpr (kVariants) {
+      if (rv.has_sink) l += exp2f(rv.sink - m_safe);
+    }
     const float inv_l = l == 0.f ? 0.f : 1.f / l;
     // Sweep 2: read a tile, barrier, write it (see the in-place note in the header).
     for (long long base = 0; base < S; base += 4LL * kThreadsPerRow) {
@@ -183,7 +279,8 @@ masked_softmax(const SoftmaxParams p) {
         const unsigned z = kDropout ? drop.keep4(bh, i, c) : 0xFu;
         const float kept = kDropout ? inv_l * keep_scale : inv_l;
         auto prob = [&](float s, int e) {
-          return c + e < S && (z >> e) & 1u ? exp2f(apply_mask(s, c + e, limit, p, mask_row) - m_safe) * kept : 0.f;
+          if (!(c + e < S && (z >> e) & 1u)) return 0.f;
+          return exp2f((kVariants ? score(s, c + e) : apply_mask(s, c + e, limit, p, mask_row)) - m_safe) * kept;
         };
         y = make_float4(prob(y.x, 0), prob(y.y, 1), prob(y.z, 2), prob(y.w, 3));
       }
@@ -194,9 +291,23 @@ masked_softmax(const SoftmaxParams p) {
   }
 
   if (p.lse != nullptr && active && t == 0) {
-    const long long off = batch_offset(gbatch, p.n1, p.n2, p.lse_stride_b0, p.lse_stride_b1, p.lse_stride_b2) + i;
+    const long long off = batch_off(p.lse_stride_b0, p.lse_stride_b1, p.lse_stride_b2) + i;
     p.lse[off] = l == 0.f ? -inf() : kLn2 * ((m == -inf() ? 0.f : m) + log2f(l));
   }
+}
+
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128)
+masked_softmax(const SoftmaxParams p) {
+  softmax_rows<OutT, kThreadsPerRow, kVecs, kMasked, kDropout, false>(p);
+}
+
+// The variants (always masked). One block per SM is declared: left to its own heuristic, ptxas held the wide tiles
+// to 64 registers and spilled around the row's extra state.
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kDropout>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128, 1)
+masked_softmax_variants(const SoftmaxParams p) {
+  softmax_rows<OutT, kThreadsPerRow, kVecs, true, kDropout, true>(p);
 }
 
 }  // namespace cupy_attn

@@ -13,23 +13,26 @@ import sys
 from ..runtime import callcache
 
 
-def needs_grad(query, key, value, attn_mask) -> bool:
-    """True when autograd would record this call: torch CUDA tensors, grad mode on, an input requiring grad. (CPU
-    tensors run the float64 reference, which records nothing.)"""
+def needs_grad(query, key, value, attn_mask, sinks=None) -> bool:
+    """True when autograd would record this call: torch CUDA tensors, grad mode on, an input requiring grad (sinks
+    included). (CPU tensors run the float64 reference, which records nothing.)"""
     # requires_grad first: it is False on the hot path (inference), and CuPy arrays have no such attribute.
     if not (getattr(query, "requires_grad", False) or getattr(key, "requires_grad", False)
-            or getattr(value, "requires_grad", False) or getattr(attn_mask, "requires_grad", False)):
+            or getattr(value, "requires_grad", False) or getattr(attn_mask, "requires_grad", False)
+            or getattr(sinks, "requires_grad", False)):
         return False
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(query, torch.Tensor) and torch.is_grad_enabled()
 
 
 def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, dropout_p=0.0,
-                  rng=None):
+                  rng=None, variants=None, sinks=None):
     """CPU torch tensors that autograd records: the reference math in float64 torch ops (differentiable, so gradients
     flow), cast back to the inputs' dtype; the same conventions as cupy_attn.reference (rows with no visible key give 0
-    and lse -inf), dropout by the keep mask of ``rng`` (attention/dropout.py). Slow, for checking, like the rest of
-    the CPU path."""
+    and lse -inf, or the sink with sinks), dropout by the keep mask of ``rng`` (attention/dropout.py), the variants
+    (``variants``, attention/variants.Variants; ``sinks`` the caller's tensor, so that its gradient flows) as the
+    reference computes them. Slow, for checking, like the rest of the CPU path."""
+    from .. import reference
     torch = sys.modules["torch"]
     q, k, v = (x.double() for x in (query, key, value))
     if enable_gqa and k.shape[-3] != q.shape[-3]:
@@ -37,15 +40,29 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
         k, v = k.repeat_interleave(g, dim=-3), v.repeat_interleave(g, dim=-3)
     L, S = q.shape[-2], k.shape[-2]
     s = (q @ k.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
-    if is_causal:
-        off = S - L if is_causal == "bottom_right" else 0
-        s = s.masked_fill(~torch.ones(L, S, dtype=torch.bool, device=s.device).tril(off), float("-inf"))
+    if variants is not None and variants.softcap is not None:
+        s = variants.softcap * torch.tanh(s / variants.softcap)
+    if variants is not None and variants.alibi_slopes is not None:
+        slopes = variants.alibi_slopes
+        if slopes.ndim == 2 and q.ndim != 4:  # (B, Hq) over the folded batch axes
+            slopes = slopes.reshape(q.shape[:-3] + slopes.shape[-1:])
+        s = s + torch.from_numpy(reference.alibi_bias(slopes, L, S))
+    window = None if variants is None else variants.window_size
+    if is_causal or window is not None:
+        keep = torch.from_numpy(reference.visible_keys(L, S, is_causal or False, window))
+        s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.double()
     m = s.amax(-1, keepdim=True).detach()
+    sink = None
+    if sinks is not None:
+        sink = sinks.double().reshape(sinks.shape + (1, 1)).expand(m.shape)
+        m = torch.maximum(m, sink.detach())
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = torch.exp(s - m)
     denom = p.sum(-1, keepdim=True)
+    if sink is not None:
+        denom = denom + torch.exp(sink - m)
     if dropout_p > 0:
         from . import dropout
         from .. import philox
@@ -59,7 +76,7 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
 
 def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, scale, enable_gqa,
                 need_mask_grad: bool, workspace_bytes=None, allow_tf32=False, dropout_p=0.0, rng=None,
-                cache_key=None):
+                cache_key=None, variants=(None, None, None, None)):
     """(dq, dk, dv, dmask) for torch CUDA tensors: dq/dk/dv in the inputs' shapes and dtype, dmask (or None) in
     attn_mask's shape and dtype (the gradient summed over the mask's broadcast axes). dropout_p > 0: ``rng`` is the
     forward's rng pair, so the backward applies the forward's keep mask. Raises as the forward's checks.
@@ -70,9 +87,10 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
     from .paths import backward
 
     torch = sys.modules["torch"]
+    window_size, softcap, sinks, alibi_slopes = variants
     p = checks.check_sdpa(query.detach(), key.detach(), value.detach(),
                           None if attn_mask is None else attn_mask.detach(), dropout_p, is_causal, scale, enable_gqa,
-                          "auto")
+                          "auto", None, window_size, softcap, None if sinks is None else sinks.detach(), alibi_slopes)
     if p.dropout_p > 0:
         p.rng = dropout.as_array(p.ctx, rng)
     B, Hq, Hkv, L, S = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k
@@ -112,11 +130,22 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
 _BACKWARD_CACHE: dict = {}
 
 
+def sinks_grad(sinks, out, lse, grad_out):
+    """The sinks' gradient: d loss / d sink_h = −Σ_{b,i} e^(sink_h − lse_bhi) · D_bhi with D = rowsum(dO ∘ O) (the
+    sink's softmax weight times the row's D, since its logit takes part in the denominator only; lse includes it),
+    summed over every axis but the head's, in the sinks' dtype. Torch ops (out, lse, grad_out: the call's)."""
+    torch = sys.modules["torch"]
+    d = (grad_out.float() * out.float()).sum(-1)  # (..., Hq, L)
+    w = torch.exp(sinks.float().reshape(sinks.shape + (1,)) - lse.float())
+    dims = tuple(i for i in range(d.ndim) if i != d.ndim - 2)
+    return (-(w * d).sum(dims)).to(sinks.dtype)
+
+
 def backward_key(query, key, value, attn_mask, out, lse, grad_out, flags: tuple) -> tuple | None:
     """The backward's cache key: the seven tensors' signatures (shape, strides, dtype, device, address mod 16; the
     stream), the forward's flags with their types, and the environment overrides (runtime.callcache.ENV_KEYS, which
-    include CUPY_ATTN_BWD); None when not cacheable (dropout, a float mask, tensors of another kind)."""
-    if attn_mask is not None or flags[-1]:  # flags[-1]: dropout_p
+    include CUPY_ATTN_BWD); None when not cacheable (dropout, a float mask, tensors of another kind, variants)."""
+    if attn_mask is not None or flags[5] or flags[6] is not None:  # flags[5]: dropout_p; flags[6]: the variants
         return None
     sig = callcache.signatures((query, key, value, out, lse, grad_out))
     if sig is None:
@@ -156,14 +185,16 @@ def _function():
 
     class ScaledDotProductAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
-                    backend, num_splits, dropout_p, rng):
+        def forward(fctx, query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, workspace_bytes,
+                    allow_tf32, backend, num_splits, dropout_p, rng, variants):
             from .sdpa import forward
+            full = None if variants is None else (variants[0], variants[1], sinks, variants[3])
             out, lse = forward(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
                                enable_gqa=enable_gqa, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
-                               backend=backend, num_splits=num_splits, dropout_p=dropout_p, rng=rng)
-            fctx.save_for_backward(query, key, value, attn_mask, out, lse, rng)
-            fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p)
+                               backend=backend, num_splits=num_splits, dropout_p=dropout_p, rng=rng,
+                               variants=full or (None, None, None, None))
+            fctx.save_for_backward(query, key, value, attn_mask, out, lse, rng, sinks)
+            fctx.flags = (is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p, variants)
             fctx.mark_non_differentiable(lse)
             # lse carries no gradient and out may take no part in the loss: without this, autograd would launch a
             # torch.zeros for each missing gradient (which measured ~0.7 ms of host time per step on an H200 host).
@@ -172,25 +203,30 @@ def _function():
 
         @staticmethod
         def backward(fctx, grad_out, _grad_lse):
+            none = (None,) * 11  # the flags'
             if grad_out is None:  # out took no part in the loss (grads are not materialized: no zeros launched)
-                return (None,) * 13
-            query, key, value, attn_mask, out, lse, rng = fctx.saved_tensors
-            is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p = fctx.flags
+                return (None,) * 5 + none
+            query, key, value, attn_mask, out, lse, rng, sinks = fctx.saved_tensors
+            is_causal, scale, enable_gqa, workspace_bytes, allow_tf32, dropout_p, variants = fctx.flags
             need_mask = attn_mask is not None and fctx.needs_input_grad[3]
             grad_out = grad_out.contiguous()
+            dsinks = None
+            if sinks is not None and fctx.needs_input_grad[4]:
+                dsinks = sinks_grad(sinks, out, lse, grad_out)
             cache_key = backward_key(query, key, value, attn_mask, out, lse, grad_out, fctx.flags)
             entry = None if cache_key is None else _BACKWARD_CACHE.get(cache_key)
             if entry is not None:
                 dq, dk, dv = entry(query, key, value, out, lse, grad_out)
-                return dq, dk, dv, None, None, None, None, None, None, None, None, None, None
+                return (dq, dk, dv, None, dsinks) + none
             if len(_BACKWARD_CACHE) >= callcache.MAX_ENTRIES:
                 _BACKWARD_CACHE.clear()
+            full = (None,) * 4 if variants is None else (variants[0], variants[1], sinks, variants[3])
             dq, dk, dv, dmask = grad_inputs(query, key, value, attn_mask, out, lse, grad_out,
                                             is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                             need_mask_grad=need_mask, workspace_bytes=workspace_bytes,
                                             allow_tf32=allow_tf32, dropout_p=dropout_p, rng=rng,
-                                            cache_key=cache_key)
-            return dq, dk, dv, dmask, None, None, None, None, None, None, None, None, None
+                                            cache_key=cache_key, variants=full)
+            return (dq, dk, dv, dmask, dsinks) + none
 
     _FUNCTION = ScaledDotProductAttention
     return _FUNCTION
@@ -200,13 +236,16 @@ _FUNCTION = None
 
 
 def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32,
-          backend="auto", num_splits=None, dropout_p=0.0, rng=None):
+          backend="auto", num_splits=None, dropout_p=0.0, rng=None, variants=(None, None, None, None)):
     """The recorded call: (out, lse) through the autograd Function; lse carries no gradient. backend and num_splits
     choose the forward's path as in an unrecorded call; dropout_p > 0 with the call's rng pair (saved for the
-    backward)."""
+    backward). ``variants``: (window_size, softcap, sinks, alibi_slopes); sinks is an input of the Function (its
+    gradient is returned), the others are flags."""
     if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
         raise TypeError("attn_mask: a bool mask cannot require grad")
-    out, lse = _function().apply(query, key, value, attn_mask, is_causal, scale, enable_gqa, workspace_bytes,
-                                 allow_tf32, backend, num_splits, dropout_p, rng)
+    window_size, softcap, sinks, alibi_slopes = variants
+    flags = None if all(x is None for x in variants) else (window_size, softcap, None, alibi_slopes)
+    out, lse = _function().apply(query, key, value, attn_mask, sinks, is_causal, scale, enable_gqa, workspace_bytes,
+                                 allow_tf32, backend, num_splits, dropout_p, rng, flags)
     return (out, lse) if return_lse else out
 

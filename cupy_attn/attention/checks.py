@@ -18,6 +18,7 @@ import numpy as np
 from ..reference import CAUSAL_ALIGNMENTS
 from ..runtime import interop
 from ..runtime.kernel_abi import MASK_KIND
+from .variants import NONE, Variants, check_variants
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
 # NumPy dtype objects of FLOAT_DTYPES: a set hit is ~20x cheaper than reading dtype.name on the hot path.
@@ -57,6 +58,8 @@ class SDPAProblem:
     # dropout_p > 0: the call's int64 {seed, offset} pair (attention/dropout.py), a CuPy view on the GPU or a NumPy
     # array on the CPU; set by the caller after the checks (the draw is the call's first enqueued work).
     rng: Any = None
+    # The variants (window, softcap, sinks, ALiBi), checked (attention/variants.py); NONE for a plain call.
+    variants: Variants = NONE
 
     @property
     def groups(self) -> int:
@@ -70,10 +73,25 @@ class SDPAProblem:
 
     @property
     def visible_offset(self) -> int:
-        """Row i sees keys j ≤ i + visible_offset: causal_offset under a causal mask, S without one (every key), the
-        convention of the kernels that have no is_causal flag (the softmax pass, the backward's row kernels) and of
-        the split path's causal bands."""
-        return self.seqlen_k if self.causal is None else self.causal_offset
+        """Row i sees keys j ≤ i + visible_offset: causal_offset under a causal mask (and the window's right side),
+        S without either (every key), the convention of the kernels that have no is_causal flag (the softmax pass, the
+        backward's row kernels) and of the split path's causal bands."""
+        bounded, offset = self.key_upper
+        return offset if bounded else self.seqlen_k
+
+    @property
+    def key_upper(self) -> tuple[bool, int]:
+        """(bounded, offset): row i sees keys j ≤ i + offset when bounded, from the causal mask and a window's right
+        side (the smaller); the kernels' (is_causal, causal_offset) fields. Without a window: the causal mask's."""
+        if self.variants.window_right is None:
+            return self.causal is not None, self.causal_offset
+        hi = self.variants.key_offsets(self.seqlen_q, self.seqlen_k, self.causal)[1]
+        return True, hi
+
+    @property
+    def window_lo(self) -> int:
+        """Row i sees keys j ≥ i + window_lo: a window's left side; −2^40 (the kernels' kNoLowerBound) without one."""
+        return self.variants.key_offsets(self.seqlen_q, self.seqlen_k, self.causal)[0]
 
     def flops(self) -> float:
         """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
@@ -105,12 +123,13 @@ def _is_float(dtype: np.dtype) -> bool:
 
 
 def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-               generator=None) -> SDPAProblem:
+               generator=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None) -> SDPAProblem:
     """Validate a scaled_dot_product_attention call; raise TypeError/ValueError naming the argument.
 
     Every array argument must be of query's kind (torch, NumPy, or CuPy / CUDA DLPack) and on query's device: a CPU
     array next to a CUDA one is a ValueError, NumPy next to torch or CuPy next to torch a TypeError. ``generator``
-    must suit the query's kind and device (attention/dropout.check_generator).
+    must suit the query's kind and device (attention/dropout.check_generator). The variant arguments (window_size,
+    softcap, sinks, alibi_slopes) as attention/variants.check_variants checks them.
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -212,6 +231,9 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=v_shape[-1],
         dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind,
         dropout_p=float(dropout_p))
+    if window_size is not None or softcap is not None or sinks is not None or alibi_slopes is not None:
+        problem.variants = check_variants(window_size, softcap, sinks, alibi_slopes, ctx=ctx, batch=problem.batch,
+                                          num_heads=num_heads, dtype=problem.dtype)
     if ctx.on_gpu:
         _to_gpu_views(problem)
     return problem

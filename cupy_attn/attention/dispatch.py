@@ -117,6 +117,10 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     forced = f"forced by {ENV_BACKEND}" if requested == "auto" and backend != "auto" else "requested"
     if backend == "reference":
         return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
+    if not p.variants.plain:
+        plan = _variants_plan(p, backend, arch, forced, copies)
+        if plan is not None:
+            return plan
     fused_why_not = flash_fwd.reason(p, arch)
     if p.dropout_p > 0 and num_splits is not None:
         raise ValueError(f"num_splits={num_splits} asks for the decode kernel, which has no dropout (dropout_p="
@@ -145,6 +149,68 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
                 choice=choice)
 
 
+def _variants_plan(p, backend: str, arch: int, forced: str, copies) -> Plan | None:
+    """The fused plan of a call with variants (window, softcap, sinks, ALiBi: attention/variants.py), or None for the
+    split path, which serves every variant (its softmax kernel's variants instantiation). The FA3-design kernel
+    (head dims 33-256) and the head-dim-512 kernel (257-512; no softcap) have variant instantiations; neither has
+    dropout or attn_mask. backend="fused" with neither able to run the call is a ValueError."""
+    why = []
+    if p.dropout_p > 0:
+        why.append("dropout_p > 0: the fused kernels with variants have no dropout")
+    else:
+        fa3_why = flash_fwd_sm90.reason(p, arch)
+        if fa3_why is None:
+            choice = flash_fwd_sm90.choose(p, "3")
+            return Plan("fused", f"fused {forced}" if backend == "fused" else "the FA3-design kernel's variants "
+                        f"({', '.join(p.variants.names())})", describe=functools.partial(fa3_details, choice, p),
+                        copies=copies, problem=p, kernel=flash_fwd_sm90, choice=choice)
+        why.append(f"FA3 kernel: {fa3_why}")
+        d512_why = d512.reason(p, arch) or (d512.layout_reason(p.query, p.key, p.value, None)
+                                            if p.query is not None else None)
+        if d512_why is None and d512.enabled() != "0":
+            choice = d512.choose(p)
+            return Plan("fused", f"the head-dim-512 kernel's variants ({', '.join(p.variants.names())})",
+                        describe=functools.partial(_d512_details, choice, p), copies=copies, problem=p, kernel=d512,
+                        choice=choice)
+        why.append(f"head-dim-512 kernel: {d512_why}")
+    if backend == "fused":
+        raise ValueError(f"backend='fused' cannot run this call: {'; '.join(why)}")
+    return None
+
+
+def _d512_details(choice, p) -> dict:
+    return {**d512.describe(choice, p), **variant_details(p, 64, d512.BLOCK_N)}
+
+
+def variant_details(p, block_m: int, block_n: int) -> dict:
+    """explain()'s lines for a call's variants: which, and the fraction of (row block, key block) tiles of a
+    block_m × block_n tiling that no row sees (skipped: neither loaded nor computed)."""
+    if p.variants.plain:
+        return {}
+    total, seen = tile_visibility(p, block_m, block_n)
+    return {"variants": ", ".join(p.variants.names()),
+            "skipped tiles": f"{total - seen} of {total} ({100 * (total - seen) / max(total, 1):.0f}%) have no visible "
+                             "key: neither loaded nor computed"}
+
+
+def tile_visibility(p, block_m: int, block_n: int) -> tuple[int, int]:
+    """(tiles, tiles with a visible key) of one (batch, head)'s L × S scores in block_m × block_n tiles, from the
+    key bounds alone (checks.SDPAProblem.key_upper, window_lo): row block [m0, m1) sees keys from m0 + window_lo to
+    m1 − 1 + upper offset."""
+    L, S = p.seqlen_q, p.seqlen_k
+    bounded, upper = p.key_upper
+    lo = p.window_lo
+    n_blocks = -(-S // block_n)
+    seen = 0
+    for m0 in range(0, L, block_m):
+        m1 = min(L, m0 + block_m)
+        first = max(0, m0 + lo)
+        last = min(S - 1, m1 - 1 + upper) if bounded else S - 1
+        if last >= first:
+            seen += last // block_n - first // block_n + 1
+    return -(-L // block_m) * n_blocks, seen
+
+
 def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | None) -> Plan | None:
     """The head-dim 257-512 fused kernel's plan (kernels/flash_fwd_d512_sm90) when it can run the call and is chosen:
     by backend="fused", by CUPY_ATTN_D512=1, or under auto by d512.prefer_grid; never with CUPY_ATTN_D512=0."""
@@ -163,7 +229,7 @@ def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | N
             return None
     if p.query is not None and d512.layout_reason(p.query, p.key, p.value, None):
         return None
-    choice = d512.Choice()
+    choice = d512.choose(p)
     return Plan("fused", why, describe=functools.partial(d512.describe, choice, p), copies=copies, problem=p,
                 kernel=d512, choice=choice)
 
@@ -250,16 +316,17 @@ def fa3_mode(p, arch: int) -> str | None:
     return "3"
 
 
-def fa3_details(choice: flash_fwd_sm90.Choice) -> dict:
-    """The FA3-design kernel's configuration (flash_fwd_sm90.choose's choice)."""
+def fa3_details(choice: flash_fwd_sm90.Choice, p=None) -> dict:
+    """The FA3-design kernel's configuration (flash_fwd_sm90.choose's choice), with a call's variants."""
     tile = choice.tile
     return {"head-dim bucket": choice.head_dim,
-            "kernel": f"flash_fwd_sm90_tma ({choice.variant})",
+            "kernel": f"flash_fwd_sm90_tma ({choice.variant}" + (", variants)" if choice.variants else ")"),
             "tile": f"{tile.block_m}x{tile.block_n}, producer + {tile.block_m // 64} consumer warpgroups, "
                     f"{tile.stages} K/V stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
                     + (", persistent (one CTA per SM)" if tile.persistent else ""),
             "epilogue": "out through shared memory by TMA stores (4-byte stores where head_dim_v is not a multiple "
-                        "of 8 or out's strides or base are not 16-byte aligned)"}
+                        "of 8 or out's strides or base are not 16-byte aligned)",
+            **(variant_details(p, tile.block_m, tile.block_n) if p is not None else {})}
 
 
 def fused_details(choice: flash_fwd.Choice, extra: dict | None = None) -> dict:
@@ -392,6 +459,8 @@ def split_details(p, choice: split.SplitChoice) -> dict:
         "workspace budget": f"{budget / 2**20:.0f} MiB (CUPY_ATTN_WORKSPACE_BYTES)",
         "softmax tile": "threads/row, vec4 per thread = %s" % (softmax.tile_for(p.seqlen_k, softmax.masked(p)),),
     } | ({"dropout": f"p={p.dropout_p}: P written as P∘Z/(1−p) by the softmax kernel"} if p.dropout_p > 0 else {}) \
+      | ({"variants": f"{', '.join(p.variants.names())}: applied by the softmax kernel (softmax_variants) to every "
+                      "score (no key block skipped)"} if not p.variants.plain else {}) \
       | ({"causal": (f"{p.causal}: {choice.bands} row band(s), each band's Q·Kᵀ, softmax and P·V stopping at its "
                      "last visible key" + (f", on {choice.streams} streams at once" if choice.streams > 1 else ""))}
          if p.causal is not None else {})
@@ -457,6 +526,11 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
     setting = env.get(ENV_BWD, "")
     if setting not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
+    var = p.variants
+    if var.has_window or var.softcap is not None or var.alibi_slopes is not None:
+        # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's).
+        raise NotImplementedError(f"the backward of {', '.join(var.names())} is not implemented yet (the forward "
+                                  "runs; pass tensors that do not require grad, or call under torch.no_grad())")
     if setting == "split":
         return BackwardPlan("split", None, f"forced by {ENV_BWD}=split")
     if p.mask is not None:

@@ -15,8 +15,9 @@ from . import autograd, checks, dispatch, dropout
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                                 enable_gqa=False, *, backend="auto", return_lse=False, allow_tf32=False,
-                                 workspace_bytes=None, num_splits=None, generator=None):
+                                 enable_gqa=False, *, window_size=None, softcap=None, sinks=None, alibi_slopes=None,
+                                 backend="auto", return_lse=False, allow_tf32=False, workspace_bytes=None,
+                                 num_splits=None, generator=None):
     """softmax(scale · query keyᵀ + mask) · value, with the semantics of torch's scaled_dot_product_attention.
 
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
@@ -84,32 +85,39 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     dropout); TypeError for a generator of the wrong kind, ValueError for one of another device; ValueError when
     backend="fused" cannot run the call, and for backend="fused" or "split" with CPU inputs.
     """
+    if type(window_size) is list:  # hashable for the call cache's key
+        window_size = tuple(window_size)
+    variants = (window_size, softcap, sinks, alibi_slopes)
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes, generator)
+                             return_lse, allow_tf32, workspace_bytes, generator, variants)
     checks.check_num_splits(num_splits)  # before the cache key, which must hash it
-    if autograd.needs_grad(query, key, value, attn_mask):  # torch tensors that autograd records
+    if autograd.needs_grad(query, key, value, attn_mask, sinks):  # torch tensors that autograd records
         if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0 and query.is_cuda:
             # No rng pair to draw and no CPU reference: the forward inside the Function checks the call (its call
             # cache skips that on a repeat), so it is not checked twice here.
             return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale,
                                   enable_gqa=enable_gqa, return_lse=return_lse, workspace_bytes=workspace_bytes,
-                                  allow_tf32=allow_tf32, backend=backend, num_splits=num_splits, dropout_p=0.0)
+                                  allow_tf32=allow_tf32, backend=backend, num_splits=num_splits, dropout_p=0.0,
+                                  variants=variants)
         p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                              generator)
+                              generator, *variants)
         rng = dropout.draw(p.ctx, generator)[0] if p.dropout_p > 0 else None  # saved for the backward
         if not p.ctx.on_gpu:  # CPU tensors: the reference math in differentiable float64 torch ops
             return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
                                           enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
-                                          rng=rng)
+                                          rng=rng, variants=p.variants, sinks=sinks)
         return autograd.apply(query, key, value, attn_mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                               return_lse=return_lse, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
-                              backend=backend, num_splits=num_splits, dropout_p=p.dropout_p, rng=rng)
+                              backend=backend, num_splits=num_splits, dropout_p=p.dropout_p, rng=rng,
+                              variants=variants)
     # Dropout calls (and calls naming a generator) are never cached: each draws its own rng pair, which a replayed
-    # launch would not. The test is two type checks on the hot path.
-    if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0:
+    # launch would not. Calls with sinks or ALiBi slopes are not cached either: their launches hold those arrays'
+    # addresses. The test is a few type checks on the hot path.
+    if generator is None and type(dropout_p) in _PLAIN_NUMBERS and dropout_p == 0 and sinks is None \
+            and alibi_slopes is None:
         call_key = callcache.key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                                 return_lse, allow_tf32, workspace_bytes, num_splits)
+                                 return_lse, allow_tf32, workspace_bytes, num_splits, window_size, softcap)
     else:
         call_key = None
     if call_key is not None:
@@ -118,8 +126,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             return entry(query, key, value, attn_mask)
     elif interop.is_tracing_tensor(query):  # FakeTensor / FunctionalTensor (make_fx, AOTAutograd): no data to read
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                             return_lse, allow_tf32, workspace_bytes, generator)
-    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
+                             return_lse, allow_tf32, workspace_bytes, generator, variants)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
+                          *variants)
     if p.dropout_p > 0:
         _, p.rng = dropout.draw(p.ctx, generator)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, (query, key, value,
@@ -147,10 +156,10 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
             lse3 = lse.reshape(B, H, L)
         if out4.size == 0:
             pass
-        elif p.seqlen_k == 0:  # every row is fully masked: output 0 and lse -inf, as the reference
+        elif p.seqlen_k == 0:  # every row is fully masked: output 0 and lse -inf (the sink with sinks), as the reference
             out4.fill(0)
             if lse3 is not None:
-                lse3.fill(-np.inf)
+                _fill_empty_lse(p, lse3)
         else:
             run = plan.prepare(out4, lse3)
             run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
@@ -162,31 +171,48 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
     return (out_native, lse_native) if return_lse else out_native
 
 
+def _fill_empty_lse(p, lse3) -> None:
+    """lse of rows that see no key: -inf, or each head's sink logit with sinks (its term alone in the denominator)."""
+    sinks = p.variants.sinks
+    if sinks is None:
+        lse3.fill(-np.inf)
+    else:
+        lse3[...] = sinks.astype(np.float32)[None, :, None]
+
+
 def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
-            backend="auto", num_splits=None, dropout_p=0.0, rng=None):
+            backend="auto", num_splits=None, dropout_p=0.0, rng=None, variants=(None, None, None, None)):
     """(out, lse) of the forward on detached inputs, for autograd and the custom op (lse float32, natural log), on
     the path the caller's backend and num_splits choose. dropout_p > 0: ``rng`` is the call's drawn pair (a torch
-    int64 tensor of shape (2,), attention/dropout.draw), which the backward reads again."""
+    int64 tensor of shape (2,), attention/dropout.draw), which the backward reads again. ``variants``: (window_size,
+    softcap, sinks, alibi_slopes) as the public function takes them."""
     query, key, value = query.detach(), key.detach(), value.detach()
     attn_mask = None if attn_mask is None else attn_mask.detach()
+    window_size, softcap, sinks, alibi_slopes = variants
+    sinks = None if sinks is None else sinks.detach()
     if not dropout_p:
         return scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, scale, enable_gqa,
-                                            backend=backend, return_lse=True, workspace_bytes=workspace_bytes,
-                                            allow_tf32=allow_tf32, num_splits=num_splits)
+                                            window_size=window_size, softcap=softcap, sinks=sinks,
+                                            alibi_slopes=alibi_slopes, backend=backend, return_lse=True,
+                                            workspace_bytes=workspace_bytes, allow_tf32=allow_tf32,
+                                            num_splits=num_splits)
     checks.check_num_splits(num_splits)
-    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, None,
+                          window_size, softcap, sinks, alibi_slopes)
     p.rng = dropout.as_array(p.ctx, rng)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, None, None)
 
 
 def _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse,
-                  allow_tf32, workspace_bytes, generator=None):
+                  allow_tf32, workspace_bytes, generator=None, variants=(None, None, None, None)):
     """The call as torch.ops.cupy_attn.scaled_dot_product_attention (see cupy_attn.torch_ops), for traced calls."""
     from .. import torch_ops
+    window_size, softcap, sinks, alibi_slopes = variants
     return torch_ops.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, scale,
                                                   enable_gqa, backend=backend, return_lse=return_lse,
                                                   allow_tf32=allow_tf32, workspace_bytes=workspace_bytes,
-                                                  generator=generator)
+                                                  generator=generator, window_size=window_size, softcap=softcap,
+                                                  sinks=sinks, alibi_slopes=alibi_slopes)
 
 
 def _replayable(p, query, key, value, attn_mask) -> bool:
@@ -197,7 +223,8 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            backend="auto", num_splits=None, generator=None, allow_tf32=False) -> dispatch.Plan:
+            window_size=None, softcap=None, sinks=None, alibi_slopes=None, backend="auto", num_splits=None,
+            generator=None, allow_tf32=False) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched (no random
     numbers are drawn).
 
@@ -207,7 +234,8 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     ``allow_tf32``).
     """
     checks.check_num_splits(num_splits)
-    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
+                          window_size, softcap, sinks, alibi_slopes)
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 
@@ -226,9 +254,16 @@ def _run_reference(p, return_lse):
     keep = None
     if p.dropout_p > 0:
         keep = dropout.keep_mask(p.rng, p.batch_shape + (p.seqlen_q, p.seqlen_k), p.dropout_p)
+    var = p.variants
+    sinks = None if var.sinks is None else host(var.sinks)
+    slopes = None if var.alibi_slopes is None else host(var.alibi_slopes)
+    if slopes is not None and slopes.ndim == 2 and len(p.batch_shape) != 2:  # (B, Hq) over the folded batch axes
+        slopes = slopes.reshape(p.batch_shape[:-1] + slopes.shape[-1:])
     out, lse = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=p.causal or False, scale=p.scale,
                                                       enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True,
-                                                      dropout_p=p.dropout_p, dropout_mask=keep)
+                                                      dropout_p=p.dropout_p, dropout_mask=keep,
+                                                      window_size=var.window_size, softcap=var.softcap,
+                                                      sinks=sinks, alibi_slopes=slopes)
     L, Ev = p.seqlen_q, p.head_dim_v
     out = interop.from_numpy(out.reshape(p.batch_shape + (L, Ev)), ctx.kind, p.dtype, ctx.device_id)
     if not return_lse:

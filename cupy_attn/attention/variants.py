@@ -25,6 +25,7 @@ from ..reference import window_bounds
 # Sentinel offsets for an unbounded side: far past any sequence length (2^40 keys), small enough that i + offset
 # never overflows an int64 in the kernels.
 UNBOUNDED = 1 << 40
+UNBOUNDED_LO = -UNBOUNDED  # the kernels' kNoLowerBound (common/visibility.cuh)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +95,11 @@ def _side(w: int | None) -> str:
 
 
 NONE = Variants()
+
+
+def of(p) -> Variants:
+    """The variants of a problem (checks.SDPAProblem), NONE for anything without them (a plan's test stand-in)."""
+    return getattr(p, "variants", NONE)
 
 
 def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int, num_heads: int, dtype) -> Variants:

@@ -40,12 +40,19 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     attention dropout included (``dropout``, drawn from torch's default generator as torch's SDPA does). CPU tensors
     requiring grad run torch's scaled_dot_product_attention instead (gradients are never silently lost).
 
+    The variants transformers' models pass (Gemma 2/3, Mistral, gpt-oss) run in the kernels, not through masks:
+    ``sliding_window`` W (a query sees itself and the W − 1 keys before it, and, without a causal mask, as many after:
+    window_size=(W − 1, W − 1), transformers' flash-attention convention), ``softcap`` (Gemma 2's
+    attn_logit_softcapping) and ``s_aux`` (gpt-oss's per-head sink logits, differentiable).
+
     Returns (attn_output (B, L, Hq, Dv) contiguous, None): no attention weights are ever materialized.
-    Raises: NotImplementedError for a position_bias and for transformers' paged cache; ValueError for softcap and for
-    shapes the kernels refuse (with the argument and axis named).
+    Raises: NotImplementedError for a position_bias and for transformers' paged cache; ValueError for shapes the
+    kernels refuse (with the argument and axis named).
     """
-    if kwargs.get("softcap") is not None:
-        raise ValueError("attn_implementation='cupy_attn' does not support softcap (use 'eager' or 'flex_attention')")
+    sliding_window = kwargs.get("sliding_window")
+    window_size = None if not sliding_window else (int(sliding_window) - 1, int(sliding_window) - 1)
+    softcap = kwargs.get("softcap")
+    sinks = kwargs.get("s_aux")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("attn_implementation='cupy_attn' does not support position_bias yet (use 'sdpa')")
     if kwargs.get("cache") is not None:
@@ -60,15 +67,17 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     # q_length first: under dynamic-shape tracing, `and` on a SymBool must not become the result (sdpa's note).
     is_causal = q_length > 1 and attention_mask is None and bool(is_causal)
     enable_gqa = query.shape[1] != key.shape[1]
+    plain = window_size is None and softcap is None and sinks is None
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad) and (
-            not query.is_cuda):
+            not query.is_cuda) and plain:
         # CPU training keeps torch's SDPA (its gradients are what a CPU user expects, at torch's speed).
         out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                dropout_p=dropout, is_causal=is_causal,
                                                                scale=scaling, enable_gqa=enable_gqa)
         return out.transpose(1, 2).contiguous(), None
     out = scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=float(dropout),
-                                       is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa)
+                                       is_causal=is_causal, scale=scaling, enable_gqa=enable_gqa,
+                                       window_size=window_size, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

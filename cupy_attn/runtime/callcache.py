@@ -80,7 +80,7 @@ def typed(*values) -> tuple:
 
 
 def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
-        workspace_bytes, num_splits=None) -> tuple | None:
+        workspace_bytes, num_splits=None, window_size=None, softcap=None) -> tuple | None:
     """The cache key of a call, or None when the call is not cacheable (see the module docstring). Every flag is
     keyed with its type (True == 1 == 1.0 hash alike, but the checks accept some of these and refuse others),
     written out rather than through ``typed``: this runs on every call (~1 µs saved)."""
@@ -89,7 +89,8 @@ def key(query, key_, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, 
         return None
     return (*arrays, type(dropout_p), dropout_p, type(is_causal), is_causal, type(scale), scale, type(enable_gqa),
             enable_gqa, type(backend), backend, type(return_lse), return_lse, type(allow_tf32), allow_tf32,
-            type(workspace_bytes), workspace_bytes, type(num_splits), num_splits, *env_values())
+            type(workspace_bytes), workspace_bytes, type(num_splits), num_splits, type(window_size), window_size,
+            type(softcap), softcap, *env_values())
 
 
 class Entry:

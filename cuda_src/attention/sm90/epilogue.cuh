@@ -5,6 +5,7 @@
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
+#include "common/score_mod.cuh"
 #include "attention/sm90/params.cuh"
 
 namespace cupy_attn {
@@ -113,18 +114,20 @@ __device__ __forceinline__ void epilogue_drain(int tid_wg) {
   if (tid_wg == 0) tma::bulk_wait_read();
 }
 
-// A tile whose rows see no key (bottom-right alignment with L > S): out 0 and lse -inf for its `rows` rows from query
-// row m0 of (b, h), written by `threads` threads (tid = 0 ... threads - 1) without loading anything. (The one-tile
-// variant's kernel has the same loops inline, with all 384 threads.)
-template <typename T>
+// A tile whose rows see no key (bottom-right alignment with L > S, a window past the keys): out 0 and lse -inf (the
+// sink's logit with sinks) for its `rows` rows from query row m0 of (b, h), written by `threads` threads (tid = 0 ...
+// threads - 1) without loading anything.
+template <typename T, bool kVariants>
 __device__ __forceinline__ void store_empty_rows(const FlashFwdSm90Params& p, int m0, int h, int b, int rows, int tid,
                                                  int threads) {
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
   const int Ev = static_cast<int>(p.head_dim_v);
   for (int i = tid; i < rows * Ev; i += threads) out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
   if (p.lse) {
+    // With sinks a row that sees no key has the sink alone in its denominator: lse = the sink's logit.
+    const float empty = kVariants && p.sinks ? sink_log2<T>(p.sinks, p.sinks_kind, h) * kLn2 : neg_inf();
     float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
-    for (int i = tid; i < rows; i += threads) lse[(m0 + i) * p.lse_stride_l] = neg_inf();
+    for (int i = tid; i < rows; i += threads) lse[(m0 + i) * p.lse_stride_l] = empty;
   }
 }
 

@@ -25,8 +25,11 @@
 // GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and count in neither barrier.
 #pragma once
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
+#include "common/score_mod.cuh"
 #include "attention/sm90/softmax.cuh"
 #include "attention/sm90/epilogue.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
@@ -65,12 +68,9 @@ struct SharedStorage {
   T* k;  // kStages tiles of kBlockN rows
   T* v;
   unsigned char* o_stage;  // kBlockM / 64 buffers of kOStageBytes
-  unsigned long long* q_full;
-  unsigned long long* k_full;
-  unsigned long long* v_full;
-  unsigned long long* k_empty;
-  unsigned long long* v_empty;
-  unsigned long long* q_empty;
+  pipeline::Ring<kStages> k_bars;  // K stages (full: the producer's expect_tx + the boxes; empty: every consumer warp)
+  pipeline::Ring<kStages> v_bars;  // V stages, as K's
+  pipeline::Slot q_bars;           // Q (empty: the persistent variant's, each consumer warp once per tile)
   float* sink;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
@@ -79,25 +79,37 @@ struct SharedStorage {
     k = reinterpret_cast<T*>(smem + kQBytes);
     v = reinterpret_cast<T*>(smem + kQBytes + kStages * kKVBytes);
     o_stage = smem + kQBytes + 2 * kStages * kKVBytes;
-    q_full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes + kOBytes);
-    k_full = q_full + 1;
-    v_full = k_full + kStages;
-    k_empty = v_full + kStages;
-    v_empty = k_empty + kStages;
-    q_empty = v_empty + kStages;
-    sink = reinterpret_cast<float*>(q_empty + 1);
+    q_bars.full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes + kOBytes);
+    k_bars.full = q_bars.full + 1;
+    v_bars.full = k_bars.full + kStages;
+    k_bars.empty = v_bars.full + kStages;
+    v_bars.empty = k_bars.empty + kStages;
+    q_bars.empty = v_bars.empty + kStages;
+    sink = reinterpret_cast<float*>(q_bars.empty + 1);
   }
 };
 
-// Key blocks the kBlockM-row tile at query row m0 visits (key blocks n_blocks-1 down to 0, up to the last key any of
-// its rows may see); 0 for a tile whose rows see no key (bottom-right alignment with L > S). The same rule as the
+// The kernel's Visibility: with kVariants the window's lower bound (window_lo) is read at run time; the plain
+// instantiations have none, at compile time.
+template <bool kVariants>
+__device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p) {
+  if constexpr (kVariants) {
+    return visibility_of(p);
+  } else {
+    return {p.seqlen_k, p.causal_offset, p.is_causal != 0};
+  }
+}
+
+// Key blocks the kBlockM-row tile at query row m0 visits: from the block of the first key its first row sees (0
+// without a window's lower bound) to the block of the last key its last row sees, visited last to first; count() <= 0
+// for a tile whose rows see no key (bottom-right alignment with L > S, a window past the keys). The same rule as the
 // one-tile kernel's prologue (flash_fwd_sm90.cu).
-template <int kBlockM, int kBlockN>
-__device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
+template <int kBlockM, int kBlockN, bool kVariants>
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
   const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+  const Visibility vis = fwd_visibility<kVariants>(p);
+  const long long last_key = vis.last_key(m0 + rows_valid - 1), first_key = vis.first_key(m0);
+  return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
@@ -116,40 +128,39 @@ struct Producer {
     tma::prefetch_map(&p.tma_v);
   }
   __device__ __forceinline__ void load_q(int m0, int h, int b) const {
-    tma::mbar_arrive_expect_tx(ss.q_full, Smem::kQBytes);
+    tma::mbar_arrive_expect_tx(ss.q_bars.full, Smem::kQBytes);
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(ss.q + c * kBlockM * Smem::kAtomCols, &p.tma_q, ss.q_full, c * Smem::kAtomCols, m0, h, b);
+      tma::load_4d(ss.q + c * kBlockM * Smem::kAtomCols, &p.tma_q, ss.q_bars.full, c * Smem::kAtomCols, m0, h, b);
   }
-  __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, unsigned long long* full,
-                                          unsigned long long* empty, int it, int n0, int h_kv, int b) const {
-    const int s = it % kStages;
-    tma::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-    tma::mbar_arrive_expect_tx(&full[s], Smem::kKVBytes);
-    T* dst = tiles + s * kBlockN * kHeadDim;
+  __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, const pipeline::Ring<kStages>& bars,
+                                          int it, int n0, int h_kv, int b) const {
+    unsigned long long* full = bars.acquire(it, Smem::kKVBytes);
+    T* dst = tiles + bars.stage(it) * kBlockN * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(dst + c * kBlockN * Smem::kAtomCols, map, &full[s], c * Smem::kAtomCols, n0, h_kv, b);
+      tma::load_4d(dst + c * kBlockN * Smem::kAtomCols, map, full, c * Smem::kAtomCols, n0, h_kv, b);
   }
   __device__ __forceinline__ void load_k(int it, int n0, int h_kv, int b) const {
-    load_kv(ss.k, &p.tma_k, ss.k_full, ss.k_empty, it, n0, h_kv, b);
+    load_kv(ss.k, &p.tma_k, ss.k_bars, it, n0, h_kv, b);
   }
   __device__ __forceinline__ void load_v(int it, int n0, int h_kv, int b) const {
-    load_kv(ss.v, &p.tma_v, ss.v_full, ss.v_empty, it, n0, h_kv, b);
+    load_kv(ss.v, &p.tma_v, ss.v_bars, it, n0, h_kv, b);
   }
 };
 
-// One thread, one tile. Q once, then the K and V tiles of key blocks n_blocks-1 down to 0 (the order the consumers
-// visit them), each stage reused once all consumer warpgroups have released it.
+// One thread, one tile. Q once, then the K and V tiles of key blocks kb.last down to kb.first (the order the
+// consumers visit them), each stage reused once all consumer warpgroups have released it.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, int n_blocks) {
+                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
   load.prefetch_maps();
   load.load_q(m0, h, b);
   const int h_kv = h / static_cast<int>(p.groups);
+  const int n_blocks = kb.count();
   for (int i = 0; i < n_blocks; ++i) {
-    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    const int n0 = (kb.last - i) * kBlockN;
     load.load_k(i, n0, h_kv, b);
     load.load_v(i, n0, h_kv, b);
   }
@@ -159,7 +170,7 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 // on across tiles. Per tile: K of its first block (its stage was freed by an S GEMM of the tile before, so this need
 // not wait for that tile to end), then Q once the consumers have released the previous tile's (q_empty), then V and
 // the remaining blocks. Tiles with no key to visit are skipped (the consumers write their rows).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
@@ -169,15 +180,16 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
-    if (n_blocks == 0) continue;
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    const int n_blocks = kb.count();
+    if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
-    load.load_k(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
-    if (tiles > 0) tma::mbar_wait(ss.q_empty, (tiles - 1) & 1);
+    load.load_k(it, kb.last * kBlockN, h_kv, w.b);
+    ss.q_bars.wait_free(tiles);
     load.load_q(m0, w.h, w.b);
-    load.load_v(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
+    load.load_v(it, kb.last * kBlockN, h_kv, w.b);
     for (int i = 1; i < n_blocks; ++i) {
-      const int n0 = (n_blocks - 1 - i) * kBlockN;
+      const int n0 = (kb.last - i) * kBlockN;
       load.load_k(it + i, n0, h_kv, w.b);
       load.load_v(it + i, n0, h_kv, w.b);
     }
@@ -207,7 +219,10 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
 constexpr int kPingPongBarrier = 1;
 
 // One consumer warpgroup (wg = 0 ... kBlockM/64 - 1; tid = thread index within the consumer warpgroups, from 0): 64
-// query rows m0 + 64·wg ... of the block against key blocks n_blocks-1 down to 0 (n_blocks >= 1), then the epilogue.
+// query rows m0 + 64·wg ... of the block against key blocks kb.last down to kb.first (kb.count() >= 1), then the
+// epilogue. kVariants: the window's lower bound, the softcap and ALiBi of common/score_mod.cuh on each S block
+// before its mask, and the sinks in the epilogue (read at run time: any of them may be off); the plain
+// instantiations carry none of that code.
 // kPersistent: one tile of consume_persistent's loop: it0 = the K/V iterations of the CTA's earlier tiles, q_parity =
 // the q_full phase of this tile's Q; the ping-pong's first grant and last turn are consume_persistent's, and the
 // warps release Q (q_empty) once their last S GEMM has completed.
@@ -222,10 +237,11 @@ constexpr int kPingPongBarrier = 1;
 // runs 5 of its 6 k steps (E = 80 or 96 with Ev > 96 in the 128 tiles: 5 or 6 of 8; the rest are TMA's zeros),
 // while P·V keeps N = kHeadDim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK = kHeadDim>
+          int kHeadDimQK = kHeadDim, bool kVariants = false>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, int n_blocks, int tid, int it0,
+                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb, int tid, int it0,
                                         unsigned q_parity) {
+  const int n_blocks = kb.count();
   constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
@@ -249,6 +265,12 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   const bool causal = p.is_causal != 0;
   const long long causal_offset = p.causal_offset;
   const float sc = static_cast<float>(p.scale_log2);
+  ScoreMods score_mods{};
+  if constexpr (kVariants) {
+    const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_stride_b + h] : 0.f;
+    score_mods = {static_cast<float>(p.softcap_in), -slope * static_cast<float>(p.alibi_scale),
+                  static_cast<int>(p.seqlen_k - p.seqlen_q)};
+  }
 
   OnlineSoftmax<kBlockN, kHeadDim> softmax;
   softmax.init();
@@ -274,11 +296,10 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     }
   };
 
-  // Block i of this tile is K/V iteration it0 + i: its stage and its full barriers' phase parity.
-  auto stage = [&](int i) { return (it0 + i) % kStages; };
-  auto parity = [&](int i) { return static_cast<unsigned>(((it0 + i) / kStages) & 1); };
+  // Block i of this tile is K/V iteration it0 + i.
+  auto stage = [&](int i) { return ss.k_bars.stage(it0 + i); };
   // K_i has landed (waited for before taking the ping-pong turn: the turn is not held while TMA is pending).
-  auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[stage(i)], parity(i)); };
+  auto wait_k = [&](int i) { ss.k_bars.wait(it0 + i); };
   // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDimQK/16 k steps of 16 elements = 32 bytes
   // inside a kRowBytes swizzled row (the hardware applies the XOR to the computed address); every kStepsPerBlock
   // steps the next column block. K-major: SBO = one 8-row atom, LBO unused (16).
@@ -301,7 +322,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // apart (LBO), 8-row (k) groups one atom (SBO); a k step is 16 rows.
   auto issue_pv = [&](int i) {
     const int s = stage(i);
-    tma::mbar_wait(&ss.v_full[s], parity(i));
+    ss.v_bars.wait(it0 + i);
     const unsigned v_st = v_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
@@ -310,22 +331,25 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     wgmma::commit();
   };
   // The stage's K or V may be overwritten once all 4·kWGs consumer warps have waited for the wgmma reading it.
-  auto release = [&](unsigned long long* empty, int i) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&empty[stage(i)]);
-  };
+  auto release = [&](const pipeline::Ring<kStages>& bars, int i) { bars.release(it0 + i, lane); };
   // After release(k_empty, i): the S GEMM of the tile's last block was Q's last reader (persistent: the producer
   // loads the next tile's Q once all 4·kWGs warps are here).
   auto release_q = [&](int i) {
     if constexpr (kPersistent) {
-      if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_empty);
+      if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_bars.empty);
     }
   };
-  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
+  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal (the upper bound) or
+  // the lower edge of its window need element masks. The lower edge: the warpgroup's last row sees keys from
+  // wg_row0 + 63 + window_lo on. With kVariants the score mods come first (mask_tile's -inf wins).
+  const bool lower = kVariants && p.window_lo != kNoLowerBound;
   auto mask = [&](int i) {
-    const int n0 = (n_blocks - 1 - i) * kBlockN;
+    const int n0 = (kb.last - i) * kBlockN;
+    if constexpr (kVariants) apply_score_mods<kBlockN>(acc_s, score_mods, lane_row0(), n0, t);
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, p.seqlen_k, causal, causal_offset);
+      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{p.seqlen_k, causal_offset, causal});
+    if (lower && n0 < wg_row0 + 63 + p.window_lo)
+      mask_tile_lower<kBlockN>(acc_s, lane_row0(), n0, t, p.window_lo);
   };
   // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
   // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
@@ -338,7 +362,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   if constexpr (!kPersistent) {
     if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
   }
-  tma::mbar_wait(ss.q_full, q_parity);
+  tma::mbar_wait(ss.q_bars.full, q_parity);
 
   if constexpr (!kOverlap) {
     static_assert(!kPersistent, "the persistent variant is built on the overlap mainloop only");
@@ -349,13 +373,13 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       pass_turn(i);
       wgmma::wait<0>();
       wgmma::fence_operands(acc_s);
-      release(ss.k_empty, i);
+      release(ss.k_bars, i);
       mask(i);
       softmax.template step<T>(acc_s, pa, o, sc);
       issue_pv(i);
       wgmma::wait<0>();
       wgmma::fence_operands(o);
-      release(ss.v_empty, i);
+      release(ss.v_bars, i);
     }
   } else {
     // Block 0: S_0 and its softmax (O is still 0: nothing to rescale).
@@ -365,7 +389,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     pass_turn(0);
     wgmma::wait<0>();
     wgmma::fence_operands(acc_s);
-    release(ss.k_empty, 0);
+    release(ss.k_bars, 0);
     release_q(0);
     mask(0);
     softmax.template step<T>(acc_s, pa, o, sc);
@@ -377,7 +401,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       pass_turn(i);
       wgmma::wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
       wgmma::fence_operands(acc_s);
-      release(ss.k_empty, i);
+      release(ss.k_bars, i);
       release_q(i);
       mask(i);
       float alpha[2];
@@ -402,7 +426,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
       wgmma::fence_operands(o);
       wgmma::fence_operands(acc_s);
-      release(ss.v_empty, i - 1);
+      release(ss.v_bars, i - 1);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (moved[half]) softmax.rescale_half(o, half, alpha[half]);
@@ -412,11 +436,16 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     issue_pv(n_blocks - 1);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
-    release(ss.v_empty, n_blocks - 1);
+    release(ss.v_bars, n_blocks - 1);
   }
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
   float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
+  if (kVariants && p.sinks) {  // the sink's term joins each row's sum (common/score_mod.cuh); once per tile, off the mainloop
+    const float sink = sink_log2<T>(p.sinks, p.sinks_kind, h);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) softmax.add_sink(half, sink);
+  }
   if (p.o_tma) {
     store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p, m0,
                                                                           h, b, lse);
@@ -430,7 +459,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 // producer walks the same sequence), each through consume()'s mainloop and epilogue; a tile whose rows see no key
 // writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
 // closing empty turn are here (kPingPongBarrier).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK,
+          bool kVariants>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss, int tid) {
   constexpr int kWGs = kBlockM / 64;
@@ -441,14 +471,14 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const int n_blocks = key_blocks<kBlockM, kBlockN>(p, m0);
-    if (n_blocks == 0) {
-      store_empty_rows<T>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    if (kb.count() <= 0) {
+      store_empty_rows<T, kVariants>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
       continue;
     }
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK>(p, ss, m0, w.h, w.b, n_blocks, tid, it,
-                                                                     static_cast<unsigned>(tiles & 1));
-    it += n_blocks;
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants>(
+        p, ss, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1));
+    it += kb.count();
     ++tiles;
   }
   if (wg == 0) tma::named_barrier_sync(kPingPongBarrier, 256);

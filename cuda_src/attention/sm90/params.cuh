@@ -6,7 +6,7 @@
 
 namespace cupy_attn {
 
-// Passed by value as one __grid_constant__ parameter (704 bytes): the tensor maps must stay in the parameter space,
+// Passed by value as one __grid_constant__ parameter (768 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashFwdSm90Params {
   tma::TensorMap tma_q;  // Q as (E, L, Hq, B), box (64 or 32, kBlockM, 1, 1): one 128- or 64-byte swizzle atom wide
@@ -25,6 +25,16 @@ struct FlashFwdSm90Params {
   long long batch, num_heads;  // B, Hq: the persistent variant's tile count (sm90/tile_scheduler.cuh)
   long long tile_pairs;        // persistent and causal: 1 = units of two m-blocks (M-1-k, k), 0 = single m-blocks
   long long o_tma;             // 1: out stored through shared memory by TMA (tma_o); 0: 4-byte global stores
+  // The variants (common/visibility.cuh, common/score_mod.cuh), read by the kVariants instantiations only. A window's
+  // right side is folded into is_causal / causal_offset by the launcher (the smaller upper bound); its left side is
+  // window_lo.
+  long long window_lo;         // key j is visible to query i only if j >= i + window_lo (kNoLowerBound: no bound)
+  const void* sinks;           // (Hq,) sink logits (natural log), or nullptr
+  long long sinks_kind;        // 0: fp32 sinks; 1: sinks of the element type T
+  double softcap_in;           // kVariants: scale / c, or 0 without a softcap (scale_log2 is then c · log2(e))
+  const float* alibi_slopes;   // kVariants: fp32 ALiBi slopes (Hq,) or (B, Hq), or nullptr
+  long long alibi_stride_b;    // 0 for (Hq,) slopes, Hq for (B, Hq)
+  double alibi_scale;          // kVariants: 1 / scale, or 1 / c with a softcap (the bias in raw-score units)
 };
 
 }  // namespace cupy_attn

@@ -7,27 +7,65 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
+#include "common/visibility.cuh"
+#include "common/score_mod.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
 
-// Scores past the last visible key of each row become -inf: key j is visible to row r iff j < S and, under a causal
-// mask, j <= r + causal_offset. row: this lane's first row (g); n0 and t: the tile's and lane's first column.
-// The limit is made relative to the lane's first column and clamped to [-1, kBlockN] so that each compare is against
-// a per-element constant in an int (flash_fwd.cu v3: 64-bit column compares kept indices live and spilled).
+// Scores past the last visible key of each row become -inf (common/visibility.cuh). row: this lane's first row (g);
+// n0 and t: the tile's and lane's first column (key n0 + 2t); each element compares against Visibility::lane_limit.
 template <int kBlockN>
-__device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row, int n0, int t, long long seqlen_k,
-                                          bool causal, long long causal_offset) {
+__device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row, int n0, int t,
+                                          Visibility vis) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    long long limit = seqlen_k - 1;
-    if (causal) limit = min(limit, row + 8 * half + causal_offset);
-    const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kBlockN), limit - n0 - 2 * t)));
+    const int lim = vis.lane_limit<kBlockN>(row + 8 * half, n0, 2 * t);
     #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
       #pragma unroll
       for (int e = 0; e < 2; ++e)
         if (j * 8 + e > lim) s[4 * j + 2 * half + e] = neg_inf();
+  }
+}
+
+// Scores before the first visible key of each row become -inf: a window's lower bound, key j >= row + window_lo
+// (Visibility::lane_lower's clamped-int form; only tiles at the window's lower edge call this).
+template <int kBlockN>
+__device__ __forceinline__ void mask_tile_lower(float (&s)[kBlockN / 2], long long row, int n0, int t,
+                                                long long window_lo) {
+  const Visibility vis{0, 0, false, true, window_lo};
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int lo = vis.lane_lower<kBlockN>(row + 8 * half, n0, 2 * t);
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (j * 8 + e < lo) s[4 * j + 2 * half + e] = neg_inf();
+  }
+}
+
+// Softcap and ALiBi (common/score_mod.cuh) on a lane's scores of key tile n0: column 8j + 2t + e of row row + 8·half
+// is key n0 + 8j + 2t + e, at ALiBi distance row + 8·half + diag − key (kept relative to the tile in an int).
+template <int kBlockN>
+__device__ __forceinline__ void apply_score_mods(float (&s)[kBlockN / 2], const ScoreMods& mods, long long row,
+                                                 int n0, int t) {
+  if (mods.softcap_in != 0.f) {
+    #pragma unroll
+    for (int i = 0; i < kBlockN / 2; ++i) s[i] = tanh_approx(s[i] * mods.softcap_in);
+  }
+  if (mods.alibi_k != 0.f) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float d0 = static_cast<float>(static_cast<int>(row) + 8 * half + mods.diag - n0 - 2 * t);
+      #pragma unroll
+      for (int j = 0; j < kBlockN / 8; ++j)
+        #pragma unroll
+        for (int e = 0; e < 2; ++e)
+          s[4 * j + 2 * half + e] = fmaf(mods.alibi_k, fabsf(d0 - static_cast<float>(8 * j + e)),
+                                         s[4 * j + 2 * half + e]);
+    }
   }
 }
 
@@ -47,6 +85,17 @@ struct OnlineSoftmax {
   __device__ __forceinline__ void init() {
     m[0] = m[1] = neg_inf();
     l[0] = l[1] = 0.f;
+  }
+
+  // The sink's term (base 2) in rows g + 8·half's sum, at the end: l is this lane's quarter of the row sum, so the
+  // quad's lanes add a quarter each (the epilogue sums the four); a row that saw no key takes m = the sink, l = 1.
+  __device__ __forceinline__ void add_sink(int half, float sink_log2) {
+    if (m[half] == neg_inf()) {
+      m[half] = sink_log2;
+      l[half] = 0.25f;
+    } else {
+      l[half] += 0.25f * exp2f(sink_log2 - m[half]);
+    }
   }
 
   // Rows g + 8·half: row max, s -> 2^(s·sc − m) in place (fp32), m and l updated. Returns α = 2^(m_old − m) and

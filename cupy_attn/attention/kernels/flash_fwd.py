@@ -25,6 +25,7 @@ from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, element_strides, head_dim_bucket as _bucket, rows16, \
     set_strides, tile_arch
 from ...runtime.launch import PreparedLaunch, Step
+from .. import variants
 
 HEAD_DIMS = (32, 64, 96, 128, 160, 192, 256)   # instantiated head-dim buckets (multiples of 16: mma k steps)
 
@@ -227,6 +228,10 @@ def reason(p, arch: int) -> str | None:
         return f"head dims E={p.head_dim}, Ev={p.head_dim_v}: the fused kernel is instantiated up to 256"
     if p.mask_kind not in ("none", "bool", "float"):
         return f"mask kind {p.mask_kind!r} is not one of none/bool/float"
+    var = variants.of(p)
+    if not var.plain:
+        return (f"{', '.join(var.names())}: not in this kernel (the FA3-design kernel serves them on Hopper, the split "
+                "path elsewhere)")
     return None
 
 

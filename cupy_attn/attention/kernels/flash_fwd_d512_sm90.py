@@ -20,9 +20,10 @@ import numpy as np
 from ...runtime import env
 from ...runtime.compile import KernelFamily
 from ...runtime.interop import device_sms, dtype_name
-from ...runtime.kernel_abi import C_TYPE_16, LOG2E, set_strides
+from ...runtime.kernel_abi import C_TYPE_16, set_strides
 from ...runtime.launch import PreparedLaunch
 from ...runtime.tma import MapSpec, exp2_tma_reason, out_16b_reason
+from .. import variants
 from . import flash_fwd_sm90 as _sm90
 
 ENV = "CUPY_ATTN_D512"
@@ -39,8 +40,11 @@ def smem_bytes(stages: int = STAGES) -> int:
 FLASH_FWD_D512_SM90 = KernelFamily(
     name="flash_fwd_d512_sm90",
     source="attention/flash_fwd_d512_sm90.cu",
-    template="cupy_attn::flash_fwd_d512_sm90<{dtype}, {stages}, {persistent}>",
-    axes={"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,), "persistent": ("false", "true")},
+    template="cupy_attn::flash_fwd_d512_sm90<{dtype}, {stages}, {persistent}, {variants}>",
+    axes={"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,), "persistent": ("false", "true"),
+          "variants": ("false", "true")},
+    # The variants run one tile per CTA: the persistent kernel, at its 240-register limit, spilled with them.
+    where=lambda row: row["variants"] == "false" or row["persistent"] == "false",
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", _sm90.PARAMS),),
     arch="sm_90a",
@@ -67,6 +71,8 @@ def reason(p, arch: int) -> str | None:
         return f"head dims E={head_dim}, Ev={head_dim_v}: the head-dim-512 kernel serves 257-512 (Ev a multiple of 8)"
     if p.mask_kind != "none":
         return "attn_mask: the head-dim-512 kernel has no mask input (causal only)"
+    if variants.of(p).softcap is not None:
+        return "softcap: not in the head-dim-512 kernel (its two SFU operations per score made it spill)"
     return exp2_tma_reason("the head-dim-512 kernel", p.scale)
 
 
@@ -130,10 +136,17 @@ def grid_for(B: int, Hq: int, L: int, causal: bool, persistent: bool, num_sms: i
 
 
 class Choice(NamedTuple):
-    """What a call runs: the family (FLASH_FWD_D512_SM90, or a copy with other NVRTC options: A/B runs) and whether
-    its CTAs are persistent (the default; False: one tile per CTA, the baseline row of bench/experiments/d512)."""
+    """What a call runs: the family (FLASH_FWD_D512_SM90, or a copy with other NVRTC options: A/B runs), whether its
+    CTAs are persistent (the default; False: one tile per CTA, the baseline row of bench/experiments/d512), and
+    whether it is the variants' instantiation (window, ALiBi, sinks; one tile per CTA: :func:`choose`)."""
     family: KernelFamily = FLASH_FWD_D512_SM90
     persistent: bool = True
+    variants: bool = False
+
+
+def choose(p) -> Choice:
+    """The plan's choice: persistent CTAs, or for a call with variants their one-tile-per-CTA instantiation."""
+    return Choice() if variants.of(p).plain else Choice(persistent=False, variants=True)
 
 
 def build(p, choice: Choice, out, lse) -> PreparedLaunch:
@@ -146,23 +159,22 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     _, Hkv, S, Ev = v.shape
     import cupy
     kernel = choice.family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
-                                  persistent="true" if choice.persistent else "false")
+                                  persistent="true" if choice.persistent else "false",
+                                  variants="true" if choice.variants else "false")
     prm = np.zeros((), dtype=_sm90.PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
-    prm["is_causal"] = p.causal is not None
-    prm["causal_offset"] = p.causal_offset
-    prm["scale_log2"] = float(p.scale) * LOG2E
+    _sm90.set_variant_params(prm, p)
     prm["batch"], prm["num_heads"] = B, Hq
     set_strides(prm, ("out", out, "bhl"), ("lse", lse, "bhl"))
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, BLOCK_N), MapSpec.of(v, V_KEYS))
-    grid, prm["tile_pairs"] = grid_for(B, Hq, L, p.causal is not None, choice.persistent,
+    grid, prm["tile_pairs"] = grid_for(B, Hq, L, bool(prm["is_causal"]), choice.persistent,
                                        device_sms(cupy.cuda.Device().id))
     return _sm90.build_launch(kernel, prm, maps, grid, (THREADS,), smem_bytes())
 
 
 def describe(choice: Choice, p) -> dict:
     """The plan's details of a call on this kernel (explain())."""
-    return {"kernel": choice.family.name,
+    return {"kernel": choice.family.name + (" (variants: one tile per CTA)" if choice.variants else ""),
             "tile": f"{BLOCK_M} rows x {BLOCK_N}-key blocks, head dim padded to {HEAD_DIM}; two consumer warpgroups "
                     f"(S split by keys, O by columns, P through shared memory), {STAGES} x 32 KB TMA stages",
             "causal": "key blocks above the diagonal skipped" if p.causal else "none"}

@@ -41,6 +41,7 @@ from ...runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides, head_dim_bu
 from ...runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
 from ...runtime.tma import F64, I64, MAP, MapSpec, c_struct, exp2_tma_reason, o_tma_reason, \
     tma_operand_reason
+from .. import variants
 
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
@@ -147,11 +148,12 @@ def _all_tables() -> tuple:
 # FlashFwdSm90Params (cuda_src/attention/sm90/params.cuh), declared once here: its size and field sizes are asserted
 # at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
 PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_v", MAP, 64), ("tma_o", MAP, 64)]
-                   + [(n, F64 if n == "scale_log2" else I64, 8) for n in (
+                   + [(n, F64 if n in ("scale_log2", "softcap_in", "alibi_scale") else I64, 8) for n in (
                        "out", "lse", "seqlen_q", "seqlen_k", "head_dim_v", "groups", "is_causal", "causal_offset",
                        "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
-                       "o_tma")])
+                       "o_tma", "window_lo", "sinks", "sinks_kind", "softcap_in", "alibi_slopes", "alibi_stride_b",
+                       "alibi_scale")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -160,15 +162,20 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}>"),
+              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}, {variants}>"),
     axes={
         "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(TILES),
         "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(TILES) | {d for dims in QK_DIMS.values() for d in dims})),
+        "variants": ("false", "true"),
     },
+    # The variants (window, softcap, ALiBi, sinks) only in the persistent tiles (mode "3", which every variant call
+    # takes) at the bucket's own S GEMM width: 10 instantiations instead of 46 more.
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
-                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in QK_DIMS.get(row["head_dim"], ()))),
+                       and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in QK_DIMS.get(row["head_dim"], ()))
+                       and (row["variants"] == "false" or (row["tile"].persistent
+                                                           and row["qk_dim"] == row["head_dim"]))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", PARAMS),),
     arch="sm_90a",
@@ -278,11 +285,12 @@ def grid_for(tile: Tile, B: int, Hq: int, L: int, causal: bool, num_sms: int) ->
 
 class Choice(NamedTuple):
     """What a call runs: the mode ("1" ping-pong, "2" intra-warpgroup overlap, "3" overlap and persistent), the
-    instantiated head dim, the tile and the S GEMM's columns."""
+    instantiated head dim, the tile, the S GEMM's columns, and whether it is the variants' instantiation."""
     mode: str
     head_dim: int
     tile: Tile
     qk_dim: int
+    variants: bool = False
 
     @property
     def variant(self) -> str:
@@ -291,9 +299,40 @@ class Choice(NamedTuple):
 
 def choose(p, mode: str) -> Choice:
     """The choice for a problem this kernel serves (:func:`reason`) in ``mode``: its bucket (:func:`head_bucket`),
-    tile (:func:`tile_for`) and S GEMM columns (:func:`qk_dim`). The plan's, made once (dispatch)."""
+    tile (:func:`tile_for`) and S GEMM columns (:func:`qk_dim`). The plan's, made once (dispatch). A call with
+    variants (attention/variants.py) takes their instantiation, which exists in mode "3" at the bucket's full S GEMM
+    width only; windowed calls take the 128-row tiles, as causal ones (a 192-row tile masks more at a window's edges)."""
     bucket = head_bucket(p.head_dim, p.head_dim_v)
+    var = variants.of(p)
+    if not var.plain:
+        return Choice("3", bucket, tile_for("3", bucket, p.causal is not None or var.has_window), bucket, True)
     return Choice(mode, bucket, tile_for(mode, bucket, p.causal is not None), qk_dim(p.head_dim, bucket))
+
+
+def set_variant_params(prm: np.ndarray, p) -> None:
+    """The variant fields of FlashFwdSm90Params for a call (this kernel's and flash_fwd_d512_sm90's), and its bounds:
+    the upper one (causal and/or a window's right side) as is_causal / causal_offset, the lower one as window_lo
+    (common/visibility.cuh); softcap c as softcap_in = scale / c with scale_log2 = c·log2(e) and ALiBi in raw-score
+    units (common/score_mod.cuh); the sinks' and slopes' addresses (the launch holds them: such calls are not kept
+    by the call cache)."""
+    bounded, upper = p.key_upper
+    prm["is_causal"] = bounded
+    prm["causal_offset"] = upper if bounded else 0
+    prm["window_lo"] = p.window_lo
+    prm["scale_log2"] = float(p.scale) * LOG2E
+    var = variants.of(p)
+    natural = float(p.scale)  # raw scores times this are the scaled scores (before a softcap)
+    if var.softcap is not None:
+        prm["softcap_in"] = float(p.scale) / var.softcap
+        prm["scale_log2"] = var.softcap * LOG2E
+        natural = var.softcap
+    prm["alibi_scale"] = 1.0 / natural
+    if var.sinks is not None:
+        prm["sinks"], prm["sinks_kind"] = var.sinks.data.ptr, 0 if var.sinks.dtype == np.float32 else 1
+    if var.alibi_slopes is not None:
+        a = var.alibi_slopes
+        prm["alibi_slopes"] = a.data.ptr
+        prm["alibi_stride_b"] = a.strides[0] // a.itemsize if a.ndim == 2 else 0
 
 
 def build(p, choice: Choice, out, lse) -> PreparedLaunch:
@@ -305,17 +344,15 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     _, Hkv, S, Ev = v.shape
     D, tile = choice.head_dim, choice.tile
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
-                                       qk_dim=choice.qk_dim)
+                                       qk_dim=choice.qk_dim, variants="true" if choice.variants else "false")
     prm = np.zeros((), dtype=PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
-    prm["is_causal"] = p.causal is not None
-    prm["causal_offset"] = p.causal_offset
-    prm["scale_log2"] = float(p.scale) * LOG2E
+    set_variant_params(prm, p)
     num_sms = 0
     if tile.persistent:
         import cupy
         num_sms = device_sms(cupy.cuda.Device().id)
-    grid, pairs = grid_for(tile, B, Hq, L, p.causal is not None, num_sms)
+    grid, pairs = grid_for(tile, B, Hq, L, bool(prm["is_causal"]), num_sms)
     prm["batch"], prm["num_heads"], prm["tile_pairs"] = B, Hq, pairs
     set_strides(prm, ("out", out, "bhl"), ("lse", lse, "bhl"))
     cols = swizzle_bytes(D) // 2

@@ -32,6 +32,7 @@ from ...runtime.interop import device_sms, dtype_name
 from ...runtime.kernel_abi import C_TYPE_16, LOG2E, MASK_KIND, set_strides
 from ...runtime.launch import Maps, PreparedLaunch, Step
 from ...runtime.tma import F64, I64, MAP, MapSpec, c_struct, exp2_tma_reason, tma_operand_reason
+from .. import variants
 
 THREADS = 384        # a producer warpgroup and two consumer warpgroups
 BLOCK_M = 64         # query rows per CTA
@@ -232,6 +233,8 @@ def reason(p, arch: int, variant: int) -> str | None:
         return f"seqlen_k={p.seqlen_k}: the scores kernel holds whole rows of at most {MAX_SEQLEN_K} keys"
     if p.dropout_p > 0:
         return "dropout is not in the scores kernel"
+    if not variants.of(p).plain:
+        return f"{', '.join(variants.of(p).names())}: not in the scores kernel (the softmax kernel applies them)"
     if p.mask is not None:
         why = mask_reason(p.mask, p.seqlen_q)
         if why is not None:

@@ -17,8 +17,9 @@ import numpy as np
 from ... import philox
 from ...runtime.compile import KernelFamily
 from ...runtime.interop import dtype_name
-from ...runtime.kernel_abi import C_TYPE, MASK_KIND, MASK_NONE
+from ...runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
 from ...runtime.launch import PreparedLaunch, Step
+from .. import variants
 
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
@@ -32,11 +33,12 @@ TILES = {  # masked (attn_mask, causal or dropout) -> tiles
 }
 
 # Field order and types of SoftmaxParams in softmax.cu (all 8 bytes wide, so NumPy's layout equals the C struct's).
-PARAMS = np.dtype([(name, np.float64 if name == "dropout_scale" else np.int64) for name in (
+PARAMS = np.dtype([(name, np.float64 if name in ("dropout_scale", "softcap_log2") else np.int64) for name in (
     "scores", "lse", "mask", "rows", "rows_per_batch", "row0", "seqlen_k", "ld", "causal_offset", "mask_kind",
     "batch0", "n1", "n2", "mask_stride_b0", "mask_stride_b1", "mask_stride_b2", "mask_stride_q", "mask_stride_k",
     "lse_stride_b0", "lse_stride_b1", "lse_stride_b2",
-    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2")])
+    "rng", "dropout_threshold", "dropout_scale", "bh0", "bh_stride_b0", "bh_stride_b1", "bh_stride_b2",
+    "window_lo", "softcap_log2", "alibi_slopes", "sinks", "diag")])
 
 # dropout=true only with masked=true: a dropout call takes the masked tiles (the mask test is free next to Philox).
 SOFTMAX = KernelFamily(
@@ -46,6 +48,17 @@ SOFTMAX = KernelFamily(
     axes={"out_t": tuple(C_TYPE.values()), "tile": tuple(sorted(set(sum(TILES.values(), ())))),
           "masked": tuple(TILES), "dropout": ("false", "true")},
     where=lambda row: row["tile"] in TILES[row["masked"]] and (row["dropout"] == "false" or row["masked"] == "true"),
+    structs=(("cupy_attn::SoftmaxParams", PARAMS),),
+)
+
+# The variants (window, softcap, ALiBi, sinks: attention/variants.py) on the masked tiles, dropout or not: its own
+# kernel (masked_softmax_variants), declared with one block per SM, where ptxas would otherwise hold the wide tiles to
+# 64 registers and spill.
+SOFTMAX_VARIANTS = KernelFamily(
+    name="softmax_variants",
+    source="attention/softmax.cu",
+    template="cupy_attn::masked_softmax_variants<{out_t}, {tile[0]}, {tile[1]}, {dropout}>",
+    axes={"out_t": tuple(C_TYPE.values()), "tile": TILES["true"], "dropout": ("false", "true")},
     structs=(("cupy_attn::SoftmaxParams", PARAMS),),
 )
 
@@ -60,11 +73,23 @@ def tile_for(seqlen_k: int, masked: bool = True) -> tuple[int, int]:
 
 
 def masked(p) -> bool:
-    """Whether a call takes the masked kernels: an attn_mask, a causal mask or dropout."""
-    return p.mask is not None or p.causal is not None or p.dropout_p > 0
+    """Whether a call takes the masked kernels: an attn_mask, a causal mask, dropout or a variant."""
+    return p.mask is not None or p.causal is not None or p.dropout_p > 0 or not variants.of(p).plain
 
 
-def base_params(p, ld: int, axes) -> np.ndarray:
+def expanded_variant_arrays(p):
+    """(alibi, sinks): the call's ALiBi slopes and sink logits as fp32 CuPy arrays of B·Hq, indexed by the flat
+    (batch, query head) index the kernel computes (None where the call has none)."""
+    import cupy
+    var = variants.of(p)
+    out = []
+    for a in (var.alibi_slopes, var.sinks):
+        out.append(None if a is None else cupy.ascontiguousarray(
+            cupy.broadcast_to(a.astype(cupy.float32), (p.batch, p.num_heads))).reshape(-1))
+    return tuple(out)
+
+
+def base_params(p, ld: int, axes, variant_arrays=(None, None)) -> np.ndarray:
     """SoftmaxParams with what every chunk of the call ``p`` (checks.SDPAProblem) shares: S, the buffer's pitch ``ld``
     (elements), the causal limit (checks.SDPAProblem.visible_offset: S without one), the mask's kind and strides, dropout's threshold and scale, and the
     batch axes ``axes``: three (size, mask stride, lse stride, Philox (batch, head) index step) tuples, outermost
@@ -85,6 +110,13 @@ def base_params(p, ld: int, axes) -> np.ndarray:
     if mask is not None:
         base["mask_stride_q"] = mask.strides[2] // mask.itemsize
         base["mask_stride_k"] = mask.strides[3] // mask.itemsize
+    var = variants.of(p)
+    base["window_lo"] = p.window_lo if hasattr(p, "window_lo") else variants.UNBOUNDED_LO
+    base["softcap_log2"] = 0.0 if var.softcap is None else var.softcap * LOG2E
+    base["diag"] = p.seqlen_k - p.seqlen_q
+    alibi, sinks = variant_arrays
+    base["alibi_slopes"] = 0 if alibi is None else alibi.data.ptr
+    base["sinks"] = 0 if sinks is None else sinks.data.ptr
     return base
 
 
@@ -98,8 +130,12 @@ def build(p, base: np.ndarray, *, batches: int, rows: int, row0: int, batch0: in
     params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = batches * rows, rows, row0, batch0
     params["bh0"], params["seqlen_k"] = bh0, seqlen_k
     tile = tile_for(seqlen_k, masked(p))
-    kernel = SOFTMAX.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile, masked="true" if masked(p) else "false",
-                            dropout="true" if p.dropout_p > 0 else "false")
+    if variants.of(p).plain:
+        kernel = SOFTMAX.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile, masked="true" if masked(p) else "false",
+                                dropout="true" if p.dropout_p > 0 else "false")
+    else:
+        kernel = SOFTMAX_VARIANTS.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile,
+                                         dropout="true" if p.dropout_p > 0 else "false")
     rows_per_block = max(1, 128 // tile[0])
     return PreparedLaunch(params, [Step(kernel, (-(-batches * rows // rows_per_block),), (max(tile[0], 128),))],
                           args=("scores", "mask", "lse", "rng"),

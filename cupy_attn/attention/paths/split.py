@@ -138,6 +138,8 @@ class _Schedule:
     # The P·V kernel (pv_sm90.build's launch) after the scores kernel where the plan chose it (SplitChoice.pv): one
     # launch in place of the chunks' cuBLAS P·V GEMMs; chunks is then empty.
     pv: object = None
+    # Arrays the launches read by address (the variants' expanded slopes and sinks: softmax.expanded_variant_arrays).
+    keep: tuple = ()
 
 
 _SCHEDULES: dict = {}
@@ -149,6 +151,7 @@ def _schedule_key(p, choice: SplitChoice, out, lse) -> tuple:
     operands' 16-byte alignment (TMA); not pointers."""
     m = p.mask
     return (p.ctx.device_id, p.dtype, p.groups, p.causal, p.scale, p.mask_kind, p.dropout_p, choice,
+            p.variants.window_size, p.variants.softcap,
             *((a.shape, a.strides, _align16(a)) for a in (p.query, p.key, p.value, out)),
             None if m is None else (m.dtype, m.shape, m.strides), None if lse is None else lse.strides)
 
@@ -191,6 +194,8 @@ def schedule(p, choice: SplitChoice, out, lse=None) -> "_Schedule":
     pointers: run() replays it on any arrays of the same layout."""
     if out.size == 0 or p.seqlen_k == 0:
         raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
+    if p.variants.sinks is not None or p.variants.alibi_slopes is not None:
+        return _build_schedule(p, choice, out, lse)  # it holds the call's expanded slopes and sinks: not kept
     key = _schedule_key(p, choice, out, lse)
     sched = _SCHEDULES.get(key)
     if sched is None:
@@ -371,7 +376,8 @@ def _build_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
 
     causal_offset = p.visible_offset  # the visible keys of a band: r0 + lc + offset
     alpha = p.scale * LOG2E  # the kernel works in base 2
-    softmax_base = softmax.base_params(p, ld, [(ax.size, ax.mask, ax.lse, ax.bh) for ax in dec])
+    variant_arrays = softmax.expanded_variant_arrays(p)
+    softmax_base = softmax.base_params(p, ld, [(ax.size, ax.mask, ax.lse, ax.bh) for ax in dec], variant_arrays)
     mask_isz = p.mask.itemsize if p.mask is not None else 1
     sq, sk, sv, so = (a.strides[2] // a.itemsize for a in (p.query, p.key, p.value, out))
     gemms: dict = {}
@@ -460,7 +466,8 @@ def _build_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,
                          scores=scores_launch, itemsize=isz, streams=streams)
-    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks, streams=streams)
+    return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks, streams=streams,
+                     keep=variant_arrays)
 
 
 def p_bytes_per_batch(p) -> int:
