@@ -184,3 +184,76 @@ def test_explain_names_the_variant_and_skipped_tiles():
     text = str(plan)
     assert "window (256, 0)" in text and "sinks" in text
     assert "skipped" in text
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Gradients: query, key, value and sinks against float64 autograd of the same function (torch ops, the sink as a
+# softmax column), within twice the error of that function computed by torch at the inputs' precision.
+
+def _torch_variant_function(q, k, v, sinks, *, causal, window, softcap, slopes):
+    """The variants in differentiable torch ops at q's precision (float64 for the reference)."""
+    Hq, Hkv = q.shape[-3], k.shape[-3]
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
+    L, S = q.shape[-2], k.shape[-2]
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if slopes is not None:
+        s = s + torch.from_numpy(reference.alibi_bias(slopes.double().cpu().numpy(), L, S)).to(s.device, s.dtype)
+    keep = torch.from_numpy(reference.visible_keys(L, S, causal, window)).to(q.device)
+    s = s.masked_fill(~keep, float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype).reshape(Hq, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
+    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(q.dtype)
+    if sinks is not None:
+        p = p[..., :-1]
+    return p @ v
+
+
+GRAD_CASES = [
+    # (name, B, Hq, Hkv, L, S, E, causal, window, softcap, sinks, alibi)
+    ("window causal", 2, 4, 2, 300, 300, 128, True, (64, 0), None, False, False),
+    ("window two-sided", 1, 4, 4, 257, 300, 64, False, (40, 17), None, False, False),
+    ("window L>S bottom-right", 1, 2, 2, 300, 129, 128, "bottom_right", (50, 0), None, False, False),
+    ("softcap", 1, 4, 2, 200, 200, 128, True, None, 5.0, False, False),
+    ("alibi gqa", 2, 4, 2, 150, 260, 256, True, (100, 0), None, False, True),
+    ("sinks gpt-oss", 1, 8, 2, 256, 256, 64, True, (128, 0), None, True, False),
+    ("everything", 1, 4, 2, 193, 193, 96, True, (33, 0), 20.0, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("case", GRAD_CASES, ids=[c[0] for c in GRAD_CASES])
+def test_gradients(dtype, case):
+    name, B, Hq, Hkv, L, S, E, causal, window, softcap, with_sinks, with_alibi = case
+    g = torch.Generator("cuda").manual_seed(L + 7 * S + E)
+    dt = DTYPES[dtype]
+    scale_in = 3.0 if softcap is not None else 1.0
+    q = (torch.randn(B, Hq, L, E, generator=g, device="cuda") * scale_in).to(dt).requires_grad_()
+    k = (torch.randn(B, Hkv, S, E, generator=g, device="cuda") * scale_in).to(dt).requires_grad_()
+    v = torch.randn(B, Hkv, S, E, generator=g, device="cuda").to(dt).requires_grad_()
+    sinks = (torch.randn(Hq, generator=g, device="cuda") * 2).requires_grad_() if with_sinks else None
+    slopes = (2.0 ** (-8.0 * torch.arange(1, Hq + 1, device="cuda") / Hq)).float() if with_alibi else None
+    dout = torch.randn(B, Hq, L, E, generator=g, device="cuda").to(dt)
+    kw = dict(causal=causal, window=window, softcap=softcap, slopes=slopes)
+    inputs = [q, k, v] + ([sinks] if sinks is not None else [])
+
+    def grads(fn, xs):
+        for x in xs:
+            x.grad = None
+        out = fn(*xs)
+        out.backward(dout.to(out.dtype))
+        return out, [x.grad.double().cpu() for x in xs]
+
+    out, got = grads(lambda q_, k_, v_, *s: cupy_attn.scaled_dot_product_attention(
+        q_, k_, v_, is_causal=causal, enable_gqa=Hq != Hkv, window_size=window, softcap=softcap,
+        sinks=s[0] if s else None, alibi_slopes=slopes), inputs)
+    ref_in = [x.detach().double().requires_grad_() for x in inputs]
+    ref_out, want = grads(lambda q_, k_, v_, *s: _torch_variant_function(q_, k_, v_, s[0] if s else None, **kw),
+                          ref_in)
+    peer_in = [x.detach().clone().requires_grad_() for x in inputs]
+    _, peer = grads(lambda q_, k_, v_, *s: _torch_variant_function(q_, k_, v_, s[0] if s else None, **kw), peer_in)
+    assert_close(out, ref_out.detach().cpu().numpy(), dtype, None, f"{name} out")
+    for label, a, b, c in zip(("dq", "dk", "dv", "dsinks"), got, want, peer):
+        assert_close(a.numpy(), b.numpy(), dtype, c.numpy(), f"{dtype} {name} {label}")
