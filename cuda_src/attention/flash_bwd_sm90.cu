@@ -60,7 +60,7 @@
 
 namespace cupy_attn {
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -103,7 +103,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
           bwd_dq_write(p, ss, h_kv, b, steps, tid % 32);
         }
       },
-      [&](int tid) { bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, tid); });
+      [&](int tid) { bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants>(p, ss, n0, h_kv, b, steps, tid); });
 }
 
 }  // namespace cupy_attn

@@ -99,18 +99,22 @@ _I64, _F64 = np.dtype(np.int64), np.dtype(np.float64)
 # FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
 # asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
 _PARAMS = _fa3._c_struct([(n, _fa3._MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq")]
-                         + [(n, _F64 if n in ("scale", "scale_log2") else _I64, 8) for n in (
-                             "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
-                             "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
-                             "scale_log2")])
+                         + [(n, _F64 if n in ("scale", "scale_log2", "softcap_in", "alibi_scale") else _I64, 8)
+                            for n in ("dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k",
+                                      "seqlen_q_padded", "head_dim", "head_dim_v", "num_heads", "groups", "is_causal",
+                                      "causal_offset", "scale", "scale_log2", "window_lo", "softcap_in",
+                                      "alibi_slopes", "alibi_stride_b", "alibi_scale")])
 FLASH_BWD_SM90 = KernelFamily(
     name="flash_bwd_sm90",
     source="attention/flash_bwd_sm90.cu",
-    template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
+    template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
+             "{variants}>",
     axes={
         "dtype": tuple(_C_TYPES.values()),
         "head_dim": tuple(SM90_BWD_TILES),
         "tile": tuple(sorted(set(SM90_BWD_TILES.values()), key=dataclasses.astuple)),
+        # true: window (lower bound), softcap and ALiBi read at run time, for every tile of SM90_BWD_TILES
+        "variants": ("false", "true"),
     },
     where=lambda row: row["tile"] == SM90_BWD_TILES[row["head_dim"]],
     archs=("sm_90a",),
@@ -214,6 +218,7 @@ class Sm90Backward(_bwd.FusedBackward):
         prm["is_causal"] = p.causal is not None
         prm["causal_offset"] = S - L if p.causal == "bottom_right" else 0
         prm["scale"], prm["scale_log2"] = p.scale, p.scale * _LOG2E
+        prm["window_lo"] = -(1 << 40)  # kNoLowerBound (common/visibility.cuh); read by variants="true" only
         do = _bwd._Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
@@ -227,7 +232,8 @@ class Sm90Backward(_bwd.FusedBackward):
         dq = functools.partial(_fa3.encode_tensor_map, "float32", dims=(E, L, Hq, B),
                                strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
         self.stats_map = _fa3.TensorMaps((stats, dq))
-        self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
+        self.kernel = StructLaunch(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile,
+                                                         variants="false"),
                                    (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))
         self.cast = _bwd.GroupSum(ctype, B * Hq * L * E, B * Hq * L * E, 1)
 

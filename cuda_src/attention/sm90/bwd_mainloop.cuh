@@ -273,7 +273,7 @@ __device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_ti
 // while dPᵀ is in flight; dV is issued before dQ, wait<1> then releases dO (dV done) while dQ runs, and so on. The
 // named barrier sits after dV's issue at kBlockN = 128 (dV reads only this warpgroup's registers) and before it at
 // kBlockN = 64 (dV reads the other warpgroup's Pᵀ).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
                                             int n0, int h_kv, int b, BwdSteps steps, int tid) {
