@@ -1,6 +1,7 @@
 // Fused attention backward for Hopper (sm_90a), FlashAttention-3 design: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V
 // with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 256; the kVariants
-// instantiations also serve a sliding window's lower bound (sm90/bwd_variants.cuh; the upper bound is the causal one).
+// instantiations also serve a sliding window's lower bound (the upper bound is the causal one), softcap and ALiBi
+// (sm90/bwd_variants.cuh: the consumers' two modes, picked per CTA from the parameters).
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
 // and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
@@ -61,8 +62,8 @@
 
 namespace cupy_attn {
 
-// kVariants: the parameters' window_lo is read at run time (kNoLowerBound: none); false: the plain kernel, without
-// its code. Grid: (ceil(S / kBlockN), Hkv, B); block: 384 threads.
+// kVariants: the parameters' window_lo, softcap_in and alibi_slopes are read at run time (any may be off); false: the
+// plain kernel, without their code. Grid: (ceil(S / kBlockN), Hkv, B); block: 384 threads.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
@@ -118,6 +119,8 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
       [&](int tid) {
         if constexpr (!kVariants) {
           bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kPlain>(p, ss, n0, h_kv, b, steps, tid);
+        } else if (p.softcap_in != 0.0 || p.alibi_slopes) {
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kScoreMods>(p, ss, n0, h_kv, b, steps, tid);
         } else {
           bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kWindow>(p, ss, n0, h_kv, b, steps, tid);
         }
