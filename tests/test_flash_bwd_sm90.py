@@ -42,7 +42,8 @@ F16 = np.dtype("float16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = _compile.compile_family(FAMILY, "sm_90a")
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * len(_sm90.TILES)
+    # dtypes × (plain, variants) × tiles
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.TILES)
     assert_clean(reports, max_registers=168)
 
 
@@ -54,13 +55,16 @@ def _sass(expr):
         _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
 
 
-@pytest.mark.parametrize("row", list(FAMILY.variants()), ids=lambda r: f"{r['dtype']}-{r['head_dim']}")
+@pytest.mark.parametrize("row", list(FAMILY.variants()),
+                         ids=lambda r: f"{r['dtype']}-{r['head_dim']}" + ("-variants" * (r["variants"] == "true")))
 def test_sass(row):
     expr = FAMILY.name_expression(**row)
     text = _sass(expr)
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     names = [op.split()[0] for op in ops]
-    for op in ("UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "STSM"):
+    # the variants' softcap: tanh from ex2 and rcp (common/score_mod.cuh)
+    for op in ("UTMALDG", "SYNCS", "USETMAXREG", "MUFU.EX2", "STSM") + (("MUFU.RCP",) if row["variants"] == "true"
+                                                                       else ()):
         assert any(n.startswith(op) for n in names), f"{expr}: no {op} in the SASS"
     # dQ: TMA reduces from the staging, issued by the writer warp; no red.global.add.
     assert any(n.startswith("UTMAREDG") for n in names), f"{expr}: no UTMAREDG in the SASS"
@@ -105,7 +109,8 @@ def test_tiles():
         else:  # a warpgroup per 64 keys: all queries, all columns
             assert tile.block_m in _gen.SS_N and d in _gen.RS_N
         for dtype in C_TYPE_16.values():
-            assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile) in declared
+            for variants in ("false", "true"):
+                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, variants=variants) in declared
     # Above the mma.sync kernel's 128, the Hopper kernel's 256 (the forward's FA3 buckets).
     assert set(_sm90.TILES) == set(_mma.TILES) | {256}
 
@@ -121,9 +126,9 @@ def test_tile_registers_fit_by_columns_only_at_256():
 def test_params_layout():
     """The kernel reads its six tensor maps at 0/128/.../640 and dk right after them (bwd_params.cuh)."""
     p = _sm90._PARAMS
-    assert p.itemsize == 896
-    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq", "dk", "scale_log2")] \
-        == [0, 128, 256, 384, 512, 640, 768, 888]
+    assert p.itemsize == 960
+    assert [p.fields[n][1] for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq", "dk", "scale_log2",
+                                     "window_lo", "alibi_scale")] == [0, 128, 256, 384, 512, 640, 768, 888, 896, 928]
 
 
 def test_head_bucket_and_reasons():

@@ -1,5 +1,7 @@
 // Fused attention backward for Hopper (sm_90a), FlashAttention-3 design: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V
-// with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 256.
+// with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 256; the kVariants
+// instantiations also serve a sliding window's lower bound (the upper bound is the causal one), softcap and ALiBi
+// (sm90/bwd_variants.cuh: the consumers' two modes, picked per CTA from the parameters).
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
 // and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
@@ -60,7 +62,9 @@
 
 namespace cupy_attn {
 
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+// kVariants: the parameters' window_lo, softcap_in and alibi_slopes are read at run time (any may be off); false: the
+// plain kernel, without their code. Grid: (ceil(S / kBlockN), Hkv, B); block: 384 threads.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -74,12 +78,21 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
 
   const int n0 = blockIdx.x * kBlockN, h_kv = blockIdx.y, b = blockIdx.z;
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
-  // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise.
+  // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise; with kVariants also
+  // i <= (the block's last key) − window_lo under a window's lower bound (Visibility::first_row, last_row).
   BwdSteps steps;
-  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, visibility_of(p).causal_first_row(n0) / kBlockM)) : 0;
-  steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
+  if constexpr (kVariants) {
+    const Visibility vis = visibility_of(p);
+    const long long first = max(0ll, vis.first_row(n0));
+    const long long last = min(static_cast<long long>(L) - 1, vis.last_row(min(n0 + kBlockN, S) - 1));
+    steps.m_first = static_cast<int>(min(first, static_cast<long long>(L)) / kBlockM);
+    steps.m_count = first <= last ? static_cast<int>(last / kBlockM) - steps.m_first + 1 : 0;
+  } else {
+    steps.m_first = p.is_causal ? static_cast<int>(max(0ll, visibility_of(p).causal_first_row(n0) / kBlockM)) : 0;
+    steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
+  }
   steps.count = steps.m_count > 0 ? static_cast<int>(p.groups) * steps.m_count : 0;
-  if (steps.count == 0) {  // no query sees these keys (causal): their dK and dV are 0
+  if (steps.count == 0) {  // no query sees these keys (causal, a window): their dK and dV are 0
     const long long kv_head = static_cast<long long>(b) * gridDim.y + h_kv;
     const int rows = min(kBlockN, S - n0);
     const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
@@ -103,7 +116,15 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
           bwd_dq_write(p, ss, h_kv, b, steps, tid % 32);
         }
       },
-      [&](int tid) { bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, tid); });
+      [&](int tid) {
+        if constexpr (!kVariants) {
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kPlain>(p, ss, n0, h_kv, b, steps, tid);
+        } else if (p.softcap_in != 0.0 || p.alibi_slopes) {
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kScoreMods>(p, ss, n0, h_kv, b, steps, tid);
+        } else {
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kWindow>(p, ss, n0, h_kv, b, steps, tid);
+        }
+      });
 }
 
 }  // namespace cupy_attn

@@ -91,10 +91,15 @@ struct Visibility {
   }
 
   // The backward's view, per key: the first row the causal mask lets see key `key`, the inverse of causal_limit
-  // (may be negative or past L: the caller clamps), and the first row that sees it under this Visibility. All rows
-  // from there on see it (no window yet: a window adds a last row, key − (S − L) + left).
+  // (may be negative or past L: the caller clamps), and the first row that sees it under this Visibility. The rows
+  // first_row(key) ... last_row(key) see it.
   __device__ __forceinline__ long long causal_first_row(long long key) const { return key - causal_offset; }
   __device__ __forceinline__ long long first_row(long long key) const { return causal ? causal_first_row(key) : 0; }
+  // The last row that sees key `key`: the inverse of first_key, key − window_lo under a window's lower bound (key −
+  // (S − L) + left; may be negative or past L: the caller clamps), else past every row (key + 2^40).
+  __device__ __forceinline__ long long last_row(long long key) const {
+    return key - (lower ? window_lo : kNoLowerBound);
+  }
 
   // The causal test as `key <= row + limit_offset()` for every row: causal_offset, or S when not causal.
   __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }

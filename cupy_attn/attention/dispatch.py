@@ -528,9 +528,19 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
     var = p.variants
     if var.has_window or var.softcap is not None or var.alibi_slopes is not None:
-        # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's).
-        raise NotImplementedError(f"the backward of {', '.join(var.names())} is not implemented yet (the forward "
-                                  "runs; pass tensors that do not require grad, or call under torch.no_grad())")
+        # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's). The
+        # others: the Hopper kernel's variants instantiation, or nothing yet.
+        arch = device_arch(p) if arch is None else arch
+        why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
+        if p.dropout_p > 0:
+            why_not = "dropout (the Hopper kernel has no dropout variant)"
+        if why_not is not None or setting in ("split", "mma"):
+            raise NotImplementedError(
+                f"the backward of {', '.join(var.names())} runs on the Hopper backward kernel only, which cannot "
+                f"take this call ({why_not or f'{ENV_BWD}={setting}'}); the forward runs: pass tensors that do not "
+                "require grad, or call under torch.no_grad()")
+        return BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                            f"Hopper wgmma kernel, variants instantiation ({', '.join(var.names())})")
     if setting == "split":
         return BackwardPlan("split", None, f"forced by {ENV_BWD}=split")
     if p.mask is not None:

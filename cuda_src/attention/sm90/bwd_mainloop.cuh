@@ -41,6 +41,7 @@
 #include "common/wgmma.cuh"
 #include "attention/sm90/bwd_params.cuh"
 #include "attention/sm90/bwd_epilogue.cuh"
+#include "attention/sm90/bwd_variants.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -273,7 +274,10 @@ __device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_ti
 // while dPᵀ is in flight; dV is issued before dQ, wait<1> then releases dO (dV done) while dQ runs, and so on. The
 // named barrier sits after dV's issue at kBlockN = 128 (dV reads only this warpgroup's registers) and before it at
 // kBlockN = 64 (dV reads the other warpgroup's Pᵀ).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+// kMode (sm90/bwd_variants.cuh: BwdMode): kPlain for the plain instantiations; the kVariants ones run kWindow (the
+// mask at a window's lower edge too) or kScoreMods (softcap and/or ALiBi: tanh between the waits, Pᵀ and the
+// softcap's factor in the dS pass), picked per CTA by the kernel.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, BwdMode kMode>
 __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
                                             int n0, int h_kv, int b, BwdSteps steps, int tid) {
@@ -298,6 +302,16 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   const int causal_offset = static_cast<int>(p.causal_offset);  // |S − L| < 2^31
   const float sc = static_cast<float>(p.scale_log2);
   const int groups = static_cast<int>(p.groups);
+  // The variants (sm90/bwd_variants.cuh; kMode != kPlain). A window's lower bound that binds for some row has −L <
+  // window_lo < S; one that binds for none (or none at all) becomes −(L + 3·kBlockM), which no tile's edge test or
+  // column limit reaches. kScoreMods: the softcap (softcap_in != 0) and ALiBi (alibi_k != 0 per step) at run time.
+  constexpr bool kVariants = kMode != BwdMode::kPlain;
+  constexpr bool kScoreMods = kMode == BwdMode::kScoreMods;
+  const int L = static_cast<int>(p.seqlen_q);
+  const int window_lo = kVariants && p.window_lo > -p.seqlen_q ? static_cast<int>(p.window_lo) : -(L + 3 * kBlockM);
+  const float softcap_in = kScoreMods ? static_cast<float>(p.softcap_in) : 0.f;
+  const bool capped = softcap_in != 0.f;
+  const int dist_lane = 2 * t + S - L - key0;  // ALiBi's distance i + S − L − j of the lane's first element, − q0
 
   float acc_dk[kKvN / 2], acc_dv[kKvN / 2];
   #pragma unroll
@@ -350,40 +364,44 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + sd * Smem::kQBytes;
     const unsigned ds_buf = (i & 1) * Smem::kDSBytes;
 
+    // ALiBi's factor for this step's query head (its slope read while the GEMMs run); 0 without ALiBi.
+    float alibi_k = 0.f;
+    if (kScoreMods && p.alibi_slopes)
+      alibi_k = -p.alibi_slopes[b * p.alibi_stride_b + h_kv * groups + i / steps.m_count]
+                * static_cast<float>(p.alibi_scale);
+
     ss.q_bars.wait(i);
     issue_ss(acc_s, k_base, q_st);
     ss.do_bars.wait(i);
     issue_ss(acc_dp, v_base, do_st);
 
-    // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal are masked
-    // only in blocks that have any (warpgroup-uniform test).
+    // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal (with
+    // kVariants also below a window's lower edge: this tile's last query sees keys from q0 + kSN − 1 + window_lo on)
+    // are masked only in blocks that have any (warpgroup-uniform test; bwd_mask: the columns 8j + e of this lane,
+    // queries q0 + 8j + 2t + e, hidden from key0 + 8·half). kScoreMods: only the softcap's tanh runs here, and the dS
+    // pass below forms Pᵀ with its bias and mask (sm90/bwd_variants.cuh).
     wgmma::wait<1>();
     wgmma::fence_operands(acc_s);
     const float* lse = ss.lse + s * kBlockM + q_col;
-    #pragma unroll
-    for (int j = 0; j < kSN / 8; ++j) {
-      const float2 l = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        acc_s[4 * j + 2 * half] = exp2_approx(fmaf(acc_s[4 * j + 2 * half], sc, -l.x));
-        acc_s[4 * j + 2 * half + 1] = exp2_approx(fmaf(acc_s[4 * j + 2 * half + 1], sc, -l.y));
-      }
-    }
     const int q0 = m0 + q_col;  // first query of this warpgroup's Sᵀ columns
-    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {
+    const float* delta = ss.delta + sd * kBlockM + q_col;
+    [[maybe_unused]] int lo[2], hi[2];  // kScoreMods: the visible columns lo <= 8j + e <= hi of key0 + 8·half
+    [[maybe_unused]] float dist;        // kScoreMods: ALiBi's distance i + S − L − j of the lane's first element
+    if constexpr (!kScoreMods) {
+      bwd_exp_scores<kSN>(acc_s, lse, t, sc);
+      if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)
+          || (kVariants && q0 + kSN - 1 + window_lo > key_wg))
+        bwd_mask<kSN, kVariants>(acc_s, key0, q0, t, S, causal, causal_offset, window_lo);
+    } else {
+      if (capped) bwd_tanh_scores<kSN>(acc_s, softcap_in);
+      const bool edge = key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)
+                        || q0 + kSN - 1 + window_lo > key_wg;
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        // Columns 8j + e of this lane (query q0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
-        // of them past S, those below the diagonal's column key − causal_offset − q0 when causal.
-        const int key = key0 + 8 * half;
-        // (Visibility::causal_first_row(key) − q0 − 2t, in int: the 64-bit helper changed the SASS here.)
-        const int first = key >= S ? kSN : (causal ? key - causal_offset - q0 - 2 * t : 0);
-        #pragma unroll
-        for (int j = 0; j < kSN / 8; ++j)
-          #pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (8 * j + e < first) acc_s[4 * j + 2 * half + e] = 0.f;
+        lo[half] = edge ? bwd_first_col<kSN>(key0 + 8 * half, q0, t, S, causal, causal_offset) : 0;
+        hi[half] = edge ? bwd_last_col(key0 + 8 * half, q0, t, window_lo) : kSN;
       }
+      dist = static_cast<float>(q0 + dist_lane);
     }
     // ptxas keeps the exponentials above this wait here (tests/test_backward_sm90.py checks the SASS), without the
     // forward's scheduling barrier (sm90/mainloop.cuh): a MEMBAR.SC.CTA would also order the previous step's dQ
@@ -394,15 +412,25 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     // 8 columns 8j.. are k step j / 2, registers 2·(j % 2) + half), one 8-column tile at a time so that its fp32
     // values die at once; each k step's dSᵀ (and at kBlockN = 64 its Pᵀ) also goes to shared memory (one stmatrix:
     // the four registers of an A fragment are four 8 × 8 matrices; conflict-free, the swizzle spreads 8 rows over 8
-    // chunks).
-    const float* delta = ss.delta + sd * kBlockM + q_col;
+    // chunks). kScoreMods: each element's Pᵀ first (bias, mask), and dSᵀ with the softcap's factor (1 − t²).
     #pragma unroll
     for (int j = 0; j < kSN / 8; ++j) {
       const float2 d = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+      [[maybe_unused]] float2 l;
+      if constexpr (kScoreMods) l = *reinterpret_cast<const float2*>(lse + 8 * j + 2 * t);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int a = 4 * j + 2 * half;
-        const float ds0 = acc_s[a] * (acc_dp[a] - d.x), ds1 = acc_s[a + 1] * (acc_dp[a + 1] - d.y);
+        float ds0, ds1;
+        if constexpr (kScoreMods) {
+          const float dist0 = dist + static_cast<float>(8 * j - 8 * half);  // element a's (a + 1's: one more)
+          ds0 = bwd_score_mod_ds(acc_s[a], acc_dp[a], l.x, d.x, sc, capped, alibi_k, dist0,
+                                 8 * j < lo[half] || 8 * j > hi[half]);
+          ds1 = bwd_score_mod_ds(acc_s[a + 1], acc_dp[a + 1], l.y, d.y, sc, capped, alibi_k, dist0 + 1.f,
+                                 8 * j + 1 < lo[half] || 8 * j + 1 > hi[half]);
+        } else {
+          ds0 = acc_s[a] * (acc_dp[a] - d.x), ds1 = acc_s[a + 1] * (acc_dp[a + 1] - d.y);
+        }
         pa[j / 2][2 * (j % 2) + half] = pack2<T>(acc_s[a], acc_s[a + 1]);
         dsa[j / 2][2 * (j % 2) + half] = pack2<T>(ds0, ds1);
       }

@@ -6,7 +6,7 @@
 
 namespace cupy_attn {
 
-// Passed by value as one __grid_constant__ parameter (896 bytes): the tensor maps must stay in the parameter space,
+// Passed by value as one __grid_constant__ parameter (960 bytes): the tensor maps must stay in the parameter space,
 // where TMA reads them by address. Integers are 8 bytes wide, like the NumPy side's int64 fields.
 struct FlashBwdSm90Params {
   tma::TensorMap tma_q;     // Q as (E, L, Hq, B), box (64, kBlockM, 1, 1), 128-byte swizzle
@@ -26,9 +26,20 @@ struct FlashBwdSm90Params {
   long long num_heads;      // Hq
   long long groups;         // Hq / Hkv: key/value head h serves query heads h·groups ... h·groups + groups − 1
   long long is_causal;      // 1: key j is visible to query i iff j <= i + causal_offset
-  long long causal_offset;  // 0 (top-left, torch's is_causal) or S - L (bottom-right)
+  long long causal_offset;  // 0 (top-left, torch's is_causal) or S - L (bottom-right); with a window's right side
+                            // the smaller of that and S − L + right
   double scale;             // softmax scale (dK = scale · dSᵀ Q; dQ's scale is applied by the atomics)
-  double scale_log2;        // scale · log2(e)
+  double scale_log2;        // scale · log2(e); c · log2(e) with a softcap c (the forward's P = 2^(t·sc − lse·log2 e))
+  // The variants (common/visibility.cuh, common/score_mod.cuh; the forward's names), read by the kVariants
+  // instantiations only. A window's right side is folded into is_causal / causal_offset by the launcher (the smaller
+  // upper bound); its left side is window_lo. Sinks need nothing here: dS = P ∘ (dP − D) holds with the sink in lse,
+  // and the sinks' own gradient is computed outside the kernel.
+  long long window_lo;         // key j is visible to query i only if j >= i + window_lo (kNoLowerBound: no bound)
+  double softcap_in;           // scale / c, or 0 without a softcap. scale stays the softmax scale: dS with respect
+                               // to the raw score is dS · scale · (1 − t²), the kernel's scale times (1 − t²)
+  const float* alibi_slopes;   // fp32 ALiBi slopes (Hq,) or (B, Hq), or nullptr
+  long long alibi_stride_b;    // 0 for (Hq,) slopes, Hq for (B, Hq)
+  double alibi_scale;          // 1 / scale, or 1 / c with a softcap (the bias in raw-score units)
 };
 
 }  // namespace cupy_attn

@@ -31,7 +31,8 @@ from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE_16, LOG2E, Layout, head_dim_bucket
 from ...runtime.tma import F64, I64, MAP, MapSpec, bindings_reason, c_struct, encode_tensor_map, \
     tma_operand_reason
-from . import bwd_rows
+from .. import variants
+from . import bwd_rows, flash_fwd_sm90
 THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
 STAT_PAD = 128
@@ -99,18 +100,22 @@ TILES = {
 # FlashBwdSm90Params (cuda_src/attention/sm90/bwd_params.cuh), declared once here: its size and field sizes are
 # asserted at compile time (KernelFamily.structs), its field order by tests/test_structs.py.
 _PARAMS = c_struct([(n, MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", "tma_stats", "tma_dq")]
-                   + [(n, F64 if n in ("scale", "scale_log2") else I64, 8) for n in (
+                   + [(n, F64 if n in ("scale", "scale_log2", "softcap_in", "alibi_scale") else I64, 8) for n in (
                              "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
                              "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
-                             "scale_log2")])
+                             "scale_log2", "window_lo", "softcap_in", "alibi_slopes", "alibi_stride_b",
+                             "alibi_scale")])
 FLASH_BWD_SM90 = KernelFamily(
     name="flash_bwd_sm90",
     source="attention/flash_bwd_sm90.cu",
-    template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}>",
+    template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
+             "{variants}>",
     axes={
         "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(TILES),
         "tile": tuple(sorted(set(TILES.values()), key=dataclasses.astuple)),
+        # true: window (lower bound), softcap and ALiBi read at run time, for every tile
+        "variants": ("false", "true"),
     },
     where=lambda row: row["tile"] == TILES[row["head_dim"]],
     archs=("sm_90a",),
@@ -209,9 +214,13 @@ class Sm90Backward(bwd_rows.FusedBackward):
         prm = self.params = np.zeros((), dtype=_PARAMS)
         prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = L, S, l_pad
         prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, p.groups
-        prm["is_causal"] = p.causal is not None
-        prm["causal_offset"] = p.causal_offset
-        prm["scale"], prm["scale_log2"] = p.scale, p.scale * LOG2E
+        # The bounds and the variants as the forward's (flash_fwd_sm90.set_variant_params): the upper bound (causal
+        # and/or a window's right side) as is_causal / causal_offset, window_lo, softcap_in = scale / c with
+        # scale_log2 = c·log2(e) (``scale`` stays the softmax scale: dS's own factor), ALiBi in raw-score units.
+        flash_fwd_sm90.set_variant_params(prm, p)
+        prm["scale"] = p.scale
+        var = variants.of(p)
+        kernel_variants = var.has_window or var.softcap is not None or var.alibi_slopes is not None
         do = Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
@@ -227,7 +236,8 @@ class Sm90Backward(bwd_rows.FusedBackward):
                                strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
         scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
         self.kernel = PreparedLaunch(
-            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile),
+            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile,
+                                             variants="true" if kernel_variants else "false"),
                        (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
             args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
             pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",

@@ -310,7 +310,8 @@ def choose(p, mode: str) -> Choice:
 
 
 def set_variant_params(prm: np.ndarray, p) -> None:
-    """The variant fields of FlashFwdSm90Params for a call (this kernel's and flash_fwd_d512_sm90's), and its bounds:
+    """The variant fields of FlashFwdSm90Params for a call (this kernel's, flash_fwd_d512_sm90's and, but for the
+    sinks, the Hopper backward's FlashBwdSm90Params), and its bounds:
     the upper one (causal and/or a window's right side) as is_causal / causal_offset, the lower one as window_lo
     (common/visibility.cuh); softcap c as softcap_in = scale / c with scale_log2 = c·log2(e) and ALiBi in raw-score
     units (common/score_mod.cuh); the sinks' and slopes' addresses (the launch holds them: such calls are not kept
@@ -327,7 +328,7 @@ def set_variant_params(prm: np.ndarray, p) -> None:
         prm["scale_log2"] = var.softcap * LOG2E
         natural = var.softcap
     prm["alibi_scale"] = 1.0 / natural
-    if var.sinks is not None:
+    if var.sinks is not None and "sinks" in prm.dtype.names:  # (the backward's struct has none: nothing to do there)
         prm["sinks"], prm["sinks_kind"] = var.sinks.data.ptr, 0 if var.sinks.dtype == np.float32 else 1
     if var.alibi_slopes is not None:
         a = var.alibi_slopes
