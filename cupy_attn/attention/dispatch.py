@@ -21,7 +21,7 @@ import numpy as np
 
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import Layout
-from . import checks
+from . import checks, variants
 from .kernels import flash_bwd, flash_bwd_sm90, flash_decode, flash_fwd, flash_fwd_d512_sm90 as d512, \
     flash_fwd_sm90, gemm_3xtf32, pv_sm90, scores_sm90, softmax
 from .paths import split
@@ -526,7 +526,7 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
     setting = env.get(ENV_BWD, "")
     if setting not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
-    var = p.variants
+    var = variants.of(p)
     if var.has_window or var.softcap is not None or var.alibi_slopes is not None:
         # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's). The
         # others: the Hopper kernel's variants instantiation, or nothing yet.
