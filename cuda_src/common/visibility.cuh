@@ -28,8 +28,11 @@ struct KeyBlocks {
   __device__ __forceinline__ int count() const { return last - first + 1; }
 };
 
-struct Visibility {
-  long long seqlen_k;       // S
+// SeqLen: the type the kernel holds S in (long long, or int where S − 1 is taken in 32 bits: flash_fwd.cu, whose S
+// may be lowered to a key-padding prefix); bounds and limits are 64-bit.
+template <typename SeqLen>
+struct BasicVisibility {
+  SeqLen seqlen_k;          // S
   long long causal_offset;  // 0 or S − L; used only when causal
   bool causal;
 
@@ -85,6 +88,8 @@ struct Visibility {
   // The causal test as `key <= row + limit_offset()` for every row: causal_offset, or S when not causal.
   __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }
 };
+
+using Visibility = BasicVisibility<long long>;
 
 // A kernel's Visibility from its parameter struct (every struct names the three fields alike).
 template <typename Params>
