@@ -66,6 +66,7 @@
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
 #include "common/pdl.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -242,9 +243,11 @@ __device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split,
       max_i = max(max_i, (w.r0 + r) % L);
       min_i = min(min_i, (w.r0 + r) % L);
     }
-    w.n_end = static_cast<int>(min(static_cast<long long>(w.n_end), max_i + p.causal_offset + 1));
-    n_vis = static_cast<int>(max(static_cast<long long>(w.n_start), min(static_cast<long long>(w.n_end),
-                                                                         min_i + p.causal_offset + 1)));
+    // The split's keys [n_start, n_end) as a Visibility with S = n_end: the last row sees up to end_key(max_i), the
+    // first only up to end_key(min_i).
+    w.n_end = static_cast<int>(BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(max_i));
+    n_vis = static_cast<int>(max(static_cast<long long>(w.n_start),
+                                 BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(min_i)));
   }
   w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
   w.n_fast = max(0, n_vis - w.n_start) / kBlockN;
@@ -302,8 +305,7 @@ __device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, cons
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half, pr = w.r0 + r;
     const int i = pr % L;
-    long long lim = w.n_end - 1;
-    if (p.is_causal) lim = min(lim, i + p.causal_offset);
+    const long long lim = BasicVisibility<int>{w.n_end, p.causal_offset, p.is_causal != 0}.last_key(i);
     rl.limit[half] = r < w.rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
     rl.mrow[half] = nullptr;
     if constexpr (HasMask) {
@@ -791,11 +793,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
   const int kb_k = (E + 63) / 64, kb_v = (Ev + 63) / 64;  // column blocks TMA loads; the rest stay zero
 
-  if (threadIdx.x == 0) {
-    ss.bars.init(kNWarps);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  pipeline::init_barriers([&] { ss.bars.init(kNWarps); });  // empty: each consumer warp
 
   if (warp == kNWarps) {
     // Producer: tile it fills ring iteration it (common/pipeline.cuh).
