@@ -76,6 +76,7 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/pack.cuh"
 #include "attention/sm90/roles.cuh"
 
@@ -248,7 +249,7 @@ __device__ __forceinline__ int visible_keys(const ScoresSm90Params& p, int m0) {
   int n_vis = static_cast<int>(p.seqlen_k);
   if (p.is_causal) {
     const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+    n_vis = static_cast<int>(max(0ll, Visibility{p.seqlen_k, p.causal_offset, true}.end_key(last_row)));
   }
   return n_vis;
 }
@@ -340,9 +341,12 @@ __device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n
                                           const ScoresSm90Params& p) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    long long limit = min(p.seqlen_k, static_cast<long long>(n0 + nw));  // keys < limit are visible to this row
-    if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-    // column 8j + e of this lane is visible iff 8j + e < lim
+    // Column 8j + e of this lane is visible iff 8j + e < lim: the chain's keys end at n0 + nw (a Visibility with S
+    // cut there).
+    // Keys < limit are visible to this row: a Visibility with S cut at the chain's end, n0 + nw. Column 8j + e of
+    // this lane is visible iff 8j + e < lim (the clamped-int form of Visibility::lane_limit, exclusive).
+    const long long limit = Visibility{min(p.seqlen_k, static_cast<long long>(n0 + nw)), p.causal_offset,
+                                       p.is_causal != 0}.end_key(m0 + r0 + 8 * half);
     const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kN), limit - n0 - 2 * t))) : -1;
     #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
