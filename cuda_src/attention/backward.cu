@@ -30,6 +30,7 @@
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/philox.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
   const bool empty = lse == -inf();
   const float lse2 = lse * kLog2e;
   const float d = kGrad ? p.delta[head * p.seqlen_q + i] : 0.f;
-  const long long limit = i + p.causal_offset;
+  // The causal limit of row i (common/visibility.cuh); the host passes causal_offset = S when the call is not causal.
+  const long long limit = Visibility{p.seqlen_k, p.causal_offset, true}.causal_limit(i);
   const unsigned char* mrow = nullptr;
   long long mstride = 0;
   if (p.mask_kind != 0) {

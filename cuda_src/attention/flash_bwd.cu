@@ -39,6 +39,7 @@
 #include "common/tile.cuh"
 #include "common/philox.cuh"
 #include "common/reduce.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -123,7 +124,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
   const int n0 = n_block * kBlockN;
   const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4, vec_do = p.vec_flags & 8;
   const float scale_log2 = static_cast<float>(p.scale_log2);
-  const long long off = p.is_causal ? p.causal_offset : S;  // key j visible to query i iff j <= i + off
+  // Key j is visible to query i iff j < S and j <= i + off (common/visibility.cuh: limit_offset).
+  const long long off = BasicVisibility<int>{S, p.causal_offset, p.is_causal != 0}.limit_offset();
 
   load_tile<kBlockN, kHeadDim, kThreads>(sK, static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h +
                                              n0 * p.k_stride_s, p.k_stride_s, S - n0, E, vec_k);

@@ -30,6 +30,7 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/roles.cuh"
 #include "attention/sm90/pack.cuh"
 
@@ -70,7 +71,10 @@ struct SharedStorage {
 __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   if (m0 >= p.seqlen_q) return 0;
   long long n = p.seqlen_k;
-  if (p.is_causal) n = max(0ll, min(n, min(m0 + kBlockM / 2, p.seqlen_q) + p.causal_offset));
+  if (p.is_causal) {
+    const long long last_row = min(m0 + kBlockM / 2, p.seqlen_q) - 1;
+    n = max(0ll, Visibility{n, p.causal_offset, true}.end_key(last_row));
+  }
   return static_cast<int>((n + kBlockK - 1) / kBlockK);
 }
 

@@ -34,6 +34,7 @@
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/mask.cuh"
+#include "common/visibility.cuh"
 #include "common/philox.cuh"
 
 namespace cupy_attn {
@@ -93,7 +94,8 @@ masked_softmax(const SoftmaxParams p) {
   const bool active = row < p.rows;
   const long long b = active ? row / p.rows_per_batch : 0;
   const long long i = p.row0 + (active ? row % p.rows_per_batch : 0);
-  const long long limit = i + p.causal_offset;
+  // The causal limit of row i (common/visibility.cuh); the host passes causal_offset = S when the call is not causal.
+  const long long limit = Visibility{p.seqlen_k, p.causal_offset, true}.causal_limit(i);
   const long long gbatch = p.batch0 + b;
   const char* mask_row = nullptr;
   if (p.mask_kind != kMaskNone) {
