@@ -48,6 +48,7 @@
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/pack.cuh"
 #include "attention/sm90/roles.cuh"
@@ -81,8 +82,7 @@ struct SharedStorage {
   float* row_sum;       // [warpgroup][row]: the warpgroup's share of l
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);  // sm90::smem_base, spelled out:
-    q = smem;                                                                   // calling it changed the SASS
+    q = sm90::smem_base(base);
     p = q + kQBytes;
     ring = p + kPBytes;
     bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
@@ -109,14 +109,12 @@ __device__ __forceinline__ int v_stage_key(int vc) {
   return (i < half ? 0 : kBlockN / 2) + part * (kBlockN / 2 / kParts) + (i % half) * kVKeys;
 }
 
-// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask).
+// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask); 0
+// when its rows see no key.
 __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) {
-    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    last_key = min(last_key, last_row + p.causal_offset);
-  }
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+  const Visibility vis = visibility_of(p);
+  const long long last_key = vis.last_key(min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1);
+  return last_key < 0 ? 0 : vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
 }
 
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
@@ -197,7 +195,6 @@ struct Consumer {
   using Params = FlashFwdSm90Params;
   int wg, warp, lane, g, t;
   int r0;  // this lane's rows in the block: r0 and r0 + 8
-  long long S;
   float c;
   unsigned q_base, p_base, ring_base;
   int step = 0, q_round = 0, blk = 0;  // blk: key blocks done by this CTA (row-max buffer parity across tiles)
@@ -209,7 +206,6 @@ struct Consumer {
     g = lane / 4;
     t = lane % 4;
     r0 = warp * 16 + g;
-    S = p.seqlen_k;
     c = static_cast<float>(p.scale_log2);
     q_base = tma::smem_u32(ss.q);
     p_base = tma::smem_u32(ss.p);
@@ -242,20 +238,20 @@ struct Consumer {
     wgmma::fence_operands(s);
   }
 
-  // Keys past S or past a row's causal limit: −inf. s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
+  // Keys past each row's last visible key (common/visibility.cuh): −inf. s[4jj + 2·half + e] is row r0 + 8·half, key
+  // key0 + 8jj + 2t + e; only a tile reaching past S or the causal limit of the block's first row has any.
   __device__ __forceinline__ void mask(const Params& p, float (&s)[64], int j, int m0) const {
-    const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
-    if (key0 + 128 > S || (p.is_causal && key0 + 127 > m0 + p.causal_offset)) {
+    const Visibility vis = visibility_of(p);
+    const int key0 = j * kBlockN + wg * 128;
+    if (vis.tile_needs_mask<128>(key0, m0)) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        long long limit = S;
-        if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-        const long long lim = limit - key0 - 2 * t;  // column 8jj + e of this lane is visible iff 8jj + e < lim
+        const int lim = vis.lane_limit<128>(m0 + r0 + 8 * half, key0, 2 * t);  // visible iff 8jj + e <= lim
         #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
           #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (8 * jj + e >= lim) s[4 * jj + 2 * half + e] = neg_inf();
+            if (8 * jj + e > lim) s[4 * jj + 2 * half + e] = neg_inf();
       }
     }
   }
