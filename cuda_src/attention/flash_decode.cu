@@ -65,6 +65,7 @@
 #include "common/mask.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/pdl.cuh"
 #include "common/visibility.cuh"
 
@@ -746,7 +747,7 @@ struct StreamSmem {
   pipeline::Ring<kStages> bars;  // full: 1 arrival (the producer's expect_tx) + the TMA bytes; empty: each consumer warp
 
   __device__ __forceinline__ explicit StreamSmem(unsigned char* base) {
-    k = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    k = sm90::smem_base(base);
     v = k + kStages * kTileBytes;
     q = v + kStages * kTileBytes;
     bars.full = reinterpret_cast<unsigned long long*>(q + kQBytes);

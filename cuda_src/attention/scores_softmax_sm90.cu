@@ -132,7 +132,7 @@ struct SharedStorage {
   float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
     bars.full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));

@@ -37,6 +37,7 @@
 #include "common/mma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/bwd_params.cuh"
@@ -112,7 +113,7 @@ struct BwdSharedStorage {
   pipeline::Ring<kDoStages> do_bars;   // dO (and its D row) per step
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     k = reinterpret_cast<T*>(smem);
     v = reinterpret_cast<T*>(smem + kKVBytes);
     q = reinterpret_cast<T*>(smem + 2 * kKVBytes);

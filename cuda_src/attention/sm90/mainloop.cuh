@@ -26,6 +26,7 @@
 #pragma once
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
@@ -73,7 +74,7 @@ struct SharedStorage {
   float* sink;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kQBytes);
     v = reinterpret_cast<T*>(smem + kQBytes + kStages * kKVBytes);
