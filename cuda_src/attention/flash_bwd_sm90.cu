@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "Q and dO rings of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);

@@ -782,7 +782,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   static_assert(kWarpN % 16 == 0 && kHeadDim % 64 == 0, "16 keys per warp per P·V step, 64-column TMA boxes");
   static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "8-row swizzle atoms, TMA box rows <= 256");
   static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kNWarps * 16 * (kHeadDim + 2) * 4 <= 2 * kStages * Smem::kTileBytes, "merge scratch fits the ring");
   pdl_launch_dependents();  // the combine kernel (PDL-launched) may start; it waits for this grid's partials
 

@@ -73,6 +73,7 @@ template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 2) +
                                 4 * (2 * 2 * kBlockM + 2 * kBlockM) + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* q;     // 8 boxes of 64 rows × 64 columns (8 KB each), 128-byte swizzle
   unsigned char* p;     // 4 atoms of 64 rows × 64 keys (8 KB each), 128-byte swizzle: the P·V A operand
   unsigned char* ring;  // kStages × 32 KB
@@ -438,12 +439,8 @@ struct Consumer {
 template <typename T, int kStages, bool kPersistent>
 __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace d512;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
+  const SharedStorage<kStages> ss(smem_raw);
   TileWalk<kPersistent> tiles(p);
   pipeline::init_barriers([&] {
     ss.bars.init(8);  // lane 0 of each consumer warp

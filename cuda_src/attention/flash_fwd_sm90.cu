@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
                 "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.

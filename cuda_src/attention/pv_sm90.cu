@@ -57,6 +57,7 @@ constexpr int kStageBytes = kPBytes + kVBytes;
 template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kStages * kStageBytes + 8 * 2 * kStages + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* ring;
   pipeline::Ring<kStages> bars;  // full: the stage's P and V boxes; empty: 8 arrivals, lane 0 of each consumer warp
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
@@ -190,12 +191,8 @@ __device__ __forceinline__ void consume(const PvSm90Params& p, const SharedStora
 template <typename T, int kStages>
 __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
   using namespace pv;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
+  const SharedStorage<kStages> ss(smem_raw);
   const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
   const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
   const int heads = static_cast<int>(p.num_heads);

@@ -824,7 +824,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
   static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
   static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
   // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
