@@ -25,7 +25,7 @@
 // attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim (16-byte loads where aligned).
 // Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
 //
-// Versions: v1 split backward for every dtype and head dim (the fused one is flash_bwd.cu). v2 kDropout variants.
+// History: bench/notes/kernels_bwd_rows.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"

@@ -51,21 +51,7 @@
 // (registers: kMTiles·(kBlockN/2 + kHeadDim/2) fp32 accumulators per thread must stay under 255 without spills;
 // shared memory: (kBlockM + 2·kStages·kBlockN)·(kHeadDim + 8)·2 bytes, two CTAs per SM where it fits).
 //
-// Versions (H200, fp16, TFLOP/s and ratio to torch 2.11's FLASH_ATTENTION backend in the same run; bench/NOTES_flash.md):
-//                                                        (8,16,2048,128)  (4,32,4096,64)  (8,16,1024,256)  keypad mask
-//   v1  FA2 structure, padded smem, 1 stage, explicit scale multiply  280 (0.84×)  239 (0.82×)  245 (0.85×)  111
-//   v2  2-stage K/V (one barrier per iteration), scale folded into
-//       the exp2 FFMA, O rescale skipped when no row max moved,
-//       bool masks as bits, key-padding trailing tiles pre-scanned   313 (0.95×)  257 (0.86×)  230 (0.80×)  297 (0.77× torch's choice)
-//   v3  causal / partial-tile limit tested per lane as a small int
-//       (64-bit column compares kept 2·kNTiles indices live next to
-//       S: 208-688 B of spills at 128×128, D=64), P packed to 16 bits
-//       per row half, masked kernels recompute the K/V base pointers;
-//       D=64 moves to 128×128 (now spill-free)                         (0.98×)      (1.02×)      (0.88×)     same-machine A/B
-//   v4  key-padding masks that are a prefix become a shorter S (no per-tile mask work); sm_90a wgmma variant with
-//       ping-pong warpgroups for head dims 64/128/192/256                 373 (1.11×)  343 (1.15×)  353 (1.23×)  392 (1.03×
-//                                                                                                     cuDNN, torch's choice)
-//   v5  kDropout variants (64-row tiles at head dims <= 128: DROPOUT_TILES); dropout-free SASS unchanged. Untimed.
+// History and measurements: bench/notes/kernels_flash_fwd.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -601,7 +587,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
 
     if constexpr (kStages == 1) {
       // K[nb-1] is fetched only now, behind O += P V: issued before the softmax (FlashAttention-2's place) it would
-      // overlap more, but its addresses would be live next to the 64 S accumulators and spill (measured: 60 B).
+      // overlap more, but its addresses would be live next to the 64 S accumulators and spill.
       if (nb > 0) load_k(nb - 1, 0);
       cp_async_commit();
     }

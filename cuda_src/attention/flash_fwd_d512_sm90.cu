@@ -21,7 +21,8 @@
 // order (v_stage_key). Q (64 × 512, eight
 // 64-column boxes) is loaded once per CTA.
 // Not (yet) here: overlap of the row max and the first part's exponentials with wgmma (the rest of the softmax runs
-// under P·V since v1.3; two deeper overlap variants measured slower, bench/NOTES_split.md), attn_mask.
+// under P·V; deeper overlap measured slower), attn_mask. Accumulation fp32 (S, O, the row statistics); P is rounded
+// to T as the P·V operand.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -32,16 +33,7 @@
 // before the max; rows past L and columns past Ev are not stored. out is written by 16-byte stores (the launcher
 // requires Ev a multiple of 8 and 16-byte aligned rows).
 //
-// Versions (H200; bench/experiments/d512_fwd.py, bench/NOTES_split.md):
-//   v1  producer + two consumers splitting keys (S) and head-dim columns (O), phases in turn
-//       (4,16,2048,2048,512) fp16 1.06-1.09 ms (505-521 TFLOP/s); (2,8,4096,4096,512) bf16 0.98-1.02 (539-563)
-//   v1.1 conditional rescale (FlashAttention-4): 1.061 vs 1.088 ms, 0.969 vs 1.006 (567 TFLOP/s)  (session 14)
-//   v1.2 persistent CTAs for calls without a causal mask (the next tile's Q and K stages load under a tile's last
-//       P·V and O stores): 1.028 vs 1.057 ms (535 TFLOP/s); causal calls keep one tile per CTA (static striding
-//       measured 0.715 against 0.548 ms at (2,8,4096,4096,512) bf16)                                   (session 14)
-//   v1.3 P·V in four parts, each part's exponentials under the previous part's wgmma: −6 to −7% kernel time on four
-//       D = 512 shapes (0.948 vs 1.015 ms at (4,16,2048,2048,512) fp16); causal calls persistent over m-block pairs
-//       (M−1−k, k) (tile_scheduler.cuh): −4 to −15% against one tile per CTA                           (session 15)
+// History and measurements: bench/notes/kernels_flash_fwd_d512_sm90.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"

@@ -3,8 +3,8 @@
 //
 // Why not cuBLAS: a batched GEMM multiplies every key of every row. The split path cut causal P·V into two row bands
 // (two cuBLAS launches: 3/4 of the work), but the second band re-reads V from DRAM, and bands of 128 rows or fewer
-// are slow in cuBLAS; at the seed's causal variant (32, 32, 512, 512, 1024) the two bands took as long as the full
-// product (0.84-0.90 ms against ~0.86; bench/NOTES_split.md, sessions 16-17). Here every 64-row block multiplies
+// are slow in cuBLAS: at the seed's causal variant the two bands took as long as the full product
+// (bench/notes/kernels_pv_sm90.md). Here every 64-row block multiplies
 // only the 64-key steps holding its visible keys (9/16 of the work at L = S = 512), and a head's tiles run side by
 // side, so its V crosses from DRAM about once.
 //
@@ -24,8 +24,11 @@
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane 4g + t
 // holds rows 64w + 16v + g and + 8 of the tile, columns 8j + 2t, + 1 (the wgmma accumulator layout).
-// Shared memory: kStages × 48 KB (4: 192 KB) + 2·kStages barriers + 1 KB of alignment slack.
+// Tiles: 128 × 256 of out (wgmma's widest N, as cuBLAS's 128 × 256 tiles: per k step the shared-memory port carries
+// 48 KB of TMA writes and 2 × 40 KB of operand reads), 64 keys per stage; shared memory kStages × 48 KB (4: 192 KB) +
+// 2·kStages barriers + 1 KB of alignment slack. Accumulation fp32; out rounded to T once.
 // out is written by 16-byte stores (the launcher requires Ev a multiple of 8 and 16-byte aligned rows).
+// History and measurements: bench/notes/kernels_pv_sm90.md.
 #include "common/types.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
