@@ -701,7 +701,8 @@ __device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedS
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-    // Keys past S and past a row's causal limit take no part (mask_keys).
+    // Keys past S and past a row's causal limit take no part (mask_keys; the pre-test is Visibility::tile_needs_mask's,
+    // spelled out with the chain's own conditions).
     if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset))
       mask_keys<kHalfN>(acc, active, n0, nw, m0, r0, t, p);
     if constexpr (kMasked) {

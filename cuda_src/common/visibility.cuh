@@ -18,6 +18,15 @@
 // kernels (bwd_rows, softmax, flash_bwd) receive causal_offset = S when the call is not causal, so that their
 // test j <= i + causal_offset is the causal one unchanged (i + S >= S − 1 for every row): limit_offset() gives that
 // form from a Visibility.
+//
+// Where a kernel still spells a test itself (calling the helper changed its SASS, which issue 32 kept identical), it
+// says so beside the test; a window or score hook must be added there too:
+//   * the per-tile pre-test "does this key tile need element masks" (tile_needs_mask's condition) in
+//     sm90/mainloop.cuh (consume) and scores_softmax_sm90.cu (consume); flash_fwd.cu's uses causal_limit;
+//   * the Hopper backward's per-element test, per key (sm90/bwd_mainloop.cuh: causal_first_row in int), and its
+//     per-tile pre-test;
+//   * flash_bwd.cu's per-element test `key <= query + limit_offset()` and first query block;
+//   * flash_decode.cu's per-element test compares against the row's last_key (RowLimits), clamped in int.
 #pragma once
 
 namespace cupy_attn {

@@ -370,7 +370,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       }
     }
     const int q0 = m0 + q_col;  // first query of this warpgroup's Sᵀ columns
-    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {
+    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {  // (the causal limit of row q0, in int)
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // Columns 8j + e of this lane (query q0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all

@@ -315,7 +315,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_bars.empty);
     }
   };
-  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
+  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks
+  // (Visibility::tile_needs_mask's test, spelled out: calling it changed the SASS).
   auto mask = [&](int i) {
     const int n0 = (n_blocks - 1 - i) * kBlockN;
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
