@@ -431,7 +431,8 @@ def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True
 
     tiles > 1 (one CTA): the persistent kernel, ring steps counted across tiles (step = tile · k_blocks + kb). Its P
     leaves by 16-byte stores from registers, so each warp releases a tile's last stage once its wgmma have read it
-    (wait_group 0), before the epilogue; with ``p_staged`` (the -DCUPY_ATTN_SCORES_P_TMA build) it holds that stage
+    (wait_group 0), before the epilogue; with ``p_staged`` (the persistent kernel's -DCUPY_ATTN_SCORES_P_TMA build,
+    removed after 725cf17: bench/notes/kernels_scores_sm90.md; the one-tile kernels' order) it holds that stage
     through the epilogue (P staged in it, then stored by TMA) and releases it after. Its epilogue exchanges row
     statistics through one shared buffer: each warp writes its rows' slot (tagged with the tile), the named barrier of
     the 8 consumer warps, a read of the peer warpgroup's slot, which must still hold this tile's (else ProtocolError),

@@ -19,12 +19,12 @@
 //     dtype (as flash_bwd.cu). Each consumer warpgroup writes its dQ tile into a shared staging buffer and warp 1 of
 //     the producer warpgroup (the dQ writer, sm90/bwd_mainloop.cuh: bwd_dq_write) adds it into the buffer by TMA
 //     reduces, as FlashAttention-3 does (at kBlockN = 64 half the tile at a time, with dO single-staged to make
-//     room). Not the consumers' own reductions (red.global.add before session 19, -DCUPY_ATTN_BWD_DQ_TMA=0): each
-//     step's fence.proxy.async (MEMBAR.ALL.CTA) waits for the issuing thread's outstanding global operations.
+//     room). Not the consumers' own reductions (red.global.add): each step's fence.proxy.async (MEMBAR.ALL.CTA)
+//     waits for the issuing thread's outstanding global operations.
 // Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
 // accumulators at D = 128 plus Sᵀ and dPᵀ (64 + 64 at D = 64, kBlockM = 128), so they have no registers for copy
-// addresses, and TMA's zero fill past L, S and E replaces all bounds code; the forward's FA3 kernel measured 1.2-1.7x
-// its cp.async wgmma predecessor with this structure. Two stages: a third would cost 32 KB for a step that already
+// addresses, and TMA's zero fill past L, S and E replaces all bounds code (the forward's FA3 kernel beat its cp.async
+// wgmma predecessor with this structure). Two stages: a third would cost 32 KB for a step that already
 // overlaps one load with one step of five GEMMs.
 //
 // Thread mapping (consumers, sm90/bwd_mainloop.cuh: BwdSplit): at kBlockN = 128 warpgroup w owns keys n0 + 64w ...
@@ -43,24 +43,17 @@
 // 195 KB at D = 64, 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as
 // MMA operands.
 //
-// Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
-//   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms
-//       (H100: 2.0-2.3x the mma.sync kernel, 1.38-1.45x torch's FA2 backward; bench/NOTES_backward.md)
-//   v2  D = 256 (and 129-256 padded): kBlockN = 64, warpgroups split by queries and columns   untimed (CPU-checked)
-//   v3  (H200) dQ by TMA reduces from a staging buffer, issued by a writer warp                1.557 ms | 3.240 ms
-//       (red.global.add from the consumers in the same process: 1.920 | 3.881; torch's cuDNN 1.566 | 3.407)
+// History and measurements: bench/notes/kernels_flash_bwd_sm90.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/bwd_params.cuh"
 #include "attention/sm90/bwd_mainloop.cuh"
+#include "attention/sm90/roles.cuh"
 
 namespace cupy_attn {
-
-// Register split (FlashAttention-3's for two consumer warpgroups): 128·24 + 256·240 = 64512 <= 65536 per SM.
-constexpr int kBwdProducerRegs = 24;
-constexpr int kBwdConsumerRegs = 240;
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
@@ -69,7 +62,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "Q and dO rings of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);
@@ -78,7 +71,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
   // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise.
   BwdSteps steps;
-  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, (n0 - p.causal_offset) / kBlockM)) : 0;
+  steps.m_first = p.is_causal ? static_cast<int>(max(0ll, visibility_of(p).causal_first_row(n0) / kBlockM)) : 0;
   steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
   steps.count = steps.m_count > 0 ? static_cast<int>(p.groups) * steps.m_count : 0;
   if (steps.count == 0) {  // no query sees these keys (causal): their dK and dV are 0
@@ -92,33 +85,20 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
     return;
   }
 
-  if (threadIdx.x == 0) {
+  pipeline::init_barriers([&] {
     tma::mbar_init(ss.kv_full, 1);
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.q_full[s], 1);
-      tma::mbar_init(&ss.q_empty[s], 8);  // lane 0 of each of the 8 consumer warps
-    }
-    #pragma unroll
-    for (int s = 0; s < Smem::kDoStages; ++s) {
-      tma::mbar_init(&ss.do_full[s], 1);
-      tma::mbar_init(&ss.do_empty[s], 8);
-    }
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<kBwdProducerRegs>();
-    if (threadIdx.x == 0) {
-      bwd_produce(p, ss, n0, h_kv, b, steps);
-    } else if (BwdDq<kHeadDim, kBlockM, kBlockN>::kTma && threadIdx.x / 32 == 1) {  // warp 1: the dQ writer
-      bwd_dq_write(p, ss, h_kv, b, steps, threadIdx.x % 32);
-    }
-  } else {
-    tma::setmaxnreg_inc<kBwdConsumerRegs>();
-    bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, threadIdx.x - 128);
-  }
+    ss.q_bars.init(8);  // lane 0 of each of the 8 consumer warps
+    ss.do_bars.init(8);
+  });
+  warp_specialize<RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) {
+          bwd_produce(p, ss, n0, h_kv, b, steps);
+        } else if (tid / 32 == 1) {  // warp 1: the dQ writer
+          bwd_dq_write(p, ss, h_kv, b, steps, tid % 32);
+        }
+      },
+      [&](int tid) { bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages>(p, ss, n0, h_kv, b, steps, tid); });
 }
 
 }  // namespace cupy_attn

@@ -21,7 +21,8 @@
 // order (v_stage_key). Q (64 × 512, eight
 // 64-column boxes) is loaded once per CTA.
 // Not (yet) here: overlap of the row max and the first part's exponentials with wgmma (the rest of the softmax runs
-// under P·V since v1.3; two deeper overlap variants measured slower, bench/NOTES_split.md), attn_mask.
+// under P·V; deeper overlap measured slower), attn_mask. Accumulation fp32 (S, O, the row statistics); P is rounded
+// to T as the P·V operand.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -32,23 +33,17 @@
 // before the max; rows past L and columns past Ev are not stored. out is written by 16-byte stores (the launcher
 // requires Ev a multiple of 8 and 16-byte aligned rows).
 //
-// Versions (H200; bench/experiments/d512_fwd.py, bench/NOTES_split.md):
-//   v1  producer + two consumers splitting keys (S) and head-dim columns (O), phases in turn
-//       (4,16,2048,2048,512) fp16 1.06-1.09 ms (505-521 TFLOP/s); (2,8,4096,4096,512) bf16 0.98-1.02 (539-563)
-//   v1.1 conditional rescale (FlashAttention-4): 1.061 vs 1.088 ms, 0.969 vs 1.006 (567 TFLOP/s)  (session 14)
-//   v1.2 persistent CTAs for calls without a causal mask (the next tile's Q and K stages load under a tile's last
-//       P·V and O stores): 1.028 vs 1.057 ms (535 TFLOP/s); causal calls keep one tile per CTA (static striding
-//       measured 0.715 against 0.548 ms at (2,8,4096,4096,512) bf16)                                   (session 14)
-//   v1.3 P·V in four parts, each part's exponentials under the previous part's wgmma: −6 to −7% kernel time on four
-//       D = 512 shapes (0.948 vs 1.015 ms at (4,16,2048,2048,512) fp16); causal calls persistent over m-block pairs
-//       (M−1−k, k) (tile_scheduler.cuh): −4 to −15% against one tile per CTA                           (session 15)
+// History and measurements: bench/notes/kernels_flash_fwd_d512_sm90.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
@@ -63,7 +58,6 @@ constexpr int kVChunks = kBlockN / kVKeys;
 constexpr int kStageBytes = 32768;           // 256 × 64 or 32 × 512 16-bit elements
 constexpr int kQBytes = kBlockM * kHeadDim * 2;
 constexpr int kPBytes = kBlockM * kBlockN * 2;
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 // Named barriers (256 consumer threads): the row-max exchange, P written, the row-sum exchange.
 constexpr int kMaxBarrier = 1, kPBarrier = 2, kSumBarrier = 3;
 
@@ -71,37 +65,32 @@ template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 2) +
                                 4 * (2 * 2 * kBlockM + 2 * kBlockM) + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* q;     // 8 boxes of 64 rows × 64 columns (8 KB each), 128-byte swizzle
   unsigned char* p;     // 4 atoms of 64 rows × 64 keys (8 KB each), 128-byte swizzle: the P·V A operand
   unsigned char* ring;  // kStages × 32 KB
-  unsigned long long* full;
-  unsigned long long* empty;
-  unsigned long long* q_full;
-  unsigned long long* q_empty;  // persistent kernel: both consumers are done with a tile's Q (8 warp arrivals)
+  pipeline::Ring<kStages> bars;  // empty: 8 arrivals, lane 0 of each consumer warp
+  pipeline::Slot q_bars;         // Q of a tile; empty: both consumers are done with it (8 warp arrivals)
   float* row_max;       // [block parity][warpgroup][row]: the warpgroup's max of S over its keys (unscaled)
   float* row_sum;       // [warpgroup][row]: the warpgroup's share of l
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    q = smem;
+    q = sm90::smem_base(base);
     p = q + kQBytes;
     ring = p + kPBytes;
-    full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
-    empty = full + kStages;
-    q_full = empty + kStages;
-    q_empty = q_full + 1;
-    row_max = reinterpret_cast<float*>(q_empty + 1);
+    bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
+    bars.empty = bars.full + kStages;
+    q_bars.full = bars.empty + kStages;
+    q_bars.empty = q_bars.full + 1;
+    row_max = reinterpret_cast<float*>(q_bars.empty + 1);
     row_sum = row_max + 2 * 2 * kBlockM;
   }
 };
 
-// P·V in parts (v1.3): a block's P goes to shared memory in kPParts parts of 128 / kPParts keys per warpgroup, each
-// followed by the P·V stages of its keys, so the exponentials of part k + 1 run under the wgmma of part k (only the
-// first part's are exposed). -DCUPY_ATTN_D512_P_PARTS=1 gives v1.2's order (all of P, then P·V), for A/B runs.
-#ifndef CUPY_ATTN_D512_P_PARTS
-#define CUPY_ATTN_D512_P_PARTS 4
-#endif
-constexpr int kPParts = CUPY_ATTN_D512_P_PARTS;
+// P·V in parts: a block's P goes to shared memory in kPParts parts of 128 / kPParts keys per warpgroup, each followed
+// by the P·V stages of its keys, so the exponentials of part k + 1 run under the wgmma of part k (only the first
+// part's are exposed).
+constexpr int kPParts = 4;
 static_assert(kPParts == 1 || kPParts == 2 || kPParts == 4, "P in 1, 2 or 4 parts");
 
 // The first key (within the block) of P·V stage vc (32 keys): part vc / (8 / kPParts) takes 128 / kPParts keys from
@@ -113,56 +102,28 @@ __device__ __forceinline__ int v_stage_key(int vc) {
   return (i < half ? 0 : kBlockN / 2) + part * (kBlockN / 2 / kParts) + (i % half) * kVKeys;
 }
 
-// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask).
+// Key blocks a 64-row block visits: through the last key any of its rows may see (all S without a causal mask); 0
+// when its rows see no key.
 __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) {
-    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    last_key = min(last_key, last_row + p.causal_offset);
-  }
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+  const Visibility vis = visibility_of(p);
+  const long long last_key = vis.last_key(min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1);
+  return last_key < 0 ? 0 : vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
 }
 
-}  // namespace d512
-
-// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first, or with kPersistent (min(units, SMs), 1, 1). Block: 384
-// threads.
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
 // it by more than kLazySlack in log2 units, so P ≤ 2^kLazySlack (fp16/bf16 hold it with the same relative precision
-// as values in [0, 1]); most blocks then skip O's 128 multiplications per thread (−2.5 to −3.7% kernel time at D = 512,
-// session 14).
+// as values in [0, 1]); most blocks then skip O's 128 multiplications per thread.
 constexpr float kLazySlack = 8.f;
-// Ablations for bench/experiments/d512_wall.py, compiled in only with -DCUPY_ATTN_D512_ABLATE=bits (the library never
-// sets it; ablated kernels write wrong results). Bits: 1 no wgmma (S = 0), 2 no TMA loads (the producer arrives with no
-// bytes: wgmma on whatever shared memory holds), 4 no softmax (no max exchange, exponentials or rescale: P = S),
-// 8 no P stores (and no P barrier; S kept alive by a sum), 16 no row-max exchange (each warpgroup its own max, no
-// barrier), 32 no exponentials (an FFMA in their place). They separate load pacing, tensor work and the softmax.
-#ifndef CUPY_ATTN_D512_ABLATE
-#define CUPY_ATTN_D512_ABLATE 0
-#endif
-constexpr bool kAblateMma = CUPY_ATTN_D512_ABLATE & 1, kAblateLoads = CUPY_ATTN_D512_ABLATE & 2,
-               kAblateSoftmax = CUPY_ATTN_D512_ABLATE & 4, kAblateP = CUPY_ATTN_D512_ABLATE & 8,
-               kAblateExchange = CUPY_ATTN_D512_ABLATE & 16, kAblateExp = CUPY_ATTN_D512_ABLATE & 32;
-// kPersistent: grid min(units, SMs); each CTA walks the units blockIdx.x, + gridDim.x, ... of sm90/tile_scheduler.cuh
-// (row block fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next
-// tile's Q once both consumers are done with the current one's (q_empty) and its K stages while they finish the
-// tile's last P·V and store O. Otherwise one tile per CTA.
-template <typename T, int kStages, bool kPersistent>
-__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
-  using namespace d512;
-  using Smem = SharedStorage<kStages>;
-  using P2 = typename sm90::Pair<T>::type;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
 
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
-  // The CTA's tiles (m0, h, b): its one tile (grid (⌈L / 64⌉, Hq, B), causal row blocks longest first), or with
-  // kPersistent sm90/tile_scheduler.cuh's static striding (causal: m-block pairs (M−1−k, k) of equal cost when
-  // p.tile_pairs). The producer thread and the consumers each walk their own copy.
-  sm90::StaticTileScheduler<kBlockM> sched(p);
+// The CTA's tiles (m0, h, b): its one tile (grid (⌈L / 64⌉, Hq, B), causal row blocks longest first), or with
+// kPersistent sm90/tile_scheduler.cuh's static striding (causal: m-block pairs (M−1−k, k) of equal cost when
+// p.tile_pairs). The producer thread and the consumers each walk their own copy.
+template <bool kPersistent>
+struct TileWalk {
+  sm90::StaticTileScheduler<kBlockM> sched;
   bool one_left = true;
-  auto next_tile = [&](int& m0, int& h, int& b) -> bool {
+  __device__ __forceinline__ explicit TileWalk(const FlashFwdSm90Params& p) : sched(p) {}
+  __device__ __forceinline__ bool next(const FlashFwdSm90Params& p, int& m0, int& h, int& b) {
     if constexpr (kPersistent) {
       if (!sched.valid()) return false;
       const sm90::WorkTile w = sched.tile();
@@ -178,105 +139,84 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       b = blockIdx.z;
     }
     return true;
-  };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
-    }
-    tma::mbar_init(ss.q_full, 1);
-    tma::mbar_init(ss.q_empty, 8);
-    tma::fence_barrier_init();
   }
-  __syncthreads();
+};
 
-  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues the loads
-    tma::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma::prefetch_map(&p.tma_q);
-    tma::prefetch_map(&p.tma_k);
-    tma::prefetch_map(&p.tma_v);
-    int step = 0, q_round = 0;
-    auto stage = [&]() -> unsigned char* {
-      const int s = step % kStages;
-      tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-      if constexpr (kAblateLoads) tma::mbar_arrive(&ss.full[s]);
-      else tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
-      return ss.ring + s * kStageBytes;
-    };
-    for (int m0, h, b; next_tile(m0, h, b);) {
+// The producer thread. Per tile with keys to see: Q once its previous contents are released (q_bars), then per key
+// block the 8 K chunks and the 8 V chunks in the order the consumers read them.
+template <int kStages, typename Tiles>
+__device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<kStages>& ss, Tiles& tiles) {
+  tma::prefetch_map(&p.tma_q);
+  tma::prefetch_map(&p.tma_k);
+  tma::prefetch_map(&p.tma_v);
+  int step = 0, q_round = 0;
+  auto stage = [&]() -> unsigned char* {
+    ss.bars.acquire(step, kStageBytes);
+    return ss.ring + ss.bars.stage(step) * kStageBytes;
+  };
+  for (int m0, h, b; tiles.next(p, m0, h, b);) {
     const int h_kv = h / static_cast<int>(p.groups);
     const int n_blocks = key_blocks(p, m0);
     if (n_blocks == 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
-    if (q_round > 0) tma::mbar_wait(ss.q_empty, (q_round - 1) & 1);
-    if constexpr (kAblateLoads) tma::mbar_arrive(ss.q_full);
-    else tma::mbar_arrive_expect_tx(ss.q_full, kQBytes);
-    for (int i = 0; i < kKChunks && !kAblateLoads; ++i)
-      tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_full, i * 64, m0, h, b);
+    ss.q_bars.wait_free(q_round);
+    tma::mbar_arrive_expect_tx(ss.q_bars.full, kQBytes);
+    for (int i = 0; i < kKChunks; ++i)
+      tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_bars.full, i * 64, m0, h, b);
     ++q_round;
     for (int j = 0; j < n_blocks; ++j) {
       for (int c = 0; c < kKChunks; ++c, ++step) {
         unsigned char* dst = stage();
-        if (!kAblateLoads) tma::load_4d(dst, &p.tma_k, &ss.full[step % kStages], c * 64, j * kBlockN, h_kv, b);
+        tma::load_4d(dst, &p.tma_k, &ss.bars.full[ss.bars.stage(step)], c * 64, j * kBlockN, h_kv, b);
       }
       for (int c = 0; c < kVChunks; ++c, ++step) {
         unsigned char* dst = stage();
         #pragma unroll
-        for (int i = 0; i < kHeadDim / 64 && !kAblateLoads; ++i)
-          tma::load_4d(dst + i * (kVKeys * 128), &p.tma_v, &ss.full[step % kStages], i * 64,
+        for (int i = 0; i < kHeadDim / 64; ++i)
+          tma::load_4d(dst + i * (kVKeys * 128), &p.tma_v, &ss.bars.full[ss.bars.stage(step)], i * 64,
                        j * kBlockN + v_stage_key<kPParts>(c), h_kv, b);
       }
     }
-    }
-    return;
   }
-  tma::setmaxnreg_inc<kConsumerRegs>();
+}
 
-  const int tid = threadIdx.x - 128;
-  const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
-  const int g = lane / 4, t = lane % 4;
-  const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
-  const long long S = p.seqlen_k;
-  const float c = static_cast<float>(p.scale_log2);
-  const unsigned q_base = tma::smem_u32(ss.q), p_base = tma::smem_u32(ss.p), ring_base = tma::smem_u32(ss.ring);
+// One consumer thread (tid over both consumer warpgroups, 0 ... 255) and its walk over the ring: the phases of a key
+// block (s_block, mask, rescale, pv_parts) and of a tile's end (store).
+template <typename T, int kStages>
+struct Consumer {
+  using P2 = typename sm90::Pair<T>::type;
+  using Smem = SharedStorage<kStages>;
+  using Params = FlashFwdSm90Params;
+  int wg, warp, lane, g, t;
+  int r0;  // this lane's rows in the block: r0 and r0 + 8
+  float c;
+  unsigned q_base, p_base, ring_base;
   int step = 0, q_round = 0, blk = 0;  // blk: key blocks done by this CTA (row-max buffer parity across tiles)
-  // Wait for the stage of ring step `step` to land.
-  auto wait_full = [&]() -> unsigned {
-    const int s = step % kStages;
-    tma::mbar_wait(&ss.full[s], (step / kStages) & 1);
-    return ring_base + s * kStageBytes;
-  };
-  // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
-  };
-  auto release_q = [&]() {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(ss.q_empty);
-  };
-  for (int m0, h, b; next_tile(m0, h, b);) {
-  const int n_blocks = key_blocks(p, m0);
-  float o[128];
-  #pragma unroll
-  for (int i = 0; i < 128; ++i) o[i] = 0.f;
-  float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
-  float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
-  if (n_blocks > 0) tma::mbar_wait(ss.q_full, q_round++ & 1);
 
-  for (int j = 0; j < n_blocks; ++j, ++blk) {
-    // S (64 × 128, this warpgroup's keys) = Q K_wᵀ over the head dim; wait<1> after each stage's commit: the
-    // previous stage's wgmma are complete and it is released while this one runs.
-    float s[64];
+  __device__ __forceinline__ Consumer(const Params& p, const Smem& ss, int tid) {
+    wg = tid / 128;
+    warp = (tid / 32) % 4;
+    lane = tid % 32;
+    g = lane / 4;
+    t = lane % 4;
+    r0 = warp * 16 + g;
+    c = static_cast<float>(p.scale_log2);
+    q_base = tma::smem_u32(ss.q);
+    p_base = tma::smem_u32(ss.p);
+    ring_base = tma::smem_u32(ss.ring);
+  }
+  // Wait for the stage of ring step `step` to land.
+  __device__ __forceinline__ unsigned wait_full(const Smem& ss) const {
+    ss.bars.wait(step);
+    return ring_base + ss.bars.stage(step) * kStageBytes;
+  }
+  // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
+  __device__ __forceinline__ void release(const Smem& ss, int st) const { ss.bars.release(st, lane); }
+
+  // S (64 × 128, this warpgroup's keys) = Q K_wᵀ over the head dim; wait<1> after each stage's commit: the previous
+  // stage's wgmma are complete and it is released while this one runs.
+  __device__ __forceinline__ void s_block(const Smem& ss, float (&s)[64]) {
     for (int kc = 0; kc < kKChunks; ++kc, ++step) {
-      const unsigned k_st = wait_full() + wg * 128 * 128;
-      if (kAblateMma) {
-        if (kc == 0)
-          for (int i = 0; i < 64; ++i) s[i] = 0.f;
-        if (kc > 0) release(step - 1);
-        continue;
-      }
+      const unsigned k_st = wait_full(ss) + wg * 128 * 128;
       wgmma::fence();
       #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
@@ -284,33 +224,37 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
                                wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kc > 0 || kk > 0);
       wgmma::commit();
       wgmma::wait<1>();
-      if (kc > 0) release(step - 1);
+      if (kc > 0) release(ss, step - 1);
     }
     wgmma::wait<0>();
-    release(step - 1);
+    release(ss, step - 1);
     wgmma::fence_operands(s);
-    if (j == n_blocks - 1) release_q();  // the tile's last S: Q may be reloaded for the next tile
+  }
 
-    // Keys past S or past a row's causal limit: −inf. s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
-    const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
-    if (key0 + 128 > S || (p.is_causal && key0 + 127 > m0 + p.causal_offset)) {
+  // Keys past each row's last visible key (common/visibility.cuh): −inf. s[4jj + 2·half + e] is row r0 + 8·half, key
+  // key0 + 8jj + 2t + e; only a tile reaching past S or the causal limit of the block's first row has any.
+  __device__ __forceinline__ void mask(const Params& p, float (&s)[64], int j, int m0) const {
+    const Visibility vis = visibility_of(p);
+    const int key0 = j * kBlockN + wg * 128;
+    if (vis.tile_needs_mask<128>(key0, m0)) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        long long limit = S;
-        if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-        const long long lim = limit - key0 - 2 * t;  // column 8jj + e of this lane is visible iff 8jj + e < lim
+        const int lim = vis.lane_limit<128>(m0 + r0 + 8 * half, key0, 2 * t);  // visible iff 8jj + e <= lim
         #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
           #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (8 * jj + e >= lim) s[4 * jj + 2 * half + e] = neg_inf();
+            if (8 * jj + e > lim) s[4 * jj + 2 * half + e] = neg_inf();
       }
     }
+  }
 
-    float ref[2] = {0.f, 0.f};  // the exponentials' reference: the running max (0 while a row has seen no key)
-    if constexpr (!kAblateSoftmax) {
-    // The block's row max: this warpgroup's (a quad shuffle), then the peer's through shared memory (buffers
-    // alternate by block parity: the peer read this buffer two blocks ago, before the P barrier in between).
+  // The block's row max: this warpgroup's (a quad shuffle), then the peer's through shared memory (buffers alternate
+  // by block parity: the peer read this buffer two blocks ago, before the P barrier in between). The running max
+  // m_run moves lazily (kLazySlack); l and O are rescaled by α (before this block's first P·V). ref: the
+  // exponentials' reference, the running max (0 while a row has seen no key).
+  __device__ __forceinline__ void rescale(const Smem& ss, const float (&s)[64], float (&o)[128], float (&m_run)[2],
+                                          float (&l_part)[2], float (&ref)[2]) const {
     float mx[2] = {neg_inf(), neg_inf()};
     #pragma unroll
     for (int jj = 0; jj < 16; ++jj)
@@ -324,18 +268,17 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
       mx[half] = fmaxf(mx[half], __shfl_xor_sync(0xffffffffu, mx[half], 2));
       if (t == 0) mbuf[wg * kBlockM + r0 + 8 * half] = mx[half];
     }
-    if (!kAblateExchange) tma::named_barrier_sync(kMaxBarrier, 256);
+    tma::named_barrier_sync(kMaxBarrier, 256);
     float alpha[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const float m_blk = kAblateExchange ? mx[half] : fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
+      const float m_blk = fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
       float m_new = fmaxf(m_run[half], m_blk * c);
       if (m_new <= m_run[half] + kLazySlack) m_new = m_run[half];  // −inf + 8 = −inf: a first key moves it
       alpha[half] = m_new == m_run[half] ? 1.f : exp2_approx(m_run[half] - m_new);  // −inf → −inf: 1, not NaN
       ref[half] = m_new == neg_inf() ? 0.f : m_new;  // a row that has seen no key yet: P = 2^−inf = 0
       m_run[half] = m_new;
     }
-    // l and O rescaled by α (before this block's first P·V).
     #pragma unroll
     for (int half = 0; half < 2; ++half) l_part[half] *= alpha[half];
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
@@ -346,64 +289,50 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
           #pragma unroll
           for (int e = 0; e < 2; ++e) o[4 * jj + 2 * half + e] *= alpha[half];
     }
-    }
+  }
 
-    // The block's P in kPParts parts of 128 / kPParts keys per warpgroup. Part k: P = 2^(s·c − m) of those keys in
-    // place (and this lane's share of the sum), into shared memory, a barrier, then the P·V stages of those keys from
-    // both warpgroups (v_stage_key): the next part's exponentials run while that part's wgmma do.
-    // P into shared memory: both warpgroups have finished the previous block's P·V (each waited for its wgmma before
-    // the max barrier just passed). Key column kc = 128w + 8jj + 2t of row r: atom kc / 64, 16-byte chunk
-    // (kc % 64) / 8 at chunk ^ (r % 8) (the 32 lanes of a store hit 32 banks).
+  // The block's P in kPParts parts of 128 / kPParts keys per warpgroup. Part k: P = 2^(s·c − m) of those keys in
+  // place (and this lane's share of the sum), into shared memory, a barrier, then the P·V stages of those keys from
+  // both warpgroups (v_stage_key): the next part's exponentials run while that part's wgmma do.
+  // P into shared memory: both warpgroups have finished the previous block's P·V (each waited for its wgmma before
+  // the max barrier just passed). Key column kc = 128w + 8jj + 2t of row r: atom kc / 64, 16-byte chunk
+  // (kc % 64) / 8 at chunk ^ (r % 8) (the 32 lanes of a store hit 32 banks).
+  __device__ __forceinline__ void pv_parts(const Smem& ss, float (&s)[64], float (&o)[128], float (&l_part)[2],
+                                           const float (&ref)[2]) {
     constexpr int kJJ = 16 / kPParts, kPartStages = kVChunks / kPParts;
     #pragma unroll
     for (int part = 0; part < kPParts; ++part) {
-      if constexpr (!kAblateSoftmax) {
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          float sum = 0.f;
-          #pragma unroll
-          for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj)
-            #pragma unroll
-            for (int e = 0; e < 2; ++e) {
-              float& x = s[4 * jj + 2 * half + e];
-              x = kAblateExp ? fmaf(x, c, -ref[half]) * 0.001f : exp2_approx(fmaf(x, c, -ref[half]));
-              sum += x;
-            }
-          l_part[half] += sum;
-        }
-      }
-      if constexpr (kAblateP) {
-        float keep = 0.f;
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float sum = 0.f;
         #pragma unroll
         for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj)
           #pragma unroll
-          for (int i = 0; i < 4; ++i) keep += s[4 * jj + i];
-        if (keep == 1234.5f) o[0] += 1.f;
-      } else {
-        #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int r = r0 + 8 * half;
-          #pragma unroll
-          for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj) {
-            const P2 v = sm90::Pair<T>::make(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]);
-            *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) =
-                v;
+          for (int e = 0; e < 2; ++e) {
+            float& x = s[4 * jj + 2 * half + e];
+            x = exp2_approx(fmaf(x, c, -ref[half]));
+            sum += x;
           }
-        }
-        tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
-        tma::named_barrier_sync(kPBarrier, 256);
+        l_part[half] += sum;
       }
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = r0 + 8 * half;
+        #pragma unroll
+        for (int jj = part * kJJ; jj < (part + 1) * kJJ; ++jj) {
+          const P2 v = sm90::Pair<T>::make(s[4 * jj + 2 * half], s[4 * jj + 2 * half + 1]);
+          *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) = v;
+        }
+      }
+      tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
+      tma::named_barrier_sync(kPBarrier, 256);
 
       // O_w (64 × 256) += P V[:, 256w ...]: per stage 32 keys, two k steps of 16; V is the MN-major B operand (eight
       // 64-column boxes of 32 rows: LBO 4 KB between them, SBO 1 KB between 8-row groups).
       #pragma unroll
       for (int i = 0; i < kPartStages; ++i, ++step) {
         const int vc = part * kPartStages + i;
-        const unsigned v_st = wait_full() + wg * 4 * (kVKeys * 128);
-        if (kAblateMma) {
-          if (vc > 0) release(step - 1);
-          continue;
-        }
+        const unsigned v_st = wait_full(ss) + wg * 4 * (kVKeys * 128);
         wgmma::fence();
         #pragma unroll
         for (int kk = 0; kk < 2; ++kk) {
@@ -413,60 +342,110 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
         }
         wgmma::commit();
         wgmma::wait<1>();
-        if (vc > 0) release(step - 1);
+        if (vc > 0) release(ss, step - 1);
       }
     }
     wgmma::wait<0>();
-    release(step - 1);
+    release(ss, step - 1);
     wgmma::fence_operands(o);
   }
 
   // Epilogue: l = the two warpgroups' shares (added in the same order by both), out = O / l, lse = (m + log2 l)·ln 2.
-  // A row that saw no key (bottom-right, L > S) has l = 0: out 0, lse −inf.
-  float inv[2];
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    float l = l_part[half];
-    l += __shfl_xor_sync(0xffffffffu, l, 1);
-    l += __shfl_xor_sync(0xffffffffu, l, 2);
-    if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = l;
-  }
-  tma::named_barrier_sync(kSumBarrier, 256);
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = r0 + 8 * half;
-    const float l = __fadd_rn(ss.row_sum[r], ss.row_sum[kBlockM + r]);
-    inv[half] = l > 0.f ? 1.f / l : 0.f;
-    const int row = m0 + r;
-    if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
-      p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
-          l > 0.f ? (m_run[half] + __log2f(l)) * kLn2 : neg_inf();
-  }
-  // out by 16-byte stores: a quad's transpose gives lane t the 8 consecutive columns 32i + 8t ... + 7.
-  T* const out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
-  #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = m0 + r0 + 8 * half;
-    T* const o_row = out + static_cast<long long>(row) * p.out_stride_l;
+  // A row that saw no key (bottom-right, L > S) has l = 0: out 0, lse −inf. out by 16-byte stores: a quad's
+  // transpose gives lane t the 8 consecutive columns 32i + 8t ... + 7.
+  __device__ __forceinline__ void store(const Params& p, const Smem& ss, const float (&o)[128],
+                                        const float (&m_run)[2], const float (&l_part)[2], int m0, int h, int b) const {
+    float inv[2];
     #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      unsigned w[4];
+    for (int half = 0; half < 2; ++half) {
+      float l = l_part[half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      if (t == 0) ss.row_sum[wg * kBlockM + r0 + 8 * half] = l;
+    }
+    tma::named_barrier_sync(kSumBarrier, 256);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int r = r0 + 8 * half;
+      const float l = __fadd_rn(ss.row_sum[r], ss.row_sum[kBlockM + r]);
+      inv[half] = l > 0.f ? 1.f / l : 0.f;
+      const int row = m0 + r;
+      if (wg == 0 && t == 0 && p.lse != nullptr && row < p.seqlen_q)
+        p.lse[b * p.lse_stride_b + h * p.lse_stride_h + row * p.lse_stride_l] =
+            l > 0.f ? (m_run[half] + __log2f(l)) * kLn2 : neg_inf();
+    }
+    T* const out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + r0 + 8 * half;
+      T* const o_row = out + static_cast<long long>(row) * p.out_stride_l;
       #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int jj = 4 * i + u;
-        const P2 v = sm90::Pair<T>::make(o[4 * jj + 2 * half] * inv[half], o[4 * jj + 2 * half + 1] * inv[half]);
-        w[u] = *reinterpret_cast<const unsigned*>(&v);
+      for (int i = 0; i < 8; ++i) {
+        unsigned w[4];
+        #pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          const int jj = 4 * i + u;
+          const P2 v = sm90::Pair<T>::make(o[4 * jj + 2 * half] * inv[half], o[4 * jj + 2 * half + 1] * inv[half]);
+          w[u] = *reinterpret_cast<const unsigned*>(&v);
+        }
+        sm90::quad_transpose(w, t);
+        const int col = wg * 256 + 32 * i + 8 * t;
+        if (row < p.seqlen_q && col < p.head_dim_v)
+          *reinterpret_cast<uint4*>(o_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
       }
-      sm90::quad_transpose(w, t);
-      const int col = wg * 256 + 32 * i + 8 * t;
-      if (row < p.seqlen_q && col < p.head_dim_v)
-        *reinterpret_cast<uint4*>(o_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
-  // The next tile's row_sum writes wait for both warpgroups' reads of this one's (a tile without key blocks reaches
-  // them with no barrier in between).
-  if constexpr (kPersistent) tma::named_barrier_sync(kSumBarrier, 256);
+
+  // One tile: its key blocks, then the epilogue. The persistent kernel's next tile writes row_sum only after both
+  // warpgroups have read this one's (a tile without key blocks reaches them with no barrier in between).
+  template <bool kPersistent>
+  __device__ __forceinline__ void tile(const Params& p, const Smem& ss, int m0, int h, int b) {
+    const int n_blocks = key_blocks(p, m0);
+    float o[128];
+    #pragma unroll
+    for (int i = 0; i < 128; ++i) o[i] = 0.f;
+    float m_run[2] = {neg_inf(), neg_inf()};  // running row max, times c
+    float l_part[2] = {0.f, 0.f};              // this lane's share of the row sum, relative to m_run
+    if (n_blocks > 0) ss.q_bars.wait(q_round++);
+    for (int j = 0; j < n_blocks; ++j, ++blk) {
+      float s[64];
+      s_block(ss, s);
+      if (j == n_blocks - 1) ss.q_bars.release(lane);  // the tile's last S: Q may be reloaded for the next tile
+      mask(p, s, j, m0);
+      float ref[2] = {0.f, 0.f};
+      rescale(ss, s, o, m_run, l_part, ref);
+      pv_parts(ss, s, o, l_part, ref);
+    }
+    store(p, ss, o, m_run, l_part, m0, h, b);
+    if constexpr (kPersistent) tma::named_barrier_sync(kSumBarrier, 256);
   }
+};
+
+}  // namespace d512
+
+// Grid (⌈L / 64⌉, Hq, B), causal row blocks longest first, or with kPersistent (min(units, SMs), 1, 1). Block: 384
+// threads. kPersistent: each CTA walks the units blockIdx.x, + gridDim.x, ... of sm90/tile_scheduler.cuh (row block
+// fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next tile's Q
+// once both consumers are done with the current one's (q_bars) and its K stages while they finish the tile's last
+// P·V and store O. Otherwise one tile per CTA.
+template <typename T, int kStages, bool kPersistent>
+__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+  using namespace d512;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const SharedStorage<kStages> ss(smem_raw);
+  TileWalk<kPersistent> tiles(p);
+  pipeline::init_barriers([&] {
+    ss.bars.init(8);  // lane 0 of each consumer warp
+    ss.q_bars.init(8);
+  });
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) produce(p, ss, tiles);  // one thread issues the loads
+      },
+      [&](int tid) {
+        Consumer<T, kStages> consumer(p, ss, tid);
+        for (int m0, h, b; tiles.next(p, m0, h, b);) consumer.template tile<kPersistent>(p, ss, m0, h, b);
+      });
 }
 
 }  // namespace cupy_attn

@@ -45,34 +45,18 @@
 // 16-byte aligned bases and strides that are multiples of 16 bytes (BHSD and BSHD both qualify); rows past L or S
 // of a head are outside the map and arrive as zeros, so they never read the next head's rows.
 //
-// Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
-//                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
-//   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
-//   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
-//   v4  192-row tile at D = 64: three consumer warpgroups, round-robin turns    1.09-1.15x v2 non-causal (session 9)
-//   v5  epilogue through shared memory and TMA stores                  −7% time at D = 128, −15% at D = 256 (session 9)
+// History and measurements: bench/notes/kernels_flash_fwd_sm90.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/params.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/mainloop.cuh"
 #include "attention/sm90/tile_scheduler.cuh"
 
 namespace cupy_attn {
-
-// Register split by the number of consumer warpgroups (FlashAttention-3's, hopper/flash_fwd_kernel_sm90.h), the
-// launch-time allocation being 65536 / threads per thread at one block per SM (__launch_bounds__):
-//   two (kBlockM = 128, 384 threads): 128·24 + 256·240 = 64512 <= 65536 (168 per thread at launch);
-//   three (kBlockM = 192, 512 threads): 128·32 + 384·160 = 65536 (128 per thread at launch).
-template <int kConsumerWarpgroups>
-struct RegisterSplit {
-  static constexpr int kThreads = 128 * (kConsumerWarpgroups + 1);
-  static constexpr int kProducer = kConsumerWarpgroups == 2 ? 24 : 32;
-  static constexpr int kConsumer = kConsumerWarpgroups == 2 ? 240 : 160;
-  static_assert(128 * kProducer + 128 * kConsumerWarpgroups * kConsumer <= 65536, "one block's registers per SM");
-};
 
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
@@ -89,7 +73,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
                 "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
@@ -111,8 +95,8 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
     // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S)
     // writes the empty-row result (out 0, lse -inf) directly. (sm90::key_blocks and store_empty_rows, spelled out here:
     // calling them changed this variant's SASS, which is kept byte-identical to before the persistent variant.)
-    long long last_key = p.seqlen_k - 1;
-    if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+    const Visibility vis = visibility_of(p);
+    const long long last_key = vis.last_key(m0 + rows_valid - 1);
     if (last_key < 0) {
       T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
       const int Ev = static_cast<int>(p.head_dim_v);
@@ -124,42 +108,33 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       }
       return;
     }
-    n_blocks = static_cast<int>(last_key / kBlockN) + 1;
+    n_blocks = vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
   }
 
-  if (threadIdx.x == 0) {
-    tma::mbar_init(ss.q_full, 1);
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.k_full[s], 1);
-      tma::mbar_init(&ss.v_full[s], 1);
-      tma::mbar_init(&ss.k_empty[s], 4 * kConsumerWarpgroups);  // lane 0 of each consumer warp
-      tma::mbar_init(&ss.v_empty[s], 4 * kConsumerWarpgroups);
-    }
-    if constexpr (kPersistent) tma::mbar_init(ss.q_empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  pipeline::init_barriers([&] {
+    tma::mbar_init(ss.q_bars.full, 1);
+    pipeline::init_rings<kStages>(4 * kConsumerWarpgroups, ss.k_bars, ss.v_bars);  // lane 0 of each consumer warp
+    if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp
+  });
 
-  if (threadIdx.x < 128) {
-    tma::setmaxnreg_dec<Regs::kProducer>();
-    if (threadIdx.x == 0) {
-      if constexpr (kPersistent) {
-        produce_persistent(p, ss);
-      } else {
-        produce(p, ss, m0, h, b, n_blocks);
-      }
-    }
-  } else {
-    tma::setmaxnreg_inc<Regs::kConsumer>();
-    if constexpr (kPersistent) {
-      consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, threadIdx.x - 128);
-    } else {
-      consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, threadIdx.x - 128,
-                                                                        0, 0u);
-    }
-    if (p.o_tma) sm90::epilogue_drain((threadIdx.x - 128) % 128);
-  }
+  warp_specialize<Regs>(
+      [&](int tid) {
+        if (tid != 0) return;  // one thread issues every load
+        if constexpr (kPersistent) {
+          produce_persistent(p, ss);
+        } else {
+          produce(p, ss, m0, h, b, n_blocks);
+        }
+      },
+      [&](int tid) {
+        if constexpr (kPersistent) {
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK>(p, ss, tid);
+        } else {
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK>(p, ss, m0, h, b, n_blocks, tid,
+                                                                                       0, 0u);
+        }
+        if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
+      });
 }
 
 }  // namespace cupy_attn

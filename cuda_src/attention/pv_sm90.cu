@@ -3,8 +3,8 @@
 //
 // Why not cuBLAS: a batched GEMM multiplies every key of every row. The split path cut causal P·V into two row bands
 // (two cuBLAS launches: 3/4 of the work), but the second band re-reads V from DRAM, and bands of 128 rows or fewer
-// are slow in cuBLAS; at the seed's causal variant (32, 32, 512, 512, 1024) the two bands took as long as the full
-// product (0.84-0.90 ms against ~0.86; bench/NOTES_split.md, sessions 16-17). Here every 64-row block multiplies
+// are slow in cuBLAS: at the seed's causal variant the two bands took as long as the full product
+// (bench/notes/kernels_pv_sm90.md). Here every 64-row block multiplies
 // only the 64-key steps holding its visible keys (9/16 of the work at L = S = 512), and a head's tiles run side by
 // side, so its V crosses from DRAM about once.
 //
@@ -24,11 +24,17 @@
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane 4g + t
 // holds rows 64w + 16v + g and + 8 of the tile, columns 8j + 2t, + 1 (the wgmma accumulator layout).
-// Shared memory: kStages × 48 KB (4: 192 KB) + 2·kStages barriers + 1 KB of alignment slack.
+// Tiles: 128 × 256 of out (wgmma's widest N, as cuBLAS's 128 × 256 tiles: per k step the shared-memory port carries
+// 48 KB of TMA writes and 2 × 40 KB of operand reads), 64 keys per stage; shared memory kStages × 48 KB (4: 192 KB) +
+// 2·kStages barriers + 1 KB of alignment slack. Accumulation fp32; out rounded to T once.
 // out is written by 16-byte stores (the launcher requires Ev a multiple of 8 and 16-byte aligned rows).
+// History and measurements: bench/notes/kernels_pv_sm90.md.
 #include "common/types.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "common/visibility.cuh"
+#include "attention/sm90/roles.cuh"
 #include "attention/sm90/pack.cuh"
 
 namespace cupy_attn {
@@ -50,29 +56,17 @@ constexpr int kBlockK = 64;   // keys per stage
 constexpr int kPBytes = kBlockM * kBlockK * 2;  // two 8 KB atoms of 64 rows
 constexpr int kVBytes = kBlockK * kBlockN * 2;  // four 8 KB boxes of 64 keys × 64 columns
 constexpr int kStageBytes = kPBytes + kVBytes;
-constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-#ifndef CUPY_ATTN_PV_DEFER_STORES
-#define CUPY_ATTN_PV_DEFER_STORES 1
-#endif
-constexpr bool kDeferStores = CUPY_ATTN_PV_DEFER_STORES;  // -DCUPY_ATTN_PV_DEFER_STORES=0: store each tile at once
-// -DCUPY_ATTN_PV_ABLATE_STORES: the stores issued but predicated off by a run-time false condition (out left
-// unwritten; an A/B of what the stores cost).
-#ifdef CUPY_ATTN_PV_ABLATE_STORES
-__device__ __forceinline__ bool stores_on(const PvSm90Params& p) { return p.groups < 0; }
-#else
-__device__ __forceinline__ constexpr bool stores_on(const PvSm90Params&) { return true; }
-#endif
 
 template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kStages * kStageBytes + 8 * 2 * kStages + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* ring;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // full: the stage's P and V boxes; empty: 8 arrivals, lane 0 of each consumer warp
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    ring = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
-    full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
-    empty = full + kStages;
+    ring = sm90::smem_base(base);
+    bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
+    bars.empty = bars.full + kStages;
   }
 };
 
@@ -81,87 +75,53 @@ struct SharedStorage {
 __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   if (m0 >= p.seqlen_q) return 0;
   long long n = p.seqlen_k;
-  if (p.is_causal) n = max(0ll, min(n, min(m0 + kBlockM / 2, p.seqlen_q) + p.causal_offset));
+  if (p.is_causal) {
+    const long long last_row = min(m0 + kBlockM / 2, p.seqlen_q) - 1;
+    n = max(0ll, Visibility{n, p.causal_offset, true}.end_key(last_row));
+  }
   return static_cast<int>((n + kBlockK - 1) / kBlockK);
 }
 
-}  // namespace pv
-
-template <typename T, int kStages>
-__global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
-  using namespace pv;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
-  const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
-  const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
-  const int heads = static_cast<int>(p.num_heads);
-  const int count = m_tiles * n_tiles * heads * static_cast<int>(p.batch);
-  // Tile t: (m tile heaviest first, n tile) fastest, then head, then batch.
-  auto tile = [&](int t, int& m0, int& n0, int& h, int& b) {
-    const int per_head = m_tiles * n_tiles, i = t % per_head, hb = t / per_head;
-    m0 = (m_tiles - 1 - i / n_tiles) * kBlockM;
-    n0 = (i % n_tiles) * kBlockN;
-    h = hb % heads;
-    b = hb / heads;
-  };
-
-  if (threadIdx.x == 0) {
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&ss.full[s], 1);
-      tma::mbar_init(&ss.empty[s], 8);  // lane 0 of each consumer warp
+// The producer thread: per tile, the key steps of its wider block, each stage P's box and V's four.
+template <int kStages, typename Tile>
+__device__ __forceinline__ void produce(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile) {
+  tma::prefetch_map(&p.tma_p);
+  tma::prefetch_map(&p.tma_v);
+  int step = 0;
+  for (int t = blockIdx.x; t < count; t += gridDim.x) {
+    int m0, n0, h, b;
+    tile(t, m0, n0, h, b);
+    const int h_kv = h / static_cast<int>(p.groups);
+    const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
+    for (int k = 0; k < steps; ++k, ++step) {
+      unsigned long long* full = ss.bars.acquire(step, kStageBytes);
+      unsigned char* dst = ss.ring + ss.bars.stage(step) * kStageBytes;
+      tma::load_4d(dst, &p.tma_p, full, k * kBlockK, m0, h, b);
+      #pragma unroll
+      for (int i = 0; i < kBlockN / 64; ++i)
+        tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, full, n0 + i * 64, k * kBlockK, h_kv, b);
     }
-    tma::fence_barrier_init();
   }
-  __syncthreads();
+}
 
-  if (threadIdx.x < 128) {  // the producer warpgroup: one thread issues the loads
-    tma::setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x != 0) return;
-    tma::prefetch_map(&p.tma_p);
-    tma::prefetch_map(&p.tma_v);
-    int step = 0;
-    for (int t = blockIdx.x; t < count; t += gridDim.x) {
-      int m0, n0, h, b;
-      tile(t, m0, n0, h, b);
-      const int h_kv = h / static_cast<int>(p.groups);
-      const int steps = max(key_steps(p, m0), key_steps(p, m0 + kBlockM / 2));
-      for (int k = 0; k < steps; ++k, ++step) {
-        const int s = step % kStages;
-        tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-        tma::mbar_arrive_expect_tx(&ss.full[s], kStageBytes);
-        unsigned char* dst = ss.ring + s * kStageBytes;
-        tma::load_4d(dst, &p.tma_p, &ss.full[s], k * kBlockK, m0, h, b);
-        #pragma unroll
-        for (int i = 0; i < kBlockN / 64; ++i)
-          tma::load_4d(dst + kPBytes + i * (kBlockK * 128), &p.tma_v, &ss.full[s], n0 + i * 64, k * kBlockK, h_kv, b);
-      }
-    }
-    return;
-  }
-  tma::setmaxnreg_inc<kConsumerRegs>();
-
-  const int tid = threadIdx.x - 128;
+// One consumer warpgroup (tid over both, 0 ... 255): its 64-row block of every tile.
+template <typename T, int kStages, typename Tile>
+__device__ __forceinline__ void consume(const PvSm90Params& p, const SharedStorage<kStages>& ss, int count,
+                                        const Tile& tile, int tid) {
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the warpgroup's block: r0 and r0 + 8
   const unsigned ring_base = tma::smem_u32(ss.ring);
   int step = 0;
   auto wait_full = [&]() -> unsigned {
-    const int s = step % kStages;
-    tma::mbar_wait(&ss.full[s], (step / kStages) & 1);
-    return ring_base + s * kStageBytes;
+    ss.bars.wait(step);
+    return ring_base + ss.bars.stage(step) * kStageBytes;
   };
   // The stage of ring step st is read: lane 0 of each warp releases it (after its wgmma have completed).
-  auto release = [&](int st) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&ss.empty[st % kStages]);
-  };
+  auto release = [&](int st) { ss.bars.release(st, lane); };
   // A tile's out rows wait packed (this lane's 2 × 32 words of T pairs) until the next tile's first wgmma are issued,
-  // and are stored under them: the stores leave the tensor pipe's critical path (kDeferStores; else stored at once).
+  // and are stored under them: the stores leave the tensor pipe's critical path.
   unsigned packed[2][32];
   T* pend_out = nullptr;  // the packed rows' first row (this lane's r0) in out; nullptr: none
   long long pend_row = 0;
@@ -171,7 +131,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     for (int half = 0; half < 2; ++half) {
       const long long row = pend_row + 8 * half;
       sm90::store_row_half<T, 256>(packed[half], pend_out + 8 * half * p.out_stride_l,
-                                   row < p.seqlen_q && stores_on(p), pend_n0, p.head_dim_v, t);
+                                   row < p.seqlen_q, pend_n0, p.head_dim_v, t);
     }
     pend_out = nullptr;
   };
@@ -194,7 +154,7 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     };
     if (mine > 0) {  // the first k step apart: the previous tile's packed rows are stored under its wgmma
       mma_step(0);
-      if (kDeferStores && pend_out != nullptr) store_pending();
+      if (pend_out != nullptr) store_pending();
       ++step;
     }
     for (int k = 1; k < mine; ++k, ++step) {
@@ -218,7 +178,6 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     pend_row = m0 + wg * (kBlockM / 2) + r0;
     pend_n0 = n0;
     pend_out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + pend_row * p.out_stride_l;
-    if (!kDeferStores) store_pending();
     // The stages this warpgroup does not read (the other block's extra keys): waited for, so that this warpgroup's
     // arrivals stay in the ring's round (an early arrival would count toward the previous round's release), and
     // released.
@@ -228,6 +187,35 @@ __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90
     }
   }
   if (pend_out != nullptr) store_pending();
+}
+
+}  // namespace pv
+
+template <typename T, int kStages>
+__global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
+  using namespace pv;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  const SharedStorage<kStages> ss(smem_raw);
+  const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
+  const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
+  const int heads = static_cast<int>(p.num_heads);
+  const int count = m_tiles * n_tiles * heads * static_cast<int>(p.batch);
+  // Tile t: (m tile heaviest first, n tile) fastest, then head, then batch.
+  auto tile = [&](int t, int& m0, int& n0, int& h, int& b) {
+    const int per_head = m_tiles * n_tiles, i = t % per_head, hb = t / per_head;
+    m0 = (m_tiles - 1 - i / n_tiles) * kBlockM;
+    n0 = (i % n_tiles) * kBlockN;
+    h = hb % heads;
+    b = hb / heads;
+  };
+
+  pipeline::init_barriers([&] { ss.bars.init(8); });  // empty: lane 0 of each consumer warp
+
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) produce(p, ss, count, tile);  // one thread issues the loads
+      },
+      [&](int tid) { consume<T>(p, ss, count, tile, tid); });
 }
 
 }  // namespace cupy_attn

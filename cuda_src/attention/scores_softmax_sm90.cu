@@ -1,20 +1,21 @@
 // Attention probabilities for Hopper (sm_90a), whole rows on chip: P = softmax(scale · Q Kᵀ) in the input dtype and
 // lse = log Σ_j exp(scale · q·k_j) (fp32, natural log), for seqlen_k ≤ 512. The split path (cupy_attn/attention/
-// split.py) feeds P to its cuBLAS P·V GEMM: this kernel replaces its Q·Kᵀ GEMM into an fp32 score buffer and the
-// softmax pass over that buffer (issue 14: head dims above 256, where no fused kernel of ours applies).
+// split.py) feeds P to its P·V GEMM (cuBLAS, or pv_sm90.cu for causal calls): this kernel replaces a Q·Kᵀ GEMM into an
+// fp32 score buffer and the softmax pass over it (issue 14: head dims above 256, where no fused kernel applies).
 //
 // Algorithm: a GEMM with the softmax in its epilogue. S is never written: a CTA holds whole score rows (64 query rows ×
 // all S ≤ 512 keys) in wgmma accumulators, so the epilogue knows each row's exact max m and sum l before it writes
 // P = 2^(S·c − m) / l (c = scale·log2 e, folded into one FFMA) and lse = (m + log2 l)·ln 2. No online rescaling.
-// The mainloop is FlashAttention-3's producer/consumer pattern (Shah et al. 2024, §3.1; sm90/mainloop.cuh): a producer
-// warpgroup (setmaxnreg.dec to 24) whose one thread issues TMA loads into a kStages-deep mbarrier ring, two consumer
-// warpgroups (setmaxnreg.inc to 240) issuing wgmma.
+// The mainloop is FlashAttention-3's producer/consumer pattern (Shah et al. 2024, §3.1; common/pipeline.cuh,
+// sm90/roles.cuh): a producer warpgroup (setmaxnreg.dec to 24) whose one thread issues TMA loads into a kStages-deep
+// mbarrier ring, two consumer warpgroups (setmaxnreg.inc to 240) issuing wgmma. Accumulation fp32 (S and the row
+// statistics); P is rounded to T once, when stored.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces. Consumer warpgroup w = 0, 1 (warpgroups 1, 2) computes the 64 ×
 // kHalfN block of S for keys w·kHalfN ... w·kHalfN + kHalfN − 1, K-loop over the head dim in 64-column steps (one
-// 128-byte swizzle atom wide), four m64nkHalfNk16 wgmma per step, accumulators in fp32 (kHalfN/2 registers per thread:
-// lane 4g+t of warp v holds rows 16v+g and 16v+g+8, columns 8j+2t and 8j+2t+1). Row statistics: a quad shuffle inside
-// the warpgroup, then one exchange through shared memory between the two warpgroups (each owns half of every row).
+// 128-byte swizzle atom wide), four m64nkHalfNk16 wgmma per step (kHalfN/2 accumulator registers per thread: lane
+// 4g+t of warp v holds rows 16v+g and 16v+g+8, columns 8j+2t and 8j+2t+1). Row statistics: a quad shuffle inside the
+// warpgroup, then one exchange through shared memory between the two warpgroups (each owns half of every row).
 //
 // Stage s of the ring: Q rows m0..m0+63 × head-dim columns 64·kb..64·kb+63 (8 KB) and K rows 0..2·kHalfN−1 × the same
 // columns (two TMA boxes of kHalfN rows, one per consumer warpgroup), both in the 128-byte swizzle; full[s] (1 arrival:
@@ -26,23 +27,23 @@
 // 64 with 2·kHalfN ≥ S; kStages = 4 (3 at kHalfN = 256: 3 × 72 KB fills the 227 KB per block). One CTA per SM (its
 // accumulators take half the register file).
 //
-// K multicast (scores_softmax_sm90_cluster2, v2): every CTA reads its head's whole K, 1 MB per 64 rows at the seed
-// shape (9.7 GB of L2 → SM traffic per call, ~7.5 TB/s at v1's 1.3 ms: the likely limit). In a cluster of two CTAs
-// (adjacent row blocks of one head) each producer loads one of the stage's two K boxes and multicasts it to both, so
-// K crosses from L2 once per 128 rows (5.4 GB per call). The protocol (scores_softmax below, tma.cuh's cluster
-// section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
-// (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
+// K multicast (scores_softmax_sm90_cluster2): every CTA reads its head's whole K, which can make the L2 → SM traffic
+// the limit. In a cluster of two CTAs (adjacent row blocks of one head) each producer loads one of the stage's two K
+// boxes and multicasts it to both, so K crosses from L2 once per 128 rows. The protocol (scores_softmax below,
+// tma.cuh's cluster section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer
+// warps of both CTAs (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization
+// and before exit.
 //
-// Causal (not the cluster variant: the launcher keeps it non-causal): a block's keys end at n_vis, the
-// limit of its last row. Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups, nw = ⌈n_vis / 128⌉·64
-// each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a runtime choice among
-// the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A warpgroup's chain of
-// wgmma is what a block waits for (measured: idling one warpgroup of a half-work block saved ~10%), so both shorten.
-// A warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the ring's phases). Every key past
-// a row's limit gets P = 0, keys 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA
-// stores of a zero box in the one-tile kernels; the P·V GEMM reads whole rows); a row that
-// sees no key (bottom-right, L > S) gets P = 0 and lse = −inf. The persistent kernel's 256-key tile also pairs
-// row blocks (Tile: a narrow block's keys and the overflow of a wide one's share a tile).
+// Causal (not the cluster variant: the launcher keeps it non-causal): a block's keys end at n_vis, the limit of its
+// last row (common/visibility.cuh). Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups,
+// nw = ⌈n_vis / 128⌉·64 each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a
+// runtime choice among the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A
+// warpgroup's chain of wgmma is what a block waits for, so both shorten. A warpgroup whose keys all lie at or past
+// n_vis issues no wgmma (it only follows the ring's phases). Every key past a row's limit gets P = 0, keys
+// 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA stores of a zero box in the one-tile
+// kernels; the P·V GEMM reads whole rows); a row that sees no key (bottom-right, L > S) gets P = 0 and lse = −inf. The
+// persistent kernel's 256-key tile also pairs row blocks (Tile: a narrow block's keys and the overflow of a wide one's
+// share a tile).
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
 // the producer loads the next block's first stages while the consumers run a block's softmax and P stores. P leaves
@@ -50,32 +51,18 @@
 // stage is released as soon as its wgmma have read it and all kStages stages refill during the epilogue (the one-tile
 // kernels stage P in that stage for TMA stores). It does not overlap the epilogue with the next block's wgmma (both
 // consumer warpgroups hold one block's rows: a ping-pong of blocks would need 256 accumulator registers per thread at
-// S = 512). Where the time goes at the seed (session 13, bench/experiments/scores_wall.py, parts compiled out): the
-// wgmma alone 0.82-0.89 ms, the TMA ring alone 0.75-0.80, both (no epilogue) 0.89-0.93, the whole kernel 1.15-1.25:
-// the epilogue, during which the tensor cores idle, is ~25% of it.
-// Not (yet) here: attn_mask.
-//
-// Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
-//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              1.571 ms (0.83× v1)
-//   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
-//   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
-//   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
-//   v1.4 persistent: P by 16-byte stores from registers (last stage released after the wgmma), ex2.approx.ftz
-//       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
-//   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
-//   v1.6 one exchange of row statistics (each warpgroup's own max and sum, merged): −0.4 to −2.4% against v1.5
-//   v1.7 causal pair tiles (Tile, pair_tile_wg1): a narrow row block shares a tile with a wide one of the same head;
-//       the seed's causal kernel 0.92-1.02 ms against 1.18-1.28 with one tile per row block (same runs)
-//   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
-//       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
-//       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
+// S = 512); the tensor cores idle during the epilogue.
+// Not (yet) here: attn_mask other than key padding (the masked persistent kernel).
+// History and measurements: bench/notes/kernels_scores_sm90.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/pack.cuh"
+#include "attention/sm90/roles.cuh"
 
 namespace cupy_attn {
 
@@ -125,17 +112,16 @@ struct SharedStorage {
 
   T* q;  // kStages tiles
   T* k;
-  unsigned long long* full;
-  unsigned long long* empty;
+  pipeline::Ring<kStages> bars;  // empty: 8 arrivals per CTA of the cluster (every consumer warp reading the stage)
   float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
-    full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
-    empty = full + kStages;
-    stats = reinterpret_cast<float2*>(empty + kStages);
+    bars.full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
+    bars.empty = bars.full + kStages;
+    stats = reinterpret_cast<float2*>(bars.empty + kStages);
   }
 };
 
@@ -150,122 +136,13 @@ constexpr int kStoreBarrier = 2;
 
 }  // namespace scores_sm90
 
-// Ablations for bench/experiments/scores_wall.py, compiled in only with -DCUPY_ATTN_SCORES_ABLATE=bits (the library
-// never sets it; ablated kernels write wrong P). Bits: 1 no wgmma, 2 no TMA loads (the producer arrives with no bytes:
-// wgmma on whatever shared memory holds), 4 only the first K box loaded (40 of 72 KB per stage), 8 no epilogue
-// (persistent kernel: a tile's last stage released after its wgmma; no softmax, no P), 32 no exponentials (the FFMA
-// alone), 64 no P stores (persistent kernel). They separate the mainloop's load pacing from its tensor work, and the
-// epilogue's parts (NOTES_split, session 13). Non-causal calls only: a causal pair tile's warpgroup 1 does not follow
-// the bits (with bit 8 its warpgroup 0 would skip the statistics barrier it waits at). Leaving the pair path out of
-// these builds instead made ptxas serialize their wgmma (C7511) at bit 8.
-#ifndef CUPY_ATTN_SCORES_ABLATE
-#define CUPY_ATTN_SCORES_ABLATE 0
-#endif
-constexpr int kScoresAblate = CUPY_ATTN_SCORES_ABLATE;
-// P out of the persistent kernel: 16-byte global stores from registers (default), or with
-// -DCUPY_ATTN_SCORES_P_TMA the one-tile kernels' staging through the tile's last stage and TMA stores (a row of
-// bench/experiments/scores_wall.py).
-#ifdef CUPY_ATTN_SCORES_P_TMA
-constexpr bool kDirectP = false;
-#else
-constexpr bool kDirectP = true;
-#endif
-
-constexpr bool kAblateMma = kScoresAblate & 1, kAblateLoads = kScoresAblate & 2, kAblateHi = kScoresAblate & 4,
-               kAblateEpilogue = kScoresAblate & 8, kAblateExp = kScoresAblate & 32, kAblateStores = kScoresAblate & 64;
-
-// Phase timing for bench/experiments/scores_trace.py, compiled in only with -DCUPY_ATTN_SCORES_TRACE (otherwise
-// every call below is empty and the SASS is unchanged): per CTA, tile and consumer warpgroup, clock64 stamps of the
-// tile's phases and the cycles its k loop waited on full barriers (TMA data) and on wgmma.wait_group, summed in
-// registers and stored once per tile, read back through the module global g_scores_trace; per CTA the producer's
-// cycles waiting on empty barriers and the CTA's globaltimer span.
-namespace scores_trace {
-constexpr int kTiles = 80, kFields = 8, kCtas = 160;
-}  // namespace scores_trace
-}  // namespace cupy_attn
-#ifdef CUPY_ATTN_SCORES_TRACE
-extern "C" {
-__device__ unsigned long long g_scores_trace[cupy_attn::scores_trace::kCtas * cupy_attn::scores_trace::kTiles * 2 *
-                                                 cupy_attn::scores_trace::kFields + cupy_attn::scores_trace::kCtas * 4];
-}
-#endif
-namespace cupy_attn {
-namespace scores_trace {
-#ifdef CUPY_ATTN_SCORES_TRACE
-struct Clock {
-  unsigned long long* rec = nullptr;  // this tile's record, or nullptr (not a warpgroup's leader thread)
-  unsigned long long wait_full = 0, wait_mma = 0;
-  __device__ __forceinline__ void open(int tile, int wg, bool leader) {
-    rec = leader && tile < kTiles && blockIdx.x < kCtas
-              ? &g_scores_trace[((blockIdx.x * kTiles + tile) * 2 + wg) * kFields] : nullptr;
-    wait_full = wait_mma = 0;
-  }
-  __device__ __forceinline__ static unsigned long long now() { return clock64(); }
-  __device__ __forceinline__ void stamp(int f) { if (rec) rec[f] = clock64(); }
-  __device__ __forceinline__ void full(unsigned long long d) { wait_full += d; }
-  __device__ __forceinline__ void mma(unsigned long long d) { wait_mma += d; }
-  __device__ __forceinline__ void close() { if (rec) { rec[1] = wait_full; rec[2] = wait_mma; } }
-};
-__device__ __forceinline__ void producer_wait(unsigned long long& sum, unsigned long long d) { sum += d; }
-__device__ __forceinline__ void producer_done(unsigned long long sum) {
-  if (blockIdx.x < kCtas) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4] = sum;
-}
-__device__ __forceinline__ void cta_span(int f) {
-  if (blockIdx.x >= kCtas) return;
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 1 + f] = t;
-  if (f == 0) g_scores_trace[kCtas * kTiles * 2 * kFields + blockIdx.x * 4 + 3] = clock64();
-}
-#else
-struct Clock {
-  __device__ __forceinline__ void open(int, int, bool) {}
-  __device__ __forceinline__ static unsigned long long now() { return 0; }
-  __device__ __forceinline__ void stamp(int) {}
-  __device__ __forceinline__ void full(unsigned long long) {}
-  __device__ __forceinline__ void mma(unsigned long long) {}
-  __device__ __forceinline__ void close() {}
-};
-__device__ __forceinline__ void producer_wait(unsigned long long&, unsigned long long) {}
-__device__ __forceinline__ void producer_done(unsigned long long) {}
-__device__ __forceinline__ void cta_span(int) {}
-#endif
-}  // namespace scores_trace
-
-constexpr int kScoresProducerRegs = 24;
-constexpr int kScoresConsumerRegs = 240;
-
 namespace scores_sm90 {
-
-// Thread 0: the ring's barriers (full: the producer's one arrival + the TMA bytes; empty: `readers` arrivals, lane 0
-// of each consumer warp that reads a stage), fenced for the async proxy and the cluster.
-template <int kStages>
-__device__ __forceinline__ void init_ring(unsigned long long* full, unsigned long long* empty, unsigned readers) {
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int s = 0; s < kStages; ++s) {
-      tma::mbar_init(&full[s], 1);
-      tma::mbar_init(&empty[s], readers);
-    }
-    tma::fence_barrier_init();
-  }
-}
-
-// The producer warpgroup's entry: its registers down to kScoresProducerRegs; true in thread 0, the one that issues
-// the TMA loads, after it has prefetched the Q and K maps.
-__device__ __forceinline__ bool producer_enter(const ScoresSm90Params& p) {
-  tma::setmaxnreg_dec<kScoresProducerRegs>();
-  if (threadIdx.x != 0) return false;
-  tma::prefetch_map(&p.tma_q);
-  tma::prefetch_map(&p.tma_k);
-  return true;
-}
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0:
-// below fp16's least value, and among bf16's subnormals an absolute error under 2^−126), and each row's sum: this lane's, then the quad's (shuffles; the four
-// lanes of a quad hold a row's columns). sum starts at 0. exp2f added 3 instructions per score (its denormal
-// range fix-up): 4-5% of the kernel at the seed (session 13, bench/experiments/scores_wall.py).
+// below fp16's least value, and among bf16's subnormals an absolute error under 2^−126), and each row's sum: this
+// lane's, then the quad's (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0. Not exp2f: its
+// denormal range fix-up costs 3 instructions per score.
 template <int kN>
 __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
   sum[0] = sum[1] = 0.f;
@@ -276,7 +153,7 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         float& x = acc[4 * j + 2 * half + e];
-        x = kAblateExp ? fmaf(x, c, -m_c[half]) : exp2_approx(fmaf(x, c, -m_c[half]));
+        x = exp2_approx(fmaf(x, c, -m_c[half]));
         sum[half] += x;
       }
   #pragma unroll
@@ -293,39 +170,33 @@ __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const f
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedStorage<T, kHalfN, kStages>& ss,
                                        unsigned q_base, unsigned k_base, int k_blocks, int lane, unsigned rank,
-                                       int step0, scores_trace::Clock& clk) {
+                                       int step0) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   float (&d)[kN / 2] = *reinterpret_cast<float (*)[kN / 2]>(&acc[0]);
   // Stage kb's four k steps, issued and committed once its loads have landed.
   auto issue = [&](int kb) {
-    const int s = (step0 + kb) % kStages;
-    const unsigned long long t_full = clk.now();
-    tma::mbar_wait(&ss.full[s], ((step0 + kb) / kStages) & 1);
-    clk.full(clk.now() - t_full);
+    const int s = ss.bars.wait(step0 + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k_st = k_base + s * Smem::kKBytes;
     wgmma::fence();
     #pragma unroll
     for (int kk = 0; kk < 4; ++kk)
-      if constexpr (!kAblateMma)
-        wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
+      wgmma::Mma<T, kN>::ss(d, wgmma::desc_sw128(q_st + kk * 32, 16, 1024),
                               wgmma::desc_sw128(k_st + kk * 32, 16, 1024), kb > 0 || kk > 0);
     wgmma::commit();
   };
   // wait<1>: stage kb − 1's wgmma have completed; release that stage (kb ≥ 1).
   auto retire = [&](int kb) {
-    const unsigned long long t_mma = clk.now();
     wgmma::wait<1>();
-    clk.mma(clk.now() - t_mma);
     if (kb > 0) {
       __syncwarp();
       if (lane == 0) {
-        tma::mbar_arrive(&ss.empty[(step0 + kb - 1) % kStages]);
-        if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[(step0 + kb - 1) % kStages], rank ^ 1);
+        ss.bars.arrive_empty(step0 + kb - 1);
+        if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step0 + kb - 1, rank ^ 1);
       }
     }
   };
-  // The first two k blocks peeled off the loop: 5-7% less kernel time at the seed than the plain loop (session 13,
-  // scores_wall.py --base; from ptxas's schedule of the copies, not otherwise explained).
+  // The first two k blocks peeled off the loop: faster than the plain loop (bench/notes/kernels_scores_sm90.md; from
+  // ptxas's schedule of the copies, not otherwise explained).
   issue(0);
   retire(0);
   if (k_blocks > 1) {
@@ -343,16 +214,15 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
 template <typename T, int kN, int kHalfN, int kStages, int kClusterM>
 __device__ __forceinline__ void k_loop_width(int nw, float (&acc)[kHalfN / 2],
                                              const SharedStorage<T, kHalfN, kStages>& ss, unsigned q_base,
-                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0,
-                                             scores_trace::Clock& clk) {
+                                             unsigned k_base, int k_blocks, int lane, unsigned rank, int step0) {
   if constexpr (kN == 64) {
-    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+    k_loop<T, 64, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
   } else {
     if (nw == kN) {
-      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0, clk);
+      k_loop<T, kN, kHalfN, kStages, kClusterM>(acc, ss, q_base, k_base, k_blocks, lane, rank, step0);
     } else {
       k_loop_width<T, kN - 64, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank,
-                                                           step0, clk);
+                                                           step0);
     }
   }
 }
@@ -363,22 +233,21 @@ __device__ __forceinline__ int visible_keys(const ScoresSm90Params& p, int m0) {
   int n_vis = static_cast<int>(p.seqlen_k);
   if (p.is_causal) {
     const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+    n_vis = static_cast<int>(max(0ll, Visibility{p.seqlen_k, p.causal_offset, true}.end_key(last_row)));
   }
   return n_vis;
 }
 
 // One tile of the kernel: 64 query rows (m0 ...) of head h, batch b, and the keys its rows may see (n_vis,
 // visible_keys). Keys per warpgroup nw: kHalfN, or under a causal mask half of n_vis rounded up to 64 (warpgroup w
-// takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw). P is written for keys
-// 0 ... zero_from − 1 from the accumulators and as zeros from there to S.
-// A causal pair tile (lo_m0 ≥ 0; persistent kernel, kHalfN = 256): the rows of a wide block (m0) and of a narrow one
-// (lo_m0) whose visible keys, rounded up to 64, add up to at most 512, so the tile does a whole tile's work and the
-// narrow block no longer costs a tile of its own (a narrow block alone is paced by its loads like a full one:
-// bench/NOTES_split.md, session 12). Warpgroup 0 multiplies the wide block's keys 0 ... nw − 1 (nw = min(256, its
-// width)) as in any tile; warpgroup 1 the rest of them, 256 ... 256 + n1 − 1, and the narrow block's keys 0 ...
-// 255 − n1 (pair_tile_wg1). Each stage holds both Q tiles: the narrow block's in the second K box's rows 192 ... 255,
-// since that box loads only the n1 ≤ 192 keys warpgroup 1 needs.
+// takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw). P is written for keys 0 ...
+// zero_from − 1 from the accumulators and as zeros from there to S. A causal pair tile (lo_m0 ≥ 0; persistent kernel,
+// kHalfN = 256): the rows of a wide block (m0) and of a narrow one (lo_m0) whose visible keys, rounded up to 64, add up
+// to at most 512, so the tile does a whole tile's work and the narrow block no longer costs a tile of its own (a narrow
+// block alone is paced by its loads like a full one). Warpgroup 0 multiplies the wide block's keys 0 ... nw − 1 (nw =
+// min(256, its width)) as in any tile; warpgroup 1 the rest of them, 256 ... 256 + n1 − 1, and the narrow block's keys
+// 0 ... 255 − n1 (pair_tile_wg1). Each stage holds both Q tiles: the narrow block's in the second K box's rows 192 ...
+// 255, since that box loads only the n1 ≤ 192 keys warpgroup 1 needs.
 template <int kHalfN>
 struct Tile {
   int m0, h, b, n_vis, nw;
@@ -455,9 +324,12 @@ __device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n
                                           const ScoresSm90Params& p) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    long long limit = min(p.seqlen_k, static_cast<long long>(n0 + nw));  // keys < limit are visible to this row
-    if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-    // column 8j + e of this lane is visible iff 8j + e < lim
+    // Column 8j + e of this lane is visible iff 8j + e < lim: the chain's keys end at n0 + nw (a Visibility with S
+    // cut there).
+    // Keys < limit are visible to this row: a Visibility with S cut at the chain's end, n0 + nw. Column 8j + e of
+    // this lane is visible iff 8j + e < lim (the clamped-int form of Visibility::lane_limit, exclusive).
+    const long long limit = Visibility{min(p.seqlen_k, static_cast<long long>(n0 + nw)), p.causal_offset,
+                                       p.is_causal != 0}.end_key(m0 + r0 + 8 * half);
     const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kN), limit - n0 - 2 * t))) : -1;
     #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
@@ -567,7 +439,9 @@ __device__ __forceinline__ void store_p(const float (&a)[kN / 2], const float (&
       }
       quad_transpose(w, t);
       const int col = n0 + 32 * i + 8 * t;
-      if (row < p.seqlen_q && col < p.seqlen_k && (!kAblateStores || w[0] == 0x7fff7fffu))
+      // (`&& true`: NVRTC's front end lowers this three-term form to the schedule the kernel was measured with; the
+      // two-term test moves one 64-bit compare and costs 8 more SASS instructions.)
+      if (row < p.seqlen_q && col < p.seqlen_k && true)
         *reinterpret_cast<uint4*>(p_row + col) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
@@ -599,25 +473,19 @@ __device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, co
 // the second K box's rows 192 ... 255, B: the first K box). Then the wide block's rows as warpgroup 1 of a plain tile
 // (their statistics merged with warpgroup 0's through the exchange), the narrow block's rows alone (their keys are
 // all here: no exchange), P and lse of both.
-// A chunk's role is a run-time choice of operands, so one code path serves every n1. The alternative, two wgmma
-// chains of compile-time widths (m64n{n1} and m64n{256 − n1}, one instantiation per n1), reads A once per chain
-// instead of once per chunk (12 KB of shared memory a k step against 16 here; a plain warpgroup reads 10), but it
-// made the kernel 16.4k SASS instructions against 9.8k, and the seed's causal kernel ran in 1.51 ms against 0.92
-// here and 1.18 with no pair tiles (H200, session 17, bench/NOTES_split.md; the instruction cache is the likely
-// cause: the two warpgroups run different code). Running warpgroup 0 through this function too (both warpgroups in
-// the same code) measured the same, 0.93 ms.
+// A chunk's role is a run-time choice of operands, so one code path serves every n1 (two wgmma chains of compile-time
+// widths, one instantiation per n1, read A once per chain but made the kernel much larger and slower: the two
+// warpgroups then run different code; bench/notes/kernels_scores_sm90.md).
 template <typename T, int kStages>
 __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedStorage<T, 256, kStages>& ss,
                                               const Tile<256>& tl,
-                                              const ScoresSm90Params& p, int step, int k_blocks, int tid,
-                                              scores_trace::Clock& clk) {
+                                              const ScoresSm90Params& p, int step, int k_blocks, int tid) {
   using Smem = SharedStorage<T, 256, kStages>;
   const int lane = tid % 32, t = lane % 4, r0 = ((tid / 32) % 4) * 16 + lane / 4;
   const int c1 = tl.n1 / 64;
   const unsigned q_base = tma::smem_u32(ss.q), k_base = tma::smem_u32(ss.k);
   auto issue = [&](int kb) {
-    const int s = (step + kb) % kStages;
-    tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+    const int s = ss.bars.wait(step + kb);
     const unsigned q_st = q_base + s * Smem::kQBytes, k0 = k_base + s * Smem::kKBytes, k1 = k0 + 256 * 128;
     wgmma::fence();
     #pragma unroll
@@ -636,7 +504,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     wgmma::wait<1>();
     if (kb > 0) {
       __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[(step + kb - 1) % kStages]);
+      if (lane == 0) ss.bars.arrive_empty(step + kb - 1);
     }
   };
   for (int kb = 0; kb < k_blocks; ++kb) {
@@ -647,9 +515,7 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   #pragma unroll
   for (int c = 0; c < 4; ++c) wgmma::fence_operands(acc[c]);
   // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it.
-  __syncwarp();
-  if (lane == 0) tma::mbar_arrive(&ss.empty[(step + k_blocks - 1) % kStages]);
-  clk.stamp(3);
+  ss.bars.release(step + k_blocks - 1, lane);
 
   // Chunk c's keys start at n0[c] and its rows at m0c[c].
   int n0[4], m0c[4];
@@ -683,7 +549,6 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
     ref_hi[half] = m_hi[half] == neg_inf() ? 0.f : m_hi[half];
     ref_lo[half] = m_lo[half] == neg_inf() ? 0.f : m_lo[half];
   }
-  clk.stamp(4);
   float sum_hi[2] = {0.f, 0.f}, sum_lo[2] = {0.f, 0.f};
   #pragma unroll
   for (int c = 0; c < 4; ++c) {
@@ -702,7 +567,6 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   for (int half = 0; half < 2; ++half)
     if (t == 0) st[kBlockM + r0 + 8 * half] = make_float2(m_hi[half], sum_hi[half]);
   tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
-  clk.stamp(5);
   float inv_hi[2], inv_lo[2];
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -721,112 +585,66 @@ __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedS
   }
 }
 
-// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
-// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
-// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
-// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
-// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
-// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
-// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
-// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
-// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
-// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
-// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
-// stage as soon as its wgmma have read it, before the softmax (with -DCUPY_ATTN_SCORES_P_TMA, as in the one-tile
-// kernels, each warpgroup stages its P, and the zero box of a causal block, in its own K box of that stage and
-// releases the stage only after its TMA stores have read shared memory).
-template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
-__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+// The producer thread: every tile's k blocks in ring order, each stage Q's box and the K boxes (a cluster CTA its own K
+// box, multicast to both; a causal pair tile both blocks' Q tiles and the wide block's keys past 256 in 64-row
+// pieces).
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kPairTiles>
+__device__ __forceinline__ void produce(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
-  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
-  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
-  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
-  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && kDirectP && !kMasked;  // masks are never causal
-
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
-  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
-  const Smem ss(smem_raw);
-  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
-  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
-
-  init_ring<kStages>(ss.full, ss.empty, 8 * kClusterM);  // every consumer warp, of every CTA in the cluster
-  if constexpr (kClusterM > 1) {
-    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
-    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
-    tma::cluster_arrive_relaxed();
-    tma::cluster_wait();
-  } else {
-    __syncthreads();
-  }
-
-  if (threadIdx.x < 128) {
-    if (producer_enter(p)) {
-      int step = 0;
-      unsigned long long waited = 0;
-      for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
-        const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
-        const int h_kv = tl.h / static_cast<int>(p.groups);
-        if constexpr (kPairTiles) {
-          if (tl.pair()) {
-            // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
-            // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
-            const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
-            for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-              const int s = step % kStages;
-              tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);
-              tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-              T* k = ss.k + s * 2 * kHalfN * 64;
-              tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
-              tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
-              for (int i = 0; i < tl.n1 / 64; ++i)
-                tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, &ss.full[s], kb * 64, 256 + 64 * i, h_kv, tl.b);
-              tma::load_4d(k + (256 + 192) * 64, &p.tma_q, &ss.full[s], kb * 64, tl.lo_m0, tl.h, tl.b);
-            }
-            continue;
-          }
-        }
-        // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
-        // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
-        const bool load_hi = tl.nw < tl.n_vis && !kAblateHi;
-        const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
-        const unsigned bytes = kAblateLoads ? 0u
-                             : (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+  int step = 0;
+  for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more();) {
+    const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
+    const int h_kv = tl.h / static_cast<int>(p.groups);
+    if constexpr (kPairTiles) {
+      if (tl.pair()) {
+        // A causal pair tile's stage: the wide block's Q tile, K keys 0 ... 255 (the first box), keys 256 ...
+        // 256 + n1 − 1 in 64-row pieces and the narrow block's Q tile in the second box's rows 192 ... 255.
+        const unsigned bytes = 2 * Smem::kQBytes + Smem::kKBytes / 2 + tl.n1 * 128;
         for (int kb = 0; kb < k_blocks; ++kb, ++step) {
-          const int s = step % kStages;
-          const unsigned long long t_empty = scores_trace::Clock::now();
-          tma::mbar_wait(&ss.empty[s], ((step / kStages) & 1) ^ 1);  // round 0: a fresh barrier, returns at once
-          scores_trace::producer_wait(waited, scores_trace::Clock::now() - t_empty);
-          // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
-          // while, and the phase still needs this arrival to complete.
-          tma::mbar_arrive_expect_tx(&ss.full[s], bytes);
-          if constexpr (kAblateLoads) continue;
-          if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, &ss.full[s], kb * 64, tl.m0, tl.h, tl.b);
+          const int s = ss.bars.stage(step);
+          unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
           T* k = ss.k + s * 2 * kHalfN * 64;
-          if constexpr (kClusterM > 1) {
-            if (rank == 0 || load_hi)
-              tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, &ss.full[s], 0x3, kb * 64, rank * kHalfN,
-                                     h_kv, tl.b);
-          } else {
-            tma::load_4d(k, &p.tma_k, &ss.full[s], kb * 64, 0, h_kv, tl.b);
-            if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, &ss.full[s], kb * 64, tl.nw, h_kv, tl.b);
-          }
+          tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+          tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+          for (int i = 0; i < tl.n1 / 64; ++i)
+            tma::load_4d(k + (256 + 64 * i) * 64, &p.tma_k64, full, kb * 64, 256 + 64 * i, h_kv, tl.b);
+          tma::load_4d(k + (256 + 192) * 64, &p.tma_q, full, kb * 64, tl.lo_m0, tl.h, tl.b);
         }
+        continue;
       }
-      scores_trace::producer_done(waited);
     }
-    if constexpr (kClusterM > 1) {
-      tma::cluster_arrive();
-      tma::cluster_wait();
+    // n_vis ≤ nw (S ≤ 64, or a causal block that sees at most 64 keys): the second warpgroup sees no key. Its
+    // box is not loaded; that warpgroup issues no wgmma and sets every column to −inf.
+    const bool load_hi = tl.nw < tl.n_vis;
+    const bool load_q = kClusterM == 1 || tl.m0 < p.seqlen_q;  // false only in a cluster's padding CTA
+    const unsigned bytes = (load_q ? Smem::kQBytes : 0) + (load_hi ? Smem::kKBytes : Smem::kKBytes / 2);
+    for (int kb = 0; kb < k_blocks; ++kb, ++step) {
+      // With a cluster the peer's box may land before this expect_tx: the transaction count goes negative for a
+      // while, and the phase still needs this arrival to complete.
+      const int s = ss.bars.stage(step);
+      unsigned long long* full = ss.bars.acquire(s, ss.bars.phase(step), bytes);
+      if (load_q) tma::load_4d(ss.q + s * kBlockM * 64, &p.tma_q, full, kb * 64, tl.m0, tl.h, tl.b);
+      T* k = ss.k + s * 2 * kHalfN * 64;
+      if constexpr (kClusterM > 1) {
+        if (rank == 0 || load_hi)
+          tma::load_4d_multicast(k + rank * kHalfN * 64, &p.tma_k, full, 0x3, kb * 64, rank * kHalfN,
+                                 h_kv, tl.b);
+      } else {
+        tma::load_4d(k, &p.tma_k, full, kb * 64, 0, h_kv, tl.b);
+        if (load_hi) tma::load_4d(k + kHalfN * 64, &p.tma_k, full, kb * 64, tl.nw, h_kv, tl.b);
+      }
     }
-    return;
   }
-  tma::setmaxnreg_inc<kScoresConsumerRegs>();
+}
 
-  const int tid = threadIdx.x - 128;
+// The consumer warpgroups (tid = 0 ... 255 over both): per tile the S block of their keys (k_loop, or a pair tile's
+// warpgroup 1: pair_tile_wg1), the masks, the row statistics exchanged between the two, and P and lse stored.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked, bool kPairTiles>
+__device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedStorage<T, kHalfN, kStages>& ss,
+                                        int k_blocks, unsigned rank, int tid) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
   const int g = lane / 4, t = lane % 4;
   const int r0 = warp * 16 + g;  // this lane's rows in the block: r0 and r0 + 8
@@ -836,17 +654,13 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   const unsigned q_base = tma::smem_u32(ss.q);
   const unsigned k_base = tma::smem_u32(ss.k) + wg * kHalfN * 128;
   int step = 0;  // the ring step of the tile's first k block
-  if (tid == 0) scores_trace::cta_span(0);
-  scores_trace::Clock clk;
   for (TileWalk<kPersistent, kPairTiles> walk(p); walk.more(); step += k_blocks) {
-    clk.open(step / k_blocks, wg, tid % 128 == 0);
-    clk.stamp(0);
     const Tile<kHalfN> tl = walk.template take<kHalfN>(p);
     const int m0 = tl.m0, h = tl.h, b = tl.b, n_vis = tl.n_vis, nw = tl.nw;
     const int n0 = wg * nw;
     const bool active = n0 < n_vis;  // some row of the block sees some key of this warpgroup
     // The tile's last stage: released after the wgmma (persistent), or P's staging, released after its TMA stores.
-    const int last = (step + k_blocks - 1) % kStages;
+    const int last = ss.bars.stage(step + k_blocks - 1);
 
     // S block (64 × nw) = Q K_wgᵀ over the head dim (k_loop).
     float acc[kHalfN / 2];
@@ -854,52 +668,41 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     for (int i = 0; i < kHalfN / 2; ++i) acc[i] = 0.f;
     if constexpr (kPairTiles) {
       if (tl.pair() && wg == 1) {  // warpgroup 0 runs a pair tile's wide block as in any tile
-        pair_tile_wg1<T, kStages>(*reinterpret_cast<float (*)[4][32]>(&acc[0]), ss, tl, p, step, k_blocks, tid, clk);
+        pair_tile_wg1<T, kStages>(*reinterpret_cast<float (*)[4][32]>(&acc[0]), ss, tl, p, step, k_blocks, tid);
         T* const head = static_cast<T*>(p.p) + (static_cast<long long>(tl.b) * p.num_heads + tl.h) * p.seqlen_q * p.ld;
         zero_tail(head, tl.m0, tl.zero_from, tid, p);
         zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
-        clk.close();
         continue;
       }
     }
     if (active) {
-      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step,
-                                                          clk);
+      k_loop_width<T, kHalfN, kHalfN, kStages, kClusterM>(nw, acc, ss, q_base, k_base, k_blocks, lane, rank, step);
     } else {
       // Nothing to multiply (every key of this warpgroup lies at or past n_vis: S ≤ 64, or causal): follow the
       // ring's phases, releasing each stage but the tile's last (in a cluster, in both CTAs) as soon as it has come,
       // so the empty barriers keep their count; the last is released with the active path's (after the wgmma in the
       // persistent kernel, after the stores where P is staged in it).
       for (int kb = 0; kb < k_blocks; ++kb) {
-        const int s = (step + kb) % kStages;
-        tma::mbar_wait(&ss.full[s], ((step + kb) / kStages) & 1);
+        ss.bars.wait(step + kb);
         __syncwarp();
         if (lane == 0 && kb + 1 < k_blocks) {
-          tma::mbar_arrive(&ss.empty[s]);
-          if constexpr (kClusterM > 1) tma::mbar_arrive_cluster(&ss.empty[s], rank ^ 1);
+          ss.bars.arrive_empty(step + kb);
+          if constexpr (kClusterM > 1) ss.bars.arrive_empty_cluster(step + kb, rank ^ 1);
         }
       }
     }
     wgmma::fence_operands(acc);
-    clk.stamp(3);
-    if constexpr (kPersistent && (kDirectP || kAblateEpilogue)) {
+    if constexpr (kPersistent) {
       // P leaves from registers: the tile's last stage is free once this warp's wgmma have read it (k_loop's
       // wait<0>), so the producer refills all kStages stages while the softmax and the stores run.
-      __syncwarp();
-      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
-      if constexpr (kAblateEpilogue) {  // keep the wgmma: ptxas drops those whose accumulators nothing reads
-        float sink = 0.f;
-        #pragma unroll
-        for (int i = 0; i < kHalfN / 2; ++i) sink += acc[i];
-        if (sink == 1234.5f && p.lse != nullptr) p.lse[0] = sink;
-        continue;
-      }
+      ss.bars.release_stage(last, lane);
     }
     // In a cluster the last stage needs no release: the producers have nothing left to load. This CTA's last access
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-    // Keys past S and past a row's causal limit take no part (mask_keys).
+    // Keys past S and past a row's causal limit take no part (mask_keys; the pre-test is Visibility::tile_needs_mask's,
+    // spelled out with the chain's own conditions).
     if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset))
       mask_keys<kHalfN>(acc, active, n0, nw, m0, r0, t, p);
     if constexpr (kMasked) {
@@ -918,7 +721,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     // needs), so a second barrier closes the exchange there.
     float m_c[2], ref[2], sum[2];
     row_max<kHalfN>(acc, c, m_c, ref);
-    clk.stamp(4);
     // P unnormalized in place: 2^(s·c − m_w·c), and this warpgroup's share of each row's sum.
     exp2_rows<kHalfN>(acc, c, ref, sum);
     float2* const st = ss.stats;
@@ -926,7 +728,6 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     for (int half = 0; half < 2; ++half)
       if (t == 0) st[wg * kBlockM + r0 + 8 * half] = make_float2(m_c[half], sum[half]);
     tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
-    clk.stamp(5);
     float inv[2];  // this warpgroup's P scale, 2^(m_w − m) / l
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -936,27 +737,24 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     if (kPersistent && k_blocks <= kStages) tma::named_barrier_sync_unaligned(kStatsBarrier, 256);
 
-    // The one-tile kernels (and the persistent one under -DCUPY_ATTN_SCORES_P_TMA): stores through shared memory and
-    // TMA: each warpgroup writes its 64 × nw block of P into its own K box of the
+    // The one-tile kernels: stores through shared memory and TMA: each warpgroup writes its 64 × nw block of P into its
+    // own K box of the
     // tile's last stage (that stage's loads have landed and this warpgroup's wgmma reading it have completed; the
     // stage is not refilled before its release below), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte
     // chunk c of row r at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the
     // boxes by TMA. The copies run asynchronously, so the tile's P bytes drain while the next tile runs (4-byte global
-    // stores measured 18% of the kernel's time at the seed). TMA clips the boxes to L rows, and to S keys in whole
+    // stores from registers cost far more). TMA clips the boxes to L rows, and to S keys in whole
     // 16-byte chunks: the chunk holding key S − 1 is written in full (P = 0 past S; ld is a multiple of 8, so never
     // past the row pitch), nothing else.
     // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros, the boxes split
     // between the warpgroups. There are such keys only when nw < kHalfN (2·nw < S ≤ 2·kHalfN), so the warpgroup's K
     // box has a free 64-column box past its nw keys: the zeros go there.
     using P2 = typename Pair<T>::type;
-    if constexpr (kPersistent && kDirectP) {
+    if constexpr (kPersistent) {
       T* const head = static_cast<T*>(p.p) + (static_cast<long long>(b) * p.num_heads + h) * p.seqlen_q * p.ld;
       store_p<T, kHalfN>(acc, inv, head, m0, r0, t, n0, nw, p);
       zero_tail(head, m0, tl.zero_from, tid, p);
       if (tl.pair()) zero_tail(head, tl.lo_m0, tl.zero_lo_from, tid, p);
-      clk.stamp(6);
-      clk.stamp(7);
-      clk.close();
       continue;
     }
     unsigned char* slot = reinterpret_cast<unsigned char*>(ss.k) + last * Smem::kKBytes + wg * kHalfN * 128;
@@ -979,23 +777,74 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
     }
     tma::fence_proxy_async();
     tma::named_barrier_sync(kStoreBarrier + wg, 128);
-    clk.stamp(6);
     if (tid % 128 == 0) {
       for (int i = 0; i < nw / 64; ++i) tma::store_4d(&p.tma_p, slot + i * 8192, n0 + 64 * i, m0, h, b);
       for (int i = wg; i < zero_boxes; i += 2) tma::store_4d(&p.tma_p, zeros, 2 * nw + 64 * i, m0, h, b);
       tma::bulk_commit();
       tma::bulk_wait_read();
     }
-    if constexpr (kPersistent) {
-      // The stores have read the staging: release the tile's last stage to the producer (the next tile's k blocks).
-      tma::named_barrier_sync(kStoreBarrier + wg, 128);
-      if (lane == 0) tma::mbar_arrive(&ss.empty[last]);
-    }
-    clk.stamp(7);
-    clk.close();
   }
-  if (tid == 0) scores_trace::cta_span(1);
   if constexpr (kClusterM > 1) tma::cluster_wait();  // the peer no longer writes into or arrives on this CTA
+}
+
+// The kernel body, for one CTA (kClusterM = 1) or a cluster of two CTAs (kClusterM = 2: adjacent 64-row blocks of
+// one (batch, head)) that share each K stage by TMA multicast: the CTA of rank r loads K box r (keys r·kHalfN ...
+// r·kHalfN + kHalfN − 1) of every stage into both CTAs, so the head's K is read from L2 once per pair of row blocks
+// instead of once per block. Each CTA's full[s] still expects the whole stage (its own Q tile, both K boxes: one
+// from each producer); empty[s] counts the 8 consumer warps of both CTAs (16 arrivals), since both producers write
+// into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
+// loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
+// kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
+// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the fixed cost per tile that a
+// one-tile CTA does not overlap). Ring steps are counted across tiles
+// (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
+// stage as soon as its wgmma have read it, before the softmax.
+template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
+__device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
+  using Smem = SharedStorage<T, kHalfN, kStages>;
+  static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
+  static_assert(kStages >= 2, "a ring of at least two stages");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
+  static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
+  static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
+  // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
+  constexpr bool kPairTiles = kPersistent && kHalfN == 256 && !kMasked;  // masks are never causal
+
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // The same offsets in every CTA of a cluster (same kernel, same dynamic shared memory base): TMA multicast and
+  // remote arrivals address the peer's tiles and barriers by this CTA's offsets.
+  const Smem ss(smem_raw);
+  const int k_blocks = static_cast<int>((p.head_dim + 63) / 64);
+  const unsigned rank = kClusterM > 1 ? tma::cluster_ctarank() : 0;
+
+  if (threadIdx.x == 0) {
+    ss.bars.init(8 * kClusterM);  // every consumer warp, of every CTA in the cluster
+    tma::fence_barrier_init();
+  }
+  if constexpr (kClusterM > 1) {
+    // The peer's TMA and consumers touch this CTA's barriers from their first stage on: initialized cluster-wide
+    // before anyone starts (fence_barrier_init released them; the wait doubles as __syncthreads).
+    tma::cluster_arrive_relaxed();
+    tma::cluster_wait();
+  } else {
+    __syncthreads();
+  }
+
+  sm90::warp_specialize<sm90::RegisterSplit<2>>(
+      [&](int tid) {
+        if (tid == 0) {  // one thread issues every load
+          tma::prefetch_map(&p.tma_q);
+          tma::prefetch_map(&p.tma_k);
+          produce<T, kHalfN, kStages, kClusterM, kPersistent, kPairTiles>(p, ss, k_blocks, rank);
+        }
+        if constexpr (kClusterM > 1) {  // the producer's last remote access (multicast) is behind it
+          tma::cluster_arrive();
+          tma::cluster_wait();
+        }
+      },
+      [&](int tid) {
+        consume<T, kHalfN, kStages, kClusterM, kPersistent, kMasked, kPairTiles>(p, ss, k_blocks, rank, tid);
+      });
 }
 
 }  // namespace scores_sm90

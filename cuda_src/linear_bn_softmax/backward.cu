@@ -37,10 +37,7 @@
 // Accumulation: fp32 throughout; dy stored in T (the dtype the GEMMs read); the per-feature gradients in each
 // parameter's own dtype (fp32 BatchNorm parameters next to fp16 activations are allowed, as in the forward).
 //
-// Version ladder (H200, (1024, 8192) -> 8192 fp16; bench/NOTES_linear_bn_softmax.md):
-//   v1  row dot + two-pass column kernel, column_stats' tile (8, 4, 256): not yet measured.
-//   v2  delta divided by the row's Σ out (a second sum in bwd_row_dot): a one-element scale's gradient loses the error
-//       of out's rounding (accuracy; no measurable time: the row kernel is bound by its two loads).
+// History: bench/notes/kernels_linear_bn_softmax.md.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "linear_bn_softmax/common.cuh"

@@ -21,21 +21,23 @@
 // rows: the MN-major A operand of dQ = dS K, and at kBlockN = 64 the K-major A operand of dK += dSᵀ Q (Pᵀ likewise,
 // for dV += Pᵀ dO).
 //
-// Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and per stage s of
-// the Q and dO rings q_full[s] / do_full[s] (1 arrival + bytes: tile and its lse or D row) and q_empty[s] / do_empty[s]
-// (8 arrivals: lane 0 of each consumer warp once the last wgmma reading the stage has completed: dK += dSᵀ Q for Q,
-// dV += Pᵀ dO for dO). Step i uses stage i % kStages in round i / kStages; full barriers are waited on with parity
-// (round & 1), empty barriers by the producer with parity (round & 1) ^ 1 (a fresh barrier's parity-1 wait returns
-// at once). dSᵀ is double-buffered (buffer i % 2) and the two consumer warpgroups meet at one named barrier per step,
-// after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
-// passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
-// that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow the same rule (written with dSᵀ, read by dV +=
-// Pᵀ dO of the same step, which completes before the step ends). dQ: each consumer warpgroup's staging buffer passes
-// between it and the dQ writer warp through two named barriers (bwd_dq_write).
+// Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and the Q and dO
+// rings (common/pipeline.cuh: q_bars, do_bars): per stage a full barrier (1 arrival + bytes: tile and its lse or D row)
+// and an empty one (8 arrivals: lane 0 of each consumer warp once the last wgmma reading the stage has completed: dK +=
+// dSᵀ Q for Q, dV += Pᵀ dO for dO); step i is ring iteration i. dSᵀ is double-buffered (buffer i % 2) and the two
+// consumer warpgroups meet at one named barrier per step, after both stored their dSᵀ rows and before either reads
+// them: a warpgroup writing buffer i % 2 in step i has passed the barrier of step i − 1, which the other reached only
+// after its dQ GEMM of step i − 2 (the last reader of that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow
+// the same rule (written with dSᵀ, read by dV += Pᵀ dO of the same step, which completes before the step ends). dQ:
+// each consumer warpgroup's staging buffer passes between it and the dQ writer warp through two named barriers
+// (bwd_dq_write).
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
+#include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/bwd_params.cuh"
 #include "attention/sm90/bwd_epilogue.cuh"
@@ -58,23 +60,17 @@ struct BwdSplit {
 };
 
 // dQ of a step is kBlockM × kHeadDim, two tiles of 64 queries × kN columns, one per consumer warpgroup: warpgroup w
-// has query block row_block(w), columns 64·col_block(w) ... + kN. kTma: reduced into dq_accum by TMA from a staging
-// buffer in shared memory, in kRounds rounds of kStageCols columns (the dQ writer, bwd_dq_write), else by
-// red.global.add from registers (-DCUPY_ATTN_BWD_DQ_TMA=0, for A/B runs). kBlockN = 64 (head dim 256) makes room for
-// its staging by single-staging dO (kDoStages, in both builds; FlashAttention-3's hdim-256 backward does too) and
+// has query block row_block(w), columns 64·col_block(w) ... + kN, reduced into dq_accum by TMA from a staging buffer
+// in shared memory, in kRounds rounds of kStageCols columns (the dQ writer, bwd_dq_write). kBlockN = 64 (head dim
+// 256) makes room for its staging by single-staging dO (kDoStages; FlashAttention-3's hdim-256 backward does too) and
 // stages half of the 64 × 128 tile at a time.
 template <int kHeadDim, int kBlockM, int kBlockN>
 struct BwdDq {
   static constexpr int kRowBlocks = kBlockM / 64;
   static constexpr int kN = kHeadDim * kRowBlocks / 2;
   static_assert(kRowBlocks * (kHeadDim / kN) == 2 && kN % 64 == 0, "one 64 x kN dQ tile per warpgroup");
-#ifndef CUPY_ATTN_BWD_DQ_TMA
-#define CUPY_ATTN_BWD_DQ_TMA 1
-#endif
-  static constexpr bool kTma = CUPY_ATTN_BWD_DQ_TMA;
-  static constexpr int kRounds = kTma && kBlockN == 64 ? 2 : 1;
+  static constexpr int kRounds = kBlockN == 64 ? 2 : 1;
   static constexpr int kStageCols = kN / kRounds;
-  // Whatever kTma says, so that the launcher's shared-memory size (BwdSm90Tile.smem_bytes) covers both builds.
   __host__ __device__ static constexpr int kDoStages(int stages) { return kBlockN == 64 ? 1 : stages; }
   __device__ __forceinline__ static int row_block(int wg) { return wg % kRowBlocks; }
   __device__ __forceinline__ static int col_block(int wg) { return (wg / kRowBlocks) * (kN / 64); }
@@ -88,10 +84,10 @@ struct BwdSharedStorage {
   static constexpr int kDSBytes = kBlockN * kBlockM * 2;   // one dSᵀ buffer
   // One Pᵀ buffer: only when the warpgroups split by columns (else Pᵀ stays in registers).
   static constexpr int kPBytes = BwdSplit<kHeadDim, kBlockM, kBlockN>::kByColumns ? kDSBytes : 0;
-  // dQ's staging for its TMA reduce (BwdDq::kTma): 64 rows × kStageCols fp32 of a consumer warpgroup's dQ tile as
-  // kStageCols / 32 boxes of 64 rows × 128 bytes in the 128-byte swizzle.
+  // dQ's staging for its TMA reduce: 64 rows × kStageCols fp32 of a consumer warpgroup's dQ tile as kStageCols / 32
+  // boxes of 64 rows × 128 bytes in the 128-byte swizzle.
   using Dq = BwdDq<kHeadDim, kBlockM, kBlockN>;
-  static constexpr int kDqStageBytes = Dq::kTma ? 64 * Dq::kStageCols * 4 : 0;
+  static constexpr int kDqStageBytes = 64 * Dq::kStageCols * 4;
   static constexpr int kDoStages = Dq::kDoStages(kStages);  // dO ring depth (the Q ring's is kStages)
   static constexpr int kStatBytes = kBlockM * 4;           // one stage of lse·log2(e) or D
   static constexpr int kBarriers = 1 + 2 * kStages + 2 * kDoStages;  // kv_full; q_full, q_empty, do_full, do_empty
@@ -108,17 +104,15 @@ struct BwdSharedStorage {
   T* dout;   // kDoStages tiles of kBlockM rows
   T* ds;     // 2 buffers of dSᵀ
   T* p;      // 2 buffers of Pᵀ (kPBytes each; none when kPBytes = 0)
-  float* dq_stage;  // consumer warpgroup w's dQ staging at w·kDqStageBytes (none when kDqStageBytes = 0)
+  float* dq_stage;  // consumer warpgroup w's dQ staging at w·kDqStageBytes
   float* lse;    // kStages rows of kBlockM
   float* delta;  // kDoStages rows of kBlockM
-  unsigned long long* kv_full;
-  unsigned long long* q_full;
-  unsigned long long* q_empty;
-  unsigned long long* do_full;
-  unsigned long long* do_empty;
+  unsigned long long* kv_full;         // K and V of the block, loaded once
+  pipeline::Ring<kStages> q_bars;      // Q (and its lse row) per step
+  pipeline::Ring<kDoStages> do_bars;   // dO (and its D row) per step
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     k = reinterpret_cast<T*>(smem);
     v = reinterpret_cast<T*>(smem + kKVBytes);
     q = reinterpret_cast<T*>(smem + 2 * kKVBytes);
@@ -129,10 +123,10 @@ struct BwdSharedStorage {
     lse = dq_stage + 2 * kDqStageBytes / 4;
     delta = lse + kStages * kBlockM;
     kv_full = reinterpret_cast<unsigned long long*>(delta + kDoStages * kBlockM);
-    q_full = kv_full + 1;
-    q_empty = q_full + kStages;
-    do_full = q_empty + kStages;
-    do_empty = do_full + kDoStages;
+    q_bars.full = kv_full + 1;
+    q_bars.empty = q_bars.full + kStages;
+    do_bars.full = q_bars.empty + kStages;
+    do_bars.empty = do_bars.full + kDoStages;
   }
 };
 
@@ -165,33 +159,32 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   const int groups = static_cast<int>(p.groups);
   #pragma unroll 1  // not unrolled: 24 registers (setmaxnreg.dec), shared with the dQ writer's warp
   for (int i = 0; i < steps.count; ++i) {
-    const int s = i % kStages, sd = i % Smem::kDoStages;
-    const unsigned parity = (i / kStages) & 1, parity_do = (i / Smem::kDoStages) & 1;
+    // Stages and phases up front: computed at the waits instead, ptxas scheduled this 24-register loop differently.
+    const int s = ss.q_bars.stage(i), sd = ss.do_bars.stage(i);
+    const unsigned parity = ss.q_bars.phase(i), parity_do = ss.do_bars.phase(i);
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
     // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B) like
     // the tiles: compute-sanitizer racecheck flagged the consumers' reads against plain bulk copies into the rows.
     const int stat_row = b * static_cast<int>(p.num_heads) + h;
-    tma::mbar_wait(&ss.q_empty[s], parity ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.q_full[s], Smem::kQBytes + Smem::kStatBytes);
+    unsigned long long* q_full = ss.q_bars.acquire(s, parity, Smem::kQBytes + Smem::kStatBytes);
     T* q_dst = ss.q + s * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, &ss.q_full[s], c * 64, m0, h, b);
-    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, &ss.q_full[s], m0, stat_row);
-    tma::mbar_wait(&ss.do_empty[sd], parity_do ^ 1);
-    tma::mbar_arrive_expect_tx(&ss.do_full[sd], Smem::kQBytes + Smem::kStatBytes);
+      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, q_full, c * 64, m0, h, b);
+    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, q_full, m0, stat_row);
+    unsigned long long* do_full = ss.do_bars.acquire(sd, parity_do, Smem::kQBytes + Smem::kStatBytes);
     T* do_dst = ss.dout + sd * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, &ss.do_full[sd], c * 64, m0, h, b);
-    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, &ss.do_full[sd], m0,
+      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, do_full, c * 64, m0, h, b);
+    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, do_full, m0,
                  static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row);
   }
 }
 
-// Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above). With dQ's TMA
-// reduce (BwdDq::kTma), for consumer warpgroup w and the dQ writer warp (128 + 32 threads): kDqFullBarrier + w, its
+// Named barrier 1: both consumer warpgroups have stored this step's dSᵀ (see the protocol above). For consumer
+// warpgroup w and the dQ writer warp (128 + 32 threads): kDqFullBarrier + w, its
 // staging holds the step's dQ (the warpgroup arrives, the writer waits); kDqEmptyBarrier + w, the writer's reduce
 // has read it (the writer arrives, the warpgroup waits before writing the next step's).
 constexpr int kDsReadyBarrier = 1;
@@ -199,15 +192,15 @@ constexpr int kDqFullBarrier = 2;
 constexpr int kDqEmptyBarrier = 4;
 constexpr int kDqBarrierThreads = 160;
 
-// The dQ writer (one warp of the producer warpgroup; BwdDq::kTma): per step, for each consumer warpgroup in turn,
+// The dQ writer (one warp of the producer warpgroup): per step, for each consumer warpgroup in turn,
 // waits until its staging holds the step's scale · dQ tile (or, in two rounds, half of it), has lane 0 reduce it into
 // dq_accum by TMA (kStageCols / 32 boxes of 32 columns × 64 rows a round; rows past L and columns past E clipped) and
 // wait until the copies have read the staging, then lets the warpgroup write it again (one arrival before the first
 // round, none after the last: each consumer round waits once).
 // Why a writer warp: a consumer thread's fence.proxy.async (MEMBAR.ALL.CTA in SASS) waits for that thread's own
 // outstanding global operations; reductions issued by the consumers (red.global.add, or TMA reduces from their
-// threads) put that wait into every step: 17-21% of the kernel at head dims 64 and 128 (bench/NOTES_backward.md,
-// session 19).
+// threads) put that wait into every step, a large share of the kernel at head dims 64 and 128
+// (bench/notes/kernels_flash_bwd_sm90.md).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
                                              const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
@@ -300,7 +293,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   const int key0 = key_wg + 16 * warp + g;     // this lane's keys: key0 and key0 + 8
   const int q_col = Split::q_col(wg);          // first query (within the step) of this warpgroup's Sᵀ
   const int kv_col = Split::kv_col(wg);        // first column of this warpgroup's dK, dV
-  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const int S = static_cast<int>(p.seqlen_k);
   const bool causal = p.is_causal != 0;
   const int causal_offset = static_cast<int>(p.causal_offset);  // |S − L| < 2^31
   const float sc = static_cast<float>(p.scale_log2);
@@ -348,25 +341,18 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       wgmma::Mma<T, kKvN>::rs(acc, a[kk], wgmma::desc_sw128(b_tile + kk * 16 * 128, kBlockM * 128, 1024), 1);
     wgmma::commit();
   };
-  auto release = [&](unsigned long long* empty) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(empty);
-  };
 
   tma::mbar_wait(ss.kv_full, 0);
   for (int i = 0; i < steps.count; ++i) {
     const int s = i % kStages;
-    const unsigned parity = (i / kStages) & 1;
-    const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
     const int sd = i % Smem::kDoStages;
-    const unsigned parity_do = (i / Smem::kDoStages) & 1;
     const unsigned q_st = q_base + s * Smem::kQBytes, do_st = do_base + sd * Smem::kQBytes;
     const unsigned ds_buf = (i & 1) * Smem::kDSBytes;
 
-    tma::mbar_wait(&ss.q_full[s], parity);
+    ss.q_bars.wait(i);
     issue_ss(acc_s, k_base, q_st);
-    tma::mbar_wait(&ss.do_full[sd], parity_do);
+    ss.do_bars.wait(i);
     issue_ss(acc_dp, v_base, do_st);
 
     // Pᵀ while dPᵀ runs. Rows past L have lse = +inf (P = 0); keys past S and above the causal diagonal are masked
@@ -384,12 +370,13 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       }
     }
     const int q0 = m0 + q_col;  // first query of this warpgroup's Sᵀ columns
-    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {
+    if (key_wg + 63 >= S || (causal && key_wg + 63 > q0 + causal_offset)) {  // (the causal limit of row q0, in int)
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         // Columns 8j + e of this lane (query q0 + 8j + 2t + e) with 8j + e < first are hidden from key0 + 8·half: all
         // of them past S, those below the diagonal's column key − causal_offset − q0 when causal.
         const int key = key0 + 8 * half;
+        // (Visibility::causal_first_row(key) − q0 − 2t, in int: the 64-bit helper changed the SASS here.)
         const int first = key >= S ? kSN : (causal ? key - causal_offset - q0 - 2 * t : 0);
         #pragma unroll
         for (int j = 0; j < kSN / 8; ++j)
@@ -450,7 +437,7 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     wgmma::commit();
     wgmma::wait<1>();  // dV += Pᵀ dO done: dO's stage is free
     wgmma::fence_operands(acc_dv);
-    release(&ss.do_empty[sd]);
+    ss.do_bars.release(i, lane);
     if constexpr (Split::kByColumns) {
       issue_dkv_ss<T, kKvN, kBlockM, kBlockN>(acc_dk, ds_base + ds_buf, q_kv);
     } else {
@@ -458,40 +445,34 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     }
     wgmma::wait<1>();  // dQ done
     wgmma::fence_operands(dq);
-    if constexpr (Dq::kTma) {
-      // scale · dQ into this warpgroup's staging (float2 of columns 8j + 2t, + 1 of rows g, g + 8 of its warp's 16:
-      // 16-byte chunk 2(j % 4) + t / 2 of box j / 4's row, at chunk ^ (row % 8); a warp's store covers 16 distinct
-      // chunks, two wavefronts) once the dQ writer has read the previous step's (kDqEmptyBarrier), then a proxy fence
-      // and an arrival on kDqFullBarrier: bwd_dq_write reduces it into dq_accum by TMA.
-      // The lane's address for j % 4 = 0 (1024-byte aligned staging, rows 128 bytes: bits 4-6 are the chunk); the
-      // others XOR 2(j % 4) into the chunk (2(j % 4) + t / 2 = 2(j % 4) ^ t / 2), one register for all stores.
-      // With two rounds (kBlockN = 64) the second waits for the writer to have read the first.
-      const unsigned lane_addr = tma::smem_u32(ss.dq_stage) + wg * Smem::kDqStageBytes + (16 * warp + g) * 128
-                                 + (((t / 2) ^ g) * 16) + 8 * (t % 2);
-      const float scale = static_cast<float>(p.scale);
+    // scale · dQ into this warpgroup's staging (float2 of columns 8j + 2t, + 1 of rows g, g + 8 of its warp's 16:
+    // 16-byte chunk 2(j % 4) + t / 2 of box j / 4's row, at chunk ^ (row % 8); a warp's store covers 16 distinct
+    // chunks, two wavefronts) once the dQ writer has read the previous step's (kDqEmptyBarrier), then a proxy fence
+    // and an arrival on kDqFullBarrier: bwd_dq_write reduces it into dq_accum by TMA.
+    // The lane's address for j % 4 = 0 (1024-byte aligned staging, rows 128 bytes: bits 4-6 are the chunk); the
+    // others XOR 2(j % 4) into the chunk (2(j % 4) + t / 2 = 2(j % 4) ^ t / 2), one register for all stores.
+    // With two rounds (kBlockN = 64) the second waits for the writer to have read the first.
+    const unsigned lane_addr = tma::smem_u32(ss.dq_stage) + wg * Smem::kDqStageBytes + (16 * warp + g) * 128
+                               + (((t / 2) ^ g) * 16) + 8 * (t % 2);
+    const float scale = static_cast<float>(p.scale);
+    #pragma unroll
+    for (int round = 0; round < Dq::kRounds; ++round) {
+      tma::named_barrier_sync(kDqEmptyBarrier + wg, kDqBarrierThreads);
       #pragma unroll
-      for (int round = 0; round < Dq::kRounds; ++round) {
-        tma::named_barrier_sync(kDqEmptyBarrier + wg, kDqBarrierThreads);
+      for (int half = 0; half < 2; ++half) {
         #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          #pragma unroll
-          for (int jj = 0; jj < Dq::kStageCols / 8; ++jj) {
-            const int j = round * (Dq::kStageCols / 8) + jj;
-            st_shared_f32x2((lane_addr ^ ((2 * (jj % 4)) << 4)) + (jj / 4) * 8192 + half * 1024,
-                            scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
-          }
+        for (int jj = 0; jj < Dq::kStageCols / 8; ++jj) {
+          const int j = round * (Dq::kStageCols / 8) + jj;
+          st_shared_f32x2((lane_addr ^ ((2 * (jj % 4)) << 4)) + (jj / 4) * 8192 + half * 1024,
+                          scale * dq[4 * j + 2 * half], scale * dq[4 * j + 2 * half + 1]);
         }
-        tma::fence_proxy_async();
-        tma::named_barrier_arrive(kDqFullBarrier + wg, kDqBarrierThreads);
       }
-    } else {
-      float* dq_head = p.dq_accum + (static_cast<long long>(b) * p.num_heads + h) * L * p.head_dim;
-      reduce_dq<kDqN>(dq, dq_head, m0 + 64 * dq_rb + 16 * warp + g, 64 * dq_cb + 2 * t, L,
-                      static_cast<int>(p.head_dim), static_cast<float>(p.scale));
+      tma::fence_proxy_async();
+      tma::named_barrier_arrive(kDqFullBarrier + wg, kDqBarrierThreads);
     }
     wgmma::wait<0>();  // dK += dSᵀ Q done: Q's stage is free
     wgmma::fence_operands(acc_dk);
-    release(&ss.q_empty[s]);
+    ss.q_bars.release(i, lane);
   }
 
   const long long kv_head = static_cast<long long>(b) * (p.num_heads / groups) + h_kv;

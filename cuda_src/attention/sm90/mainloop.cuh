@@ -12,19 +12,22 @@
 // make_gmma_desc): K-major for Q and K, MN-major for V; at 128 bytes the same descriptors as flash_fwd.cu's wgmma
 // variant.
 //
-// Barriers per stage s: k_full[s] / v_full[s] (1 arrival: the producer's expect_tx, plus the TMA bytes) and
-// k_empty[s] / v_empty[s] (4·kBlockM/64 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has
-// completed).
-// Iteration i uses stage i % kStages in round i / kStages; the full barriers' phase parity in round r is r & 1.
+// The K and V rings (common/pipeline.cuh: k_bars, v_bars): per stage a full barrier (1 arrival: the producer's
+// expect_tx, plus the TMA bytes) and an empty one (4·kBlockM/64 arrivals: lane 0 of each consumer warp once its wgmma
+// reading the stage has completed); iteration i uses stage i % kStages, phase (i / kStages) & 1.
 //
 // Persistent variant (kPersistent): the iteration count runs on across the CTA's tiles (a tile's block i is iteration
 // it0 + i, it0 = the key blocks of the CTA's earlier tiles), so the ring needs no reset or drain between tiles. Q has
-// one buffer and two barriers: q_full (phase k: the k-th non-empty tile's Q has landed) and q_empty (one arrival from
-// lane 0 of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has completed). The producer
-// loads the next tile's first K, then waits on q_empty, then loads its Q: the load overlaps the consumers' last P·V
-// GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and count in neither barrier.
+// one buffer and a Slot's two barriers (q_bars): full (phase k: the k-th non-empty tile's Q has landed) and empty (one
+// arrival from lane 0 of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has
+// completed). The producer loads the next tile's first K, then waits on q_bars.empty, then loads its Q: the load
+// overlaps the consumers' last P·V GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and
+// count in neither barrier.
 #pragma once
 #include "common/tma.cuh"
+#include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
+#include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
 #include "attention/sm90/softmax.cuh"
@@ -45,8 +48,8 @@ struct SharedStorage {
   static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // one K or V stage
-  // q_full; k_full, v_full, k_empty, v_empty per stage; q_empty (the persistent variant's, last so that the others keep
-  // their addresses in both variants).
+  // Q's full; K's and V's full, then K's and V's empty, per stage; Q's empty (the persistent variant's, last so that
+  // the others keep their addresses in both variants).
   static constexpr int kBarriers = 2 + 4 * kStages;
   // Three consumer warpgroups only: two fp32 words per consumer thread, after the barriers, that the overlap mainloop
   // stores its row sums to ahead of its scheduling barrier (never read: see consume).
@@ -65,27 +68,24 @@ struct SharedStorage {
   T* k;  // kStages tiles of kBlockN rows
   T* v;
   unsigned char* o_stage;  // kBlockM / 64 buffers of kOStageBytes
-  unsigned long long* q_full;
-  unsigned long long* k_full;
-  unsigned long long* v_full;
-  unsigned long long* k_empty;
-  unsigned long long* v_empty;
-  unsigned long long* q_empty;
+  pipeline::Ring<kStages> k_bars;  // K stages (full: the producer's expect_tx + the boxes; empty: every consumer warp)
+  pipeline::Ring<kStages> v_bars;  // V stages, as K's
+  pipeline::Slot q_bars;           // Q (empty: the persistent variant's, each consumer warp once per tile)
   float* sink;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kQBytes);
     v = reinterpret_cast<T*>(smem + kQBytes + kStages * kKVBytes);
     o_stage = smem + kQBytes + 2 * kStages * kKVBytes;
-    q_full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes + kOBytes);
-    k_full = q_full + 1;
-    v_full = k_full + kStages;
-    k_empty = v_full + kStages;
-    v_empty = k_empty + kStages;
-    q_empty = v_empty + kStages;
-    sink = reinterpret_cast<float*>(q_empty + 1);
+    q_bars.full = reinterpret_cast<unsigned long long*>(smem + kQBytes + 2 * kStages * kKVBytes + kOBytes);
+    k_bars.full = q_bars.full + 1;
+    v_bars.full = k_bars.full + kStages;
+    k_bars.empty = v_bars.full + kStages;
+    v_bars.empty = k_bars.empty + kStages;
+    q_bars.empty = v_bars.empty + kStages;
+    sink = reinterpret_cast<float*>(q_bars.empty + 1);
   }
 };
 
@@ -95,9 +95,9 @@ struct SharedStorage {
 template <int kBlockM, int kBlockN>
 __device__ __forceinline__ int key_blocks(const FlashFwdSm90Params& p, int m0) {
   const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
-  long long last_key = p.seqlen_k - 1;
-  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
-  return last_key < 0 ? 0 : static_cast<int>(last_key / kBlockN) + 1;
+  const Visibility vis = visibility_of(p);
+  const long long last_key = vis.last_key(m0 + rows_valid - 1);
+  return last_key < 0 ? 0 : vis.blocks<kBlockN>(vis.first_key(m0), last_key).count();
 }
 
 // The producer's TMA issues (one thread). Q: the expect_tx and the kColBlocks boxes (kAtomCols columns each) of one
@@ -116,26 +116,24 @@ struct Producer {
     tma::prefetch_map(&p.tma_v);
   }
   __device__ __forceinline__ void load_q(int m0, int h, int b) const {
-    tma::mbar_arrive_expect_tx(ss.q_full, Smem::kQBytes);
+    tma::mbar_arrive_expect_tx(ss.q_bars.full, Smem::kQBytes);
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(ss.q + c * kBlockM * Smem::kAtomCols, &p.tma_q, ss.q_full, c * Smem::kAtomCols, m0, h, b);
+      tma::load_4d(ss.q + c * kBlockM * Smem::kAtomCols, &p.tma_q, ss.q_bars.full, c * Smem::kAtomCols, m0, h, b);
   }
-  __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, unsigned long long* full,
-                                          unsigned long long* empty, int it, int n0, int h_kv, int b) const {
-    const int s = it % kStages;
-    tma::mbar_wait(&empty[s], ((it / kStages) & 1) ^ 1);
-    tma::mbar_arrive_expect_tx(&full[s], Smem::kKVBytes);
-    T* dst = tiles + s * kBlockN * kHeadDim;
+  __device__ __forceinline__ void load_kv(T* tiles, const tma::TensorMap* map, const pipeline::Ring<kStages>& bars,
+                                          int it, int n0, int h_kv, int b) const {
+    unsigned long long* full = bars.acquire(it, Smem::kKVBytes);
+    T* dst = tiles + bars.stage(it) * kBlockN * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(dst + c * kBlockN * Smem::kAtomCols, map, &full[s], c * Smem::kAtomCols, n0, h_kv, b);
+      tma::load_4d(dst + c * kBlockN * Smem::kAtomCols, map, full, c * Smem::kAtomCols, n0, h_kv, b);
   }
   __device__ __forceinline__ void load_k(int it, int n0, int h_kv, int b) const {
-    load_kv(ss.k, &p.tma_k, ss.k_full, ss.k_empty, it, n0, h_kv, b);
+    load_kv(ss.k, &p.tma_k, ss.k_bars, it, n0, h_kv, b);
   }
   __device__ __forceinline__ void load_v(int it, int n0, int h_kv, int b) const {
-    load_kv(ss.v, &p.tma_v, ss.v_full, ss.v_empty, it, n0, h_kv, b);
+    load_kv(ss.v, &p.tma_v, ss.v_bars, it, n0, h_kv, b);
   }
 };
 
@@ -173,7 +171,7 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
     if (n_blocks == 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
     load.load_k(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
-    if (tiles > 0) tma::mbar_wait(ss.q_empty, (tiles - 1) & 1);
+    ss.q_bars.wait_free(tiles);
     load.load_q(m0, w.h, w.b);
     load.load_v(it, (n_blocks - 1) * kBlockN, h_kv, w.b);
     for (int i = 1; i < n_blocks; ++i) {
@@ -274,11 +272,10 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     }
   };
 
-  // Block i of this tile is K/V iteration it0 + i: its stage and its full barriers' phase parity.
-  auto stage = [&](int i) { return (it0 + i) % kStages; };
-  auto parity = [&](int i) { return static_cast<unsigned>(((it0 + i) / kStages) & 1); };
+  // Block i of this tile is K/V iteration it0 + i.
+  auto stage = [&](int i) { return ss.k_bars.stage(it0 + i); };
   // K_i has landed (waited for before taking the ping-pong turn: the turn is not held while TMA is pending).
-  auto wait_k = [&](int i) { tma::mbar_wait(&ss.k_full[stage(i)], parity(i)); };
+  auto wait_k = [&](int i) { ss.k_bars.wait(it0 + i); };
   // S (64 × kBlockN) = Q K_iᵀ, issued and committed (not waited for): kHeadDimQK/16 k steps of 16 elements = 32 bytes
   // inside a kRowBytes swizzled row (the hardware applies the XOR to the computed address); every kStepsPerBlock
   // steps the next column block. K-major: SBO = one 8-row atom, LBO unused (16).
@@ -301,7 +298,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // apart (LBO), 8-row (k) groups one atom (SBO); a k step is 16 rows.
   auto issue_pv = [&](int i) {
     const int s = stage(i);
-    tma::mbar_wait(&ss.v_full[s], parity(i));
+    ss.v_bars.wait(it0 + i);
     const unsigned v_st = v_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll
@@ -310,22 +307,20 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     wgmma::commit();
   };
   // The stage's K or V may be overwritten once all 4·kWGs consumer warps have waited for the wgmma reading it.
-  auto release = [&](unsigned long long* empty, int i) {
-    __syncwarp();
-    if (lane == 0) tma::mbar_arrive(&empty[stage(i)]);
-  };
+  auto release = [&](const pipeline::Ring<kStages>& bars, int i) { bars.release(it0 + i, lane); };
   // After release(k_empty, i): the S GEMM of the tile's last block was Q's last reader (persistent: the producer
   // loads the next tile's Q once all 4·kWGs warps are here).
   auto release_q = [&](int i) {
     if constexpr (kPersistent) {
-      if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_empty);
+      if (i == n_blocks - 1 && lane == 0) tma::mbar_arrive(ss.q_bars.empty);
     }
   };
-  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks.
+  // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal need element masks
+  // (Visibility::tile_needs_mask's test, spelled out: calling it changed the SASS).
   auto mask = [&](int i) {
     const int n0 = (n_blocks - 1 - i) * kBlockN;
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, p.seqlen_k, causal, causal_offset);
+      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{p.seqlen_k, causal_offset, causal});
   };
   // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
   // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
@@ -338,7 +333,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   if constexpr (!kPersistent) {
     if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
   }
-  tma::mbar_wait(ss.q_full, q_parity);
+  tma::mbar_wait(ss.q_bars.full, q_parity);
 
   if constexpr (!kOverlap) {
     static_assert(!kPersistent, "the persistent variant is built on the overlap mainloop only");
@@ -349,13 +344,13 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       pass_turn(i);
       wgmma::wait<0>();
       wgmma::fence_operands(acc_s);
-      release(ss.k_empty, i);
+      release(ss.k_bars, i);
       mask(i);
       softmax.template step<T>(acc_s, pa, o, sc);
       issue_pv(i);
       wgmma::wait<0>();
       wgmma::fence_operands(o);
-      release(ss.v_empty, i);
+      release(ss.v_bars, i);
     }
   } else {
     // Block 0: S_0 and its softmax (O is still 0: nothing to rescale).
@@ -365,7 +360,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     pass_turn(0);
     wgmma::wait<0>();
     wgmma::fence_operands(acc_s);
-    release(ss.k_empty, 0);
+    release(ss.k_bars, 0);
     release_q(0);
     mask(0);
     softmax.template step<T>(acc_s, pa, o, sc);
@@ -377,7 +372,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       pass_turn(i);
       wgmma::wait<1>();  // S_i done; P_{i-1} V_{i-1} may still run
       wgmma::fence_operands(acc_s);
-      release(ss.k_empty, i);
+      release(ss.k_bars, i);
       release_q(i);
       mask(i);
       float alpha[2];
@@ -402,7 +397,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       wgmma::wait<0>();  // P_{i-1} V_{i-1} done: O and P's registers are free
       wgmma::fence_operands(o);
       wgmma::fence_operands(acc_s);
-      release(ss.v_empty, i - 1);
+      release(ss.v_bars, i - 1);
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
         if (moved[half]) softmax.rescale_half(o, half, alpha[half]);
@@ -412,7 +407,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     issue_pv(n_blocks - 1);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
-    release(ss.v_empty, n_blocks - 1);
+    release(ss.v_bars, n_blocks - 1);
   }
 
   T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;

@@ -7,22 +7,19 @@
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
 
-// Scores past the last visible key of each row become -inf: key j is visible to row r iff j < S and, under a causal
-// mask, j <= r + causal_offset. row: this lane's first row (g); n0 and t: the tile's and lane's first column.
-// The limit is made relative to the lane's first column and clamped to [-1, kBlockN] so that each compare is against
-// a per-element constant in an int (flash_fwd.cu v3: 64-bit column compares kept indices live and spilled).
+// Scores past the last visible key of each row become -inf (common/visibility.cuh). row: this lane's first row (g);
+// n0 and t: the tile's and lane's first column (key n0 + 2t); each element compares against Visibility::lane_limit.
 template <int kBlockN>
-__device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row, int n0, int t, long long seqlen_k,
-                                          bool causal, long long causal_offset) {
+__device__ __forceinline__ void mask_tile(float (&s)[kBlockN / 2], long long row, int n0, int t,
+                                          Visibility vis) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    long long limit = seqlen_k - 1;
-    if (causal) limit = min(limit, row + 8 * half + causal_offset);
-    const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kBlockN), limit - n0 - 2 * t)));
+    const int lim = vis.lane_limit<kBlockN>(row + 8 * half, n0, 2 * t);
     #pragma unroll
     for (int j = 0; j < kBlockN / 8; ++j)
       #pragma unroll
@@ -57,7 +54,7 @@ struct OnlineSoftmax {
   // Otherwise P = 2^(s·sc − m) <= 2^8, exact in fp32 and within P's fp16/bf16 range, and the kHeadDim/2 multiplies
   // of O run on a few blocks per row instead of on every block where some max grows a little. O, l and m always
   // agree, so out = O / l and lse = m + log2 l are as with an exact running max. Below 128 the O rescale is cheap
-  // and the eager max measured faster (bench/NOTES_flash.md, session 8).
+  // and the eager max measured faster (bench/notes/kernels_flash_fwd_sm90.md).
   __device__ __forceinline__ float update_half(float (&s)[kBlockN / 2], int half, float sc, bool& moved) {
     float mx = neg_inf();
     #pragma unroll
