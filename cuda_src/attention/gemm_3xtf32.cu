@@ -28,7 +28,7 @@
 // (small = inf − inf), as in CUTLASS; SGEMM would give ±inf.
 // Why not cuBLAS SGEMM (the split path's fp32 GEMM before): SGEMM rounds its fp32 accumulator after every one of the
 // k products (one FFMA chain per dot product), the tensor core once per k-step of 8 and product; at |scale·q·k| ~ 100
-// SGEMM's scores made our fp32 attention 2.6-4× less accurate than torch's (bench/NOTES_split.md, issue 14). And why
+// SGEMM's scores made our fp32 attention 2.6-4× less accurate than torch's (bench/notes/split.md, issue 14). And why
 // not three cuBLAS TF32 GEMMs on a split done outside: measured no more accurate than SGEMM (why is not known:
 // cuBLAS's own fp32 -> TF32 conversion, its kernels' accumulation, or three separately rounded results) and
 // twice as slow with the split passes.

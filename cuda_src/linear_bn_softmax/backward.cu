@@ -17,7 +17,7 @@
 // the row's softmax-weighted logit (large where the row is peaked), and that term dominated its error: bf16, eval,
 // (70, 40, 1000), the float64 sum from the same stored y and out was 0.70 off with it, 0.053 without (of which 0.056
 // is y's own rounding to bf16, which torch's Linear output has too). The other gradients do not move (median error
-// over 48 random cases the same to 1%); bench/experiments/lbs_dscale_accuracy.py has the numbers.
+// over 48 random cases the same to 1%); bench/experiments/linear_bn_softmax/lbs_dscale_accuracy.py has the numbers.
 //
 // What the forward kept (no GEMM is recomputed): out, y (the GEMM result it normalized, in T), and rows 0 (mu) and 4
 // (invstd) of its Affine. ŷ is recomputed from y in fp32 exactly as the forward formed it. Recovering ŷ from out
