@@ -1,7 +1,7 @@
 // Fused attention backward: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V without any L×S matrix in memory.
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2): with P = exp(scale·QKᵀ − lse) rebuilt from the
-// forward's lse and D_i = Σ_c dO_ic O_ic (attn_bwd_delta in backward.cu),
+// forward's lse and D_i = Σ_c dO_ic O_ic (attn_bwd_delta in bwd_rows.cu),
 //   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
 // One block owns kBlockN keys of one key/value head and loops over the query heads of its GQA group and over query
 // blocks of kBlockM rows, so dK and dV accumulate in registers (fp32) across the whole group; dQ is accumulated across

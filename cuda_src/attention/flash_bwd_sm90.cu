@@ -2,7 +2,7 @@
 // with an optional causal mask (top-left or bottom-right), GQA, fp16/bf16, head dims up to 256.
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
-// and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
+// and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in bwd_rows.cu, which also stores lse·log2 e),
 //   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
 // Structure (FlashAttention-3, Shah et al. 2024, §3 and its hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp; our own code on
 // the forward's TMA/mbarrier/wgmma vocabulary, common/tma.cuh and common/wgmma.cuh):

@@ -1,4 +1,4 @@
-// out = P V for the split path's scores kernel (scores_softmax_sm90.cu) on Hopper (sm_90a), skipping the keys past
+// out = P V for the split path's scores kernel (scores_sm90.cu) on Hopper (sm_90a), skipping the keys past
 // each row block's causal limit: the P·V half of a causal call at head dims above 256 and S ≤ 512, in one launch.
 //
 // Why not cuBLAS: a batched GEMM multiplies every key of every row. The split path cut causal P·V into two row bands
@@ -70,7 +70,7 @@ struct SharedStorage {
   }
 };
 
-// Key steps of the 64-row block at m0: its visible keys (those of its last row inside L; scores_softmax_sm90.cu's
+// Key steps of the 64-row block at m0: its visible keys (those of its last row inside L; scores_sm90.cu's
 // visible_keys) in steps of 64. 0 for a block past L or whose rows see no key.
 __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   if (m0 >= p.seqlen_q) return 0;

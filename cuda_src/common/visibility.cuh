@@ -22,7 +22,7 @@
 // Where a kernel still spells a test itself (calling the helper changed its SASS, which issue 32 kept identical), it
 // says so beside the test; a window or score hook must be added there too:
 //   * the per-tile pre-test "does this key tile need element masks" (tile_needs_mask's condition) in
-//     sm90/mainloop.cuh (consume) and scores_softmax_sm90.cu (consume); flash_fwd.cu's uses causal_limit;
+//     sm90/mainloop.cuh (consume) and scores_sm90.cu (consume); flash_fwd.cu's uses causal_limit;
 //   * the Hopper backward's per-element test, per key (sm90/bwd_mainloop.cuh: causal_first_row in int), and its
 //     per-tile pre-test;
 //   * flash_bwd.cu's per-element test `key <= query + limit_offset()` and first query block;
