@@ -1,4 +1,4 @@
-"""The backward's row kernels (cupy_attn.attention.kernels.bwd_rows, cuda_src/attention/backward.cu): the delta pre-pass's
+"""The backward's row kernels (cupy_attn.attention.kernels.bwd_rows, cuda_src/attention/bwd_rows.cu): the delta pre-pass's
 threads per row, the group sum's choice of its 4-wide kernel, and the split backward's shared BwdParams (CPU). They
 run on the GPU inside every backward test (tests/test_sdpa_backward.py, tests/test_flash_bwd_sm90.py)."""
 import numpy as np

@@ -36,18 +36,18 @@ def test_every_variant_compiles(family, arch):
 
 def test_family_modules_list_every_kernel_module():
     """Every launcher module of cupy_attn/attention/kernels/ is imported by the compile check (FAMILY_MODULES), declares
-    at least one family, and is named as its source (kernels/<stem>.py ↔ cuda_src/attention/<stem>.cu; until the two
-    renames land, scores_sm90 ↔ scores_softmax_sm90.cu and bwd_rows ↔ backward.cu)."""
+    at least one family, and is named as its source (kernels/<stem>.py ↔ cuda_src/attention/<stem>.cu), and its test
+    file is tests/test_<stem>.py."""
     import importlib
     kernels = REPO / "cupy_attn" / "attention" / "kernels"
     stems = sorted(p.stem for p in kernels.glob("*.py") if p.stem != "__init__")
     assert {f"cupy_attn.attention.kernels.{s}" for s in stems} <= set(_compile.FAMILY_MODULES)
-    sources = {"scores_sm90": "scores_softmax_sm90", "bwd_rows": "backward"}
     for stem in stems:
         module = importlib.import_module(f"cupy_attn.attention.kernels.{stem}")
         families = [v for v in vars(module).values() if isinstance(v, _compile.KernelFamily)]
         assert families, f"kernels/{stem}.py declares no family"
-        assert any(f.source in (f"attention/{stem}.cu", f"attention/{sources.get(stem, stem)}.cu") for f in families)
+        assert any(f.source == f"attention/{stem}.cu" for f in families), f"kernels/{stem}.py: no {stem}.cu family"
+        assert (REPO / "tests" / f"test_{stem}.py").is_file(), f"no tests/test_{stem}.py"
 
 
 def test_cli_reports_and_exit_code():

@@ -1,4 +1,4 @@
-"""The Hopper scores kernel (cupy_attn.attention.kernels.scores_sm90, cuda_src/attention/scores_softmax_sm90.cu): P = softmax(
+"""The Hopper scores kernel (cupy_attn.attention.kernels.scores_sm90, cuda_src/attention/scores_sm90.cu): P = softmax(
 scale · Q Kᵀ) in the input dtype and lse, whole rows on chip, S ≤ 512, in its three variants (one CTA per 64-row
 block; scores_softmax_sm90_cluster2: CTA pairs sharing K by TMA multicast; scores_softmax_sm90_persistent); and the
 split path's schedule that runs it before the cuBLAS P·V GEMM (CUPY_ATTN_SPLIT_FUSED unset or 3: persistent; 1 one
@@ -291,7 +291,7 @@ def test_epilogue_emulation_matches_softmax(S, rows):
 
 
 def quad_transpose(words: np.ndarray) -> np.ndarray:
-    """scores_softmax_sm90.cu's quad_transpose, step by step over a warp: words[lane][u] (32 × 4 uint32); each
+    """scores_sm90.cu's quad_transpose, step by step over a warp: words[lane][u] (32 × 4 uint32); each
     butterfly step (bit 1, then 2) sends the word whose index bit differs from the lane's through shfl.xor(bit) and
     stores what the partner sent at the same index."""
     w = words.copy()
@@ -415,7 +415,7 @@ def _interleave(threads, events, on_event, rng):
 
 def emulate_pipeline(k_blocks, stages, cluster_m, *, load_hi=True, rows_ok=(True, True), half_n=256, seed=0,
                      mutation=None, tiles=1, p_staged=False):
-    """The scores kernel's TMA/mbarrier protocol (scores_softmax_sm90.cu: scores_softmax), transcribed step by step
+    """The scores kernel's TMA/mbarrier protocol (scores_sm90.cu: scores_softmax), transcribed step by step
     for cluster_m CTAs of one cluster and run under a random interleaving (``seed``): per CTA the producer thread and
     the 8 consumer warps (lane 0 stands for its warp), with the kernel's barrier counts, parities, expect_tx bytes,
     box assignment (rank r multicasts K box r; rank 1 loads none when S ≤ kHalfN, ``load_hi`` False) and cluster

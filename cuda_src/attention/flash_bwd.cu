@@ -1,7 +1,7 @@
 // Fused attention backward: dQ, dK, dV of out = softmax(scale · Q Kᵀ) V without any L×S matrix in memory.
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2): with P = exp(scale·QKᵀ − lse) rebuilt from the
-// forward's lse and D_i = Σ_c dO_ic O_ic (attn_bwd_delta in backward.cu),
+// forward's lse and D_i = Σ_c dO_ic O_ic (attn_bwd_delta in bwd_rows.cu),
 //   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
 // One block owns kBlockN keys of one key/value head and loops over the query heads of its GQA group and over query
 // blocks of kBlockM rows, so dK and dV accumulate in registers (fp32) across the whole group; dQ is accumulated across
@@ -21,14 +21,10 @@
 // kBlockM + 8); lse·log2(e) and D for the query block. 123 KB at D = 128 with double-buffered Q/dO: 158 KB.
 // Tiles: kBlockN = 16·kNWarps keys, kBlockM queries per step; FLASH_BWD_TILES in cupy_attn/attention/backward.py
 // (8 warps: 128 keys × 64 queries). dK and dV hold kHeadDim accumulators per thread (128 at D = 128) next to Sᵀ and
-// dPᵀ (kBlockM / 2 each). D = 256 would need 256 accumulators and is left to the split backward. Accumulation fp32; P and dS are rounded to T only as MMA operands, as FlashAttention-2 does.
+// dPᵀ (kBlockM / 2 each). D = 256 would need 256 accumulators and is left to the split backward. Accumulation fp32;
+// P and dS are rounded to T only as MMA operands, as FlashAttention-2 does.
 //
-// Versions (H200, fp16 backward alone, bench/experiments/bwd_probe.py; (8,16,2048,128) | (4,32,4096,64)):
-//   v1 mma.sync, 4 warps (64 keys), single-buffered, scalar dQ atomics          5.46 ms 126 TFLOP/s | 11.49 ms 120
-//   v2 red.global.add.v2.f32 dQ atomics (sm_90), 8 warps (128 keys)             3.74 ms 184        |  8.27 ms 166
-//   v3 Q/dO double-buffered (next query block in flight)                        (this)
-//   v4 kDropout variants (the forward's keep mask recomputed from its rng pair); dropout-free SASS unchanged. Untimed.
-// No attn_mask yet (masked calls take the split backward).
+// No attn_mask yet (masked calls take the split backward). History and measurements: bench/notes/kernels_flash_bwd.md.
 //
 // Dropout (kDropout): the forward used P ∘ Z / (1 − p) with Z the keep mask of common/philox.cuh, recomputed here from
 // the same rng pair, so dV = (P ∘ Z)ᵀ dO · 1/(1 − p) (scaled once at the end), dP = (dO Vᵀ) ∘ Z / (1 − p) and
@@ -39,6 +35,7 @@
 #include "common/tile.cuh"
 #include "common/philox.cuh"
 #include "common/reduce.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -123,7 +120,8 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_bwd(const FlashBwdParams p
   const int n0 = n_block * kBlockN;
   const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4, vec_do = p.vec_flags & 8;
   const float scale_log2 = static_cast<float>(p.scale_log2);
-  const long long off = p.is_causal ? p.causal_offset : S;  // key j visible to query i iff j <= i + off
+  // Key j is visible to query i iff j < S and j <= i + off (common/visibility.cuh: limit_offset).
+  const long long off = BasicVisibility<int>{S, p.causal_offset, p.is_causal != 0}.limit_offset();
 
   load_tile<kBlockN, kHeadDim, kThreads>(sK, static_cast<const T*>(p.k) + b * p.k_stride_b + hkv * p.k_stride_h +
                                              n0 * p.k_stride_s, p.k_stride_s, S - n0, E, vec_k);

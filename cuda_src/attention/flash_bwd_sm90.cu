@@ -4,7 +4,7 @@
 // (sm90/bwd_variants.cuh: the consumers' two modes, picked per CTA from the parameters).
 //
 // Math (FlashAttention-2's backward, Dao 2023, Algorithm 2, as flash_bwd.cu): with P rebuilt from the forward's lse
-// and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in backward.cu, which also stores lse·log2 e),
+// and D_i = Σ_c dO_ic O_ic (attn_bwd_delta_padded in bwd_rows.cu, which also stores lse·log2 e),
 //   dV = Pᵀ dO,  dP = dO Vᵀ,  dS = P ∘ (dP − D),  dK = scale · dSᵀ Q,  dQ = scale · dS K.
 // Structure (FlashAttention-3, Shah et al. 2024, §3 and its hopper/mainloop_bwd_sm90_tma_gmma_ws.hpp; our own code on
 // the forward's TMA/mbarrier/wgmma vocabulary, common/tma.cuh and common/wgmma.cuh):
@@ -21,12 +21,12 @@
 //     dtype (as flash_bwd.cu). Each consumer warpgroup writes its dQ tile into a shared staging buffer and warp 1 of
 //     the producer warpgroup (the dQ writer, sm90/bwd_mainloop.cuh: bwd_dq_write) adds it into the buffer by TMA
 //     reduces, as FlashAttention-3 does (at kBlockN = 64 half the tile at a time, with dO single-staged to make
-//     room). Not the consumers' own reductions (red.global.add before session 19, -DCUPY_ATTN_BWD_DQ_TMA=0): each
-//     step's fence.proxy.async (MEMBAR.ALL.CTA) waits for the issuing thread's outstanding global operations.
+//     room). Not the consumers' own reductions (red.global.add): each step's fence.proxy.async (MEMBAR.ALL.CTA)
+//     waits for the issuing thread's outstanding global operations.
 // Why TMA + a producer warpgroup rather than cp.async double-buffering: the consumers hold 128 fp32 dK/dV
 // accumulators at D = 128 plus Sᵀ and dPᵀ (64 + 64 at D = 64, kBlockM = 128), so they have no registers for copy
-// addresses, and TMA's zero fill past L, S and E replaces all bounds code; the forward's FA3 kernel measured 1.2-1.7x
-// its cp.async wgmma predecessor with this structure. Two stages: a third would cost 32 KB for a step that already
+// addresses, and TMA's zero fill past L, S and E replaces all bounds code (the forward's FA3 kernel beat its cp.async
+// wgmma predecessor with this structure). Two stages: a third would cost 32 KB for a step that already
 // overlaps one load with one step of five GEMMs.
 //
 // Thread mapping (consumers, sm90/bwd_mainloop.cuh: BwdSplit): at kBlockN = 128 warpgroup w owns keys n0 + 64w ...
@@ -45,12 +45,7 @@
 // 195 KB at D = 64, 226 KB at D = 256 of the 227 KB per block. Accumulation fp32; P and dS are rounded to T only as
 // MMA operands.
 //
-// Versions (H100, fp16 backward alone, bench/experiments/bwd_sm90.py; (8,16,2048,128) | (4,32,4096,64)):
-//   v1  TMA + mbarrier rings, producer warpgroup, two consumer warpgroups, five wgmma GEMMs   1.984 ms | 3.908 ms
-//       (H100: 2.0-2.3x the mma.sync kernel, 1.38-1.45x torch's FA2 backward; bench/NOTES_backward.md)
-//   v2  D = 256 (and 129-256 padded): kBlockN = 64, warpgroups split by queries and columns   untimed (CPU-checked)
-//   v3  (H200) dQ by TMA reduces from a staging buffer, issued by a writer warp                1.557 ms | 3.240 ms
-//       (red.global.add from the consumers in the same process: 1.920 | 3.881; torch's cuDNN 1.566 | 3.407)
+// History and measurements: bench/notes/kernels_flash_bwd_sm90.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -71,7 +66,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
   static_assert(kHeadDim % 64 == 0 && kBlockM % 64 == 0 && kBlockM <= 256, "64-column swizzle atoms, TMA box <= 256");
   static_assert(kStages >= 2, "Q and dO rings of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
 
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const Smem ss(smem_raw);

@@ -19,7 +19,7 @@
 // path (softmax_fast): max of the raw scores, P = 2^(s·scale·log2(e) − m) by one FFMA, m moved only when it grows by
 // more than 8 (log2 units), rows 8..15 skipped when they are all padding; the per-key limit and mask path
 // (softmax_general) runs on the split's last tiles only. The loop is issue-bound (one or two warps per scheduler),
-// so its instruction count per tile is the cost: bench/NOTES_decode.md counts it in the SASS.
+// so its instruction count per tile is the cost (bench/notes/kernels_flash_decode.md counts it in the SASS).
 //
 // Thread mapping: kNWarps warps share the 16 rows and split each key tile: warp w owns keys [w·kWarpN, (w+1)·kWarpN)
 // of the tile (mma.sync m16n8k16, fp32 accumulate; Q and K by ldmatrix, V by ldmatrix.trans, P from the S
@@ -37,8 +37,8 @@
 // Shared memory: kStages × (K and V, kBlockN rows each), then Q (16 rows, pitch kHeadDim + 8). K/V rows are unpadded
 // (kHeadDim elements) with their 16-byte chunks XOR-swizzled by the row (kv_offset): ldmatrix stays conflict-free,
 // and the 8 threads that copy one 128-byte line of global memory write one 128-byte span of shared memory. With the
-// padded pitch (kHeadDim + 8) a warp's cp.async of two 256-byte rows cost the L2 24 sector reads instead of 16, 1.5×
-// the bytes read (Nsight Compute, bench/NOTES_decode.md, session 10). The K/V space is reused for the cross-warp
+// padded pitch (kHeadDim + 8) a warp's cp.async of two 256-byte rows cost the L2 24 sector reads instead of 16 (1.5×
+// the bytes read). The K/V space is reused for the cross-warp
 // merge at the end.
 // Head dims: Q/K zero-padded from E, V from Ev to kHeadDim (cp.async zero-fill); keys past the split's loaded range
 // are zero-filled rows (their V must not be garbage: P = 0 times NaN is NaN).
@@ -46,26 +46,17 @@
 // cp.async, others by plain loads.
 //
 // Hopper streaming variant (flash_decode_sm90, below): the same CTA work and math (decode::attend, merge_store), K/V
-// by TMA into a deep mbarrier ring fed by a producer warp; its comment and bench/NOTES_decode.md give the design.
+// by TMA into a deep mbarrier ring (common/pipeline.cuh) fed by a producer warp; its comment gives the design.
 //
-// Versions (H200, bench/experiments/decode.py, bench/NOTES_decode.md):
-//   v1  flash_decode: cp.async ring, 4 warps splitting each 64-key tile   MHA decode 3.97 TB/s (0.88× torch), GQA
-//                                                                         2.90-3.47 TB/s (0.74-0.83×)
-//   v2  flash_decode_sm90: TMA + mbarrier ring (6 × 32 KB at D = 128), producer warp, 1 or 2 CTAs per SM
-//                                                                         untimed (compiled and checked on CPU)
-//   v1.1 both: whole-tile cp.async by walking pointers, Q in registers, fast softmax path (above): SASS of the
-//        loop 573 -> 188-211 instructions per warp per tile (bf16, D=128)          GQA 79-86% of copy, MHA 96-98%
-//   v1.2 flash_decode: 8 warps × 16 keys (128-key tiles, 1 CTA/SM) where the grid has <= 1.5 CTAs per SM; the
-//        loop unchanged per warp (188-211 SASS instructions at D=128)              untimed
-//   v1.3 flash_decode: K/V rows unpadded and swizzled (kv_offset): the L2 reads 16 sectors per warp cp.async of
-//        512 bytes instead of 24, DRAM 86-88% -> 95% of peak (ncu); the loop 206-229 SASS instructions
-//                                                                          MHA and GQA at torch's device time (±1%)
+// History and measurements: bench/notes/kernels_flash_decode.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/mask.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/pdl.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -195,7 +186,7 @@ struct TileCopy {
       const int jm = (j * kRowStep) % 8;
       const unsigned at = dst + (j * kRowStep - jm) * kHeadDim * 2 +
                           kv_offset<kHeadDim>(threadIdx.x / kChunks + jm, threadIdx.x % kChunks);
-      // L2::128B: measured on the H200 (bench/NOTES_decode.md, session 8) against none and 256 bytes.
+      // L2::128B: measured faster than none and 256 bytes (bench/notes/kernels_flash_decode.md).
       cp_async_16_prefetch<128>(at, k, kFullCols ? 16 : k_bytes);
       cp_async_16_prefetch<128>(at + kVOffset, v, kFullCols ? 16 : v_bytes);
       k += kRowStep * k_row_bytes;
@@ -242,9 +233,11 @@ __device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split,
       max_i = max(max_i, (w.r0 + r) % L);
       min_i = min(min_i, (w.r0 + r) % L);
     }
-    w.n_end = static_cast<int>(min(static_cast<long long>(w.n_end), max_i + p.causal_offset + 1));
-    n_vis = static_cast<int>(max(static_cast<long long>(w.n_start), min(static_cast<long long>(w.n_end),
-                                                                         min_i + p.causal_offset + 1)));
+    // The split's keys [n_start, n_end) as a Visibility with S = n_end: the last row sees up to end_key(max_i), the
+    // first only up to end_key(min_i).
+    w.n_end = static_cast<int>(BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(max_i));
+    n_vis = static_cast<int>(max(static_cast<long long>(w.n_start),
+                                 BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(min_i)));
   }
   w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
   w.n_fast = max(0, n_vis - w.n_start) / kBlockN;
@@ -302,8 +295,7 @@ __device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, cons
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half, pr = w.r0 + r;
     const int i = pr % L;
-    long long lim = w.n_end - 1;
-    if (p.is_causal) lim = min(lim, i + p.causal_offset);
+    const long long lim = BasicVisibility<int>{w.n_end, p.causal_offset, p.is_causal != 0}.last_key(i);
     rl.limit[half] = r < w.rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
     rl.mrow[half] = nullptr;
     if constexpr (HasMask) {
@@ -741,10 +733,10 @@ struct StreamSmem {
   unsigned char* k;  // stage s at k + s · kTileBytes
   unsigned char* v;
   unsigned char* q;
-  pipeline::Ring<kStages> bars;  // full: 1 arrival (the producer's expect_tx) + the TMA bytes; empty: each consumer warp
+  pipeline::Ring<kStages> bars;  // full: the producer's expect_tx + the TMA bytes; empty: each consumer warp
 
   __device__ __forceinline__ explicit StreamSmem(unsigned char* base) {
-    k = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    k = sm90::smem_base(base);
     v = k + kStages * kTileBytes;
     q = v + kStages * kTileBytes;
     bars.full = reinterpret_cast<unsigned long long*>(q + kQBytes);
@@ -779,7 +771,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   static_assert(kWarpN % 16 == 0 && kHeadDim % 64 == 0, "16 keys per warp per P·V step, 64-column TMA boxes");
   static_assert(kBlockN % 8 == 0 && kBlockN <= 256, "8-row swizzle atoms, TMA box rows <= 256");
   static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kNWarps * 16 * (kHeadDim + 2) * 4 <= 2 * kStages * Smem::kTileBytes, "merge scratch fits the ring");
   pdl_launch_dependents();  // the combine kernel (PDL-launched) may start; it waits for this grid's partials
 
@@ -791,11 +783,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
   const int kb_k = (E + 63) / 64, kb_v = (Ev + 63) / 64;  // column blocks TMA loads; the rest stay zero
 
-  if (threadIdx.x == 0) {
-    ss.bars.init(kNWarps);
-    tma::fence_barrier_init();
-  }
-  __syncthreads();
+  pipeline::init_barriers([&] { ss.bars.init(kNWarps); });  // empty: each consumer warp
 
   if (warp == kNWarps) {
     // Producer: tile it fills ring iteration it (common/pipeline.cuh).

@@ -51,26 +51,13 @@
 // (registers: kMTiles·(kBlockN/2 + kHeadDim/2) fp32 accumulators per thread must stay under 255 without spills;
 // shared memory: (kBlockM + 2·kStages·kBlockN)·(kHeadDim + 8)·2 bytes, two CTAs per SM where it fits).
 //
-// Versions (H200, fp16, TFLOP/s and ratio to torch 2.11's FLASH_ATTENTION backend in the same run; bench/NOTES_flash.md):
-//                                                        (8,16,2048,128)  (4,32,4096,64)  (8,16,1024,256)  keypad mask
-//   v1  FA2 structure, padded smem, 1 stage, explicit scale multiply  280 (0.84×)  239 (0.82×)  245 (0.85×)  111
-//   v2  2-stage K/V (one barrier per iteration), scale folded into
-//       the exp2 FFMA, O rescale skipped when no row max moved,
-//       bool masks as bits, key-padding trailing tiles pre-scanned   313 (0.95×)  257 (0.86×)  230 (0.80×)  297 (0.77× torch's choice)
-//   v3  causal / partial-tile limit tested per lane as a small int
-//       (64-bit column compares kept 2·kNTiles indices live next to
-//       S: 208-688 B of spills at 128×128, D=64), P packed to 16 bits
-//       per row half, masked kernels recompute the K/V base pointers;
-//       D=64 moves to 128×128 (now spill-free)                         (0.98×)      (1.02×)      (0.88×)     same-machine A/B
-//   v4  key-padding masks that are a prefix become a shorter S (no per-tile mask work); sm_90a wgmma variant with
-//       ping-pong warpgroups for head dims 64/128/192/256                 373 (1.11×)  343 (1.15×)  353 (1.23×)  392 (1.03×
-//                                                                                                     cuDNN, torch's choice)
-//   v5  kDropout variants (64-row tiles at head dims <= 128: DROPOUT_TILES); dropout-free SASS unchanged. Untimed.
+// History and measurements: bench/notes/kernels_flash_fwd.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tile.cuh"
 #include "common/mask.cuh"
+#include "common/visibility.cuh"
 #include "common/philox.cuh"
 
 namespace cupy_attn {
@@ -207,6 +194,182 @@ __device__ __forceinline__ unsigned dropout_keep_word(const FlashFwdParams& p, i
   return keep;
 }
 
+// A bool mask shared by all query rows (row stride 0: key padding) hides trailing keys from the whole block: the
+// last key it shows becomes last_key (those tiles are never loaded). When it also shows every key before that one
+// (the usual padding mask: a prefix of each sequence), it equals a shorter S for this block (S = last_key + 1,
+// mask_on = false), and the per-tile mask loads and tests are skipped. All kThreads threads take part; smem_raw (Q's
+// space, before Q is loaded) holds the two reductions.
+template <int kThreads>
+__device__ __forceinline__ void key_padding_prefix(const FlashFwdParams& p, unsigned char* smem_raw, int b, int h,
+                                                   long long& last_key, bool& mask_on, int& S) {
+  int* last_shown = reinterpret_cast<int*>(smem_raw);  // Q's space, before Q is loaded
+  int* first_hidden = last_shown + 1;
+  if (threadIdx.x == 0) {
+    *last_shown = -1;
+    *first_hidden = 0x7fffffff;
+  }
+  __syncthreads();
+  const unsigned char* mrow = static_cast<const unsigned char*>(p.mask) + b * p.mask_stride_b + h * p.mask_stride_h;
+  int shown = -1, hidden = 0x7fffffff;
+  for (int j = threadIdx.x; j <= last_key; j += kThreads) {
+    if (mrow[j * p.mask_stride_s]) shown = j;
+    else hidden = min(hidden, j);
+  }
+  if (shown >= 0) atomicMax(last_shown, shown);
+  if (hidden != 0x7fffffff) atomicMin(first_hidden, hidden);
+  __syncthreads();
+  last_key = *last_shown;
+  if (*first_hidden > last_key) {
+    mask_on = false;
+    S = static_cast<int>(last_key) + 1;
+  }
+  __syncthreads();  // everyone has read them before Q's copy overwrites them
+}
+
+// A tile that needs element masks (the partial tile at S, the causal diagonal, any attn_mask): its scores scaled by
+// scale·log2(e) here and the hidden ones set to -inf: keys past each row's last visible key (common/visibility.cuh;
+// only where limit_keys: the tile reaches past S or the diagonal), then the attn_mask (bool bits mbits, or additive
+// values read from mask). row0: this lane's first row (g of its first 16-row tile); t: its column pair.
+template <int kMTiles, int kNTiles, int kBlockN, bool HasMask>
+__device__ __forceinline__ void scale_and_mask(float (&s)[kMTiles][kNTiles][4], const FlashFwdParams& p,
+                                               float scale_log2, int S, int n0, int row0, int t, bool limit_keys,
+                                               bool mask_on, const unsigned (&mbits)[kMTiles][2],
+                                               const unsigned char* mask, int mask_bytes) {
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+    #pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale_log2;
+  if (limit_keys) {
+    #pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      #pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        // Column ni·8 + e of this lane (key n0 + 8·ni + 2t + e) is visible iff ni·8 + e <= lim (the clamped-int form).
+        const int lim = BasicVisibility<int>{S, p.causal_offset, p.is_causal != 0}.lane_limit<kBlockN>(
+            row0 + mi * 16 + half * 8, n0, 2 * t);
+        #pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+          #pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (ni * 8 + e > lim) s[mi][ni][2 * half + e] = neg_inf();
+      }
+    }
+  }
+  if constexpr (HasMask) {
+    if (mask_on && p.mask_kind == 1) {  // (mask_on is false for a prefix key-padding mask: applied as S)
+      #pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+        #pragma unroll
+        for (int half = 0; half < 2; ++half)
+          #pragma unroll
+          for (int ni = 0; ni < kNTiles; ++ni)
+            #pragma unroll
+            for (int e = 0; e < 2; ++e)
+              if (!((mbits[mi][half] >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = neg_inf();
+    } else if (mask_on) {
+      add_mask(s, p, mask, mask_bytes, row0, n0 + 2 * t);
+    }
+  }
+}
+
+// The online softmax of one key tile (FlashAttention-2, base 2): per row half, m' = max(m, rowmax S·sc), P =
+// 2^(S·sc − m') (P ∘ Z with dropout; l sums the undropped P), l = 2^(m − m')·l + rowsum P, O = 2^(m − m')·O; P goes
+// to A fragments (pa) as it is produced. sc: scale·log2(e) for raw scores, 1 for a tile scale_and_mask scaled already.
+// row0: this lane's first row.
+template <typename T, int kMTiles, int kNTiles, int kDTiles, bool kDropout>
+__device__ __forceinline__ void online_softmax(float (&s)[kMTiles][kNTiles][4], unsigned (&pa)[kMTiles][kNTiles / 2][4],
+                                               float (&acc_o)[kMTiles][kDTiles][4], float (&m_i)[kMTiles][2],
+                                               float (&l_i)[kMTiles][2], float sc, const FlashFwdParams& p, int row0,
+                                               int n0, int g, int t) {
+  constexpr int kBlockN = kNTiles * 8;
+  #pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+    #pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float mx = neg_inf();
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float m_old = m_i[mi][half];
+      const float m_new = fmaxf(m_old, mx * sc);
+      const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
+      m_i[mi][half] = m_new;
+      const unsigned keep = kDropout ? dropout_keep_word<kNTiles>(p, row0 + mi * 16 + half * 8, n0, g, t)
+                                     : 0u;
+      float sum = 0.f;
+      #pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni) {
+        #pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[mi][ni][2 * half + e] = exp2_approx(fmaf(s[mi][ni][2 * half + e], sc, -m_use));
+          sum += s[mi][ni][2 * half + e];  // l is the undropped row sum: dropout acts on the normalized P
+          if constexpr (kDropout) {
+            if (!((keep >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = 0.f;
+          }
+        }
+      }
+      // This half's P goes to 16 bits at once (A layout: registers 0/2 hold row g, 1/3 row g+8), so its fp32
+      // scores are dead before the other half is exponentiated.
+      #pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[mi][kk][half] = pack2<T>(s[mi][2 * kk][2 * half], s[mi][2 * kk][2 * half + 1]);
+        pa[mi][kk][2 + half] = pack2<T>(s[mi][2 * kk + 1][2 * half], s[mi][2 * kk + 1][2 * half + 1]);
+      }
+      const float alpha = exp2_approx(m_old - m_use);
+      l_i[mi][half] = l_i[mi][half] * alpha + sum;
+      // Once the running max settles it rarely moves: skip the O rescale when no row of the warp's tile changed.
+      if (__any_sync(0xffffffffu, m_new != m_old)) {
+        #pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          acc_o[mi][dt][2 * half] *= alpha;
+          acc_o[mi][dt][2 * half + 1] *= alpha;
+        }
+      }
+    }
+  }
+}
+
+// O (64 × kHeadDim) += P V by wgmma (kWgmma): P from registers (already in the A-fragment layout), V as an MN-major B
+// operand (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
+template <typename T, int kHeadDim, int kBlockN>
+__device__ __forceinline__ void pv_wgmma(float (&acc_o)[1][kHeadDim / 8][4], const unsigned (&pa)[kBlockN / 16][4],
+                                         const T* sV, int stage) {
+  constexpr int kDTiles = kHeadDim / 8;
+  constexpr int kKVBytes = kBlockN * kHeadDim * 2;
+  const unsigned v_st = smem_addr(sV) + stage * kKVBytes;
+  wgmma::fence();
+  #pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk)
+    wgmma::Mma<T, kHeadDim>::rs(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]), pa[kk],
+                                wgmma::desc_sw128(v_st + kk * 16 * 128, kBlockN * 128, 1024), 1);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]));
+}
+
+// O += P V by mma.sync: P from registers (pa), V by ldmatrix.trans ([k][n] storage); v_stage is this lane's V address
+// in the stage.
+template <typename T, int kHeadDim, int kBlockN, int kMTiles, int kPitch>
+__device__ __forceinline__ void pv_mma(float (&acc_o)[kMTiles][kHeadDim / 8][4],
+                                       const unsigned (&pa)[kMTiles][kBlockN / 16][4], unsigned v_stage) {
+  #pragma unroll
+  for (int kk = 0; kk < kBlockN / 16; ++kk) {
+    #pragma unroll
+    for (int dn = 0; dn < kHeadDim / 16; ++dn) {
+      unsigned bv[4];
+      ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
+      #pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        mma_16816<T>(acc_o[mi][2 * dn], pa[mi][kk], bv[0], bv[1]);
+        mma_16816<T>(acc_o[mi][2 * dn + 1], pa[mi][kk], bv[2], bv[3]);
+      }
+    }
+  }
+}
+
 }  // namespace flash
 
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kNWarps, int kStages, bool HasMask, bool kWgmma,
@@ -251,38 +414,11 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
 
   // Last key any row of this block may see; a block whose rows see nothing (bottom-right alignment with L > S,
   // an all-False key-padding mask) writes the empty-row result directly.
-  long long last_key = S - 1;
-  if (p.is_causal) last_key = min(last_key, static_cast<long long>(m0 + rows_valid - 1) + p.causal_offset);
+  long long last_key = BasicVisibility<int>{S, p.causal_offset, p.is_causal != 0}.last_key(m0 + rows_valid - 1);
   bool mask_on = HasMask;  // false once a key-padding mask turns out to be a prefix (below)
-  if constexpr (HasMask) {
-    // A bool mask shared by all query rows (row stride 0: key padding) hides trailing keys from the whole block:
-    // find the last key it shows and stop there (those tiles are never loaded). When it also shows every key before
-    // that one (the usual padding mask: a prefix of each sequence), it equals a shorter S for this block, and the
-    // per-tile mask loads and tests are skipped. Any other mask is applied per tile.
-    if (p.mask_kind == 1 && p.mask_stride_l == 0 && last_key >= 0) {
-      int* last_shown = reinterpret_cast<int*>(smem_raw);  // Q's space, before Q is loaded
-      int* first_hidden = last_shown + 1;
-      if (threadIdx.x == 0) {
-        *last_shown = -1;
-        *first_hidden = 0x7fffffff;
-      }
-      __syncthreads();
-      const unsigned char* mrow = static_cast<const unsigned char*>(p.mask) + b * p.mask_stride_b + h * p.mask_stride_h;
-      int shown = -1, hidden = 0x7fffffff;
-      for (int j = threadIdx.x; j <= last_key; j += kThreads) {
-        if (mrow[j * p.mask_stride_s]) shown = j;
-        else hidden = min(hidden, j);
-      }
-      if (shown >= 0) atomicMax(last_shown, shown);
-      if (hidden != 0x7fffffff) atomicMin(first_hidden, hidden);
-      __syncthreads();
-      last_key = *last_shown;
-      if (*first_hidden > last_key) {
-        mask_on = false;
-        S = static_cast<int>(last_key) + 1;
-      }
-      __syncthreads();  // everyone has read them before Q's copy overwrites them
-    }
+  if constexpr (HasMask) {  // a key-padding mask: its trailing hidden keys end the block's keys (key_padding_prefix)
+    if (p.mask_kind == 1 && p.mask_stride_l == 0 && last_key >= 0)
+      key_padding_prefix<kThreads>(p, smem_raw, b, h, last_key, mask_on, S);
   }
   if (last_key < 0) {
     for (int i = threadIdx.x; i < rows_valid * Ev; i += kThreads)
@@ -295,10 +431,9 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
 
   const T* q = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + m0 * p.q_stride_l;
   const bool vec_q = p.vec_flags & 1, vec_k = p.vec_flags & 2, vec_v = p.vec_flags & 4, vec_out = p.vec_flags & 8;
-  // The (batch, kv head) base of K or V. Masked kernels also hold the mask's pointer and strides across the loop;
-  // holding these two pointers as well made ptxas spill 32-52 B at D=32 and 96, so masked kernels recompute them from
-  // a fresh block index at each load (an integer division, outside the GEMMs). Unmasked kernels hold them: the
-  // recomputation measured 6% slower at D=128 (same-machine A/B, bench/NOTES_flash.md).
+  // The (batch, kv head) base of K or V. Masked kernels, which also hold the mask's pointer and strides across the
+  // loop, recompute it from a fresh block index at each load (holding it spilled at D=32 and 96); unmasked kernels
+  // hold it (recomputing it was slower: bench/notes/kernels_flash_fwd.md).
   auto kv_base = [&](const void* base, long long stride_b, long long stride_h) {
     int bz = b, hy = h;
     if constexpr (HasMask) {
@@ -431,53 +566,14 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
     // Tiles that need element masks (the partial tile at S, the causal diagonal, any attn_mask) are scaled here and
     // masked with -inf; the others keep raw scores and fold the scale into the exponent's FFMA (sc below), which
     // needs scale > 0 so that the raw row max is the scaled one.
-    const bool crosses_diagonal = p.is_causal && n0 + kBlockN - 1 > m0 + p.causal_offset;
+    const bool crosses_diagonal =
+        p.is_causal && n0 + kBlockN - 1 > BasicVisibility<int>{S, p.causal_offset, true}.causal_limit(m0);
     const bool masked = mask_on || n0 + kBlockN > S || crosses_diagonal || !(scale_log2 > 0.f);
     const float sc = masked ? 1.f : scale_log2;
-    if (masked) {
-      #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
-        #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni)
-          #pragma unroll
-          for (int e = 0; e < 4; ++e) s[mi][ni][e] *= scale_log2;
-      if (n0 + kBlockN > S || crosses_diagonal) {
-        #pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi) {
-          #pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = m0 + warp_row0 + mi * 16 + half * 8 + g;
-            long long limit = S - 1;  // last visible key of this row
-            if (p.is_causal) limit = min(limit, row + p.causal_offset);
-            // The same test as n0 + 8·ni + 2t + e > limit, made relative to this lane's first column and clamped to
-            // [-1, kBlockN] so that it fits an int: the left side becomes a constant per element. Comparing the
-            // absolute 64-bit columns made ptxas keep the 2·kNTiles column indices live next to the S accumulators
-            // (at 128×128, D=64: 208-688 B of spills; with this form, none).
-            const int lim = static_cast<int>(max(-1ll, min(static_cast<long long>(kBlockN), limit - n0 - 2 * t)));
-            #pragma unroll
-            for (int ni = 0; ni < kNTiles; ++ni)
-              #pragma unroll
-              for (int e = 0; e < 2; ++e)
-                if (ni * 8 + e > lim) s[mi][ni][2 * half + e] = neg_inf();
-          }
-        }
-      }
-      if constexpr (HasMask) {
-        if (mask_on && p.mask_kind == 1) {  // (mask_on is false for a prefix key-padding mask: applied as S)
-          #pragma unroll
-          for (int mi = 0; mi < kMTiles; ++mi)
-            #pragma unroll
-            for (int half = 0; half < 2; ++half)
-              #pragma unroll
-              for (int ni = 0; ni < kNTiles; ++ni)
-                #pragma unroll
-                for (int e = 0; e < 2; ++e)
-                  if (!((mbits[mi][half] >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = neg_inf();
-        } else if (mask_on) {
-          add_mask(s, p, mask, mask_bytes, m0 + warp_row0 + g, n0 + 2 * t);
-        }
-      }
-    }
+    if (masked)
+      scale_and_mask<kMTiles, kNTiles, kBlockN, HasMask>(s, p, scale_log2, S, n0, m0 + warp_row0 + g, t,
+                                                         n0 + kBlockN > S || crosses_diagonal, mask_on, mbits, mask,
+                                                         mask_bytes);
 
     if constexpr (kStages == 1) {
       cp_async_wait<0>();
@@ -486,88 +582,20 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_fwd(const FlashFwdParams p
 
     // Online softmax; P is packed into A fragments as it is produced.
     unsigned pa[kMTiles][kBlockN / 16][4];
-    #pragma unroll
-    for (int mi = 0; mi < kMTiles; ++mi) {
-      #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        float mx = neg_inf();
-        #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float m_old = m_i[mi][half];
-        const float m_new = fmaxf(m_old, mx * sc);
-        const float m_use = m_new == neg_inf() ? 0.f : m_new;  // empty so far: 2^(-inf - 0) = 0 keeps P and α at 0
-        m_i[mi][half] = m_new;
-        const unsigned keep = kDropout ? dropout_keep_word<kNTiles>(p, m0 + warp_row0 + mi * 16 + half * 8 + g, n0,
-                                                                     g, t)
-                                       : 0u;
-        float sum = 0.f;
-        #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) {
-          #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            s[mi][ni][2 * half + e] = exp2_approx(fmaf(s[mi][ni][2 * half + e], sc, -m_use));
-            sum += s[mi][ni][2 * half + e];  // l is the undropped row sum: dropout acts on the normalized P
-            if constexpr (kDropout) {
-              if (!((keep >> (2 * ni + e)) & 1u)) s[mi][ni][2 * half + e] = 0.f;
-            }
-          }
-        }
-        // This half's P goes to 16 bits at once (A layout: registers 0/2 hold row g, 1/3 row g+8), so its fp32
-        // scores are dead before the other half is exponentiated.
-        #pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk) {
-          pa[mi][kk][half] = pack2<T>(s[mi][2 * kk][2 * half], s[mi][2 * kk][2 * half + 1]);
-          pa[mi][kk][2 + half] = pack2<T>(s[mi][2 * kk + 1][2 * half], s[mi][2 * kk + 1][2 * half + 1]);
-        }
-        const float alpha = exp2_approx(m_old - m_use);
-        l_i[mi][half] = l_i[mi][half] * alpha + sum;
-        // Once the running max settles it rarely moves: skip the O rescale when no row of the warp's tile changed.
-        if (__any_sync(0xffffffffu, m_new != m_old)) {
-          #pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            acc_o[mi][dt][2 * half] *= alpha;
-            acc_o[mi][dt][2 * half + 1] *= alpha;
-          }
-        }
-      }
-    }
+    online_softmax<T, kMTiles, kNTiles, kDTiles, kDropout>(s, pa, acc_o, m_i, l_i, sc, p, m0 + warp_row0 + g, n0, g,
+                                                           t);
 
     if constexpr (kStages == 1) {
       // K[nb-1] is fetched only now, behind O += P V: issued before the softmax (FlashAttention-2's place) it would
-      // overlap more, but its addresses would be live next to the 64 S accumulators and spill (measured: 60 B).
+      // overlap more, but its addresses would be live next to the 64 S accumulators and spill.
       if (nb > 0) load_k(nb - 1, 0);
       cp_async_commit();
     }
 
     if constexpr (kWgmma) {
-      // O (64 × kHeadDim) += P V: P from registers (already in the A-fragment layout), V as an MN-major B operand
-      // (transpose-B): its 64-column blocks are kBlockN·128 bytes apart (LBO), 8-row (k) groups 1024 bytes (SBO).
-      const unsigned v_st = smem_addr(sV) + stage * kKVBytes;
-      wgmma::fence();
-      #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        wgmma::Mma<T, kHeadDim>::rs(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]), pa[0][kk],
-                                    wgmma::desc_sw128(v_st + kk * 16 * 128, kBlockN * 128, 1024), 1);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(reinterpret_cast<float(&)[kDTiles * 4]>(acc_o[0]));
+      pv_wgmma<T, kHeadDim, kBlockN>(acc_o, pa[0], sV, stage);
     } else {
-      const unsigned v_stage = v_addr + stage * kKVBytes;
-      #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        #pragma unroll
-        for (int dn = 0; dn < kHeadDim / 16; ++dn) {
-          unsigned bv[4];
-          ldmatrix_x4_trans(bv, v_stage + (kk * 16 * kPitch + dn * 16) * 2);
-          #pragma unroll
-          for (int mi = 0; mi < kMTiles; ++mi) {
-            mma_16816<T>(acc_o[mi][2 * dn], pa[mi][kk], bv[0], bv[1]);
-            mma_16816<T>(acc_o[mi][2 * dn + 1], pa[mi][kk], bv[2], bv[3]);
-          }
-        }
-      }
+      pv_mma<T, kHeadDim, kBlockN, kMTiles, kPitch>(acc_o, pa, v_addr + stage * kKVBytes);
     }
   }
 

@@ -20,8 +20,12 @@
 // columns, one box) for S, then 8 V chunks (32 keys × 512 columns, eight 64-column boxes) for P·V, in the parts' key
 // order (v_stage_key). Q (64 × 512, eight
 // 64-column boxes) is loaded once per CTA.
+// kVariants (one tile per CTA only: the persistent kernel spilled with them): a sliding window's lower bound (key
+// blocks from the window's first, masks at its edge), ALiBi and sinks (common/visibility.cuh, common/score_mod.cuh);
+// no softcap (its two SFU operations per score spilled here too).
 // Not (yet) here: overlap of the row max and the first part's exponentials with wgmma (the rest of the softmax runs
-// under P·V since v1.3; two deeper overlap variants measured slower, bench/NOTES_split.md), attn_mask.
+// under P·V; deeper overlap measured slower), attn_mask. Accumulation fp32 (S, O, the row statistics); P is rounded
+// to T as the P·V operand.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -32,24 +36,15 @@
 // before the max; rows past L and columns past Ev are not stored. out is written by 16-byte stores (the launcher
 // requires Ev a multiple of 8 and 16-byte aligned rows).
 //
-// Versions (H200; bench/experiments/d512_fwd.py, bench/NOTES_split.md):
-//   v1  producer + two consumers splitting keys (S) and head-dim columns (O), phases in turn
-//       (4,16,2048,2048,512) fp16 1.06-1.09 ms (505-521 TFLOP/s); (2,8,4096,4096,512) bf16 0.98-1.02 (539-563)
-//   v1.1 conditional rescale (FlashAttention-4): 1.061 vs 1.088 ms, 0.969 vs 1.006 (567 TFLOP/s)  (session 14)
-//   v1.2 persistent CTAs for calls without a causal mask (the next tile's Q and K stages load under a tile's last
-//       P·V and O stores): 1.028 vs 1.057 ms (535 TFLOP/s); causal calls keep one tile per CTA (static striding
-//       measured 0.715 against 0.548 ms at (2,8,4096,4096,512) bf16)                                   (session 14)
-//   v1.3 P·V in four parts, each part's exponentials under the previous part's wgmma: −6 to −7% kernel time on four
-//       D = 512 shapes (0.948 vs 1.015 ms at (4,16,2048,2048,512) fp16); causal calls persistent over m-block pairs
-//       (M−1−k, k) (tile_scheduler.cuh): −4 to −15% against one tile per CTA                           (session 15)
+// History and measurements: bench/notes/kernels_flash_fwd_d512_sm90.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
-#include "attention/sm90/params.cuh"
 #include "common/visibility.cuh"
+#include "attention/sm90/params.cuh"
 #include "common/score_mod.cuh"
 #include "attention/sm90/pack.cuh"
 #include "attention/sm90/softmax.cuh"
@@ -75,6 +70,7 @@ template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kQBytes + kPBytes + kStages * kStageBytes + 8 * (2 * kStages + 2) +
                                 4 * (2 * 2 * kBlockM + 2 * kBlockM) + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* q;     // 8 boxes of 64 rows × 64 columns (8 KB each), 128-byte swizzle
   unsigned char* p;     // 4 atoms of 64 rows × 64 keys (8 KB each), 128-byte swizzle: the P·V A operand
   unsigned char* ring;  // kStages × 32 KB
@@ -84,8 +80,7 @@ struct SharedStorage {
   float* row_sum;       // [warpgroup][row]: the warpgroup's share of l
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);  // sm90::smem_base, spelled out:
-    q = smem;                                                                   // calling it changed the SASS
+    q = sm90::smem_base(base);
     p = q + kQBytes;
     ring = p + kPBytes;
     bars.full = reinterpret_cast<unsigned long long*>(ring + kStages * kStageBytes);
@@ -112,24 +107,26 @@ __device__ __forceinline__ int v_stage_key(int vc) {
   return (i < half ? 0 : kBlockN / 2) + part * (kBlockN / 2 / kParts) + (i % half) * kVKeys;
 }
 
-// Key blocks a 64-row block visits (common/visibility.cuh): from the block of the first key its first row sees (0
-// without a window's lower bound, which only kVariants reads) through the block of the last key its last row sees;
-// count() <= 0 when its rows see no key.
+// The kernel's Visibility: with kVariants the window's lower bound (window_lo) is read at run time; the plain
+// instantiations have none, at compile time.
+template <bool kVariants>
+__device__ __forceinline__ Visibility d512_visibility(const FlashFwdSm90Params& p) {
+  if constexpr (kVariants) {
+    return visibility_of(p);
+  } else {
+    return {p.seqlen_k, p.causal_offset, p.is_causal != 0};
+  }
+}
+
+// Key blocks a 64-row block visits: from the block of the first key its first row sees (0 without a window's lower
+// bound) through the last key any of its rows may see (all S without a causal mask); count() <= 0 when its rows see
+// no key.
 template <bool kVariants>
 __device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
-  if constexpr (kVariants) {
-    const Visibility vis = visibility_of(p);
-    const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    const long long last_key = vis.last_key(last_row), first_key = vis.first_key(m0);
-    return last_key < first_key ? KeyBlocks{0, -1} : Visibility::blocks<kBlockN>(first_key, last_key);
-  } else {
-    long long last_key = p.seqlen_k - 1;
-    if (p.is_causal) {
-      const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-      last_key = min(last_key, last_row + p.causal_offset);
-    }
-    return {0, last_key < 0 ? -1 : static_cast<int>(last_key / kBlockN)};
-  }
+  const Visibility vis = d512_visibility<kVariants>(p);
+  const long long last_key = vis.last_key(min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1);
+  const long long first_key = vis.first_key(m0);
+  return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
 
 // FlashAttention-4's conditional rescale: the running max (and with it O and l) moves only when a block's max exceeds
@@ -179,13 +176,14 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
   for (int m0, h, b; tiles.next(p, m0, h, b);) {
     const int h_kv = h / static_cast<int>(p.groups);
     const KeyBlocks kb = key_blocks<kVariants>(p, m0);
-    if (kb.count() <= 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
+    const int n_blocks = kb.count();
+    if (n_blocks <= 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
     ss.q_bars.wait_free(q_round);
     tma::mbar_arrive_expect_tx(ss.q_bars.full, kQBytes);
     for (int i = 0; i < kKChunks; ++i)
       tma::load_4d(ss.q + i * 8192, &p.tma_q, ss.q_bars.full, i * 64, m0, h, b);
     ++q_round;
-    for (int i = 0; i < kb.count(); ++i) {
+    for (int i = 0; i < n_blocks; ++i) {
       const int j = kb.first + i;
       for (int c = 0; c < kKChunks; ++c, ++step) {
         unsigned char* dst = stage();
@@ -211,7 +209,6 @@ struct Consumer {
   using Params = FlashFwdSm90Params;
   int wg, warp, lane, g, t;
   int r0;  // this lane's rows in the block: r0 and r0 + 8
-  long long S;
   float c;
   unsigned q_base, p_base, ring_base;
   int step = 0, q_round = 0, blk = 0;  // blk: key blocks done by this CTA (row-max buffer parity across tiles)
@@ -223,7 +220,6 @@ struct Consumer {
     g = lane / 4;
     t = lane % 4;
     r0 = warp * 16 + g;
-    S = p.seqlen_k;
     c = static_cast<float>(p.scale_log2);
     q_base = tma::smem_u32(ss.q);
     p_base = tma::smem_u32(ss.p);
@@ -265,25 +261,25 @@ struct Consumer {
     sm90::apply_score_mods<128>(s, mods, m0 + r0, j * kBlockN + wg * 128, t);
   }
 
-  // Keys past S or past a row's causal limit: −inf; kVariants: keys before the window's lower bound too.
-  // s[4jj + 2·half + e] is row r0 + 8·half, key key0 + 8jj + 2t + e.
+  // Keys past each row's last visible key (common/visibility.cuh): −inf. s[4jj + 2·half + e] is row r0 + 8·half, key
+  // key0 + 8jj + 2t + e; only a tile reaching past S or the causal limit of the block's first row has any. kVariants:
+  // keys before a window's lower bound too (only a tile reaching below the block's last row's first key has any).
   __device__ __forceinline__ void mask(const Params& p, float (&s)[64], int j, int m0) const {
-    const long long key0 = static_cast<long long>(j) * kBlockN + wg * 128;
+    const Visibility vis = d512_visibility<false>(p);  // the upper bound; the lower one below
+    const int key0 = j * kBlockN + wg * 128;
     if constexpr (kVariants) {
       if (p.window_lo != kNoLowerBound && key0 < m0 + kBlockM - 1 + p.window_lo)
-        sm90::mask_tile_lower<128>(s, m0 + r0, static_cast<int>(key0), t, p.window_lo);
+        sm90::mask_tile_lower<128>(s, m0 + r0, key0, t, p.window_lo);
     }
-    if (key0 + 128 > S || (p.is_causal && key0 + 127 > m0 + p.causal_offset)) {
+    if (vis.tile_needs_mask<128>(key0, m0)) {
       #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        long long limit = S;
-        if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-        const long long lim = limit - key0 - 2 * t;  // column 8jj + e of this lane is visible iff 8jj + e < lim
+        const int lim = vis.lane_limit<128>(m0 + r0 + 8 * half, key0, 2 * t);  // visible iff 8jj + e <= lim
         #pragma unroll
         for (int jj = 0; jj < 16; ++jj)
           #pragma unroll
           for (int e = 0; e < 2; ++e)
-            if (8 * jj + e >= lim) s[4 * jj + 2 * half + e] = neg_inf();
+            if (8 * jj + e > lim) s[4 * jj + 2 * half + e] = neg_inf();
       }
     }
   }
@@ -394,9 +390,7 @@ struct Consumer {
   // transpose gives lane t the 8 consecutive columns 32i + 8t ... + 7.
   __device__ __forceinline__ void store(const Params& p, const Smem& ss, const float (&o)[128],
                                         const float (&m_in)[2], const float (&l_part)[2], int m0, int h, int b) const {
-    float m_run[2];
-    m_run[0] = m_in[0];
-    m_run[1] = m_in[1];
+    float m_run[2] = {m_in[0], m_in[1]};
     float inv[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -479,12 +473,8 @@ struct Consumer {
 template <typename T, int kStages, bool kPersistent, bool kVariants>
 __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
   using namespace d512;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
+  const SharedStorage<kStages> ss(smem_raw);
   TileWalk<kPersistent> tiles(p);
   pipeline::init_barriers([&] {
     ss.bars.init(8);  // lane 0 of each consumer warp

@@ -45,13 +45,7 @@
 // 16-byte aligned bases and strides that are multiples of 16 bytes (BHSD and BSHD both qualify); rows past L or S
 // of a head are outside the map and arrive as zeros, so they never read the next head's rows.
 //
-// Versions (H200, fp16; bench/experiments/fa3_fwd.py, bench/NOTES_flash.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + ping-pong consumers, and the kOverlap variant
-//                                            overlap variant 1.21-1.66x the wgmma kernel, 0.85-1.02x cuDNN (session 5)
-//   v2  kPersistent (CUPY_ATTN_FA3=3): one CTA per SM looping over tiles       1.02-1.16x overlap at D > 64 (session 7)
-//   v3  D = 96 bucket: 64-byte swizzle tiles, P·V at N = 96 (E, Ev 65-96; was the 128 bucket)        untimed
-//   v4  192-row tile at D = 64: three consumer warpgroups, round-robin turns    1.09-1.15x v2 non-causal (session 9)
-//   v5  epilogue through shared memory and TMA stores                  −7% time at D = 128, −15% at D = 256 (session 9)
+// History and measurements: bench/notes/kernels_flash_fwd_sm90.md.
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
@@ -79,7 +73,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
                 "whole swizzle atoms, TMA box <= 256 rows");
   static_assert(kStages >= 2, "a K/V ring of at least two stages");
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
@@ -108,7 +102,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
   pipeline::init_barriers([&] {
     tma::mbar_init(ss.q_bars.full, 1);
     pipeline::init_rings<kStages>(4 * kConsumerWarpgroups, ss.k_bars, ss.v_bars);  // lane 0 of each consumer warp
-    if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp, per tile
+    if constexpr (kPersistent) tma::mbar_init(ss.q_bars.empty, 4 * kConsumerWarpgroups);  // each consumer warp
   });
 
   warp_specialize<Regs>(

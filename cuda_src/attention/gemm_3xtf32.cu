@@ -15,9 +15,9 @@
 // so the tensor core's 12 roundings per k-tile act on a 32-term partial sum instead of the whole dot product. The
 // unit's rounding of its fp32 sum is not documented (Fasi et al. 2021 report round-toward-zero normalization in
 // V100/A100 tensor cores): in a NumPy model of attention scores at |s| ~ 100 the two levels give 0.19-0.25× an SGEMM
-// chain's output error whether the unit rounds to nearest or truncates, CUTLASS's single accumulator 0.54× or 3.4×
-// (bench/NOTES_split.md, session 10). On an H200 the single accumulator measured less accurate than SGEMM, as the
-// truncating model predicts (see the versions below). Cost against it: 64 more registers (one CTA per SM, not two).
+// chain's output error whether the unit rounds to nearest or truncates, CUTLASS's single accumulator 0.54× or 3.4×.
+// On an H200 the single accumulator measured less accurate than SGEMM, as the truncating model predicts
+// (bench/notes/kernels_gemm_3xtf32.md). Cost against it: 64 more registers (one CTA per SM, not two).
 // Three integer/fp32 ops per element: the tensor core reads only the top 19 bits of a TF32 register, and ptxas, which
 // knows it, drops both "& ~0x1fff" where the value only feeds HMMA (the mask on big stays for the subtraction).
 // CUTLASS's FastF32 rounds big toward zero and small by adding half an ulp (round_toward_zero, round_half_ulp_truncate;
@@ -28,9 +28,9 @@
 // (small = inf − inf), as in CUTLASS; SGEMM would give ±inf.
 // Why not cuBLAS SGEMM (the split path's fp32 GEMM before): SGEMM rounds its fp32 accumulator after every one of the
 // k products (one FFMA chain per dot product), the tensor core once per k-step of 8 and product; at |scale·q·k| ~ 100
-// SGEMM's scores made our fp32 attention 2.6-4× less accurate than torch's (bench/NOTES_split.md, issue 14). And why
-// not three cuBLAS TF32 GEMMs on a split done outside: measured no more accurate than SGEMM (session 9; why is not
-// known: cuBLAS's own fp32 -> TF32 conversion, its kernels' accumulation, or three separately rounded results) and
+// SGEMM's scores made our fp32 attention 2.6-4× less accurate than torch's (bench/notes/split.md, issue 14). And why
+// not three cuBLAS TF32 GEMMs on a split done outside: measured no more accurate than SGEMM (why is not known:
+// cuBLAS's own fp32 -> TF32 conversion, its kernels' accumulation, or three separately rounded results) and
 // twice as slow with the split passes.
 //
 // Shapes (row-major, element strides, batch b < batch): A[b] is m×k (row stride lda, batch stride stride_a), B[b] is
@@ -58,14 +58,7 @@
 // Tile sizes: gemm_3xtf32.TILE in cupy_attn/attention/gemm_3xtf32.py, 128×128×32 with 4 stages (144 KB; 215-231
 // registers, one CTA per SM).
 //
-// Versions (H200; TFLOP/s of the fp32 seed's GEMMs: 1024 × (512×512×1024) Q·Kᵀ and 1024 × (512×1024×512) P·V; cuBLAS
-// SGEMM ~50):
-//   v1  128×128×32, ldmatrix A (and B for A·Bᵀ), permuted 16-byte B loads for A·B, split per fragment; two-level
-//       (4 stages, 1 CTA/SM) and single-accumulator (3 stages, 2 CTAs/SM) variants     Q·Kᵀ 61.7, P·V 58.1 TFLOP/s
-//       (single: 69.1, 68.0)
-//   v2  single-accumulator variant removed: faster (8.0 against 8.9 ms on Q·Kᵀ) but less accurate than SGEMM, the
-//       tensor core truncating its sums: GEMM max error at large logits 1.28e-3 (SGEMM 2.92e-4, two-level 7.16e-5),
-//       fp32 SDPA seed at |s| up to 74 2.88e-4 (torch 2.26e-5, two-level 2.39e-5)                     (same SASS)
+// History and measurements: bench/notes/kernels_gemm_3xtf32.md.
 #include "common/mma.cuh"
 
 namespace cupy_attn {

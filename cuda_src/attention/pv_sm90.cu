@@ -1,10 +1,10 @@
-// out = P V for the split path's scores kernel (scores_softmax_sm90.cu) on Hopper (sm_90a), skipping the keys past
+// out = P V for the split path's scores kernel (scores_sm90.cu) on Hopper (sm_90a), skipping the keys past
 // each row block's causal limit: the P·V half of a causal call at head dims above 256 and S ≤ 512, in one launch.
 //
 // Why not cuBLAS: a batched GEMM multiplies every key of every row. The split path cut causal P·V into two row bands
 // (two cuBLAS launches: 3/4 of the work), but the second band re-reads V from DRAM, and bands of 128 rows or fewer
-// are slow in cuBLAS; at the seed's causal variant (32, 32, 512, 512, 1024) the two bands took as long as the full
-// product (0.84-0.90 ms against ~0.86; bench/NOTES_split.md, sessions 16-17). Here every 64-row block multiplies
+// are slow in cuBLAS: at the seed's causal variant the two bands took as long as the full product
+// (bench/notes/kernels_pv_sm90.md). Here every 64-row block multiplies
 // only the 64-key steps holding its visible keys (9/16 of the work at L = S = 512), and a head's tiles run side by
 // side, so its V crosses from DRAM about once.
 //
@@ -24,12 +24,16 @@
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane 4g + t
 // holds rows 64w + 16v + g and + 8 of the tile, columns 8j + 2t, + 1 (the wgmma accumulator layout).
-// Shared memory: kStages × 48 KB (4: 192 KB) + 2·kStages barriers + 1 KB of alignment slack.
+// Tiles: 128 × 256 of out (wgmma's widest N, as cuBLAS's 128 × 256 tiles: per k step the shared-memory port carries
+// 48 KB of TMA writes and 2 × 40 KB of operand reads), 64 keys per stage; shared memory kStages × 48 KB (4: 192 KB) +
+// 2·kStages barriers + 1 KB of alignment slack. Accumulation fp32; out rounded to T once.
 // out is written by 16-byte stores (the launcher requires Ev a multiple of 8 and 16-byte aligned rows).
+// History and measurements: bench/notes/kernels_pv_sm90.md.
 #include "common/types.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/roles.cuh"
 #include "attention/sm90/pack.cuh"
 
@@ -56,6 +60,7 @@ constexpr int kStageBytes = kPBytes + kVBytes;
 template <int kStages>
 struct SharedStorage {
   static constexpr int kBytes = kStages * kStageBytes + 8 * 2 * kStages + 1024;
+  static_assert(kBytes <= sm90::kMaxSmemBytes && kStages >= 2, "a ring of at least two stages in 227 KB");
   unsigned char* ring;
   pipeline::Ring<kStages> bars;  // full: the stage's P and V boxes; empty: 8 arrivals, lane 0 of each consumer warp
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
@@ -65,12 +70,15 @@ struct SharedStorage {
   }
 };
 
-// Key steps of the 64-row block at m0: its visible keys (those of its last row inside L; scores_softmax_sm90.cu's
+// Key steps of the 64-row block at m0: its visible keys (those of its last row inside L; scores_sm90.cu's
 // visible_keys) in steps of 64. 0 for a block past L or whose rows see no key.
 __device__ __forceinline__ int key_steps(const PvSm90Params& p, long long m0) {
   if (m0 >= p.seqlen_q) return 0;
   long long n = p.seqlen_k;
-  if (p.is_causal) n = max(0ll, min(n, min(m0 + kBlockM / 2, p.seqlen_q) + p.causal_offset));
+  if (p.is_causal) {
+    const long long last_row = min(m0 + kBlockM / 2, p.seqlen_q) - 1;
+    n = max(0ll, Visibility{n, p.causal_offset, true}.end_key(last_row));
+  }
   return static_cast<int>((n + kBlockK - 1) / kBlockK);
 }
 
@@ -186,12 +194,8 @@ __device__ __forceinline__ void consume(const PvSm90Params& p, const SharedStora
 template <typename T, int kStages>
 __global__ void __launch_bounds__(384, 1) pv_sm90(const __grid_constant__ PvSm90Params p) {
   using namespace pv;
-  using Smem = SharedStorage<kStages>;
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
-  static_assert(kStages >= 2, "a ring of at least two stages");
-
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const Smem ss(smem_raw);
+  const SharedStorage<kStages> ss(smem_raw);
   const int m_tiles = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
   const int n_tiles = static_cast<int>((p.head_dim_v + kBlockN - 1) / kBlockN);
   const int heads = static_cast<int>(p.num_heads);

@@ -28,14 +28,12 @@
 // (bh, i, j); m, l and lse are those of the undropped row. bh = bh0 + Σ (batch axis index · its bh stride), decomposed
 // like the mask's batch index. Two Philox blocks per float4 (2×2 tiles: this row's half of each).
 //
-// Versions: v1 register-resident rows, in-place P. v2 kMasked = false instances for calls without mask or causal
-// limit: seed 0.454 -> 0.442 ms; 64 threads x 2 float4 for S <= 512: 0.438 ms (3.7 TB/s of the 4.2 copy ceiling).
-// v3 kDropout instances (masked tiles only).
+// History and measurements: bench/notes/kernels_softmax.md.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "common/mask.cuh"
-#include "common/philox.cuh"
 #include "common/visibility.cuh"
+#include "common/philox.cuh"
 #include "common/score_mod.cuh"
 
 namespace cupy_attn {
@@ -131,8 +129,8 @@ struct RowVariants {
 };
 
 // kMasked = false: no attn_mask and no causal limit (the host's choice), so no element is masked and apply_mask's
-// per-element 64-bit compare and kind switch are compiled out (seed shape, fp16: 0.454 -> 0.442 ms,
-// bench/experiments/probe_softmax.py). kDropout: dropout_p > 0 (declared with kMasked only).
+// per-element 64-bit compare and kind switch are compiled out (faster at the seed shape:
+// bench/notes/kernels_softmax.md). kDropout: dropout_p > 0 (declared with kMasked only).
 // kVariants: the window's lower bound, softcap, ALiBi and sinks (RowVariants), in the masked_softmax_variants kernels.
 template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants>
 __device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
@@ -154,7 +152,8 @@ __device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
     b = active ? row / p.rows_per_batch : 0;
     i = p.row0 + (active ? row % p.rows_per_batch : 0);
   }
-  const long long limit = i + p.causal_offset;
+  // The causal limit of row i (common/visibility.cuh); the host passes causal_offset = S when the call is not causal.
+  const long long limit = Visibility{p.seqlen_k, p.causal_offset, true}.causal_limit(i);
   const long long gbatch = p.batch0 + b;
   BatchIndex bi{};
   if constexpr (kVariants) bi = BatchIndex::of32(gbatch, p.n1, p.n2);

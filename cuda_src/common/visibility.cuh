@@ -18,6 +18,16 @@
 // kernels (bwd_rows, softmax, flash_bwd) receive causal_offset = S when the call is not causal, so that their
 // test j <= i + causal_offset is the causal one unchanged (i + S >= S − 1 for every row): limit_offset() gives that
 // form from a Visibility.
+//
+// Where a kernel still spells a test itself (calling the helper changed its SASS, which issue 32 kept identical), it
+// says so beside the test; the kernels that serve windows add the lower bound there (the FA3-design forward, the
+// head-dim-512 forward, the Hopper backward, the split path's softmax), the others refuse windowed calls:
+//   * the per-tile pre-test "does this key tile need element masks" (tile_needs_mask's condition) in
+//     sm90/mainloop.cuh (consume) and scores_sm90.cu (consume); flash_fwd.cu's uses causal_limit;
+//   * the Hopper backward's per-element test, per key (sm90/bwd_mainloop.cuh: causal_first_row in int), and its
+//     per-tile pre-test;
+//   * flash_bwd.cu's per-element test `key <= query + limit_offset()` and first query block;
+//   * flash_decode.cu's per-element test compares against the row's last_key (RowLimits), clamped in int.
 #pragma once
 
 namespace cupy_attn {
@@ -31,10 +41,13 @@ struct KeyBlocks {
 // A window_lo that never binds: far below any row index minus any key index (rows and keys are < 2^31).
 constexpr long long kNoLowerBound = -(1ll << 40);
 
-struct Visibility {
-  long long seqlen_k;       // S
-  long long causal_offset;  // the upper bound's offset: used only when causal
-  bool causal;              // the keys have an upper bound per row (causal and/or a window's right side)
+// SeqLen: the type the kernel holds S in (long long, or int where S − 1 is taken in 32 bits: flash_fwd.cu, whose S
+// may be lowered to a key-padding prefix); bounds and limits are 64-bit.
+template <typename SeqLen>
+struct BasicVisibility {
+  SeqLen seqlen_k;          // S
+  long long causal_offset;  // the upper bound's offset (causal and/or a window's right side); used only when causal
+  bool causal;              // the keys have an upper bound per row
   bool lower = false;       // the keys have a lower bound per row (a window's left side)
   long long window_lo = kNoLowerBound;  // key j >= row + window_lo; used only when lower
 
@@ -104,6 +117,8 @@ struct Visibility {
   // The causal test as `key <= row + limit_offset()` for every row: causal_offset, or S when not causal.
   __device__ __forceinline__ long long limit_offset() const { return causal ? causal_offset : seqlen_k; }
 };
+
+using Visibility = BasicVisibility<long long>;
 
 // Whether a parameter struct has a window_lo field (the kernels that serve windows).
 template <typename Params, typename = void>

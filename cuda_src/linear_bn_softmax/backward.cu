@@ -17,7 +17,7 @@
 // the row's softmax-weighted logit (large where the row is peaked), and that term dominated its error: bf16, eval,
 // (70, 40, 1000), the float64 sum from the same stored y and out was 0.70 off with it, 0.053 without (of which 0.056
 // is y's own rounding to bf16, which torch's Linear output has too). The other gradients do not move (median error
-// over 48 random cases the same to 1%); bench/experiments/lbs_dscale_accuracy.py has the numbers.
+// over 48 random cases the same to 1%); bench/experiments/linear_bn_softmax/lbs_dscale_accuracy.py has the numbers.
 //
 // What the forward kept (no GEMM is recomputed): out, y (the GEMM result it normalized, in T), and rows 0 (mu) and 4
 // (invstd) of its Affine. ŷ is recomputed from y in fp32 exactly as the forward formed it. Recovering ŷ from out
@@ -37,10 +37,7 @@
 // Accumulation: fp32 throughout; dy stored in T (the dtype the GEMMs read); the per-feature gradients in each
 // parameter's own dtype (fp32 BatchNorm parameters next to fp16 activations are allowed, as in the forward).
 //
-// Version ladder (H200, (1024, 8192) -> 8192 fp16; bench/NOTES_linear_bn_softmax.md):
-//   v1  row dot + two-pass column kernel, column_stats' tile (8, 4, 256): not yet measured.
-//   v2  delta divided by the row's Σ out (a second sum in bwd_row_dot): a one-element scale's gradient loses the error
-//       of out's rounding (accuracy; no measurable time: the row kernel is bound by its two loads).
+// History: bench/notes/kernels_linear_bn_softmax.md.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "linear_bn_softmax/common.cuh"

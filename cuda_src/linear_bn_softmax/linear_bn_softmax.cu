@@ -46,22 +46,7 @@
 //     16 elements, two rows per iteration (mu, a, d and two rows: 80 floats). The Affine is read once per block,
 //     not per row (96 KB of L2 traffic per 16 KB row otherwise).
 //
-// Version ladder (H200, (1024, 8192) -> 8192 fp16, kernels after the GEMM; bench/NOTES_linear_bn_softmax.md):
-//   v1  eval fold inside softmax_rows through __noinline__ dtype-switch loads: 80 serialized L2 round trips per
-//       thread before the first row; the row kernel took 52 µs (sweep), whole op 1.49x the GEMM.
-//   v2  fold in its own one-thread-per-feature kernel, inlined loads; Affine (mu, a, d) instead of (a, b) for fp32
-//       accuracy (see above), stored as float4 per feature: row kernel 18 µs, of which ~7 µs the prologue (a warp's
-//       float4 loads 128 B apart: 34 MB of sectors per wave of 132 blocks).
-//   v3  Affine as structure of arrays (3, F): coalesced 32-byte vector loads, 96 KB per block; 1/sqrtf.
-//       Row kernel 18.2 -> 14.7 µs (1.24x); all kernels after the GEMM: 22 µs training, 18 µs eval (device time).
-//   v4  statistics in batches of 8 rows (one division per batch, not per row) with the parameters prefetched,
-//       16-byte loads: 7.5 -> 6.1 µs; 16-bit rows in the one-FMA form with the next rows in flight, ex2.approx.ftz:
-//       row kernel 14.7 -> 10.4 µs; then 256 threads × 32 elements, two blocks per SM: 10.4 -> 7.9 µs. All kernels
-//       after the GEMM: 22.7 -> 14.0 µs training, 17.8 -> 9.7 µs eval.
-//   v5  both kernels launched as programmatic dependents on sm_90+ (common/pdl.cuh): column_stats lets the row
-//       kernel launch at its start and loads the per-feature parameters before it waits for the GEMM's y. Device
-//       time over the GEMM (bench/experiments/lbs_pdl.py, same process): fp16 training 19.0 -> 16.7 µs, eval 14.1
-//       -> 12.3; bf16 19.4 -> 16.1, 14.7 -> 12.2; outputs bit-identical.
+// History and measurements: bench/notes/kernels_linear_bn_softmax.md.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
 #include "linear_bn_softmax/common.cuh"

@@ -21,22 +21,22 @@
 // rows: the MN-major A operand of dQ = dS K, and at kBlockN = 64 the K-major A operand of dK += dSᵀ Q (Pᵀ likewise,
 // for dV += Pᵀ dO).
 //
-// Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and per stage s of
-// the Q and dO rings q_full[s] / do_full[s] (1 arrival + bytes: tile and its lse or D row) and q_empty[s] / do_empty[s]
-// (8 arrivals: lane 0 of each consumer warp once the last wgmma reading the stage has completed: dK += dSᵀ Q for Q,
-// dV += Pᵀ dO for dO). Step i uses stage i % kStages in round i / kStages; full barriers are waited on with parity
-// (round & 1), empty barriers by the producer with parity (round & 1) ^ 1 (a fresh barrier's parity-1 wait returns
-// at once). dSᵀ is double-buffered (buffer i % 2) and the two consumer warpgroups meet at one named barrier per step,
-// after both stored their dSᵀ rows and before either reads them: a warpgroup writing buffer i % 2 in step i has
-// passed the barrier of step i − 1, which the other reached only after its dQ GEMM of step i − 2 (the last reader of
-// that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow the same rule (written with dSᵀ, read by dV +=
-// Pᵀ dO of the same step, which completes before the step ends). dQ: each consumer warpgroup's staging buffer passes
-// between it and the dQ writer warp through two named barriers (bwd_dq_write).
+// Protocol. Barriers: kv_full (1 arrival: the producer's expect_tx of K + V, plus the TMA bytes), and the Q and dO
+// rings (common/pipeline.cuh: q_bars, do_bars): per stage a full barrier (1 arrival + bytes: tile and its lse or D row)
+// and an empty one (8 arrivals: lane 0 of each consumer warp once the last wgmma reading the stage has completed: dK +=
+// dSᵀ Q for Q, dV += Pᵀ dO for dO); step i is ring iteration i. dSᵀ is double-buffered (buffer i % 2) and the two
+// consumer warpgroups meet at one named barrier per step, after both stored their dSᵀ rows and before either reads
+// them: a warpgroup writing buffer i % 2 in step i has passed the barrier of step i − 1, which the other reached only
+// after its dQ GEMM of step i − 2 (the last reader of that buffer) had completed. The Pᵀ buffers of kBlockN = 64 follow
+// the same rule (written with dSᵀ, read by dV += Pᵀ dO of the same step, which completes before the step ends). dQ:
+// each consumer warpgroup's staging buffer passes between it and the dQ writer warp through two named barriers
+// (bwd_dq_write).
 #pragma once
 #include "common/types.cuh"
 #include "common/mma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/bwd_params.cuh"
@@ -113,7 +113,7 @@ struct BwdSharedStorage {
   pipeline::Ring<kDoStages> do_bars;   // dO (and its D row) per step
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     k = reinterpret_cast<T*>(smem);
     v = reinterpret_cast<T*>(smem + kKVBytes);
     q = reinterpret_cast<T*>(smem + 2 * kKVBytes);
@@ -200,8 +200,8 @@ constexpr int kDqBarrierThreads = 160;
 // round, none after the last: each consumer round waits once).
 // Why a writer warp: a consumer thread's fence.proxy.async (MEMBAR.ALL.CTA in SASS) waits for that thread's own
 // outstanding global operations; reductions issued by the consumers (red.global.add, or TMA reduces from their
-// threads) put that wait into every step: 17-21% of the kernel at head dims 64 and 128 (bench/NOTES_backward.md,
-// session 19).
+// threads) put that wait into every step, a large share of the kernel at head dims 64 and 128
+// (bench/notes/kernels_flash_bwd_sm90.md).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
                                              const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,

@@ -12,20 +12,21 @@
 // make_gmma_desc): K-major for Q and K, MN-major for V; at 128 bytes the same descriptors as flash_fwd.cu's wgmma
 // variant.
 //
-// Barriers per stage s: k_full[s] / v_full[s] (1 arrival: the producer's expect_tx, plus the TMA bytes) and
-// k_empty[s] / v_empty[s] (4·kBlockM/64 arrivals: lane 0 of each consumer warp once its wgmma reading the stage has
-// completed).
-// Iteration i uses stage i % kStages in round i / kStages; the full barriers' phase parity in round r is r & 1.
+// The K and V rings (common/pipeline.cuh: k_bars, v_bars): per stage a full barrier (1 arrival: the producer's
+// expect_tx, plus the TMA bytes) and an empty one (4·kBlockM/64 arrivals: lane 0 of each consumer warp once its wgmma
+// reading the stage has completed); iteration i uses stage i % kStages, phase (i / kStages) & 1.
 //
 // Persistent variant (kPersistent): the iteration count runs on across the CTA's tiles (a tile's block i is iteration
 // it0 + i, it0 = the key blocks of the CTA's earlier tiles), so the ring needs no reset or drain between tiles. Q has
-// one buffer and two barriers: q_full (phase k: the k-th non-empty tile's Q has landed) and q_empty (one arrival from
-// lane 0 of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has completed). The producer
-// loads the next tile's first K, then waits on q_empty, then loads its Q: the load overlaps the consumers' last P·V
-// GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and count in neither barrier.
+// one buffer and a Slot's two barriers (q_bars): full (phase k: the k-th non-empty tile's Q has landed) and empty (one
+// arrival from lane 0 of each consumer warp once the wgmma of its tile's last S GEMM, the last reader of Q, has
+// completed). The producer loads the next tile's first K, then waits on q_bars.empty, then loads its Q: the load
+// overlaps the consumers' last P·V GEMM and epilogue of the tile before. Tiles whose rows see no key load nothing and
+// count in neither barrier.
 #pragma once
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "attention/sm90/roles.cuh"
 #include "common/visibility.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
@@ -48,8 +49,8 @@ struct SharedStorage {
   static_assert(kHeadDim % kAtomCols == 0, "whole swizzle atoms");
   static constexpr int kQBytes = kBlockM * kHeadDim * 2;
   static constexpr int kKVBytes = kBlockN * kHeadDim * 2;      // one K or V stage
-  // q_full; k_full, v_full, k_empty, v_empty per stage; q_empty (the persistent variant's, last so that the others keep
-  // their addresses in both variants).
+  // Q's full; K's and V's full, then K's and V's empty, per stage; Q's empty (the persistent variant's, last so that
+  // the others keep their addresses in both variants).
   static constexpr int kBarriers = 2 + 4 * kStages;
   // Three consumer warpgroups only: two fp32 words per consumer thread, after the barriers, that the overlap mainloop
   // stores its row sums to ahead of its scheduling barrier (never read: see consume).
@@ -74,7 +75,7 @@ struct SharedStorage {
   float* sink;
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kQBytes);
     v = reinterpret_cast<T*>(smem + kQBytes + kStages * kKVBytes);
@@ -340,8 +341,9 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     }
   };
   // Only the tile at the end of the keys and tiles crossing this warpgroup's causal diagonal (the upper bound) or
-  // the lower edge of its window need element masks. The lower edge: the warpgroup's last row sees keys from
-  // wg_row0 + 63 + window_lo on. With kVariants the score mods come first (mask_tile's -inf wins).
+  // the lower edge of its window need element masks (Visibility::tile_needs_mask's test, spelled out: calling it
+  // changed the SASS). The lower edge: the warpgroup's last row sees keys from wg_row0 + 63 + window_lo on. With
+  // kVariants the score mods come first (mask_tile's -inf wins).
   const bool lower = kVariants && p.window_lo != kNoLowerBound;
   auto mask = [&](int i) {
     const int n0 = (kb.last - i) * kBlockN;

@@ -2,7 +2,8 @@
 // the P·V kernel (O): Pair<T> makes a 32-bit register of two 16-bit values; quad_transpose gives each lane of a quad
 // 8 consecutive columns of its row; pack_row_half and store_row_half store a row half of an accumulator block that
 // way in two steps (the P·V kernel packs a tile's out, then stores it under the next tile's first wgmma; the
-// head-dim-512 forward keeps its own loop: a shared helper changed its SASS and measured 3% slower in bf16).
+// head-dim-512 forward keeps its own loop: a shared helper changed its SASS and measured slower in bf16,
+// bench/notes/kernels_flash_fwd_d512_sm90.md).
 #pragma once
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>

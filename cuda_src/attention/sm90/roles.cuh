@@ -10,6 +10,9 @@
 namespace cupy_attn {
 namespace sm90 {
 
+// Dynamic shared memory per block on sm_90 (227 KB): every SharedStorage asserts its kBytes against it.
+constexpr int kMaxSmemBytes = 232448;
+
 // Register split by the number of consumer warpgroups (FlashAttention-3's), the launch-time allocation being
 // 65536 / threads per thread at one block per SM (__launch_bounds__(threads, 1)):
 //   two (384 threads): 128·24 + 256·240 = 64512 <= 65536 (168 per thread at launch);

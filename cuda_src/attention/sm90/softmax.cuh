@@ -106,7 +106,7 @@ struct OnlineSoftmax {
   // Otherwise P = 2^(s·sc − m) <= 2^8, exact in fp32 and within P's fp16/bf16 range, and the kHeadDim/2 multiplies
   // of O run on a few blocks per row instead of on every block where some max grows a little. O, l and m always
   // agree, so out = O / l and lse = m + log2 l are as with an exact running max. Below 128 the O rescale is cheap
-  // and the eager max measured faster (bench/NOTES_flash.md, session 8).
+  // and the eager max measured faster (bench/notes/kernels_flash_fwd_sm90.md).
   __device__ __forceinline__ float update_half(float (&s)[kBlockN / 2], int half, float sc, bool& moved) {
     float mx = neg_inf();
     #pragma unroll

@@ -10,19 +10,12 @@
 //   * Causal, more tiles than CTAs (p.tile_pairs = 1): a unit is the pair of m-blocks (M−1−k, k) of one head (M =
 //     m-blocks per head, k < ⌈M/2⌉), the longer one first; under a causal mask an m-block's cost is linear in its
 //     index, so every pair costs the same (M+1 key blocks for top-left L = S; the middle m-block of an odd M runs
-//     alone). With equal units static striding balances as well as a greedy order: bench/experiments/
-//     tile_order_sim.py (132 CTAs, cost = key blocks + ½ per tile) gives makespan / ideal 1.03 for (B,H,L) =
-//     (2,16,8192), (8,16,2048), (1,16,4096), (2,8,2048) against 1.06-1.60 for the one-tile launch's hardware order
-//     and 1.08-1.66 for a static stride over longest-first single tiles (CTA 0 always drew the longest tile of its
-//     round). Weak spot: the tail, when units / CTAs is just above an integer ((1,24,2048): 192 pairs on 132 CTAs,
-//     1.375, as the hardware order; a static boustrophedon over all tiles sorted longest first gets 1.09 there, but
-//     spreads each round over all heads and loses the L2 reuse of K/V on large calls).
+//     alone). With equal units static striding balances about as well as a greedy order (simulated:
+//     bench/notes/kernels_flash_fwd_sm90.md); its weak spot is the tail, when units / CTAs is just above an integer.
 //   * Causal, at most one tile per CTA (p.tile_pairs = 0): one m-block per unit, the last m-blocks of each head first.
-// A dynamic scheduler (an atomic tile counter, FlashAttention-3's DynamicPersistentTileScheduler) would track the
-// greedy order's 1.00-1.09 but needs a counter zeroed before every launch (a memset, or a self-reset that two launches
-// on different streams sharing one counter would race on) and a shared-memory broadcast of the next tile from the
-// producer to the consumers behind two more named barriers; with equal-cost units static is within the tail's
-// quantization of it.
+// Not a dynamic (atomic-counter) scheduler: it needs a counter zeroed before every launch (a memset, or a self-reset
+// that two launches on different streams sharing one counter would race on) and a shared-memory broadcast of the next
+// tile behind two more named barriers; with equal-cost units static is within the tail's quantization of it.
 #pragma once
 #include "attention/sm90/params.cuh"
 

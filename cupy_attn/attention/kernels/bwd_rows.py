@@ -1,4 +1,4 @@
-"""The backward's row kernels (cuda_src/attention/backward.cu): what the backward schedules run around their GEMMs
+"""The backward's row kernels (cuda_src/attention/bwd_rows.cu): what the backward schedules run around their GEMMs
 and fused kernels.
 
     D  = rowsum(dO ∘ O)                       attn_bwd_delta (and attn_bwd_delta_padded: rows padded for TMA,
@@ -22,7 +22,7 @@ from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE, MASK_KIND, set_strides
 from ...runtime.launch import PreparedLaunch, Step
 
-# BwdParams in backward.cu: every field 8 bytes wide.
+# BwdParams in bwd_rows.cu: every field 8 bytes wide.
 BWD_PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
     "scores", "dp", "out", "dmask", "lse", "delta", "mask", "dout", "o", "rows", "rows_per_head", "row0",
     "seqlen_q", "seqlen_k", "ld", "head_dim_v", "head0", "num_heads", "causal_offset", "mask_kind",
@@ -49,28 +49,28 @@ def delta_row_threads(head_dim: int, head_dim_v: int) -> int:
 
 BACKWARD_ROWS = KernelFamily(
     name="attn_bwd_rows",
-    source="attention/backward.cu",
+    source="attention/bwd_rows.cu",
     template="cupy_attn::attn_bwd_rows<{dtype}, {grad}, {dropout}>",
     axes={"dtype": tuple(C_TYPE.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_GROUP_SUM = KernelFamily(
     name="attn_bwd_group_sum",
-    source="attention/backward.cu",
+    source="attention/bwd_rows.cu",
     template="cupy_attn::attn_bwd_group_sum<{dtype}, {vec}>",
     axes={"dtype": tuple(C_TYPE.values()), "vec": (1, 4)},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_DELTA_PADDED = KernelFamily(
     name="attn_bwd_delta_padded",
-    source="attention/backward.cu",
+    source="attention/bwd_rows.cu",
     template="cupy_attn::attn_bwd_delta_padded<{dtype}>",
     axes={"dtype": ("__half", "__nv_bfloat16")},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
 BACKWARD_DELTA = KernelFamily(
     name="attn_bwd_delta",
-    source="attention/backward.cu",
+    source="attention/bwd_rows.cu",
     template="cupy_attn::attn_bwd_delta<{dtype}>",
     axes={"dtype": tuple(C_TYPE.values())},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),

@@ -1,4 +1,4 @@
-"""Attention probabilities on Hopper, the softmax in the GEMM's epilogue (cuda_src/attention/scores_softmax_sm90.cu).
+"""Attention probabilities on Hopper, the softmax in the GEMM's epilogue (cuda_src/attention/scores_sm90.cu).
 
     P   = softmax(scale · Q Kᵀ)        (B, Hq, L, S) in the input dtype, rows ``ld`` elements apart
     lse = log Σ_j exp(scale · q·k_j)   (B, Hq, L) float32, natural log
@@ -60,7 +60,7 @@ class ScoresTile:
     def smem_bytes(self) -> int:
         """stages × (Q 64×64 + K 2·half_n×64) 16-bit tiles, 16 bytes of barriers per stage, 1 KB of row statistics
         (two warpgroups × 64 rows × (max, sum)), 1 KB of alignment slack: SharedStorage::kBytes in
-        scores_softmax_sm90.cu."""
+        scores_sm90.cu."""
         return self.stages * (BLOCK_M * 128 + 2 * self.half_n * 128) + 16 * self.stages + 2 * BLOCK_M * 8 + 1024
 
 
@@ -72,7 +72,7 @@ TILES = {
     256: ScoresTile(256, 3),   # 3 × 72 KB = 218 KB (4 stages would need 290 KB)
 }
 
-# ScoresSm90Params (cuda_src/attention/scores_softmax_sm90.cu), declared once here.
+# ScoresSm90Params (cuda_src/attention/scores_sm90.cu), declared once here.
 _PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_p", MAP, 64)]
                    + [(n, F64 if n == "scale_log2" else I64, 8) for n in (
                        "lse", "seqlen_q", "seqlen_k", "head_dim", "groups", "scale_log2",
@@ -84,7 +84,7 @@ _PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_p", MAP, 64)]
 
 SCORES_SOFTMAX_SM90 = KernelFamily(
     name="scores_softmax_sm90",
-    source="attention/scores_softmax_sm90.cu",
+    source="attention/scores_sm90.cu",
     template="cupy_attn::{kernel}<{dtype}, {tile.half_n}, {tile.stages}>",
     axes={"kernel": tuple(KERNELS.values()) + (MASKED_KERNEL,), "dtype": tuple(C_TYPE_16.values()),
           "tile": tuple(TILES.values())},
@@ -160,7 +160,7 @@ def causal_pairs(seqlen_q: int, seqlen_k: int, causal_offset: int, half_n: int) 
     ``pairs`` pairs of the window, (p0 + j, p0 + n - 1 - j), run as one tile each when their visible keys, rounded up
     to 64, add up to at most 2·half_n = 512 (the window is cut short at its wide end where that pairs more blocks):
     warpgroup 0 takes the wide block's first 256 keys, warpgroup 1 the rest
-    of them and all of the narrow block's (scores_softmax_sm90.cu, Tile). So a square causal call does about half the
+    of them and all of the narrow block's (scores_sm90.cu, Tile). So a square causal call does about half the
     tiles, each a whole tile's work: a narrow block alone is paced by its loads like a full one. Only the 256-key tile
     (S > 384) pairs; (0, 0, 0) otherwise. At the seed's causal variant (32, 32, 512, 512, 1024) the pairs measured
     20-25% off the kernel's time (bench/notes/split.md).

@@ -25,11 +25,12 @@
 // attn_bwd_delta: 8 warps per block, one row each, lanes strided over the head dim (16-byte loads where aligned).
 // Accumulation: fp32 throughout; only P and dS are rounded to T, as FlashAttention-2 does for its GEMM operands.
 //
-// Versions: v1 split backward for every dtype and head dim (the fused one is flash_bwd.cu). v2 kDropout variants.
+// History: bench/notes/kernels_bwd_rows.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/philox.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -182,7 +183,8 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
   const bool empty = lse == -inf();
   const float lse2 = lse * kLog2e;
   const float d = kGrad ? p.delta[head * p.seqlen_q + i] : 0.f;
-  const long long limit = i + p.causal_offset;
+  // The causal limit of row i (common/visibility.cuh); the host passes causal_offset = S when the call is not causal.
+  const long long limit = Visibility{p.seqlen_k, p.causal_offset, true}.causal_limit(i);
   const unsigned char* mrow = nullptr;
   long long mstride = 0;
   if (p.mask_kind != 0) {

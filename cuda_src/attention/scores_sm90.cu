@@ -1,20 +1,21 @@
 // Attention probabilities for Hopper (sm_90a), whole rows on chip: P = softmax(scale · Q Kᵀ) in the input dtype and
 // lse = log Σ_j exp(scale · q·k_j) (fp32, natural log), for seqlen_k ≤ 512. The split path (cupy_attn/attention/
-// split.py) feeds P to its cuBLAS P·V GEMM: this kernel replaces its Q·Kᵀ GEMM into an fp32 score buffer and the
-// softmax pass over that buffer (issue 14: head dims above 256, where no fused kernel of ours applies).
+// split.py) feeds P to its P·V GEMM (cuBLAS, or pv_sm90.cu for causal calls): this kernel replaces a Q·Kᵀ GEMM into an
+// fp32 score buffer and the softmax pass over it (issue 14: head dims above 256, where no fused kernel applies).
 //
 // Algorithm: a GEMM with the softmax in its epilogue. S is never written: a CTA holds whole score rows (64 query rows ×
 // all S ≤ 512 keys) in wgmma accumulators, so the epilogue knows each row's exact max m and sum l before it writes
 // P = 2^(S·c − m) / l (c = scale·log2 e, folded into one FFMA) and lse = (m + log2 l)·ln 2. No online rescaling.
-// The mainloop is FlashAttention-3's producer/consumer pattern (Shah et al. 2024, §3.1; sm90/mainloop.cuh): a producer
-// warpgroup (setmaxnreg.dec to 24) whose one thread issues TMA loads into a kStages-deep mbarrier ring, two consumer
-// warpgroups (setmaxnreg.inc to 240) issuing wgmma.
+// The mainloop is FlashAttention-3's producer/consumer pattern (Shah et al. 2024, §3.1; common/pipeline.cuh,
+// sm90/roles.cuh): a producer warpgroup (setmaxnreg.dec to 24) whose one thread issues TMA loads into a kStages-deep
+// mbarrier ring, two consumer warpgroups (setmaxnreg.inc to 240) issuing wgmma. Accumulation fp32 (S and the row
+// statistics); P is rounded to T once, when stored.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces. Consumer warpgroup w = 0, 1 (warpgroups 1, 2) computes the 64 ×
 // kHalfN block of S for keys w·kHalfN ... w·kHalfN + kHalfN − 1, K-loop over the head dim in 64-column steps (one
-// 128-byte swizzle atom wide), four m64nkHalfNk16 wgmma per step, accumulators in fp32 (kHalfN/2 registers per thread:
-// lane 4g+t of warp v holds rows 16v+g and 16v+g+8, columns 8j+2t and 8j+2t+1). Row statistics: a quad shuffle inside
-// the warpgroup, then one exchange through shared memory between the two warpgroups (each owns half of every row).
+// 128-byte swizzle atom wide), four m64nkHalfNk16 wgmma per step (kHalfN/2 accumulator registers per thread: lane
+// 4g+t of warp v holds rows 16v+g and 16v+g+8, columns 8j+2t and 8j+2t+1). Row statistics: a quad shuffle inside the
+// warpgroup, then one exchange through shared memory between the two warpgroups (each owns half of every row).
 //
 // Stage s of the ring: Q rows m0..m0+63 × head-dim columns 64·kb..64·kb+63 (8 KB) and K rows 0..2·kHalfN−1 × the same
 // columns (two TMA boxes of kHalfN rows, one per consumer warpgroup), both in the 128-byte swizzle; full[s] (1 arrival:
@@ -26,23 +27,23 @@
 // 64 with 2·kHalfN ≥ S; kStages = 4 (3 at kHalfN = 256: 3 × 72 KB fills the 227 KB per block). One CTA per SM (its
 // accumulators take half the register file).
 //
-// K multicast (scores_softmax_sm90_cluster2, v2): every CTA reads its head's whole K, 1 MB per 64 rows at the seed
-// shape (9.7 GB of L2 → SM traffic per call, ~7.5 TB/s at v1's 1.3 ms: the likely limit). In a cluster of two CTAs
-// (adjacent row blocks of one head) each producer loads one of the stage's two K boxes and multicasts it to both, so
-// K crosses from L2 once per 128 rows (5.4 GB per call). The protocol (scores_softmax below, tma.cuh's cluster
-// section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer warps of both CTAs
-// (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization and before exit.
+// K multicast (scores_softmax_sm90_cluster2): every CTA reads its head's whole K, which can make the L2 → SM traffic
+// the limit. In a cluster of two CTAs (adjacent row blocks of one head) each producer loads one of the stage's two K
+// boxes and multicasts it to both, so K crosses from L2 once per 128 rows. The protocol (scores_softmax below,
+// tma.cuh's cluster section): full[s] expects the whole stage in each CTA; empty[s] takes 16 arrivals, the consumer
+// warps of both CTAs (the local one and, through mapa, the peer's); cluster barriers after the barrier initialization
+// and before exit.
 //
-// Causal (not the cluster variant: the launcher keeps it non-causal): a block's keys end at n_vis, the
-// limit of its last row. Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups, nw = ⌈n_vis / 128⌉·64
-// each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a runtime choice among
-// the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A warpgroup's chain of
-// wgmma is what a block waits for (measured: idling one warpgroup of a half-work block saved ~10%), so both shorten.
-// A warpgroup whose keys all lie at or past n_vis issues no wgmma (it only follows the ring's phases). Every key past
-// a row's limit gets P = 0, keys 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA
-// stores of a zero box in the one-tile kernels; the P·V GEMM reads whole rows); a row that
-// sees no key (bottom-right, L > S) gets P = 0 and lse = −inf. The persistent kernel's 256-key tile also pairs
-// row blocks (Tile: a narrow block's keys and the overflow of a wide one's share a tile).
+// Causal (not the cluster variant: the launcher keeps it non-causal): a block's keys end at n_vis, the limit of its
+// last row (common/visibility.cuh). Its keys 0 ... n_vis − 1 are split evenly between the two warpgroups,
+// nw = ⌈n_vis / 128⌉·64 each (≤ kHalfN): warpgroup w multiplies keys w·nw ... w·nw + nw − 1 with wgmma m64nNwk16 (a
+// runtime choice among the instantiations N = 64 ... kHalfN), and the producer loads the second box from key nw. A
+// warpgroup's chain of wgmma is what a block waits for, so both shorten. A warpgroup whose keys all lie at or past
+// n_vis issues no wgmma (it only follows the ring's phases). Every key past a row's limit gets P = 0, keys
+// 2·nw ... S − 1 by stores of zeros (16-byte stores in the persistent kernel, TMA stores of a zero box in the one-tile
+// kernels; the P·V GEMM reads whole rows); a row that sees no key (bottom-right, L > S) gets P = 0 and lse = −inf. The
+// persistent kernel's 256-key tile also pairs row blocks (Tile: a narrow block's keys and the overflow of a wide one's
+// share a tile).
 //
 // Persistent variant (scores_softmax_sm90_persistent, the default): one CTA per SM walks its row blocks (TileWalk);
 // the producer loads the next block's first stages while the consumers run a block's softmax and P stores. P leaves
@@ -50,32 +51,16 @@
 // stage is released as soon as its wgmma have read it and all kStages stages refill during the epilogue (the one-tile
 // kernels stage P in that stage for TMA stores). It does not overlap the epilogue with the next block's wgmma (both
 // consumer warpgroups hold one block's rows: a ping-pong of blocks would need 256 accumulator registers per thread at
-// S = 512). Where the time goes at the seed (session 13, bench/experiments/scores_wall.py, parts compiled out): the
-// wgmma alone 0.82-0.89 ms, the TMA ring alone 0.75-0.80, both (no epilogue) 0.89-0.93, the whole kernel 1.15-1.25:
-// the epilogue, during which the tensor cores idle, is ~25% of it.
-// Not (yet) here: attn_mask.
-//
-// Versions (H200, fp16, seed (32, 32, 512, 1024); bench/experiments/scores_sm90.py, bench/NOTES_split.md):
-//   v1  TMA + mbarrier ring + producer warpgroup + two consumer warpgroups, softmax epilogue    1.304 ms (422 TFLOP/s)
-//   v2  clusters of 2 CTAs, each K box multicast to both (half the L2 → SM traffic)              1.571 ms (0.83× v1)
-//   v1.1 P through shared memory by TMA stores (v1's 4-byte global stores were 18% of it)       1.18-1.21 ms
-//   v1.2 causal: row blocks past the diagonal split their visible keys between the warpgroups   1.13-1.28 ms causal
-//   v1.3 persistent CTAs (TileWalk), P staged in each tile's last stage        1.104 ms (1.164-1.168 ms causal)
-//   v1.4 persistent: P by 16-byte stores from registers (last stage released after the wgmma), ex2.approx.ftz
-//       for exp2f (its denormal fix-up was 3 instructions per score)           −4-5% seed, −2-8% smaller shapes
-//   v1.5 the K loop's first two k blocks peeled             −5-7% against v1.4 at the seed (1.135-1.198 ms, session 13)
-//   v1.6 one exchange of row statistics (each warpgroup's own max and sum, merged): −0.4 to −2.4% against v1.5
-//   v1.7 causal pair tiles (Tile, pair_tile_wg1): a narrow row block shares a tile with a wide one of the same head;
-//       the seed's causal kernel 0.92-1.02 ms against 1.18-1.28 with one tile per row block (same runs)
-//   v4  ping-pong (a warpgroup per tile in key passes of ≤ 256, its softmax under the other's wgmma), removed:
-//       no faster than v1.3 (session 12, kernels alone at the seed: v4 1.166 ms against v1.3's 1.185 fp16, 1.136
-//       against 1.150 bf16; 0.87× at (16, 32, 512, 300, 1024); causal 0.91× of v1); code in 139e8c0 to 7c3e323
+// S = 512); the tensor cores idle during the epilogue.
+// Not (yet) here: attn_mask other than key padding (the masked persistent kernel).
+// History and measurements: bench/notes/kernels_scores_sm90.md.
 #include "common/types.cuh"
 #include "common/mask.cuh"
 #include "common/mma.cuh"
 #include "common/wgmma.cuh"
 #include "common/tma.cuh"
 #include "common/pipeline.cuh"
+#include "common/visibility.cuh"
 #include "attention/sm90/pack.cuh"
 #include "attention/sm90/roles.cuh"
 
@@ -131,7 +116,7 @@ struct SharedStorage {
   float2* stats;   // [warpgroup][row]: (max·c of the warpgroup's keys, Σ 2^(s·c − that max))
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* base) {
-    unsigned char* smem = base + ((1024 - tma::smem_u32(base) % 1024) % 1024);
+    unsigned char* smem = sm90::smem_base(base);
     q = reinterpret_cast<T*>(smem);
     k = reinterpret_cast<T*>(smem + kStages * kQBytes);
     bars.full = reinterpret_cast<unsigned long long*>(smem + kStages * (kQBytes + kKBytes));
@@ -155,9 +140,9 @@ namespace scores_sm90 {
 
 // 2^(s·c − m_c) in place over a warpgroup's accumulators of a 64 × kN block (acc[4j + 2·half + e]: row r0 + 8·half
 // of this lane), one FFMA and one MUFU.EX2 per score (ex2.approx.ftz: −inf → 0; results below 2^−126 flush to 0:
-// below fp16's least value, and among bf16's subnormals an absolute error under 2^−126), and each row's sum: this lane's, then the quad's (shuffles; the four
-// lanes of a quad hold a row's columns). sum starts at 0. exp2f added 3 instructions per score (its denormal
-// range fix-up): 4-5% of the kernel at the seed (session 13, bench/experiments/scores_wall.py).
+// below fp16's least value, and among bf16's subnormals an absolute error under 2^−126), and each row's sum: this
+// lane's, then the quad's (shuffles; the four lanes of a quad hold a row's columns). sum starts at 0. Not exp2f: its
+// denormal range fix-up costs 3 instructions per score.
 template <int kN>
 __device__ __forceinline__ void exp2_rows(float (&acc)[kN / 2], float c, const float (&m_c)[2], float (&sum)[2]) {
   sum[0] = sum[1] = 0.f;
@@ -210,8 +195,8 @@ __device__ __forceinline__ void k_loop(float (&acc)[kHalfN / 2], const SharedSto
       }
     }
   };
-  // The first two k blocks peeled off the loop: 5-7% less kernel time at the seed than the plain loop (session 13,
-  // scores_wall.py --base; from ptxas's schedule of the copies, not otherwise explained).
+  // The first two k blocks peeled off the loop: faster than the plain loop (bench/notes/kernels_scores_sm90.md; from
+  // ptxas's schedule of the copies, not otherwise explained).
   issue(0);
   retire(0);
   if (k_blocks > 1) {
@@ -248,22 +233,21 @@ __device__ __forceinline__ int visible_keys(const ScoresSm90Params& p, int m0) {
   int n_vis = static_cast<int>(p.seqlen_k);
   if (p.is_causal) {
     const long long last_row = min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1;
-    n_vis = static_cast<int>(max(0ll, min(p.seqlen_k, last_row + p.causal_offset + 1)));
+    n_vis = static_cast<int>(max(0ll, Visibility{p.seqlen_k, p.causal_offset, true}.end_key(last_row)));
   }
   return n_vis;
 }
 
 // One tile of the kernel: 64 query rows (m0 ...) of head h, batch b, and the keys its rows may see (n_vis,
 // visible_keys). Keys per warpgroup nw: kHalfN, or under a causal mask half of n_vis rounded up to 64 (warpgroup w
-// takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw). P is written for keys
-// 0 ... zero_from − 1 from the accumulators and as zeros from there to S.
-// A causal pair tile (lo_m0 ≥ 0; persistent kernel, kHalfN = 256): the rows of a wide block (m0) and of a narrow one
-// (lo_m0) whose visible keys, rounded up to 64, add up to at most 512, so the tile does a whole tile's work and the
-// narrow block no longer costs a tile of its own (a narrow block alone is paced by its loads like a full one:
-// bench/NOTES_split.md, session 12). Warpgroup 0 multiplies the wide block's keys 0 ... nw − 1 (nw = min(256, its
-// width)) as in any tile; warpgroup 1 the rest of them, 256 ... 256 + n1 − 1, and the narrow block's keys 0 ...
-// 255 − n1 (pair_tile_wg1). Each stage holds both Q tiles: the narrow block's in the second K box's rows 192 ... 255,
-// since that box loads only the n1 ≤ 192 keys warpgroup 1 needs.
+// takes keys w·nw ... w·nw + nw − 1; the producer loads the second box from key nw). P is written for keys 0 ...
+// zero_from − 1 from the accumulators and as zeros from there to S. A causal pair tile (lo_m0 ≥ 0; persistent kernel,
+// kHalfN = 256): the rows of a wide block (m0) and of a narrow one (lo_m0) whose visible keys, rounded up to 64, add up
+// to at most 512, so the tile does a whole tile's work and the narrow block no longer costs a tile of its own (a narrow
+// block alone is paced by its loads like a full one). Warpgroup 0 multiplies the wide block's keys 0 ... nw − 1 (nw =
+// min(256, its width)) as in any tile; warpgroup 1 the rest of them, 256 ... 256 + n1 − 1, and the narrow block's keys
+// 0 ... 255 − n1 (pair_tile_wg1). Each stage holds both Q tiles: the narrow block's in the second K box's rows 192 ...
+// 255, since that box loads only the n1 ≤ 192 keys warpgroup 1 needs.
 template <int kHalfN>
 struct Tile {
   int m0, h, b, n_vis, nw;
@@ -340,9 +324,12 @@ __device__ __forceinline__ void mask_keys(float (&a)[kN / 2], bool active, int n
                                           const ScoresSm90Params& p) {
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    long long limit = min(p.seqlen_k, static_cast<long long>(n0 + nw));  // keys < limit are visible to this row
-    if (p.is_causal) limit = min(limit, m0 + r0 + 8 * half + p.causal_offset + 1);
-    // column 8j + e of this lane is visible iff 8j + e < lim
+    // Column 8j + e of this lane is visible iff 8j + e < lim: the chain's keys end at n0 + nw (a Visibility with S
+    // cut there).
+    // Keys < limit are visible to this row: a Visibility with S cut at the chain's end, n0 + nw. Column 8j + e of
+    // this lane is visible iff 8j + e < lim (the clamped-int form of Visibility::lane_limit, exclusive).
+    const long long limit = Visibility{min(p.seqlen_k, static_cast<long long>(n0 + nw)), p.causal_offset,
+                                       p.is_causal != 0}.end_key(m0 + r0 + 8 * half);
     const int lim = active ? static_cast<int>(max(-1ll, min(static_cast<long long>(kN), limit - n0 - 2 * t))) : -1;
     #pragma unroll
     for (int j = 0; j < kN / 8; ++j)
@@ -486,13 +473,9 @@ __device__ __forceinline__ void zero_tail(T* head, int m0, int from, int tid, co
 // the second K box's rows 192 ... 255, B: the first K box). Then the wide block's rows as warpgroup 1 of a plain tile
 // (their statistics merged with warpgroup 0's through the exchange), the narrow block's rows alone (their keys are
 // all here: no exchange), P and lse of both.
-// A chunk's role is a run-time choice of operands, so one code path serves every n1. The alternative, two wgmma
-// chains of compile-time widths (m64n{n1} and m64n{256 − n1}, one instantiation per n1), reads A once per chain
-// instead of once per chunk (12 KB of shared memory a k step against 16 here; a plain warpgroup reads 10), but it
-// made the kernel 16.4k SASS instructions against 9.8k, and the seed's causal kernel ran in 1.51 ms against 0.92
-// here and 1.18 with no pair tiles (H200, session 17, bench/NOTES_split.md; the instruction cache is the likely
-// cause: the two warpgroups run different code). Running warpgroup 0 through this function too (both warpgroups in
-// the same code) measured the same, 0.93 ms.
+// A chunk's role is a run-time choice of operands, so one code path serves every n1 (two wgmma chains of compile-time
+// widths, one instantiation per n1, read A once per chain but made the kernel much larger and slower: the two
+// warpgroups then run different code; bench/notes/kernels_scores_sm90.md).
 template <typename T, int kStages>
 __device__ __forceinline__ void pair_tile_wg1(float (&acc)[4][32], const SharedStorage<T, 256, kStages>& ss,
                                               const Tile<256>& tl,
@@ -718,7 +701,8 @@ __device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedS
     // to the peer's shared memory is behind it: arrive now, wait before exit (the epilogue hides the barrier).
     if constexpr (kClusterM > 1) tma::cluster_arrive();
 
-    // Keys past S and past a row's causal limit take no part (mask_keys).
+    // Keys past S and past a row's causal limit take no part (mask_keys; the pre-test is Visibility::tile_needs_mask's,
+    // spelled out with the chain's own conditions).
     if (!active || nw < kHalfN || n0 + kHalfN > S || (causal && n0 + kHalfN - 1 > m0 + p.causal_offset))
       mask_keys<kHalfN>(acc, active, n0, nw, m0, r0, t, p);
     if constexpr (kMasked) {
@@ -759,7 +743,7 @@ __device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedS
     // stage is not refilled before its release below), as 64-column boxes of 64 rows in the 128-byte swizzle (16-byte
     // chunk c of row r at chunk c ^ (r % 8): the 32 lanes of a 4-byte store hit 32 banks), then one thread stores the
     // boxes by TMA. The copies run asynchronously, so the tile's P bytes drain while the next tile runs (4-byte global
-    // stores measured 18% of the kernel's time at the seed). TMA clips the boxes to L rows, and to S keys in whole
+    // stores from registers cost far more). TMA clips the boxes to L rows, and to S keys in whole
     // 16-byte chunks: the chunk holding key S − 1 is written in full (P = 0 past S; ld is a multiple of 8, so never
     // past the row pitch), nothing else.
     // Causal: keys 2·nw ... S − 1 lie past every row's limit; they are stored from a box of zeros, the boxes split
@@ -811,8 +795,8 @@ __device__ __forceinline__ void consume(const ScoresSm90Params& p, const SharedS
 // into both CTAs' stage s. A CTA whose rows all lie past L (the one padding an odd number of row blocks to a pair)
 // loads no Q and stores nothing, but loads its K box and keeps the barrier protocol.
 // kPersistent (one CTA, no cluster): the CTA walks its tiles (TileWalk) with one ring: the producer runs ahead into
-// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the ~7 µs of fixed cost per
-// tile that a one-tile CTA does not overlap: bench/NOTES_split.md, session 9). Ring steps are counted across tiles
+// the next tile's k blocks while the consumers finish a tile's softmax and P stores (the fixed cost per tile that a
+// one-tile CTA does not overlap). Ring steps are counted across tiles
 // (step = tile's first step + kb). P leaves from registers by 16-byte stores, so each warp releases a tile's last
 // stage as soon as its wgmma have read it, before the softmax.
 template <typename T, int kHalfN, int kStages, int kClusterM, bool kPersistent, bool kMasked = false>
@@ -820,7 +804,7 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
   using Smem = SharedStorage<T, kHalfN, kStages>;
   static_assert(kHalfN % 64 == 0 && kHalfN <= 256, "K boxes of at most 256 rows, 64-row multiples");
   static_assert(kStages >= 2, "a ring of at least two stages");
-  static_assert(Smem::kBytes <= 232448, "227 KB of shared memory per block");
+  static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kClusterM == 1 || kClusterM == 2, "one CTA, or two sharing each stage's two K boxes");
   static_assert(!kPersistent || kClusterM == 1, "the persistent kernel is one CTA");
   // Causal pair tiles (Tile): the persistent kernel's 256-key tile, P stored from registers.
@@ -858,7 +842,9 @@ __device__ __forceinline__ void scores_softmax(const ScoresSm90Params& p) {
           tma::cluster_wait();
         }
       },
-      [&](int tid) { consume<T, kHalfN, kStages, kClusterM, kPersistent, kMasked, kPairTiles>(p, ss, k_blocks, rank, tid); });
+      [&](int tid) {
+        consume<T, kHalfN, kStages, kClusterM, kPersistent, kMasked, kPairTiles>(p, ss, k_blocks, rank, tid);
+      });
 }
 
 }  // namespace scores_sm90
