@@ -30,7 +30,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); Hkv == Hq unless enable_gqa, where
     query head h reads key/value head h // (Hq // Hkv). attn_mask broadcastable to (..., Hq, L, S): bool (True = take
     part) or float (added to the scaled scores). is_causal: False, True / "top_left", or "bottom_right".
-    scale defaults to 1/sqrt(E). Rows with every key masked give output 0 and lse -inf; NaN/Inf propagate.
+    scale defaults to 1/sqrt(E). Rows with every key masked, and every row when S = 0, give output 0 and lse -inf;
+    NaN/Inf propagate. Empty axes give empty results (B, H or L = 0), as torch's.
     dropout_p > 0 needs ``dropout_mask``, the keep mask (bool, broadcastable to (..., Hq, L, S); True = kept, e.g.
     philox.keep_mask for a call's rng pair): out = (P ∘ Z / (1 − dropout_p)) V with P the softmax (torch's dropout of
     the attention weights), out = 0 for dropout_p = 1; lse is that of the undropped scores.
@@ -57,7 +58,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
         s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float64)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # S = 0: every row sees no key, max -inf
     m_safe = np.where(m == -np.inf, 0.0, m)          # a fully masked row has max -inf; exp(-inf - 0) = 0 keeps it 0
     p = np.exp(s - m_safe)
     denom = p.sum(axis=-1, keepdims=True)
@@ -118,7 +119,7 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     if bn_bias is not None:
         z = z + np.asarray(bn_bias, dtype=np.float64)
     s = np.asarray(scale, dtype=np.float64).reshape(-1) * z
-    s = s - s.max(axis=1, keepdims=True)
+    s = s - s.max(axis=1, keepdims=True, initial=-np.inf)  # F = 0: an (N, 0) result
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True), rm, rv, nbt
 

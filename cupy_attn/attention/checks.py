@@ -75,6 +75,12 @@ class SDPAProblem:
         the split path's causal bands."""
         return self.seqlen_k if self.causal is None else self.causal_offset
 
+    @property
+    def empty(self) -> bool:
+        """Nothing for a kernel to do: out has no elements (B, Hq, L or Ev = 0) or no row sees a key (S = 0). Such a
+        call keeps the caller's arrays (no CuPy views) and the plan is "empty" on the GPU (dispatch.plan_sdpa)."""
+        return self.batch * self.num_heads * self.seqlen_q * self.head_dim_v * self.seqlen_k == 0
+
     def flops(self) -> float:
         """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
         f = 2.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
@@ -176,7 +182,7 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise ValueError(f"value heads (axis -3) is {v_shape[-3]}, key's is {k_shape[-3]}: they must match")
     num_heads, num_kv_heads = q_shape[-3], k_shape[-3]
     if enable_gqa:
-        if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        if num_heads and (num_kv_heads == 0 or num_heads % num_kv_heads != 0):  # no query heads: empty
             raise ValueError(f"enable_gqa: query heads (axis -3) = {num_heads} must be a multiple of key/value "
                              f"heads = {num_kv_heads}")
     elif num_heads != num_kv_heads:
@@ -212,7 +218,7 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         seqlen_q=seqlen_q, seqlen_k=seqlen_k, head_dim=head_dim, head_dim_v=v_shape[-1],
         dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind,
         dropout_p=float(dropout_p))
-    if ctx.on_gpu:
+    if ctx.on_gpu and not problem.empty:  # an empty call reads no array (the plan is "empty")
         _to_gpu_views(problem)
     return problem
 

@@ -39,6 +39,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     backward applies the forward's mask (the pair is saved, not the mask). Dropout calls run the fused kernel's
     mma.sync dropout variant (never the FA3-design, wgmma or decode kernels) or the split path, and are not cached.
     Rows whose keys are all masked give output 0 (lse -inf), as torch's math backend; NaN/Inf inputs propagate.
+    Empty inputs (B, H, L or Ev = 0, or S = 0) give torch's results (S = 0: out 0, lse -inf) and launch no kernel.
 
     Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
     the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
@@ -136,6 +137,8 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
                               allow_tf32=allow_tf32)
     if plan.backend == "reference":
         return _run_reference(p, return_lse)
+    if plan.backend == "empty":
+        return _run_empty(p, return_lse)
     ctx = p.ctx
     B, H, L, Ev = p.batch, p.num_heads, p.seqlen_q, p.head_dim_v
     with ctx.activate():
@@ -211,9 +214,34 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 
+def _run_empty(p, return_lse):
+    """A GPU call with nothing to compute (checks.SDPAProblem.empty; dispatch.empty_reason): torch's results in the
+    query's kind on the caller's stream, no kernel of ours launched. out (..., Hq, L, Ev): empty, or zeros when S = 0;
+    lse (..., Hq, L) float32: -inf (no row sees a key), or empty. Ev = 0 with keys: out is empty but lse is each
+    row's log-sum-exp, from the float64 reference on host copies of query and key (the problem holds the caller's
+    arrays: an empty call makes no views)."""
+    ctx, L = p.ctx, p.seqlen_q
+    out = ctx.full(p.batch_shape + (L, p.head_dim_v), p.dtype, 0)
+    if not return_lse:
+        return out
+    lse_shape = p.batch_shape + (L,)
+    if p.seqlen_k == 0 or p.batch * p.num_heads * L == 0:
+        return out, ctx.full(lse_shape, np.dtype(np.float32), -np.inf)
+    import cupy
+    with ctx.activate():
+        q, k = (cupy.asnumpy(ctx.as_cupy(x)) for x in (p.query, p.key))
+        mask = None if p.mask is None else cupy.asnumpy(ctx.as_cupy(p.mask))
+    _, lse = reference.scaled_dot_product_attention(q, k, np.zeros(k.shape[:-1] + (0,)), mask,
+                                                    is_causal=p.causal or False, scale=p.scale,
+                                                    enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True)
+    return out, interop.from_numpy(lse.reshape(lse_shape), ctx.kind, np.dtype(np.float32), ctx.device_id)
+
+
 def _run_reference(p, return_lse):
     """The float64 NumPy reference on host copies; results in the query's kind and dtype (lse as float32)."""
     ctx = p.ctx
+    if ctx.on_gpu and p.empty:  # backend "reference" on an empty GPU call: no views to copy, the same results
+        return _run_empty(p, return_lse)
 
     def host(x):
         if ctx.on_gpu:

@@ -225,6 +225,16 @@ class CallContext:
         a = cupy.empty(shape, dtype=dtype)
         return a, a
 
+    def full(self, shape: tuple[int, ...], dtype: np.dtype, value: float):
+        """A new contiguous array filled with ``value`` from the caller's allocator on the call's stream, returned as
+        the caller's kind (torch tensor, or CuPy array) without a CuPy view: empty results are made this way (an empty
+        torch tensor has no memory to view)."""
+        if self.kind == TORCH:
+            return _torch().full(shape, value, dtype=_numpy_to_torch_dtype(dtype), device=f"cuda:{self.device_id}")
+        import cupy
+        with self.activate():
+            return cupy.full(shape, value, dtype=dtype)
+
 
 _STREAMS: dict = {}  # (device, CUDA stream handle) -> CuPy stream object wrapping it; handles are stable
 
