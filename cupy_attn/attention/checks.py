@@ -156,7 +156,8 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dtypes = {name: interop.dtype_of(x, interop.kind_of(x, name)) for name, x in arrays.items()}
     for name in ("query", "key", "value"):
         if not _is_float(dtypes[name]):
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]}")
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]} (for float64: "
+                            "cupy_attn.reference.scaled_dot_product_attention, the NumPy reference)")
     for name in ("key", "value"):
         if dtypes[name] != dtypes["query"]:
             raise TypeError(f"{name} dtype {dtypes[name]} differs from query dtype {dtypes['query']}")
