@@ -4,7 +4,8 @@ Linear-BN-softmax's buffers and the cuBLASLt workspace its bound GEMMs hold) are
 
 CPU: the split schedule carves one cuBLASLt workspace per stream from the call's one scratch allocation and hands each
 GEMM its stream's region; cuBLASLt takes a given workspace and falls back to the persistent one only without it;
-release_memory drops the caches, the prepared calls that point at them and the MemPool. GPU (marked ``gpu``): device
+release_memory drops the caches and the MemPool (the bound workspace and the prepared calls holding it with
+graphs=True); torch callers' input copies come from torch. GPU (marked ``gpu``): device
 memory after a seed-shape call and ``torch.cuda.empty_cache()`` (≤ 64 MiB beyond live tensors, in this process and in
 a fresh one), release_memory after decode and Linear-BN-softmax calls, CUDA-graph capture (torch.cuda.graph,
 torch.compile mode="reduce-overhead", CuPy stream capture) across release_memory.
@@ -224,6 +225,48 @@ def test_release_memory_is_public_and_documented():
         assert words in doc, words
 
 
+# --- CPU: copies of inputs for torch callers come from torch ----------------------------------------------------------
+
+def test_sdpa_input_copies_use_the_callers_allocator(monkeypatch):
+    """An input the kernels cannot read in place (last axis not unit-stride, leading axes that do not fold) is copied by
+    CallContext.contiguous: for torch callers into a tensor of torch's allocator (CallContext.empty), bit for bit
+    (bf16 included), never into CuPy's pool."""
+    import ml_dtypes
+    from cupy_attn.attention import checks
+    from cupy_attn.runtime import interop
+    made = []
+
+    def empty(self, shape, dtype):
+        made.append((shape, np.dtype(dtype)))
+        a = np.empty(shape, dtype)
+        return "torch tensor", a
+    monkeypatch.setattr(interop.CallContext, "empty", empty)
+    ctx = interop.CallContext(interop.TORCH, 0)
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    x = np.arange(2 * 3 * 4 * 10, dtype=np.float32).astype(bf16).reshape(2, 3, 4, 10)[..., ::2]
+    copies = []
+    y = checks._unit_last_axis(x, "query", copies, ctx)
+    assert made == [((2, 3, 4, 5), bf16)] and y.flags.c_contiguous and copies
+    np.testing.assert_array_equal(y.view(np.uint16), x.view(np.uint16))
+    m = (np.arange(2 * 3 * 4 * 5 * 7) % 3 == 0).reshape(2, 3, 4, 5, 7).transpose(1, 0, 2, 3, 4)  # no common stride
+    folded = checks._fold_leading(m, "attn_mask", copies, ctx)
+    assert made[-1] == ((3, 2, 4, 5, 7), np.dtype(np.bool_)) and folded.shape == (6, 4, 5, 7)
+    np.testing.assert_array_equal(folded, m.reshape(6, 4, 5, 7))
+
+
+def test_linear_batchnorm_softmax_copies_torch_operands_with_torch():
+    torch = pytest.importorskip("torch")
+    from cupy_attn.linear_bn_softmax import checks as lbs_checks, launch as lbs
+    from cupy_attn.runtime import interop
+    x = torch.randn(8, 12)[:, ::2]
+    a = lbs.unit_last_stride(lbs_checks.Arg(x, interop.TORCH, np.dtype(np.float32), (8, 6)))
+    assert a.kind == interop.TORCH and a.obj.is_contiguous() and torch.equal(a.obj, x)
+    vec = torch.randn(12)[::2]
+    keep = []
+    ptr = lbs.vector_ptr(lbs_checks.Arg(vec, interop.TORCH, np.dtype(np.float32), (6,)), keep)
+    assert isinstance(keep[0], torch.Tensor) and keep[0].data_ptr() == ptr and torch.equal(keep[0], vec)
+
+
 # --- GPU: memory after a seed-shape call ------------------------------------------------------------------------------
 
 SEED = (32, 32, 512, 1024)  # bench/bench_sdpa.py's (B, H, L=S, D)
@@ -370,6 +413,34 @@ def test_release_memory_with_cupy_arrays():
     assert used - pool.used_bytes() >= partials, "release_memory left the decode partials in use"
     again = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, num_splits=8)
     cupy.testing.assert_array_equal(again, out)
+
+
+@pytest.mark.gpu
+def test_copied_inputs_leave_nothing_in_cupys_pool():
+    """torch callers whose inputs must be copied (a strided last axis; Linear-BN-softmax's strided x and vectors):
+    the copies come from torch's allocator, CuPy's pool is untouched, and the results match the contiguous call."""
+    import cupy
+    torch = pytest.importorskip("torch")
+    pool = cupy.get_default_memory_pool()
+    pool.free_all_blocks()
+    before = (pool.used_bytes(), pool.total_bytes())
+    g = torch.Generator("cuda").manual_seed(4)
+    base = torch.randn(2, 4, 128, 2 * 320, generator=g, device="cuda").half()
+    q, k, v = base[..., ::2], base.flip(2)[..., ::2], base[..., 1::2]
+    out = cupy_attn.scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(out, cupy_attn.scaled_dot_product_attention(q.contiguous(), k.contiguous(),
+                                                                           v.contiguous()))
+    x = torch.randn(64, 2 * 256, generator=g, device="cuda").half()[:, ::2]
+    w = torch.randn(512, 256, generator=g, device="cuda").half()
+    rm, rv = torch.randn(512, generator=g, device="cuda"), torch.rand(512, generator=g, device="cuda") + 0.5
+    gamma, beta = (torch.randn(2 * 512, generator=g, device="cuda")[::2] for _ in range(2))  # strided: copied
+    one = torch.ones(1, device="cuda")
+    y = cupy_attn.linear_batchnorm_softmax(x, w, None, rm, rv, gamma, beta, one, training=False)
+    expect = cupy_attn.linear_batchnorm_softmax(x.contiguous(), w, None, rm, rv, gamma.contiguous(), beta.contiguous(),
+                                                one, training=False)
+    torch.testing.assert_close(y, expect)
+    torch.cuda.synchronize()
+    assert (pool.used_bytes(), pool.total_bytes()) == before, "a torch call took memory from CuPy's pool"
 
 
 # --- GPU: CUDA-graph capture after the change -----------------------------------------------------------------------

@@ -224,8 +224,9 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     return problem
 
 
-def _fold_leading(x, name: str, copies: list[str]):
-    """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy only when they have no common stride."""
+def _fold_leading(x, name: str, copies: list[str], ctx):
+    """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy (ctx.contiguous: the caller's
+    allocator) only when they have no common stride."""
     import cupy
     shape = x.shape
     if len(shape) == 4:
@@ -239,17 +240,17 @@ def _fold_leading(x, name: str, copies: list[str]):
         stride = lead[-1][1] if lead else 0
         return cupy.lib.stride_tricks.as_strided(x, (batch,) + shape[-3:], (stride,) + x.strides[-3:])
     copies.append(f"{name}: leading axes {shape[:-3]} have no common stride; copied to fold them into one batch axis")
-    return cupy.ascontiguousarray(x).reshape((batch,) + shape[-3:])
+    return ctx.contiguous(x).reshape((batch,) + shape[-3:])
 
 
-def _unit_last_axis(x, name: str, copies: list[str]):
-    """Kernels and cuBLAS read rows with unit element stride and non-overlapping rows; copy otherwise."""
-    import cupy
+def _unit_last_axis(x, name: str, copies: list[str], ctx):
+    """Kernels and cuBLAS read rows with unit element stride and non-overlapping rows; copy otherwise (ctx.contiguous:
+    the caller's allocator)."""
     rows_ok = x.shape[-2] <= 1 or x.strides[-2] >= x.shape[-1] * x.itemsize
     if (x.strides[-1] == x.itemsize or x.shape[-1] == 1) and rows_ok:
         return x
     copies.append(f"{name}: strides {x.strides} (bytes) are not unit along the last axis; copied to contiguous")
-    return cupy.ascontiguousarray(x)
+    return ctx.contiguous(x)
 
 
 def _to_gpu_views(p: SDPAProblem) -> None:
@@ -257,12 +258,12 @@ def _to_gpu_views(p: SDPAProblem) -> None:
     ctx = p.ctx
     with ctx.activate():
         for name in ("query", "key", "value"):
-            x = _unit_last_axis(ctx.as_cupy(getattr(p, name)), name, p.copies)
-            setattr(p, name, _fold_leading(x, name, p.copies))
+            x = _unit_last_axis(ctx.as_cupy(getattr(p, name)), name, p.copies, ctx)
+            setattr(p, name, _fold_leading(x, name, p.copies, ctx))
         if p.mask is not None:
             m = ctx.as_cupy(p.mask)
             m = cupy.broadcast_to(m, p.batch_shape + (p.seqlen_q, p.seqlen_k))
-            p.mask = _fold_leading(m, "attn_mask", p.copies)
+            p.mask = _fold_leading(m, "attn_mask", p.copies, ctx)
 
 
 def array_problem(q, k, v, out=None, lse=None, *, scale: float, causal: str | None = None, mask=None,
