@@ -93,6 +93,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     window_size: None or (left, right), each an int >= 0 or None / -1 (unbounded). softcap: None or c > 0.
     sinks: None or (Hq,) (broadcastable to (..., Hq)), natural-log logits. alibi_slopes: None or broadcastable to
     (..., Hq), e.g. (Hq,) or (B, Hq). scale defaults to 1/sqrt(E).
+    Rows with every key masked, and every row when S = 0, give output 0 and lse -inf (lse = the sink with sinks);
+    NaN/Inf propagate. Empty axes give empty results (B, H or L = 0), as torch's.
     dropout_p > 0 needs ``dropout_mask``, the keep mask (bool, broadcastable to (..., Hq, L, S); True = kept, e.g.
     philox.keep_mask for a call's rng pair): out = (P ∘ Z / (1 − dropout_p)) V with P the softmax (torch's dropout of
     the attention weights), out = 0 for dropout_p = 1; lse is that of the undropped scores.
@@ -122,7 +124,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     if attn_mask is not None:
         mask = np.asarray(attn_mask)
         s = np.where(mask, s, -np.inf) if mask.dtype == np.bool_ else s + mask.astype(np.float64)
-    m = np.max(s, axis=-1, keepdims=True)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # S = 0: every row sees no key, max -inf
     sink = None
     if sinks is not None:
         sink = np.broadcast_to(np.asarray(sinks, dtype=np.float64)[..., None, None], m.shape)
@@ -189,7 +191,7 @@ def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weig
     if bn_bias is not None:
         z = z + np.asarray(bn_bias, dtype=np.float64)
     s = np.asarray(scale, dtype=np.float64).reshape(-1) * z
-    s = s - s.max(axis=1, keepdims=True)
+    s = s - s.max(axis=1, keepdims=True, initial=-np.inf)  # F = 0: an (N, 0) result
     p = np.exp(s)
     return p / p.sum(axis=1, keepdims=True), rm, rv, nbt
 

@@ -238,6 +238,8 @@ def test_params_and_alignment_variant():
 class _RecordingGemm:
     """Stands in for blas.StridedGemm (no cuBLAS handle on a CPU machine): keeps its keywords."""
 
+    workspace_bytes = 0
+
     def __init__(self, **kw):
         self.kw = kw
 

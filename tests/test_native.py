@@ -171,6 +171,6 @@ def test_memory_comes_from_torch_allocator():
     scores = 4 * 8 * 512 * 512 * (2 if fused_scores else 4)  # P fp16 or fp32 scores (L = S = 512): one chunk
     assert torch.cuda.max_memory_allocated() - before >= scores + out.numel() * 2
     held = torch.cuda.memory_allocated() - before - out.numel() * 2
-    assert held <= 40 << 20, f"{held} bytes held after the call (only the 32 MiB cuBLASLt workspace may stay)"
+    assert held <= 1 << 20, f"{held} bytes held after the call (a GEMM's cuBLASLt workspace is part of the scratch)"
     assert (pool.used_bytes(), pool.total_bytes()) == (used, total), "the call took memory from CuPy's pool"
     np.testing.assert_equal(torch.isfinite(out).all().item(), True)

@@ -58,6 +58,13 @@ def test_flag_and_mask_errors(kwargs, exc, match):
         SDPA(*_qkv(), **kwargs)
 
 
+def test_float64_error_points_to_the_reference():
+    """float64 inputs are refused with the way to compute in float64: the NumPy reference."""
+    q = np.zeros((1, 2, 3, 4))
+    with pytest.raises(TypeError, match=r"got float64 \(for float64: cupy_attn\.reference\.scaled_dot_product_"):
+        SDPA(q, q, q)
+
+
 def test_gqa_errors():
     q, k, v = _qkv(H=6, Hkv=4)
     with pytest.raises(ValueError, match="query heads .axis -3. = 6 must be a multiple of key/value heads = 4"):

@@ -53,7 +53,8 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
         s = s.masked_fill(~keep, float("-inf"))
     if attn_mask is not None:
         s = s.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else s + attn_mask.double()
-    m = s.amax(-1, keepdim=True).detach()
+    # S = 0: no key, max -inf (amax refuses an empty axis); the row then gives 0 and lse -inf, as the reference.
+    m = s.amax(-1, keepdim=True).detach() if S else s.new_full(s.shape[:-1] + (1,), float("-inf"))
     sink = None
     if sinks is not None:
         sink = sinks.double().reshape(sinks.shape + (1, 1)).expand(m.shape)

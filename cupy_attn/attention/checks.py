@@ -93,6 +93,12 @@ class SDPAProblem:
         """Row i sees keys j ≥ i + window_lo: a window's left side; −2^40 (the kernels' kNoLowerBound) without one."""
         return self.variants.key_offsets(self.seqlen_q, self.seqlen_k, self.causal)[0]
 
+    @property
+    def empty(self) -> bool:
+        """Nothing for a kernel to do: out has no elements (B, Hq, L or Ev = 0) or no row sees a key (S = 0). Such a
+        call keeps the caller's arrays (no CuPy views) and the plan is "empty" on the GPU (dispatch.plan_sdpa)."""
+        return self.batch * self.num_heads * self.seqlen_q * self.head_dim_v * self.seqlen_k == 0
+
     def flops(self) -> float:
         """4·B·H·L·S·(E+Ev)/2: two GEMMs, halved when causal (the masked triangle is skipped by the fused kernel)."""
         f = 2.0 * self.batch * self.num_heads * self.seqlen_q * self.seqlen_k * (self.head_dim + self.head_dim_v)
@@ -169,7 +175,8 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     dtypes = {name: interop.dtype_of(x, interop.kind_of(x, name)) for name, x in arrays.items()}
     for name in ("query", "key", "value"):
         if not _is_float(dtypes[name]):
-            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]}")
+            raise TypeError(f"{name} must be float16, bfloat16 or float32, got {dtypes[name]} (for float64: "
+                            "cupy_attn.reference.scaled_dot_product_attention, the NumPy reference)")
     for name in ("key", "value"):
         if dtypes[name] != dtypes["query"]:
             raise TypeError(f"{name} dtype {dtypes[name]} differs from query dtype {dtypes['query']}")
@@ -195,7 +202,7 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         raise ValueError(f"value heads (axis -3) is {v_shape[-3]}, key's is {k_shape[-3]}: they must match")
     num_heads, num_kv_heads = q_shape[-3], k_shape[-3]
     if enable_gqa:
-        if num_kv_heads == 0 or num_heads % num_kv_heads != 0:
+        if num_heads and (num_kv_heads == 0 or num_heads % num_kv_heads != 0):  # no query heads: empty
             raise ValueError(f"enable_gqa: query heads (axis -3) = {num_heads} must be a multiple of key/value "
                              f"heads = {num_kv_heads}")
     elif num_heads != num_kv_heads:
@@ -234,13 +241,14 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if window_size is not None or softcap is not None or sinks is not None or alibi_slopes is not None:
         problem.variants = check_variants(window_size, softcap, sinks, alibi_slopes, ctx=ctx, batch=problem.batch,
                                           num_heads=num_heads, dtype=problem.dtype)
-    if ctx.on_gpu:
+    if ctx.on_gpu and not problem.empty:  # an empty call reads no array (the plan is "empty")
         _to_gpu_views(problem)
     return problem
 
 
-def _fold_leading(x, name: str, copies: list[str]):
-    """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy only when they have no common stride."""
+def _fold_leading(x, name: str, copies: list[str], ctx):
+    """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy (ctx.contiguous: the caller's
+    allocator) only when they have no common stride."""
     import cupy
     shape = x.shape
     if len(shape) == 4:
@@ -254,17 +262,17 @@ def _fold_leading(x, name: str, copies: list[str]):
         stride = lead[-1][1] if lead else 0
         return cupy.lib.stride_tricks.as_strided(x, (batch,) + shape[-3:], (stride,) + x.strides[-3:])
     copies.append(f"{name}: leading axes {shape[:-3]} have no common stride; copied to fold them into one batch axis")
-    return cupy.ascontiguousarray(x).reshape((batch,) + shape[-3:])
+    return ctx.contiguous(x).reshape((batch,) + shape[-3:])
 
 
-def _unit_last_axis(x, name: str, copies: list[str]):
-    """Kernels and cuBLAS read rows with unit element stride and non-overlapping rows; copy otherwise."""
-    import cupy
+def _unit_last_axis(x, name: str, copies: list[str], ctx):
+    """Kernels and cuBLAS read rows with unit element stride and non-overlapping rows; copy otherwise (ctx.contiguous:
+    the caller's allocator)."""
     rows_ok = x.shape[-2] <= 1 or x.strides[-2] >= x.shape[-1] * x.itemsize
     if (x.strides[-1] == x.itemsize or x.shape[-1] == 1) and rows_ok:
         return x
     copies.append(f"{name}: strides {x.strides} (bytes) are not unit along the last axis; copied to contiguous")
-    return cupy.ascontiguousarray(x)
+    return ctx.contiguous(x)
 
 
 def _to_gpu_views(p: SDPAProblem) -> None:
@@ -272,12 +280,12 @@ def _to_gpu_views(p: SDPAProblem) -> None:
     ctx = p.ctx
     with ctx.activate():
         for name in ("query", "key", "value"):
-            x = _unit_last_axis(ctx.as_cupy(getattr(p, name)), name, p.copies)
-            setattr(p, name, _fold_leading(x, name, p.copies))
+            x = _unit_last_axis(ctx.as_cupy(getattr(p, name)), name, p.copies, ctx)
+            setattr(p, name, _fold_leading(x, name, p.copies, ctx))
         if p.mask is not None:
             m = ctx.as_cupy(p.mask)
             m = cupy.broadcast_to(m, p.batch_shape + (p.seqlen_q, p.seqlen_k))
-            p.mask = _fold_leading(m, "attn_mask", p.copies)
+            p.mask = _fold_leading(m, "attn_mask", p.copies, ctx)
 
 
 def array_problem(q, k, v, out=None, lse=None, *, scale: float, causal: str | None = None, mask=None,

@@ -39,7 +39,7 @@ class Plan:
     and reference paths) and ``choice`` (that module's choice, or the split path's SplitChoice) are what
     :meth:`prepare` builds; ``details`` describes them (computed when read, by explain(), not on every call)."""
 
-    backend: str                       # "fused" | "decode" | "split" | "reference"
+    backend: str                       # "fused" | "decode" | "split" | "reference" | "empty"
     reason: str
     num_splits: int | None = None      # decode: the key splits it launches
     describe: Callable[[], dict] | None = dataclasses.field(default=None, repr=False)
@@ -100,7 +100,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     CUPY_ATTN_BACKEND is ignored for them (it overrides ``backend="auto"`` on GPU calls only). On the GPU, ValueError
     when a forced path cannot run the call. num_splits: the caller's split count for the decode kernel (None: auto);
     num_sms: the device's SM count (looked up when None; tests pass it with a fake arch). ``workspace_bytes`` and
-    ``allow_tf32`` configure the split path (:func:`split_choice`).
+    ``allow_tf32`` configure the split path (:func:`split_choice`). GPU calls with nothing to compute
+    (checks.SDPAProblem.empty) plan "empty" under any backend but "reference" (:func:`empty_reason`).
     """
     copies = list(p.copies)
     if not p.ctx.on_gpu:  # CUPY_ATTN_BACKEND is not read here: it overrides GPU calls only
@@ -125,6 +126,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     if p.dropout_p > 0 and num_splits is not None:
         raise ValueError(f"num_splits={num_splits} asks for the decode kernel, which has no dropout (dropout_p="
                          f"{p.dropout_p}): pass num_splits=None")
+    if p.empty:  # whatever the backend: nothing is launched (sdpa's _run_empty gives torch's results)
+        return Plan("empty", empty_reason(p), copies=copies, problem=p)
     if backend in ("auto", "fused") and fused_why_not is None and p.dropout_p == 0:
         plan = _decode_plan(p, backend, arch, num_splits, num_sms, copies)
         if plan is not None:
@@ -209,6 +212,18 @@ def tile_visibility(p, block_m: int, block_n: int) -> tuple[int, int]:
         if last >= first:
             seen += last // block_n - first // block_n + 1
     return -(-L // block_m) * n_blocks, seen
+
+
+def empty_reason(p) -> str:
+    """What a call with nothing to compute (checks.SDPAProblem.empty) returns, launching nothing, as torch does: out
+    empty when B, Hq, L or Ev is 0, zeros when S = 0 (no row sees a key); lse -inf where a row sees no key (with Ev = 0
+    and keys, lse is still each row's: the float64 reference computes it on the host)."""
+    out = p.batch_shape + (p.seqlen_q, p.head_dim_v)
+    if p.batch * p.num_heads * p.seqlen_q == 0:
+        return f"nothing to compute: out {out} and lse are empty"
+    if p.seqlen_k == 0:
+        return f"S = 0: no row sees a key, out {out} is zeros and lse -inf"
+    return f"head_dim_v = 0: out {out} is empty; lse (if asked for) from the float64 reference on the host"
 
 
 def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | None) -> Plan | None:

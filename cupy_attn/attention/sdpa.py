@@ -40,6 +40,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     backward applies the forward's mask (the pair is saved, not the mask). Dropout calls run the fused kernel's
     mma.sync dropout variant (never the FA3-design, wgmma or decode kernels) or the split path, and are not cached.
     Rows whose keys are all masked give output 0 (lse -inf), as torch's math backend; NaN/Inf inputs propagate.
+    Empty inputs (B, H, L or Ev = 0, or S = 0) give torch's results (S = 0: out 0, lse -inf) and launch no kernel.
 
     Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
     the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
@@ -145,6 +146,8 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
                               allow_tf32=allow_tf32)
     if plan.backend == "reference":
         return _run_reference(p, return_lse)
+    if plan.backend == "empty":
+        return _run_empty(p, return_lse)
     ctx = p.ctx
     B, H, L, Ev = p.batch, p.num_heads, p.seqlen_q, p.head_dim_v
     with ctx.activate():
@@ -154,30 +157,13 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
         if return_lse:
             lse_native, lse = ctx.empty(p.batch_shape + (L,), np.dtype(np.float32))
             lse3 = lse.reshape(B, H, L)
-        if out4.size == 0:
-            pass
-        elif p.seqlen_k == 0:  # every row is fully masked: output 0 and lse -inf (the sink with sinks), as the reference
-            out4.fill(0)
-            if lse3 is not None:
-                _fill_empty_lse(p, lse3)
-        else:
-            run = plan.prepare(out4, lse3)
-            run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
-                0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
-            if call_key is not None and _replayable(p, *inputs):
-                callcache.put(call_key, callcache.Entry(ctx, tuple(out_native.shape),
-                                                          None if lse_native is None else tuple(lse_native.shape),
-                                                          run))
+        run = plan.prepare(out4, lse3)
+        run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
+            0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
+        if call_key is not None and _replayable(p, *inputs):
+            callcache.put(call_key, callcache.Entry(ctx, tuple(out_native.shape),
+                                                      None if lse_native is None else tuple(lse_native.shape), run))
     return (out_native, lse_native) if return_lse else out_native
-
-
-def _fill_empty_lse(p, lse3) -> None:
-    """lse of rows that see no key: -inf, or each head's sink logit with sinks (its term alone in the denominator)."""
-    sinks = p.variants.sinks
-    if sinks is None:
-        lse3.fill(-np.inf)
-    else:
-        lse3[...] = sinks.astype(np.float32)[None, :, None]
 
 
 def forward(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, workspace_bytes, allow_tf32,
@@ -239,26 +225,68 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 
+def _run_empty(p, return_lse):
+    """A GPU call with nothing to compute (checks.SDPAProblem.empty; dispatch.empty_reason): torch's results in the
+    query's kind on the caller's stream, no kernel of ours launched. out (..., Hq, L, Ev): empty, or zeros when S = 0;
+    lse (..., Hq, L) float32: -inf where no row sees a key (each head's sink logit with ``sinks``: its term alone in
+    the denominator), or empty. Ev = 0 with keys: out is empty but lse is each row's log-sum-exp, from the float64
+    reference on host copies of query and key (the problem holds the caller's arrays: an empty call makes no views)."""
+    ctx, L = p.ctx, p.seqlen_q
+    out = ctx.full(p.batch_shape + (L, p.head_dim_v), p.dtype, 0)
+    if not return_lse:
+        return out
+    lse_shape = p.batch_shape + (L,)
+    sinks, slopes = _host_variant_arrays(p)
+    if p.batch * p.num_heads * L == 0 or (p.seqlen_k == 0 and sinks is None):
+        return out, ctx.full(lse_shape, np.dtype(np.float32), -np.inf)
+    if p.seqlen_k == 0:
+        lse = np.broadcast_to(sinks.astype(np.float64)[:, None], lse_shape)
+    else:
+        q, k = (_host(ctx, x) for x in (p.query, p.key))
+        mask = None if p.mask is None else _host(ctx, p.mask)
+        var = p.variants
+        _, lse = reference.scaled_dot_product_attention(q, k, np.zeros(k.shape[:-1] + (0,)), mask,
+                                                        is_causal=p.causal or False, scale=p.scale,
+                                                        enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True,
+                                                        window_size=var.window_size, softcap=var.softcap,
+                                                        sinks=sinks, alibi_slopes=slopes)
+    return out, interop.from_numpy(np.ascontiguousarray(lse).reshape(lse_shape), ctx.kind, np.dtype(np.float32),
+                                   ctx.device_id)
+
+
+def _host(ctx, x) -> np.ndarray:
+    """A host (NumPy) copy of one of the problem's arrays: a CuPy view on the GPU, else the caller's CPU array."""
+    if ctx.on_gpu:
+        import cupy
+        with ctx.activate():
+            return cupy.asnumpy(ctx.as_cupy(x))
+    return interop.to_numpy(x, interop.kind_of(x, "input"))
+
+
+def _host_variant_arrays(p) -> tuple:
+    """(sinks, alibi_slopes) of the call on the host, or None each; (B, Hq) slopes are unfolded to the caller's batch
+    axes (the reference broadcasts them over (..., Hq))."""
+    var, ctx = p.variants, p.ctx
+    sinks = None if var.sinks is None else _host(ctx, var.sinks)
+    slopes = None if var.alibi_slopes is None else _host(ctx, var.alibi_slopes)
+    if slopes is not None and slopes.ndim == 2 and len(p.batch_shape) != 2:  # (B, Hq) over the folded batch axes
+        slopes = slopes.reshape(p.batch_shape[:-1] + slopes.shape[-1:])
+    return sinks, slopes
+
+
 def _run_reference(p, return_lse):
     """The float64 NumPy reference on host copies; results in the query's kind and dtype (lse as float32)."""
     ctx = p.ctx
+    if ctx.on_gpu and p.empty:  # backend "reference" on an empty GPU call: no views to copy, the same results
+        return _run_empty(p, return_lse)
 
-    def host(x):
-        if ctx.on_gpu:
-            import cupy
-            return cupy.asnumpy(x)
-        return interop.to_numpy(x, interop.kind_of(x, "input"))
-
-    q, k, v = (host(x) for x in (p.query, p.key, p.value))
-    mask = host(p.mask) if p.mask is not None else None
+    q, k, v = (_host(ctx, x) for x in (p.query, p.key, p.value))
+    mask = _host(ctx, p.mask) if p.mask is not None else None
     keep = None
     if p.dropout_p > 0:
         keep = dropout.keep_mask(p.rng, p.batch_shape + (p.seqlen_q, p.seqlen_k), p.dropout_p)
     var = p.variants
-    sinks = None if var.sinks is None else host(var.sinks)
-    slopes = None if var.alibi_slopes is None else host(var.alibi_slopes)
-    if slopes is not None and slopes.ndim == 2 and len(p.batch_shape) != 2:  # (B, Hq) over the folded batch axes
-        slopes = slopes.reshape(p.batch_shape[:-1] + slopes.shape[-1:])
+    sinks, slopes = _host_variant_arrays(p)
     out, lse = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=p.causal or False, scale=p.scale,
                                                       enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True,
                                                       dropout_p=p.dropout_p, dropout_mask=keep,

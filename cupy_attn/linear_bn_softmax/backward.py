@@ -313,6 +313,16 @@ _CALLS: dict = {}  # layout key -> _Call
 _MAX_CALLS = 256
 
 
+def _forget_bound_gemms() -> None:
+    """The prepared calls and plans, whose GEMMs keep bound calls holding the stream's cuBLASLt workspace: dropped by
+    release_memory(graphs=True), which frees that workspace."""
+    _CALLS.clear()
+    _plan.cache_clear()
+
+
+workspace.on_release(_forget_bound_gemms)
+
+
 def _prepared(ctx, x, weight, bn_weight, bn_bias, scale, use_batch_stats: bool, needs: tuple,
               allow_tf32: bool) -> _Call:
     """The prepared call for this layout on ctx's device and stream (x and weight as cuBLAS reads them)."""

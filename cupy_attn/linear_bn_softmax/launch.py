@@ -403,10 +403,13 @@ def cupy_view(a: Arg):
 
 
 def unit_last_stride(a: Arg) -> Arg:
-    """cuBLAS reads any row stride but needs unit stride along the last axis: copy (CuPy) only when it is not."""
+    """cuBLAS reads any row stride but needs unit stride along the last axis: copy only when it is not, from the
+    caller's allocator on the call's stream (torch tensors: torch's; otherwise CuPy's pool)."""
     st = a.strides()
     if st[1] == 1 and st[0] >= a.shape[1]:
         return a
+    if a.kind == interop.TORCH:
+        return Arg(a.obj.detach().contiguous(), interop.TORCH, a.dtype, a.shape)
     import cupy
     return Arg(cupy.ascontiguousarray(cupy_view(a)), interop.CUPY, a.dtype, a.shape)
 
@@ -415,6 +418,10 @@ def vector_ptr(a: Arg, keep: list) -> int:
     """Pointer to a contiguous copy of a per-feature vector (the array itself when already contiguous)."""
     if a.shape == () or a.shape == (1,) or a.strides()[0] == 1:
         return a.ptr()
+    if a.kind == interop.TORCH:  # torch's allocator, like the call's other memory
+        t = a.obj.detach().contiguous()
+        keep.append(t)  # alive until the launches are enqueued (torch's allocator is stream-ordered)
+        return t.data_ptr()
     import cupy
     c = cupy.ascontiguousarray(cupy_view(a))
     keep.append(c)  # alive until the launches are enqueued (CuPy's pool is stream-ordered)

@@ -69,6 +69,8 @@ class StridedGemm:
         self._a = (cuda_dtype(a_dtype), lda, stride_a)
         self._c = (cuda_dtype(c_dtype), ldc, stride_c)
         self._tail = (batch, compute, _ALGO_DEFAULT)
+        # Bytes of the workspace a call may be given (``work``): cuBLASLt's; the classic API's handle keeps its own.
+        self.workspace_bytes = cublaslt.WORKSPACE_BYTES if self._lt_key is not None else 0
 
     def bind(self, stream_ptr: int):
         """``fn(c_ptr, a_ptr, b_ptr)`` enqueuing this GEMM on ``stream_ptr`` with the least host work (cuBLASLt's
@@ -78,19 +80,22 @@ class StridedGemm:
             return None
         return self._lt_plan.bind(self._alpha_ptr, self._beta_ptr, stream_ptr)
 
-    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None) -> None:
+    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None,
+                 work: tuple[int, int] | None = None) -> None:
         """Enqueue on ``stream_ptr`` (a raw stream handle), or on CuPy's current stream when None. The first call of
-        a large problem may tune the cuBLASLt algorithm on the current stream, which must then be ``stream_ptr``'s."""
+        a large problem may tune the cuBLASLt algorithm on the current stream, which must then be ``stream_ptr``'s.
+        ``work``: (pointer, bytes ≥ workspace_bytes) of a workspace from the caller's per-call scratch, free for this
+        GEMM until it is done (stream order); None: the stream's persistent cuBLASLt workspace."""
         if self._lt_plan is not None:  # hashing the 17-field key on every call costs a few µs of host time
             if stream_ptr is None:
                 stream_ptr = _current_stream_ptr()
-            self._lt_plan.run(c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_ptr, stream_ptr)
+            self._lt_plan.run(c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_ptr, stream_ptr, work=work)
             return
         import cupy
         stream = cupy.cuda.get_current_stream()
         if self._lt_key is not None:
             self._lt_plan = cublaslt.matmul(self._lt_key, c_ptr, a_ptr, b_ptr, self._alpha_ptr, self._beta_value,
-                                             self._beta_ptr, stream)
+                                             self._beta_ptr, stream, work)
             return
         from cupy.cuda import cublas, device
         stream_ptr = stream.ptr if stream_ptr is None else stream_ptr
@@ -102,6 +107,12 @@ class StridedGemm:
         cublas.setStream(handle, stream_ptr)
         cublas.gemmStridedBatchedEx(handle, *self._ops, self._alpha_ptr, b_ptr, *self._b, a_ptr, *self._a,
                                     self._beta_ptr, c_ptr, *self._c, *self._tail)
+
+
+def lt_workspace_bytes() -> int:
+    """Bytes of the workspace a :class:`StridedGemm` call may be given: cuBLASLt's WORKSPACE_BYTES (32 MiB), 0 where
+    the classic API runs (no nvmath, CUPY_ATTN_CUBLASLT=0)."""
+    return cublaslt.WORKSPACE_BYTES if USE_CUBLASLT and cublaslt.available() else 0
 
 
 def _current_stream_ptr() -> int:

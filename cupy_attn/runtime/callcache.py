@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import env, interop
+from . import env, interop, workspace
 
 # Environment variables that change a call's plan (read per call by the full path, so part of the key): env.KNOBS'
 # launch=True entries.
@@ -147,3 +147,8 @@ def put(call_key: tuple, entry: Entry) -> None:
 
 def clear() -> None:
     _CACHE.clear()
+
+
+# Entries hold prepared calls whose bound GEMMs keep a stream's cuBLASLt workspace (Linear-BN-softmax's):
+# release_memory(graphs=True) drops them with it.
+workspace.on_release(clear)

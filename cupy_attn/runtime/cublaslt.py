@@ -193,12 +193,19 @@ class Plan:
         return layout
 
     def run(self, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta_ptr: int, stream_ptr: int,
-            choice: int | None = None) -> None:
-        """D = C = alpha·op(A)·op(B) + beta·C on ``stream_ptr``; alpha/beta are host float32 pointers."""
+            choice: int | None = None, work: tuple[int, int] | None = None) -> None:
+        """D = C = alpha·op(A)·op(B) + beta·C on ``stream_ptr``; alpha/beta are host float32 pointers. ``work``:
+        (pointer, bytes) of the caller's workspace for this call (the split paths take it from the call's scratch,
+        so that nothing stays held after the call); None, or too small for the algorithm: the stream's persistent
+        workspace (runtime.workspace.persistent, freed by cupy_attn.release_memory)."""
         lt = _lib()
         algo = self.algos[self.choice if choice is None else choice]
-        ws = _workspace_array(self.key.device_id, stream_ptr, algo.workspace_size)  # held until enqueued
-        ws_ptr, ws_size = (0, 0) if ws is None else (workspace.pointer(ws), ws.nbytes)
+        ws = None
+        if work is not None and work[1] >= algo.workspace_size:
+            ws_ptr, ws_size = work
+        else:
+            ws = _workspace_array(self.key.device_id, stream_ptr, algo.workspace_size)  # held until enqueued
+            ws_ptr, ws_size = (0, 0) if ws is None else (workspace.pointer(ws), ws.nbytes)
         try:
             lt.matmul(_handle(self.key.device_id), self.desc, alpha_ptr, b_ptr, self.layout_a, a_ptr, self.layout_b,
                       beta_ptr, c_ptr, self.layout_c, c_ptr, self.layout_c, algo.ptr, ws_ptr, ws_size, stream_ptr)
@@ -226,18 +233,19 @@ class Plan:
         matmul.keep = (self, ws_array)  # what the closure's pointers refer to: descriptors and algorithm, workspace
         return matmul
 
-    def tune(self, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta_ptr: int, stream) -> list[float]:
-        """Time every candidate (median of TUNE_REPEATS after one warm-up, CUDA events on ``stream``), keep the
-        fastest, and return the times in ms. C is overwritten, so beta must be 0."""
+    def tune(self, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta_ptr: int, stream,
+             work: tuple[int, int] | None = None) -> list[float]:
+        """Time every candidate (median of TUNE_REPEATS after one warm-up, CUDA events on ``stream``; ``work`` as in
+        :meth:`run`), keep the fastest, and return the times in ms. C is overwritten, so beta must be 0."""
         import cupy
         times = []
         for i in range(len(self.algos)):
-            self.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr, choice=i)
+            self.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr, choice=i, work=work)
             runs = []
             for _ in range(TUNE_REPEATS):
                 start, stop = cupy.cuda.Event(), cupy.cuda.Event()
                 start.record(stream)
-                self.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr, choice=i)
+                self.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr, choice=i, work=work)
                 stop.record(stream)
                 runs.append((start, stop))
             stream.synchronize()
@@ -260,9 +268,10 @@ TUNE = env.get("CUPY_ATTN_GEMM_TUNE", "1") != "0"
 
 
 def matmul(key: GemmKey, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, beta: float, beta_ptr: int,
-           stream) -> Plan:
+           stream, work: tuple[int, int] | None = None) -> Plan:
     """D = C = alpha·op(A)·op(B) + beta·C for ``key`` on CuPy stream ``stream``, with the plan cached per key;
     returns the plan, so that a caller that keeps it can call ``Plan.run`` next time without the key lookup.
+    ``work``: the caller's workspace for this call (:meth:`Plan.run`).
 
     The first call of a large problem (≥ TUNE_MIN_FLOPS) with beta = 0 times the candidate algorithms on the real
     operands (C is overwritten, then written once more) and synchronizes ``stream``; not while the stream is being
@@ -274,9 +283,9 @@ def matmul(key: GemmKey, c_ptr: int, a_ptr: int, b_ptr: int, alpha_ptr: int, bet
         tune = TUNE and beta == 0 and flops >= TUNE_MIN_FLOPS and not _capturing(stream)
         p = Plan(key, TUNE_CANDIDATES if tune else 1)
         if tune:
-            p.tune(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream)
+            p.tune(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream, work)
         _PLANS[key] = p
-    p.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr)
+    p.run(c_ptr, a_ptr, b_ptr, alpha_ptr, beta_ptr, stream.ptr, work=work)
     return p
 
 
@@ -294,7 +303,8 @@ def _workspace(device_id: int, stream_ptr: int, size: int) -> tuple[int, int]:
 
 def _workspace_array(device_id: int, stream_ptr: int, size: int):
     """The buffer behind ``_workspace`` (None for size 0): the stream's persistent "cublaslt" buffer from the stream
-    owner's allocator (runtime.workspace); a holder keeps it alive after a larger one replaces it."""
+    owner's allocator (runtime.workspace), bound (Plan.bind bakes its address into the calls it returns: only
+    release_memory(graphs=True) frees it); a holder keeps it alive after a larger one replaces it."""
     if size == 0:
         return None
-    return workspace.persistent(device_id, stream_ptr, "cublaslt", max(size, WORKSPACE_BYTES))
+    return workspace.persistent(device_id, stream_ptr, "cublaslt", max(size, WORKSPACE_BYTES), bound=True)

@@ -225,6 +225,29 @@ class CallContext:
         a = cupy.empty(shape, dtype=dtype)
         return a, a
 
+    def contiguous(self, x):
+        """A C-contiguous copy of the CuPy array ``x`` (an input the kernels cannot read in place) from the caller's
+        allocator on the call's stream (CuPy's must be current: ``activate``): for torch callers a torch tensor, which
+        torch.cuda.empty_cache() can return and a CUDA-graph capture takes from its pool; CuPy's pool otherwise.
+        Copied bit for bit, so any dtype (bf16 included)."""
+        import cupy
+        if self.kind != TORCH:
+            return cupy.ascontiguousarray(x)
+        _, y = self.empty(tuple(x.shape), x.dtype)
+        bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize]
+        y.view(bits)[...] = x.view(bits)
+        return y
+
+    def full(self, shape: tuple[int, ...], dtype: np.dtype, value: float):
+        """A new contiguous array filled with ``value`` from the caller's allocator on the call's stream, returned as
+        the caller's kind (torch tensor, or CuPy array) without a CuPy view: empty results are made this way (an empty
+        torch tensor has no memory to view)."""
+        if self.kind == TORCH:
+            return _torch().full(shape, value, dtype=_numpy_to_torch_dtype(dtype), device=f"cuda:{self.device_id}")
+        import cupy
+        with self.activate():
+            return cupy.full(shape, value, dtype=dtype)
+
 
 _STREAMS: dict = {}  # (device, CUDA stream handle) -> CuPy stream object wrapping it; handles are stable
 

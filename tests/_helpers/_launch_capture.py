@@ -132,13 +132,17 @@ class FakeKernel:
 
 
 class FakeGemm:
-    """Stands for blas.StridedGemm (cuBLAS): its calls are recorded with the tag of its problem."""
+    """Stands for blas.StridedGemm (cuBLAS): its calls are recorded with the tag of its problem. It takes no
+    workspace (the classic API's contract; cuBLASLt's per-call workspace: tests/test_memory.py)."""
+
+    workspace_bytes = 0
 
     def __init__(self, recorder, **kw):
         self.recorder, self.tag = recorder, hashlib.sha256(repr(sorted(kw.items())).encode()).hexdigest()[:12]
         self.kw = kw
 
-    def __call__(self, c, a, b, stream_ptr=None):
+    def __call__(self, c, a, b, stream_ptr=None, work=None):
+        assert work is None, "a GEMM of no workspace was given one"
         self.recorder.log.append(["gemm", self.tag, c, a, b, stream_ptr])
 
     def bind(self, stream_ptr):

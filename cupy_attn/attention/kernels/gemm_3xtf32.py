@@ -129,6 +129,8 @@ class Gemm3xTF32:
     at its first use.
     """
 
+    workspace_bytes = 0  # StridedGemm's contract: this GEMM takes no workspace (a call's ``work`` is ignored)
+
     def __init__(self, *, c_dtype, ldc: int, stride_c: int, a_dtype, lda: int, stride_a: int, trans_a: bool,
                  b_dtype, ldb: int, stride_b: int, trans_b: bool, m: int, n: int, k: int, batch: int,
                  alpha: float = 1.0, beta: float = 0.0, allow_tf32: bool = False):
@@ -210,7 +212,8 @@ class Gemm3xTF32:
         no workspace, so it is valid under stream capture too (never None)."""
         return functools.partial(self.launch_on, stream_ptr)
 
-    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None) -> None:
+    def __call__(self, c_ptr: int, a_ptr: int, b_ptr: int, stream_ptr: int | None = None,
+                 work: tuple[int, int] | None = None) -> None:
         """Enqueue on ``stream_ptr`` (a raw stream handle), or on CuPy's current stream when None."""
         if stream_ptr is None:
             import cupy

@@ -17,7 +17,8 @@ score buffers fit ``workspace_bytes``, on cuBLAS GEMMs and the row kernels of ke
 
 Every dtype (fp16, bf16, fp32: fp32 stays exact unless ``allow_tf32``), every head dim, every mask kind, both causal
 alignments and GQA (K and V are read per query head; dK and dV are summed over each group in fp32). Inputs of any
-strides are copied to contiguous scratch first. Memory comes from the caller's allocator (runtime.workspace).
+strides are copied to contiguous scratch first. Memory comes from the caller's allocator (runtime.workspace), the
+GEMMs' cuBLASLt workspace included, and goes back to it when the call returns.
 """
 from __future__ import annotations
 
@@ -136,6 +137,11 @@ def sdpa_backward(p, plan, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_
         keep.append(holder)
         holder, pbuf = _scratch(ctx, (heads * rows * ld,), dtype)
         keep.append(holder)
+        work = None  # the cuBLASLt GEMMs' workspace, per call like the buffers above (none outlives the call)
+        if ws_bytes := blas.lt_workspace_bytes():
+            holder, ws_ptr = workspace.scratch(ctx, ws_bytes)
+            keep.append(holder)
+            work = (ws_ptr, ws_bytes)
 
         base = bwd_rows.base_params(p, lse.data.ptr, delta.data.ptr, ld)
 
@@ -194,18 +200,18 @@ def sdpa_backward(p, plan, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_
                 g_s, g_dv, g_dp, g_dq, g_dk = gemm_set(nb, lc, r0 > 0)
                 q0, do0 = q.data.ptr + (h0 * L + r0) * E * isz, do.data.ptr + (h0 * L + r0) * Ev * isz
                 k0, v0 = k.data.ptr + h0 * S * E * isz, v.data.ptr + h0 * S * Ev * isz
-                g_s(s32.data.ptr, q0, k0)
+                g_s(s32.data.ptr, q0, k0, work=work)
                 prm = base.copy()
                 prm["scores"], prm["dp"], prm["out"] = s32.data.ptr, dp32.data.ptr, pbuf.data.ptr
                 prm["rows"], prm["rows_per_head"], prm["row0"], prm["head0"] = nb * lc, lc, r0, h0
                 launch_struct(rows_kernel, (nb * lc,), (128,), prm, ctx.stream.ptr)
-                g_dv(dv32.data.ptr + h0 * S * Ev * 4, pbuf.data.ptr, do0)
-                g_dp(dp32.data.ptr, do0, v0)
+                g_dv(dv32.data.ptr + h0 * S * Ev * 4, pbuf.data.ptr, do0, work=work)
+                g_dp(dp32.data.ptr, do0, v0, work=work)
                 if dmask is not None:  # (rows, S) of this chunk: heads h0.., rows r0.. of a (heads, L, S) array
                     prm["dmask"] = dmask.data.ptr + (h0 * L + r0) * S * 4
                 launch_struct(grad_kernel, (nb * lc,), (128,), prm, ctx.stream.ptr)
-                g_dq(dq.data.ptr + (h0 * L + r0) * E * isz, pbuf.data.ptr, k0)
-                g_dk(dk32.data.ptr + h0 * S * E * 4, pbuf.data.ptr, q0)
+                g_dq(dq.data.ptr + (h0 * L + r0) * E * isz, pbuf.data.ptr, k0, work=work)
+                g_dk(dk32.data.ptr + h0 * S * E * 4, pbuf.data.ptr, q0, work=work)
 
         for src, dst, inner in ((dk32, dk, S * E), (dv32, dv, S * Ev)):
             bwd_rows.GroupSum(ctype, dst.size, inner, g).run(ctx.stream.ptr, src.data.ptr, dst.data.ptr)

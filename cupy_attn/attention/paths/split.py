@@ -15,6 +15,10 @@ it (:func:`run`). The heuristics the plan takes the chunking, bands and streams 
 (:func:`scores_batch_chunk`, :func:`causal_row_bands`, :func:`cublas_causal_bands`, :func:`band_streams`).
 
 Any head dims (E, Ev), any L and S, every mask kind, GQA and strided (BSHD) layouts without copies.
+
+Memory: one scratch buffer per call (per batch chunk under the scores kernel) from the caller's allocator, returned
+when the call ends: the scores or P, then, where cuBLASLt runs a GEMM, its 32 MiB workspace, one per stream
+(:meth:`_Schedule.scratch_layout`). Nothing is kept between calls.
 """
 from __future__ import annotations
 
@@ -140,6 +144,18 @@ class _Schedule:
     pv: object = None
     # Arrays the launches read by address (the variants' expanded slopes and sinks: softmax.expanded_variant_arrays).
     keep: tuple = ()
+    # Bytes of cuBLASLt workspace per stream for the chunks' GEMMs (their workspace_bytes; 0: none takes one): carved
+    # from the call's scratch after the scores, one region per stream, so no workspace outlives the call.
+    gemm_workspace: int = 0
+
+    def scratch_layout(self) -> tuple[int, int]:
+        """(bytes of the call's scratch, offset of the first GEMM workspace in it): the scores (or P), then, 256-byte
+        aligned, ``streams`` GEMM workspaces of gemm_workspace bytes."""
+        scores = self.scores_elems * self.itemsize
+        if not self.gemm_workspace:
+            return scores, scores
+        offset = -(-scores // 256) * 256
+        return offset + self.streams * self.gemm_workspace, offset
 
 
 _SCHEDULES: dict = {}
@@ -209,7 +225,8 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
         rng: int = 0) -> None:
     """Enqueue a schedule on the call's device and stream (``ctx``, an interop.CallContext): per chunk, GEMM →
     softmax → GEMM over a scores buffer from the caller's allocator (runtime.workspace.scratch: torch's caching
-    allocator for torch callers, graph-capture safe; CuPy's pool otherwise), released, stream-ordered, on return.
+    allocator for torch callers, graph-capture safe; CuPy's pool otherwise), released, stream-ordered, on return;
+    the GEMMs' cuBLASLt workspaces are regions of that same buffer (one per stream: _Schedule.scratch_layout).
     Pointers: q, k, v, out, lse (0: none), mask (0: none). Nothing here allocates outside the caller's allocator or
     synchronizes, so the call can be captured into a CUDA graph (after a first call outside capture has tuned the
     GEMMs: cuBLASLt's tuning times candidates and synchronizes, so under capture the heuristic's first choice runs)."""
@@ -218,7 +235,9 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
             run(sub, ctx, q0 + oq, k0 + ok, v0 + ov, o0 + oo, l0 + ol if l0 else 0, m0 + om if m0 else 0, rng=rng)
         return
     with ctx.activate():
-        scores, s0 = workspace.scratch(ctx, sched.scores_elems * sched.itemsize)
+        nbytes, w0 = sched.scratch_layout()
+        scores, s0 = workspace.scratch(ctx, nbytes)
+        ws = sched.gemm_workspace
         main = ctx.stream
         if sched.scores is not None:
             sched.scores.launch_on(main.ptr, q0, k0, s0, l0, m0)
@@ -233,13 +252,14 @@ def run(sched: "_Schedule", ctx, q0: int, k0: int, v0: int, o0: int, l0: int = 0
             stream = main if streams is None or c.stream == 0 else streams[c.stream - 1]
             # A side stream is made CuPy's current one for the softmax launch and a first GEMM call's cuBLASLt tuning;
             # the call's stream already is (ctx.activate), so the common path switches nothing.
+            work = (s0 + w0 + c.stream * ws, ws) if ws else None  # this stream's GEMM workspace
             with _NO_SWITCH if stream is main else stream:
                 if sched.scores is not None:
-                    c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
+                    c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr, work=work)
                     continue
-                c.gemm_qk(s0 + c.p, q0 + c.q, k0 + c.k, stream.ptr)
+                c.gemm_qk(s0 + c.p, q0 + c.q, k0 + c.k, stream.ptr, work=work)
                 c.softmax.launch_on(stream.ptr, s0 + c.p, m0 + c.mask if m0 else 0, l0 + c.lse if l0 else 0, rng)
-                c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr)
+                c.gemm_pv(o0 + c.o, s0 + c.p, v0 + c.v, stream.ptr, work=work)
         if streams is not None:
             _join(main, streams, joins)
         del scores  # back to its allocator, ordered after the work above on this stream
@@ -463,11 +483,12 @@ def _build_schedule(p, choice: SplitChoice, out, lse) -> _Schedule:
                     else int(band_offset[band]),
                     softmax=launch, stream=band_stream[band]))
     streams = max(band_stream) + 1
+    work = max((g.workspace_bytes for pair in gemms.values() for g in pair if g is not None), default=0)
     if scores_launch is not None:
         return _Schedule(scores_elems=p.batch * p.num_heads * L * ld_p, chunks=chunks,
-                         scores=scores_launch, itemsize=isz, streams=streams)
+                         scores=scores_launch, itemsize=isz, streams=streams, gemm_workspace=work)
     return _Schedule(scores_elems=per_chunk * rows_per_chunk * ld, chunks=chunks, streams=streams,
-                     keep=variant_arrays)
+                     gemm_workspace=work, keep=variant_arrays)
 
 
 def p_bytes_per_batch(p) -> int:
