@@ -521,3 +521,25 @@ def test_gpu_empty_linear_batchnorm_softmax(n, k, f, training, dtype):
         assert a.grad is not None and a.grad.shape == a.shape and a.grad.dtype == a.dtype, f"{what}: {arg}"
         # K = 0 in training: y is the bias, variance 0: 1/sqrt(eps) scales rounding (fp16 y: to ~1e-2)
         torch.testing.assert_close(a.grad.cpu().float(), b.grad, atol=2e-2, rtol=1e-2, msg=f"{what}: d{arg}")
+
+
+@pytest.mark.parametrize("name,qs,ks,vs,kw", [c for c in CASES if c[0] in ("S=0", "S=0 causal", "S=0 gqa Ev", "Ev=0",
+                                                                          "Ev=0 bool mask")])
+def test_empty_calls_with_variants_give_the_references_lse(name, qs, ks, vs, kw, monkeypatch):
+    """An empty GPU call with sinks and a window: S = 0 rows give lse = their head's sink logit (its term alone in the
+    denominator), Ev = 0 rows the float64 reference's lse with every variant; out as without variants."""
+    from cupy_attn.attention.variants import Variants
+    monkeypatch.setattr(_dispatch, "device_arch", lambda p: 90)
+    p, (q, k, v, tkw) = _fake_gpu_problem(qs, ks, vs, kw)
+    sinks = np.linspace(-1.0, 2.0, qs[-3]).astype(np.float32)
+    p.variants = Variants(3, 0, 5.0, sinks, None)
+    out, lse = _sdpa._run(p, "auto", None, None, False, True, None, (None,) * 4)
+    assert out.shape == qs[:-1] + vs[-1:] and not out.any(), name
+    mask = tkw.get("attn_mask")
+    mask = None if mask is None else mask.numpy()
+    _, expect = reference.scaled_dot_product_attention(
+        q.double().numpy(), k.double().numpy(), np.zeros(ks[:-1] + (0,)), mask, is_causal=kw.get("is_causal", False),
+        enable_gqa=kw.get("enable_gqa", False), window_size=(3, 0), softcap=5.0, sinks=sinks, return_lse=True)
+    if ks[-2] == 0:
+        np.testing.assert_array_equal(expect, np.broadcast_to(sinks[:, None], expect.shape))
+    np.testing.assert_allclose(lse, expect, rtol=1e-5, atol=1e-5, err_msg=name)
