@@ -57,6 +57,18 @@ def _arrays(qs, ks, vs, kw, make):
     return q, k, v, kw
 
 
+_OLD_TORCH = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+
+
+def _torch_sdpa(q, k, v, **kw):
+    """torch's scaled_dot_product_attention, except for no heads (H = 0) under torch < 2.13, whose CPU kernel dies of
+    SIGFPE there (seen with 2.11's; 2.13's returns the empty result): that empty result is built directly, tied to
+    q, k and v for autograd (every tensor involved is empty, so are their gradients)."""
+    if _OLD_TORCH and q.shape[-3] == 0:
+        return q.new_zeros(q.shape[:-1] + v.shape[-1:]) + 0 * (q.sum() + k.sum() + v.sum())
+    return F.scaled_dot_product_attention(q, k, v, **kw)
+
+
 def _torch_kwargs(kw, seqlen_q, seqlen_k):
     """torch's arguments for ours: bottom_right (which torch's is_causal lacks) as a mask; dropout off (every case
     with dropout has an empty or all-zero output, whatever the mask)."""
@@ -104,7 +116,7 @@ def _cpu_maker(seed=0):
 @pytest.mark.parametrize("name,qs,ks,vs,kw", CASES, ids=IDS)
 def test_numpy_reference_path_matches_torch(name, qs, ks, vs, kw, dtype):
     q, k, v, kw = _arrays(qs, ks, vs, kw, _cpu_maker())
-    expect = F.scaled_dot_product_attention(q, k, v, **_torch_kwargs(kw, qs[-2], ks[-2]))
+    expect = _torch_sdpa(q, k, v, **_torch_kwargs(kw, qs[-2], ks[-2]))
     np_kw = {n: (x.numpy() if isinstance(x, torch.Tensor) else x) for n, x in kw.items()}
     if "attn_mask" in np_kw and np_kw["attn_mask"].dtype != np.bool_:
         np_kw["attn_mask"] = np_kw["attn_mask"].astype(dtype)
@@ -127,7 +139,7 @@ def test_cpu_torch_autograd_matches_torch(name, qs, ks, vs, kw):
     ours_kw = dict(kw, **({"attn_mask": ours[3]} if len(ours) == 4 else {}))
     theirs_kw = dict(kw, **({"attn_mask": theirs[3]} if len(theirs) == 4 else {}))
     out = SDPA(*ours[:3], **ours_kw)
-    expect = F.scaled_dot_product_attention(*theirs[:3], **_torch_kwargs(theirs_kw, qs[-2], ks[-2]))
+    expect = _torch_sdpa(*theirs[:3], **_torch_kwargs(theirs_kw, qs[-2], ks[-2]))
     assert out.shape == expect.shape and out.dtype == expect.dtype, name
     torch.testing.assert_close(out, expect.detach(), rtol=0, atol=0, msg=name)
     weight = torch.randn(out.shape)
@@ -272,7 +284,7 @@ def test_run_returns_torch_results_and_launches_nothing(name, qs, ks, vs, kw, ba
     monkeypatch.setattr(_dispatch.Plan, "prepare", lambda *a: pytest.fail("an empty call prepared a launch"))
     monkeypatch.setattr(_sdpa.callcache, "put", lambda *a: pytest.fail("an empty call was cached"))
     p, (q, k, v, tkw) = _fake_gpu_problem(qs, ks, vs, kw)
-    expect = F.scaled_dot_product_attention(q, k, v, **_torch_kwargs(tkw, qs[-2], ks[-2]))
+    expect = _torch_sdpa(q, k, v, **_torch_kwargs(tkw, qs[-2], ks[-2]))
     out = _sdpa._run(p, backend, None, None, False, False, ("key",), (None,) * 4)
     assert out.shape == tuple(expect.shape) and out.dtype == np.float32, name
     np.testing.assert_array_equal(out, expect.numpy(), err_msg=name)
@@ -330,7 +342,7 @@ def test_public_call_on_cuda_arrays_makes_no_view(name, qs, ks, vs, kw, fake_cud
         return _FakeCudaArray(shape, np.bool_ if kind == "bool" else np.float16)
     q, k, v, fkw = _arrays(qs, ks, vs, kw, make)
     tq, tk, tv, tkw = _arrays(qs, ks, vs, kw, _cpu_maker(3))
-    expect = F.scaled_dot_product_attention(tq, tk, tv, **_torch_kwargs(tkw, qs[-2], ks[-2]))
+    expect = _torch_sdpa(tq, tk, tv, **_torch_kwargs(tkw, qs[-2], ks[-2]))
     for backend in ("auto", "fused", "split"):
         out, lse = SDPA(q, k, v, backend=backend, return_lse=True, **fkw)
         assert out.shape == tuple(expect.shape) and out.dtype == np.float16, name
@@ -346,7 +358,7 @@ def test_backward_of_empty_calls_is_zeros(name, qs, ks, vs, kw):
     shapes and dtypes before any plan (a float mask's gradient in its shape), as torch's."""
     q, k, v, kw = _arrays(qs, ks, vs, kw, _cpu_maker(4))
     mask = kw.get("attn_mask")
-    out = F.scaled_dot_product_attention(q, k, v, **_torch_kwargs(kw, qs[-2], ks[-2]))
+    out = _torch_sdpa(q, k, v, **_torch_kwargs(kw, qs[-2], ks[-2]))
     lse = torch.full(qs[:-1], float("-inf"))
     grads = _autograd.grad_inputs(q, k, v, mask, out, lse, torch.randn(out.shape),
                                   is_causal=kw.get("is_causal", False), scale=None,
@@ -420,7 +432,7 @@ def test_gpu_empty_forward_and_backward_match_torch(path, case, monkeypatch):
     # forward, no autograd
     out, lse = SDPA(q, k, v, return_lse=True, **kw)
     qc, kc, vc = (x.cpu().float() for x in (q, k, v))
-    expect = F.scaled_dot_product_attention(qc, kc, vc, **_torch_kwargs(cpu_kw, qs[-2], ks[-2])).to(dtype)
+    expect = _torch_sdpa(qc, kc, vc, **_torch_kwargs(cpu_kw, qs[-2], ks[-2])).to(dtype)
     assert out.shape == expect.shape and out.dtype == dtype and out.is_cuda and out.is_contiguous(), what
     torch.testing.assert_close(out.cpu(), expect, rtol=0, atol=0, msg=what)
     assert lse.shape == qs[:-1] and lse.dtype == torch.float32 and lse.is_cuda, what
@@ -433,7 +445,7 @@ def test_gpu_empty_forward_and_backward_match_torch(path, case, monkeypatch):
     ours = [x.detach().clone().requires_grad_() for x in leaves]
     theirs = [x.detach().cpu().float().requires_grad_() for x in leaves]
     out = SDPA(*ours[:3], **dict(kw, **({"attn_mask": ours[3]} if float_mask else {})))
-    expect = F.scaled_dot_product_attention(*theirs[:3], **_torch_kwargs(
+    expect = _torch_sdpa(*theirs[:3], **_torch_kwargs(
         dict(cpu_kw, **({"attn_mask": theirs[3]} if float_mask else {})), qs[-2], ks[-2]))
     weight = torch.randn(out.shape, generator=gen, device="cuda")
     (out.float() * weight).sum().backward()
@@ -458,7 +470,7 @@ def test_gpu_empty_cupy_inputs(case):
     with stream:
         out, lse = SDPA(q, k, v, return_lse=True, **kw)
     stream.synchronize()
-    expect = F.scaled_dot_product_attention(*(torch.from_numpy(cupy.asnumpy(x)).float() for x in (q, k, v)),
+    expect = _torch_sdpa(*(torch.from_numpy(cupy.asnumpy(x)).float() for x in (q, k, v)),
                                             **_torch_kwargs(kw, qs[-2], ks[-2]))
     assert isinstance(out, cupy.ndarray) and out.dtype == cupy.float16 and out.shape == tuple(expect.shape)
     np.testing.assert_array_equal(cupy.asnumpy(out).astype(np.float32), expect.numpy())
@@ -480,7 +492,7 @@ def test_gpu_empty_compiled_training_step(case):
     step = torch.compile(lambda q, k, v: SDPA(q, k, v, **kw).sum() * 2, fullgraph=True, backend="aot_eager")
     step(*leaves).backward()
     ref = [x.detach().cpu().requires_grad_() for x in (q, k, v)]
-    (F.scaled_dot_product_attention(*ref, **{n: x.cpu() for n, x in kw.items()}).sum() * 2).backward()
+    (_torch_sdpa(*ref, **{n: x.cpu() for n, x in kw.items()}).sum() * 2).backward()
     for a, b in zip(leaves, ref):
         assert a.grad.shape == b.grad.shape
         torch.testing.assert_close(a.grad.cpu(), b.grad, rtol=0, atol=0)
