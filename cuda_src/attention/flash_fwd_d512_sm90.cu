@@ -235,7 +235,11 @@ struct Consumer {
 
   // S (64 × 128, this warpgroup's keys) = Q K_wᵀ over the head dim; wait<1> after each stage's commit: the previous
   // stage's wgmma are complete and it is released while this one runs.
+  //
+  // Two head-dim chunks per loop trip in the plain kernels: left to itself the compiler keeps one, and the persistent
+  // kernel then ran 4-7% slower than with two (bench/ab.py). The variants' kernel keeps one: with two it spills 8 bytes.
   __device__ __forceinline__ void s_block(const Smem& ss, float (&s)[64]) {
+    #pragma unroll (kVariants ? 1 : 2)
     for (int kc = 0; kc < kKChunks; ++kc, ++step) {
       const unsigned k_st = wait_full(ss) + wg * 128 * 128;
       wgmma::fence();
