@@ -38,7 +38,8 @@ def _block(marker: str) -> str:
 
 
 def test_every_python_block_is_covered():
-    markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()")
+    markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()",
+               "window_size=(128, 0)")
     assert len(_blocks("python")) == len(markers)
     for marker in markers:
         _block(marker)
@@ -71,6 +72,26 @@ def test_cupy_example_with_numpy():
     out = ns["out"]
     assert isinstance(out, np.ndarray) and out.shape == (2, 8, 256, 64) and out.dtype == np.float16
     assert ns["keep"].dtype == np.bool_ and 0 < ns["keep"].mean() < 1
+
+
+def test_variants_example():
+    """The variants block: each call's out as the float64 reference gives it (the last one, ALiBi, checked here); the
+    window as torch's SDPA with the equivalent boolean mask."""
+    torch = pytest.importorskip("torch")
+    from cupy_attn import reference
+    code = _block("window_size=(128, 0)")
+    ns = _run(code.replace("alibi_slopes=slopes)\n", "alibi_slopes=slopes)\nlast = out\n", 1))
+    q, k, v = (ns[n].double().numpy() for n in "qkv")
+    expect = reference.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True,
+                                                    alibi_slopes=ns["slopes"].numpy())
+    assert ns["last"].shape == (1, 32, 512, 128) and ns["last"].dtype == torch.bfloat16
+    np.testing.assert_allclose(ns["last"].double().numpy(), expect, atol=1e-2)
+    i, j = torch.arange(512)[:, None], torch.arange(512)[None, :]
+    window = torch.nn.functional.scaled_dot_product_attention(
+        *(ns[n].double() for n in "qkv"), attn_mask=(j <= i) & (j >= i - 128), enable_gqa=True)
+    got = ns["cupy_attn"].scaled_dot_product_attention(ns["q"], ns["k"], ns["v"], is_causal=True, enable_gqa=True,
+                                                       window_size=(128, 0))
+    assert (got.double() - window).abs().max().item() < 1e-2
 
 
 def test_module_example():
