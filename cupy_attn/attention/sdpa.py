@@ -18,73 +18,83 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  enable_gqa=False, *, window_size=None, softcap=None, sinks=None, alibi_slopes=None,
                                  backend="auto", return_lse=False, allow_tf32=False, workspace_bytes=None,
                                  num_splits=None, generator=None):
-    """softmax(scale · query keyᵀ + mask) · value, with the semantics of torch's scaled_dot_product_attention.
+    """Attention with the semantics of torch's scaled_dot_product_attention and FlashAttention's variants:
 
-    Shapes: query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev); at least one axis before L/S (the
-    head axis), equal leading axes; Ev may differ from E. Hkv == Hq unless ``enable_gqa``, where Hq must be a multiple
-    of Hkv and query head h reads key/value head h // (Hq // Hkv) (K and V are not expanded in memory).
-    dtypes: float16, bfloat16, float32, all three equal. float32 is computed at fp32 accuracy unless ``allow_tf32``
-    (TF32 GEMMs, ~1e-3 relative): on sm_80+ the split path's GEMMs run 3xTF32 on tensor cores (CUTLASS's FastF32
-    split, as torch's memory-efficient kernel, summed per 32-deep k-slice; CUPY_ATTN_FP32_GEMM=sgemm: cuBLAS SGEMM).
-    attn_mask: bool (True = takes part) or float (added to the scaled scores), broadcastable to (..., Hq, L, S).
-    is_causal: True / "top_left" — query i sees keys j ≤ i (torch's ``tril(ones(L, S))``); "bottom_right" — j ≤ i + S − L
-    (FlashAttention's alignment, for KV caches). Not together with attn_mask.
-    scale: multiplies the scores; default 1/sqrt(E).
-    dropout_p in [0, 1]: torch's attention dropout, out = (P ∘ Z / (1 − dropout_p)) V with P the softmax and Z a keep
-    mask of probability 1 − dropout_p (dropout_p = 1: out = 0); lse (return_lse) is that of the undropped scores. Z
-    comes from Philox4x32-10 (Salmon et al. 2011) keyed by a (seed, offset) pair that each call draws from
-    ``generator`` on the call's stream (cupy_attn/attention/dropout.py; cupy_attn.philox defines the mask in NumPy):
-    torch tensors: a torch.Generator of the query's device or None (torch's default generator: torch.manual_seed
-    reproduces calls; CUDA-graph replays draw new pairs, as torch's RNG ops do); CuPy / DLPack inputs: None (CuPy's
-    global state, cupy.random.seed); NumPy: a numpy.random.Generator or None (np.random's global state). The
-    backward applies the forward's mask (the pair is saved, not the mask). Dropout calls run the fused kernel's
-    mma.sync dropout variant (never the FA3-design, wgmma or decode kernels) or the split path, and are not cached.
-    Rows whose keys are all masked give output 0 (lse -inf), as torch's math backend; NaN/Inf inputs propagate.
-    Empty inputs (B, H, L or Ev = 0, or S = 0) give torch's results (S = 0: out 0, lse -inf) and launch no kernel.
+        s_ij = softcap · tanh(scale · q_i·k_j / softcap)  (scale · q_i·k_j without softcap)
+               − slope_h · |i + S − L − j|                 (with alibi_slopes)
+               + mask_ij                                     (float attn_mask; −inf where a key is not visible)
+        out_i = Σ_j exp(s_ij) v_j / (Σ_j exp(s_ij) + exp(sink_h))   (the sink term only with sinks)
+        lse_i = log(Σ_j exp(s_ij) + exp(sink_h))
 
-    Inputs: torch CUDA tensors and CuPy arrays (zero-copy through DLPack; results come back as the query's kind, on
-    the caller's stream: torch's current stream for torch tensors, CuPy's current stream otherwise); other CUDA
-    ``__dlpack__`` objects (results as CuPy arrays); NumPy arrays and CPU torch tensors run the float64 NumPy
-    reference (slow; for checking). All arrays of one call must be of one kind (torch, NumPy, or CuPy / CUDA DLPack)
-    and on one device. Inputs that require grad are recorded by autograd (torch tensors; the backward runs our
-    kernels).
-    Copies are made only when an input's last axis is not unit-stride or its leading axes have no common stride
-    (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are read in place.
+    Key j is visible to query i when a bool attn_mask is True there, j ≤ i (is_causal=True / "top_left") or
+    j ≤ i + S − L ("bottom_right"), and i + S − L − left ≤ j ≤ i + S − L + right with window_size=(left, right)
+    (all that apply).
 
-    backend: "auto" (``explain`` says what it picks; env CUPY_ATTN_BACKEND overrides it for GPU calls; CPU inputs
-    always run the reference), "fused" (FlashAttention-2 kernel, Dao 2023; on Hopper, unmasked calls of at least 2^34
-    FLOPs at head dims 33-256 run the FlashAttention-3-design kernel, Shah et al. 2024: TMA, a producer warpgroup,
-    ping-pong and intra-warpgroup overlap, persistent, 192-row tiles of three consumer warpgroups for non-causal
-    calls at head dim 64, CUPY_ATTN_FA3=0 turns it off, =2 forces the one-tile-per-CTA overlap variant, =3 the
-    persistent one; the others
-    use warpgroup MMAs, CUPY_ATTN_WGMMA=0 keeps mma.sync), "split" (cuBLAS Q·Kᵀ into an fp32 score buffer, our fused
-    mask+softmax kernel, cuBLAS P·V; for float32 our 3xTF32 GEMM in place of cuBLAS; the buffer is processed in
-    chunks of batch·heads under ``workspace_bytes``, default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES; on Hopper,
-    fp16/bf16 calls with S ≤ 512 and no attn_mask or one that varies only along the keys (key padding),
-    causal or not, run one kernel for Q·Kᵀ and the softmax instead, writing P in the
-    input dtype, in chunks of batches when P of all batch·heads exceeds the budget; CUPY_ATTN_SPLIT_FUSED=0 turns it
-    off; after it, causal calls, and others where it is faster, multiply P·V on our own TMA + wgmma GEMM whose row
-    blocks stop at their visible keys, CUPY_ATTN_SPLIT_PV=0 keeps cuBLAS), or
-    "reference". "fused" and "split" need CUDA inputs.
-    return_lse: also return lse (..., Hq, L) float32, the natural-log log-sum-exp of each row's masked scaled scores.
-    num_splits: the decode (split-KV, Flash-Decoding) kernel's key splits. Under backend "auto", calls with few query
-    rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256 take that kernel with num_splits=None choosing the count from the
-    SM count; a positive int sends any call the kernel supports (fp16/bf16, head dims ≤ 256; backend "auto" or
-    "fused") to it with that many splits, at most one per key tile (64 keys). CUPY_ATTN_DECODE=0 turns it off;
-    =2 (=3) runs its Hopper streaming variant (TMA into an mbarrier ring; one (two) CTAs per SM), opt-in for now.
-    Repeated calls with torch CUDA tensors (or CuPy arrays) of the same layout, flags and stream replay the first
-    call's prepared launch (checks and planning skipped: ~14-16 µs of host time instead of ~127 for a small fused
-    call with torch tensors, where torch's own SDPA took 16-18 µs on the same hosts).
-    torch.compile / torch.export (``fullgraph=True``, ``mode="reduce-overhead"``) and FakeTensor inputs: torch tensors
-    go through the custom op ``torch.ops.cupy_attn.scaled_dot_product_attention`` (cupy_attn.torch_ops), one node in
-    the graph, no graph break. Eager calls skip the op: its dispatch would add ~10 µs of host time per call.
+    Arguments:
+    - query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev): at least one axis before L/S (the head
+      axis), equal leading axes; Ev may differ from E. float16, bfloat16 or float32, all equal (float64: TypeError,
+      the float64 reference is cupy_attn.reference). float32 is computed at fp32 accuracy unless ``allow_tf32``.
+    - attn_mask: bool (True = takes part) or float (added to the scores), broadcastable to (..., Hq, L, S).
+    - dropout_p in [0, 1]: torch's attention dropout, out = (P ∘ Z / (1 − dropout_p)) V with P the softmax and Z a
+      keep mask of probability 1 − dropout_p (dropout_p = 1: out = 0); lse is that of the undropped scores. Z comes
+      from Philox4x32-10 (Salmon et al. 2011) keyed by a (seed, offset) pair each call draws from ``generator`` on the
+      call's stream (cupy_attn.philox defines the mask in NumPy): torch tensors take a torch.Generator of the query's
+      device or None (torch's default generator: torch.manual_seed reproduces calls; CUDA-graph replays draw new
+      pairs); CuPy / DLPack inputs None (cupy.random's state); NumPy a numpy.random.Generator or None. The backward
+      applies the forward's mask (the pair is saved, not the mask).
+    - is_causal: False, True / "top_left" (torch's ``tril(ones(L, S))``) or "bottom_right" (FlashAttention's
+      alignment, for KV caches). Not together with attn_mask.
+    - scale: multiplies q·k; default 1/sqrt(E).
+    - enable_gqa: Hq a multiple of Hkv; query head h reads key/value head h // (Hq // Hkv) (not expanded in memory).
+      Without it Hkv must equal Hq.
+    - window_size: None or (left, right), ints ≥ 0, or −1 / None for an unbounded side (FlashAttention's
+      convention; Mistral's sliding_window W is (W − 1, 0) with is_causal).
+    - softcap: None or 0 (off), or a float c > 0 (Gemma 2's 50.0).
+    - sinks: None or (Hq,) float32 or the query's dtype, natural-log logits (gpt-oss's); differentiable.
+    - alibi_slopes: None or (Hq,) / (B, Hq) float32 (Press et al. 2022, FlashAttention's sign and offset).
+    - return_lse: also return lse (..., Hq, L) float32 (natural log).
+    - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
+      calls. "fused" and "split" need CUDA inputs.
+    - num_splits: None (chosen per call) or the decode kernel's key splits (a positive int; not with dropout).
+    - workspace_bytes: the split path's score-buffer budget (default 1 GiB or CUPY_ATTN_WORKSPACE_BYTES).
 
-    Returns: out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
-    Raises (all before anything is launched): TypeError for non-array inputs, unsupported dtypes, and arrays of
-    another kind than query's (NumPy or CuPy next to torch); ValueError for shape, device, mask or flag errors (naming
-    the argument and axis; dropout_p outside [0, 1]; num_splits with dropout_p > 0, the decode kernel having no
-    dropout); TypeError for a generator of the wrong kind, ValueError for one of another device; ValueError when
-    backend="fused" cannot run the call, and for backend="fused" or "split" with CPU inputs.
+    Inputs and results: torch CUDA tensors and CuPy arrays come in zero-copy (DLPack) and results come back as the
+    query's kind on the caller's stream (torch's current stream, or CuPy's); other CUDA ``__dlpack__`` objects give
+    CuPy arrays; NumPy arrays and CPU torch tensors run the float64 reference (slow; for checking). All arrays of a
+    call are of one kind and on one device. Copies are made only when an input's last axis is not unit-stride or its
+    leading axes share no stride (``explain`` lists them); BSHD views (``x.view(B, S, H, D).transpose(1, 2)``) are
+    read in place. Inputs that require grad are recorded by autograd and the backward runs our kernels. Rows that see
+    no key give out 0 and lse −inf (the sink with sinks), as torch's math backend; NaN/Inf propagate. Empty inputs
+    (B, H, L or Ev = 0, or S = 0) give torch's results and launch nothing.
+
+    Returns out (..., Hq, L, Ev) in the query's dtype and kind, contiguous; or (out, lse).
+
+    Raises, before anything is launched: TypeError for non-array inputs, unsupported dtypes, arrays of another kind
+    than query's, a softcap that is not a number, sinks/alibi_slopes of the wrong dtype, and a generator of the
+    wrong kind; ValueError naming the argument and axis for shape, device, mask, window and flag errors (dropout_p
+    outside [0, 1], num_splits with dropout), a generator of another device, backend="fused" that cannot run the
+    call, and backend="fused" or "split" with CPU inputs. NotImplementedError when a window, softcap or ALiBi call
+    that requires grad cannot take the Hopper backward kernel.
+
+    Paths (``explain`` says which one a call takes, and why):
+    - fused: FlashAttention-2 (Dao 2023) with mma.sync; on Hopper warpgroup MMAs (CUPY_ATTN_WGMMA=0 keeps mma.sync)
+      and, for unmasked calls of at least 2^34 FLOPs at head dims 33-256 and for every variant call there, the
+      FlashAttention-3-design kernel (Shah et al. 2024: TMA, a producer warpgroup, ping-pong, intra-warpgroup
+      overlap, persistent CTAs, 192-row tiles for non-causal head dim 64; CUPY_ATTN_FA3=0 turns it off, =2 / =3
+      force its one-tile-per-CTA / persistent form); head dims 257-512 a head-dim-512 kernel. Dropout calls run
+      the mma.sync dropout variant or the split path. Key blocks no row of a tile sees (causal, window) are skipped.
+    - decode (Flash-Decoding, split-KV): under "auto" for few query rows (L ≤ 16, L·Hq/Hkv ≤ 64) and S ≥ 256,
+      or any supported call (fp16/bf16, head dims ≤ 256) given num_splits; CUPY_ATTN_DECODE=0 turns it off.
+    - split: cuBLAS Q·Kᵀ into an fp32 score buffer, our mask + softmax kernel (every variant), cuBLAS P·V, in
+      chunks of batch·heads under workspace_bytes; float32 uses our 3xTF32 GEMM (CUTLASS's FastF32 split;
+      CUPY_ATTN_FP32_GEMM=sgemm: cuBLAS SGEMM). On Hopper, fp16/bf16 calls with S ≤ 512 and no mask or a key-padding
+      one run one kernel for Q·Kᵀ and the softmax (CUPY_ATTN_SPLIT_FUSED=0 turns it off), then P·V on our TMA +
+      wgmma GEMM where faster (CUPY_ATTN_SPLIT_PV=0 keeps cuBLAS).
+    - reference: the float64 NumPy reference on host copies.
+    Repeated calls with the same layout, flags and stream replay the first call's prepared launch (~14-16 µs of
+    host time for a small fused call with torch tensors; torch's SDPA took 16-18 µs on the same hosts). Under
+    torch.compile / torch.export the call is one custom op, ``torch.ops.cupy_attn.scaled_dot_product_attention``
+    (no graph break); eager calls skip its dispatch (~10 µs).
     """
     if type(window_size) is list:  # hashable for the call cache's key
         window_size = tuple(window_size)
