@@ -164,13 +164,7 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     if attn_mask is not None:
         arrays["attn_mask"] = attn_mask
     for name, x in arrays.items():
-        kind = interop.kind_of(x, name)
-        if (kind in interop.CPU_KINDS) != (ctx.kind in interop.CPU_KINDS):
-            where = "CPU" if kind in interop.CPU_KINDS else "a CUDA device"
-            raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
-        interop.check_same_kind(name, kind, "query", ctx.kind)
-        if ctx.on_gpu and interop.device_of(x, kind) != ctx.device_id:
-            raise ValueError(f"{name} is on cuda:{interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+        interop.check_like_query(name, x, ctx)
 
     dtypes = {name: interop.dtype_of(x, interop.kind_of(x, name)) for name, x in arrays.items()}
     for name in ("query", "key", "value"):

@@ -134,13 +134,7 @@ def _check_array(name: str, x, ctx, shapes: tuple, dtypes: tuple, shape_text: st
     """``x`` as an array of the call's kind (a CuPy view on the GPU, NumPy on the CPU), checked for kind, device,
     shape and dtype."""
     from ..runtime import interop
-    kind = interop.kind_of(x, name)
-    if (kind in interop.CPU_KINDS) != (ctx.kind in interop.CPU_KINDS):
-        where = "CPU" if kind in interop.CPU_KINDS else "a CUDA device"
-        raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
-    interop.check_same_kind(name, kind, "query", ctx.kind)
-    if ctx.on_gpu and interop.device_of(x, kind) != ctx.device_id:
-        raise ValueError(f"{name} is on cuda:{interop.device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+    kind = interop.check_like_query(name, x, ctx)
     shape = tuple(x.shape)
     if shape not in shapes:
         raise ValueError(f"{name} must have shape {shape_text}, got {shape}")

@@ -42,6 +42,20 @@ def check_same_kind(name: str, kind: str, first_name: str, first_kind: str) -> N
         raise TypeError(f"{name} is a {_TYPE_NAME[kind]} but {first_name} is a {_TYPE_NAME[first_kind]}: pass one "
                         f"kind of array (the result comes back as {first_name}'s kind)")
 
+
+def check_like_query(name: str, x, ctx) -> str:
+    """The kind of ``x``, an array argument of the call whose query gave ``ctx`` (a CallContext), after checking it
+    is of the query's kind and on its device: ValueError naming ``name`` for CPU against CUDA or another device,
+    TypeError for another kind of array."""
+    kind = kind_of(x, name)
+    if (kind in CPU_KINDS) != (ctx.kind in CPU_KINDS):
+        where = "CPU" if kind in CPU_KINDS else "a CUDA device"
+        raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
+    check_same_kind(name, kind, "query", ctx.kind)
+    if ctx.on_gpu and device_of(x, kind) != ctx.device_id:
+        raise ValueError(f"{name} is on cuda:{device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+    return kind
+
 _KDL_CUDA = 2  # DLDeviceType for CUDA memory in __dlpack_device__()
 
 
