@@ -17,7 +17,7 @@ import re
 import sys
 from collections import defaultdict
 
-from .runtime import compile as _compile
+from .runtime import compile as _compile, compile_check
 
 # Oldest arch the kernels support: cp.async, bf16 mma.sync and ldmatrix need Ampere.
 MIN_SM = 80
@@ -69,7 +69,7 @@ def run(archs, families=None, verbose=False, out=sys.stdout, jobs=None, progress
     variants = [(f, expr, arch) for f in families for arch in archs if f.covers(arch) for expr in f.name_expressions()]
     print(f"{len(variants)} variants for {', '.join(archs)}; cache {_compile.cache_dir()}", file=out, flush=True)
     with _Progress(len(variants), out, enabled=progress) as bar:
-        results = _compile.compile_all(variants, jobs=jobs, progress=bar.update)
+        results = compile_check.compile_all(variants, jobs=jobs, progress=bar.update)
 
     by_pair = defaultdict(list)
     for r in results:
@@ -106,7 +106,7 @@ def info(out=None) -> None:
     """Print where the compile cache is and what it holds: entries and megabytes per family and arch, and how many of
     this checkout's declared variants for that arch are there ("current": what a call here would load)."""
     out = out or sys.stdout
-    c = _compile.cache_contents()
+    c = compile_check.cache_contents()
     print(f"compile cache: {c.root} (from {_compile.cache_dir_origin()}; {_compile.ENV_CACHE_DIR} moves it)", file=out)
     if c.error is not None:
         print(f"  cannot be listed ({c.error}): kernels are compiled in memory", file=out)
@@ -149,7 +149,7 @@ class _Progress:
                 return
             self.bar = tqdm(total=total, unit="variant", dynamic_ncols=True)
 
-    def update(self, r: _compile.CompileResult) -> None:
+    def update(self, r: compile_check.CompileResult) -> None:
         self.done += 1
         if self.bar is not None:
             self.bar.set_postfix_str(f"{r.family.name} {r.arch}", refresh=False)

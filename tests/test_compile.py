@@ -17,6 +17,7 @@ import pytest
 from cupy_attn import compile as compile_cli
 from cupy_attn.linear_bn_softmax import launch as lbs
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 
 FAMILIES = _compile.all_families()
 REPO = Path(__file__).resolve().parent.parent
@@ -27,7 +28,7 @@ PAIRS = [(f, arch) for f in FAMILIES for arch in f.archs]
 
 @pytest.mark.parametrize("family,arch", PAIRS, ids=[f"{f.name}-{arch}" for f, arch in PAIRS])
 def test_every_variant_compiles(family, arch):
-    reports = _compile.compile_family(family, arch)
+    reports = compile_check.compile_family(family, arch)
     assert len(reports) == len(family.name_expressions()) > 0
     assert all(r.registers is not None for r in reports), "ptxas gave no register report"
     spilled = [r.name_expression for r in reports if r.spill_bytes]
@@ -115,7 +116,7 @@ def test_second_request_compiles_nothing(empty_cache):
     assert not second.compiled and len(calls) == 1
     assert second.report == first.report and second.report.registers is not None
     assert second.lowered_name == first.lowered_name and second.image.read_bytes() == first.image.read_bytes()
-    (result,) = _compile.compile_all([(family, expr, "sm_80")], jobs=2)
+    (result,) = compile_check.compile_all([(family, expr, "sm_80")], jobs=2)
     assert result.source == "cache" and result.report == first.report and len(calls) == 1
     _compile.compile_variant(family, expr, "sm_90")
     assert len(calls) == 2, "another arch is another variant"
@@ -125,13 +126,13 @@ def test_parallel_compiles_store_reports_for_the_parent(empty_cache):
     root, calls = empty_cache
     family = lbs.SOFTMAX_ROWS_STREAMING
     seen = []
-    results = _compile.compile_all([(family, e, "sm_80") for e in family.name_expressions()], jobs=2,
+    results = compile_check.compile_all([(family, e, "sm_80") for e in family.name_expressions()], jobs=2,
                                    progress=seen.append)
     assert [r.expr for r in results] == family.name_expressions() and len(seen) == len(results)
     assert all(r.source == "compiled" and r.error is None and r.report.registers is not None for r in results)
     assert not calls, "the worker processes compile; this one only reads the cache"
     assert len(list(root.glob("*.cubin"))) == len(results)
-    assert [r.source for r in _compile.compile_all([(family, e, "sm_80") for e in family.name_expressions()])] == \
+    assert [r.source for r in compile_check.compile_all([(family, e, "sm_80") for e in family.name_expressions()])] == \
         ["cache"] * len(results) and not calls
 
 
@@ -162,7 +163,7 @@ def test_worker_entry_under_another_key_is_compiled_here(empty_cache, monkeypatc
     root, calls = empty_cache
     family = lbs.SOFTMAX_ROWS_STREAMING
     exprs = family.name_expressions()[:2]
-    results = _compile.compile_all([(family, e, "sm_80") for e in exprs], jobs=2)
+    results = compile_check.compile_all([(family, e, "sm_80") for e in exprs], jobs=2)
     assert [r.error for r in results] == [None, None] and all(r.report is not None for r in results)
     assert len(calls) == 2, "compiled in this process"
 
@@ -215,7 +216,7 @@ def test_first_call_shares_the_compile_check_cache(empty_cache, fake_gpu):
     assert loaded == [p for p in root.iterdir() if p.suffix == ".cubin"]
     assert kernel[1].startswith("_ZN9cupy_attn3lbs18fold_running_stats"), "looked up by its lowered name"
     assert family.kernel(**row) is kernel and len(loaded) == 1, "memoized per device"
-    (result,) = _compile.compile_all([(family, family.name_expression(**row), "sm_90")])
+    (result,) = compile_check.compile_all([(family, family.name_expression(**row), "sm_90")])
     assert result.source == "cache" and len(calls) == 1, "the compile check reads what the first call compiled"
 
 
@@ -256,9 +257,10 @@ def _child(code: str, pythonpath: Path, cache: Path, *args: str, wait: bool = Tr
 SECOND_CHECKOUT = """
 import json
 from cupy_attn.runtime import compile as c
+from cupy_attn.runtime import compile_check
 from cupy_attn.linear_bn_softmax import launch as lbs
 family = lbs.SOFTMAX_ROWS_STREAMING
-results = c.compile_all([(family, e, "sm_80") for e in family.name_expressions()[:2]], jobs=1)
+results = compile_check.compile_all([(family, e, "sm_80") for e in family.name_expressions()[:2]], jobs=1)
 print(json.dumps({"source_dir": str(c.source_dir()), "options": c.base_options(),
                   "sources": [r.source for r in results]}))
 """
@@ -272,7 +274,7 @@ def test_second_checkout_compiles_nothing(empty_cache, tmp_path):
     root, calls = empty_cache
     family = lbs.SOFTMAX_ROWS_STREAMING
     variants = [(family, e, "sm_80") for e in family.name_expressions()[:2]]
-    assert [r.source for r in _compile.compile_all(variants, jobs=1)] == ["compiled"] * 2
+    assert [r.source for r in compile_check.compile_all(variants, jobs=1)] == ["compiled"] * 2
     clone = tmp_path / "clone"
     for tree in ("cupy_attn", "cuda_src"):
         shutil.copytree(REPO / tree, clone / tree, ignore=shutil.ignore_patterns("__pycache__"))
@@ -334,7 +336,7 @@ def test_unusable_cache_dir_compiles_in_memory_and_warns_once(where, empty_cache
     with pytest.warns(_compile.CompileCacheWarning) as record:
         first = _compile.compile_variant(family, expr, "sm_80")
         second = _compile.compile_variant(family, expr, "sm_80")
-        (result,) = _compile.compile_all([(family, expr, "sm_80")], jobs=2)
+        (result,) = compile_check.compile_all([(family, expr, "sm_80")], jobs=2)
     assert len(record) == 1
     message = str(record[0].message)
     assert str(bad) in message and _compile.ENV_CACHE_DIR in message
@@ -354,11 +356,11 @@ def test_unusable_cache_dir_in_the_parallel_check(empty_cache, fresh_memory, tmp
     family = lbs.SOFTMAX_ROWS_STREAMING
     variants = [(family, e, "sm_80") for e in family.name_expressions()[:2]]
     with pytest.warns(_compile.CompileCacheWarning) as record:
-        results = _compile.compile_all(variants, jobs=2)
+        results = compile_check.compile_all(variants, jobs=2)
     assert len(record) == 1 and str(blocker) in str(record[0].message)
     assert all(r.error is None and r.source == "compiled" and r.report.registers is not None for r in results)
     assert not calls, "compiled in the workers"
-    assert [r.source for r in _compile.compile_all(variants, jobs=2)] == ["cache"] * 2 and not calls
+    assert [r.source for r in compile_check.compile_all(variants, jobs=2)] == ["cache"] * 2 and not calls
 
 
 def test_first_call_with_an_unusable_cache_loads_the_image_from_memory(fake_gpu, fresh_memory, tmp_path,
@@ -456,12 +458,12 @@ def test_damaged_entry_is_recompiled(damage, empty_cache):
         meta.write_text(json.dumps({**info, "layout": "1"}))
     else:
         meta.write_text(json.dumps({k: v for k, v in info.items() if k != "report"}))
-    assert _compile.cache_contents(root).stale == 1 and not _compile.cache_contents(root).entries
+    assert compile_check.cache_contents(root).stale == 1 and not compile_check.cache_contents(root).entries
     again = _compile.compile_variant(family, expr, "sm_80")
     assert again.compiled and len(calls) == 2 and again.report == first.report
     assert _same_code(cubin.read_bytes(), image) and json.loads(meta.read_text())["image_bytes"] == len(image)
     assert not _compile.compile_variant(family, expr, "sm_80").compiled and len(calls) == 2
-    contents = _compile.cache_contents(root)
+    contents = compile_check.cache_contents(root)
     assert len(contents.entries) == 1 and contents.stale == 0 and contents.other_files == 0
 
 
@@ -469,6 +471,7 @@ RACE = """
 import json, sys, time
 from pathlib import Path
 from cupy_attn.runtime import compile as c
+from cupy_attn.runtime import compile_check
 from cupy_attn.linear_bn_softmax import launch as lbs
 family = lbs.FOLD_RUNNING_STATS
 expr = family.name_expressions()[0]
@@ -497,7 +500,7 @@ def test_two_processes_compiling_one_variant_into_an_empty_cache_both_succeed(tm
     assert [p.returncode for p in procs] == [0, 0], [err for _, err in outs]
     seen = [json.loads(out.splitlines()[-1]) for out, _ in outs]
     assert seen[0]["lowered_name"] == seen[1]["lowered_name"] and seen[0]["report"] == seen[1]["report"] > 0
-    contents = _compile.cache_contents(root)
+    contents = compile_check.cache_contents(root)
     assert len(contents.entries) == 1 and contents.stale == 0 and contents.other_files == 0
     assert sorted(p.suffix for p in root.iterdir()) == [".cubin", ".json"]
 
@@ -505,7 +508,7 @@ def test_two_processes_compiling_one_variant_into_an_empty_cache_both_succeed(tm
 def test_cli_info(empty_cache, capsys):
     root, _ = empty_cache
     family = lbs.SOFTMAX_ROWS_STREAMING
-    _compile.compile_all([(family, e, "sm_80") for e in family.name_expressions()[:2]], jobs=1)
+    compile_check.compile_all([(family, e, "sm_80") for e in family.name_expressions()[:2]], jobs=1)
     (root / "left.by.a.killed.writer.tmp").write_bytes(b"x")
     assert compile_cli.main(["--info"]) == 0
     out = capsys.readouterr().out

@@ -30,6 +30,7 @@ from cupy_attn.attention.kernels import flash_bwd as _mma
 from cupy_attn.attention.kernels import flash_bwd_sm90 as _sm90
 from cupy_attn.attention.paths import backward as _bwd
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 from _compile_checks import assert_clean
 
@@ -41,7 +42,7 @@ F16 = np.dtype("float16")
 
 
 def test_every_instantiation_compiles_without_spills():
-    reports = _compile.compile_family(FAMILY, "sm_90a")
+    reports = compile_check.compile_family(FAMILY, "sm_90a")
     # dtypes × (plain, variants) × tiles
     assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.TILES)
     assert_clean(reports, max_registers=168)
@@ -51,7 +52,7 @@ def _sass(expr):
     from test_flash_fwd_sm90 import _cuobjdump, sass_text
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    return next(iter(sass_text(_compile.whole_cubin(
+    return next(iter(sass_text(compile_check.whole_cubin(
         _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
 
 

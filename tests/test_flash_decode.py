@@ -14,7 +14,7 @@ import cupy_attn
 from cupy_attn import reference
 from cupy_attn.attention import checks as _checks, dispatch as _dispatch
 from cupy_attn.attention.kernels import flash_decode as _decode
-from cupy_attn.runtime import compile as _compile, interop as _interop
+from cupy_attn.runtime import compile as _compile, compile_check, interop as _interop
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
 from _tolerance import as_f64, assert_close
@@ -29,7 +29,7 @@ _FAMILY_ARCHS = [(f, arch) for f in (_decode.FLASH_DECODE, _decode.FLASH_DECODE_
 
 @pytest.mark.parametrize("family,arch", _FAMILY_ARCHS, ids=[f"{f.name}-{a}" for f, a in _FAMILY_ARCHS])
 def test_every_instantiation_compiles_without_spills(family, arch):
-    reports = _compile.compile_family(family, arch)
+    reports = compile_check.compile_family(family, arch)
     assert len(reports) == len(list(family.variants())) == len(set(family.name_expressions()))
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
     spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
@@ -44,7 +44,7 @@ def test_streaming_variant_sass_has_tma_mbarriers_and_no_local_memory():
     from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    kernels = sass_summary(_compile.family_cubin(_decode.FLASH_DECODE_SM90, "sm_90a"))
+    kernels = sass_summary(compile_check.family_cubin(_decode.FLASH_DECODE_SM90, "sm_90a"))
     assert len(kernels) == len(_decode.FLASH_DECODE_SM90.name_expressions())
     for name, ops in kernels.items():
         for op in ("UTMALDG", "SYNCS", "LDSM", "HMMA", "MUFU"):

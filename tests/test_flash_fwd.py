@@ -15,7 +15,7 @@ import pytest
 from cupy_attn import reference
 from cupy_attn.attention import dispatch
 from cupy_attn.attention.kernels import flash_fwd as _flash
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
 from _compile_checks import wgmma_gen as _wgmma_gen
@@ -46,7 +46,7 @@ def flash_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("arch", _flash.FLASH_FWD.archs)
 def test_every_instantiation_compiles_without_spills(arch):
-    reports = _compile.compile_family(_flash.FLASH_FWD, arch)
+    reports = compile_check.compile_family(_flash.FLASH_FWD, arch)
     assert len(reports) == len(list(_flash.FLASH_FWD.variants())) == 52
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
     spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]
@@ -54,7 +54,7 @@ def test_every_instantiation_compiles_without_spills(arch):
 
 
 def test_sm90a_instantiations_compile_without_spills():
-    reports = _compile.compile_family(_flash.FLASH_FWD_SM90A, "sm_90a")
+    reports = compile_check.compile_family(_flash.FLASH_FWD_SM90A, "sm_90a")
     assert len(reports) == len(list(_flash.FLASH_FWD_SM90A.variants())) == 2 * 2 * len(_flash.WGMMA_TILES)
     assert all(r.registers is not None and r.registers <= 255 for r in reports)
     spilled = [(r.name_expression, r.spill_bytes) for r in reports if r.spill_bytes]

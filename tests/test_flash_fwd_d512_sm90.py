@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as _d512
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 
 from _tolerance import as_f64, assert_close
 from test_flash_fwd_sm90 import _cuobjdump, sass_summary, sass_text
@@ -28,7 +28,7 @@ DTYPES = ("float16", "bfloat16")
 
 
 def test_every_instantiation_compiles_without_spills():
-    reports = _compile.compile_family(FAMILY, "sm_90a")
+    reports = compile_check.compile_family(FAMILY, "sm_90a")
     assert len(reports) == 3 * len(DTYPES)  # persistent, one tile per CTA, and the variants (one tile per CTA)
     assert_clean(reports, max_registers=168)
 
@@ -38,7 +38,7 @@ def test_sass_has_both_wgmma_widths_tma_and_no_local_memory():
     setmaxnreg, 16-byte stores of out, no local memory."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    cubin = _compile.family_cubin(FAMILY, "sm_90a")
+    cubin = compile_check.family_cubin(FAMILY, "sm_90a")
     kernels, listings = sass_summary(cubin), sass_text(cubin)
     assert len(kernels) == 2 * len(DTYPES)
     for name, ops in kernels.items():

@@ -28,6 +28,7 @@ import pytest
 from cupy_attn.attention import dispatch
 from cupy_attn.attention.kernels import flash_fwd_sm90 as _sm90
 from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 from cupy_attn.runtime import tma
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 from _compile_checks import assert_clean
@@ -39,7 +40,7 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 
 
 def test_every_instantiation_compiles_without_spills():
-    reports = _compile.compile_family(FAMILY, "sm_90a")
+    reports = compile_check.compile_family(FAMILY, "sm_90a")
     # dtypes × (modes (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles), and the
     # window/softcap/ALiBi/sinks instantiations: the persistent tiles at each bucket's own S GEMM width
     qk_dims = len(_sm90.TILES) + sum(len(d) for d in _sm90.QK_DIMS.values())
@@ -100,7 +101,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     for dtype in C_TYPE_16.values():
         for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
             expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk, variants="false")
-            text = next(iter(sass_text(_compile.whole_cubin(
+            text = next(iter(sass_text(compile_check.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
             first = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x1"))
@@ -112,7 +113,7 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
 def test_sass_has_tma_mbarriers_wgmma_setmaxnreg_and_no_local_memory():
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    kernels = sass_summary(_compile.family_cubin(FAMILY, "sm_90a"))
+    kernels = sass_summary(compile_check.family_cubin(FAMILY, "sm_90a"))
     assert len(kernels) == len(FAMILY.name_expressions())
     for name, ops in kernels.items():
         for op in ("HGMMA", "UTMALDG", "SYNCS", "USETMAXREG"):
@@ -135,7 +136,7 @@ def test_m192_sass(dtype, mode):
     suffix = ".BF16" if "bfloat16" in dtype else ""
     tile = _sm90.M192_MODE_TILES[mode][64]
     expr = FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64)
-    text = next(iter(sass_text(_compile.whole_cubin(
+    text = next(iter(sass_text(compile_check.whole_cubin(
         _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
     ops = [op.strip() for op in ops]
@@ -162,7 +163,7 @@ def test_head_dim_96_sass_shapes(dtype):
     for table in ("SM90_TILES", "SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"):
         for qk in (96, 80):
             expr = FAMILY.name_expression(dtype=dtype, head_dim=96, tile=getattr(_sm90, table)[96], qk_dim=qk)
-            text = next(iter(sass_text(_compile.whole_cubin(
+            text = next(iter(sass_text(compile_check.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)
             turns = 1 if table == "SM90_TILES" else 2  # overlap: S_0 before the loop and the last P·V after it

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from cupy_attn.attention.kernels import gemm_3xtf32 as _g
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 from _compile_checks import assert_clean
 
 FAMILY = _g.GEMM_3XTF32
@@ -31,7 +31,7 @@ FAMILY = _g.GEMM_3XTF32
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_variant_compiles_within_its_occupancy(arch):
-    reports = _compile.compile_family(FAMILY, arch)
+    reports = compile_check.compile_family(FAMILY, arch)
     assert len(reports) == len(FAMILY.name_expressions()) == 8  # trans_b × align_a × align_b
     assert all(r.name_expression.startswith("cupy_attn::gemm_3xtf32<128, 128, 4, ") for r in reports), reports
     assert_clean(reports, max_registers=255)  # one CTA of 256 threads per SM (__launch_bounds__(256, 1))
@@ -42,7 +42,7 @@ def test_sass_has_three_tf32_mmas_per_tile_and_no_local_memory(arch):
     from test_flash_fwd_sm90 import _cuobjdump, sass_summary
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    kernels = sass_summary(_compile.family_cubin(FAMILY, arch))
+    kernels = sass_summary(compile_check.family_cubin(FAMILY, arch))
     assert len(kernels) == 8
     for name, ops in kernels.items():
         # one k-step (the loop is rolled): 4 × 4 mma tiles × (small·big, big·small, big·big)

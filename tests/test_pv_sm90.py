@@ -16,7 +16,7 @@ import pytest
 
 from cupy_attn.attention import checks
 from cupy_attn.attention.kernels import pv_sm90 as _pv
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 
 from _tolerance import as_f64, assert_close
 from test_flash_fwd_sm90 import _FakeArray, _bhsd, _cuobjdump, sass_summary, sass_text
@@ -31,7 +31,7 @@ DTYPES = ("float16", "bfloat16")
 
 
 def test_every_instantiation_compiles_without_spills():
-    reports = _compile.compile_family(FAMILY, "sm_90a")
+    reports = compile_check.compile_family(FAMILY, "sm_90a")
     assert len(reports) == len(DTYPES)
     assert_clean(reports, max_registers=168)
 
@@ -39,7 +39,7 @@ def test_every_instantiation_compiles_without_spills():
 def test_sass_has_wgmma_tma_16_byte_stores_and_no_local_memory():
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    cubin = _compile.family_cubin(FAMILY, "sm_90a")
+    cubin = compile_check.family_cubin(FAMILY, "sm_90a")
     kernels, listings = sass_summary(cubin), sass_text(cubin)
     assert len(kernels) == len(DTYPES)
     for name, ops in kernels.items():

@@ -26,7 +26,7 @@ import pytest
 
 from cupy_attn.attention import checks
 from cupy_attn.attention.kernels import scores_sm90 as _scores
-from cupy_attn.runtime import compile as _compile
+from cupy_attn.runtime import compile_check
 
 from _tolerance import as_f64, assert_close
 from test_flash_fwd_sm90 import _bhsd, _cuobjdump, sass_summary, sass_text
@@ -41,7 +41,7 @@ DTYPES = ("float16", "bfloat16")
 
 
 def test_every_instantiation_compiles_without_spills():
-    reports = _compile.compile_family(FAMILY, "sm_90a")
+    reports = compile_check.compile_family(FAMILY, "sm_90a")
     masked_tiles = len(_scores.TILES) - len(_scores.MASKED_NOT_BUILT)
     assert len(reports) == (len(_scores.KERNELS) * len(_scores.TILES) + masked_tiles) * len(DTYPES)
     assert_clean(reports, max_registers=168)
@@ -56,7 +56,7 @@ def test_sass_has_wgmma_of_the_tile_width_tma_and_no_local_memory():
     before P's TMA stores only); the one-CTA kernel none of them."""
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
-    cubin = _compile.family_cubin(FAMILY, "sm_90a")
+    cubin = compile_check.family_cubin(FAMILY, "sm_90a")
     kernels = sass_summary(cubin)
     listings = sass_text(cubin)
     assert len(kernels) == len(listings) == len(FAMILY.name_expressions())

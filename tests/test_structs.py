@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from cupy_attn.linear_bn_softmax import launch
-from cupy_attn.runtime import compile as _compile, launch as _launch
+from cupy_attn.runtime import compile as _compile, compile_check, launch as _launch
 from cupy_attn.runtime.structs import layout_asserts
 
 
@@ -48,7 +48,7 @@ def test_drifted_declaration_fails_to_compile():
     short = np.dtype(dtype.descr[:-1])  # one field dropped on the Python side
     bad = dataclasses.replace(launch.FOLD_RUNNING_STATS, structs=((ctype, short),))
     with pytest.raises(_compile.KernelCompileError, match="size differs from its NumPy declaration"):
-        _compile.compile_family(bad, "sm_80")
+        compile_check.compile_family(bad, "sm_80")
 
 
 def test_launch_config_mirrors_cuda_h():

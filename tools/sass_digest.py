@@ -42,6 +42,7 @@ def sass_lines(cubin: str, cuobjdump: str) -> dict[str, list[str]]:
 def digest(repo: str, archs: list[str], families: list[str] | None) -> dict:
     sys.path.insert(0, os.path.abspath(repo))
     from cupy_attn.runtime import compile as _compile
+    from cupy_attn.runtime import compile_check
 
     cuobjdump = os.environ.get("CUOBJDUMP") or shutil.which("cuobjdump")
     if cuobjdump is None:
@@ -49,14 +50,14 @@ def digest(repo: str, archs: list[str], families: list[str] | None) -> dict:
     fams = [f for f in _compile.all_families() if families is None or f.name in families]
     variants = [(f, e, a) for f in fams for a in archs if f.covers(a) for e in f.name_expressions()]
     print(f"{len(variants)} variants from {repo}", file=sys.stderr, flush=True)
-    results = _compile.compile_all(variants)
+    results = compile_check.compile_all(variants)
     out = {}
     for (family, expr, arch), r in zip(variants, results):
         if r.error is not None:
             raise SystemExit(f"{family.name} {expr} {arch} failed:\n{r.error}")
         cached = _compile.compile_variant(family, expr, arch)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as whole:  # the cache's cubin may lack its last byte
-            whole.write(_compile.whole_cubin(cached.image.read_bytes()))
+            whole.write(compile_check.whole_cubin(cached.image.read_bytes()))
             whole.flush()
             funcs = sass_lines(whole.name, cuobjdump)
         lines = funcs.get(cached.lowered_name, [])

@@ -7,7 +7,7 @@ table of template values (a product of named axes, optionally filtered). That on
   arch (or the family's explicit ``arch``, e.g. sm_90a), loaded from the cache's cubin (``cupy.RawModule(path=...)``)
   or, when the cache directory cannot be used, from the cubin's bytes in memory; memoized per device;
 * the CPU compile check (``python -m cupy_attn.compile``), which compiles **every** instantiation for the asked archs
-  in parallel processes (:func:`compile_all`).
+  in parallel processes (runtime/compile_check.py).
 
 Both go through :func:`compile_variant`: one NVRTC program per variant (one name expression, one arch) compiled with
 ``cupy.cuda.nvrtc`` directly (it needs no GPU and no driver, unlike CuPy's own compile helpers), stored as a cubin plus
@@ -36,7 +36,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from . import env
 
@@ -253,10 +253,10 @@ def _declared(family: KernelFamily) -> frozenset:
 
 @functools.lru_cache(maxsize=None)
 def _load(family: KernelFamily, expr: str, device_id: int):
-    return _load_variant(compile_variant(family, expr, target_arch(family, device_id)))
+    return load_variant(compile_variant(family, expr, target_arch(family, device_id)))
 
 
-def _load_variant(variant: CachedVariant):
+def load_variant(variant: CachedVariant):
     """Load a compiled cubin (or PTX) on the current device and return its kernel, a ``cupy.RawKernel``: from the
     cache's file, or from the bytes when the variant lives in memory (:func:`image_kernel`)."""
     import cupy
@@ -342,43 +342,8 @@ def _parse_ptxas(log: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def compile_family(family: KernelFamily, arch: str, jobs: int | None = None) -> list[VariantReport]:
-    """Every instantiation of ``family`` for ``arch`` (``"sm_80"``, ``"sm_90"``, ``"sm_90a"``), one report per row of
-    the table in declaration order: read from the compile cache, compiling (``jobs`` processes) what is missing.
-
-    Raises KernelCompileError with the NVRTC log of the first variant that does not compile.
-    """
-    results = compile_all([(family, expr, arch) for expr in family.name_expressions()], jobs=jobs)
-    for r in results:
-        if r.error is not None:
-            raise KernelCompileError(r.error)
-    return [r.report for r in results]
-
-
-def family_cubin(family: KernelFamily, arch: str) -> bytes:
-    """Every instantiation of ``family`` compiled for ``arch`` into one cubin, whole: for disassembly
-    (``cuobjdump -sass``), which rejects CuPy 14's ``getCUBIN`` result (see :func:`whole_cubin`)."""
-    options = list(base_options() + family.options) + [f"-arch={arch}"]
-    with _nvrtc_program(family.code(), family.source, family.name_expressions(), options, family.source) as prog:
-        from cupy.cuda import nvrtc
-        return whole_cubin(nvrtc.getCUBIN(prog))
-
-
-def whole_cubin(cubin: bytes) -> bytes:
-    """CuPy 14's ``nvrtc.getCUBIN`` drops the last byte (it strips a trailing NUL, as for PTX): pad the ELF image back
-    to the size its headers give (the end of the section or program header table, whichever is last). The driver
-    loads either; cuobjdump/nvdisasm need the whole file."""
-    import struct
-    if len(cubin) < 64 or cubin[:4] != b"\x7fELF":
-        return cubin
-    phoff, shoff = struct.unpack_from("<QQ", cubin, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", cubin, 0x36)
-    size = max(len(cubin), phoff + phentsize * phnum, shoff + shentsize * shnum)
-    return cubin + b"\0" * (size - len(cubin))
-
-
 @contextlib.contextmanager
-def _nvrtc_program(code: str, source: str, exprs, options, what: str):
+def nvrtc_program(code: str, source: str, exprs, options, what: str):
     """An NVRTC program with ``exprs`` compiled under ``options`` (``-arch`` included), destroyed on exit; raises
     KernelCompileError with the NVRTC log (``what`` names the variant or file)."""
     from cupy.cuda import nvrtc
@@ -518,7 +483,7 @@ def compile_variant(family: KernelFamily, expr: str, arch: str) -> CachedVariant
         return hit
     t0 = time.perf_counter()
     options = _variant_options(family, arch)
-    with _nvrtc_program(family.code(), family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
+    with nvrtc_program(family.code(), family.source, [expr], options, f"compiling {family.source}: {expr}") as prog:
         log = nvrtc.getProgramLog(prog)
         data = nvrtc.getPTX(prog) if arch.startswith("compute_") else nvrtc.getCUBIN(prog)
         lowered = nvrtc.getLoweredName(prog, expr)
@@ -530,21 +495,22 @@ def compile_variant(family: KernelFamily, expr: str, arch: str) -> CachedVariant
             "nvrtc": nvrtc_version(), "sources": source_hash(), "cuda_headers": cuda_headers_hash(),
             "report": dataclasses.asdict(report)}
     root = cache_dir()
-    image = root / f"{key}{_suffix(arch)}"
+    image = root / f"{key}{image_suffix(arch)}"
     if _store(root, image, root / f"{key}.json", data, json.dumps(meta, indent=1).encode()):
         return CachedVariant(report, image, lowered, True, seconds)
     _MEMORY[key] = CachedVariant(report, None, lowered, False, seconds, data)
     return dataclasses.replace(_MEMORY[key], compiled=True)
 
 
-def _suffix(arch: str) -> str:
+def image_suffix(arch: str) -> str:
+    """The file suffix of a cached image: ``.ptx`` for a ``compute_XY`` target, ``.cubin`` otherwise."""
     return ".ptx" if arch.startswith("compute_") else ".cubin"
 
 
 def _lookup(key: str, arch: str) -> CachedVariant | None:
     """The entry under ``key``, read from the cache (only when whole) or from this process's memory; else None."""
     root = cache_dir()
-    image = root / f"{key}{_suffix(arch)}"
+    image = root / f"{key}{image_suffix(arch)}"
     try:
         info = json.loads((root / f"{key}.json").read_bytes())
         if info["layout"] == CACHE_LAYOUT and image.stat().st_size == info["image_bytes"]:
@@ -563,12 +529,13 @@ def _store(root: Path, image: Path, meta: Path, data: bytes, info: bytes) -> boo
         _write_atomic(image, data)
         _write_atomic(meta, info)
     except OSError as exc:
-        _warn_unusable(root, f"{type(exc).__name__}: {exc.strerror or exc}")
+        warn_unusable(root, f"{type(exc).__name__}: {exc.strerror or exc}")
         return False
     return True
 
 
-def _warn_unusable(root: Path, reason: str) -> None:
+def warn_unusable(root: Path, reason: str) -> None:
+    """One CompileCacheWarning per process and directory: ``root`` cannot be used, for ``reason``."""
     if str(root) in _UNUSABLE:
         return
     _UNUSABLE[str(root)] = reason
@@ -588,168 +555,18 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-@dataclasses.dataclass(frozen=True)
-class CompileResult:
-    """The outcome of one (family, name expression, arch) in compile_all: ``report`` when it compiled, ``error``
-    (the NVRTC log) when not; ``source`` is ``"compiled"`` or ``"cache"``; ``seconds`` the NVRTC time."""
-    family: KernelFamily
-    expr: str
-    arch: str
-    report: VariantReport | None
-    error: str | None
-    source: str
-    seconds: float
-
-
-def compile_all(variants: Iterable[tuple[KernelFamily, str, str]], jobs: int | None = None,
-                progress: Callable[[CompileResult], None] | None = None) -> list[CompileResult]:
-    """Compile (family, name expression, arch) variants into the cache, ``jobs`` NVRTC processes at a time
-    (default ``os.cpu_count()``); one result per variant, in input order. ``progress`` is called as each finishes.
-
-    Cache hits are read here without starting a pool. Misses are independent programs, so they compile in parallel
-    ``spawn``ed processes (not forked: the caller may hold torch's or CuPy's threads) that only compile and store; this
-    process then reads each report back from the cache (or, when the cache directory cannot be used, takes the variant
-    the worker sends back). A family that FAMILY_MODULES does not declare (a test's own) compiles in this process.
-    """
-    variants = list(variants)
-    results: list[CompileResult | None] = [None] * len(variants)
-
-    def finish(i: int, variant: CachedVariant | None, error: str | None = None) -> None:
-        family, expr, arch = variants[i]
-        if variant is None:
-            results[i] = CompileResult(family, expr, arch, None, error, "compiled", 0.0)
-        else:
-            results[i] = CompileResult(family, expr, arch, variant.report, None,
-                                       "compiled" if variant.compiled else "cache", variant.seconds)
-        if progress is not None:
-            progress(results[i])
-
-    missing = []
-    for i, (family, expr, arch) in enumerate(variants):
-        variant = _cached(family, expr, arch)
-        if variant is not None:
-            finish(i, variant)
-        else:
-            missing.append(i)
-    declared = {f.name: f for f in all_families()} if missing else {}
-    pooled = [i for i in missing if declared.get(variants[i][0].name) is variants[i][0]]
-    jobs = min(jobs or os.cpu_count() or 1, len(pooled))
-    if jobs < 2:
-        pooled = []
-    for i in sorted(set(missing) - set(pooled)):
-            finish(i, *_compile_or_error(*variants[i]))
-    if pooled:
-        import concurrent.futures
-        import multiprocessing
-
-        with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(_compile_in_worker, variants[i][0].name, *variants[i][1:]): i for i in pooled}
-            for future in concurrent.futures.as_completed(futures):
-                i = futures[future]
-                error, in_memory, reason = future.result()
-                if error is not None:
-                    finish(i, None, error)
-                elif in_memory is not None:  # the worker could not store it: keep its copy here
-                    _warn_unusable(cache_dir(), reason or "a compile worker could not write there")
-                    _MEMORY[variant_key(*variants[i])] = dataclasses.replace(in_memory, compiled=False)
-                    finish(i, in_memory)
-                else:  # the worker stored it: read the report back, nothing compiles here...
-                    variant = _cached(*variants[i])
-                    if variant is None:  # ...unless its key is not this process's (a source file changed while
-                        finish(i, *_compile_or_error(*variants[i]))  # the pool ran): compile it here
-                    else:
-                        finish(i, dataclasses.replace(variant, compiled=True))
-    return results
-
-
-def _cached(family: KernelFamily, expr: str, arch: str) -> CachedVariant | None:
-    """The cache entry (or this process's in-memory copy) when there is one (no compile), else None."""
+def cached(family: KernelFamily, expr: str, arch: str) -> CachedVariant | None:
+    """The cache entry (or this process's in-memory copy) of one variant when there is one (no compile), else None."""
     return _lookup(variant_key(family, expr, arch), arch)
 
 
-def _compile_or_error(family: KernelFamily, expr: str, arch: str) -> tuple[CachedVariant | None, str | None]:
-    try:
-        return compile_variant(family, expr, arch), None
-    except KernelCompileError as exc:
-        return None, str(exc)
+def keep_in_memory(family: KernelFamily, expr: str, arch: str, variant: CachedVariant, reason: str | None) -> None:
+    """Keep a variant that a compile worker could not store (its cache directory unusable, for ``reason``) for this
+    process, and warn once about the directory."""
+    warn_unusable(cache_dir(), reason or "a compile worker could not write there")
+    _MEMORY[variant_key(family, expr, arch)] = dataclasses.replace(variant, compiled=False)
 
 
-def _compile_in_worker(family_name: str, expr: str, arch: str) -> tuple[str | None, CachedVariant | None, str | None]:
-    """Pool worker: compile one variant into the cache. Returns (the NVRTC log when it fails, the variant itself when
-    the cache directory could not be used, why); the parent warns, not the worker."""
-    family = next(f for f in all_families() if f.name == family_name)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", CompileCacheWarning)
-        variant, error = _compile_or_error(family, expr, arch)
-    if variant is not None and variant.image is None:
-        return None, variant, _UNUSABLE.get(str(cache_dir()))
-    return error, None, None
-
-
-@dataclasses.dataclass(frozen=True)
-class CacheContents:
-    """What a cache directory holds (:func:`cache_contents`). ``entries``: one (key, family, arch, name expression,
-    bytes of image and JSON) per whole entry of this layout; ``stale``: entries that will not be read (of another
-    layout, damaged, or a JSON without its image); ``other_files``: anything else (a cubin without its JSON, temporary
-    files of a writer that was killed); ``bytes``: the size of every file; ``error``: why the directory could not be
-    listed, if so."""
-    root: Path
-    entries: tuple[tuple[str, str, str, str, int], ...] = ()
-    stale: int = 0
-    other_files: int = 0
-    bytes: int = 0
-    error: str | None = None
-
-
-def cache_contents(root: Path | None = None) -> CacheContents:
-    """List a compile cache directory (default :func:`cache_dir`): reads each JSON, not the cubins."""
-    root = cache_dir() if root is None else root
-    try:
-        files = {p.name: p.stat().st_size for p in root.iterdir() if p.is_file()}
-    except FileNotFoundError:
-        return CacheContents(root)
-    except OSError as exc:
-        return CacheContents(root, error=f"{type(exc).__name__}: {exc.strerror or exc}")
-    entries, stale, used = [], 0, set()
-    for name in sorted(files):
-        if not name.endswith(".json") or name.count(".") != 1:
-            continue
-        key = name[:-5]
-        try:
-            info = json.loads((root / name).read_bytes())
-            report = info["report"]
-            image = f"{key}{_suffix(report['arch'])}"
-            whole = info["layout"] == CACHE_LAYOUT and files.get(image) == info["image_bytes"]
-        except (OSError, ValueError, KeyError, TypeError):
-            whole, image = False, None
-        if whole:
-            entries.append((key, report["family"], report["arch"], report["name_expression"],
-                            files[name] + files[image]))
-            used.update((name, image))
-        else:
-            stale += 1
-            used.update(n for n in (name, f"{key}.cubin", f"{key}.ptx") if n in files)
-    return CacheContents(root, tuple(entries), stale, len(set(files) - used), sum(files.values()))
-
-
-def timed_load(family: KernelFamily, row: Mapping[str, Any], device_id: int | None = None) -> tuple[float, str]:
-    """Seconds from asking for one row of ``family`` to a loaded kernel on a GPU, and where it came from:
-    ``"compiled"`` (NVRTC ran: the cold first-call latency of a new variant) or ``"cache"`` (warm: read the cubin and
-    load it). Bypasses the per-process memo of ``family.kernel``, so every call measures the disk path.
-
-    Cold, then warm, for a variant nothing has compiled yet::
-
-        import tempfile, os; os.environ["CUPY_ATTN_CACHE_DIR"] = tempfile.mkdtemp()
-        from cupy_attn.attention.kernels import flash_fwd
-        row = next(flash_fwd.FLASH_FWD.variants())
-        timed_load(flash_fwd.FLASH_FWD, row)   # (~1 s, 'compiled')
-        timed_load(flash_fwd.FLASH_FWD, row)   # (~ms, 'cache')
-    """
-    import cupy
-
-    t0 = time.perf_counter()
-    with cupy.cuda.Device(device_id) as device:
-        variant = compile_variant(family, family.name_expression(**row), target_arch(family, device.id))
-        _load_variant(variant)
-        device.synchronize()
-    return time.perf_counter() - t0, "compiled" if variant.compiled else "cache"
+def unusable_reason() -> str | None:
+    """Why this process found the cache directory unusable, or None."""
+    return _UNUSABLE.get(str(cache_dir()))

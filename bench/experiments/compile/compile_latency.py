@@ -20,6 +20,7 @@ import cupy  # noqa: E402
 
 from cupy_attn.attention.kernels import flash_fwd as fused  # noqa: E402
 from cupy_attn.runtime import compile as _compile  # noqa: E402
+from cupy_attn.runtime import compile_check  # noqa: E402
 
 
 def main() -> int:
@@ -32,7 +33,7 @@ def main() -> int:
                    and r["has_mask"] == "false")
         print(f"{family.name} {family.name_expression(**row)} for {_compile.target_arch(family)}")
         for _ in range(3):
-            seconds, source = _compile.timed_load(family, row)
+            seconds, source = compile_check.timed_load(family, row)
             print(f"  timed_load: {1e3 * seconds:8.1f} ms  ({source})")
         for what in ("first family.kernel (load)", "second family.kernel (memo)"):
             t0 = time.perf_counter()

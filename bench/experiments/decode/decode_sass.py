@@ -21,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))  # test_flash_fwd_sm90._cuobjdum
 
 from cupy_attn.attention.kernels import flash_decode as _decode  # noqa: E402
 from cupy_attn.runtime import compile as _compile  # noqa: E402
+from cupy_attn.runtime import compile_check  # noqa: E402
 
 
 def loop_paths(sass: str) -> dict:
@@ -74,9 +75,9 @@ def main():
              for d, t in tiles]
     family = _decode.FLASH_DECODE
     options = list(_compile.base_options() + family.options) + [f"-arch={arch}"]
-    with _compile._nvrtc_program(family.code(), family.source, names, options, family.source) as prog:
+    with _compile.nvrtc_program(family.code(), family.source, names, options, family.source) as prog:
         from cupy.cuda import nvrtc
-        cubin = _compile.whole_cubin(nvrtc.getCUBIN(prog))
+        cubin = compile_check.whole_cubin(nvrtc.getCUBIN(prog))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
