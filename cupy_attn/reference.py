@@ -144,6 +144,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     return (out, lse) if return_lse else out
 
 
+def merge_attention_states(out_a, lse_a, out_b, lse_b):
+    """Merge two partial attention results over disjoint key sets of the same query rows, in float64:
+    lse = log(e^lse_a + e^lse_b) and out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b, computed against
+    m = max(lse_a, lse_b) (0 when both are −inf). A side with lse −inf takes no part; both −inf give out 0 and lse −inf;
+    NaN propagates. Shapes: out_a, out_b (..., Ev), lse_a, lse_b (...) (FlashInfer's merge_state). Returns (out, lse)
+    float64."""
+    oa, ob = np.asarray(out_a, dtype=np.float64), np.asarray(out_b, dtype=np.float64)
+    la, lb = np.asarray(lse_a, dtype=np.float64), np.asarray(lse_b, dtype=np.float64)
+    m = np.maximum(la, lb)
+    ref = np.where(m == -np.inf, 0.0, m)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        wa, wb = np.exp(la - ref), np.exp(lb - ref)
+        total = wa + wb
+        ca, cb = (np.where(total == 0, 0.0, w / total) for w in (wa, wb))
+        return ca[..., None] * oa + cb[..., None] * ob, ref + np.log(total)
+
+
 def linear_batchnorm_softmax(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training,
                              momentum=0.1, eps=1e-5, num_batches_tracked=None):
     """``softmax(scale · BatchNorm1d(x · weightᵀ + bias), dim=1)`` in float64, with torch's train/eval semantics.

@@ -39,7 +39,7 @@ def _block(marker: str) -> str:
 
 def test_every_python_block_is_covered():
     markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()",
-               "window_size=(128, 0)")
+               "window_size=(128, 0)", "merge_attention_states")
     assert len(_blocks("python")) == len(markers)
     for marker in markers:
         _block(marker)
@@ -92,6 +92,17 @@ def test_variants_example():
     got = ns["cupy_attn"].scaled_dot_product_attention(ns["q"], ns["k"], ns["v"], is_causal=True, enable_gqa=True,
                                                        window_size=(128, 0))
     assert (got.double() - window).abs().max().item() < 1e-2
+
+
+def test_merge_example():
+    """The merge block: the two halves' merge equals the whole call (float64 reference on the CPU)."""
+    torch = pytest.importorskip("torch")
+    import cupy_attn
+    ns = _run(_block("merge_attention_states"))
+    whole, whole_lse = cupy_attn.scaled_dot_product_attention(ns["q"], ns["k"], ns["v"], return_lse=True)
+    assert ns["out"].shape == (2, 8, 16, 64) and ns["out"].dtype == torch.float16
+    assert (ns["out"].float() - whole.float()).abs().max().item() < 2e-3
+    assert (ns["lse"] - whole_lse).abs().max().item() < 1e-4
 
 
 def test_module_example():
@@ -160,7 +171,7 @@ def test_setup_blocks_for_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("marker", ["torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)",
-                                    "window_size=(128, 0)"])
+                                    "window_size=(128, 0)", "merge_attention_states"])
 def test_examples_as_written_on_the_gpu(marker):
     """On a GPU the blocks run unchanged (CUDA tensors, CuPy arrays, the fused paths)."""
     if marker != "cupy.random.default_rng":
@@ -168,4 +179,4 @@ def test_examples_as_written_on_the_gpu(marker):
     ns: dict = {"__name__": "readme_example"}
     exec(compile(_block(marker), str(README), "exec"), ns)
     out = ns["probs"] if "probs" in ns else ns["out"]
-    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256), (1, 32, 512, 128))
+    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256), (1, 32, 512, 128), (2, 8, 16, 64))

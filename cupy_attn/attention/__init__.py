@@ -1,5 +1,7 @@
-"""Attention: sdpa (public entry points), checks (argument checks, the problem), dispatch (the plan: every choice),
-autograd, dropout; kernels/ (one launcher per kernel family), paths/ (the split and backward schedules)."""
+"""Attention: sdpa (public entry points), merge (merge_attention_states), checks (argument checks, the problem),
+dispatch (the plan: every choice), autograd, dropout; kernels/ (one launcher per kernel family), paths/ (the split and
+backward schedules)."""
+from .merge import merge_attention_states
 from .sdpa import explain, scaled_dot_product_attention
 
-__all__ = ["scaled_dot_product_attention", "explain"]
+__all__ = ["scaled_dot_product_attention", "explain", "merge_attention_states"]

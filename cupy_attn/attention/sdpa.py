@@ -52,7 +52,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     - softcap: None or 0 (off), or a float c > 0 (Gemma 2's 50.0).
     - sinks: None or (Hq,) float32 or the query's dtype, natural-log logits (gpt-oss's); differentiable.
     - alibi_slopes: None or (Hq,) / (B, Hq) float32 (Press et al. 2022, FlashAttention's sign and offset).
-    - return_lse: also return lse (..., Hq, L) float32 (natural log).
+    - return_lse: also return lse (..., Hq, L) float32 (natural log); autograd takes it as a constant (no gradient).
     - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
       calls. "fused" and "split" need CUDA inputs.
     - num_splits: None (chosen per call) or the decode kernel's key splits (a positive int; not with dropout).

@@ -44,7 +44,7 @@ from . import env
 # test_compile.py checks that every module of cupy_attn/attention/kernels/ is listed).
 FAMILY_MODULES = tuple(f"cupy_attn.attention.kernels.{stem}" for stem in (
     "softmax", "flash_fwd", "flash_fwd_sm90", "bwd_rows", "flash_bwd", "flash_bwd_sm90", "flash_decode", "scores_sm90",
-    "pv_sm90", "flash_fwd_d512_sm90", "gemm_3xtf32")) + ("cupy_attn.linear_bn_softmax.launch",
+    "pv_sm90", "flash_fwd_d512_sm90", "gemm_3xtf32", "merge_states")) + ("cupy_attn.linear_bn_softmax.launch",
                                                           "cupy_attn.linear_bn_softmax.backward")
 
 # Architectures every variant must compile for (the CI compile check): Ampere and Hopper.

@@ -43,17 +43,17 @@ def check_same_kind(name: str, kind: str, first_name: str, first_kind: str) -> N
                         f"kind of array (the result comes back as {first_name}'s kind)")
 
 
-def check_like_query(name: str, x, ctx) -> str:
-    """The kind of ``x``, an array argument of the call whose query gave ``ctx`` (a CallContext), after checking it
-    is of the query's kind and on its device: ValueError naming ``name`` for CPU against CUDA or another device,
-    TypeError for another kind of array."""
+def check_like_query(name: str, x, ctx, first: str = "query") -> str:
+    """The kind of ``x``, an array argument of the call whose first array (``first``, the query) gave ``ctx`` (a
+    CallContext), after checking it is of that array's kind and on its device: ValueError naming ``name`` for CPU
+    against CUDA or another device, TypeError for another kind of array."""
     kind = kind_of(x, name)
     if (kind in CPU_KINDS) != (ctx.kind in CPU_KINDS):
         where = "CPU" if kind in CPU_KINDS else "a CUDA device"
-        raise ValueError(f"{name} is on {where} but query is not: all inputs must be on the same device")
-    check_same_kind(name, kind, "query", ctx.kind)
+        raise ValueError(f"{name} is on {where} but {first} is not: all inputs must be on the same device")
+    check_same_kind(name, kind, first, ctx.kind)
     if ctx.on_gpu and device_of(x, kind) != ctx.device_id:
-        raise ValueError(f"{name} is on cuda:{device_of(x, kind)} but query is on cuda:{ctx.device_id}")
+        raise ValueError(f"{name} is on cuda:{device_of(x, kind)} but {first} is on cuda:{ctx.device_id}")
     return kind
 
 _KDL_CUDA = 2  # DLDeviceType for CUDA memory in __dlpack_device__()
