@@ -25,6 +25,7 @@ import cupy_attn
 from cupy_attn.runtime import callcache, cublaslt, workspace
 
 import _launch_capture as capture
+from _graphs import capture_sdpa
 
 MiB = 1 << 20
 WS = 32 * MiB
@@ -481,15 +482,7 @@ def test_torch_graph_capture_survives_release_memory(name, shape, dtype, kw, env
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     q, k, v = _torch_inputs(shape, dtype, 1)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            cupy_attn.scaled_dot_product_attention(q, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cupy_attn.scaled_dot_product_attention(q, k, v, **kw)
+    graph, out = capture_sdpa(q, k, v, **kw)
     for step in range(3):
         if step == 1:
             cupy_attn.release_memory()

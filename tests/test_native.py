@@ -9,6 +9,7 @@ import cupy_attn
 from cupy_attn import reference
 from cupy_attn.runtime import callcache
 
+from _graphs import capture_sdpa
 from _tolerance import as_f64, assert_close
 
 pytestmark = pytest.mark.gpu
@@ -63,15 +64,7 @@ def test_torch_cuda_graph_capture_and_replay(name, shape, dtype, kw):
     the static inputs: the replay equals the reference on the new data."""
     g = torch.Generator("cuda").manual_seed(zlib.crc32(name.encode()) % 1000)
     q, k, v, kw = _inputs(shape, dtype, kw, g)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            cupy_attn.scaled_dot_product_attention(q, k, v, **kw)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = cupy_attn.scaled_dot_product_attention(q, k, v, **kw)
+    graph, out = capture_sdpa(q, k, v, **kw)
     for step in range(2):
         q2, k2, v2, kw2 = _inputs(shape, dtype, {n: ("bool" if isinstance(x, torch.Tensor) and x.dtype == torch.bool
                                                      else "float" if isinstance(x, torch.Tensor) else x)
