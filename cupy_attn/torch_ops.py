@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import torch
 
+from . import reference
 from .attention import dropout as _dropout
 from .attention.sdpa import forward as _sdpa_forward
 from .attention.sdpa import scaled_dot_product_attention as _sdpa_eager
@@ -107,10 +108,8 @@ def _variants(window_left: int, window_right: int, softcap: float, sinks, alibi_
 
 def window_to_ints(window_size) -> tuple[int, int]:
     """window_size of the public API as the op's two ints (-1: unbounded); None -> (-1, -1)."""
-    if window_size is None:
-        return -1, -1
-    left, right = window_size
-    return (-1 if left is None else int(left)), (-1 if right is None else int(right))
+    left, right = reference.window_bounds(window_size)  # eager's checks and errors
+    return (-1 if left is None else left), (-1 if right is None else right)
 
 
 @torch.library.custom_op("cupy_attn::scaled_dot_product_attention", mutates_args=())

@@ -135,6 +135,19 @@ def test_alibi_gqa(dtype, shape, per_batch):
     _check(q, k, v, dtype, causal=True, window=(256, 0), slopes=slopes.float(), what=f"{dtype} {shape} ALiBi")
 
 
+@pytest.mark.parametrize("backend", ["auto", "split"])
+def test_strided_sinks_and_slopes(backend):
+    """sinks and per-batch slopes as strided views (every other element of a longer tensor): copied, read as the
+    values they hold, on the FA3 kernel and on the split path."""
+    g = torch.Generator("cuda").manual_seed(17)
+    q, k, v = (_rand((2, 4, 300, 128), "bfloat16", g) for _ in range(3))
+    sinks = torch.randn(8, generator=g, device="cuda")[::2]
+    slopes = torch.rand(2, 8, generator=g, device="cuda")[:, ::2]
+    assert not sinks.is_contiguous() and not slopes.is_contiguous()
+    _check(q, k, v, "bfloat16", backend=backend, causal=True, window=(100, 0), sinks=sinks, slopes=slopes,
+           what=f"strided sinks and slopes, {backend}")
+
+
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 def test_split_path_all_variants(dtype):
     """The split path serves every variant at any head dim and in fp32 (correct, not necessarily fast)."""

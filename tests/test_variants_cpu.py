@@ -162,3 +162,26 @@ def test_backward_of_window_softcap_alibi_is_refused_clearly():
         _dispatch.plan_backward(_gpu_problem(window=(128, 0)), arch=80)
     plan = _dispatch.plan_backward(_gpu_problem(E=200, sinks=True), arch=80)  # sinks need nothing of the kernels
     assert plan.kernel == "split"
+
+
+def test_backend_split_and_empty_calls_keep_their_paths_with_variants(monkeypatch):
+    """backend="split" (or CUPY_ATTN_BACKEND=split) runs a variant call on the split path even where the FA3 kernel
+    could take it; an empty variant call plans "empty" under every backend (its arrays are never looked at)."""
+    assert _dispatch.plan_sdpa(_gpu_problem(window=(128, 0)), "split", arch=90, num_sms=132).backend == "split"
+    monkeypatch.setenv("CUPY_ATTN_BACKEND", "split")
+    assert _dispatch.plan_sdpa(_gpu_problem(window=(128, 0)), "auto", arch=90, num_sms=132).backend == "split"
+    monkeypatch.delenv("CUPY_ATTN_BACKEND")
+    for backend in ("auto", "fused", "split"):
+        for shape in (dict(L=0), dict(S=0)):
+            p = _gpu_problem(window=(128, 0), sinks=True, **shape)
+            p.query = object()  # an empty call keeps the caller's arrays: the plan must not read them
+            assert _dispatch.plan_sdpa(p, backend, arch=90, num_sms=132).backend == "empty", (backend, shape)
+
+
+def test_custom_op_window_is_checked_as_eager():
+    torch = pytest.importorskip("torch")
+    from cupy_attn import torch_ops
+    assert torch_ops.window_to_ints(None) == (-1, -1)
+    assert torch_ops.window_to_ints((5, None)) == (5, -1)
+    with pytest.raises(ValueError, match="window_size left"):
+        torch_ops.window_to_ints((2.5, 0))

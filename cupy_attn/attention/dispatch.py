@@ -118,16 +118,16 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     forced = f"forced by {ENV_BACKEND}" if requested == "auto" and backend != "auto" else "requested"
     if backend == "reference":
         return Plan("reference", f"reference {forced}: float64 NumPy on the host (slow, for checking)", copies=copies)
-    if not p.variants.plain:
-        plan = _variants_plan(p, backend, arch, forced, copies)
-        if plan is not None:
-            return plan
-    fused_why_not = flash_fwd.reason(p, arch)
     if p.dropout_p > 0 and num_splits is not None:
         raise ValueError(f"num_splits={num_splits} asks for the decode kernel, which has no dropout (dropout_p="
                          f"{p.dropout_p}): pass num_splits=None")
     if p.empty:  # whatever the backend: nothing is launched (sdpa's _run_empty gives torch's results)
         return Plan("empty", empty_reason(p), copies=copies, problem=p)
+    if not p.variants.plain and backend in ("auto", "fused"):  # backend "split": the split path serves every variant
+        plan = _variants_plan(p, backend, arch, forced, copies)
+        if plan is not None:
+            return plan
+    fused_why_not = flash_fwd.reason(p, arch)
     if backend in ("auto", "fused") and fused_why_not is None and p.dropout_p == 0:
         plan = _decode_plan(p, backend, arch, num_splits, num_sms, copies)
         if plan is not None:

@@ -131,8 +131,8 @@ def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int
 
 
 def _check_array(name: str, x, ctx, shapes: tuple, dtypes: tuple, shape_text: str):
-    """``x`` as an array of the call's kind (a CuPy view on the GPU, NumPy on the CPU), checked for kind, device,
-    shape and dtype."""
+    """``x`` as an array of the call's kind (a contiguous CuPy array on the GPU: a view, or a copy of a strided one;
+    NumPy on the CPU), checked for kind, device, shape and dtype."""
     from ..runtime import interop
     kind = interop.check_like_query(name, x, ctx)
     shape = tuple(x.shape)
@@ -144,5 +144,7 @@ def _check_array(name: str, x, ctx, shapes: tuple, dtypes: tuple, shape_text: st
         raise TypeError(f"{name} must be {allowed}, got {dt}")
     if ctx.on_gpu:
         with ctx.activate():
-            return ctx.as_cupy(x)
+            a = ctx.as_cupy(x)
+            # The kernels index it as contiguous ([h], [b·stride_b + h]): a strided or expanded view is copied.
+            return a if a.flags.c_contiguous else ctx.contiguous(a)
     return interop.to_numpy(x, kind)
