@@ -337,7 +337,7 @@ def sweep_row_kernels(dname: str = "float16", repeat: int = 50) -> list[dict]:
         if row["dtype"] != ctype or row["threads"] * row["vec"] * row["chunks"] < F:
             continue
         kernel = lbs.SOFTMAX_ROWS.kernel(**row)
-        resident = lbs.sm_count(0) * lbs._blocks_per_sm(kernel, row["threads"])
+        resident = lbs.interop.device_sms(0) * lbs._blocks_per_sm(kernel, row["threads"])
         for grid in sorted({min(N // row["rows"], resident * m) for m in (1, 2, 4)}):
             us = _graph_us(lambda: launch_struct(kernel, (grid,), (row["threads"],), params,
                                                  cupy.cuda.get_current_stream().ptr))

@@ -240,6 +240,15 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     return problem
 
 
+def common_stride(shape: tuple, strides: tuple) -> int | None:
+    """The one stride of axes ``shape`` (with ``strides``) folded into one axis, or None when they have none (0 for no
+    axis of size > 1)."""
+    lead = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if all(lead[i][1] == lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1)):
+        return lead[-1][1] if lead else 0
+    return None
+
+
 def _fold_leading(x, name: str, copies: list[str], ctx):
     """View (..., H, N, D) as (batch, H, N, D), folding the leading axes; copy (ctx.contiguous: the caller's
     allocator) only when they have no common stride."""
@@ -250,10 +259,8 @@ def _fold_leading(x, name: str, copies: list[str], ctx):
     if len(shape) == 3:
         return x[None]
     batch = math.prod(shape[:-3])
-    lead = [(n, s) for n, s in zip(shape[:-3], x.strides[:-3]) if n != 1]
-    foldable = all(lead[i][1] == lead[i + 1][0] * lead[i + 1][1] for i in range(len(lead) - 1))
-    if foldable:
-        stride = lead[-1][1] if lead else 0
+    stride = common_stride(shape[:-3], x.strides[:-3])
+    if stride is not None:
         return cupy.lib.stride_tricks.as_strided(x, (batch,) + shape[-3:], (stride,) + x.strides[-3:])
     copies.append(f"{name}: leading axes {shape[:-3]} have no common stride; copied to fold them into one batch axis")
     return ctx.contiguous(x).reshape((batch,) + shape[-3:])

@@ -168,8 +168,7 @@ def _variants_plan(p, backend: str, arch: int, forced: str, copies) -> Plan | No
                         f"({', '.join(p.variants.names())})", describe=functools.partial(fa3_details, choice, p),
                         copies=copies, problem=p, kernel=flash_fwd_sm90, choice=choice)
         why.append(f"FA3 kernel: {fa3_why}")
-        d512_why = d512.reason(p, arch) or (d512.layout_reason(p.query, p.key, p.value, None)
-                                            if p.query is not None else None)
+        d512_why = d512.reason(p, arch)
         if d512_why is None and d512.enabled() != "0":
             choice = d512.choose(p)
             return Plan("fused", f"the head-dim-512 kernel's variants ({', '.join(p.variants.names())})",
@@ -242,8 +241,6 @@ def _d512_plan(p, backend: str, arch: int, forced: str, copies, num_sms: int | N
         take, why = d512.prefer_grid(p.batch, p.num_heads, p.seqlen_q, p.seqlen_k, num_sms)
         if not take:
             return None
-    if p.query is not None and d512.layout_reason(p.query, p.key, p.value, None):
-        return None
     choice = d512.choose(p)
     return Plan("fused", why, describe=functools.partial(d512.describe, choice, p), copies=copies, problem=p,
                 kernel=d512, choice=choice)
@@ -537,16 +534,21 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     return plan
 
 
+def _sm90_backward_reason(p, arch: int) -> str | None:
+    """None when the Hopper backward kernel can take the call on compute capability ``arch``, else why not."""
+    return f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
+
+
 def _backward_kernel(p, arch: int | None) -> BackwardPlan:
     setting = env.get(ENV_BWD, "")
     if setting not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
     var = variants.of(p)
-    if var.has_window or var.softcap is not None or var.alibi_slopes is not None:
+    if var.changes_scores:
         # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's). The
         # others: the Hopper kernel's variants instantiation, or nothing yet.
         arch = device_arch(p) if arch is None else arch
-        why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
+        why_not = _sm90_backward_reason(p, arch)
         if p.dropout_p > 0:
             why_not = "dropout (the Hopper kernel has no dropout variant)"
         if why_not is not None or setting in ("split", "mma"):
@@ -579,7 +581,7 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
     if p.dropout_p > 0:
         return (BackwardPlan("mma", bucket, "mma.sync kernel: dropout (the Hopper kernel has no dropout variant)")
                 if bucket else BackwardPlan("split", None, f"dropout (the Hopper kernel has none) and {no_mma}"))
-    why_not = f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
+    why_not = _sm90_backward_reason(p, arch)
     if why_not is None:
         sm90_bucket = flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v)
         if setting == "sm90":

@@ -7,6 +7,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import interop
+from .checks import common_stride
 from .kernels import merge_states
 
 _FLOATS = ("float16", "bfloat16", "float32")
@@ -46,8 +47,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     """
     ctx = interop.context_for(out_a, "out_a")
     arrays = {"out_a": out_a, "lse_a": lse_a, "out_b": out_b, "lse_b": lse_b}
-    for name, x in arrays.items():
-        interop.check_like_query(name, x, ctx, first="out_a")
+    kinds = {name: interop.check_like_query(name, x, ctx, first="out_a") for name, x in arrays.items()}
     shapes = {name: tuple(x.shape) for name, x in arrays.items()}
     if len(shapes["out_a"]) < 1:
         raise ValueError(f"out_a must have at least one axis (..., Ev), got shape {shapes['out_a']}")
@@ -57,7 +57,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
         if shapes[name] != shapes["out_a"][:-1]:
             raise ValueError(f"{name} must have shape out_a.shape[:-1] = {shapes['out_a'][:-1]} (one lse per row), "
                              f"got {shapes[name]}")
-    dtypes = {name: interop.dtype_of(x, interop.kind_of(x, name)) for name, x in arrays.items()}
+    dtypes = {name: interop.dtype_of(x, kinds[name]) for name, x in arrays.items()}
     out_dtype = dtypes["out_a"]
     if interop.dtype_name(out_dtype) not in _FLOATS:
         raise TypeError(f"out_a must be float16, bfloat16 or float32, got {out_dtype} (for float64: "
@@ -73,7 +73,7 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
     if _via_torch_ops(out_a, lse_a, out_b, lse_b):
         return _merge_torch(out_a, lse_a, out_b, lse_b)
     if not ctx.on_gpu:
-        oa, la, ob, lb = (interop.to_numpy(x, interop.kind_of(x, n)) for n, x in arrays.items())
+        oa, la, ob, lb = (interop.to_numpy(x, kinds[n]) for n, x in arrays.items())
         out, lse = reference.merge_attention_states(oa, la, ob, lb)
         return (interop.from_numpy(out, ctx.kind, out_dtype), interop.from_numpy(lse, ctx.kind, np.dtype(np.float32)))
     ev, rows_shape = shapes["out_a"][-1], shapes["out_a"][:-1]
@@ -96,12 +96,9 @@ def merge_attention_states(out_a, lse_a, out_b, lse_b):
 def _rows(ctx, a, rows: int, ev: int):
     """``a`` (..., Ev) as a (rows, Ev) CuPy view with a unit last stride and one row pitch; a copy from the caller's
     allocator when it has neither."""
-    if ev > 1 and a.strides[-1] != a.itemsize:
+    if (ev > 1 and a.strides[-1] != a.itemsize) or common_stride(a.shape[:-1], a.strides[:-1]) is None:
         a = ctx.contiguous(a)
-    v = a.reshape(rows, ev)
-    if v.size and v.data.ptr != a.data.ptr:  # reshape copied: the leading axes share no pitch
-        v = ctx.contiguous(a).reshape(rows, ev)
-    return v
+    return a.reshape(rows, ev)  # a view: one pitch
 
 
 def _flat(ctx, a):

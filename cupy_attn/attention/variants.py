@@ -48,6 +48,12 @@ class Variants:
         return self.window_left is not None or self.window_right is not None
 
     @property
+    def changes_scores(self) -> bool:
+        """A window, softcap or ALiBi: what changes the scores the kernels compute (sinks only add lse's term), so
+        what needs a kernel's variants instantiation, backward included."""
+        return self.has_window or self.softcap is not None or self.alibi_slopes is not None
+
+    @property
     def plain(self) -> bool:
         """No variant at all: the call is plain attention (every kernel serves it as before)."""
         return not self.has_window and self.softcap is None and self.sinks is None and self.alibi_slopes is None

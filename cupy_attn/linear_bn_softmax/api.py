@@ -9,6 +9,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
+from ..runtime.kernel_abi import LOG2E
 from . import autograd as _autograd
 from .checks import check
 from .launch import (AFFINE_ROWS, Y_WORKSPACE_MAX_BYTES, Entry, Prepared, VECTORS, cupy_view,  # noqa: F401
@@ -199,7 +200,7 @@ def _reference_saving(call, x, weight, bias, running_mean, running_var, bn_weigh
     invstd = 1.0 / np.sqrt(var + eps)
     gamma = np.ones(f) if bn_weight is None else host(bn_weight)
     beta = np.zeros(f) if bn_bias is None else host(bn_bias)
-    s = np.broadcast_to(host(scale).reshape(-1), (f,)) * 1.4426950408889634
+    s = np.broadcast_to(host(scale).reshape(-1), (f,)) * LOG2E
     a, d = gamma * invstd * s, beta * s
     stats = np.stack([mu, a, d, d - a * mu, invstd])  # launch.AFFINE_ROWS: mu, a, d, b, invstd
     out = run_reference(call, x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, training,

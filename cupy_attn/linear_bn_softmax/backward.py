@@ -25,7 +25,7 @@ from ..runtime.compile import KernelFamily
 from ..runtime.launch import PreparedLaunch, Step
 from .checks import CODE_OF as _CODE_OF
 from ..runtime.kernel_abi import C_TYPE, DTYPE_OF_C
-from .launch import AFFINE_ROWS, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, sm_count, stream_workspace
+from .launch import AFFINE_ROWS, C_DTYPES, DTYPES, VEC_WIDTH, Y_WORKSPACE_MAX_BYTES, stream_workspace
 
 # bwd_row_dot<T, kThreads, kVec>: one row per block; 256 threads × 16-byte loads cover 2048 (fp16) features per step.
 ROW_DOT_THREADS = 256
@@ -46,7 +46,7 @@ ROW_DOT = KernelFamily(
     name="lbs_bwd_row_dot",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_row_dot<{dtype}, {threads}, {vec}>",
-    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
+    axes={"dtype": C_DTYPES, "threads": (ROW_DOT_THREADS,), "vec": (1, 4, 8)},
     where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
@@ -55,7 +55,7 @@ COLUMNS = KernelFamily(
     name="lbs_bwd_columns",
     source="linear_bn_softmax/backward.cu",
     template="cupy_attn::lbs::bwd_columns<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": tuple(C_TYPE[name] for name in DTYPES), "tile": tuple(COLUMN_TILES.values())},
+    axes={"dtype": C_DTYPES, "tile": tuple(COLUMN_TILES.values())},
     where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::BwdParams", _BWD_PARAMS),),
 )
@@ -118,7 +118,7 @@ def _plan(device_id: int, dtype: np.dtype, n: int, k: int, f: int, ldx: int, ldw
                                     b_dtype=dtype, ldb=ldx, stride_b=0, trans_b=False, m=f, n=k, k=n, batch=1,
                                     allow_tf32=allow_tf32))
     # Up to 16 row blocks per SM resident (256 threads): more rows than that take the grid-stride loop.
-    return _Plan(row_dot=(row_dot, (min(n, 16 * sm_count(device_id)),), (ROW_DOT_THREADS,)),
+    return _Plan(row_dot=(row_dot, (min(n, 16 * interop.device_sms(device_id)),), (ROW_DOT_THREADS,)),
                  columns=(columns, (-(-f // (tile[0] * tile[1])),), (tile[2],)), dx=dx, dw=dw)
 
 

@@ -35,7 +35,7 @@ from .checks import CODE_OF as _CODE_OF, Arg, Call
 
 DTYPES = ("float32", "float16", "bfloat16")                  # the kernel tables' element types, in their order
 VEC_WIDTH = {"float32": 4, "float16": 8, "bfloat16": 8}       # elements per 16-byte vector
-_C_DTYPES = tuple(C_TYPE[name] for name in DTYPES)
+C_DTYPES = tuple(C_TYPE[name] for name in DTYPES)
 _FLAG_UPDATE_RUNNING, _FLAG_CUMULATIVE, _FLAG_COUNT_BATCH = 1, 2, 4
 # Rows of the per-feature Affine the statistics / fold kernels write (float32, (AFFINE_ROWS, F)): mu, a·log2e, d·log2e,
 # b = d − a·mu, invstd. The row kernels read rows 0–3; the backward reads mu (row 0) and invstd (row 4).
@@ -98,7 +98,7 @@ COLUMN_STATS = KernelFamily(
     name="lbs_column_stats",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::column_stats<{dtype}, {tile[0]}, {tile[1]}, {tile[2]}>",
-    axes={"dtype": _C_DTYPES, "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
+    axes={"dtype": C_DTYPES, "tile": tuple(t for tiles in STATS_TILES.values() for t in tiles)},
     where=lambda row: row["tile"][0] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
@@ -107,7 +107,7 @@ SOFTMAX_ROWS = KernelFamily(
     name="lbs_softmax_rows",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows<{dtype}, {threads}, {vec}, {chunks}, {rows}>",
-    axes={"dtype": _C_DTYPES, "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
+    axes={"dtype": C_DTYPES, "threads": ROW_THREADS + (WIDE_ROW_TILE[1],), "vec": (1, 4, 8),
           "chunks": (1, 2, 4, 8, 16), "rows": (1, ROW_ROWS)},
     where=_row_where,
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
@@ -125,7 +125,7 @@ SOFTMAX_ROWS_STREAMING = KernelFamily(
     name="lbs_softmax_rows_streaming",
     source="linear_bn_softmax/linear_bn_softmax.cu",
     template="cupy_attn::lbs::softmax_rows_streaming<{dtype}, {threads}, {vec}>",
-    axes={"dtype": _C_DTYPES, "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
+    axes={"dtype": C_DTYPES, "threads": (STREAM_THREADS,), "vec": (1, 4, 8)},
     where=lambda row: row["vec"] in (1, VEC_WIDTH[DTYPE_OF_C[row["dtype"]]]),
     structs=(("cupy_attn::lbs::Params", _PARAMS),),
 )
@@ -178,12 +178,6 @@ def stats_tile(n_cols: int, dtype) -> tuple[int, int, int]:
     32 blocks; F = 8192 fp32 → (4, 8, 256), 256 blocks; F = 3 → (1, 32, 256), one block."""
     wide = VEC_WIDTH[np.dtype(dtype).name]
     return STATS_TILES[wide if n_cols % wide == 0 else 1][0]
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_id: int) -> int:
-    import cupy
-    return cupy.cuda.Device(device_id).attributes["MultiProcessorCount"]
 
 
 def _blocks_per_sm(kernel, threads: int) -> int:
@@ -390,7 +384,7 @@ def empty_output(ctx: interop.CallContext, shape: tuple, dtype: np.dtype, like=N
     return native, view.data.ptr
 
 
-_NAME_OF = {dt: name for name, dt in zip(("float32", "float16", "bfloat16"), _CODE_OF)}
+_NAME_OF = {dt: name for name, dt in zip(DTYPES, _CODE_OF)}
 
 
 def cupy_view(a: Arg):
@@ -403,29 +397,30 @@ def cupy_view(a: Arg):
 
 
 def unit_last_stride(a: Arg) -> Arg:
-    """cuBLAS reads any row stride but needs unit stride along the last axis: copy only when it is not, from the
-    caller's allocator on the call's stream (torch tensors: torch's; otherwise CuPy's pool)."""
+    """cuBLAS reads any row stride but needs unit stride along the last axis: copy only when it is not
+    (:func:`contiguous_copy`)."""
     st = a.strides()
     if st[1] == 1 and st[0] >= a.shape[1]:
         return a
-    if a.kind == interop.TORCH:
-        return Arg(a.obj.detach().contiguous(), interop.TORCH, a.dtype, a.shape)
-    import cupy
-    return Arg(cupy.ascontiguousarray(cupy_view(a)), interop.CUPY, a.dtype, a.shape)
+    return contiguous_copy(a)
 
 
 def vector_ptr(a: Arg, keep: list) -> int:
     """Pointer to a contiguous copy of a per-feature vector (the array itself when already contiguous)."""
     if a.shape == () or a.shape == (1,) or a.strides()[0] == 1:
         return a.ptr()
-    if a.kind == interop.TORCH:  # torch's allocator, like the call's other memory
-        t = a.obj.detach().contiguous()
-        keep.append(t)  # alive until the launches are enqueued (torch's allocator is stream-ordered)
-        return t.data_ptr()
+    c = contiguous_copy(a)
+    keep.append(c.obj)  # alive until the launches are enqueued (both allocators are stream-ordered)
+    return c.ptr()
+
+
+def contiguous_copy(a: Arg) -> Arg:
+    """A contiguous copy of ``a`` from the caller's allocator on the call's stream (torch tensors: torch's; otherwise
+    CuPy's pool)."""
+    if a.kind == interop.TORCH:
+        return Arg(a.obj.detach().contiguous(), interop.TORCH, a.dtype, a.shape)
     import cupy
-    c = cupy.ascontiguousarray(cupy_view(a))
-    keep.append(c)  # alive until the launches are enqueued (CuPy's pool is stream-ordered)
-    return c.data.ptr
+    return Arg(cupy.ascontiguousarray(cupy_view(a)), interop.CUPY, a.dtype, a.shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +454,8 @@ def _launch_plan(device_id: int, dtype: np.dtype, n: int, f: int, use_batch_stat
     else:
         rows = SOFTMAX_ROWS_STREAMING.kernel(dtype=ctype, threads=plan.threads, vec=plan.vec)
         groups = n
-    return first, _Launch(rows, min(groups, sm_count(device_id) * _blocks_per_sm(rows, plan.threads)), plan.threads)
+    resident = interop.device_sms(device_id) * _blocks_per_sm(rows, plan.threads)
+    return first, _Launch(rows, min(groups, resident), plan.threads)
 
 
 def stream_workspace(device_id: int, stream_ptr: int, name: str, nbytes: int):

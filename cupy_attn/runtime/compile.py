@@ -513,12 +513,18 @@ def _lookup(key: str, arch: str) -> CachedVariant | None:
     image = root / f"{key}{image_suffix(arch)}"
     try:
         info = json.loads((root / f"{key}.json").read_bytes())
-        if info["layout"] == CACHE_LAYOUT and image.stat().st_size == info["image_bytes"]:
+        if entry_whole(info, image.stat().st_size):
             report = VariantReport(**{**info["report"], "perf_warnings": tuple(info["report"]["perf_warnings"])})
             return CachedVariant(report, image, info["lowered_name"], False, info["seconds"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # missing, unreadable, damaged or of another layout: compile again
     return _MEMORY.get(key)
+
+
+def entry_whole(info: dict, image_size: int | None) -> bool:
+    """Whether a cache entry's JSON (``info``) and its image (``image_size`` bytes, None when missing) make a whole
+    entry of this layout, the only kind that is read."""
+    return info["layout"] == CACHE_LAYOUT and image_size == info["image_bytes"]
 
 
 def _store(root: Path, image: Path, meta: Path, data: bytes, info: bytes) -> bool:

@@ -16,8 +16,8 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
-from .compile import (CACHE_LAYOUT, CachedVariant, CompileCacheWarning, KernelCompileError, KernelFamily,
-                      VariantReport, all_families, base_options, cache_dir, cached, compile_variant, image_suffix,
+from .compile import (CachedVariant, CompileCacheWarning, KernelCompileError, KernelFamily, VariantReport,
+                      all_families, base_options, cache_dir, cached, compile_variant, entry_whole, image_suffix,
                       keep_in_memory, load_variant, nvrtc_program, target_arch, unusable_reason)
 
 
@@ -181,7 +181,7 @@ def cache_contents(root: Path | None = None) -> CacheContents:
             info = json.loads((root / name).read_bytes())
             report = info["report"]
             image = f"{key}{image_suffix(report['arch'])}"
-            whole = info["layout"] == CACHE_LAYOUT and files.get(image) == info["image_bytes"]
+            whole = entry_whole(info, files.get(image))
         except (OSError, ValueError, KeyError, TypeError):
             whole, image = False, None
         if whole:

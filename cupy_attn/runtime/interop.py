@@ -188,6 +188,12 @@ def dlpack_view(x: Any):
     return cupy.from_dlpack(x)
 
 
+def bits_view(x):
+    """The same bytes as unsigned integers of the element's size (a view): copies through it run on any dtype, bf16
+    included, bit for bit."""
+    return x.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize])
+
+
 @dataclasses.dataclass
 class CallContext:
     """Where and how one call runs: the caller's kind, device and stream, and how to allocate outputs for it."""
@@ -248,8 +254,7 @@ class CallContext:
         if self.kind != TORCH:
             return cupy.ascontiguousarray(x)
         _, y = self.empty(tuple(x.shape), x.dtype)
-        bits = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[x.itemsize]
-        y.view(bits)[...] = x.view(bits)
+        bits_view(y)[...] = bits_view(x)
         return y
 
     def full(self, shape: tuple[int, ...], dtype: np.dtype, value: float):

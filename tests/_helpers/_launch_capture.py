@@ -605,7 +605,7 @@ def _lbs_forward(rec, mp, *, dtype, n, f, training, running=True, momentum=0.1):
     rec.cc = 90
     lbs._launch_plan.cache_clear()
     lbs._gemm_xwt_op.cache_clear()
-    mp.setattr(lbs, "sm_count", lambda device_id: 132)
+    mp.setattr(lbs.interop, "device_sms", lambda device_id: 132)
     dtype = _dtype(dtype)
 
     def arg(shape, dt=dtype):
@@ -655,7 +655,7 @@ def _lbs_backward(rec, mp, *, needs, scale_shape, dy_in_work=True):
     from cupy_attn.linear_bn_softmax import backward as lbs_bwd
     rec.cc = 90
     lbs_bwd._plan.cache_clear()
-    mp.setattr(lbs_bwd, "sm_count", lambda device_id: 132)
+    mp.setattr(lbs_bwd.interop, "device_sms", lambda device_id: 132)
     mp.setattr(lbs_bwd, "_get_device_fn", lambda: (lambda: 0))
     mp.setattr(lbs_bwd, "_memcpy_fn", lambda: (lambda dst, src, n, kind, stream: rec.log.append(
         ["memcpy", dst, src, n, kind, stream])))

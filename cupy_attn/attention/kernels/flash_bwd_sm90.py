@@ -219,8 +219,7 @@ class Sm90Backward(bwd_rows.FusedBackward):
         # scale_log2 = c·log2(e) (``scale`` stays the softmax scale: dS's own factor), ALiBi in raw-score units.
         flash_fwd_sm90.set_variant_params(prm, p)
         prm["scale"] = p.scale
-        var = variants.of(p)
-        kernel_variants = var.has_window or var.softcap is not None or var.alibi_slopes is not None
+        kernel_variants = variants.of(p).changes_scores
         do = Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).

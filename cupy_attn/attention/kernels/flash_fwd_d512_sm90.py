@@ -52,8 +52,8 @@ FLASH_FWD_D512_SM90 = KernelFamily(
 
 
 def reason(p, arch: int) -> str | None:
-    """None when this kernel can serve a call of this kind (``p``: an SDPAProblem, or anything with its dtype, head
-    dims, mask_kind and scale); its layout: :func:`layout_reason`.
+    """None when this kernel can serve the call ``p`` (an SDPAProblem, or anything with its dtype, head dims,
+    mask_kind and scale): its kind, and the layout of its arrays where it has them (:func:`layout_reason`).
 
     >>> import types
     >>> kind = lambda E, scale: types.SimpleNamespace(dtype=np.dtype("float16"), head_dim=E, head_dim_v=E,
@@ -73,7 +73,10 @@ def reason(p, arch: int) -> str | None:
         return "attn_mask: the head-dim-512 kernel has no mask input (causal only)"
     if variants.of(p).softcap is not None:
         return "softcap: not in the head-dim-512 kernel (its two SFU operations per score made it spill)"
-    return exp2_tma_reason("the head-dim-512 kernel", p.scale)
+    why = exp2_tma_reason("the head-dim-512 kernel", p.scale)
+    if why is not None or getattr(p, "query", None) is None:  # a plan made without arrays: the layout is not known
+        return why
+    return layout_reason(p.query, p.key, p.value, None)
 
 
 def layout_reason(q, k, v, out) -> str | None:

@@ -27,7 +27,7 @@ import math
 import numpy as np
 
 from ...runtime import blas, workspace
-from ...runtime.interop import dtype_name
+from ...runtime.interop import bits_view, dtype_name
 from ...runtime.kernel_abi import C_TYPE, LOG2E
 from ...runtime.launch import launch_struct
 from ..kernels import bwd_rows, flash_bwd, flash_bwd_sm90, gemm_3xtf32
@@ -47,18 +47,13 @@ def _scratch(ctx, shape, dtype):
     return holder, cupy.ndarray(shape, dtype, cupy.cuda.MemoryPointer(mem, 0))
 
 
-def _bits(x):
-    """The same bytes as unsigned integers of the element's size: copies then run on any dtype (bf16 included)."""
-    return x.view({2: np.uint16, 4: np.uint32, 1: np.uint8}[x.itemsize])
-
-
 def _contiguous(ctx, x, keep: list):
     """x itself when C-contiguous, else a contiguous copy in scratch (kept alive through ``keep``)."""
     if x.flags.c_contiguous:
         return x
     holder, y = _scratch(ctx, x.shape, x.dtype)
     keep.append(holder)
-    _bits(y)[...] = _bits(x)
+    bits_view(y)[...] = bits_view(x)
     return y
 
 
@@ -114,8 +109,8 @@ def sdpa_backward(p, plan, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_
             holder_k, k_rep = _scratch(ctx, (B, Hq, S, E), dtype)
             holder_v, v_rep = _scratch(ctx, (B, Hq, S, Ev), dtype)
             keep += [holder_k, holder_v]
-            _bits(k_rep).reshape(B, Hkv, g, S, E)[...] = _bits(k)[:, :, None]
-            _bits(v_rep).reshape(B, Hkv, g, S, Ev)[...] = _bits(v)[:, :, None]
+            bits_view(k_rep).reshape(B, Hkv, g, S, E)[...] = bits_view(k)[:, :, None]
+            bits_view(v_rep).reshape(B, Hkv, g, S, Ev)[...] = bits_view(v)[:, :, None]
             k, v = k_rep, v_rep
         lse = _contiguous(ctx, lse, keep)
         holder, dk32 = _scratch(ctx, (B, Hq, S, E), np.float32)
