@@ -17,6 +17,7 @@ from cupy_attn.attention.kernels import flash_decode as _decode
 from cupy_attn.runtime import compile as _compile, compile_check, interop as _interop
 from cupy_attn.runtime.kernel_abi import C_TYPE_16
 
+from _compile_checks import assert_clean
 from _tolerance import as_f64, assert_close
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -31,11 +32,7 @@ _FAMILY_ARCHS = [(f, arch) for f in (_decode.FLASH_DECODE, _decode.FLASH_DECODE_
 def test_every_instantiation_compiles_without_spills(family, arch):
     reports = compile_check.compile_family(family, arch)
     assert len(reports) == len(list(family.variants())) == len(set(family.name_expressions()))
-    assert all(r.registers is not None and r.registers <= 255 for r in reports)
-    spilled = [(r.name_expression, r.spill_bytes, r.stack_bytes) for r in reports if r.spill_bytes or r.stack_bytes]
-    assert not spilled, f"register spills / stack: {spilled}"
-    warned = [(r.name_expression, r.perf_warnings) for r in reports if r.perf_warnings]
-    assert not warned, f"ptxas performance warnings: {warned}"
+    assert_clean(reports, max_registers=255)
 
 
 def test_streaming_variant_sass_has_tma_mbarriers_and_no_local_memory():

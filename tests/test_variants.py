@@ -17,9 +17,11 @@ torch = pytest.importorskip("torch")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def torch_variant_attention(q, k, v, *, scale, causal=False, window=None, softcap=None, sinks=None, slopes=None,
+def torch_variant_attention(q, k, v, *, scale=None, causal=False, window=None, softcap=None, sinks=None, slopes=None,
                             mask=None):
-    """The variants in torch ops at the inputs' precision (the peer computation of the error rule)."""
+    """The variants in differentiable torch ops at the inputs' precision (the peer computation of the error rule;
+    float64 inputs: the gradients' reference), the sink as a softmax column. scale: default 1/sqrt(E)."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     Hq, Hkv = q.shape[-3], k.shape[-3]
     if Hq != Hkv:
         k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
@@ -37,7 +39,7 @@ def torch_variant_attention(q, k, v, *, scale, causal=False, window=None, softca
     if sinks is not None:
         col = sinks.to(s.dtype).reshape(Hq, 1, 1).expand(*s.shape[:-1], 1)
         s = torch.cat([s, col], dim=-1)
-    p = torch.softmax(s.float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(q.dtype)
     if sinks is not None:
         p = p[..., :-1]
     return p @ v
@@ -203,27 +205,6 @@ def test_explain_names_the_variant_and_skipped_tiles():
 # Gradients: query, key, value and sinks against float64 autograd of the same function (torch ops, the sink as a
 # softmax column), within twice the error of that function computed by torch at the inputs' precision.
 
-def _torch_variant_function(q, k, v, sinks, *, causal, window, softcap, slopes):
-    """The variants in differentiable torch ops at q's precision (float64 for the reference)."""
-    Hq, Hkv = q.shape[-3], k.shape[-3]
-    if Hq != Hkv:
-        k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
-    L, S = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if slopes is not None:
-        s = s + torch.from_numpy(reference.alibi_bias(slopes.double().cpu().numpy(), L, S)).to(s.device, s.dtype)
-    keep = torch.from_numpy(reference.visible_keys(L, S, causal, window)).to(q.device)
-    s = s.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(s.dtype).reshape(Hq, 1, 1).expand(*s.shape[:-1], 1)], dim=-1)
-    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(q.dtype)
-    if sinks is not None:
-        p = p[..., :-1]
-    return p @ v
-
-
 GRAD_CASES = [
     # (name, B, Hq, Hkv, L, S, E, causal, window, softcap, sinks, alibi)
     ("window causal", 2, 4, 2, 300, 300, 128, True, (64, 0), None, False, False),
@@ -263,10 +244,10 @@ def test_gradients(dtype, case):
         q_, k_, v_, is_causal=causal, enable_gqa=Hq != Hkv, window_size=window, softcap=softcap,
         sinks=s[0] if s else None, alibi_slopes=slopes), inputs)
     ref_in = [x.detach().double().requires_grad_() for x in inputs]
-    ref_out, want = grads(lambda q_, k_, v_, *s: _torch_variant_function(q_, k_, v_, s[0] if s else None, **kw),
+    ref_out, want = grads(lambda q_, k_, v_, *s: torch_variant_attention(q_, k_, v_, sinks=s[0] if s else None, **kw),
                           ref_in)
     peer_in = [x.detach().clone().requires_grad_() for x in inputs]
-    _, peer = grads(lambda q_, k_, v_, *s: _torch_variant_function(q_, k_, v_, s[0] if s else None, **kw), peer_in)
+    _, peer = grads(lambda q_, k_, v_, *s: torch_variant_attention(q_, k_, v_, sinks=s[0] if s else None, **kw), peer_in)
     assert_close(out, ref_out.detach().cpu().numpy(), dtype, None, f"{name} out")
     for label, a, b, c in zip(("dq", "dk", "dv", "dsinks"), got, want, peer):
         assert_close(a.numpy(), b.numpy(), dtype, c.numpy(), f"{dtype} {name} {label}")
