@@ -1,7 +1,7 @@
 """Same-process A/B of this checkout against an earlier revision of cupy_attn, on the plain benchmark rows.
 
     python bench/ab.py --export REV [--dest .ab]          # here (needs git): the revision as package cupy_attn_base
-    PYTHONPATH=. python bench/ab.py --base .ab/REV [--rows fwd,bwd,decode] [--rounds 7]   # on the GPU
+    PYTHONPATH=. python bench/ab.py --base .ab/REV [--rows fwd,bwd,decode] [--rounds 7] [--only d512]   # on the GPU
 
 The export copies the revision's cupy_attn/ and cuda_src/ to DEST/REV/cupy_attn_base and DEST/REV/cuda_src, renaming
 the package's absolute self-references (``cupy_attn.`` module paths; the kernels' C++ namespace ``cupy_attn::`` is
@@ -95,7 +95,7 @@ def _inputs(B, Hq, Hkv, L, S, D, causal, dtype, grad=False):
     return q, k, v, kw
 
 
-def run(base_dir: str, which: list[str], rounds: int) -> int:
+def run(base_dir: str, which: list[str], rounds: int, only: str = "") -> int:
     import torch
 
     import cupy_attn
@@ -105,6 +105,7 @@ def run(base_dir: str, which: list[str], rounds: int) -> int:
 
     rows = [("fwd", r) for r in FWD_ROWS] * ("fwd" in which) + [("decode", r) for r in DECODE_ROWS] * (
         "decode" in which) + [("bwd", r) for r in BWD_ROWS] * ("bwd" in which)
+    rows = [r for r in rows if only in r[1][0]]
     print(f"{'row':24s} {'dtype':9s} {'new ms':>9s} {'base ms':>9s} {'new/base':>9s}", flush=True)
     slow = 0
     for kind, (name, B, Hq, Hkv, L, S, D, causal, dtype) in rows:
@@ -141,13 +142,14 @@ def main(argv=None) -> int:
     ap.add_argument("--base", help="folder holding cupy_attn_base (an --export result)")
     ap.add_argument("--rows", default="fwd,decode,bwd")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only", default="", help="keep the rows whose name contains this text")
     args = ap.parse_args(argv)
     if args.export:
         print(export(args.export, args.dest))
         return 0
     if not args.base:
         ap.error("--base or --export is required")
-    return run(args.base, args.rows.split(","), args.rounds)
+    return run(args.base, args.rows.split(","), args.rounds, args.only)
 
 
 if __name__ == "__main__":

@@ -290,10 +290,10 @@ struct Consumer {
 
   // The block's row max: this warpgroup's (a quad shuffle), then the peer's through shared memory (buffers alternate
   // by block parity: the peer read this buffer two blocks ago, before the P barrier in between). The running max
-  // m_run moves lazily (kLazySlack); l and O are rescaled by α (before this block's first P·V). ref: the
-  // exponentials' reference, the running max (0 while a row has seen no key).
-  __device__ __forceinline__ void rescale(const Smem& ss, const float (&s)[64], float (&o)[128], float (&m_run)[2],
-                                          float (&l_part)[2], float (&ref)[2]) const {
+  // m_run moves lazily (kLazySlack); l is rescaled by α here, O by pv_parts. ref: the exponentials' reference, the
+  // running max (0 while a row has seen no key).
+  __device__ __forceinline__ void rescale(const Smem& ss, const float (&s)[64], float (&m_run)[2], float (&l_part)[2],
+                                          float (&alpha)[2], float (&ref)[2]) const {
     float mx[2] = {neg_inf(), neg_inf()};
     #pragma unroll
     for (int jj = 0; jj < 16; ++jj)
@@ -308,7 +308,6 @@ struct Consumer {
       if (t == 0) mbuf[wg * kBlockM + r0 + 8 * half] = mx[half];
     }
     tma::named_barrier_sync(kMaxBarrier, 256);
-    float alpha[2];
     #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float m_blk = fmaxf(mx[half], mbuf[(wg ^ 1) * kBlockM + r0 + 8 * half]);
@@ -320,6 +319,10 @@ struct Consumer {
     }
     #pragma unroll
     for (int half = 0; half < 2; ++half) l_part[half] *= alpha[half];
+  }
+
+  // O *= α, skipped when no row of the warp moved its max.
+  __device__ __forceinline__ static void rescale_o(float (&o)[128], const float (&alpha)[2]) {
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
       #pragma unroll
       for (int jj = 0; jj < 32; ++jj)
@@ -336,8 +339,10 @@ struct Consumer {
   // P into shared memory: both warpgroups have finished the previous block's P·V (each waited for its wgmma before
   // the max barrier just passed). Key column kc = 128w + 8jj + 2t of row r: atom kc / 64, 16-byte chunk
   // (kc % 64) / 8 at chunk ^ (r % 8) (the 32 lanes of a store hit 32 banks).
+  // O is rescaled (rescale_o) after part 0's P stores, which do not depend on it: written before them, the
+  // multiplications ran first and the stores' latency went unhidden (the d512 rows ran 4-5% slower, bench/ab.py).
   __device__ __forceinline__ void pv_parts(const Smem& ss, float (&s)[64], float (&o)[128], float (&l_part)[2],
-                                           const float (&ref)[2]) {
+                                           const float (&alpha)[2], const float (&ref)[2]) {
     constexpr int kJJ = 16 / kPParts, kPartStages = kVChunks / kPParts;
     #pragma unroll
     for (int part = 0; part < kPParts; ++part) {
@@ -363,6 +368,7 @@ struct Consumer {
           *reinterpret_cast<P2*>(ss.p + (2 * wg + jj / 8) * 8192 + r * 128 + (((jj % 8) ^ (r % 8)) * 16) + 4 * t) = v;
         }
       }
+      if (part == 0) rescale_o(o, alpha);
       tma::fence_proxy_async();  // the generic-proxy stores before the wgmma (async proxy) reads
       tma::named_barrier_sync(kPBarrier, 256);
 
@@ -458,9 +464,9 @@ struct Consumer {
       if (i == n_blocks - 1) ss.q_bars.release(lane);  // the tile's last S: Q may be reloaded for the next tile
       if constexpr (kVariants) score_mods(p, s, j, m0, h, b);
       mask(p, s, j, m0);
-      float ref[2] = {0.f, 0.f};
-      rescale(ss, s, o, m_run, l_part, ref);
-      pv_parts(ss, s, o, l_part, ref);
+      float alpha[2], ref[2] = {0.f, 0.f};
+      rescale(ss, s, m_run, l_part, alpha, ref);
+      pv_parts(ss, s, o, l_part, alpha, ref);
     }
     store(p, ss, o, m_run, l_part, m0, h, b);
     if constexpr (kPersistent) tma::named_barrier_sync(kSumBarrier, 256);
