@@ -144,6 +144,80 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     return (out, lse) if return_lse else out
 
 
+def varlen_sequences(cu_seqlens_q, cu_seqlens_k=None, seqused_k=None) -> list[tuple[int, int, int, int]]:
+    """(q0, L, k0, S) per sequence of a packed batch: query rows q0 ... q0 + L − 1 and keys k0 ... k0 + S − 1, with
+    L = cu_seqlens_q[b+1] − cu_seqlens_q[b], k0 = cu_seqlens_k[b] (0 without cu_seqlens_k: a paged cache), and S =
+    seqused_k[b] where given, else cu_seqlens_k[b+1] − cu_seqlens_k[b].
+
+    >>> varlen_sequences([0, 3, 3, 7], [0, 5, 6, 6])
+    [(0, 3, 0, 5), (3, 0, 5, 1), (3, 4, 6, 0)]
+    >>> varlen_sequences([0, 1, 2], None, [9, 4])
+    [(0, 1, 0, 9), (1, 1, 0, 4)]
+    """
+    cq = [int(x) for x in np.asarray(cu_seqlens_q)]
+    ck = None if cu_seqlens_k is None else [int(x) for x in np.asarray(cu_seqlens_k)]
+    used = None if seqused_k is None else [int(x) for x in np.asarray(seqused_k)]
+    seqs = []
+    for b in range(len(cq) - 1):
+        k0 = 0 if ck is None else ck[b]
+        S = used[b] if used is not None else ck[b + 1] - ck[b]
+        seqs.append((cq[b], cq[b + 1] - cq[b], k0, S))
+    return seqs
+
+
+def paged_keys(cache, block_table_row, seqlen: int) -> np.ndarray:
+    """The first ``seqlen`` rows of a paged cache (num_blocks, block_size, H, D) in the order of one sequence's block
+    table row: rows j = page block_table_row[j // block_size], slot j % block_size.
+
+    >>> c = np.arange(12).reshape(3, 2, 1, 2)        # 3 pages of 2 slots
+    >>> paged_keys(c, [2, 0, 1], 3)[:, 0, 0].tolist()  # page 2's slots, then page 0's first
+    [8, 10, 0]
+    """
+    c = np.asarray(cache)
+    bs = c.shape[1]
+    pages = [int(x) for x in np.asarray(block_table_row)[: -(-seqlen // bs) if seqlen else 0]]
+    rows = c[pages].reshape((-1,) + c.shape[2:]) if pages else c[:0].reshape((0,) + c.shape[2:])
+    return rows[:seqlen]
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, block_table=None, is_causal=False,
+                     scale=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None, return_lse=False):
+    """Attention over a packed batch of sequences (FlashAttention's varlen layout) in float64: each sequence b attends
+    to its own keys only, as :func:`scaled_dot_product_attention` of that sequence with causal masks and windows
+    bottom-right aligned (FlashAttention's ``causal=True``).
+
+    Shapes: q (total_q, Hq, E); k, v (total_k, Hkv, E | Ev), or with ``block_table`` paged caches (num_blocks,
+    block_size, Hkv, E | Ev); cu_seqlens_q (B + 1,) and cu_seqlens_k (B + 1,) (None with a block table) as
+    :func:`varlen_sequences` reads them; seqused_k (B,) or None; block_table (B, max_blocks) (:func:`paged_keys`).
+    alibi_slopes (Hq,) or (B, Hq); sinks (Hq,). Hq a multiple of Hkv (GQA).
+
+    Returns out (total_q, Hq, Ev) float64, rows no sequence covers 0; and lse (Hq, total_q) (natural log; −inf on
+    those rows) when return_lse.
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    total_q, Hq, _ = q.shape
+    Hkv, Ev = v.shape[-2], v.shape[-1]
+    out = np.zeros((total_q, Hq, Ev))
+    lse = np.full((Hq, total_q), -np.inf)
+    slopes = None if alibi_slopes is None else np.asarray(alibi_slopes, dtype=np.float64)
+    for b, (q0, L, k0, S) in enumerate(varlen_sequences(cu_seqlens_q, cu_seqlens_k, seqused_k)):
+        if L == 0:
+            continue
+        if block_table is None:
+            kb, vb = k[k0:k0 + S], v[k0:k0 + S]
+        else:
+            row = np.asarray(block_table)[b]
+            kb, vb = paged_keys(k, row, S), paged_keys(v, row, S)
+        sl = None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes)
+        o, l = scaled_dot_product_attention(
+            np.swapaxes(q[q0:q0 + L], 0, 1), np.swapaxes(kb, 0, 1), np.swapaxes(vb, 0, 1),
+            is_causal="bottom_right" if is_causal else False, scale=scale, enable_gqa=Hq != Hkv, return_lse=True,
+            window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=sl)
+        out[q0:q0 + L] = np.swapaxes(o, 0, 1)
+        lse[:, q0:q0 + L] = l
+    return (out, lse) if return_lse else out
+
+
 def merge_attention_states(out_a, lse_a, out_b, lse_b):
     """Merge two partial attention results over disjoint key sets of the same query rows, in float64:
     lse = log(e^lse_a + e^lse_b) and out = e^(lse_a − lse)·out_a + e^(lse_b − lse)·out_b, computed against

@@ -42,11 +42,14 @@ FAMILY = _sm90.FLASH_FWD_SM90_TMA
 def test_every_instantiation_compiles_without_spills():
     reports = compile_check.compile_family(FAMILY, "sm_90a")
     # dtypes × (modes (ping-pong, overlap, persistent) × (bucket, qk_dim) pairs + the 192-row tiles), and the
-    # window/softcap/ALiBi/sinks instantiations: the persistent tiles at each bucket's own S GEMM width
+    # window/softcap/ALiBi/sinks instantiations: the persistent tiles at each bucket's own S GEMM width, and the packed
+    # batches' (varlen_attention): the variants' code in VARLEN_TILES
     qk_dims = len(_sm90.TILES) + sum(len(d) for d in _sm90.QK_DIMS.values())
     m192 = sum(len(table) for table in _sm90.M192_MODE_TILES.values())
     persistent = len(_sm90.PERSISTENT_TILES) + len(_sm90.M192_MODE_TILES["3"])
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192 + persistent)
+    varlen = len(_sm90.VARLEN_TILES)
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192 + persistent
+                                                                + varlen)
     assert_clean(reports, max_registers=168)
     # 512 threads at one block per SM: 128 registers per thread at launch (the consumers' 160 come from setmaxnreg).
     assert all(r.registers <= 128 for r in reports if " 192," in r.name_expression), reports
@@ -90,7 +93,7 @@ def sass_text(cubin: bytes) -> dict:
     return {b.split("\n", 1)[0].strip(): b for b in re.split(r"\n\s*Function : ", text)[1:]}
 
 
-@pytest.mark.parametrize("table", ["SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"])
+@pytest.mark.parametrize("table", ["OVERLAP_TILES", "PERSISTENT_TILES"])
 def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
     """FlashAttention-3's intra-warpgroup overlap, in the SASS: after ``wait_group 1`` (S_i done) the exponentials of
     the softmax run before ``wait_group 0`` (P_{i-1} V_{i-1} done), for D = 64, 96 and 128 (mainloop.cuh explains the
@@ -100,7 +103,8 @@ def test_overlap_variant_runs_the_softmax_between_its_two_wgmma_waits(table):
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     for dtype in C_TYPE_16.values():
         for d, qk in ((64, 64), (96, 96), (96, 80), (128, 128)):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk, variants="false")
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=d, tile=getattr(_sm90, table)[d], qk_dim=qk,
+                                          variants="false", varlen="false")
             text = next(iter(sass_text(compile_check.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -135,7 +139,7 @@ def test_m192_sass(dtype, mode):
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     suffix = ".BF16" if "bfloat16" in dtype else ""
     tile = _sm90.M192_MODE_TILES[mode][64]
-    expr = FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64)
+    expr = FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64, variants="false", varlen="false")
     text = next(iter(sass_text(compile_check.whole_cubin(
         _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*[^;]*);", text)
@@ -160,13 +164,14 @@ def test_head_dim_96_sass_shapes(dtype):
     if _cuobjdump() is None:
         pytest.skip("cuobjdump not found (pip install nvidia-cuda-cuobjdump)")
     suffix = ".BF16" if "bfloat16" in dtype else ""
-    for table in ("SM90_TILES", "SM90_OVERLAP_TILES", "SM90_PERSISTENT_TILES"):
+    for table in ("TILES", "OVERLAP_TILES", "PERSISTENT_TILES"):
         for qk in (96, 80):
-            expr = FAMILY.name_expression(dtype=dtype, head_dim=96, tile=getattr(_sm90, table)[96], qk_dim=qk)
+            expr = FAMILY.name_expression(dtype=dtype, head_dim=96, tile=getattr(_sm90, table)[96], qk_dim=qk,
+                                          variants="false", varlen="false")
             text = next(iter(sass_text(compile_check.whole_cubin(
                 _compile.compile_variant(FAMILY, expr, "sm_90a").image.read_bytes())).values()))
             shapes = re.findall(r"HGMMA\.(64x\d+x16)\.F32" + re.escape(suffix) + r"\b", text)
-            turns = 1 if table == "SM90_TILES" else 2  # overlap: S_0 before the loop and the last P·V after it
+            turns = 1 if table == "TILES" else 2  # overlap: S_0 before the loop and the last P·V after it
             assert shapes.count("64x96x16") == 8 * turns, (expr, shapes)
             assert shapes.count("64x128x16") == qk // 16 * turns, (expr, shapes)
             assert "0x80000020" in text, f"{expr}: no 64-byte-swizzle descriptor"
@@ -186,7 +191,8 @@ def test_tiles():
             assert tile.smem_bytes(d) <= 232448, (d, tile)
             for dtype in C_TYPE_16.values():
                 for qk in (d, *_sm90.QK_DIMS.get(d, ())):
-                    assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk, variants="false") in declared
+                    assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, qk_dim=qk, variants="false",
+                                                  varlen="false") in declared
     # The 192-row tiles: the 128-row overlap / persistent tile of head dim 64 with three consumer warpgroups.
     assert set(_sm90.M192_MODE_TILES) == {"2", "3"}
     for mode, table in _sm90.M192_MODE_TILES.items():
@@ -197,7 +203,8 @@ def test_tiles():
         # (192 + 2·2·128)·64·2 + 3·64·64·2 O staging + 8·10 barriers + 384·8 anchor + 1024 slack: SharedStorage::kBytes
         assert tile.smem_bytes(64) == 90112 + 24576 + 80 + 3072 + 1024
         for dtype in C_TYPE_16.values():
-            assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64, variants="false") in declared
+            assert FAMILY.name_expression(dtype=dtype, head_dim=64, tile=tile, qk_dim=64, variants="false",
+                                          varlen="false") in declared
 
 
 def test_tile_for_m192_override(monkeypatch):

@@ -5,7 +5,7 @@ launch (kernel, grid, block, shared memory, stream, plain or programmatic depend
 tensor map encoding, memset, copy, workspace request and GEMM call. The recording was made before the launch layer
 (cupy_attn/runtime/launch.py) replaced the per-family launch classes; a difference names the case, the first record
 that differs and, for a launch, the struct fields whose bytes differ. Re-record (after a deliberate change, said so in
-the commit) with ``PYTHONPATH=. python tests/_launch_capture.py --write``.
+the commit) with ``PYTHONPATH=. python tests/_helpers/_launch_capture.py --write``.
 """
 import json
 

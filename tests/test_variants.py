@@ -10,39 +10,12 @@ import pytest
 import cupy_attn
 from cupy_attn import reference
 
+from _attention_ref import torch_variant_attention
 from _tolerance import as_f64, assert_close
 
 pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-
-
-def torch_variant_attention(q, k, v, *, scale=None, causal=False, window=None, softcap=None, sinks=None, slopes=None,
-                            mask=None):
-    """The variants in differentiable torch ops at the inputs' precision (the peer computation of the error rule;
-    float64 inputs: the gradients' reference), the sink as a softmax column. scale: default 1/sqrt(E)."""
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    Hq, Hkv = q.shape[-3], k.shape[-3]
-    if Hq != Hkv:
-        k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
-    L, S = q.shape[-2], k.shape[-2]
-    s = (q @ k.transpose(-1, -2)) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    if slopes is not None:
-        bias = torch.from_numpy(reference.alibi_bias(slopes.double().cpu().numpy(), L, S)).to(q.device, s.dtype)
-        s = s + bias
-    keep = torch.from_numpy(reference.visible_keys(L, S, causal, window)).to(q.device)
-    if mask is not None:
-        keep = keep & mask
-    s = s.masked_fill(~keep, float("-inf"))
-    if sinks is not None:
-        col = sinks.to(s.dtype).reshape(Hq, 1, 1).expand(*s.shape[:-1], 1)
-        s = torch.cat([s, col], dim=-1)
-    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(q.dtype)
-    if sinks is not None:
-        p = p[..., :-1]
-    return p @ v
 
 
 def _rand(shape, dtype, gen, scale=1.0):

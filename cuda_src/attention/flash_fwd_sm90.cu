@@ -61,7 +61,7 @@ namespace cupy_attn {
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK, bool kVariants>
+          int kHeadDimQK, bool kVariants, bool kVarlen>
 __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
                                                                               FlashFwdSm90Params p) {
   using namespace sm90;
@@ -75,6 +75,7 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
+  static_assert(!kVarlen || (kVariants && !kPersistent), "packed batches: the variants' code, one tile per CTA");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -82,19 +83,23 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
 
   // One tile per CTA (the persistent variant's CTAs take theirs from the scheduler inside produce_persistent and
   // consume_persistent).
-  int m0 = 0, h = 0, b = 0;
+  int m0 = 0, h = 0;
+  const int b = kPersistent ? 0 : blockIdx.z;
+  const SeqSpan<kVarlen> seq(p, b);  // the tile's sequence (packed calls: its offsets and lengths)
   KeyBlocks kb{0, -1};
   if constexpr (!kPersistent) {
     // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
     const int m_block = p.is_causal ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
     h = blockIdx.y;
-    b = blockIdx.z;
     m0 = m_block * kBlockM;
-    // The key blocks of this tile; a tile whose rows see nothing (bottom-right alignment with L > S, a window past the
-    // keys) writes the empty-row result (out 0, lse -inf or the sink) directly.
-    kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    // Packed batches: the grid covers the longest sequence; blocks past this one's rows have nothing to do.
+    if (kVarlen && m0 >= seq.seqlen_q()) return;
+    // The key blocks of this tile; a tile whose rows see no key (bottom-right alignment with L > S, a window past the
+    // keys, a sequence without keys) writes the empty-row result (out 0, lse -inf or the sink) directly.
+    kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
     if (kb.count() <= 0) {
-      store_empty_rows<T, kVariants>(p, m0, h, b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), threadIdx.x, blockDim.x);
+      store_empty_rows<T, kVariants>(p, seq, m0, h, min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0), threadIdx.x,
+                                     blockDim.x);
       return;
     }
   }
@@ -111,15 +116,15 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
         if constexpr (kPersistent) {
           produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants>(p, ss);
         } else {
-          produce(p, ss, m0, h, b, kb);
+          produce(p, ss, seq, m0, h, kb);
         }
       },
       [&](int tid) {
         if constexpr (kPersistent) {
           consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants>(p, ss, tid);
         } else {
-          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, m0, h, b, kb,
-                                                                                                  tid, 0, 0u);
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, seq, m0, h, b,
+                                                                                                  kb, tid, 0, 0u);
         }
         if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
       });

@@ -392,6 +392,33 @@ case("fa3_mode3_causal_pairs_via_fused")(lambda r, m: _fa3(r, m, mode="3", dtype
                                                            causal="top_left", via_fused=True))
 
 
+def _fa3_varlen(rec, mp, *, dtype, shape, causal, window=None, softcap=None):
+    """The packed-batch launch (varlen_attention's): FlashAttention's varlen layout as batch-1 BSHD views."""
+    import types
+    from cupy_attn.attention import variants
+    from cupy_attn.attention.kernels import flash_fwd_sm90
+    rec.cc = 90
+    B, Hq, Hkv, total_q, total_k, E, Ev, max_q, max_k = shape
+    q, k, v, o = _qkvo(1, Hq, Hkv, total_q, total_k, E, Ev, _dtype(dtype), "bshd")
+    l = FakeArray((1, Hq, total_q), F32, LSE)
+    var = variants.Variants(*(window or (None, None)), softcap)
+    lo, hi = var.key_offsets(0, 0, "bottom_right" if causal else None)
+    bounded = causal or var.window_right is not None
+    bounds = types.SimpleNamespace(key_upper=(bounded, hi if bounded else 0), window_lo=lo, scale=0.09, variants=var)
+    launch = flash_fwd_sm90.build_varlen(q, k, v, o, l, bounds=bounds, batch=B, max_seqlen_q=max_q,
+                                         max_seqlen_k=max_k)
+    cu_q, cu_k, used = RNG, RNG + 4096, RNG + 8192
+    launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, None)[:5], cu_q, cu_k)
+    launch.launch_on(STREAM + 1, *_ptrs(q, k, v, o, l, None, move=1024)[:5], cu_q + 64, cu_k, used)
+
+
+case("fa3_varlen_causal_gqa")(lambda r, m: _fa3_varlen(r, m, dtype="bf16", shape=(12, 32, 8, 25701, 25701, 128, 128,
+                                                                                  4096, 4096), causal=True))
+case("fa3_varlen_window_softcap_d80")(lambda r, m: _fa3_varlen(r, m, dtype=F16, shape=(3, 4, 4, 300, 900, 80, 80,
+                                                                                       200, 500), causal=False,
+                                                               window=(64, 8), softcap=30.0))
+
+
 def _d512(rec, mp, *, persistent, causal, shape=(2, 4, 2, 700, 900, 320, 512)):
     from cupy_attn.attention import checks
     from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as d512

@@ -54,10 +54,11 @@ static_assert(kOStoreBarrier > 3 && kOStoreBarrier + 2 <= 15, "after the ping-po
 // clipped) and commits. Before the buffer is written again (the next chunk, or the next tile's epilogue) that thread
 // waits until the stores have read it; the kernel's last wait is epilogue_drain. So a tile's stores drain while the
 // warpgroup starts its next tile. lse as store_output.
-template <typename T, int kHeadDim, int kSwizzleBytes, int kChunkCols>
+template <typename T, int kHeadDim, int kSwizzleBytes, int kChunkCols, typename Seq>
 __device__ __forceinline__ void store_output_tma(const float (&o)[kHeadDim / 2], const float (&m)[2],
                                                  const float (&l)[2], unsigned char* stage_base,
-                                                 const FlashFwdSm90Params& p, int m0, int h, int b, float* lse) {
+                                                 const FlashFwdSm90Params& p, const Seq& seq, int m0, int h,
+                                                 float* lse) {
   constexpr int kAtomCols = kSwizzleBytes / 2;
   constexpr int kBoxBytes = 64 * kSwizzleBytes;
   // The thread's place, read again from %tid.x here (asm volatile: not hoisted into the mainloop, where the 160- and
@@ -68,7 +69,7 @@ __device__ __forceinline__ void store_output_tma(const float (&o)[kHeadDim / 2],
   const int wg = c >> 7, tid_wg = c & 127, warp = tid_wg >> 5, g = (c & 31) >> 2, t = c & 3;
   const int wg_row0 = m0 + 64 * wg, row0 = wg_row0 + 16 * warp + g;
   unsigned char* stage = stage_base + wg * (64 * kChunkCols * 2);
-  const int seqlen_q = static_cast<int>(p.seqlen_q);
+  const int seqlen_q = static_cast<int>(seq.seqlen_q());
   float inv[2];
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
@@ -102,7 +103,8 @@ __device__ __forceinline__ void store_output_tma(const float (&o)[kHeadDim / 2],
     if (tid_wg == 0) {
       #pragma unroll
       for (int box = 0; box < kChunkCols / kAtomCols; ++box)
-        tma::store_4d(&p.tma_o, stage + box * kBoxBytes, chunk * kChunkCols + box * kAtomCols, wg_row0, h, b);
+        tma::store_4d(&p.tma_o, stage + box * kBoxBytes, chunk * kChunkCols + box * kAtomCols, seq.q0() + wg_row0, h,
+                      seq.b_map());
       tma::bulk_commit();
     }
   }
@@ -115,18 +117,20 @@ __device__ __forceinline__ void epilogue_drain(int tid_wg) {
 }
 
 // A tile whose rows see no key (bottom-right alignment with L > S, a window past the keys): out 0 and lse -inf (the
-// sink's logit with sinks) for its `rows` rows from query row m0 of (b, h), written by `threads` threads (tid = 0 ...
+// sink's logit with sinks) for its `rows` rows from query row m0 of head h in the sequence seq (sm90/params.cuh's
+// SeqSpan), written by `threads` threads (tid = 0 ...
 // threads - 1) without loading anything.
-template <typename T, bool kVariants>
-__device__ __forceinline__ void store_empty_rows(const FlashFwdSm90Params& p, int m0, int h, int b, int rows, int tid,
-                                                 int threads) {
-  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + m0 * p.out_stride_l;
+template <typename T, bool kVariants, typename Seq>
+__device__ __forceinline__ void store_empty_rows(const FlashFwdSm90Params& p, const Seq& seq, int m0, int h, int rows,
+                                                 int tid, int threads) {
+  const int b = seq.b_map();
+  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + (seq.q0() + m0) * p.out_stride_l;
   const int Ev = static_cast<int>(p.head_dim_v);
   for (int i = tid; i < rows * Ev; i += threads) out[(i / Ev) * p.out_stride_l + i % Ev] = from_float<T>(0.f);
   if (p.lse) {
     // With sinks a row that sees no key has the sink alone in its denominator: lse = the sink's logit.
     const float empty = kVariants && p.sinks ? sink_log2<T>(p.sinks, p.sinks_kind, h) * kLn2 : neg_inf();
-    float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h;
+    float* lse = p.lse + b * p.lse_stride_b + h * p.lse_stride_h + seq.q0() * p.lse_stride_l;
     for (int i = tid; i < rows; i += threads) lse[(m0 + i) * p.lse_stride_l] = empty;
   }
 }

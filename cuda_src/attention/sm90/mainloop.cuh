@@ -90,14 +90,14 @@ struct SharedStorage {
   }
 };
 
-// The kernel's Visibility: with kVariants the window's lower bound (window_lo) is read at run time; the plain
-// instantiations have none, at compile time.
-template <bool kVariants>
-__device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p) {
+// The Visibility of a tile's sequence: with kVariants the window's lower bound (window_lo) is read at run time; the
+// plain instantiations have none, at compile time.
+template <bool kVariants, typename Seq>
+__device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p, const Seq& seq) {
   if constexpr (kVariants) {
-    return visibility_of(p);
+    return {seq.seqlen_k(), seq.causal_offset(), p.is_causal != 0, seq.window_lo() != kNoLowerBound, seq.window_lo()};
   } else {
-    return {p.seqlen_k, p.causal_offset, p.is_causal != 0};
+    return {seq.seqlen_k(), seq.causal_offset(), p.is_causal != 0};
   }
 }
 
@@ -105,10 +105,10 @@ __device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p
 // without a window's lower bound) to the block of the last key its last row sees, visited last to first; count() <= 0
 // for a tile whose rows see no key (bottom-right alignment with L > S, a window past the keys). The same rule as the
 // one-tile kernel's prologue (flash_fwd_sm90.cu).
-template <int kBlockM, int kBlockN, bool kVariants>
-__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
-  const int rows_valid = min(kBlockM, static_cast<int>(p.seqlen_q) - m0);
-  const Visibility vis = fwd_visibility<kVariants>(p);
+template <int kBlockM, int kBlockN, bool kVariants, typename Seq>
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, const Seq& seq, int m0) {
+  const int rows_valid = min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0);
+  const Visibility vis = fwd_visibility<kVariants>(p, seq);
   const long long last_key = vis.last_key(m0 + rows_valid - 1), first_key = vis.first_key(m0);
   return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
@@ -150,18 +150,20 @@ struct Producer {
   }
 };
 
-// One thread, one tile. Q once, then the K and V tiles of key blocks kb.last down to kb.first (the order the
-// consumers visit them), each stage reused once all consumer warpgroups have released it.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+// One thread, one tile (query rows m0 ... of head h in the sequence seq). Q once, then the K and V tiles of key blocks
+// kb.last down to kb.first (the order the consumers visit them), each stage reused once all consumer warpgroups have
+// released it.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, typename Seq>
 __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb) {
+                                        kStages>& ss, const Seq& seq, int m0, int h, KeyBlocks kb) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
   load.prefetch_maps();
-  load.load_q(m0, h, b);
+  const int b = seq.b_map();
+  load.load_q(seq.q0() + m0, h, b);
   const int h_kv = h / static_cast<int>(p.groups);
   const int n_blocks = kb.count();
   for (int i = 0; i < n_blocks; ++i) {
-    const int n0 = (kb.last - i) * kBlockN;
+    const int n0 = seq.k0() + (kb.last - i) * kBlockN;
     load.load_k(i, n0, h_kv, b);
     load.load_v(i, n0, h_kv, b);
   }
@@ -181,7 +183,7 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, SeqSpan<false>(p, w.b), m0);
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
@@ -238,10 +240,10 @@ constexpr int kPingPongBarrier = 1;
 // runs 5 of its 6 k steps (E = 80 or 96 with Ev > 96 in the 128 tiles: 5 or 6 of 8; the rest are TMA's zeros),
 // while P·V keeps N = kHeadDim.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK = kHeadDim, bool kVariants = false>
+          int kHeadDimQK = kHeadDim, bool kVariants = false, typename Seq>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
-                                        kStages>& ss, int m0, int h, int b, KeyBlocks kb, int tid, int it0,
-                                        unsigned q_parity) {
+                                        kStages>& ss, const Seq& seq, int m0, int h, int b, KeyBlocks kb, int tid,
+                                        int it0, unsigned q_parity) {
   const int n_blocks = kb.count();
   constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
@@ -262,15 +264,15 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
       return m0 + (c >> 5) * 16 + ((c & 31) >> 2);
     }
   };
-  const int S = static_cast<int>(p.seqlen_k);
+  const int S = static_cast<int>(seq.seqlen_k());
   const bool causal = p.is_causal != 0;
-  const long long causal_offset = p.causal_offset;
+  const long long causal_offset = seq.causal_offset();
   const float sc = static_cast<float>(p.scale_log2);
   ScoreMods score_mods{};
   if constexpr (kVariants) {
     const float slope = p.alibi_slopes ? p.alibi_slopes[b * p.alibi_stride_b + h] : 0.f;
     score_mods = {static_cast<float>(p.softcap_in), -slope * static_cast<float>(p.alibi_scale),
-                  static_cast<int>(p.seqlen_k - p.seqlen_q)};
+                  static_cast<int>(seq.seqlen_k() - seq.seqlen_q())};
   }
 
   OnlineSoftmax<kBlockN, kHeadDim> softmax;
@@ -344,14 +346,14 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // the lower edge of its window need element masks (Visibility::tile_needs_mask's test, spelled out: calling it
   // changed the SASS). The lower edge: the warpgroup's last row sees keys from wg_row0 + 63 + window_lo on. With
   // kVariants the score mods come first (mask_tile's -inf wins).
-  const bool lower = kVariants && p.window_lo != kNoLowerBound;
+  const bool lower = kVariants && seq.window_lo() != kNoLowerBound;
   auto mask = [&](int i) {
     const int n0 = (kb.last - i) * kBlockN;
     if constexpr (kVariants) apply_score_mods<kBlockN>(acc_s, score_mods, lane_row0(), n0, t);
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
-      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{p.seqlen_k, causal_offset, causal});
-    if (lower && n0 < wg_row0 + 63 + p.window_lo)
-      mask_tile_lower<kBlockN>(acc_s, lane_row0(), n0, t, p.window_lo);
+      mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{seq.seqlen_k(), causal_offset, causal});
+    if (lower && n0 < wg_row0 + 63 + seq.window_lo())
+      mask_tile_lower<kBlockN>(acc_s, lane_row0(), n0, t, seq.window_lo());
   };
   // End of ping-pong turn i: the last warpgroup skips its last arrive (see kPingPongBarrier; not in the persistent
   // variant). (The two-warpgroup spellings, wg == 0 and wg ^ 1, keep the 128-row tile's SASS as it was.)
@@ -441,19 +443,19 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     release(ss.v_bars, n_blocks - 1);
   }
 
-  T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
-  float* lse = p.lse ? p.lse + b * p.lse_stride_b + h * p.lse_stride_h : nullptr;
+  T* out = static_cast<T*>(p.out) + seq.b_map() * p.out_stride_b + h * p.out_stride_h + seq.q0() * p.out_stride_l;
+  float* lse = p.lse ? p.lse + seq.b_map() * p.lse_stride_b + h * p.lse_stride_h + seq.q0() * p.lse_stride_l : nullptr;
   if (kVariants && p.sinks) {  // the sink's term joins each row's sum (common/score_mod.cuh); once per tile, off the mainloop
     const float sink = sink_log2<T>(p.sinks, p.sinks_kind, h);
     #pragma unroll
     for (int half = 0; half < 2; ++half) softmax.add_sink(half, sink);
   }
   if (p.o_tma) {
-    store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p, m0,
-                                                                          h, b, lse);
+    store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p,
+                                                                          seq, m0, h, lse);
   } else {
     store_output<T, kHeadDim>(o, softmax.m, softmax.l, out, p.out_stride_l, lse, p.lse_stride_l, lane_row0(), t,
-                              static_cast<int>(p.seqlen_q), static_cast<int>(p.head_dim_v));
+                              static_cast<int>(seq.seqlen_q()), static_cast<int>(p.head_dim_v));
   }
 }
 
@@ -473,13 +475,14 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
   for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, m0);
+    const SeqSpan<false> seq(p, w.b);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
     if (kb.count() <= 0) {
-      store_empty_rows<T, kVariants>(p, m0, w.h, w.b, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
+      store_empty_rows<T, kVariants>(p, seq, m0, w.h, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
       continue;
     }
     consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants>(
-        p, ss, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1));
+        p, ss, seq, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1));
     it += kb.count();
     ++tiles;
   }

@@ -3,6 +3,7 @@
 // checks the field order against this declaration.
 #pragma once
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -35,6 +36,48 @@ struct FlashFwdSm90Params {
   const float* alibi_slopes;   // kVariants: fp32 ALiBi slopes (Hq,) or (B, Hq), or nullptr
   long long alibi_stride_b;    // 0 for (Hq,) slopes, Hq for (B, Hq)
   double alibi_scale;          // kVariants: 1 / scale, or 1 / c with a softcap (the bias in raw-score units)
+  // Packed variable-length batches (kVarlen; FlashAttention's varlen layout): q (total_q, Hq, E), k/v (total_k, Hkv,
+  // E|Ev), out (total_q, Hq, Ev), lse (Hq, total_q), read as batch 1 of total rows. Sequence b holds query rows
+  // cu_seqlens_q[b] ... cu_seqlens_q[b+1] − 1 and keys from cu_seqlens_k[b] on, seqused_k[b] of them (or up to
+  // cu_seqlens_k[b+1] without seqused_k). Bounds are bottom-right aligned per sequence: causal_offset and window_lo
+  // hold the offsets relative to S_b − L_b (SeqSpan adds it).
+  const int* cu_seqlens_q;     // (B + 1,) int32, or nullptr (not packed)
+  const int* cu_seqlens_k;     // (B + 1,) int32
+  const int* seqused_k;        // (B,) int32, or nullptr
+};
+
+// The sequence a tile belongs to: where its rows and keys start in the arrays, how many there are, and its bounds.
+// Dense calls (kVarlen = false): batch b of the tensor maps and strides, rows and keys from 0, the call's own L, S and
+// bounds, each read from the parameter space where it is used (no register holds them). Packed calls: batch 0 of
+// maps holding every sequence's rows, the sequence's offsets q0, k0 and lengths L, S (four registers), and the
+// bounds moved by its diagonal S − L.
+template <bool kVarlen>
+struct SeqSpan {
+  const FlashFwdSm90Params& p;
+  int b, q0_, k0_, L, S;  // b: the tile's batch index; the rest packed calls only
+
+  __device__ __forceinline__ SeqSpan(const FlashFwdSm90Params& params, int batch) : p(params), b(batch) {
+    if constexpr (kVarlen) {
+      q0_ = p.cu_seqlens_q[b];
+      k0_ = p.cu_seqlens_k[b];
+      L = p.cu_seqlens_q[b + 1] - q0_;
+      S = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_;
+    }
+  }
+  // The batch coordinate of the tensor maps and of out's and lse's batch strides.
+  __device__ __forceinline__ int b_map() const { return kVarlen ? 0 : b; }
+  // The sequence's first query row and first key in the arrays.
+  __device__ __forceinline__ int q0() const { return kVarlen ? q0_ : 0; }
+  __device__ __forceinline__ int k0() const { return kVarlen ? k0_ : 0; }
+  __device__ __forceinline__ long long seqlen_q() const { return kVarlen ? L : p.seqlen_q; }
+  __device__ __forceinline__ long long seqlen_k() const { return kVarlen ? S : p.seqlen_k; }
+  // The upper bound's offset (used only when is_causal) and the lower one's (kVariants only; kNoLowerBound: none).
+  __device__ __forceinline__ long long causal_offset() const {
+    return kVarlen ? p.causal_offset + (S - L) : p.causal_offset;
+  }
+  __device__ __forceinline__ long long window_lo() const {
+    return kVarlen && p.window_lo != kNoLowerBound ? p.window_lo + (S - L) : p.window_lo;
+  }
 };
 
 }  // namespace cupy_attn

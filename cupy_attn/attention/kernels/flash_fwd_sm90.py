@@ -106,6 +106,9 @@ OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in TILES
 # The overlap tiles as a persistent kernel (CUPY_ATTN_FA3=3): the same shared memory (q_empty is in every variant's
 # barrier block), a few consumer registers for the tile loop.
 PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in OVERLAP_TILES.items()}
+# Packed variable-length batches (varlen_attention): the overlap tiles, one tile per CTA (the grid covers the longest
+# sequence; blocks past a shorter one's rows exit at once).
+VARLEN_TILES = OVERLAP_TILES
 # mode (CUPY_ATTN_FA3, dispatch.fa3_mode) -> its tile table.
 MODE_TILES = {"1": TILES, "2": OVERLAP_TILES, "3": PERSISTENT_TILES}
 # FlashAttention-3's head-dim-64 tile for causal calls (hopper/tile_size.h: 192 × 128, three consumer warpgroups + the
@@ -153,7 +156,7 @@ PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_v", MAP, 64), (
                        "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
                        "o_tma", "window_lo", "sinks", "sinks_kind", "softcap_in", "alibi_slopes", "alibi_stride_b",
-                       "alibi_scale")])
+                       "alibi_scale", "cu_seqlens_q", "cu_seqlens_k", "seqused_k")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -162,20 +165,24 @@ FLASH_FWD_SM90_TMA = KernelFamily(
     name="flash_fwd_sm90_tma",
     source="attention/flash_fwd_sm90.cu",
     template=("cupy_attn::flash_fwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}, {variants}>"),
+              "{tile.overlap_flag}, {tile.persistent_flag}, {qk_dim}, {variants}, {varlen}>"),
     axes={
         "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(TILES),
         "tile": tuple(sorted({t for table in _all_tables() for t in table.values()}, key=dataclasses.astuple)),
         "qk_dim": tuple(sorted(set(TILES) | {d for dims in QK_DIMS.values() for d in dims})),
         "variants": ("false", "true"),
+        "varlen": ("false", "true"),
     },
     # The variants (window, softcap, ALiBi, sinks) only in the persistent tiles (mode "3", which every variant call
-    # takes) at the bucket's own S GEMM width: 10 instantiations instead of 46 more.
+    # takes) at the bucket's own S GEMM width: 10 instantiations instead of 46 more. Packed batches (varlen) in the
+    # variants' code of VARLEN_TILES (one tile per CTA): 8 more.
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in QK_DIMS.get(row["head_dim"], ()))
-                       and (row["variants"] == "false" or (row["tile"].persistent
-                                                           and row["qk_dim"] == row["head_dim"]))),
+                       and (row["variants"] == "false" or (row["qk_dim"] == row["head_dim"] and (
+                           row["tile"].persistent if row["varlen"] == "false"
+                           else row["tile"] == VARLEN_TILES[row["head_dim"]])))
+                       and (row["varlen"] == "false" or row["variants"] == "true")),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", PARAMS),),
     arch="sm_90a",
@@ -345,7 +352,8 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     _, Hkv, S, Ev = v.shape
     D, tile = choice.head_dim, choice.tile
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
-                                       qk_dim=choice.qk_dim, variants="true" if choice.variants else "false")
+                                       qk_dim=choice.qk_dim, variants="true" if choice.variants else "false",
+                                       varlen="false")
     prm = np.zeros((), dtype=PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
     set_variant_params(prm, p)
@@ -384,3 +392,35 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tu
                           maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),
                                 *out_maps),
                           flags=flags, refuse={"mask": "the FA3 kernel takes no attn_mask"})
+
+
+def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> PreparedLaunch:
+    """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES, the variants' code) on the 4-D views
+    of FlashAttention's varlen layout, batch 1 of every sequence's rows: q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k,
+    E), v4 (1, Hkv, total_k, Ev), out4 (1, Hq, total_q, Ev) and lse3 (1, Hq, total_q). ``bounds``: what
+    :func:`set_variant_params` reads (key_upper, window_lo, scale, variants), with the bounds relative to each
+    sequence's diagonal S_b − L_b (the kernel adds it: SeqSpan in cuda_src/attention/sm90/params.cuh). Grid
+    (⌈max_seqlen_q / block_m⌉, Hq, batch): a CTA past its sequence's rows exits at once. Replayed as ``launch_on(stream,
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=0)``; out is stored by 4-byte stores (a TMA store would
+    write past a sequence's last row into the next one's)."""
+    _, Hq, _, E = q4.shape
+    _, Hkv, _, Ev = v4.shape
+    D = head_bucket(E, Ev)
+    tile = VARLEN_TILES[D]
+    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
+                                       variants="true", varlen="true")
+    prm = np.zeros((), dtype=PARAMS)
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = max_seqlen_q, max_seqlen_k, Ev, Hq // Hkv
+    set_variant_params(prm, bounds)
+    prm["batch"], prm["num_heads"] = batch, Hq
+    set_strides(prm, ("out", out4, "bhl"), ("lse", lse3, "bhl"))
+    cols = swizzle_bytes(D) // 2
+    maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q4, tile.block_m), (k4, tile.block_n),
+                                                            (v4, tile.block_n)))
+    grid = (max(1, -(-max_seqlen_q // tile.block_m)), Hq, batch)
+    return PreparedLaunch(prm, [Step(kernel, grid, (tile.threads,), tile.smem_bytes(D))],
+                          args=("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k"),
+                          pointers={"out": "out", "lse": "lse", "cu_seqlens_q": "cu_seqlens_q",
+                                    "cu_seqlens_k": "cu_seqlens_k", "seqused_k": "seqused_k"},
+                          maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),),
+                          info={"tile": tile, "head_dim": D})

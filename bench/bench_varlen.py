@@ -1,0 +1,98 @@
+"""Packed variable-length batches (varlen_attention) against FlashAttention-4's flash_attn_varlen_func, same process.
+
+    PYTHONPATH=. python bench/bench_varlen.py [--rounds 7]
+
+Rows: the issue's packed batch (12 causal sequences of 256-4096 tokens, 25,701 in all; bf16, 32 query heads over 8
+KV heads, head dim 128) forward, forward + backward, and the same at head dims 64 and 256. TFLOP/s count the visible
+(query, key) pairs: 4·H·Σ_b pairs_b·D. Timings: medians of event timings, ours and the peer alternating in rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+from common import print_table, rotated_ms  # noqa: E402
+
+LENS = [256, 4096, 1024, 3000, 512, 2048, 3500, 777, 1999, 4001, 1488, 3000]  # 25,701 tokens
+COLUMNS = [("row", "row", "s"), ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"), ("fa4_ms", "FA4 ms", ".3f"),
+           ("x_fa4", "× FA4", ".2f"), ("max_err", "max err vs FA4", ".2e")]
+
+
+def fa4_varlen():
+    """flash_attn.cute.interface.flash_attn_varlen_func, or None when FlashAttention-4 is not installed."""
+    try:
+        from flash_attn.cute.interface import flash_attn_varlen_func
+    except Exception:  # not installed, or no CUTLASS DSL for this GPU
+        return None
+    return flash_attn_varlen_func
+
+
+def visible_pairs(lens, causal: bool) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
+
+
+def run(rounds: int) -> list[dict]:
+    import torch
+    import cupy_attn
+    peer = fa4_varlen()
+    rows = []
+    for name, D, backward in (("fwd hd128", 128, False), ("fwd+bwd hd128", 128, True), ("fwd hd64", 64, False),
+                              ("fwd hd256", 256, False)):
+        Hq, Hkv = 32, 8
+        total = sum(LENS)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(LENS)]), dtype=torch.int32, device="cuda")
+        q = torch.randn((total, Hq, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        k = torch.randn((total, Hkv, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        v = torch.randn((total, Hkv, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
+        dout = torch.randn((total, Hq, D), device="cuda", dtype=torch.bfloat16)
+        mx = max(LENS)
+
+        def ours():
+            return cupy_attn.varlen_attention(q, k, v, cu, cu, mx, mx, is_causal=True)
+
+        fns = {"ours": ours}
+        if peer is not None:
+            def theirs():
+                o = peer(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+                return o[0] if isinstance(o, tuple) else o
+            fns["fa4"] = theirs
+        outs = {}
+        for key, fn in list(fns.items()):
+            if backward:
+                def step(fn=fn):
+                    torch.autograd.grad(fn(), (q, k, v), dout)
+                outs[key] = fn().detach()
+                fns[key] = step
+            else:
+                with torch.no_grad():
+                    outs[key] = fn()
+        with torch.no_grad() if not backward else torch.enable_grad():
+            ms = rotated_ms(fns, rounds=rounds)
+        flops = 4.0 * Hq * visible_pairs(LENS, True) * D * (3.5 if backward else 1.0)
+        row = {"row": name, "ms": ms["ours"], "tflops": flops / ms["ours"] / 1e9}
+        if "fa4" in ms:
+            row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"],
+                       max_err=float((outs["ours"].float() - outs["fa4"].float()).abs().max()))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args(argv)
+    rows = run(args.rounds)
+    print_table(rows, COLUMNS, "varlen_attention: 12 packed causal sequences, 25,701 tokens, bf16, 32/8 heads")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

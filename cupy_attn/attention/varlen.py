@@ -1,0 +1,470 @@
+"""varlen_attention: attention over packed batches of sequences of different lengths (FlashAttention's varlen API).
+
+    checks (check_varlen) -> the packed kernel (one launch for every sequence: kernels/flash_fwd_sm90.build_varlen)
+                          or per-sequence calls of scaled_dot_product_attention on views (every other call)
+
+The packed kernel is the FlashAttention-3-design forward with a SeqSpan per tile (cuda_src/attention/sm90/params.cuh):
+the tensor maps cover every sequence's rows as batch 1, and each CTA reads its sequence's offsets and lengths from
+cu_seqlens_q / cu_seqlens_k / seqused_k on the device, so a call needs no host copy of them (CUDA graphs capture it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+import types
+from typing import Any
+
+import numpy as np
+
+from .. import reference
+from ..runtime import interop
+from . import checks, variants as _variants
+
+INDEX_DTYPE = np.dtype(np.int32)
+
+
+@dataclasses.dataclass
+class VarlenProblem:
+    """One checked varlen call. q/k/v and the index arrays as the caller passed them (their kind: ``ctx.kind``)."""
+
+    ctx: interop.CallContext
+    q: Any
+    k: Any
+    v: Any
+    cu_seqlens_q: Any
+    cu_seqlens_k: Any
+    seqused_k: Any
+    block_table: Any
+    batch: int
+    total_q: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    head_dim_v: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    dtype: np.dtype
+    scale: float
+    causal: bool
+    dropout_p: float
+    variants: _variants.Variants
+    window_size: Any
+    softcap: Any
+    sinks: Any
+    alibi_slopes: Any
+
+
+def _index_array(name: str, x, ctx, shape_text: str, ndim: int, length: int | None = None):
+    """An int32 index argument of the call's kind and device, ``ndim`` axes (axis 0 of size ``length`` where given)."""
+    kind = interop.check_like_query(name, x, ctx, "q")
+    shape = tuple(x.shape)
+    if len(shape) != ndim or (length is not None and shape[0] != length):
+        raise ValueError(f"{name} must have shape {shape_text}, got {shape}")
+    if interop.dtype_of(x, kind) != INDEX_DTYPE:
+        raise TypeError(f"{name} must be int32, got {interop.dtype_of(x, kind)}")
+    return x
+
+
+def _int_arg(name: str, x) -> int:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+        raise ValueError(f"{name} must be an int >= 0, got {x!r}")
+    return int(x)
+
+
+def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k, block_table,
+                 is_causal, scale, dropout_p, backend, window_size, softcap, sinks, alibi_slopes) -> VarlenProblem:
+    """Validate a varlen_attention call before anything is launched; raise TypeError/ValueError naming the argument
+    and axis. The index arrays' values are not read (that would wait for the device): see varlen_attention."""
+    if backend not in checks.BACKENDS:
+        raise ValueError(f"backend must be one of {checks.BACKENDS}, got {backend!r}")
+    if not isinstance(dropout_p, (int, float)) or isinstance(dropout_p, bool):
+        raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if is_causal not in (True, False, None, "bottom_right"):
+        raise ValueError(f"is_causal must be a bool or 'bottom_right' (varlen masks are bottom-right aligned, as "
+                         f"FlashAttention's), got {is_causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating))):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    ctx = interop.context_for(q, "q")
+    for name, x in (("k", k), ("v", v)):
+        interop.check_like_query(name, x, ctx, "q")
+    dtype = interop.dtype_of(q, ctx.kind)
+    if interop.dtype_name(dtype) not in checks.FLOAT_DTYPES:
+        raise TypeError(f"q must be float16, bfloat16 or float32, got {dtype}")
+    for name, x in (("k", k), ("v", v)):
+        if interop.dtype_of(x, ctx.kind) != dtype:
+            raise TypeError(f"{name} must have q's dtype {dtype}, got {interop.dtype_of(x, ctx.kind)}")
+    if len(q.shape) != 3:
+        raise ValueError(f"q must be (total_q, Hq, E), got shape {tuple(q.shape)}")
+    total_q, Hq, E = (int(n) for n in q.shape)
+    paged = block_table is not None
+    kv_ndim, kv_text = (4, "(num_blocks, block_size, Hkv, E)") if paged else (3, "(total_k, Hkv, E)")
+    for name, x in (("k", k), ("v", v)):
+        if len(x.shape) != kv_ndim:
+            raise ValueError(f"{name} must be {kv_text}{' with block_table' if paged else ''}, got shape "
+                             f"{tuple(x.shape)}")
+    if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must agree on every axis but the last")
+    Hkv, Ev = int(v.shape[-2]), int(v.shape[-1])
+    if int(k.shape[-1]) != E:
+        raise ValueError(f"k's last axis (E={k.shape[-1]}) must equal q's (E={E})")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"q's head axis 1 (Hq={Hq}) must be a multiple of k's head axis {kv_ndim - 2} (Hkv={Hkv})")
+    if len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
+        raise ValueError(f"cu_seqlens_q must have shape (B + 1,), got {tuple(cu_seqlens_q.shape)}")
+    B = int(cu_seqlens_q.shape[0]) - 1
+    _index_array("cu_seqlens_q", cu_seqlens_q, ctx, "(B + 1,)", 1)
+    if cu_seqlens_k is None and not paged:
+        raise ValueError("cu_seqlens_k is required without block_table")
+    if cu_seqlens_k is not None:
+        _index_array("cu_seqlens_k", cu_seqlens_k, ctx, f"(B + 1,) = ({B + 1},)", 1, B + 1)
+    if seqused_k is not None:
+        _index_array("seqused_k", seqused_k, ctx, f"(B,) = ({B},)", 1, B)
+    elif paged:
+        raise ValueError("block_table needs seqused_k, the keys cached per sequence")
+    if paged:
+        _index_array("block_table", block_table, ctx, f"(B, max_blocks) = ({B}, ...)", 2, B)
+    max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
+    max_seqlen_k = _int_arg("max_seqlen_k", max_seqlen_k)
+    var = _variants.check_variants(window_size, softcap, sinks, alibi_slopes, ctx=ctx, batch=B, num_heads=Hq,
+                                   dtype=dtype)
+    return VarlenProblem(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, B, total_q, Hq, Hkv, E, Ev,
+                         max_seqlen_q, max_seqlen_k, np.dtype(dtype), 1.0 / math.sqrt(E) if scale is None else
+                         float(scale), bool(is_causal), float(dropout_p), var, window_size, softcap, sinks,
+                         alibi_slopes)
+
+
+def fused_reason(vp: VarlenProblem, backend: str) -> str | None:
+    """None when the packed kernel runs the call; else why not (the call then runs per sequence)."""
+    from .kernels import flash_fwd_sm90 as fa3
+    from ..runtime.kernel_abi import C_TYPE_16
+    from ..runtime.tma import exp2_tma_reason
+    if backend not in ("auto", "fused"):
+        return f"backend={backend!r}"
+    if not vp.ctx.on_gpu:
+        return "CPU inputs: the float64 reference"
+    if vp.block_table is not None:
+        return "block_table: paged caches run per sequence (no paged kernel yet)"
+    if vp.dropout_p > 0:
+        return "dropout: the packed kernel has none"
+    if interop.dtype_name(vp.dtype) not in C_TYPE_16:
+        return f"dtype {vp.dtype}: the packed kernel serves fp16 and bf16"
+    if fa3.head_bucket(vp.head_dim, vp.head_dim_v) is None:
+        return f"head dims E={vp.head_dim}, Ev={vp.head_dim_v}: the packed kernel serves 33-256"
+    if vp.batch > 65535 or vp.num_heads > 65535:
+        return "grid limit: batch and heads must each be <= 65535"
+    from .dispatch import device_arch
+    arch = device_arch(vp)
+    if arch != 90:
+        return f"sm_{arch}: the packed kernel needs sm_90a"
+    return exp2_tma_reason("the packed kernel", vp.scale)
+
+
+def _bounds(vp: VarlenProblem):
+    """What set_variant_params reads, with the bounds relative to each sequence's diagonal (L = S = 0 here: the
+    kernel adds S_b − L_b per sequence)."""
+    lo, hi = vp.variants.key_offsets(0, 0, "bottom_right" if vp.causal else None)
+    bounded = vp.causal or vp.variants.window_right is not None
+    return types.SimpleNamespace(key_upper=(bounded, hi if bounded else 0), window_lo=lo, scale=vp.scale,
+                                 variants=vp.variants)
+
+
+def _packed4(x):
+    """(total, H, D) -> the (1, H, total, D) view the 4-D kernels read (BSHD, batch 1)."""
+    return x[None].transpose(0, 2, 1, 3)
+
+
+def run_fused(vp: VarlenProblem):
+    """(out, lse) of the packed kernel as the caller's kind, or None when the arrays' layout does not suit TMA (the
+    caller then runs per sequence). out (total_q, Hq, Ev), lse (Hq, total_q) float32."""
+    from .kernels import flash_fwd_sm90 as fa3
+    ctx = vp.ctx
+    with ctx.activate():
+        q, k, v = (ctx.as_cupy(x) for x in (vp.q, vp.k, vp.v))
+        q, k, v = (x if x.strides[-1] == x.itemsize else ctx.contiguous(x) for x in (q, k, v))
+        idx = [None if x is None else ctx.as_cupy(x) for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
+        idx = [x if x is None or x.flags.c_contiguous else ctx.contiguous(x) for x in idx]
+        out_native, out = ctx.empty((vp.total_q, vp.num_heads, vp.head_dim_v), vp.dtype)
+        lse_native, lse = ctx.empty((vp.num_heads, vp.total_q), np.dtype(np.float32))
+        q4, k4, v4, out4 = (_packed4(x) for x in (q, k, v, out))
+        if fa3.layout_reason(q4, k4, v4, out4) is not None:
+            return None
+        launch = fa3.build_varlen(q4, k4, v4, out4, lse[None], bounds=_bounds(vp), batch=vp.batch,
+                                  max_seqlen_q=vp.max_seqlen_q, max_seqlen_k=vp.max_seqlen_k)
+        launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+               *(0 if x is None else x.data.ptr for x in idx), stream=ctx.stream)
+    return out_native, lse_native
+
+
+def host_sequences(vp: VarlenProblem) -> list[tuple[int, int, int, int]]:
+    """reference.varlen_sequences of the call's index arrays, read to the host (waits for the device), checked: every
+    sequence inside q's and k's rows (or the block table's pages), none overlapping the one before."""
+    def host(x):
+        if x is None:
+            return None
+        if interop.is_torch_tensor(x):
+            return x.detach().cpu().numpy()
+        return interop.to_numpy(x, vp.ctx.kind)
+    seqs = reference.varlen_sequences(host(vp.cu_seqlens_q), host(vp.cu_seqlens_k), host(vp.seqused_k))
+    total_k = int(vp.k.shape[0])
+    pages = None if vp.block_table is None else int(vp.block_table.shape[1]) * int(vp.k.shape[1])
+    end_q = end_k = 0
+    for b, (q0, L, k0, S) in enumerate(seqs):
+        if L < 0 or q0 < end_q or q0 + L > vp.total_q:
+            raise ValueError(f"cu_seqlens_q: sequence {b} (rows {q0} ... {q0 + L - 1}) must follow the one before "
+                             f"and lie within q's axis 0 ({vp.total_q} rows)")
+        if L > vp.max_seqlen_q:
+            raise ValueError(f"max_seqlen_q ({vp.max_seqlen_q}) is below sequence {b}'s length {L}")
+        if S < 0 or (pages is None and (k0 < end_k or k0 + S > total_k)) or (pages is not None and S > pages):
+            where = f"k's axis 0 ({total_k} rows)" if pages is None else f"its block table row ({pages} slots)"
+            raise ValueError(f"cu_seqlens_k / seqused_k: sequence {b}'s keys ({k0} ... {k0 + S - 1}) must follow "
+                             f"the one before and lie within {where}")
+        if S > vp.max_seqlen_k:
+            raise ValueError(f"max_seqlen_k ({vp.max_seqlen_k}) is below sequence {b}'s key count {S}")
+        end_q, end_k = q0 + L, (k0 + S if pages is None else 0)
+    return seqs
+
+
+def _sequence_kv(vp: VarlenProblem, b: int, k0: int, S: int):
+    """Sequence b's keys and values as (1, Hkv, S, E | Ev) views (contiguous rows), gathered from the pages of its
+    block table row when the cache is paged."""
+    k, v = vp.k, vp.v
+    if vp.block_table is None:
+        kb, vb = k[k0:k0 + S], v[k0:k0 + S]
+    else:
+        bs = int(k.shape[1])
+        n = -(-S // bs)
+        rows = vp.block_table[b][:n]
+        kb = k[rows].reshape((n * bs,) + tuple(k.shape[2:]))[:S]
+        vb = v[rows].reshape((n * bs,) + tuple(v.shape[2:]))[:S]
+    return _heads_first(kb), _heads_first(vb)
+
+
+def _heads_first(x):
+    """(rows, H, D) -> (1, H, rows, D), a view for every kind."""
+    if interop.is_torch_tensor(x):
+        return x.transpose(0, 1).unsqueeze(0)
+    return x.swapaxes(0, 1)[None]
+
+
+def run_sequences(vp: VarlenProblem, *, backend, num_splits, generator, seqs=None):
+    """(out, lse) by one scaled_dot_product_attention call per sequence on views of q, k and v (bottom-right causal
+    mask and window, the sequence's ALiBi slopes), assembled in the caller's kind: rows no sequence covers are 0 in
+    out and −inf in lse. torch tensors stay in autograd's graph (slices and torch.cat)."""
+    from .sdpa import scaled_dot_product_attention
+    seqs = host_sequences(vp) if seqs is None else seqs
+    slopes = vp.alibi_slopes
+    outs, lses = [], []
+    for b, (q0, L, k0, S) in enumerate(seqs):
+        if L == 0:
+            continue
+        kb, vb = _sequence_kv(vp, b, k0, S)
+        sl = None if slopes is None else (slopes[b] if len(slopes.shape) == 2 else slopes)
+        o, l = scaled_dot_product_attention(
+            _heads_first(vp.q[q0:q0 + L]), kb, vb, dropout_p=vp.dropout_p, is_causal="bottom_right" if vp.causal
+            else False, scale=vp.scale, enable_gqa=True, window_size=vp.window_size, softcap=vp.softcap,
+            sinks=vp.sinks, alibi_slopes=sl, backend=backend, return_lse=True, num_splits=num_splits,
+            generator=generator)
+        outs.append((q0, L, o[0], l[0]))
+    return _assemble(vp, outs)
+
+
+def _assemble(vp: VarlenProblem, pieces):
+    """out (total_q, Hq, Ev) and lse (Hq, total_q) from per-sequence (q0, L, out (Hq, L, Ev), lse (Hq, L)) pieces."""
+    Hq, Ev, total = vp.num_heads, vp.head_dim_v, vp.total_q
+    if interop.is_torch_tensor(vp.q):
+        torch = sys.modules["torch"]
+        dev = vp.q.device
+        o_parts, l_parts, cursor = [], [], 0
+        for q0, L, o, l in pieces:
+            if q0 > cursor:
+                o_parts.append(torch.zeros((q0 - cursor, Hq, Ev), dtype=vp.q.dtype, device=dev))
+                l_parts.append(torch.full((Hq, q0 - cursor), -math.inf, dtype=torch.float32, device=dev))
+            o_parts.append(o.transpose(0, 1))
+            l_parts.append(l.float())
+            cursor = q0 + L
+        o_parts.append(torch.zeros((total - cursor, Hq, Ev), dtype=vp.q.dtype, device=dev))
+        l_parts.append(torch.full((Hq, total - cursor), -math.inf, dtype=torch.float32, device=dev))
+        return torch.cat(o_parts, 0), torch.cat(l_parts, 1)
+    if vp.ctx.on_gpu:
+        import cupy as xp
+        ctx = vp.ctx
+        with ctx.activate():
+            out = xp.zeros((total, Hq, Ev), dtype=vp.dtype)
+            lse = xp.full((Hq, total), -np.inf, dtype=np.float32)
+            for q0, L, o, l in pieces:
+                out[q0:q0 + L] = ctx.as_cupy(o).swapaxes(0, 1)
+                lse[:, q0:q0 + L] = ctx.as_cupy(l)
+        return out, lse
+    out = np.zeros((total, Hq, Ev), dtype=vp.dtype)
+    lse = np.full((Hq, total), -np.inf, dtype=np.float32)
+    for q0, L, o, l in pieces:
+        out[q0:q0 + L] = np.swapaxes(o, 0, 1)
+        lse[:, q0:q0 + L] = l
+    return out, lse
+
+
+def _backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
+    """dq, dk, dv (and dsinks) of a packed call from its saved out and lse: per sequence, the dense backward
+    (autograd.grad_inputs) on views, scattered into packed gradients (rows of no sequence: 0)."""
+    from . import autograd
+    torch = sys.modules["torch"]
+    q, k, v = vp.q, vp.k, vp.v
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+    slopes = vp.alibi_slopes
+    for b, (q0, L, k0, S) in enumerate(host_sequences(vp)):
+        if L == 0 or S == 0:
+            continue
+        rows = slice(q0, q0 + L)
+        o_b, go_b = _heads_first(out[rows]), _heads_first(grad_out[rows])
+        lse_b = lse[:, rows].contiguous().unsqueeze(0)
+        sl = None if slopes is None else (slopes[b] if slopes.dim() == 2 else slopes)
+        dq_b, dk_b, dv_b, _ = autograd.grad_inputs(
+            _heads_first(q[rows]), _heads_first(k[k0:k0 + S]), _heads_first(v[k0:k0 + S]), None, o_b, lse_b, go_b,
+            is_causal="bottom_right" if vp.causal else False, scale=vp.scale, enable_gqa=True, need_mask_grad=False,
+            variants=(vp.window_size, vp.softcap, sinks, sl))
+        dq[rows] = dq_b[0].transpose(0, 1)
+        dk[k0:k0 + S] += dk_b[0].transpose(0, 1)
+        dv[k0:k0 + S] += dv_b[0].transpose(0, 1)
+        if sinks is not None:
+            dsinks += autograd.sinks_grad(sinks.float(), o_b, lse_b, go_b)
+    return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
+
+
+_FUNCTION = None
+
+
+def _function():
+    """The torch.autograd.Function of packed-kernel calls, built on first use (cupy_attn never imports torch itself):
+    the forward is the packed kernel, the backward the dense one per sequence."""
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    torch = sys.modules["torch"]
+
+    class VarlenAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, q, k, v, sinks, vp):
+            res = run_fused(dataclasses.replace(vp, q=q.detach(), k=k.detach(), v=v.detach(),
+                                                sinks=None if sinks is None else sinks.detach()))
+            out, lse = res
+            fctx.save_for_backward(q, k, v, sinks, out, lse)
+            fctx.vp = vp
+            fctx.mark_non_differentiable(lse)
+            fctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def backward(fctx, grad_out, _grad_lse):
+            if grad_out is None:
+                return None, None, None, None, None
+            q, k, v, sinks, out, lse = fctx.saved_tensors
+            vp = dataclasses.replace(fctx.vp, q=q.detach(), k=k.detach(), v=v.detach())
+            dq, dk, dv, dsinks = _backward_sequences(vp, out, lse, grad_out.contiguous(),
+                                                     None if sinks is None else sinks.detach())
+            return dq, dk, dv, dsinks if sinks is not None and fctx.needs_input_grad[3] else None, None
+
+    _FUNCTION = VarlenAttention
+    return _FUNCTION
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                     block_table=None, is_causal=False, scale=None, window_size=None, softcap=None, sinks=None,
+                     alibi_slopes=None, dropout_p=0.0, return_lse=False, num_splits=None, backend="auto",
+                     generator=None, causal=None, softmax_scale=None):
+    """Attention over a packed batch of B sequences (FlashAttention's ``flash_attn_varlen_func``): sequence b's
+    queries attend to its own keys only,
+
+        out[i] = Σ_j exp(s_ij) v[j] / (Σ_j exp(s_ij) + exp(sink_h)),   lse[h, i] = log(Σ_j exp(s_ij) + exp(sink_h)),
+
+    for i in rows cu_seqlens_q[b] ... cu_seqlens_q[b+1] − 1 and j in keys cu_seqlens_k[b] ... + S_b − 1, with s_ij
+    as in :func:`scaled_dot_product_attention` (scale, softcap, ALiBi) and the sink term only with ``sinks``. Causal
+    masks and windows are bottom-right aligned per sequence (FlashAttention's): with L_b queries and S_b keys, query
+    row r (0-based in its sequence) sees keys c with r + S_b − L_b − left ≤ c ≤ r + S_b − L_b (+ right).
+
+    Arguments (FlashAttention's names; ``causal`` and ``softmax_scale`` are accepted for is_causal and scale):
+    - q (total_q, Hq, E); k (total_k, Hkv, E), v (total_k, Hkv, Ev): float16, bfloat16 or float32, one dtype; Hq a
+      multiple of Hkv (GQA: query head h reads key/value head h // (Hq // Hkv)).
+    - cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 on q's device, non-decreasing offsets of each sequence's first row
+      (cu_seqlens_q[B] ≤ total_q); S_b = cu_seqlens_k[b+1] − cu_seqlens_k[b], or seqused_k[b] (B,) int32 when given.
+    - max_seqlen_q, max_seqlen_k: ints ≥ the longest sequence's L_b and S_b (they size the grid; the packed kernel
+      does not read the index arrays on the host, so smaller values leave rows unwritten).
+    - block_table (B, max_blocks) int32 with k, v paged caches (num_blocks, block_size, Hkv, E | Ev) and seqused_k:
+      sequence b's key j is slot j % block_size of page block_table[b, j // block_size] (cu_seqlens_k may be None).
+    - is_causal, window_size, softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq): as the dense call's, aligned as
+      above. dropout_p, generator, num_splits: as the dense call's.
+    - backend: "auto" (the packed kernel where it runs the call, else per sequence), "fused" (the packed kernel or a
+      ValueError saying why not), "split" / "reference" (per sequence on that dense path).
+    - return_lse: also return lse (Hq, total_q) float32 (natural log).
+
+    Returns out (total_q, Hq, Ev) in q's dtype and kind (or (out, lse)). Rows past cu_seqlens_q[B] are not
+    attended: the packed kernel leaves them unwritten, the per-sequence path writes out 0 and lse −inf there.
+    Sequences with L_b = 0 write nothing; S_b = 0 gives out 0 and lse −inf (the sink with sinks).
+
+    Paths: on Hopper, fp16/bf16 calls at head dims 33-256 without dropout or a block table run one launch of the
+    FlashAttention-3-design forward whose tiles read their sequence's offsets on the device (Shah et al. 2024; varlen
+    as FlashAttention's); the grid covers max_seqlen_q per sequence. Every other call runs one dense call per
+    sequence on views (the pages gathered for a block table). torch tensors that require grad are differentiated:
+    the packed forward's backward runs the dense backward per sequence (saved out and lse), the per-sequence path
+    through autograd of its dense calls. Under torch.compile the call is not captured as one op (a graph break).
+
+    Raises before anything is launched: TypeError for dtypes (q's float types; int32 index arrays), arrays of another
+    kind than q, and a non-numeric scale or softcap; ValueError naming the argument and axis for shapes (q 3-D, k/v
+    3-D or 4-D with block_table, heads), index arrays of the wrong length, block_table without seqused_k, negative
+    max_seqlen, dropout_p outside [0, 1], a top-left is_causal, window/sinks/ALiBi errors as the dense call's, and
+    backend="fused" for a call the packed kernel cannot run. The per-sequence path reads the index arrays on the host
+    and raises ValueError for sequences that overlap or overrun q, k, max_seqlen_q or max_seqlen_k.
+    """
+    if causal is not None:
+        if is_causal:
+            raise ValueError("pass is_causal or its alias causal, not both")
+        is_causal = causal
+    if softmax_scale is not None:
+        if scale is not None:
+            raise ValueError("pass scale or its alias softmax_scale, not both")
+        scale = softmax_scale
+    if type(window_size) is list:
+        window_size = tuple(window_size)
+    checks.check_num_splits(num_splits)
+    vp = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                      block_table=block_table, is_causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                      window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    if vp.ctx.kind == interop.DLPACK:  # other CUDA objects: CuPy views from here on (results come back as CuPy)
+        vp = dataclasses.replace(vp, **{f: vp.ctx.as_cupy(getattr(vp, f)) for f in (
+            "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "sinks", "alibi_slopes")
+            if getattr(vp, f) is not None})
+    why = fused_reason(vp, backend)
+    if why is None and min(vp.total_q, vp.num_heads, vp.head_dim_v, vp.batch, vp.max_seqlen_q) == 0:
+        why = "empty"
+    if why is None and int(vp.k.shape[0]) == 0:
+        why = "no keys"
+    res = None
+    if why is None:
+        torch = sys.modules.get("torch")
+        grad = torch is not None and torch.is_grad_enabled() and any(
+            interop.is_torch_tensor(x) and x.requires_grad for x in (q, k, v, sinks))
+        if grad:
+            res = _function().apply(q, k, v, sinks, vp) if _layout_ok(vp) else None
+        else:
+            res = run_fused(vp)
+    if res is None:
+        if backend == "fused":
+            raise ValueError(f"backend='fused': the packed kernel cannot run this call ({why or 'layout'})")
+        res = run_sequences(vp, backend="auto" if backend == "fused" else backend, num_splits=num_splits,
+                            generator=generator)
+    out, lse = res
+    return (out, lse) if return_lse else out
+
+
+def _layout_ok(vp: VarlenProblem) -> bool:
+    """Whether q, k and v suit the packed kernel's tensor maps as they are (the autograd Function must not fall back
+    inside its forward)."""
+    from .kernels import flash_fwd_sm90 as fa3
+    with vp.ctx.activate():
+        q, k, v = (vp.ctx.as_cupy(x) for x in (vp.q, vp.k, vp.v))
+        if any(x.strides[-1] != x.itemsize for x in (q, k, v)):
+            return False
+        return fa3.layout_reason(_packed4(q), _packed4(k), _packed4(v), None) is None

@@ -1,0 +1,162 @@
+"""varlen_attention on the GPU: the packed kernel (one launch for every sequence) and the per-sequence path against the
+float64 reference, under the suite's error rule (tests/_helpers/_tolerance.py: the peer is the same math in torch
+ops at the inputs' precision, sequence by sequence); gradients; paged caches; CUDA graphs; CuPy inputs."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import reference
+
+from _attention_ref import torch_variant_attention
+from _tolerance import as_f64, assert_close
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def _packed(lens_q, lens_k, Hq, Hkv, E, dtype, seed=0, extra_q=0, Ev=None):
+    g = torch.Generator("cuda").manual_seed(seed)
+    cq = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    ck = torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32, device="cuda")
+    t = DTYPES[dtype]
+    q = torch.randn((int(cq[-1]) + extra_q, Hq, E), generator=g, device="cuda").to(t)
+    k = torch.randn((int(ck[-1]), Hkv, E), generator=g, device="cuda").to(t)
+    v = torch.randn((int(ck[-1]), Hkv, Ev or E), generator=g, device="cuda").to(t)
+    return q, k, v, cq, ck
+
+
+def _peer(q, k, v, cq, ck, *, causal, window=None, softcap=None, sinks=None):
+    """The torch peer at the inputs' precision, sequence by sequence (rows no sequence covers: 0)."""
+    out = torch.zeros(q.shape[:2] + (v.shape[-1],), dtype=q.dtype, device="cuda")
+    for b in range(len(cq) - 1):
+        rows, keys = slice(int(cq[b]), int(cq[b + 1])), slice(int(ck[b]), int(ck[b + 1]))
+        if rows.stop == rows.start:
+            continue
+        o = torch_variant_attention(q[rows].transpose(0, 1), k[keys].transpose(0, 1), v[keys].transpose(0, 1),
+                                    causal="bottom_right" if causal else False, window=window, softcap=softcap,
+                                    sinks=sinks)
+        out[rows] = o.transpose(0, 1)
+    return out
+
+
+def _check(q, k, v, cq, ck, dtype, *, backend="fused", causal=False, window=None, softcap=None, sinks=None, what=""):
+    lq, lk = np.diff(cq.cpu().numpy()), np.diff(ck.cpu().numpy())
+    out, lse = cupy_attn.varlen_attention(q, k, v, cq, ck, int(lq.max()), int(lk.max()), is_causal=causal,
+                                          window_size=window, softcap=softcap, sinks=sinks, backend=backend,
+                                          return_lse=True)
+    ref, ref_lse = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq.cpu().numpy(), ck.cpu().numpy(),
+                                              is_causal=causal, window_size=window, softcap=softcap,
+                                              sinks=None if sinks is None else as_f64(sinks), return_lse=True)
+    covered = int(cq[-1])
+    peer = _peer(q, k, v, cq, ck, causal=causal, window=window, softcap=softcap, sinks=sinks)
+    assert_close(out[:covered], ref[:covered], dtype, peer[:covered], what)
+    got = as_f64(lse)[:, :covered]
+    finite = np.isfinite(ref_lse[:, :covered])
+    np.testing.assert_allclose(got[finite], ref_lse[:, :covered][finite], rtol=2e-3, atol=2e-3, err_msg=what)
+    assert np.all(got[~finite] == ref_lse[:, :covered][~finite]), what
+    return out
+
+
+# The issue's lengths (tile edges at 64 and 128, a long one, a zero-length sequence), keys ≠ queries both ways.
+LENS_Q = [1, 2, 63, 64, 0, 65, 127, 1000, 4097]
+LENS_K = [1, 5, 63, 200, 3, 64, 100, 1000, 4097]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("E", [64, 96, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_packed_kernel_matches_the_reference(dtype, E, causal):
+    q, k, v, cq, ck = _packed(LENS_Q, LENS_K, 8, 2, E, dtype, seed=E, extra_q=3)
+    _check(q, k, v, cq, ck, dtype, causal=causal, what=f"{dtype} E={E} causal={causal}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_variants(dtype):
+    q, k, v, cq, ck = _packed([300, 17, 1000], [310, 40, 900], 8, 2, 128, dtype, seed=5)
+    sinks = torch.randn(8, device="cuda")
+    for kw in (dict(window=(64, 0), causal=True), dict(window=(100, 20)), dict(softcap=5.0, causal=True),
+               dict(sinks=sinks, window=(128, 0), causal=True)):
+        _check(q, k, v, cq, ck, dtype, what=f"{dtype} {kw}", **kw)
+
+
+def test_head_dim_512_runs_per_sequence():
+    q, k, v, cq, ck = _packed([100, 0, 300], [200, 7, 300], 4, 2, 512, "bfloat16", seed=9)
+    _check(q, k, v, cq, ck, "bfloat16", backend="auto", causal=True, what="E=512")
+
+
+def test_seqused_k_and_cupy_inputs():
+    import cupy
+    q, k, v, cq, ck = _packed([50, 70], [120, 90], 4, 4, 64, "float16", seed=3)
+    used = torch.tensor([100, 1], dtype=torch.int32, device="cuda")
+    out = cupy_attn.varlen_attention(*(cupy.asarray(x) for x in (q, k, v, cq, ck)), 70, 120,
+                                     seqused_k=cupy.asarray(used), is_causal=True, backend="fused")
+    assert isinstance(out, cupy.ndarray)
+    ref = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq.cpu().numpy(), ck.cpu().numpy(),
+                                     seqused_k=used.cpu().numpy(), is_causal=True)
+    assert np.abs(as_f64(out) - ref).max() < 4e-3
+
+
+def test_gradients_of_the_packed_call():
+    dtype = "bfloat16"
+    q, k, v, cq, ck = _packed([130, 0, 257, 64], [200, 5, 257, 64], 4, 2, 128, dtype, seed=11)
+    sinks = torch.randn(4, device="cuda")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
+    out = cupy_attn.varlen_attention(*leaves[:3], cq, ck, 257, 257, causal=True, sinks=leaves[3])
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, g)
+    refs = [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]
+    peers = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
+    grads = {}
+    for name, ins in (("ref", refs), ("peer", peers)):
+        o = _peer(*ins[:3], cq, ck, causal=True, sinks=ins[3])
+        grads[name] = torch.autograd.grad(o, ins, g.to(o.dtype))
+    for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
+        ref = grads["ref"][i].cpu().numpy()
+        assert_close(got[i], ref, dtype if i < 3 else "float32", grads["peer"][i], name)
+
+
+@pytest.mark.parametrize("block_size", [16, 64, 128, 256])
+def test_paged_cache_matches_the_gathered_dense_call(block_size):
+    g = torch.Generator("cuda").manual_seed(block_size)
+    Hq, Hkv, E, B = 8, 2, 128, 4
+    used = torch.tensor([0, 1, 700, 1500], dtype=torch.int32, device="cuda")
+    pages = [-(-int(s) // block_size) for s in used]
+    n = sum(pages) + 3
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
+    table = torch.full((B, max(pages) + 2), n - 1, dtype=torch.int32)  # wider than needed
+    at = 0
+    for b, p in enumerate(pages):
+        table[b, :p] = perm[at:at + p]
+        at += p
+    table = table.cuda()
+    kc = torch.randn((n, block_size, Hkv, E), generator=g, device="cuda").half()
+    vc = torch.randn((n, block_size, Hkv, E), generator=g, device="cuda").half()
+    q = torch.randn((B * 3, Hq, E), generator=g, device="cuda").half()
+    cq = torch.arange(0, 3 * B + 1, 3, dtype=torch.int32, device="cuda")
+    out = cupy_attn.varlen_attention(q, kc, vc, cq, None, 3, 1500, seqused_k=used, block_table=table,
+                                     is_causal=True)
+    for b in range(B):
+        S = int(used[b])
+        keys = torch.from_numpy(reference.paged_keys(kc.cpu().numpy(), table[b].cpu().numpy(), S)).cuda()
+        vals = torch.from_numpy(reference.paged_keys(vc.cpu().numpy(), table[b].cpu().numpy(), S)).cuda()
+        want = cupy_attn.scaled_dot_product_attention(q[3 * b:3 * b + 3].transpose(0, 1)[None],
+                                                      keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
+                                                      is_causal="bottom_right", enable_gqa=True)
+        torch.testing.assert_close(out[3 * b:3 * b + 3], want[0].transpose(0, 1), rtol=0, atol=0)
+
+
+def test_cuda_graph_capture_of_the_packed_kernel():
+    q, k, v, cq, ck = _packed([100, 300], [100, 300], 4, 4, 128, "float16", seed=2)
+    want = cupy_attn.varlen_attention(q, k, v, cq, ck, 300, 300, is_causal=True)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        cupy_attn.varlen_attention(q, k, v, cq, ck, 300, 300, is_causal=True)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = cupy_attn.varlen_attention(q, k, v, cq, ck, 300, 300, is_causal=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
