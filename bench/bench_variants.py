@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import site
 import sys
 
 import numpy as np
@@ -23,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import environment, interleaved_ms, print_table, save_json  # noqa: E402
+from common import environment, fa4, interleaved_ms, print_table, save_json  # noqa: E402
 
 # (name, B, Hq, Hkv, L, D, window (left, right) or None, sinks, softcap, head dim of V)
 CASES = [
@@ -37,18 +36,6 @@ QUICK = ("window 1024", "window 128 + sinks")
 COLUMNS = [("name", "case", ""), ("shape", "(B, Hq/Hkv, L, D)", ""), ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"),
            ("fa4_ms", "FA4 ms", ".3f"), ("x_fa4", "× FA4", ".2f"), ("torch_ms", "torch+mask ms", ".3f"),
            ("x_torch", "× torch", ".2f"), ("max_err", "max err", ".2e"), ("fa4_err", "FA4 err", ".2e")]
-
-
-def fa4():
-    """flash_attn.cute.interface.flash_attn_func, or None when FlashAttention-4 is not installed."""
-    if os.path.isdir("/tmp/site"):
-        site.addsitedir("/tmp/site")
-    try:
-        from flash_attn.cute.interface import flash_attn_func
-    except Exception as exc:  # not installed, or no CUTLASS DSL for this machine
-        print(f"FlashAttention-4 not available: {type(exc).__name__}: {exc}", flush=True)
-        return None
-    return flash_attn_func
 
 
 def visible_pairs(L: int, S: int, window) -> int:

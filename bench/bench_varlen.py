@@ -3,8 +3,11 @@
     PYTHONPATH=. python bench/bench_varlen.py [--rounds 7]
 
 Rows: the issue's packed batch (12 causal sequences of 256-4096 tokens, 25,701 in all; bf16, 32 query heads over 8
-KV heads, head dim 128) forward, forward + backward, and the same at head dims 64 and 256. TFLOP/s count the visible
-(query, key) pairs: 4·H·Σ_b pairs_b·D. Timings: medians of event timings, ours and the peer alternating in rounds.
+KV heads, head dim 128) forward, forward + backward, the same at head dims 64 and 256, and the forward with the
+sequences in descending length (the order a longest-first schedule would take). TFLOP/s count the visible
+(query, key) pairs: 4·H·Σ_b pairs_b·D. Timings: medians of event timings, ours and the peer alternating in rounds:
+"ms" from an idle GPU per call (host time the GPU waits for included), "device ms" behind a spin kernel (host time
+excluded: the GPU-bound case of a model's layers).
 """
 from __future__ import annotations
 
@@ -18,20 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import print_table, rotated_ms  # noqa: E402
+from common import device_ms, fa4, print_table, rotated_ms  # noqa: E402
 
 LENS = [256, 4096, 1024, 3000, 512, 2048, 3500, 777, 1999, 4001, 1488, 3000]  # 25,701 tokens
 COLUMNS = [("row", "row", "s"), ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"), ("fa4_ms", "FA4 ms", ".3f"),
-           ("x_fa4", "× FA4", ".2f"), ("max_err", "max err vs FA4", ".2e")]
-
-
-def fa4_varlen():
-    """flash_attn.cute.interface.flash_attn_varlen_func, or None when FlashAttention-4 is not installed."""
-    try:
-        from flash_attn.cute.interface import flash_attn_varlen_func
-    except Exception:  # not installed, or no CUTLASS DSL for this GPU
-        return None
-    return flash_attn_varlen_func
+           ("x_fa4", "× FA4", ".2f"), ("dev_ms", "device ms", ".3f"), ("fa4_dev_ms", "FA4 device ms", ".3f"),
+           ("x_fa4_dev", "device × FA4", ".2f"), ("max_err", "max err vs FA4", ".2e")]
 
 
 def visible_pairs(lens, causal: bool) -> int:
@@ -41,18 +36,19 @@ def visible_pairs(lens, causal: bool) -> int:
 def run(rounds: int) -> list[dict]:
     import torch
     import cupy_attn
-    peer = fa4_varlen()
+    peer = fa4("flash_attn_varlen_func")
     rows = []
-    for name, D, backward in (("fwd hd128", 128, False), ("fwd+bwd hd128", 128, True), ("fwd hd64", 64, False),
-                              ("fwd hd256", 256, False)):
+    for name, D, backward, lens in (("fwd hd128", 128, False, LENS), ("fwd+bwd hd128", 128, True, LENS),
+                                    ("fwd hd64", 64, False, LENS), ("fwd hd256", 256, False, LENS),
+                                    ("fwd hd128, longest first", 128, False, sorted(LENS, reverse=True))):
         Hq, Hkv = 32, 8
-        total = sum(LENS)
-        cu = torch.tensor(np.concatenate([[0], np.cumsum(LENS)]), dtype=torch.int32, device="cuda")
+        total = sum(lens)
+        cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
         q = torch.randn((total, Hq, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
         k = torch.randn((total, Hkv, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
         v = torch.randn((total, Hkv, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
         dout = torch.randn((total, Hq, D), device="cuda", dtype=torch.bfloat16)
-        mx = max(LENS)
+        mx = max(lens)
 
         def ours():
             return cupy_attn.varlen_attention(q, k, v, cu, cu, mx, mx, is_causal=True)
@@ -75,10 +71,16 @@ def run(rounds: int) -> list[dict]:
                     outs[key] = fn()
         with torch.no_grad() if not backward else torch.enable_grad():
             ms = rotated_ms(fns, rounds=rounds)
-        flops = 4.0 * Hq * visible_pairs(LENS, True) * D * (3.5 if backward else 1.0)
-        row = {"row": name, "ms": ms["ours"], "tflops": flops / ms["ours"] / 1e9}
+            dev = {key: [] for key in fns}
+            for r in range(rounds):  # device time only (the host runs ahead behind a spin kernel), alternating
+                for key in list(fns)[r % len(fns):] + list(fns)[:r % len(fns)]:
+                    dev[key].append(device_ms(fns[key], reps=3))
+            dev = {key: float(np.median(t)) for key, t in dev.items()}
+        flops = 4.0 * Hq * visible_pairs(lens, True) * D * (3.5 if backward else 1.0)
+        row = {"row": name, "ms": ms["ours"], "tflops": flops / ms["ours"] / 1e9, "dev_ms": dev["ours"]}
         if "fa4" in ms:
-            row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"],
+            row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"], fa4_dev_ms=dev["fa4"],
+                       x_fa4_dev=dev["fa4"] / dev["ours"],
                        max_err=float((outs["ours"].float() - outs["fa4"].float()).abs().max()))
         rows.append(row)
         print(row, flush=True)

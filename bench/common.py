@@ -17,6 +17,20 @@ GEMM_CEILING_TFLOPS = 728.0   # measured fp16 cuBLAS ceiling on the H200 (see be
 OUT_DIR = os.environ.get("CUPY_ATTN_BENCH_OUT", os.path.join(os.path.dirname(__file__), "out"))
 
 
+def fa4(name: str = "flash_attn_func"):
+    """FlashAttention-4's ``flash_attn.cute.interface.<name>`` (flash_attn_func, flash_attn_varlen_func), or None when
+    it is not installed (the peer wheels staged by ../shared/tools/peer_wheels.sh go to /tmp/site on the device)."""
+    import site
+    if os.path.isdir("/tmp/site"):
+        site.addsitedir("/tmp/site")
+    try:
+        from flash_attn.cute import interface
+        return getattr(interface, name)
+    except Exception as exc:  # not installed, or no CUTLASS DSL for this machine
+        print(f"FlashAttention-4 not available: {type(exc).__name__}: {exc}", flush=True)
+        return None
+
+
 def gpu_available() -> bool:
     try:
         import cupy

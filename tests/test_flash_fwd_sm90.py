@@ -47,7 +47,7 @@ def test_every_instantiation_compiles_without_spills():
     qk_dims = len(_sm90.TILES) + sum(len(d) for d in _sm90.QK_DIMS.values())
     m192 = sum(len(table) for table in _sm90.M192_MODE_TILES.values())
     persistent = len(_sm90.PERSISTENT_TILES) + len(_sm90.M192_MODE_TILES["3"])
-    varlen = len(_sm90.VARLEN_TILES)
+    varlen = 2 * len(_sm90.VARLEN_TILES)  # plain and variants
     assert len(reports) == len(list(FAMILY.variants())) == 2 * (len(_sm90.MODE_TILES) * qk_dims + m192 + persistent
                                                                 + varlen)
     assert_clean(reports, max_registers=168)
@@ -663,7 +663,8 @@ def _check_fa3(q, k, v, dtype, *, causal=None, what="", expect_fa3=True):
         if os.environ.get(_sm90.ENV_M192) == "1" and D == 64:
             assert tile.block_m == 192, f"{what}: the 192-row tile forced"
         assert launch.kernel is FAMILY.kernel(dtype=C_TYPE_16[dtype], head_dim=D, tile=tile,
-                                              qk_dim=_sm90.qk_dim(E, D), variants="false"), f"{what}: variant"
+                                              qk_dim=_sm90.qk_dim(E, D), variants="false",
+                                              varlen="false"), f"{what}: variant"
         m_blocks = -(-L // tile.block_m)
         if tile.persistent:
             from cupy_attn.runtime.interop import device_sms

@@ -160,3 +160,19 @@ def test_cuda_graph_capture_of_the_packed_kernel():
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_call_cache_replays_with_new_lengths():
+    """A call of the same layout replays the cached launch: new cu_seqlens values (same B and totals) must be read."""
+    from cupy_attn.runtime import callcache
+    q, k, v, cq, ck = _packed([100, 300], [120, 280], 4, 2, 128, "bfloat16", seed=4)
+    callcache.clear()
+    cupy_attn.varlen_attention(q, k, v, cq, ck, 300, 280, is_causal=True)
+    assert any(key[0] == "varlen" for key in callcache._CACHE), "the packed call was not cached"
+    cq2 = torch.tensor([0, 250, 400], dtype=torch.int32, device="cuda")
+    ck2 = torch.tensor([0, 50, 400], dtype=torch.int32, device="cuda")
+    out = cupy_attn.varlen_attention(q, k, v, cq2, ck2, 250, 350, is_causal=True)
+    ref = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq2.cpu().numpy(), ck2.cpu().numpy(),
+                                     is_causal=True)
+    peer = _peer(q, k, v, cq2, ck2, causal=True)
+    assert_close(out, ref, "bfloat16", peer, "replayed call")

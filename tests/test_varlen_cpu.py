@@ -148,6 +148,6 @@ def test_fused_reason_on_cpu_and_bounds():
 
 def test_packed_instantiations_exist_for_every_bucket():
     exprs = {fa3.FLASH_FWD_SM90_TMA.name_expression(dtype=d, head_dim=h, tile=fa3.VARLEN_TILES[h], qk_dim=h,
-                                                    variants="true", varlen="true")
-             for d in ("__half", "__nv_bfloat16") for h in fa3.TILES}
+                                                    variants=var, varlen="true")
+             for d in ("__half", "__nv_bfloat16") for h in fa3.TILES for var in ("false", "true")}
     assert exprs <= set(fa3.FLASH_FWD_SM90_TMA.name_expressions())

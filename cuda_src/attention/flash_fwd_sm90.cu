@@ -75,7 +75,6 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
   static_assert(kHeadDimQK % 16 == 0 && kHeadDimQK <= kHeadDim, "the S GEMM's k steps are 16 columns");
   static_assert(Smem::kBytes <= sm90::kMaxSmemBytes, "227 KB of shared memory per block");
   static_assert(kOverlap || !kPersistent, "the persistent variant is built on the overlap mainloop only");
-  static_assert(!kVarlen || (kVariants && !kPersistent), "packed batches: the variants' code, one tile per CTA");
 
   // Declared 16-byte aligned only, so that the compiler cannot fold away SharedStorage's realignment to 1024.
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -85,7 +84,8 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
   // consume_persistent).
   int m0 = 0, h = 0;
   const int b = kPersistent ? 0 : blockIdx.z;
-  const SeqSpan<kVarlen> seq(p, b);  // the tile's sequence (packed calls: its offsets and lengths)
+  // The tile's sequence (packed calls: its offsets and lengths; the persistent kernel finds its tiles' own).
+  const SeqSpan<kVarlen && !kPersistent> seq(p, b);
   KeyBlocks kb{0, -1};
   if constexpr (!kPersistent) {
     // Causal blocks differ in work (the last query rows see the most keys): launch the longest first.
@@ -114,14 +114,15 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       [&](int tid) {
         if (tid != 0) return;  // one thread issues every load
         if constexpr (kPersistent) {
-          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants>(p, ss);
+          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants, kVarlen>(p, ss);
         } else {
           produce(p, ss, seq, m0, h, kb);
         }
       },
       [&](int tid) {
         if constexpr (kPersistent) {
-          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants>(p, ss, tid);
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants, kVarlen>(p, ss,
+                                                                                                              tid);
         } else {
           consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, seq, m0, h, b,
                                                                                                   kb, tid, 0, 0u);

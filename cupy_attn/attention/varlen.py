@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from ..runtime import interop
+from ..runtime import callcache, interop
 from . import checks, variants as _variants
 
 INDEX_DTYPE = np.dtype(np.int32)
@@ -176,16 +176,17 @@ def _packed4(x):
     return x[None].transpose(0, 2, 1, 3)
 
 
-def run_fused(vp: VarlenProblem):
+def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
     """(out, lse) of the packed kernel as the caller's kind, or None when the arrays' layout does not suit TMA (the
-    caller then runs per sequence). out (total_q, Hq, Ev), lse (Hq, total_q) float32."""
+    caller then runs per sequence). out (total_q, Hq, Ev), lse (Hq, total_q) float32. ``call_key``: keep the launch
+    under it (:func:`cache_key`) when it read the caller's arrays in place."""
     from .kernels import flash_fwd_sm90 as fa3
     ctx = vp.ctx
     with ctx.activate():
-        q, k, v = (ctx.as_cupy(x) for x in (vp.q, vp.k, vp.v))
-        q, k, v = (x if x.strides[-1] == x.itemsize else ctx.contiguous(x) for x in (q, k, v))
-        idx = [None if x is None else ctx.as_cupy(x) for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
-        idx = [x if x is None or x.flags.c_contiguous else ctx.contiguous(x) for x in idx]
+        given = [ctx.as_cupy(x) for x in (vp.q, vp.k, vp.v)]
+        q, k, v = (x if x.strides[-1] == x.itemsize else ctx.contiguous(x) for x in given)
+        given_idx = [None if x is None else ctx.as_cupy(x) for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
+        idx = [x if x is None or x.flags.c_contiguous else ctx.contiguous(x) for x in given_idx]
         out_native, out = ctx.empty((vp.total_q, vp.num_heads, vp.head_dim_v), vp.dtype)
         lse_native, lse = ctx.empty((vp.num_heads, vp.total_q), np.dtype(np.float32))
         q4, k4, v4, out4 = (_packed4(x) for x in (q, k, v, out))
@@ -193,9 +194,46 @@ def run_fused(vp: VarlenProblem):
             return None
         launch = fa3.build_varlen(q4, k4, v4, out4, lse[None], bounds=_bounds(vp), batch=vp.batch,
                                   max_seqlen_q=vp.max_seqlen_q, max_seqlen_k=vp.max_seqlen_k)
-        launch(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
-               *(0 if x is None else x.data.ptr for x in idx), stream=ctx.stream)
+        run = launch.bind(ctx.stream)
+        run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, *(0 if x is None else x.data.ptr
+                                                                              for x in idx))
+        in_place = all(a is b for a, b in zip(given + given_idx, [q, k, v] + idx))
+        if call_key is not None and in_place:
+            callcache.put(call_key, VarlenEntry(ctx, tuple(out_native.shape), tuple(lse_native.shape), run))
     return out_native, lse_native
+
+
+def cache_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, flags: tuple) -> tuple | None:
+    """The call cache's key of a varlen call (runtime/callcache.py): the six arrays' signatures (shape, strides,
+    dtype, device, address mod 16; the stream) and the flags with their types, or None when the call is not
+    cacheable (arrays that are not exact torch CUDA tensors or CuPy arrays). The sizes are keyed through the shapes
+    (total_q, total_k, B): the tensor maps hold them. max_seqlen_q/k are not: the packed kernel does not read them."""
+    sig = callcache.signatures((q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k))
+    if sig is None:
+        return None
+    return ("varlen", *sig, callcache.typed(*flags), callcache.env_values())
+
+
+class VarlenEntry(callcache.Entry):
+    """A prepared packed-kernel call replayed on new arrays: allocates out and lse and launches (no checks, no
+    plan)."""
+
+    __slots__ = ()
+
+    def _replay(self, q, k, v, idx):
+        if self.ctx.kind == interop.TORCH:
+            out = q.new_empty(self.out_shape)
+            lse = q.new_empty(self.lse_shape, dtype=sys.modules["torch"].float32)
+            self.run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse.data_ptr(),
+                     *(0 if x is None else x.data_ptr() for x in idx))
+        else:
+            import cupy
+            with self.ctx.stream:
+                out = cupy.empty(self.out_shape, dtype=q.dtype)
+                lse = cupy.empty(self.lse_shape, dtype=cupy.float32)
+            self.run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr,
+                     *(0 if x is None else x.data.ptr for x in idx))
+        return out, lse
 
 
 def host_sequences(vp: VarlenProblem) -> list[tuple[int, int, int, int]]:
@@ -429,6 +467,18 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if type(window_size) is list:
         window_size = tuple(window_size)
     checks.check_num_splits(num_splits)
+    # A repeated call of the same layout and flags (sizes: through the shapes) replays its launch; max_seqlen_q/k only
+    # need to be ints. Calls with dropout, a block table, sinks, ALiBi slopes or a generator are not cached, nor are
+    # calls that autograd records.
+    call_key = None
+    if dropout_p == 0 and block_table is None and sinks is None and alibi_slopes is None and generator is None \
+            and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
+        call_key = cache_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                             (is_causal, scale, window_size, softcap, backend, num_splits))
+        entry = None if call_key is None else callcache.get(call_key)
+        if entry is not None and max_seqlen_q >= 0 and max_seqlen_k >= 0:
+            out, lse = entry(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_k))
+            return (out, lse) if return_lse else out
     vp = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                       block_table=block_table, is_causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
                       window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
@@ -443,13 +493,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         why = "no keys"
     res = None
     if why is None:
-        torch = sys.modules.get("torch")
-        grad = torch is not None and torch.is_grad_enabled() and any(
-            interop.is_torch_tensor(x) and x.requires_grad for x in (q, k, v, sinks))
-        if grad:
+        if _records_grad(q, k, v, sinks):
             res = _function().apply(q, k, v, sinks, vp) if _layout_ok(vp) else None
         else:
-            res = run_fused(vp)
+            res = run_fused(vp, call_key)
     if res is None:
         if backend == "fused":
             raise ValueError(f"backend='fused': the packed kernel cannot run this call ({why or 'layout'})")
@@ -457,6 +504,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                             generator=generator)
     out, lse = res
     return (out, lse) if return_lse else out
+
+
+def _records_grad(*xs) -> bool:
+    """Whether autograd records a call on these arrays (torch tensors that require grad, grad mode on)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and torch.is_grad_enabled() and any(
+        interop.is_torch_tensor(x) and x.requires_grad for x in xs)
 
 
 def _layout_ok(vp: VarlenProblem) -> bool:

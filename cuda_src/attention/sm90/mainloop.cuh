@@ -173,28 +173,30 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 // on across tiles. Per tile: K of its first block (its stage was freed by an S GEMM of the tile before, so this need
 // not wait for that tile to end), then Q once the consumers have released the previous tile's (q_empty), then V and
 // the remaining blocks. Tiles with no key to visit are skipped (the consumers write their rows).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen>
 __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
   load.prefetch_maps();
   int it = 0;     // K/V iterations issued so far
   int tiles = 0;  // non-empty tiles so far: Q phases
-  for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
+  for (TileScheduler<kBlockM, kVarlen> sched(p, false); sched.valid(); sched.advance()) {  // one thread: no shfl
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, SeqSpan<false>(p, w.b), m0);
+    const SeqSpan<kVarlen> seq(p, w.b, false);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
-    load.load_k(it, kb.last * kBlockN, h_kv, w.b);
+    const int b = seq.b_map(), k0 = seq.k0();
+    load.load_k(it, k0 + kb.last * kBlockN, h_kv, b);
     ss.q_bars.wait_free(tiles);
-    load.load_q(m0, w.h, w.b);
-    load.load_v(it, kb.last * kBlockN, h_kv, w.b);
+    load.load_q(seq.q0() + m0, w.h, b);
+    load.load_v(it, k0 + kb.last * kBlockN, h_kv, b);
     for (int i = 1; i < n_blocks; ++i) {
-      const int n0 = (kb.last - i) * kBlockN;
-      load.load_k(it + i, n0, h_kv, w.b);
-      load.load_v(it + i, n0, h_kv, w.b);
+      const int n0 = k0 + (kb.last - i) * kBlockN;
+      load.load_k(it + i, n0, h_kv, b);
+      load.load_v(it + i, n0, h_kv, b);
     }
     it += n_blocks;
     ++tiles;
@@ -450,7 +452,11 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     #pragma unroll
     for (int half = 0; half < 2; ++half) softmax.add_sink(half, sink);
   }
-  if (p.o_tma) {
+  // A packed batch's warpgroup stores by TMA only when its 64 rows are all its sequence's (a box crossing the
+  // sequence's end would write the next one's rows); the crossing one stores from registers. At head dim 256 packed
+  // batches store from registers only: holding both ways beside O's 128 accumulators spilled 48-96 bytes.
+  constexpr bool kTmaStore = !Seq::kPacked || kHeadDim < 256;
+  if (kTmaStore && p.o_tma && (!Seq::kPacked || wg_row0 + 64 <= seq.seqlen_q())) {
     store_output_tma<T, kHeadDim, Smem::kSwizzleBytes, Smem::kOChunkCols>(o, softmax.m, softmax.l, ss.o_stage, p,
                                                                           seq, m0, h, lse);
   } else {
@@ -464,7 +470,7 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 // writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
 // closing empty turn are here (kPingPongBarrier).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK,
-          bool kVariants>
+          bool kVariants, bool kVarlen>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss, int tid) {
   constexpr int kWGs = kBlockM / 64;
@@ -472,13 +478,14 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
   if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
   int it = 0;     // K/V iterations consumed so far
   int tiles = 0;  // non-empty tiles so far: Q phases
-  for (StaticTileScheduler<kBlockM> sched(p); sched.valid(); sched.advance()) {
+  for (TileScheduler<kBlockM, kVarlen> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const SeqSpan<false> seq(p, w.b);
+    const SeqSpan<kVarlen> seq(p, w.b);
     const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
     if (kb.count() <= 0) {
-      store_empty_rows<T, kVariants>(p, seq, m0, w.h, min(kBlockM, static_cast<int>(p.seqlen_q) - m0), tid, 128 * kWGs);
+      store_empty_rows<T, kVariants>(p, seq, m0, w.h, min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0), tid,
+                                     128 * kWGs);
       continue;
     }
     consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants>(

@@ -36,7 +36,7 @@ struct StaticTileScheduler {
   int unit;            // current unit (< num_units while valid)
   bool second;         // on the second m-block of a pair
 
-  __device__ __forceinline__ explicit StaticTileScheduler(const FlashFwdSm90Params& p) {
+  __device__ __forceinline__ explicit StaticTileScheduler(const FlashFwdSm90Params& p, bool = true) {
     m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
     heads = static_cast<int>(p.num_heads);
     causal = p.is_causal != 0;
@@ -72,6 +72,90 @@ struct StaticTileScheduler {
     unit += gridDim.x;
   }
 };
+
+// The same static striding over a packed batch (varlen_attention: p.cu_seqlens_q), whose sequences have m-blocks of
+// their own: units are numbered (sequence, head, m) with m fastest, a sequence b contributing Hq · ⌈L_b / kBlockM⌉
+// units (halved, rounded up, into the pairs above when p.tile_pairs), so sequences of L_b = 0 none. A unit's sequence
+// is found by walking forward from the previous unit's: a CTA's units only increase, so the walk reads each entry of
+// cu_seqlens_q once per CTA. tile().b is the sequence (SeqSpan<true> reads its offsets).
+template <int kBlockM>
+struct VarlenTileScheduler {
+  const FlashFwdSm90Params& p;
+  int batch, heads;
+  bool causal, pairs;
+  int unit;            // current unit (valid while b < batch)
+  int b;               // the current unit's sequence
+  int base;            // the first unit of sequence b
+  int m_blocks;        // of sequence b
+  int units_per_head;  // of sequence b: m_blocks, or ⌈m_blocks / 2⌉ with pairs
+  bool second;
+
+  bool whole_warps;     // every lane of the calling warps walks it (the consumers): SeqSpan's broadcast
+
+  __device__ __forceinline__ VarlenTileScheduler(const FlashFwdSm90Params& params, bool whole_warps_ = true)
+      : p(params), whole_warps(whole_warps_) {
+    batch = static_cast<int>(p.batch);
+    heads = static_cast<int>(p.num_heads);
+    causal = p.is_causal != 0;
+    pairs = causal && p.tile_pairs != 0;
+    unit = blockIdx.x;
+    b = 0;
+    base = 0;
+    second = false;
+    if (batch > 0) load(0);
+    seek();
+  }
+  __device__ __forceinline__ void load(int seq) {
+    m_blocks = (load_index(p.cu_seqlens_q + seq + 1, whole_warps) - load_index(p.cu_seqlens_q + seq, whole_warps)
+                + kBlockM - 1) / kBlockM;
+    units_per_head = pairs ? (m_blocks + 1) / 2 : m_blocks;
+  }
+  // Move b forward to the sequence holding `unit` (past the last sequence: not valid).
+  __device__ __forceinline__ void seek() {
+    while (b < batch && unit >= base + units_per_head * heads) {
+      base += units_per_head * heads;
+      if (++b < batch) load(b);
+    }
+  }
+
+  __device__ __forceinline__ bool valid() const { return b < batch; }
+
+  __device__ __forceinline__ WorkTile tile() const {
+    const int r = unit - base, k = r % units_per_head;
+    int m_block;
+    if (pairs) {
+      m_block = second ? k : m_blocks - 1 - k;
+    } else {
+      m_block = causal ? m_blocks - 1 - k : k;
+    }
+    return {m_block, r / units_per_head, b};
+  }
+
+  __device__ __forceinline__ void advance() {
+    if (pairs && !second) {
+      const int k = (unit - base) % units_per_head;
+      if (k < m_blocks - 1 - k) {
+        second = true;
+        return;
+      }
+    }
+    second = false;
+    unit += gridDim.x;
+    seek();
+  }
+};
+
+// The persistent kernels' scheduler: packed batches walk their sequences.
+template <int kBlockM, bool kVarlen>
+struct SchedulerFor {
+  using type = StaticTileScheduler<kBlockM>;
+};
+template <int kBlockM>
+struct SchedulerFor<kBlockM, true> {
+  using type = VarlenTileScheduler<kBlockM>;
+};
+template <int kBlockM, bool kVarlen>
+using TileScheduler = typename SchedulerFor<kBlockM, kVarlen>::type;
 
 }  // namespace sm90
 }  // namespace cupy_attn

@@ -106,9 +106,9 @@ OVERLAP_TILES = {d: dataclasses.replace(tile, overlap=True) for d, tile in TILES
 # The overlap tiles as a persistent kernel (CUPY_ATTN_FA3=3): the same shared memory (q_empty is in every variant's
 # barrier block), a few consumer registers for the tile loop.
 PERSISTENT_TILES = {d: dataclasses.replace(tile, persistent=True) for d, tile in OVERLAP_TILES.items()}
-# Packed variable-length batches (varlen_attention): the overlap tiles, one tile per CTA (the grid covers the longest
-# sequence; blocks past a shorter one's rows exit at once).
-VARLEN_TILES = OVERLAP_TILES
+# Packed variable-length batches (varlen_attention): the persistent tiles, whose CTAs walk the sequences' tiles
+# (VarlenTileScheduler in cuda_src/attention/sm90/tile_scheduler.cuh).
+VARLEN_TILES = PERSISTENT_TILES
 # mode (CUPY_ATTN_FA3, dispatch.fa3_mode) -> its tile table.
 MODE_TILES = {"1": TILES, "2": OVERLAP_TILES, "3": PERSISTENT_TILES}
 # FlashAttention-3's head-dim-64 tile for causal calls (hopper/tile_size.h: 192 × 128, three consumer warpgroups + the
@@ -175,14 +175,13 @@ FLASH_FWD_SM90_TMA = KernelFamily(
         "varlen": ("false", "true"),
     },
     # The variants (window, softcap, ALiBi, sinks) only in the persistent tiles (mode "3", which every variant call
-    # takes) at the bucket's own S GEMM width: 10 instantiations instead of 46 more. Packed batches (varlen) in the
-    # variants' code of VARLEN_TILES (one tile per CTA): 8 more.
+    # takes) at the bucket's own S GEMM width: 10 instantiations instead of 46 more. Packed batches (varlen): the
+    # VARLEN_TILES at the bucket's width, plain and with the variants' code: 16 more.
     where=lambda row: (any(row["tile"] == table.get(row["head_dim"]) for table in _all_tables())
                        and (row["qk_dim"] == row["head_dim"] or row["qk_dim"] in QK_DIMS.get(row["head_dim"], ()))
-                       and (row["variants"] == "false" or (row["qk_dim"] == row["head_dim"] and (
-                           row["tile"].persistent if row["varlen"] == "false"
-                           else row["tile"] == VARLEN_TILES[row["head_dim"]])))
-                       and (row["varlen"] == "false" or row["variants"] == "true")),
+                       and (row["variants"] == "false" or (row["tile"].persistent and row["qk_dim"] == row["head_dim"]))
+                       and (row["varlen"] == "false" or (row["tile"] == VARLEN_TILES[row["head_dim"]]
+                                                         and row["qk_dim"] == row["head_dim"]))),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashFwdSm90Params", PARAMS),),
     arch="sm_90a",
@@ -395,32 +394,41 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tu
 
 
 def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> PreparedLaunch:
-    """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES, the variants' code) on the 4-D views
+    """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES; the variants' code when
+    ``bounds.variants`` has any) on the 4-D views
     of FlashAttention's varlen layout, batch 1 of every sequence's rows: q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k,
     E), v4 (1, Hkv, total_k, Ev), out4 (1, Hq, total_q, Ev) and lse3 (1, Hq, total_q). ``bounds``: what
     :func:`set_variant_params` reads (key_upper, window_lo, scale, variants), with the bounds relative to each
-    sequence's diagonal S_b − L_b (the kernel adds it: SeqSpan in cuda_src/attention/sm90/params.cuh). Grid
-    (⌈max_seqlen_q / block_m⌉, Hq, batch): a CTA past its sequence's rows exits at once. Replayed as ``launch_on(stream,
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=0)``; out is stored by 4-byte stores (a TMA store would
-    write past a sequence's last row into the next one's)."""
+    sequence's diagonal S_b − L_b (the kernel adds it: SeqSpan in cuda_src/attention/sm90/params.cuh). Persistent
+    CTAs, one per SM: the tile count is not known on the host (VarlenTileScheduler walks the sequences on the
+    device; causal calls in m-block pairs); CTAs without a tile exit. Replayed as ``launch_on(stream,
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=0)``. out is stored by TMA where its layout allows
+    (o_tma, as :func:`build`; not at head dim 256), but for a warpgroup whose 64 rows cross its sequence's end (a TMA box would write the
+    next sequence's rows): that one stores from registers."""
     _, Hq, _, E = q4.shape
     _, Hkv, _, Ev = v4.shape
     D = head_bucket(E, Ev)
     tile = VARLEN_TILES[D]
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
-                                       variants="true", varlen="true")
+                                       variants="false" if bounds.variants.plain else "true", varlen="true")
     prm = np.zeros((), dtype=PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = max_seqlen_q, max_seqlen_k, Ev, Hq // Hkv
     set_variant_params(prm, bounds)
-    prm["batch"], prm["num_heads"] = batch, Hq
+    prm["batch"], prm["num_heads"], prm["tile_pairs"] = batch, Hq, bool(prm["is_causal"])
     set_strides(prm, ("out", out4, "bhl"), ("lse", lse3, "bhl"))
     cols = swizzle_bytes(D) // 2
     maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q4, tile.block_m), (k4, tile.block_n),
                                                             (v4, tile.block_n)))
-    grid = (max(1, -(-max_seqlen_q // tile.block_m)), Hq, batch)
+    import cupy
+    grid = (device_sms(cupy.cuda.Device().id), 1, 1)
+    out_maps, flags = (), ()
+    if D < 256 and o_tma_reason(out4) is None:  # (head dim 256: register stores only, mainloop.cuh's kTmaStore)
+        out_maps = (Maps(("tma_o",), ("out",), (MapSpec.of(out4, 64, cols).encode,), align=16),)
+        flags = (AlignFlag("o_tma", "out", 16, 1),)
     return PreparedLaunch(prm, [Step(kernel, grid, (tile.threads,), tile.smem_bytes(D))],
                           args=("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k"),
                           pointers={"out": "out", "lse": "lse", "cu_seqlens_q": "cu_seqlens_q",
                                     "cu_seqlens_k": "cu_seqlens_k", "seqused_k": "seqused_k"},
-                          maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),),
-                          info={"tile": tile, "head_dim": D})
+                          maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),
+                                *out_maps),
+                          flags=flags, info={"tile": tile, "head_dim": D})
