@@ -144,6 +144,53 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
     return (out, lse) if return_lse else out
 
 
+def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out, is_causal=False, scale=None,
+                                          enable_gqa=False, *, window_size=None, softcap=None, sinks=None,
+                                          alibi_slopes=None):
+    """The gradients of :func:`scaled_dot_product_attention` (no mask, no dropout) in float64, from the forward's
+    out and lse (FlashAttention-2's backward, Dao 2023, §3.2, in exact arithmetic):
+
+        P = exp(s − lse) over the visible keys (s the scores after softcap and ALiBi), D_i = Σ_d dO_id O_id,
+        dV = Pᵀ dO,  dS = P ∘ (dO Vᵀ − D),  dS_raw = dS ∘ (1 − tanh²(scale·q·k / c)) (softcap c),
+        dQ = scale · dS_raw K,  dK = scale · dS_rawᵀ Q,  dsink_h = −Σ_i exp(sink_h − lse_i) D_i.
+
+    Shapes as the forward's (out (..., Hq, L, Ev), lse (..., Hq, L), grad_out like out); GQA gradients of K and V
+    are summed over each group's query heads. Rows with lse = −inf (no visible key, no sink) contribute nothing.
+    Returns (dq, dk, dv, dsinks) float64, dsinks None without sinks.
+    """
+    q, k, v, o, do = (np.asarray(x, dtype=np.float64) for x in (query, key, value, out, grad_out))
+    lse = np.asarray(lse, dtype=np.float64)
+    L, S = q.shape[-2], k.shape[-2]
+    scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
+    groups = q.shape[-3] // k.shape[-3] if enable_gqa and q.ndim >= 3 else 1
+    ke, ve = (np.repeat(x, groups, axis=-3) if groups > 1 else x for x in (k, v))
+    raw = (q @ np.swapaxes(ke, -1, -2)) * scale
+    s, cap_grad = raw, 1.0
+    if softcap is not None:
+        t = np.tanh(raw / softcap)
+        s, cap_grad = softcap * t, 1.0 - t * t
+    if alibi_slopes is not None:
+        s = s + alibi_bias(alibi_slopes, L, S)
+    keep = visible_keys(L, S, is_causal, window_size) if (is_causal or window_size is not None) else True
+    finite = np.isfinite(lse)[..., None]
+    with np.errstate(invalid="ignore", over="ignore"):
+        p = np.where(keep & finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
+    d = (do * o).sum(-1)
+    dv = np.swapaxes(p, -1, -2) @ do
+    ds = p * (do @ np.swapaxes(ve, -1, -2) - d[..., None]) * cap_grad
+    dq = (ds @ ke) * scale
+    dk = (np.swapaxes(ds, -1, -2) @ q) * scale
+    if groups > 1:
+        dk = dk.reshape(dk.shape[:-3] + (-1, groups) + dk.shape[-2:]).sum(-3)
+        dv = dv.reshape(dv.shape[:-3] + (-1, groups) + dv.shape[-2:]).sum(-3)
+    dsinks = None
+    if sinks is not None:
+        sk = np.asarray(sinks, dtype=np.float64)
+        w = np.where(finite[..., 0], np.exp(sk[..., None] - np.where(finite[..., 0], lse, 0.0)), 0.0)
+        dsinks = -(w * d).reshape((-1,) + w.shape[-2:]).sum((0, 2))
+    return dq, dk, dv, dsinks
+
+
 def varlen_sequences(cu_seqlens_q, cu_seqlens_k=None, seqused_k=None) -> list[tuple[int, int, int, int]]:
     """(q0, L, k0, S) per sequence of a packed batch: query rows q0 ... q0 + L − 1 and keys k0 ... k0 + S − 1, with
     L = cu_seqlens_q[b+1] − cu_seqlens_q[b], k0 = cu_seqlens_k[b] (0 without cu_seqlens_k: a paged cache), and S =

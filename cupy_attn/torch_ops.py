@@ -3,6 +3,9 @@
     torch.ops.cupy_attn.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, rng, is_causal, scale,
         enable_gqa, backend, return_lse, allow_tf32, workspace_bytes, window_left, window_right, softcap, sinks,
         alibi_slopes) -> (out, lse)
+    torch.ops.cupy_attn.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k,
+        block_table, is_causal, scale, window_left, window_right, softcap, sinks, alibi_slopes, backend) -> (out, lse)
+        (and cupy_attn::varlen_attention_backward, its registered backward: dense backward per sequence)
     torch.ops.cupy_attn.linear_batchnorm_softmax(x, weight, bias, running_mean!, running_var!, bn_weight, bn_bias,
         scale, training, momentum, eps, num_batches_tracked!, allow_tf32) -> out
     torch.ops.cupy_attn.linear_batchnorm_softmax_forward / _backward: the differentiable pair (see Autograd below)
@@ -71,7 +74,7 @@ from .attention.sdpa import forward as _sdpa_forward
 from .attention.sdpa import scaled_dot_product_attention as _sdpa_eager
 from .linear_bn_softmax.api import linear_batchnorm_softmax as _lbs_eager
 
-__all__ = ["scaled_dot_product_attention", "linear_batchnorm_softmax", "causal_to_str"]
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "linear_batchnorm_softmax", "causal_to_str"]
 
 _CAUSAL = {"": False, "top_left": "top_left", "bottom_right": "bottom_right"}
 
@@ -217,6 +220,96 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         query, key, value, attn_mask, dropout_p, rng, causal_to_str(is_causal),
         None if scale is None else float(scale), bool(enable_gqa), backend, bool(return_lse), bool(allow_tf32),
         workspace_bytes, *window_to_ints(window_size), float(softcap or 0.0), sinks, alibi_slopes)
+    return (out, lse) if return_lse else out
+
+
+@torch.library.custom_op("cupy_attn::varlen_attention", mutates_args=())
+def _varlen_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor,
+               cu_seqlens_k: torch.Tensor | None, max_seqlen_q: int, max_seqlen_k: int,
+               seqused_k: torch.Tensor | None, block_table: torch.Tensor | None, is_causal: bool,
+               scale: float | None, window_left: int, window_right: int, softcap: float, sinks: torch.Tensor | None,
+               alibi_slopes: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    from .attention.varlen import varlen_attention
+    window_size, softcap_, sinks_, slopes = _variants(window_left, window_right, softcap, sinks, alibi_slopes)
+    return varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                            block_table=block_table, is_causal=is_causal, scale=scale, window_size=window_size,
+                            softcap=softcap_, sinks=sinks_, alibi_slopes=slopes, backend=backend, return_lse=True)
+
+
+@_varlen_op.register_fake
+def _varlen_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, is_causal,
+                 scale, window_left, window_right, softcap, sinks, alibi_slopes, backend):
+    if q.dim() != 3 or v.dim() not in (3, 4):
+        raise ValueError(f"q must be (total_q, Hq, E) and v (total_k, Hkv, Ev) or paged, got {tuple(q.shape)} and "
+                         f"{tuple(v.shape)}")
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[-1]))
+    return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+
+
+@torch.library.custom_op("cupy_attn::varlen_attention_backward", mutates_args=())
+def _varlen_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        out: torch.Tensor, lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                        cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        seqused_k: torch.Tensor | None, is_causal: bool, scale: float | None, window_left: int,
+                        window_right: int, softcap: float, sinks: torch.Tensor | None,
+                        alibi_slopes: torch.Tensor | None,
+                        need_sinks_grad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    from .attention import varlen
+    window_size, softcap_, sinks_, slopes = _variants(window_left, window_right, softcap, sinks, alibi_slopes)
+    vp = varlen.check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                             block_table=None, is_causal=is_causal, scale=scale, dropout_p=0.0, backend="auto",
+                             window_size=window_size, softcap=softcap_, sinks=sinks_, alibi_slopes=slopes)
+    dq, dk, dv, dsinks = varlen.backward_sequences(vp, out, lse, grad_out.contiguous(), sinks)
+    return dq, dk, dv, dsinks if need_sinks_grad and dsinks is not None else q.new_empty((0,))
+
+
+@_varlen_backward_op.register_fake
+def _varlen_backward_fake(grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          seqused_k, is_causal, scale, window_left, window_right, softcap, sinks, alibi_slopes,
+                          need_sinks_grad):
+    dsinks = sinks.new_empty(sinks.shape) if need_sinks_grad else q.new_empty((0,))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dsinks
+
+
+def _varlen_setup_context(ctx, inputs, output):
+    (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, block_table, is_causal, scale,
+     window_left, window_right, softcap, sinks, alibi_slopes, _) = inputs
+    ctx.save_for_backward(q, k, v, *output, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, alibi_slopes)
+    ctx.flags = (max_seqlen_q, max_seqlen_k, is_causal, scale, window_left, window_right, softcap)
+    ctx.paged = block_table is not None
+
+
+def _varlen_backward(ctx, grad_out, _grad_lse):
+    if ctx.paged:
+        raise NotImplementedError("varlen_attention under torch.compile: no backward through a block table (paged "
+                                  "caches are for inference)")
+    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k, sinks, alibi_slopes = ctx.saved_tensors
+    max_seqlen_q, max_seqlen_k, is_causal, scale, window_left, window_right, softcap = ctx.flags
+    need_sinks = sinks is not None and ctx.needs_input_grad[14]
+    dq, dk, dv, dsinks = torch.ops.cupy_attn.varlen_attention_backward(
+        grad_out, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, is_causal,
+        scale, window_left, window_right, softcap, sinks, alibi_slopes, need_sinks)
+    return (dq, dk, dv) + (None,) * 11 + (dsinks if need_sinks else None, None, None)
+
+
+_varlen_op.register_autograd(_varlen_backward, setup_context=_varlen_setup_context)
+
+
+def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
+                     block_table=None, is_causal=False, scale=None, window_size=None, softcap=None, sinks=None,
+                     alibi_slopes=None, dropout_p=0.0, return_lse=False, backend="auto"):
+    """:func:`cupy_attn.varlen_attention` (same arguments, results and errors) through the custom op. dropout_p > 0
+    raises NotImplementedError: the per-sequence path draws each sequence's dropout mask in its own dense call, which
+    the op's backward could not reproduce."""
+    if dropout_p:
+        raise NotImplementedError("varlen_attention with dropout_p > 0 under torch.compile / torch.export")
+    if is_causal not in (True, False, None, "bottom_right"):
+        raise ValueError(f"is_causal must be a bool or 'bottom_right' (varlen masks are bottom-right aligned, as "
+                         f"FlashAttention's), got {is_causal!r}")
+    out, lse = torch.ops.cupy_attn.varlen_attention(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), seqused_k, block_table,
+        bool(is_causal), None if scale is None else float(scale), *window_to_ints(window_size),
+        float(softcap or 0.0), sinks, alibi_slopes, backend)
     return (out, lse) if return_lse else out
 
 

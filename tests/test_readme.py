@@ -39,7 +39,7 @@ def _block(marker: str) -> str:
 
 def test_every_python_block_is_covered():
     markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()",
-               "window_size=(128, 0)", "merge_attention_states")
+               "window_size=(128, 0)", "merge_attention_states", "varlen_attention")
     assert len(_blocks("python")) == len(markers)
     for marker in markers:
         _block(marker)
@@ -103,6 +103,19 @@ def test_merge_example():
     assert ns["out"].shape == (2, 8, 16, 64) and ns["out"].dtype == torch.float16
     assert (ns["out"].float() - whole.float()).abs().max().item() < 2e-3
     assert (ns["lse"] - whole_lse).abs().max().item() < 1e-4
+
+
+def test_varlen_example():
+    """The packed-batch block: each sequence's rows equal the dense call on that sequence alone (bottom-right causal)."""
+    torch = pytest.importorskip("torch")
+    import cupy_attn
+    ns = _run(_block("varlen_attention"))
+    out, q, k, v = ns["out"], ns["q"], ns["k"], ns["v"]
+    assert out.shape == (387, 8, 64) and out.dtype == torch.bfloat16
+    rows = slice(100, 137)
+    want = cupy_attn.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
+                                                  v[rows].transpose(0, 1), is_causal="bottom_right", enable_gqa=True)
+    assert (out[rows].float() - want.transpose(0, 1).float()).abs().max().item() < 1e-2
 
 
 def test_module_example():
@@ -171,7 +184,7 @@ def test_setup_blocks_for_a_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("marker", ["torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)",
-                                    "window_size=(128, 0)", "merge_attention_states"])
+                                    "window_size=(128, 0)", "merge_attention_states", "varlen_attention"])
 def test_examples_as_written_on_the_gpu(marker):
     """On a GPU the blocks run unchanged (CUDA tensors, CuPy arrays, the fused paths)."""
     if marker != "cupy.random.default_rng":
@@ -179,4 +192,4 @@ def test_examples_as_written_on_the_gpu(marker):
     ns: dict = {"__name__": "readme_example"}
     exec(compile(_block(marker), str(README), "exec"), ns)
     out = ns["probs"] if "probs" in ns else ns["out"]
-    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256), (1, 32, 512, 128), (2, 8, 16, 64))
+    assert tuple(out.shape) in ((2, 8, 256, 64), (128, 256), (1, 32, 512, 128), (2, 8, 16, 64), (387, 8, 64))

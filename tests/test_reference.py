@@ -203,3 +203,32 @@ def test_alibi_with_gqa_and_window():
         q[:1], k[:1], v[:1], enable_gqa=True, alibi_slopes=slopes)[0], atol=1e-12)
     np.testing.assert_allclose(out2[1], reference.scaled_dot_product_attention(
         q[1:], k[1:], v[1:], enable_gqa=True, alibi_slopes=2 * slopes)[0], atol=1e-12)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(is_causal="bottom_right", window_size=(3, 1)),
+                                dict(softcap=2.0, sinks=np.array([0.5, -1.0, 0.0, 2.0])),
+                                dict(alibi_slopes=np.array([0.5, 0.25, 0.125, 0.0625]), is_causal=True)])
+def test_reference_backward_matches_autograd(kw):
+    """scaled_dot_product_attention_backward against torch autograd of the same float64 math (GQA 4/2, L != S)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(3)
+    q, k, v = rng.standard_normal((2, 4, 5, 8)), rng.standard_normal((2, 2, 7, 8)), rng.standard_normal((2, 2, 7, 6))
+    do = rng.standard_normal((2, 4, 5, 6))
+    out, lse = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, return_lse=True, **kw)
+    dq, dk, dv, ds = reference.scaled_dot_product_attention_backward(q, k, v, out, lse, do, enable_gqa=True, **kw)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    ts = torch.tensor(kw["sinks"], requires_grad=True) if "sinks" in kw else None
+    s = (tq @ tk.repeat_interleave(2, 1).transpose(-1, -2)) / np.sqrt(8)
+    if "softcap" in kw:
+        s = kw["softcap"] * torch.tanh(s / kw["softcap"])
+    if "alibi_slopes" in kw:
+        s = s + torch.from_numpy(reference.alibi_bias(kw["alibi_slopes"], 5, 7))
+    keep = reference.visible_keys(5, 7, kw.get("is_causal", False), kw.get("window_size"))
+    s = s.masked_fill(~torch.from_numpy(keep), float("-inf"))
+    if ts is not None:
+        s = torch.cat([s, ts.reshape(1, 4, 1, 1).expand(2, 4, 5, 1)], -1)
+    p = torch.softmax(s, -1)
+    o = (p[..., :7] if ts is not None else p) @ tv.repeat_interleave(2, 1)
+    grads = torch.autograd.grad(o, [tq, tk, tv] + ([ts] if ts is not None else []), torch.from_numpy(do))
+    for got, want in zip((dq, dk, dv, ds), grads):
+        np.testing.assert_allclose(got, want.numpy(), atol=1e-10)

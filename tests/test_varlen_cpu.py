@@ -151,3 +151,38 @@ def test_packed_instantiations_exist_for_every_bucket():
                                                     variants=var, varlen="true")
              for d in ("__half", "__nv_bfloat16") for h in fa3.TILES for var in ("false", "true")}
     assert exprs <= set(fa3.FLASH_FWD_SM90_TMA.name_expressions())
+
+
+def test_torch_compile_one_op_forward_and_backward():
+    """Under torch.compile(fullgraph=True) the call is one custom op (no graph break) and its backward the second one;
+    results and gradients equal eager's (CPU tensors: the float64 reference)."""
+    torch = pytest.importorskip("torch")
+    from cupy_attn import torch_ops  # noqa: F401  (registers the ops)
+    q, k, v, cq, ck = _packed([5, 0, 7], [6, 2, 7], Hq=4, Hkv=2)
+    sinks = np.array([0.1, -0.2, 0.3, 0.0])
+    tcq, tck = torch.tensor(cq), torch.tensor(ck)
+
+    def f(q_, k_, v_, s_):
+        return cupy_attn.varlen_attention(q_, k_, v_, tcq, tck, 7, 7, is_causal=True, window_size=(3, 0), sinks=s_)
+
+    def leaves():
+        return [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v, sinks)]
+    eager_in, comp_in = leaves(), leaves()
+    eager = f(*eager_in)
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")(*comp_in)
+    torch.testing.assert_close(compiled, eager)
+    g = torch.randn(eager.shape, generator=torch.Generator().manual_seed(1))
+    for a, b in zip(torch.autograd.grad(eager, eager_in, g), torch.autograd.grad(compiled, comp_in, g)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_torch_ops_fake_shapes():
+    torch = pytest.importorskip("torch")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from cupy_attn import torch_ops  # noqa: F401
+    with FakeTensorMode():
+        q, k, v = torch.empty(10, 8, 64), torch.empty(12, 2, 64), torch.empty(12, 2, 32)
+        cu = torch.empty(3, dtype=torch.int32)
+        out, lse = torch.ops.cupy_attn.varlen_attention(q, k, v, cu, cu, 5, 6, None, None, True, None, -1, -1, 0.0,
+                                                        None, None, "auto")
+    assert tuple(out.shape) == (10, 8, 32) and tuple(lse.shape) == (8, 10) and lse.dtype == torch.float32

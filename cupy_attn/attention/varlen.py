@@ -344,11 +344,14 @@ def _assemble(vp: VarlenProblem, pieces):
     return out, lse
 
 
-def _backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
-    """dq, dk, dv (and dsinks) of a packed call from its saved out and lse: per sequence, the dense backward
-    (autograd.grad_inputs) on views, scattered into packed gradients (rows of no sequence: 0)."""
+def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
+    """dq, dk, dv (and dsinks, float32 summed then in the sinks' dtype, or None) of a packed call (torch tensors, no
+    block table) from its saved out and lse: per sequence, the dense backward (autograd.grad_inputs) on views,
+    scattered into packed gradients (rows of no sequence: 0); CPU tensors: the float64 reference backward."""
     from . import autograd
     torch = sys.modules["torch"]
+    if not vp.ctx.on_gpu:
+        return _backward_recompute(vp, out, lse, grad_out, sinks)
     q, k, v = vp.q, vp.k, vp.v
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
@@ -370,6 +373,33 @@ def _backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
         if sinks is not None:
             dsinks += autograd.sinks_grad(sinks.float(), o_b, lse_b, go_b)
     return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
+
+
+def _backward_recompute(vp: VarlenProblem, out, lse, grad_out, sinks):
+    """backward_sequences for CPU tensors: reference.scaled_dot_product_attention_backward per sequence (float64)."""
+    torch = sys.modules["torch"]
+    as64 = (lambda x: x.detach().double().numpy())
+    q, k, v, o, do, lse64 = (as64(x) for x in (vp.q, vp.k, vp.v, out, grad_out, lse))
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    dsinks = None if sinks is None else np.zeros(tuple(sinks.shape))
+    slopes = None if vp.alibi_slopes is None else as64(vp.alibi_slopes)
+    sk = None if sinks is None else as64(sinks)
+    for b, (q0, L, k0, S) in enumerate(host_sequences(vp)):
+        if L == 0:
+            continue
+        rows, keys = slice(q0, q0 + L), slice(k0, k0 + S)
+        sl = None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes)
+        g = reference.scaled_dot_product_attention_backward(
+            *(x[rows].swapaxes(0, 1) for x in (q,)), k[keys].swapaxes(0, 1), v[keys].swapaxes(0, 1),
+            o[rows].swapaxes(0, 1), lse64[:, rows], do[rows].swapaxes(0, 1), "bottom_right" if vp.causal else False,
+            vp.scale, True, window_size=vp.window_size, softcap=vp.softcap, sinks=sk, alibi_slopes=sl)
+        dq[rows] = g[0].swapaxes(0, 1)
+        dk[keys] += g[1].swapaxes(0, 1)
+        dv[keys] += g[2].swapaxes(0, 1)
+        if dsinks is not None:
+            dsinks += g[3]
+    back = (lambda a, like: torch.from_numpy(a).to(like.dtype))
+    return (back(dq, vp.q), back(dk, vp.k), back(dv, vp.v), None if sinks is None else back(dsinks, sinks))
 
 
 _FUNCTION = None
@@ -401,7 +431,7 @@ def _function():
                 return None, None, None, None, None
             q, k, v, sinks, out, lse = fctx.saved_tensors
             vp = dataclasses.replace(fctx.vp, q=q.detach(), k=k.detach(), v=v.detach())
-            dq, dk, dv, dsinks = _backward_sequences(vp, out, lse, grad_out.contiguous(),
+            dq, dk, dv, dsinks = backward_sequences(vp, out, lse, grad_out.contiguous(),
                                                      None if sinks is None else sinks.detach())
             return dq, dk, dv, dsinks if sinks is not None and fctx.needs_input_grad[3] else None, None
 
@@ -447,7 +477,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     as FlashAttention's); the grid covers max_seqlen_q per sequence. Every other call runs one dense call per
     sequence on views (the pages gathered for a block table). torch tensors that require grad are differentiated:
     the packed forward's backward runs the dense backward per sequence (saved out and lse), the per-sequence path
-    through autograd of its dense calls. Under torch.compile the call is not captured as one op (a graph break).
+    through autograd of its dense calls. Under torch.compile / torch.export the call is one custom op,
+    ``torch.ops.cupy_attn.varlen_attention`` (no graph break; its backward, the per-sequence one, a second op; no
+    dropout there, and no backward through a block table).
 
     Raises before anything is launched: TypeError for dtypes (q's float types; int32 index arrays), arrays of another
     kind than q, and a non-numeric scale or softcap; ValueError naming the argument and axis for shapes (q 3-D, k/v
@@ -464,6 +496,15 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if scale is not None:
             raise ValueError("pass scale or its alias softmax_scale, not both")
         scale = softmax_scale
+    if interop.torch_compiling() or interop.is_tracing_tensor(q):  # one opaque op for Dynamo / AOTAutograd
+        from .. import torch_ops
+        if num_splits is not None or generator is not None:
+            raise ValueError("num_splits and generator are not taken under torch.compile / torch.export")
+        return torch_ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          seqused_k=seqused_k, block_table=block_table, is_causal=is_causal,
+                                          scale=scale, window_size=window_size, softcap=softcap, sinks=sinks,
+                                          alibi_slopes=alibi_slopes, dropout_p=dropout_p, return_lse=return_lse,
+                                          backend=backend)
     if type(window_size) is list:
         window_size = tuple(window_size)
     checks.check_num_splits(num_splits)
