@@ -176,3 +176,17 @@ def test_call_cache_replays_with_new_lengths():
                                      is_causal=True)
     peer = _peer(q, k, v, cq2, ck2, causal=True)
     assert_close(out, ref, "bfloat16", peer, "replayed call")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_sequences_without_keys_and_more_rows_than_keys(dtype):
+    """Sequences whose rows see no key (S_b = 0; bottom-right with L_b > S_b: the first rows see none) write out 0 and
+    lse −inf from the packed kernel; ALiBi slopes per sequence (B, Hq)."""
+    q, k, v, cq, ck = _packed([70, 300, 5], [0, 100, 5], 4, 2, 64, dtype, seed=21)
+    _check(q, k, v, cq, ck, dtype, causal=True, what=f"{dtype} S=0 and L>S")
+    slopes = torch.rand((3, 4), device="cuda") * 0.1
+    out = cupy_attn.varlen_attention(q, k, v, cq, ck, 300, 100, is_causal=True, alibi_slopes=slopes,
+                                     backend="fused")
+    ref = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq.cpu().numpy(), ck.cpu().numpy(),
+                                     is_causal=True, alibi_slopes=as_f64(slopes))
+    assert np.nanmax(np.abs(as_f64(out) - ref)) < 2e-2
