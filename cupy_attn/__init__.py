@@ -11,6 +11,7 @@ Public API:
     cupy_attn.philox              Philox4x32-10 and attention dropout's keep mask in NumPy (what the kernels draw)
     cupy_attn.torch               nn.Module wrappers (imported on demand: it needs torch)
     cupy_attn.torch_ops           torch.library custom ops the entry points use under torch.compile (needs torch)
+    cupy_attn.distributed         ring attention over torch.distributed: context parallelism (needs torch)
     cupy_attn.integrations        transformers.register(): attn_implementation="cupy_attn" for Hugging Face models
 """
 from __future__ import annotations

@@ -1,0 +1,323 @@
+"""Context-parallel attention over torch.distributed: ring attention on sequence shards, forward and backward.
+
+    shard_sequence / gather_sequence   a sequence split into (zig-zag) chunks per rank, and back
+    ring_attention                     attention of every rank's query shard against the whole sequence's keys
+
+Each rank holds a shard of the sequence (queries, keys and values alike). Keys and values travel around the ring of
+ranks (rank r sends to r + 1 and receives from r − 1, NCCL or gloo point-to-point through the group's ProcessGroup)
+while every rank attends its queries to the shard it holds; the partial results are merged by their log-sum-exp
+(Liu et al. 2023, "Ring Attention with Blockwise Transformers"; the lse merge of merge_attention_states). With
+``zigzag`` (the default) the sequence is cut into 2N chunks and rank r holds chunks r and 2N − 1 − r, so that under a
+causal mask every rank has the same work (the load balancing of ring-flash-attn's zigzag and of Llama 3's context
+parallelism). The backward runs the same ring: dQ stays local, dK and dV accumulate in fp32 beside the keys they
+belong to and travel with them until they are home, each step's partial gradients computed from the global out and
+lse (FlashAttention-2's backward needs nothing else).
+
+torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). Not yet:
+dropout, windows, the other variants, the Ulysses (all-to-all) schedule; K/V transfers are issued before each step's
+compute and waited for after it.
+"""
+from __future__ import annotations
+
+import math
+import sys
+
+import numpy as np
+
+from . import reference
+
+__all__ = ["chunk_bounds", "shard_sequence", "gather_sequence", "ring_attention"]
+
+
+def chunk_bounds(seqlen: int, world_size: int, zigzag: bool = True) -> list[tuple[int, int]]:
+    """[start, end) of the sequence's chunks: 2·world_size of them with ``zigzag``, world_size without, as equal as
+    they come (the first ``seqlen % n`` chunks one longer).
+
+    >>> chunk_bounds(10, 2)
+    [(0, 3), (3, 6), (6, 8), (8, 10)]
+    >>> chunk_bounds(10, 2, zigzag=False)
+    [(0, 5), (5, 10)]
+    """
+    n = 2 * world_size if zigzag else world_size
+    sizes = [seqlen // n + (i < seqlen % n) for i in range(n)]
+    starts = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+    return [(int(starts[i]), int(starts[i + 1])) for i in range(n)]
+
+
+def rank_chunks(rank: int, world_size: int, zigzag: bool = True) -> tuple[int, ...]:
+    """The chunk indices rank ``rank`` holds, in the order of its shard: (rank, 2N − 1 − rank), or (rank,)."""
+    return (rank, 2 * world_size - 1 - rank) if zigzag else (rank,)
+
+
+def _group_info(group):
+    import torch.distributed as dist
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def shard_sequence(x, rank: int, world_size: int, *, dim: int = -2, zigzag: bool = True):
+    """Rank ``rank``'s shard of ``x`` along ``dim``: its chunks (:func:`rank_chunks` of :func:`chunk_bounds`)
+    concatenated. A torch tensor (or anything with ``narrow`` and ``torch.cat``); a copy."""
+    torch = sys.modules["torch"]
+    bounds = chunk_bounds(x.shape[dim], world_size, zigzag)
+    return torch.cat([x.narrow(dim, bounds[c][0], bounds[c][1] - bounds[c][0])
+                      for c in rank_chunks(rank, world_size, zigzag)], dim=dim).contiguous()
+
+
+def gather_sequence(x_local, *, group=None, dim: int = -2, zigzag: bool = True):
+    """The whole sequence from every rank's shard (the inverse of :func:`shard_sequence`), on every rank: an
+    all_gather of the shards (padded to the longest), unpadded and put back in sequence order."""
+    import torch.distributed as dist
+    torch = sys.modules["torch"]
+    rank, n = _group_info(group)
+    dim = dim % x_local.dim()
+    lengths = _all_lengths(x_local.shape[dim], group, x_local.device)
+    longest = max(lengths)
+    pad = list(x_local.shape)
+    pad[dim] = longest - x_local.shape[dim]
+    padded = torch.cat([x_local, x_local.new_zeros(pad)], dim=dim) if pad[dim] else x_local.contiguous()
+    parts = [torch.empty_like(padded) for _ in range(n)]
+    dist.all_gather(parts, padded, group=group)
+    seqlen = sum(lengths)
+    bounds = chunk_bounds(seqlen, n, zigzag)
+    pieces = {}
+    for r, part in enumerate(parts):
+        at = 0
+        for c in rank_chunks(r, n, zigzag):
+            size = bounds[c][1] - bounds[c][0]
+            pieces[c] = part.narrow(dim, at, size)
+            at += size
+    return torch.cat([pieces[c] for c in range(len(bounds))], dim=dim)
+
+
+def _all_lengths(length: int, group, device) -> list[int]:
+    import torch.distributed as dist
+    torch = sys.modules["torch"]
+    _, n = _group_info(group)
+    mine = torch.tensor([length], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(n)]
+    dist.all_gather(every, mine, group=group)
+    return [int(t.item()) for t in every]
+
+
+class _Ring:
+    """One call's ring: who sends to whom, the chunk layout of every rank's shard, the causal rule between chunks."""
+
+    def __init__(self, group, seqlen_local: int, device, zigzag: bool, causal: bool):
+        rank, n = _group_info(group)
+        self.group, self.rank, self.n, self.zigzag, self.causal = group, rank, n, zigzag, causal
+        lengths = _all_lengths(seqlen_local, group, device)
+        self.bounds = chunk_bounds(sum(lengths), n, zigzag)
+        for r in range(n):
+            want = sum(self.bounds[c][1] - self.bounds[c][0] for c in rank_chunks(r, n, zigzag))
+            if lengths[r] != want:
+                raise ValueError(f"rank {r}'s shard holds {lengths[r]} rows along the sequence axis; a sequence of "
+                                 f"{sum(lengths)} cut by shard_sequence(zigzag={zigzag}) gives it {want}")
+
+    def chunks(self, r: int) -> list[tuple[int, int, int]]:
+        """(chunk index, start, length) of rank r's chunks within its shard."""
+        out, at = [], 0
+        for c in rank_chunks(r, self.n, self.zigzag):
+            size = self.bounds[c][1] - self.bounds[c][0]
+            out.append((c, at, size))
+            at += size
+        return out
+
+    def length(self, r: int) -> int:
+        return sum(size for _, _, size in self.chunks(r))
+
+    def visibility(self, cq: int, ck: int):
+        """How query chunk cq sees key chunk ck: None (not at all), False (every key), or "top_left" (the same
+        chunk under a causal mask: its own causal triangle)."""
+        if not self.causal:
+            return False
+        if ck > cq:
+            return None
+        return "top_left" if ck == cq else False
+
+    def exchange(self, tensors: list, sender: int):
+        """Send ``tensors`` to rank + 1 and receive the same-shaped ones (but for the sequence axis, rank
+        ``sender``'s length) from rank − 1; returns (requests, received buffers)."""
+        import torch.distributed as dist
+        torch = sys.modules["torch"]
+        bufs = []
+        for t in tensors:
+            shape = list(t.shape)
+            shape[-2] = self.length(sender)
+            bufs.append(torch.empty(shape, dtype=t.dtype, device=t.device))
+        nxt, prv = (self.rank + 1) % self.n, (self.rank - 1) % self.n
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else list(range(self.n))
+        ops = [dist.P2POp(dist.isend, t.contiguous(), ranks[nxt], self.group) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, b, ranks[prv], self.group) for b in bufs]
+        return dist.batch_isend_irecv(ops), bufs
+
+
+def _attend(q, k, v, causal, scale, enable_gqa):
+    """(out fp32, lse fp32) of one (query chunk, key chunk) pair: our kernels on CUDA, the float64 reference on CPU."""
+    torch = sys.modules["torch"]
+    if q.is_cuda:
+        from .attention.sdpa import scaled_dot_product_attention
+        out, lse = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa,
+                                                return_lse=True)
+        return out.float(), lse.float()
+    out, lse = reference.scaled_dot_product_attention(
+        *(x.detach().double().numpy() for x in (q, k, v)), is_causal=causal, scale=scale, enable_gqa=enable_gqa,
+        return_lse=True)
+    return torch.from_numpy(out).float(), torch.from_numpy(lse).float()
+
+
+def _merge(acc, part):
+    """Merge two (out fp32, lse fp32) by their lse (merge_attention_states' formula, in torch ops)."""
+    torch = sys.modules["torch"]
+    if acc is None:
+        return part
+    (oa, la), (ob, lb) = acc, part
+    m = torch.maximum(la, lb)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    wa, wb = torch.exp(la - m_safe), torch.exp(lb - m_safe)
+    s = wa + wb
+    lse = torch.where(s > 0, m_safe + torch.log(s), torch.full_like(m, -math.inf))
+    inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
+    return (oa * (wa * inv)[..., None] + ob * (wb * inv)[..., None]), lse
+
+
+def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa):
+    """(dq, dk, dv) fp32 of one (query chunk, key chunk) pair from the whole call's out and lse."""
+    torch = sys.modules["torch"]
+    if q.is_cuda:
+        from .attention import autograd
+        dq, dk, dv, _ = autograd.grad_inputs(q, k, v, None, out, lse.contiguous(), dout, is_causal=causal,
+                                             scale=scale, enable_gqa=enable_gqa, need_mask_grad=False)
+        return dq.float(), dk.float(), dv.float()
+    g = reference.scaled_dot_product_attention_backward(
+        *(x.detach().double().numpy() for x in (q, k, v, out, lse, dout)), causal, scale, enable_gqa)
+    return tuple(torch.from_numpy(x).float() for x in g[:3])
+
+
+def _forward(ring: _Ring, q, k, v, scale, enable_gqa):
+    """(out in q's dtype, lse fp32) of the local queries against every rank's keys."""
+    torch = sys.modules["torch"]
+    acc = {c: None for c, _, _ in ring.chunks(ring.rank)}
+    kv = [k, v]
+    for step in range(ring.n):
+        holder = (ring.rank - step) % ring.n
+        pending = None
+        if step + 1 < ring.n:
+            pending = ring.exchange(kv, (holder - 1) % ring.n)
+        for cq, qs, ql in ring.chunks(ring.rank):
+            for ck, ks, kl in ring.chunks(holder):
+                vis = ring.visibility(cq, ck)
+                if vis is None or ql == 0 or kl == 0:
+                    continue
+                part = _attend(q.narrow(-2, qs, ql), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), vis, scale,
+                               enable_gqa)
+                acc[cq] = _merge(acc[cq], part)
+        if pending is not None:
+            for req in pending[0]:
+                req.wait()
+            kv = pending[1]
+    outs, lses = [], []
+    B, H, Ev = q.shape[0], q.shape[1], v.shape[-1]
+    for cq, _, ql in ring.chunks(ring.rank):
+        if acc[cq] is None:  # no key visible to these rows (an empty chunk): out 0, lse -inf
+            acc[cq] = (q.new_zeros((B, H, ql, Ev), dtype=torch.float32),
+                       q.new_full((B, H, ql), -math.inf, dtype=torch.float32))
+        outs.append(acc[cq][0])
+        lses.append(acc[cq][1])
+    return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
+
+
+def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa):
+    """(dq, dk, dv) of the local shards: the ring again, dK and dV traveling with their keys."""
+    torch = sys.modules["torch"]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    travel = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+              torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    for step in range(ring.n):
+        holder = (ring.rank - step) % ring.n
+        kk, vv, dk, dv = travel
+        for cq, qs, ql in ring.chunks(ring.rank):
+            for ck, ks, kl in ring.chunks(holder):
+                vis = ring.visibility(cq, ck)
+                if vis is None or ql == 0 or kl == 0:
+                    continue
+                rows = (lambda x: x.narrow(-2, qs, ql))
+                g = _grads(rows(q), kk.narrow(-2, ks, kl), vv.narrow(-2, ks, kl), rows(out), lse.narrow(-1, qs, ql),
+                           rows(dout), vis, scale, enable_gqa)
+                dq.narrow(-2, qs, ql).add_(g[0])
+                dk.narrow(-2, ks, kl).add_(g[1])
+                dv.narrow(-2, ks, kl).add_(g[2])
+        # the accumulators move on with their keys; after n sends they are back with the keys' owner
+        if ring.n > 1:
+            reqs, travel = ring.exchange(travel, (holder - 1) % ring.n)
+            for req in reqs:
+                req.wait()
+    return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
+
+
+_FUNCTION = None
+
+
+def _function():
+    global _FUNCTION
+    if _FUNCTION is not None:
+        return _FUNCTION
+    torch = sys.modules["torch"]
+
+    class RingAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, q, k, v, ring, scale, enable_gqa):
+            out, lse = _forward(ring, q.detach(), k.detach(), v.detach(), scale, enable_gqa)
+            fctx.save_for_backward(q, k, v, out, lse)
+            fctx.ring, fctx.scale, fctx.enable_gqa = ring, scale, enable_gqa
+            fctx.mark_non_differentiable(lse)
+            return out, lse
+
+        @staticmethod
+        def backward(fctx, dout, _dlse):
+            q, k, v, out, lse = fctx.saved_tensors
+            dq, dk, dv = _backward(fctx.ring, q, k, v, out, lse, dout.contiguous(), fctx.scale, fctx.enable_gqa)
+            return dq, dk, dv, None, None, None
+
+    _FUNCTION = RingAttention
+    return _FUNCTION
+
+
+def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
+                   zigzag=True):
+    """Attention of this rank's query shard against the keys of every rank's shard, as if on the whole sequence:
+
+        out_i = Σ_j softmax_j(scale · q_i·k_j) v_j over all keys j of the sequence (j ≤ i with is_causal),
+        lse_i = log Σ_j exp(scale · q_i·k_j),
+
+    for the rows i this rank holds; the same result, row for row, as :func:`cupy_attn.scaled_dot_product_attention`
+    on the gathered sequence (torch's top-left causal mask; the sequence is one: L = S).
+
+    Shapes: q (B, Hq, L_local, E), k (B, Hkv, L_local, E), v (B, Hkv, L_local, Ev) torch tensors, every rank's
+    shard cut by :func:`shard_sequence` with the same ``zigzag`` (rank r: chunks r and 2N − 1 − r of 2N, or chunk r
+    of N); Hq a multiple of Hkv with enable_gqa. float16, bfloat16 or float32 on CUDA (our kernels); CPU tensors run
+    the float64 reference. group: the torch.distributed process group (None: the default one). Differentiable in q,
+    k and v (torch autograd); lse is not.
+
+    Returns out (B, Hq, L_local, Ev) in q's dtype, or (out, lse (B, Hq, L_local) float32).
+
+    Raises ValueError when a rank's shard length is not what shard_sequence gives for the gathered length, or shapes
+    disagree; NotImplementedError for dropout, windows and the other variants (not taken here yet).
+    Algorithm: ring attention (Liu et al. 2023) with zig-zag load balancing; partial results merged by lse.
+    """
+    torch = sys.modules["torch"]
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k and v must be (B, H, L_local, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape[-2] != q.shape[-2] or v.shape[-2] != q.shape[-2]:
+        raise ValueError(f"q, k and v must hold the same rows of the sequence (axis 2), got {q.shape[-2]}, "
+                         f"{k.shape[-2]}, {v.shape[-2]}")
+    if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
+        raise ValueError(f"q's heads (axis 1: {q.shape[1]}) must equal k's ({k.shape[1]}), or be a multiple of them "
+                         f"with enable_gqa=True")
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal))
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa))
+    else:
+        out, lse = _forward(ring, q, k, v, scale, bool(enable_gqa))
+    return (out, lse) if return_lse else out

@@ -1,0 +1,66 @@
+"""cupy_attn.distributed on GPUs: ring attention over NCCL on 2 GPUs of one host (the nvidia-h200-x2 machines),
+against a single-GPU call on the gathered sequence, forward and gradients, under the suite's error rule (the peer:
+the same single-GPU call is the float64 reference's neighbour at the inputs' precision)."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import cupy_attn  # noqa: E402
+from cupy_attn import distributed as cp_dist  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def _worker(rank, world, init, dtype_name, E, causal, failures):
+    import os
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
+    try:
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
+        dtype = getattr(torch, dtype_name)
+        g = torch.Generator("cuda").manual_seed(11)
+        B, Hq, Hkv, L = 1, 8, 2, 1536
+        q, k, v, dout = (torch.randn(B, H, L, E, generator=g, device="cuda").to(dtype) for H in (Hq, Hkv, Hkv, Hq))
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        want = cupy_attn.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=True)
+        want_grads = torch.autograd.grad(want, full, dout)
+        ref = [x.double().requires_grad_() for x in (q, k, v)]
+        ref_out = torch.nn.functional.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=True)
+        ref_grads = torch.autograd.grad(ref_out, ref, dout.double())
+        shard = (lambda x: cp_dist.shard_sequence(x, rank, world))
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
+        out = cp_dist.ring_attention(*local, is_causal=causal, enable_gqa=True)
+        grads = torch.autograd.grad(out, local, shard(dout))
+        for got, single, r, name in zip((out,) + grads, (want,) + want_grads, (ref_out,) + ref_grads,
+                                        ("out", "dq", "dk", "dv")):
+            r = shard(r).detach()
+            err = (got.double() - r).abs().max().item()
+            single_err = (shard(single).double() - r).abs().max().item()
+            assert err <= 2 * single_err + 4 * torch.finfo(dtype).eps * r.abs().max().item(), \
+                f"rank {rank} {name}: err {err:.3g} against the single-GPU call's {single_err:.3g}"
+    except Exception as exc:
+        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+@pytest.mark.parametrize("E", [128, 512])
+@pytest.mark.parametrize("causal", [True, False])
+def test_two_gpus_equal_one(dtype_name, E, causal, tmp_path):
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machines)")
+    import torch.multiprocessing as mp
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_worker, args=(2, f"file://{tmp_path / 'rdv'}", dtype_name, E, causal, failures),
+                           nprocs=2, join=True, start_method="spawn")
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        raise AssertionError("; ".join(messages) or "a worker failed")

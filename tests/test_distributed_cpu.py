@@ -1,0 +1,85 @@
+"""cupy_attn.distributed on the CPU: ring attention over torch.distributed's gloo backend, world sizes 2, 3 and 4 in
+subprocesses, against the call on the gathered sequence (the float64 reference path), forward and gradients."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+dist = pytest.importorskip("torch.distributed")
+
+import cupy_attn  # noqa: E402
+from cupy_attn import distributed as cp_dist  # noqa: E402
+
+
+def test_chunks_and_shards_round_trip():
+    assert cp_dist.chunk_bounds(7, 3) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 6), (6, 7)]
+    assert cp_dist.rank_chunks(1, 3) == (1, 4) and cp_dist.rank_chunks(1, 3, zigzag=False) == (1,)
+    x = torch.arange(2 * 11).reshape(1, 2, 11, 1)
+    shards = [cp_dist.shard_sequence(x, r, 2) for r in range(2)]
+    assert shards[0][0, 0, :, 0].tolist() == [0, 1, 2, 9, 10] and shards[1].shape[-2] == 6  # chunks 3, 3, 3, 2
+
+
+# (world size, B, Hq, Hkv, L, E, causal, zigzag): odd lengths (chunks of different sizes), GQA, both layouts
+CASES = [(2, 1, 2, 2, 12, 8, True, True), (2, 2, 4, 2, 13, 8, False, True), (3, 1, 4, 2, 17, 4, True, True),
+         (3, 1, 2, 2, 9, 8, True, False), (4, 1, 2, 1, 23, 8, True, True), (4, 1, 2, 2, 8, 8, False, False)]
+
+
+def _worker(rank, world, init, case, failures):
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        _, B, Hq, Hkv, L, E, causal, zigzag = case
+        g = torch.Generator().manual_seed(7)
+        q, k, v = (torch.randn(B, H, L, E, generator=g) for H in (Hq, Hkv, Hkv))
+        dout = torch.randn(B, Hq, L, E, generator=g)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        want, want_lse = cupy_attn.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=Hq != Hkv,
+                                                                return_lse=True)
+        want_grads = torch.autograd.grad(want, full, dout)
+        shard = (lambda x: cp_dist.shard_sequence(x, rank, world, zigzag=zigzag))
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
+        out, lse = cp_dist.ring_attention(*local, is_causal=causal, enable_gqa=Hq != Hkv, return_lse=True,
+                                          zigzag=zigzag)
+        np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6)
+        want_lse = cp_dist.shard_sequence(want_lse, rank, world, dim=-1, zigzag=zigzag)
+        np.testing.assert_allclose(lse.numpy(), want_lse.numpy(), atol=2e-6)
+        np.testing.assert_allclose(cp_dist.gather_sequence(out.detach(), zigzag=zigzag).numpy(),
+                                   want.detach().numpy(), atol=2e-6)
+        grads = torch.autograd.grad(out, local, shard(dout))
+        for got, ref, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+            np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5, err_msg=f"rank {rank} {name}")
+    except Exception as exc:  # reported by the parent
+        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "w{}_L{}_{}{}{}".format(
+    c[0], c[4], "causal" if c[6] else "full", "_gqa" if c[2] != c[3] else "", "" if c[7] else "_contiguous"))
+def test_ring_attention_equals_the_gathered_call(case, tmp_path):
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    failures = ctx.SimpleQueue()
+    world = case[0]
+    init = f"file://{tmp_path / 'rendezvous'}"
+    try:
+        mp.start_processes(_worker, args=(world, init, case, failures), nprocs=world, join=True,
+                           start_method="spawn")
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        raise AssertionError("; ".join(messages) or "a worker failed")
+
+
+def test_shard_length_mismatch_is_a_value_error(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
+    try:
+        q = torch.randn(1, 2, 5, 4)
+        out = cp_dist.ring_attention(q, q, q, is_causal=True)  # one rank: the whole sequence
+        want = cupy_attn.scaled_dot_product_attention(q, q, q, is_causal=True)
+        np.testing.assert_allclose(out.numpy(), want.numpy(), atol=2e-6)
+        with pytest.raises(ValueError, match="must hold the same rows"):
+            cp_dist.ring_attention(q, q[:, :, :4], q[:, :, :4])
+    finally:
+        dist.destroy_process_group()
