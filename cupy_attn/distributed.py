@@ -2,6 +2,9 @@
 
     shard_sequence / gather_sequence   a sequence split into (zig-zag) chunks per rank, and back
     ring_attention                     attention of every rank's query shard against the whole sequence's keys
+    ulysses_attention                  the same by two all-to-alls: each rank attends the whole sequence for H / N
+                                       heads (DeepSpeed-Ulysses), every variant of the dense call available
+    context_parallel_attention         either, by choose_schedule's rule (which says why)
 
 Each rank holds a shard of the sequence (queries, keys and values alike). Keys and values travel around the ring of
 ranks (rank r sends to r + 1 and receives from r − 1, NCCL or gloo point-to-point through the group's ProcessGroup)
@@ -26,7 +29,8 @@ import numpy as np
 
 from . import reference
 
-__all__ = ["chunk_bounds", "shard_sequence", "gather_sequence", "ring_attention"]
+__all__ = ["chunk_bounds", "shard_sequence", "gather_sequence", "ring_attention", "ulysses_attention",
+           "choose_schedule", "context_parallel_attention"]
 
 
 def chunk_bounds(seqlen: int, world_size: int, zigzag: bool = True) -> list[tuple[int, int]]:
@@ -321,3 +325,147 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     else:
         out, lse = _forward(ring, q, k, v, scale, bool(enable_gqa))
     return (out, lse) if return_lse else out
+
+
+def _a2a_function():
+    """all_to_all_single of flat tensors as a torch.autograd.Function: its backward is the reverse exchange."""
+    global _A2A
+    if _A2A is not None:
+        return _A2A
+    torch = sys.modules["torch"]
+
+    class AllToAll(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, x, send, recv, group):
+            import torch.distributed as dist
+            out = x.new_empty(sum(recv))
+            dist.all_to_all_single(out, x.contiguous(), list(recv), list(send), group=group)
+            fctx.send, fctx.recv, fctx.group = send, recv, group
+            return out
+
+        @staticmethod
+        def backward(fctx, grad):
+            return AllToAll.apply(grad.contiguous(), fctx.recv, fctx.send, fctx.group), None, None, None
+
+    _A2A = AllToAll
+    return _A2A
+
+
+_A2A = None
+
+
+def _seq_to_heads(x, lengths, group):
+    """(B, H, L_local, D) on every rank -> (B, H / N, Σ L_r, D): this rank's head group over every rank's rows, in
+    rank order (an all-to-all; differentiable)."""
+    rank, n = _group_info(group)
+    B, H, L, D = x.shape
+    hg = H // n
+    send = [B * hg * L * D] * n
+    recv = [B * hg * lr * D for lr in lengths]
+    flat = x.reshape(B, n, hg, L, D).transpose(0, 1).reshape(-1)  # head group major
+    got = _a2a_function().apply(flat, tuple(send), tuple(recv), group)
+    parts = [p.reshape(B, hg, lr, D) for p, lr in zip(got.split(recv), lengths)]
+    return sys.modules["torch"].cat(parts, dim=2)
+
+
+def _heads_to_seq(x, lengths, group):
+    """The inverse of :func:`_seq_to_heads`: (B, H / N, Σ L_r, D) -> (B, H, L_local, D)."""
+    torch = sys.modules["torch"]
+    rank, n = _group_info(group)
+    B, hg, _, D = x.shape
+    send = [B * hg * lr * D for lr in lengths]
+    recv = [B * hg * lengths[rank] * D] * n
+    flat = torch.cat([p.reshape(-1) for p in x.split(lengths, dim=2)])
+    got = _a2a_function().apply(flat, tuple(send), tuple(recv), group)
+    return got.reshape(n, B, hg, lengths[rank], D).transpose(0, 1).reshape(B, n * hg, lengths[rank], D)
+
+
+def ulysses_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
+                      zigzag=True, window_size=None, softcap=None):
+    """The result of :func:`ring_attention` (same shards, same math) by DeepSpeed-Ulysses' head-parallel schedule
+    (Jacobs et al. 2023): an all-to-all gives each rank every row of the sequence for H / N of the heads, the rank runs
+    :func:`cupy_attn.scaled_dot_product_attention` on them (so windows and softcap are available, in its kernels),
+    and a second all-to-all brings the rows back to their shards. Each all-to-all moves the shards once (q, k, v
+    out; out back): fewer, larger messages than the ring's N − 1 steps, but N may not exceed the heads.
+
+    Shapes and dtypes as ring_attention's; Hq and Hkv must both be multiples of the world size. window_size and
+    softcap as the dense call's (relative to the whole sequence). Differentiable in q, k and v (the all-to-alls'
+    backward is the reverse exchange; the attention's is the dense call's). Returns out, or (out, lse) with lse
+    (B, Hq, L_local) float32 (no gradient).
+
+    Raises ValueError for heads that do not divide among the ranks and for shards of the wrong length.
+    """
+    torch = sys.modules["torch"]
+    from .attention.sdpa import scaled_dot_product_attention
+    rank, n = _group_info(group)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k and v must be (B, H, L_local, D), got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % n or k.shape[1] % n:
+        raise ValueError(f"ulysses_attention: the heads (q axis 1: {q.shape[1]}, k axis 1: {k.shape[1]}) must be "
+                         f"multiples of the world size {n}; ring_attention has no such limit")
+    ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal))
+    lengths = [ring.length(r) for r in range(n)]
+    # order[row]: the sequence position of each row in rank order (every rank's chunks in turn); its argsort takes
+    # rank order to sequence order, order itself takes it back.
+    order = [pos for r in range(n) for c, _, _ in ring.chunks(r) for pos in range(*ring.bounds[c])]
+    to_seq = torch.tensor(np.argsort(order), device=q.device)
+    to_ranks = torch.tensor(order, device=q.device)
+    qh, kh, vh = (_seq_to_heads(x, lengths, group).index_select(2, to_seq) for x in (q, k, v))
+    out, lse = scaled_dot_product_attention(qh, kh, vh, is_causal=bool(is_causal), scale=scale,
+                                            enable_gqa=enable_gqa, window_size=window_size, softcap=softcap,
+                                            return_lse=True)
+    out = _heads_to_seq(out.index_select(2, to_ranks), lengths, group)
+    if not return_lse:
+        return out
+    lse = _heads_to_seq(lse.detach().unsqueeze(-1).index_select(2, to_ranks), lengths, group)[..., 0]
+    return out, lse
+
+
+def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, world_size: int, *,
+                    window: bool = False, softcap: bool = False) -> tuple[str, str]:
+    """("ring" or "ulysses", why): the schedule that moves fewer bytes per rank, as counted per row of a shard:
+
+        ring:    (N − 1) · Hkv · (E + Ev)          K and V pass every other rank (overlapped with compute)
+        ulysses: (N − 1) / N · (Hq · (E + Ev) + Hkv · (E + Ev))   q, k, v out and out back, once each
+
+    Ulysses needs Hq and Hkv to be multiples of N; windows and softcap exist only there (ring_attention takes
+    neither yet). Ties go to the ring, whose transfers hide behind compute.
+
+    >>> choose_schedule(32, 8, 128, 128, 2)[0], choose_schedule(32, 32, 128, 128, 8)[0]
+    ('ring', 'ulysses')
+    >>> choose_schedule(32, 8, 128, 128, 3)[1]
+    'ring: the heads (32 query, 8 key/value) are not multiples of the 3 ranks (Ulysses splits them)'
+    """
+    n = world_size
+    if num_heads % n or num_kv_heads % n:
+        if window or softcap:
+            raise ValueError(f"window_size and softcap need the Ulysses schedule, whose heads ({num_heads} query, "
+                             f"{num_kv_heads} key/value) must be multiples of the {n} ranks")
+        return "ring", (f"ring: the heads ({num_heads} query, {num_kv_heads} key/value) are not multiples of the "
+                        f"{n} ranks (Ulysses splits them)")
+    ring = (n - 1) * num_kv_heads * (head_dim + head_dim_v)
+    ulysses = (n - 1) / n * (num_heads + num_kv_heads) * (head_dim + head_dim_v)
+    if window or softcap:
+        return "ulysses", "ulysses: window_size / softcap are served by the dense call it runs on whole sequences"
+    if ulysses < ring:
+        return "ulysses", f"ulysses: {ulysses:.0f} elements moved per shard row against the ring's {ring}"
+    return "ring", f"ring: {ring} elements moved per shard row (overlapped) against Ulysses' {ulysses:.0f}"
+
+
+def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False,
+                               return_lse=False, zigzag=True, window_size=None, softcap=None, schedule="auto"):
+    """:func:`ring_attention` or :func:`ulysses_attention` (same shards, same result), ``schedule`` "ring",
+    "ulysses" or "auto" (:func:`choose_schedule`). ValueError for another schedule name."""
+    if schedule not in ("auto", "ring", "ulysses"):
+        raise ValueError(f"schedule must be 'auto', 'ring' or 'ulysses', got {schedule!r}")
+    if schedule == "auto":
+        schedule = choose_schedule(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1],
+                                   window=window_size is not None, softcap=softcap is not None)[0]
+    if schedule == "ulysses":
+        return ulysses_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                                 return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap)
+    if window_size is not None or softcap is not None:
+        raise NotImplementedError("ring_attention takes no window_size or softcap yet: schedule='ulysses' does")
+    return ring_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+                          return_lse=return_lse, zigzag=zigzag)

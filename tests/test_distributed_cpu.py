@@ -1,5 +1,6 @@
 """cupy_attn.distributed on the CPU: ring attention over torch.distributed's gloo backend, world sizes 2, 3 and 4 in
-subprocesses, against the call on the gathered sequence (the float64 reference path), forward and gradients."""
+subprocesses, against the call on the gathered sequence (the float64 reference path), forward and gradients; the
+Ulysses (all-to-all) schedule on the same shards where the heads divide among the ranks."""
 import numpy as np
 import pytest
 
@@ -18,9 +19,11 @@ def test_chunks_and_shards_round_trip():
     assert shards[0][0, 0, :, 0].tolist() == [0, 1, 2, 9, 10] and shards[1].shape[-2] == 6  # chunks 3, 3, 3, 2
 
 
-# (world size, B, Hq, Hkv, L, E, causal, zigzag): odd lengths (chunks of different sizes), GQA, both layouts
+# (world size, B, Hq, Hkv, L, E, causal, zigzag): odd lengths (chunks of different sizes), GQA, both layouts; the
+# cases whose heads divide among the ranks run ulysses_attention too
 CASES = [(2, 1, 2, 2, 12, 8, True, True), (2, 2, 4, 2, 13, 8, False, True), (3, 1, 4, 2, 17, 4, True, True),
-         (3, 1, 2, 2, 9, 8, True, False), (4, 1, 2, 1, 23, 8, True, True), (4, 1, 2, 2, 8, 8, False, False)]
+         (3, 1, 3, 3, 9, 8, True, False), (4, 1, 2, 1, 23, 8, True, True), (4, 1, 8, 4, 8, 8, False, False),
+         (4, 1, 8, 4, 21, 8, True, True)]
 
 
 def _worker(rank, world, init, case, failures):
@@ -46,6 +49,16 @@ def _worker(rank, world, init, case, failures):
         grads = torch.autograd.grad(out, local, shard(dout))
         for got, ref, name in zip(grads, want_grads, ("dq", "dk", "dv")):
             np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5, err_msg=f"rank {rank} {name}")
+        if Hq % world == 0 and Hkv % world == 0:  # the head-parallel schedule, on the same shards
+            local = [shard(x).requires_grad_() for x in (q, k, v)]
+            out, lse = cp_dist.ulysses_attention(*local, is_causal=causal, enable_gqa=Hq != Hkv, return_lse=True,
+                                                 zigzag=zigzag)
+            np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6)
+            np.testing.assert_allclose(lse.numpy(), want_lse.numpy(), atol=2e-6)
+            grads = torch.autograd.grad(out, local, shard(dout))
+            for got, ref, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+                np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5,
+                                           err_msg=f"ulysses rank {rank} {name}")
     except Exception as exc:  # reported by the parent
         failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
         raise
@@ -72,6 +85,15 @@ def test_ring_attention_equals_the_gathered_call(case, tmp_path):
         raise AssertionError("; ".join(messages) or "a worker failed")
 
 
+def test_schedule_rule():
+    assert cp_dist.choose_schedule(32, 8, 128, 128, 2)[0] == "ring"       # GQA: K/V small, the ring moves less
+    assert cp_dist.choose_schedule(16, 16, 128, 128, 4)[0] == "ulysses"   # MHA on 4 ranks: the all-to-alls move less
+    assert cp_dist.choose_schedule(12, 4, 64, 64, 8)[0] == "ring"         # heads not divisible
+    assert cp_dist.choose_schedule(8, 8, 64, 64, 2, window=True)[0] == "ulysses"
+    with pytest.raises(ValueError, match="multiples of the 3 ranks"):
+        cp_dist.choose_schedule(8, 8, 64, 64, 3, softcap=True)
+
+
 def test_shard_length_mismatch_is_a_value_error(tmp_path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'one'}", rank=0, world_size=1)
     try:
@@ -81,5 +103,10 @@ def test_shard_length_mismatch_is_a_value_error(tmp_path):
         np.testing.assert_allclose(out.numpy(), want.numpy(), atol=2e-6)
         with pytest.raises(ValueError, match="must hold the same rows"):
             cp_dist.ring_attention(q, q[:, :, :4], q[:, :, :4])
+        got = cp_dist.context_parallel_attention(q, q, q, is_causal=True, window_size=(2, 0))  # Ulysses on 1 rank
+        want = cupy_attn.scaled_dot_product_attention(q, q, q, is_causal=True, window_size=(2, 0))
+        np.testing.assert_allclose(got.numpy(), want.numpy(), atol=2e-6)
+        with pytest.raises(ValueError, match="schedule must be"):
+            cp_dist.context_parallel_attention(q, q, q, schedule="tree")
     finally:
         dist.destroy_process_group()
