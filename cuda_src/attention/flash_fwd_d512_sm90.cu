@@ -339,8 +339,8 @@ struct Consumer {
   // P into shared memory: both warpgroups have finished the previous block's P·V (each waited for its wgmma before
   // the max barrier just passed). Key column kc = 128w + 8jj + 2t of row r: atom kc / 64, 16-byte chunk
   // (kc % 64) / 8 at chunk ^ (r % 8) (the 32 lanes of a store hit 32 banks).
-  // O is rescaled (rescale_o) after part 0's P stores, which do not depend on it: written before them, the
-  // multiplications ran first and the stores' latency went unhidden (the d512 rows ran 4-5% slower, bench/ab.py).
+  // O is rescaled (rescale_o) after part 0's P stores, which do not depend on it: written before them, ptxas issued
+  // the 128 multiplications first and the stores' latency was not hidden behind them.
   __device__ __forceinline__ void pv_parts(const Smem& ss, float (&s)[64], float (&o)[128], float (&l_part)[2],
                                            const float (&alpha)[2], const float (&ref)[2]) {
     constexpr int kJJ = 16 / kPParts, kPartStages = kVChunks / kPParts;

@@ -180,10 +180,10 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
   load.prefetch_maps();
   int it = 0;     // K/V iterations issued so far
   int tiles = 0;  // non-empty tiles so far: Q phases
-  for (TileScheduler<kBlockM, kVarlen> sched(p, false); sched.valid(); sched.advance()) {  // one thread: no shfl
+  for (TileScheduler<kBlockM, kVarlen> sched(p); sched.valid(); sched.advance()) {
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
-    const SeqSpan<kVarlen> seq(p, w.b, false);
+    const SeqSpan<kVarlen> seq(p, w.b);
     const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;

@@ -46,12 +46,6 @@ struct FlashFwdSm90Params {
   const int* seqused_k;        // (B,) int32, or nullptr
 };
 
-// An index array's entry, broadcast from lane 0 when every lane of the warp calls (SeqSpan's whole_warps).
-__device__ __forceinline__ int load_index(const int* at, bool whole_warps) {
-  const int x = *at;
-  return whole_warps ? __shfl_sync(0xffffffffu, x, 0) : x;
-}
-
 // The sequence a tile belongs to: where its rows and keys start in the arrays, how many there are, and its bounds.
 // Dense calls (kVarlen = false): batch b of the tensor maps and strides, rows and keys from 0, the call's own L, S and
 // bounds, each read from the parameter space where it is used (no register holds them). Packed calls: batch 0 of
@@ -63,19 +57,15 @@ struct SeqSpan {
   const FlashFwdSm90Params& p;
   int b, q0_, k0_, L, S;  // b: the tile's batch index; the rest packed calls only
 
-  // whole_warps: every lane of the calling warps is here (the consumers), so the values loaded are broadcast from
-  // lane 0 (shfl), which tells ptxas they are warp-uniform: tile indices, ring stages and wgmma descriptors derived
-  // from them then stay in uniform registers, as the dense kernel's do (without it the S GEMM's descriptors went
-  // through vector registers and R2UR, and a packed call of 12 × 2048 rows ran 1.55× the dense one). The producer
-  // thread runs alone and passes false.
-  __device__ __forceinline__ SeqSpan(const FlashFwdSm90Params& params, int batch, bool whole_warps = true)
-      : p(params), b(batch) {
+  // Packed calls read the sequence's offsets and lengths from the index arrays (every thread its own copy; the
+  // values are the same in a warp, but loaded from memory ptxas keeps them, and the ring indices and descriptors
+  // derived from them, in vector registers: the S GEMM's descriptors reach the wgmma through R2UR).
+  __device__ __forceinline__ SeqSpan(const FlashFwdSm90Params& params, int batch) : p(params), b(batch) {
     if constexpr (kVarlen) {
-      q0_ = load_index(p.cu_seqlens_q + b, whole_warps);
-      k0_ = load_index(p.cu_seqlens_k + b, whole_warps);
-      L = load_index(p.cu_seqlens_q + b + 1, whole_warps) - q0_;
-      S = (p.seqused_k != nullptr ? load_index(p.seqused_k + b, whole_warps)
-                                  : load_index(p.cu_seqlens_k + b + 1, whole_warps) - k0_);
+      q0_ = p.cu_seqlens_q[b];
+      k0_ = p.cu_seqlens_k[b];
+      L = p.cu_seqlens_q[b + 1] - q0_;
+      S = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_;
     }
   }
   // The batch coordinate of the tensor maps and of out's and lse's batch strides.

@@ -36,7 +36,7 @@ struct StaticTileScheduler {
   int unit;            // current unit (< num_units while valid)
   bool second;         // on the second m-block of a pair
 
-  __device__ __forceinline__ explicit StaticTileScheduler(const FlashFwdSm90Params& p, bool = true) {
+  __device__ __forceinline__ explicit StaticTileScheduler(const FlashFwdSm90Params& p) {
     m_blocks = static_cast<int>((p.seqlen_q + kBlockM - 1) / kBlockM);
     heads = static_cast<int>(p.num_heads);
     causal = p.is_causal != 0;
@@ -90,10 +90,7 @@ struct VarlenTileScheduler {
   int units_per_head;  // of sequence b: m_blocks, or ⌈m_blocks / 2⌉ with pairs
   bool second;
 
-  bool whole_warps;     // every lane of the calling warps walks it (the consumers): SeqSpan's broadcast
-
-  __device__ __forceinline__ VarlenTileScheduler(const FlashFwdSm90Params& params, bool whole_warps_ = true)
-      : p(params), whole_warps(whole_warps_) {
+  __device__ __forceinline__ explicit VarlenTileScheduler(const FlashFwdSm90Params& params) : p(params) {
     batch = static_cast<int>(p.batch);
     heads = static_cast<int>(p.num_heads);
     causal = p.is_causal != 0;
@@ -106,8 +103,7 @@ struct VarlenTileScheduler {
     seek();
   }
   __device__ __forceinline__ void load(int seq) {
-    m_blocks = (load_index(p.cu_seqlens_q + seq + 1, whole_warps) - load_index(p.cu_seqlens_q + seq, whole_warps)
-                + kBlockM - 1) / kBlockM;
+    m_blocks = (p.cu_seqlens_q[seq + 1] - p.cu_seqlens_q[seq] + kBlockM - 1) / kBlockM;
     units_per_head = pairs ? (m_blocks + 1) / 2 : m_blocks;
   }
   // Move b forward to the sequence holding `unit` (past the last sequence: not valid).
