@@ -3,7 +3,7 @@
     shard_sequence / gather_sequence   a sequence split into (zig-zag) chunks per rank, and back
     ring_attention                     attention of every rank's query shard against the whole sequence's keys
     ulysses_attention                  the same by two all-to-alls: each rank attends the whole sequence for H / N
-                                       heads (DeepSpeed-Ulysses), every variant of the dense call available
+                                       heads (DeepSpeed-Ulysses), with windows and softcap
     context_parallel_attention         either, by choose_schedule's rule (which says why)
 
 Each rank holds a shard of the sequence (queries, keys and values alike). Keys and values travel around the ring of
@@ -16,9 +16,10 @@ parallelism). The backward runs the same ring: dQ stays local, dK and dV accumul
 belong to and travel with them until they are home, each step's partial gradients computed from the global out and
 lse (FlashAttention-2's backward needs nothing else).
 
-torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). Not yet:
-dropout, windows, the other variants, the Ulysses (all-to-all) schedule; K/V transfers are issued before each step's
-compute and waited for after it.
+torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
+forward issues each step's K/V transfer before that step's compute and waits for it after; the backward exchanges
+after each step's compute (and sends K and V on the last step too, where only dK and dV need to go home). Not yet:
+dropout, windows and softcap in the ring (the Ulysses schedule takes windows and softcap), sinks and ALiBi.
 """
 from __future__ import annotations
 
@@ -305,7 +306,7 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     Returns out (B, Hq, L_local, Ev) in q's dtype, or (out, lse (B, Hq, L_local) float32).
 
     Raises ValueError when a rank's shard length is not what shard_sequence gives for the gathered length, or shapes
-    disagree; NotImplementedError for dropout, windows and the other variants (not taken here yet).
+    disagree. (No dropout, window or softcap arguments yet: :func:`ulysses_attention` takes windows and softcap.)
     Algorithm: ring attention (Liu et al. 2023) with zig-zag load balancing; partial results merged by lse.
     """
     torch = sys.modules["torch"]
@@ -424,7 +425,8 @@ def ulysses_attention(q, k, v, *, group=None, is_causal=False, scale=None, enabl
 
 def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v: int, world_size: int, *,
                     window: bool = False, softcap: bool = False) -> tuple[str, str]:
-    """("ring" or "ulysses", why): the schedule that moves fewer bytes per rank, as counted per row of a shard:
+    """("ring" or "ulysses", why): the schedule that moves fewer elements per rank in the forward, per row of a shard
+    (the backward's transfers scale alike but for the ring's fp32 dK and dV, which favour Ulysses a little more):
 
         ring:    (N − 1) · Hkv · (E + Ev)          K and V pass every other rank (overlapped with compute)
         ulysses: (N − 1) / N · (Hq · (E + Ev) + Hkv · (E + Ev))   q, k, v out and out back, once each

@@ -181,8 +181,9 @@ def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out,
     dq = (ds @ ke) * scale
     dk = (np.swapaxes(ds, -1, -2) @ q) * scale
     if groups > 1:
-        dk = dk.reshape(dk.shape[:-3] + (-1, groups) + dk.shape[-2:]).sum(-3)
-        dv = dv.reshape(dv.shape[:-3] + (-1, groups) + dv.shape[-2:]).sum(-3)
+        hkv = k.shape[-3]
+        dk = dk.reshape(dk.shape[:-3] + (hkv, groups) + dk.shape[-2:]).sum(-3)
+        dv = dv.reshape(dv.shape[:-3] + (hkv, groups) + dv.shape[-2:]).sum(-3)
     dsinks = None
     if sinks is not None:
         sk = np.asarray(sinks, dtype=np.float64)

@@ -190,3 +190,19 @@ def test_packed_sequences_without_keys_and_more_rows_than_keys(dtype):
     ref = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq.cpu().numpy(), ck.cpu().numpy(),
                                      is_causal=True, alibi_slopes=as_f64(slopes))
     assert np.nanmax(np.abs(as_f64(out) - ref)) < 2e-2
+
+
+def test_packed_kernel_ignores_nan_past_each_sequences_keys():
+    """seqused_k over a KV buffer whose unused slots (and the rows past the last sequence) hold NaN: the packed
+    kernel's key blocks reach into them, masked (probability 0) and zeroed in shared memory (0 × NaN would be NaN)."""
+    q, k, v, cq, ck = _packed([70, 200], [300, 300], 4, 2, 128, "bfloat16", seed=31)
+    used = torch.tensor([150, 257], dtype=torch.int32, device="cuda")
+    k, v = torch.cat([k, k[:40]]), torch.cat([v, v[:40]])  # 40 rows past cu_seqlens_k[B]
+    for b, (k0, n) in enumerate(((0, 150), (300, 257))):
+        k[k0 + n:k0 + 300 + (40 if b == 1 else 0)] = float("nan")
+        v[k0 + n:k0 + 300 + (40 if b == 1 else 0)] = float("nan")
+    out = cupy_attn.varlen_attention(q, k, v, cq, ck, 200, 300, seqused_k=used, is_causal=True, backend="fused")
+    assert torch.isfinite(out).all()
+    ref = reference.varlen_attention(as_f64(q), np.nan_to_num(as_f64(k)), np.nan_to_num(as_f64(v)),
+                                     cq.cpu().numpy(), ck.cpu().numpy(), seqused_k=used.cpu().numpy(), is_causal=True)
+    assert np.abs(as_f64(out) - ref).max() < 2e-2

@@ -130,6 +130,8 @@ def _call(**kw):
     (dict(window_size=(1, 2, 3)), ValueError, "window_size"),
     (dict(causal=True, is_causal=True), ValueError, "not both"),
     (dict(backend="fused"), ValueError, "backend='fused'"),
+    (dict(cu_seqlens_q=[0, 3, 5]), TypeError, "cu_seqlens_q"),
+    (dict(max_seqlen_k=3.0), TypeError, "max_seqlen_k must be an int"),
 ])
 def test_argument_errors(kw, err, text):
     with pytest.raises(err, match=None) as info:
@@ -186,3 +188,29 @@ def test_torch_ops_fake_shapes():
         out, lse = torch.ops.cupy_attn.varlen_attention(q, k, v, cu, cu, 5, 6, None, None, True, None, -1, -1, 0.0,
                                                         None, None, "auto")
     assert tuple(out.shape) == (10, 8, 32) and tuple(lse.shape) == (8, 10) and lse.dtype == torch.float32
+
+
+def test_block_table_pages_out_of_range():
+    q, k, v, cq, _ = _packed([2, 2], [4, 4])
+    kc, vc = np.zeros((3, 4, 2, 16), np.float32), np.zeros((3, 4, 2, 8), np.float32)
+    for bad in (-1, 3):
+        table = np.array([[0], [bad]], np.int32)
+        with pytest.raises(ValueError, match="block_table: sequence 1's pages"):
+            cupy_attn.varlen_attention(q.astype(np.float32), kc, vc, cq, None, 2, 4,
+                                       seqused_k=np.array([4, 4], np.int32), block_table=table)
+
+
+def test_compiled_backward_with_sequences_without_keys():
+    """A sequence of no keys (GQA) in the custom op's CPU backward: its rows get no gradient (and no crash)."""
+    torch = pytest.importorskip("torch")
+    from cupy_attn import torch_ops
+    q, k, v, cq, ck = _packed([5, 3, 4], [5, 0, 6], Hq=4, Hkv=2)
+    leaves = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v)]
+    out = torch_ops.varlen_attention(*leaves, torch.tensor(cq), torch.tensor(ck), 5, 6, is_causal=True)
+    dq, dk, dv = torch.autograd.grad(out.sum(), leaves)
+    assert (dq[5:8] == 0).all() and torch.isfinite(dq).all() and torch.isfinite(dk).all()
+    eager = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v)]
+    want = torch.autograd.grad(cupy_attn.varlen_attention(*eager, torch.tensor(cq), torch.tensor(ck), 5, 6,
+                                                          is_causal=True).sum(), eager)
+    for a, b in zip((dq, dk, dv), want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

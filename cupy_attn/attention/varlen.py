@@ -67,7 +67,9 @@ def _index_array(name: str, x, ctx, shape_text: str, ndim: int, length: int | No
 
 
 def _int_arg(name: str, x) -> int:
-    if isinstance(x, bool) or not isinstance(x, (int, np.integer)) or x < 0:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < 0:
         raise ValueError(f"{name} must be an int >= 0, got {x!r}")
     return int(x)
 
@@ -112,10 +114,10 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
         raise ValueError(f"k's last axis (E={k.shape[-1]}) must equal q's (E={E})")
     if Hkv == 0 or Hq % Hkv:
         raise ValueError(f"q's head axis 1 (Hq={Hq}) must be a multiple of k's head axis {kv_ndim - 2} (Hkv={Hkv})")
-    if len(cu_seqlens_q.shape) != 1 or cu_seqlens_q.shape[0] < 1:
+    _index_array("cu_seqlens_q", cu_seqlens_q, ctx, "(B + 1,)", 1)
+    if cu_seqlens_q.shape[0] < 1:
         raise ValueError(f"cu_seqlens_q must have shape (B + 1,), got {tuple(cu_seqlens_q.shape)}")
     B = int(cu_seqlens_q.shape[0]) - 1
-    _index_array("cu_seqlens_q", cu_seqlens_q, ctx, "(B + 1,)", 1)
     if cu_seqlens_k is None and not paged:
         raise ValueError("cu_seqlens_k is required without block_table")
     if cu_seqlens_k is not None:
@@ -193,7 +195,7 @@ def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
         if fa3.layout_reason(q4, k4, v4, out4) is not None:
             return None
         launch = fa3.build_varlen(q4, k4, v4, out4, lse[None], bounds=_bounds(vp), batch=vp.batch,
-                                  max_seqlen_q=vp.max_seqlen_q, max_seqlen_k=vp.max_seqlen_k)
+                                  causal=vp.causal)
         run = launch.bind(ctx.stream)
         run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, *(0 if x is None else x.data.ptr
                                                                               for x in idx))
@@ -248,6 +250,7 @@ def host_sequences(vp: VarlenProblem) -> list[tuple[int, int, int, int]]:
     seqs = reference.varlen_sequences(host(vp.cu_seqlens_q), host(vp.cu_seqlens_k), host(vp.seqused_k))
     total_k = int(vp.k.shape[0])
     pages = None if vp.block_table is None else int(vp.block_table.shape[1]) * int(vp.k.shape[1])
+    table = None if vp.block_table is None else host(vp.block_table)
     end_q = end_k = 0
     for b, (q0, L, k0, S) in enumerate(seqs):
         if L < 0 or q0 < end_q or q0 + L > vp.total_q:
@@ -261,6 +264,11 @@ def host_sequences(vp: VarlenProblem) -> list[tuple[int, int, int, int]]:
                              f"the one before and lie within {where}")
         if S > vp.max_seqlen_k:
             raise ValueError(f"max_seqlen_k ({vp.max_seqlen_k}) is below sequence {b}'s key count {S}")
+        if pages is not None and S > 0:
+            used = table[b, :-(-S // int(vp.k.shape[1]))]
+            if used.min() < 0 or used.max() >= int(vp.k.shape[0]):
+                raise ValueError(f"block_table: sequence {b}'s pages {used.tolist()} must lie in 0 ... "
+                                 f"{int(vp.k.shape[0]) - 1} (k's axis 0, num_blocks)")
         end_q, end_k = q0 + L, (k0 + S if pages is None else 0)
     return seqs
 
@@ -385,7 +393,7 @@ def _backward_recompute(vp: VarlenProblem, out, lse, grad_out, sinks):
     slopes = None if vp.alibi_slopes is None else as64(vp.alibi_slopes)
     sk = None if sinks is None else as64(sinks)
     for b, (q0, L, k0, S) in enumerate(host_sequences(vp)):
-        if L == 0:
+        if L == 0 or S == 0:  # rows without keys: out 0, so no gradient reaches anything (nor the sinks)
             continue
         rows, keys = slice(q0, q0 + L), slice(k0, k0 + S)
         sl = None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes)
@@ -458,8 +466,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
       multiple of Hkv (GQA: query head h reads key/value head h // (Hq // Hkv)).
     - cu_seqlens_q, cu_seqlens_k: (B + 1,) int32 on q's device, non-decreasing offsets of each sequence's first row
       (cu_seqlens_q[B] ≤ total_q); S_b = cu_seqlens_k[b+1] − cu_seqlens_k[b], or seqused_k[b] (B,) int32 when given.
-    - max_seqlen_q, max_seqlen_k: ints ≥ the longest sequence's L_b and S_b (they size the grid; the packed kernel
-      does not read the index arrays on the host, so smaller values leave rows unwritten).
+    - max_seqlen_q, max_seqlen_k: ints ≥ the longest sequence's L_b and S_b (FlashAttention's arguments; the packed
+      kernel finds each sequence's size on the device and does not read them, the per-sequence path checks them).
     - block_table (B, max_blocks) int32 with k, v paged caches (num_blocks, block_size, Hkv, E | Ev) and seqused_k:
       sequence b's key j is slot j % block_size of page block_table[b, j // block_size] (cu_seqlens_k may be None).
     - is_causal, window_size, softcap, sinks (Hq,), alibi_slopes (Hq,) or (B, Hq): as the dense call's, aligned as
@@ -468,8 +476,10 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
       ValueError saying why not), "split" / "reference" (per sequence on that dense path).
     - return_lse: also return lse (Hq, total_q) float32 (natural log).
 
-    Returns out (total_q, Hq, Ev) in q's dtype and kind (or (out, lse)). Rows past cu_seqlens_q[B] are not
-    attended: the packed kernel leaves them unwritten, the per-sequence path writes out 0 and lse −inf there.
+    Returns out (total_q, Hq, Ev) in q's dtype and kind (or (out, lse)). Rows no sequence covers (before
+    cu_seqlens_q[0], past cu_seqlens_q[B]) are not attended: the packed kernel leaves them unwritten, the per-sequence
+    path writes out 0 and lse −inf there. The packed kernel does not check the index arrays (it clamps each sequence
+    to q's and k's rows); the per-sequence path reads them on the host and checks them.
     Sequences with L_b = 0 write nothing; S_b = 0 gives out 0 and lse −inf (the sink with sinks).
 
     Paths: on Hopper, fp16/bf16 calls at head dims 33-256 without dropout or a block table run one launch of the
@@ -512,8 +522,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # need to be ints. Calls with dropout, a block table, sinks, ALiBi slopes or a generator are not cached, nor are
     # calls that autograd records.
     call_key = None
-    if dropout_p == 0 and block_table is None and sinks is None and alibi_slopes is None and generator is None \
-            and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
+    if type(dropout_p) in (int, float) and dropout_p == 0 and block_table is None and sinks is None \
+            and alibi_slopes is None and generator is None and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
         call_key = cache_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                              (is_causal, scale, window_size, softcap, backend, num_splits))
         entry = None if call_key is None else callcache.get(call_key)
@@ -541,8 +551,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     if res is None:
         if backend == "fused":
             raise ValueError(f"backend='fused': the packed kernel cannot run this call ({why or 'layout'})")
-        res = run_sequences(vp, backend="auto" if backend == "fused" else backend, num_splits=num_splits,
-                            generator=generator)
+        res = run_sequences(vp, backend=backend, num_splits=num_splits, generator=generator)
     out, lse = res
     return (out, lse) if return_lse else out
 

@@ -405,8 +405,7 @@ def _fa3_varlen(rec, mp, *, dtype, shape, causal, window=None, softcap=None):
     lo, hi = var.key_offsets(0, 0, "bottom_right" if causal else None)
     bounded = causal or var.window_right is not None
     bounds = types.SimpleNamespace(key_upper=(bounded, hi if bounded else 0), window_lo=lo, scale=0.09, variants=var)
-    launch = flash_fwd_sm90.build_varlen(q, k, v, o, l, bounds=bounds, batch=B, max_seqlen_q=max_q,
-                                         max_seqlen_k=max_k)
+    launch = flash_fwd_sm90.build_varlen(q, k, v, o, l, bounds=bounds, batch=B, causal=causal)
     cu_q, cu_k, used = RNG, RNG + 4096, RNG + 8192
     launch.launch_on(STREAM, *_ptrs(q, k, v, o, l, None)[:5], cu_q, cu_k)
     launch.launch_on(STREAM + 1, *_ptrs(q, k, v, o, l, None, move=1024)[:5], cu_q + 64, cu_k, used)

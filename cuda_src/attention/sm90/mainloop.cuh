@@ -222,6 +222,10 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
 // arrives = syncs (barrier 1: 1 + N arrives by the last warpgroup, N + 1 syncs by warpgroup 0; the others: N and N,
 // N = the CTA's turns, 0 included), and the turns go round strictly as above.
 constexpr int kPingPongBarrier = 1;
+// Named barriers kVTailBarrier + wg: one consumer warpgroup's 128 threads after zeroing a packed batch's V tail
+// (consume's zero_v_tail); after the ping-pong's 1-3 and the epilogue's 4-6 (epilogue.cuh's kOStoreBarrier).
+constexpr int kVTailBarrier = 7;
+static_assert(kVTailBarrier >= kOStoreBarrier + 3 && kVTailBarrier + 2 <= 15, "named barriers 7-9, within 0-15");
 
 // One consumer warpgroup (wg = 0 ... kBlockM/64 - 1; tid = thread index within the consumer warpgroups, from 0): 64
 // query rows m0 + 64·wg ... of the block against key blocks kb.last down to kb.first (kb.count() >= 1), then the
@@ -325,9 +329,29 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   // O (64 × kHeadDim) += P V_i, issued and committed: P from registers (A-fragment layout), V as an MN-major B operand
   // (transpose-B): its column blocks (kAtomCols wide: N = kHeadDim covers whole atoms) are kBlockN·kRowBytes bytes
   // apart (LBO), 8-row (k) groups one atom (SBO); a k step is 16 rows.
+  // Packed batches: V rows past the sequence's keys hold the next sequence's values, or whatever lies past them (a
+  // KV cache's unused slots under seqused_k). Their probabilities are 0, but 0 × NaN is NaN, so in the block that
+  // reaches past S the rows from S − n0 on are zeroed in shared memory before this warpgroup's P·V reads them (whole
+  // rows: the swizzle permutes 16-byte chunks within a row, and a column block's rows are consecutive lines), then
+  // the async-proxy fence and a barrier of the warpgroup. The other warpgroup writes the same zeros, so neither's wgmma can read anything else.
+  auto zero_v_tail = [&](int i) {
+    if constexpr (Seq::kPacked) {
+      const int valid = S - (kb.last - i) * kBlockN;
+      if (valid < kBlockN) {
+        unsigned char* v_st = reinterpret_cast<unsigned char*>(ss.v) + stage(i) * kKVBytes;
+        #pragma unroll
+        for (int block = 0; block < Smem::kColBlocks; ++block)  // rows valid ... of a column block: one byte range
+          for (int off = valid * kRowBytes + 16 * (tid % 128); off < kBlockN * kRowBytes; off += 16 * 128)
+            *reinterpret_cast<uint4*>(v_st + block * kBlockN * kRowBytes + off) = make_uint4(0u, 0u, 0u, 0u);
+        tma::fence_proxy_async();
+        tma::named_barrier_sync(kVTailBarrier + wg, 128);
+      }
+    }
+  };
   auto issue_pv = [&](int i) {
     const int s = stage(i);
     ss.v_bars.wait(it0 + i);
+    zero_v_tail(i);
     const unsigned v_st = v_base + s * kKVBytes;
     wgmma::fence();
     #pragma unroll

@@ -37,7 +37,8 @@ struct FlashFwdSm90Params {
   long long alibi_stride_b;    // 0 for (Hq,) slopes, Hq for (B, Hq)
   double alibi_scale;          // kVariants: 1 / scale, or 1 / c with a softcap (the bias in raw-score units)
   // Packed variable-length batches (kVarlen; FlashAttention's varlen layout): q (total_q, Hq, E), k/v (total_k, Hkv,
-  // E|Ev), out (total_q, Hq, Ev), lse (Hq, total_q), read as batch 1 of total rows. Sequence b holds query rows
+  // E|Ev), out (total_q, Hq, Ev), lse (Hq, total_q), read as batch 1 of total rows (seqlen_q, seqlen_k: total_q and
+  // total_k). Sequence b holds query rows
   // cu_seqlens_q[b] ... cu_seqlens_q[b+1] − 1 and keys from cu_seqlens_k[b] on, seqused_k[b] of them (or up to
   // cu_seqlens_k[b+1] without seqused_k). Bounds are bottom-right aligned per sequence: causal_offset and window_lo
   // hold the offsets relative to S_b − L_b (SeqSpan adds it).
@@ -59,13 +60,16 @@ struct SeqSpan {
 
   // Packed calls read the sequence's offsets and lengths from the index arrays (every thread its own copy; the
   // values are the same in a warp, but loaded from memory ptxas keeps them, and the ring indices and descriptors
-  // derived from them, in vector registers: the S GEMM's descriptors reach the wgmma through R2UR).
+  // derived from them, in vector registers: the S GEMM's descriptors reach the wgmma through R2UR). The arrays are
+  // not checked on the host, so the sequence is clamped to the arrays' rows (p.seqlen_q / p.seqlen_k hold total_q
+  // and total_k in packed calls): index arrays that overrun them cannot make the register stores write past out.
   __device__ __forceinline__ SeqSpan(const FlashFwdSm90Params& params, int batch) : p(params), b(batch) {
     if constexpr (kVarlen) {
-      q0_ = p.cu_seqlens_q[b];
-      k0_ = p.cu_seqlens_k[b];
-      L = p.cu_seqlens_q[b + 1] - q0_;
-      S = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_;
+      const int total_q = static_cast<int>(p.seqlen_q), total_k = static_cast<int>(p.seqlen_k);
+      q0_ = min(max(p.cu_seqlens_q[b], 0), total_q);
+      k0_ = min(max(p.cu_seqlens_k[b], 0), total_k);
+      L = min(max(p.cu_seqlens_q[b + 1] - q0_, 0), total_q - q0_);
+      S = min(max(p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_, 0), total_k - k0_);
     }
   }
   // The batch coordinate of the tensor maps and of out's and lse's batch strides.

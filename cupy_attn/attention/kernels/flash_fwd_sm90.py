@@ -393,7 +393,7 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tu
                           flags=flags, refuse={"mask": "the FA3 kernel takes no attn_mask"})
 
 
-def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, max_seqlen_q: int, max_seqlen_k: int) -> PreparedLaunch:
+def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool) -> PreparedLaunch:
     """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES; the variants' code when
     ``bounds.variants`` has any) on the 4-D views
     of FlashAttention's varlen layout, batch 1 of every sequence's rows: q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k,
@@ -412,9 +412,11 @@ def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, max_seqlen_q: in
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
                                        variants="false" if bounds.variants.plain else "true", varlen="true")
     prm = np.zeros((), dtype=PARAMS)
-    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = max_seqlen_q, max_seqlen_k, Ev, Hq // Hkv
+    # seqlen_q / seqlen_k: the arrays' rows, which the kernel clamps each sequence to (SeqSpan)
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = q4.shape[2], k4.shape[2], Ev, Hq // Hkv
     set_variant_params(prm, bounds)
-    prm["batch"], prm["num_heads"], prm["tile_pairs"] = batch, Hq, bool(prm["is_causal"])
+    # m-block pairs balance causal tiles only (a window alone makes tiles of one cost)
+    prm["batch"], prm["num_heads"], prm["tile_pairs"] = batch, Hq, causal
     set_strides(prm, ("out", out4, "bhl"), ("lse", lse3, "bhl"))
     cols = swizzle_bytes(D) // 2
     maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q4, tile.block_m), (k4, tile.block_n),
