@@ -19,7 +19,8 @@ lse (FlashAttention-2's backward needs nothing else).
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
 forward issues each step's K/V transfer before that step's compute and waits for it after; the backward exchanges
 after each step's compute (and sends K and V on the last step too, where only dK and dV need to go home). Not yet:
-dropout, windows and softcap in the ring (the Ulysses schedule takes windows and softcap), sinks and ALiBi.
+windows and softcap in the ring (the Ulysses schedule takes windows and softcap), dropout in Ulysses, sinks and
+ALiBi.
 """
 from __future__ import annotations
 
@@ -156,17 +157,21 @@ class _Ring:
         return dist.batch_isend_irecv(ops), bufs
 
 
-def _attend(q, k, v, causal, scale, enable_gqa):
-    """(out fp32, lse fp32) of one (query chunk, key chunk) pair: our kernels on CUDA, the float64 reference on CPU."""
+def _attend(q, k, v, causal, scale, enable_gqa, dropout_p=0.0, rng=None):
+    """(out fp32, lse fp32) of one (query chunk, key chunk) pair: our kernels on CUDA, the float64 reference on CPU.
+    dropout_p > 0: the pair's keep mask comes from ``rng`` (the call's int64 (seed, offset), attention/dropout.py)."""
     torch = sys.modules["torch"]
     if q.is_cuda:
-        from .attention.sdpa import scaled_dot_product_attention
-        out, lse = scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=enable_gqa,
-                                                return_lse=True)
+        from .attention.sdpa import forward
+        out, lse = forward(q, k, v, None, is_causal=causal, scale=scale, enable_gqa=enable_gqa, workspace_bytes=None,
+                           allow_tf32=False, dropout_p=dropout_p, rng=rng)
         return out.float(), lse.float()
+    from .attention import dropout
+    mask = None if not dropout_p else dropout.keep_mask(rng, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
+                                                        dropout_p)
     out, lse = reference.scaled_dot_product_attention(
         *(x.detach().double().numpy() for x in (q, k, v)), is_causal=causal, scale=scale, enable_gqa=enable_gqa,
-        return_lse=True)
+        return_lse=True, dropout_p=dropout_p, dropout_mask=mask)
     return torch.from_numpy(out).float(), torch.from_numpy(lse).float()
 
 
@@ -185,22 +190,31 @@ def _merge(acc, part):
     return (oa * (wa * inv)[..., None] + ob * (wb * inv)[..., None]), lse
 
 
-def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa):
-    """(dq, dk, dv) fp32 of one (query chunk, key chunk) pair from the whole call's out and lse."""
+def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rng=None):
+    """(dq, dk, dv) fp32 of one (query chunk, key chunk) pair from the whole call's out and lse (dropout: the pair's
+    forward rng, so the same keep mask)."""
     torch = sys.modules["torch"]
     if q.is_cuda:
         from .attention import autograd
         dq, dk, dv, _ = autograd.grad_inputs(q, k, v, None, out, lse.contiguous(), dout, is_causal=causal,
-                                             scale=scale, enable_gqa=enable_gqa, need_mask_grad=False)
+                                             scale=scale, enable_gqa=enable_gqa, need_mask_grad=False,
+                                             dropout_p=dropout_p, rng=rng)
         return dq.float(), dk.float(), dv.float()
+    from .attention import dropout
+    mask = None if not dropout_p else dropout.keep_mask(rng, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
+                                                        dropout_p)
     g = reference.scaled_dot_product_attention_backward(
-        *(x.detach().double().numpy() for x in (q, k, v, out, lse, dout)), causal, scale, enable_gqa)
+        *(x.detach().double().numpy() for x in (q, k, v, out, lse, dout)), causal, scale, enable_gqa,
+        dropout_p=dropout_p, dropout_mask=mask)
     return tuple(torch.from_numpy(x).float() for x in g[:3])
 
 
-def _forward(ring: _Ring, q, k, v, scale, enable_gqa):
-    """(out in q's dtype, lse fp32) of the local queries against every rank's keys."""
+def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=None):
+    """(out in q's dtype, lse fp32, rngs) of the local queries against every rank's keys; rngs: {(query chunk, key
+    chunk): the pair's rng} with dropout (each pair draws its own from ``generator``), else empty."""
+    from .attention import dropout
     torch = sys.modules["torch"]
+    rngs = {}
     acc = {c: None for c, _, _ in ring.chunks(ring.rank)}
     kv = [k, v]
     for step in range(ring.n):
@@ -213,8 +227,10 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa):
                 vis = ring.visibility(cq, ck)
                 if vis is None or ql == 0 or kl == 0:
                     continue
+                if dropout_p:
+                    rngs[cq, ck] = dropout.torch_draw(q.device, generator)
                 part = _attend(q.narrow(-2, qs, ql), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), vis, scale,
-                               enable_gqa)
+                               enable_gqa, dropout_p, rngs.get((cq, ck)))
                 acc[cq] = _merge(acc[cq], part)
         if pending is not None:
             for req in pending[0]:
@@ -228,10 +244,10 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa):
                        q.new_full((B, H, ql), -math.inf, dtype=torch.float32))
         outs.append(acc[cq][0])
         lses.append(acc[cq][1])
-    return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1)
+    return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1), rngs
 
 
-def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa):
+def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p=0.0, rngs=None):
     """(dq, dk, dv) of the local shards: the ring again, dK and dV traveling with their keys."""
     torch = sys.modules["torch"]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -247,7 +263,7 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa):
                     continue
                 rows = (lambda x: x.narrow(-2, qs, ql))
                 g = _grads(rows(q), kk.narrow(-2, ks, kl), vv.narrow(-2, ks, kl), rows(out), lse.narrow(-1, qs, ql),
-                           rows(dout), vis, scale, enable_gqa)
+                           rows(dout), vis, scale, enable_gqa, dropout_p, (rngs or {}).get((cq, ck)))
                 dq.narrow(-2, qs, ql).add_(g[0])
                 dk.narrow(-2, ks, kl).add_(g[1])
                 dv.narrow(-2, ks, kl).add_(g[2])
@@ -270,25 +286,27 @@ def _function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, q, k, v, ring, scale, enable_gqa):
-            out, lse = _forward(ring, q.detach(), k.detach(), v.detach(), scale, enable_gqa)
+        def forward(fctx, q, k, v, ring, scale, enable_gqa, dropout_p, generator):
+            out, lse, rngs = _forward(ring, q.detach(), k.detach(), v.detach(), scale, enable_gqa, dropout_p,
+                                      generator)
             fctx.save_for_backward(q, k, v, out, lse)
-            fctx.ring, fctx.scale, fctx.enable_gqa = ring, scale, enable_gqa
+            fctx.ring, fctx.scale, fctx.enable_gqa, fctx.dropout = ring, scale, enable_gqa, (dropout_p, rngs)
             fctx.mark_non_differentiable(lse)
             return out, lse
 
         @staticmethod
         def backward(fctx, dout, _dlse):
             q, k, v, out, lse = fctx.saved_tensors
-            dq, dk, dv = _backward(fctx.ring, q, k, v, out, lse, dout.contiguous(), fctx.scale, fctx.enable_gqa)
-            return dq, dk, dv, None, None, None
+            dq, dk, dv = _backward(fctx.ring, q, k, v, out, lse, dout.contiguous(), fctx.scale, fctx.enable_gqa,
+                                   *fctx.dropout)
+            return dq, dk, dv, None, None, None, None, None
 
     _FUNCTION = RingAttention
     return _FUNCTION
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
-                   zigzag=True):
+                   zigzag=True, dropout_p=0.0, generator=None):
     """Attention of this rank's query shard against the keys of every rank's shard, as if on the whole sequence:
 
         out_i = Σ_j softmax_j(scale · q_i·k_j) v_j over all keys j of the sequence (j ≤ i with is_causal),
@@ -301,12 +319,16 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     shard cut by :func:`shard_sequence` with the same ``zigzag`` (rank r: chunks r and 2N − 1 − r of 2N, or chunk r
     of N); Hq a multiple of Hkv with enable_gqa. float16, bfloat16 or float32 on CUDA (our kernels); CPU tensors run
     the float64 reference. group: the torch.distributed process group (None: the default one). Differentiable in q,
-    k and v (torch autograd); lse is not.
+    k and v (torch autograd); lse is not. dropout_p: torch's attention dropout; each (query chunk, key chunk) pair of
+    the ring draws its own rng pair from ``generator`` (a torch.Generator of q's device, or None: torch's default) and
+    the backward applies the same keep masks (the masks differ from a single call's on the gathered sequence, which
+    draws one pair; the distribution is the same).
 
     Returns out (B, Hq, L_local, Ev) in q's dtype, or (out, lse (B, Hq, L_local) float32).
 
     Raises ValueError when a rank's shard length is not what shard_sequence gives for the gathered length, or shapes
-    disagree. (No dropout, window or softcap arguments yet: :func:`ulysses_attention` takes windows and softcap.)
+    disagree; ValueError for dropout_p outside [0, 1]. (No window or softcap yet: :func:`ulysses_attention` takes
+    them.)
     Algorithm: ring attention (Liu et al. 2023) with zig-zag load balancing; partial results merged by lse.
     """
     torch = sys.modules["torch"]
@@ -319,12 +341,14 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     if q.shape[1] != k.shape[1] and not (enable_gqa and q.shape[1] % k.shape[1] == 0):
         raise ValueError(f"q's heads (axis 1: {q.shape[1]}) must equal k's ({k.shape[1]}), or be a multiple of them "
                          f"with enable_gqa=True")
+    if not 0.0 <= float(dropout_p) <= 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal))
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa))
+        out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa), float(dropout_p), generator)
     else:
-        out, lse = _forward(ring, q, k, v, scale, bool(enable_gqa))
+        out, lse, _ = _forward(ring, q, k, v, scale, bool(enable_gqa), float(dropout_p), generator)
     return (out, lse) if return_lse else out
 
 
@@ -456,18 +480,23 @@ def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v
 
 
 def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False,
-                               return_lse=False, zigzag=True, window_size=None, softcap=None, schedule="auto"):
+                               return_lse=False, zigzag=True, window_size=None, softcap=None, dropout_p=0.0,
+                               generator=None, schedule="auto"):
     """:func:`ring_attention` or :func:`ulysses_attention` (same shards, same result), ``schedule`` "ring",
-    "ulysses" or "auto" (:func:`choose_schedule`). ValueError for another schedule name."""
+    "ulysses" or "auto" (:func:`choose_schedule`; dropout takes the ring). ValueError for another schedule name;
+    NotImplementedError for dropout with windows or softcap (no schedule has both yet)."""
     if schedule not in ("auto", "ring", "ulysses"):
         raise ValueError(f"schedule must be 'auto', 'ring' or 'ulysses', got {schedule!r}")
+    if dropout_p and (window_size is not None or softcap is not None or schedule == "ulysses"):
+        raise NotImplementedError("dropout runs on the ring schedule, which takes no window_size or softcap yet")
     if schedule == "auto":
-        schedule = choose_schedule(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1],
-                                   window=window_size is not None, softcap=softcap is not None)[0]
+        schedule = "ring" if dropout_p else choose_schedule(
+            q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1], window=window_size is not None,
+            softcap=softcap is not None)[0]
     if schedule == "ulysses":
         return ulysses_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                  return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap)
     if window_size is not None or softcap is not None:
         raise NotImplementedError("ring_attention takes no window_size or softcap yet: schedule='ulysses' does")
     return ring_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                          return_lse=return_lse, zigzag=zigzag)
+                          return_lse=return_lse, zigzag=zigzag, dropout_p=dropout_p, generator=generator)

@@ -146,12 +146,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
 
 def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out, is_causal=False, scale=None,
                                           enable_gqa=False, *, window_size=None, softcap=None, sinks=None,
-                                          alibi_slopes=None):
+                                          alibi_slopes=None, dropout_p=0.0, dropout_mask=None):
     """The gradients of :func:`scaled_dot_product_attention` (no mask, no dropout) in float64, from the forward's
     out and lse (FlashAttention-2's backward, Dao 2023, §3.2, in exact arithmetic):
 
         P = exp(s − lse) over the visible keys (s the scores after softcap and ALiBi), D_i = Σ_d dO_id O_id,
         dV = Pᵀ dO,  dS = P ∘ (dO Vᵀ − D),  dS_raw = dS ∘ (1 − tanh²(scale·q·k / c)) (softcap c),
+        with dropout (keep mask Z, dropout_mask): P ∘ Z / (1 − p) in dV and dO Vᵀ ∘ Z / (1 − p) in dS (D from out,
+        which carries the dropout),
         dQ = scale · dS_raw K,  dK = scale · dS_rawᵀ Q,  dsink_h = −Σ_i exp(sink_h − lse_i) D_i.
 
     Shapes as the forward's (out (..., Hq, L, Ev), lse (..., Hq, L), grad_out like out); GQA gradients of K and V
@@ -176,8 +178,13 @@ def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out,
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(keep & finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)
     d = (do * o).sum(-1)
-    dv = np.swapaxes(p, -1, -2) @ do
-    ds = p * (do @ np.swapaxes(ve, -1, -2) - d[..., None]) * cap_grad
+    z = 1.0
+    if dropout_p > 0:
+        if dropout_mask is None:
+            raise ValueError("dropout_p > 0 needs dropout_mask (the forward's keep mask)")
+        z = np.asarray(dropout_mask, dtype=np.float64) * philox.dropout_scale(dropout_p)
+    dv = np.swapaxes(p * z, -1, -2) @ do
+    ds = p * ((do @ np.swapaxes(ve, -1, -2)) * z - d[..., None]) * cap_grad
     dq = (ds @ ke) * scale
     dk = (np.swapaxes(ds, -1, -2) @ q) * scale
     if groups > 1:

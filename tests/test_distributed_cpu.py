@@ -110,3 +110,60 @@ def test_shard_length_mismatch_is_a_value_error(tmp_path):
             cp_dist.context_parallel_attention(q, q, q, schedule="tree")
     finally:
         dist.destroy_process_group()
+
+
+def _dropout_worker(rank, world, init, failures):
+    try:
+        from cupy_attn.attention import dropout as dr
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        B, Hq, Hkv, L, E, p = 1, 4, 2, 14, 8, 0.25
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(B, H, L, E, generator=g) for H in (Hq, Hkv, Hkv))
+        dout = torch.randn(B, Hq, L, E, generator=g)
+        shard = (lambda x, dim=-2: cp_dist.shard_sequence(x, rank, world, dim=dim))
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
+        out = cp_dist.ring_attention(*local, is_causal=True, enable_gqa=True, dropout_p=p,
+                                     generator=torch.Generator().manual_seed(50 + rank))
+        grads = torch.autograd.grad(out, local, shard(dout))
+        # the pairs' rng, drawn again in the same order from the same seed, and every rank's
+        ring = cp_dist._Ring(None, local[0].shape[-2], "cpu", True, True)
+        _, _, rngs = cp_dist._forward(ring, *(x.detach() for x in local), E ** -0.5, True, p,
+                                      torch.Generator().manual_seed(50 + rank))
+        mine = {key: dr.values(r) for key, r in rngs.items()}
+        every = [None] * world
+        dist.all_gather_object(every, mine)
+        keep = np.ones((B, Hq, L, L), dtype=bool)
+        for pairs in every:
+            for (cq, ck), (seed, offset) in pairs.items():
+                (r0, r1), (c0, c1) = ring.bounds[cq], ring.bounds[ck]
+                keep[:, :, r0:r1, c0:c1] = dr.keep_mask(torch.tensor([seed, offset]), (B, Hq, r1 - r0, c1 - c0), p)
+        ref = [x.double().requires_grad_() for x in (q, k, v)]
+        s = (ref[0] @ ref[1].repeat_interleave(2, 1).transpose(-1, -2)) * E ** -0.5
+        s = s.masked_fill(~torch.ones(L, L, dtype=torch.bool).tril(), float("-inf"))
+        probs = torch.softmax(s, -1) * torch.from_numpy(keep) / (1 - p)
+        want = probs @ ref[2].repeat_interleave(2, 1)
+        want_grads = torch.autograd.grad(want, ref, dout.double())
+        np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6)
+        for got, r, name in zip(grads, want_grads, ("dq", "dk", "dv")):
+            np.testing.assert_allclose(got.numpy(), shard(r).numpy(), atol=2e-5, err_msg=f"rank {rank} {name}")
+    except Exception as exc:
+        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_ring_dropout_applies_each_pairs_mask_forward_and_backward(tmp_path):
+    """Dropout on the ring: each (query chunk, key chunk) pair's keep mask, assembled into the whole sequence's, gives
+    the same output and gradients as one float64 computation with that mask (world size 2, causal, GQA)."""
+    import torch.multiprocessing as mp
+    failures = mp.get_context("spawn").SimpleQueue()
+    try:
+        mp.start_processes(_dropout_worker, args=(2, f"file://{tmp_path / 'rdv'}", failures), nprocs=2, join=True,
+                           start_method="spawn")
+    except Exception:
+        messages = []
+        while not failures.empty():
+            messages.append(failures.get())
+        raise AssertionError("; ".join(messages) or "a worker failed")

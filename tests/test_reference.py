@@ -232,3 +232,22 @@ def test_reference_backward_matches_autograd(kw):
     grads = torch.autograd.grad(o, [tq, tk, tv] + ([ts] if ts is not None else []), torch.from_numpy(do))
     for got, want in zip((dq, dk, dv, ds), grads):
         np.testing.assert_allclose(got, want.numpy(), atol=1e-10)
+
+
+def test_reference_backward_with_dropout_matches_autograd():
+    torch = pytest.importorskip("torch")
+    from cupy_attn import philox
+    rng = np.random.default_rng(5)
+    q, k, v, do = (rng.standard_normal(s) for s in ((1, 2, 6, 4), (1, 2, 7, 4), (1, 2, 7, 3), (1, 2, 6, 3)))
+    keep = philox.keep_mask(123, 7, (1, 2, 6, 7), 0.3)
+    out, lse = reference.scaled_dot_product_attention(q, k, v, is_causal="bottom_right", return_lse=True,
+                                                      dropout_p=0.3, dropout_mask=keep)
+    got = reference.scaled_dot_product_attention_backward(q, k, v, out, lse, do, "bottom_right", dropout_p=0.3,
+                                                          dropout_mask=keep)
+    tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (q, k, v))
+    s = (tq @ tk.transpose(-1, -2)) / 2.0
+    s = s.masked_fill(~torch.from_numpy(reference.visible_keys(6, 7, "bottom_right")), float("-inf"))
+    p = torch.softmax(s, -1) * torch.from_numpy(keep) / 0.7
+    want = torch.autograd.grad(p @ tv, (tq, tk, tv), torch.from_numpy(do))
+    for a, b in zip(got[:3], want):
+        np.testing.assert_allclose(a, b.numpy(), atol=1e-10)
