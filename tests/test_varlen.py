@@ -206,3 +206,24 @@ def test_packed_kernel_ignores_nan_past_each_sequences_keys():
     ref = reference.varlen_attention(as_f64(q), np.nan_to_num(as_f64(k)), np.nan_to_num(as_f64(v)),
                                      cq.cpu().numpy(), ck.cpu().numpy(), seqused_k=used.cpu().numpy(), is_causal=True)
     assert np.abs(as_f64(out) - ref).max() < 2e-2
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_gradients_of_causal_self_attention_buckets(dtype):
+    """Causal self-attention (L_b = S_b): the backward runs on padded dense buckets (varlen.backward_buckets); the
+    gradients against float64 under the error rule, sinks and a window included."""
+    lens = [130, 0, 257, 64, 1000]
+    q, k, v, cq, ck = _packed(lens, lens, 4, 2, 128, dtype, seed=12)
+    sinks = torch.randn(4, device="cuda")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
+    out = cupy_attn.varlen_attention(*leaves[:3], cq, ck, 1000, 1000, causal=True, sinks=leaves[3],
+                                     window_size=(300, 0))
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, g)
+    grads = {}
+    for name, ins in (("ref", [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]),
+                      ("peer", [x.detach().requires_grad_() for x in (q, k, v, sinks)])):
+        o = _peer(*ins[:3], cq, ck, causal=True, sinks=ins[3], window=(300, 0))
+        grads[name] = torch.autograd.grad(o, ins, g.to(o.dtype))
+    for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
+        assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype if i < 3 else "float32", grads["peer"][i], name)

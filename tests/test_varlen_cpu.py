@@ -214,3 +214,30 @@ def test_compiled_backward_with_sequences_without_keys():
                                                           is_causal=True).sum(), eager)
     for a, b in zip((dq, dk, dv), want):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(window_size=(9, 0), softcap=3.0),
+                                dict(sinks=np.array([0.2, -0.5, 1.0, 0.0]),
+                                     alibi_slopes=np.linspace(0.1, 0.4, 12).reshape(3, 4))])
+def test_bucketed_backward_equals_per_sequence(kw):
+    """Causal self-attention sequences: the backward on padded dense buckets (varlen.backward_buckets) gives the
+    per-sequence gradients (float64 reference paths; through the custom op, whose backward is backward_sequences)."""
+    torch = pytest.importorskip("torch")
+    from cupy_attn import torch_ops
+    from cupy_attn.attention import varlen as vl
+    lens = [5, 0, 140]
+    q, k, v, cq, ck = _packed(lens, lens, Hq=4, Hkv=2, extra_q=2)
+    assert vl.buckets([(int(cq[b]), n, int(ck[b]), n) for b, n in enumerate(lens)]) == [[2], [0]]
+    extra = {name: torch.tensor(x, dtype=torch.float32) for name, x in kw.items() if isinstance(x, np.ndarray)}
+    flags = {name: x for name, x in kw.items() if not isinstance(x, np.ndarray)}
+
+    def grads(fn):
+        leaves = [torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in (q, k, v)]
+        sinks = extra.get("sinks")
+        sinks = None if sinks is None else sinks.clone().requires_grad_()
+        out = fn(*leaves, torch.tensor(cq), torch.tensor(ck), 140, 140, is_causal=True, sinks=sinks,
+                 alibi_slopes=extra.get("alibi_slopes"), **flags)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+        return torch.autograd.grad(out, leaves + ([sinks] if sinks is not None else []), g)
+    for a, b in zip(grads(torch_ops.varlen_attention), grads(cupy_attn.varlen_attention)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)

@@ -358,13 +358,16 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
     scattered into packed gradients (rows of no sequence: 0); CPU tensors: the float64 reference backward."""
     from . import autograd
     torch = sys.modules["torch"]
+    seqs = host_sequences(vp)
+    if bucketable(vp, seqs):
+        return backward_buckets(vp, seqs, out, lse, grad_out, sinks)
     if not vp.ctx.on_gpu:
         return _backward_recompute(vp, out, lse, grad_out, sinks)
     q, k, v = vp.q, vp.k, vp.v
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
     slopes = vp.alibi_slopes
-    for b, (q0, L, k0, S) in enumerate(host_sequences(vp)):
+    for b, (q0, L, k0, S) in enumerate(seqs):
         if L == 0 or S == 0:
             continue
         rows = slice(q0, q0 + L)
@@ -380,6 +383,76 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
         dv[k0:k0 + S] += dv_b[0].transpose(0, 1)
         if sinks is not None:
             dsinks += autograd.sinks_grad(sinks.float(), o_b, lse_b, go_b)
+    return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
+
+
+def bucketable(vp: VarlenProblem, seqs) -> bool:
+    """Whether the backward may run on padded dense batches (:func:`backward_buckets`): causal self-attention
+    sequences (each L_b = S_b), whose rows past a sequence's end in a padded batch see only rows before them."""
+    return vp.causal and vp.block_table is None and all(L == S for _, L, _, S in seqs)
+
+
+def buckets(seqs, floor: int = 128) -> list[list[int]]:
+    """The sequences (indices into ``seqs``, those with L > 0) grouped by the power of two at or above their length
+    (``floor`` at least), longest group first: each group is one padded dense backward of its longest length, so a
+    sequence pays at most 2× its own work in padding and a call of B sequences makes at most log2(max L) launches.
+
+    >>> buckets([(0, 256, 0, 256), (256, 4096, 256, 4096), (4352, 0, 4352, 0), (4352, 3000, 4352, 3000),
+    ...          (7352, 100, 7352, 100)])
+    [[1, 3], [0], [4]]
+    """
+    groups: dict[int, list[int]] = {}
+    for b, (_, L, _, _) in enumerate(seqs):
+        if L > 0:
+            groups.setdefault(max(floor, 1 << (L - 1).bit_length()), []).append(b)
+    return [groups[size] for size in sorted(groups, reverse=True)]
+
+
+def backward_buckets(vp: VarlenProblem, seqs, out, lse, grad_out, sinks):
+    """backward_sequences for causal self-attention (:func:`bucketable`): per bucket of similar lengths
+    (:func:`buckets`), the sequences right-padded into one dense batch (nb, H, L_pad, D) with the top-left causal
+    mask (with L = S it is each sequence's own), and one dense backward. A padded row sees real keys, but its dO is
+    0 and its lse +inf, so P = 0 there and dS = P ∘ (dP − D) = 0: it adds nothing to dK and dV, and its dQ is
+    dropped. GPU: autograd.grad_inputs (our Hopper / mma.sync backward); CPU: the float64 reference backward."""
+    torch = sys.modules["torch"]
+    from . import autograd
+    q, k, v = vp.q, vp.k, vp.v
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+    slopes = vp.alibi_slopes
+    for group in buckets(seqs):
+        Lp, nb = max(seqs[b][1] for b in group), len(group)
+
+        def pad(x, starts, fill=0.0):
+            """(nb, H, Lp, D) of each sequence's rows of the packed x (total, H, D), right-padded with fill."""
+            y = x.new_full((nb, Lp) + tuple(x.shape[1:]), fill)
+            for i, b in enumerate(group):
+                y[i, :seqs[b][1]] = x[starts[b]:starts[b] + seqs[b][1]]
+            return y.transpose(1, 2)
+        qs = [s[0] for s in seqs]
+        ks = [s[2] for s in seqs]
+        qp, op, gp = pad(q, qs), pad(out, qs), pad(grad_out, qs)
+        kp, vp_ = pad(k, ks), pad(v, ks)
+        lp = pad(lse.transpose(0, 1).unsqueeze(-1), qs, math.inf)[..., 0].contiguous()  # (nb, Hq, Lp), +inf pads
+        sl = None if slopes is None else (slopes[group] if slopes.dim() == 2 else slopes)
+        if vp.ctx.on_gpu:
+            g = autograd.grad_inputs(qp, kp, vp_, None, op, lp, gp.contiguous(), is_causal="top_left",
+                                     scale=vp.scale, enable_gqa=True, need_mask_grad=False,
+                                     variants=(vp.window_size, vp.softcap, sinks, sl))[:3]
+        else:
+            as64 = (lambda x: x.detach().double().numpy())
+            g = reference.scaled_dot_product_attention_backward(
+                *(as64(x) for x in (qp, kp, vp_, op, lp, gp)), "top_left", vp.scale, True,
+                window_size=vp.window_size, softcap=vp.softcap, sinks=None if sinks is None else as64(sinks),
+                alibi_slopes=None if sl is None else as64(sl))[:3]
+            g = [torch.from_numpy(x) for x in g]
+        for i, b in enumerate(group):
+            q0, L, k0, S = seqs[b]
+            dq[q0:q0 + L] = g[0][i, :, :L].transpose(0, 1).to(dq.dtype)
+            dk[k0:k0 + S] += g[1][i, :, :S].transpose(0, 1).to(dk.dtype)
+            dv[k0:k0 + S] += g[2][i, :, :S].transpose(0, 1).to(dv.dtype)
+        if sinks is not None:
+            dsinks += autograd.sinks_grad(sinks.float(), op.float(), lp, gp.float())
     return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
 
 
