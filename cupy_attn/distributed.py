@@ -24,6 +24,7 @@ ALiBi.
 """
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -275,13 +276,8 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p
     return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
 
 
-_FUNCTION = None
-
-
+@functools.cache
 def _function():
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
     torch = sys.modules["torch"]
 
     class RingAttention(torch.autograd.Function):
@@ -301,8 +297,7 @@ def _function():
                                    *fctx.dropout)
             return dq, dk, dv, None, None, None, None, None
 
-    _FUNCTION = RingAttention
-    return _FUNCTION
+    return RingAttention
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
@@ -352,11 +347,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     return (out, lse) if return_lse else out
 
 
+@functools.cache
 def _a2a_function():
     """all_to_all_single of flat tensors as a torch.autograd.Function: its backward is the reverse exchange."""
-    global _A2A
-    if _A2A is not None:
-        return _A2A
     torch = sys.modules["torch"]
 
     class AllToAll(torch.autograd.Function):
@@ -372,11 +365,7 @@ def _a2a_function():
         def backward(fctx, grad):
             return AllToAll.apply(grad.contiguous(), fctx.recv, fctx.send, fctx.group), None, None, None
 
-    _A2A = AllToAll
-    return _A2A
-
-
-_A2A = None
+    return AllToAll
 
 
 def _seq_to_heads(x, lengths, group):

@@ -9,14 +9,15 @@ dist = pytest.importorskip("torch.distributed")
 
 import cupy_attn  # noqa: E402
 from cupy_attn import distributed as cp_dist  # noqa: E402
+from _distributed import rank_errors, spawn  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
 
-def _worker(rank, world, init, dtype_name, E, causal, failures):
+def _worker(rank, world, init, failures, dtype_name, E, causal):
     import os
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
-    try:
+    with rank_errors(rank, failures):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
         dtype = getattr(torch, dtype_name)
@@ -40,12 +41,6 @@ def _worker(rank, world, init, dtype_name, E, causal, failures):
             single_err = (shard(single).double() - r).abs().max().item()
             assert err <= 2 * single_err + 4 * torch.finfo(dtype).eps * r.abs().max().item(), \
                 f"rank {rank} {name}: err {err:.3g} against the single-GPU call's {single_err:.3g}"
-    except Exception as exc:
-        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
@@ -54,13 +49,4 @@ def _worker(rank, world, init, dtype_name, E, causal, failures):
 def test_two_gpus_equal_one(dtype_name, E, causal, tmp_path):
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machines)")
-    import torch.multiprocessing as mp
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.start_processes(_worker, args=(2, f"file://{tmp_path / 'rdv'}", dtype_name, E, causal, failures),
-                           nprocs=2, join=True, start_method="spawn")
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        raise AssertionError("; ".join(messages) or "a worker failed")
+    spawn(_worker, 2, tmp_path, dtype_name, E, causal)

@@ -9,6 +9,7 @@ dist = pytest.importorskip("torch.distributed")
 
 import cupy_attn  # noqa: E402
 from cupy_attn import distributed as cp_dist  # noqa: E402
+from _distributed import rank_errors, spawn  # noqa: E402
 
 
 def test_chunks_and_shards_round_trip():
@@ -26,8 +27,8 @@ CASES = [(2, 1, 2, 2, 12, 8, True, True), (2, 2, 4, 2, 13, 8, False, True), (3, 
          (4, 1, 8, 4, 21, 8, True, True)]
 
 
-def _worker(rank, world, init, case, failures):
-    try:
+def _worker(rank, world, init, failures, case):
+    with rank_errors(rank, failures):
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         _, B, Hq, Hkv, L, E, causal, zigzag = case
         g = torch.Generator().manual_seed(7)
@@ -59,30 +60,12 @@ def _worker(rank, world, init, case, failures):
             for got, ref, name in zip(grads, want_grads, ("dq", "dk", "dv")):
                 np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5,
                                            err_msg=f"ulysses rank {rank} {name}")
-    except Exception as exc:  # reported by the parent
-        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "w{}_L{}_{}{}{}".format(
     c[0], c[4], "causal" if c[6] else "full", "_gqa" if c[2] != c[3] else "", "" if c[7] else "_contiguous"))
 def test_ring_attention_equals_the_gathered_call(case, tmp_path):
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    failures = ctx.SimpleQueue()
-    world = case[0]
-    init = f"file://{tmp_path / 'rendezvous'}"
-    try:
-        mp.start_processes(_worker, args=(world, init, case, failures), nprocs=world, join=True,
-                           start_method="spawn")
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        raise AssertionError("; ".join(messages) or "a worker failed")
+    spawn(_worker, case[0], tmp_path, case)
 
 
 def test_schedule_rule():
@@ -113,7 +96,7 @@ def test_shard_length_mismatch_is_a_value_error(tmp_path):
 
 
 def _dropout_worker(rank, world, init, failures):
-    try:
+    with rank_errors(rank, failures):
         from cupy_attn.attention import dropout as dr
         dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         B, Hq, Hkv, L, E, p = 1, 4, 2, 14, 8, 0.25
@@ -146,24 +129,9 @@ def _dropout_worker(rank, world, init, failures):
         np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6)
         for got, r, name in zip(grads, want_grads, ("dq", "dk", "dv")):
             np.testing.assert_allclose(got.numpy(), shard(r).numpy(), atol=2e-5, err_msg=f"rank {rank} {name}")
-    except Exception as exc:
-        failures.put(f"rank {rank}: {type(exc).__name__}: {exc}")
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def test_ring_dropout_applies_each_pairs_mask_forward_and_backward(tmp_path):
     """Dropout on the ring: each (query chunk, key chunk) pair's keep mask, assembled into the whole sequence's, gives
     the same output and gradients as one float64 computation with that mask (world size 2, causal, GQA)."""
-    import torch.multiprocessing as mp
-    failures = mp.get_context("spawn").SimpleQueue()
-    try:
-        mp.start_processes(_dropout_worker, args=(2, f"file://{tmp_path / 'rdv'}", failures), nprocs=2, join=True,
-                           start_method="spawn")
-    except Exception:
-        messages = []
-        while not failures.empty():
-            messages.append(failures.get())
-        raise AssertionError("; ".join(messages) or "a worker failed")
+    spawn(_dropout_worker, 2, tmp_path)

@@ -8,6 +8,8 @@ forward-only path and its speed. ``grad_inputs`` is the backward itself, shared 
 """
 from __future__ import annotations
 
+import functools
+
 import sys
 
 from ..runtime import callcache
@@ -177,11 +179,9 @@ class BackwardEntry:
         return dq, dk, dv
 
 
+@functools.cache
 def _function():
     """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself)."""
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
     torch = sys.modules["torch"]
 
     class ScaledDotProductAttention(torch.autograd.Function):
@@ -229,11 +229,7 @@ def _function():
                                             cache_key=cache_key, variants=full)
             return (dq, dk, dv, dmask, dsinks) + none
 
-    _FUNCTION = ScaledDotProductAttention
-    return _FUNCTION
-
-
-_FUNCTION = None
+    return ScaledDotProductAttention
 
 
 def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32,

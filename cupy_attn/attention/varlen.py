@@ -10,6 +10,7 @@ cu_seqlens_q / cu_seqlens_k / seqused_k on the device, so a call needs no host c
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import sys
 import types
@@ -483,15 +484,10 @@ def _backward_recompute(vp: VarlenProblem, out, lse, grad_out, sinks):
     return (back(dq, vp.q), back(dk, vp.k), back(dv, vp.v), None if sinks is None else back(dsinks, sinks))
 
 
-_FUNCTION = None
-
-
+@functools.cache
 def _function():
     """The torch.autograd.Function of packed-kernel calls, built on first use (cupy_attn never imports torch itself):
     the forward is the packed kernel, the backward the dense one per sequence."""
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
     torch = sys.modules["torch"]
 
     class VarlenAttention(torch.autograd.Function):
@@ -516,8 +512,7 @@ def _function():
                                                      None if sinks is None else sinks.detach())
             return dq, dk, dv, dsinks if sinks is not None and fctx.needs_input_grad[3] else None, None
 
-    _FUNCTION = VarlenAttention
-    return _FUNCTION
+    return VarlenAttention
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,

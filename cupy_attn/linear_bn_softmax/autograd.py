@@ -18,6 +18,8 @@ Double backward is not supported (the backward is not differentiable: once_diffe
 """
 from __future__ import annotations
 
+import functools
+
 import sys
 
 import numpy as np
@@ -97,6 +99,7 @@ def grad_inputs(grad_out, x, weight, y, out, stats, bn_weight, bn_bias, scale, *
     return tuple(result)
 
 
+@functools.cache
 def _function():
     """The torch.autograd.Function, built on first use (cupy_attn never imports torch itself).
 
@@ -105,9 +108,6 @@ def _function():
     which gradients the backward will need (ctx.needs_input_grad is known then) and keeps, with the forward's
     call-cache entry, the dict in which backward.grad_inputs keeps its prepared call for the layout, so that the
     backward of a repeated step does not check or plan again."""
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
     torch = sys.modules["torch"]
     from torch.autograd.function import once_differentiable
 
@@ -147,11 +147,7 @@ def _function():
 
     backward_once = once_differentiable(backward_body)
     is_grad_enabled = torch.is_grad_enabled
-    _FUNCTION = LinearBatchNormSoftmax
-    return _FUNCTION
-
-
-_FUNCTION = None
+    return LinearBatchNormSoftmax
 
 
 def apply(x, weight, bias, running_mean, running_var, bn_weight, bn_bias, scale, *, training, momentum, eps,
