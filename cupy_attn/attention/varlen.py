@@ -552,10 +552,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
 
     Paths: on Hopper, fp16/bf16 calls at head dims 33-256 without dropout or a block table run one launch of the
     FlashAttention-3-design forward whose tiles read their sequence's offsets on the device (Shah et al. 2024; varlen
-    as FlashAttention's); the grid covers max_seqlen_q per sequence. Every other call runs one dense call per
+    as FlashAttention's), persistent CTAs walking the sequences' tiles. Every other call runs one dense call per
     sequence on views (the pages gathered for a block table). torch tensors that require grad are differentiated:
-    the packed forward's backward runs the dense backward per sequence (saved out and lse), the per-sequence path
-    through autograd of its dense calls. Under torch.compile / torch.export the call is one custom op,
+    the packed forward's backward runs the dense backward from the saved out and lse, on padded buckets of similar
+    lengths for causal self-attention (:func:`backward_buckets`), else per sequence; the per-sequence path through
+    autograd of its dense calls. Under torch.compile / torch.export the call is one custom op,
     ``torch.ops.cupy_attn.varlen_attention`` (no graph break; its backward, the per-sequence one, a second op; no
     dropout there, and no backward through a block table).
 
