@@ -156,8 +156,6 @@ def fused_reason(vp: VarlenProblem, backend: str) -> str | None:
         return f"dtype {vp.dtype}: the packed kernel serves fp16 and bf16"
     if fa3.head_bucket(vp.head_dim, vp.head_dim_v) is None:
         return f"head dims E={vp.head_dim}, Ev={vp.head_dim_v}: the packed kernel serves 33-256"
-    if vp.batch > 65535 or vp.num_heads > 65535:
-        return "grid limit: batch and heads must each be <= 65535"
     from .dispatch import device_arch
     arch = device_arch(vp)
     if arch != 90:
