@@ -4,6 +4,7 @@ Public API:
     scaled_dot_product_attention  torch.nn.functional.scaled_dot_product_attention's semantics, fused or split path
     varlen_attention              packed batches of sequences of different lengths (FlashAttention's varlen API)
     explain                       which path a call takes, and why
+    explain_varlen                the same for varlen_attention
     merge_attention_states        two partial attention results (out, lse) over disjoint keys merged into one
     linear_batchnorm_softmax      softmax(scale · BatchNorm1d(x Wᵀ + b), dim=1) as one operation
     release_memory                gives back the device memory kept between calls (bounded per-stream workspaces)
@@ -17,10 +18,11 @@ Public API:
 from __future__ import annotations
 
 from . import philox, reference
-from .attention import explain, merge_attention_states, scaled_dot_product_attention, varlen_attention
+from .attention import (explain, explain_varlen, merge_attention_states, scaled_dot_product_attention,
+                        varlen_attention)
 from .linear_bn_softmax import linear_batchnorm_softmax
 from .runtime.workspace import release_memory
 
 __version__ = "0.1.0"
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "merge_attention_states", "linear_batchnorm_softmax",
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states", "linear_batchnorm_softmax",
            "release_memory", "reference", "philox", "__version__"]

@@ -241,3 +241,16 @@ def test_bucketed_backward_equals_per_sequence(kw):
         return torch.autograd.grad(out, leaves + ([sinks] if sinks is not None else []), g)
     for a, b in zip(grads(torch_ops.varlen_attention), grads(cupy_attn.varlen_attention)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+def test_explain_varlen(monkeypatch):
+    q, k, v, cq, ck = (x.astype(np.float32) if x.dtype == np.float64 else x
+                       for x in _packed([3, 2], [3, 2], E=64, Ev=64))
+    plan = cupy_attn.explain_varlen(q, k, v, cq, ck, 3, 3, is_causal=True)
+    assert plan.backend == "per-sequence" and "CPU inputs" in plan.reason and "2, each a dense" in str(plan)
+    monkeypatch.setattr(varlen, "fused_reason", lambda vp, backend: None)  # as on an H200 with fp16 inputs
+    plan = cupy_attn.explain_varlen(q, k, v, cq, ck, 3, 3, is_causal=True, window_size=(8, 0))
+    text = str(plan)
+    assert plan.backend == "packed" and "head-dim bucket: 64" in text and "window (8, 0)" in text, text
+    with pytest.raises(ValueError, match="cu_seqlens_k must have shape"):
+        cupy_attn.explain_varlen(q, k, v, cq, ck[:2], 3, 3)

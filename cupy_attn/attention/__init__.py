@@ -3,6 +3,7 @@ dispatch (the plan: every choice), autograd, dropout; kernels/ (one launcher per
 backward schedules)."""
 from .merge import merge_attention_states
 from .sdpa import explain, scaled_dot_product_attention
+from .varlen import explain as explain_varlen
 from .varlen import varlen_attention
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "merge_attention_states"]
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states"]

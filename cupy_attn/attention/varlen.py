@@ -639,3 +639,36 @@ def _layout_ok(vp: VarlenProblem) -> bool:
         if any(x.strides[-1] != x.itemsize for x in (q, k, v)):
             return False
         return fa3.layout_reason(_packed4(q), _packed4(k), _packed4(v), None) is None
+
+
+def explain(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None, block_table=None,
+            is_causal=False, scale=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None,
+            dropout_p=0.0, backend="auto", causal=None, softmax_scale=None):
+    """The path :func:`varlen_attention` takes for these arguments, and why; nothing is launched and the index
+    arrays are not read. Same arguments and errors. Returns a dispatch.Plan: ``backend`` "packed" (one launch of the
+    packed kernel; ``details``: its head-dim bucket, tile, instantiation and grid) or "per-sequence" (``reason``:
+    why the packed kernel does not run it); ``print(plan)`` gives a readable summary. The backward's path (padded
+    buckets for causal self-attention, else per sequence) is decided from the index arrays' values, when it runs."""
+    from . import dispatch
+    if causal is not None:
+        is_causal = causal if not is_causal else is_causal
+    scale = softmax_scale if softmax_scale is not None else scale
+    vp = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
+                      block_table=block_table, is_causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
+                      window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+    why = fused_reason(vp, backend)
+    if why is not None:
+        return dispatch.Plan("per-sequence", f"the packed kernel does not run it: {why}",
+                             describe=lambda: {"sequences": f"{vp.batch}, each a dense scaled_dot_product_attention "
+                                                            "call on views"})
+
+    def describe():
+        from .kernels import flash_fwd_sm90 as fa3
+        bucket = fa3.head_bucket(vp.head_dim, vp.head_dim_v)
+        tile = fa3.VARLEN_TILES[bucket]
+        return {"kernel": f"flash_fwd_sm90 (varlen, {'variants' if not vp.variants.plain else 'plain'})",
+                "head-dim bucket": bucket, "tile": f"{tile.block_m} x {tile.block_n}, {tile.stages} stages",
+                "grid": "one persistent CTA per SM, walking (sequence, head, m-block) units",
+                "variants": ", ".join(vp.variants.names()) or "none"}
+    return dispatch.Plan("packed", "fp16/bf16 at head dims 33-256 on Hopper: one launch for every sequence",
+                         describe=describe)
