@@ -43,8 +43,8 @@ F16 = np.dtype("float16")
 
 def test_every_instantiation_compiles_without_spills():
     reports = compile_check.compile_family(FAMILY, "sm_90a")
-    # dtypes × (plain, variants) × tiles
-    assert len(reports) == len(list(FAMILY.variants())) == 2 * 2 * len(_sm90.TILES)
+    # dtypes × (plain, variants, variants for packed batches) × tiles
+    assert len(reports) == len(list(FAMILY.variants())) == 2 * 3 * len(_sm90.TILES)
     assert_clean(reports, max_registers=168)
 
 
@@ -57,7 +57,8 @@ def _sass(expr):
 
 
 @pytest.mark.parametrize("row", list(FAMILY.variants()),
-                         ids=lambda r: f"{r['dtype']}-{r['head_dim']}" + ("-variants" * (r["variants"] == "true")))
+                         ids=lambda r: f"{r['dtype']}-{r['head_dim']}" + ("-variants" * (r["variants"] == "true"))
+                         + ("-varlen" * (r["varlen"] == "true")))
 def test_sass(row):
     expr = FAMILY.name_expression(**row)
     text = _sass(expr)
@@ -111,7 +112,8 @@ def test_tiles():
             assert tile.block_m in _gen.SS_N and d in _gen.RS_N
         for dtype in C_TYPE_16.values():
             for variants in ("false", "true"):
-                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, variants=variants) in declared
+                assert FAMILY.name_expression(dtype=dtype, head_dim=d, tile=tile, variants=variants,
+                                              varlen="false") in declared
     # Above the mma.sync kernel's 128, the Hopper kernel's 256 (the forward's FA3 buckets).
     assert set(_sm90.TILES) == set(_mma.TILES) | {256}
 

@@ -227,3 +227,25 @@ def test_gradients_of_causal_self_attention_buckets(dtype):
         grads[name] = torch.autograd.grad(o, ins, g.to(o.dtype))
     for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
         assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype if i < 3 else "float32", grads["peer"][i], name)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("E", [64, 128, 256])
+def test_packed_backward_kernel(dtype, E, monkeypatch):
+    """CUPY_ATTN_VARLEN_BWD=kernel: the packed Hopper backward (one launch; statistics in padded per-sequence
+    columns) against float64 under the error rule: self-attention and cross lengths (L_b != S_b), GQA, sinks."""
+    monkeypatch.setenv("CUPY_ATTN_VARLEN_BWD", "kernel")
+    q, k, v, cq, ck = _packed([130, 0, 257, 64, 1], [200, 5, 257, 64, 70], 4, 2, E, dtype, seed=E + 1)
+    sinks = torch.randn(4, device="cuda")
+    leaves = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
+    out = cupy_attn.varlen_attention(*leaves[:3], cq, ck, 257, 257, causal=True, sinks=leaves[3])
+    g = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, g)
+    grads = {}
+    for name, ins in (("ref", [x.detach().double().requires_grad_() for x in (q, k, v, sinks)]),
+                      ("peer", [x.detach().requires_grad_() for x in (q, k, v, sinks)])):
+        o = _peer(*ins[:3], cq, ck, causal=True, sinks=ins[3])
+        grads[name] = torch.autograd.grad(o, ins, g.to(o.dtype))
+    for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
+        assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype if i < 3 else "float32", grads["peer"][i],
+                     f"{dtype} E={E} {name}")

@@ -231,4 +231,58 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
   }
 }
 
+// The statistics of flash_bwd_sm90.cu for a packed batch (its kVarlen instantiations): per query head h, sequence b's
+// rows occupy columns stat_col_b ... stat_col_b + L_b − 1 of the (2·Hq, ld) statistics, stat_col_b = ⌊(q0_b +
+// b·block_m) / block_m⌋·block_m (sm90/bwd_params.cuh: BwdSeq); column c holds lse·log2(e) (row h) and D = Σ dO∘O (row
+// Hq + h) of packed row q0_b + c − stat_col_b, and +inf / 0 on the columns no sequence covers. A column's sequence is
+// found by binary search over the stat_col_b (non-decreasing in b). dout and o: (total_q, Hq, head_dim_v) rows,
+// lse: (Hq, total_q). Threads as attn_bwd_delta_padded's (row_threads per column).
+struct BwdVarlenStatsParams {
+  const void* dout;
+  const void* o;
+  const float* lse;
+  float* stats;              // (2·Hq, ld): lse·log2(e) rows, then D rows
+  const int* cu_seqlens_q;   // (B + 1,)
+  long long batch, num_heads, total_q, ld, head_dim_v, block_m, row_threads;
+};
+
+__device__ __forceinline__ int varlen_stat_col(const BwdVarlenStatsParams& p, int b) {
+  const int q0 = min(max(p.cu_seqlens_q[b], 0), static_cast<int>(p.total_q));
+  return (q0 + b * static_cast<int>(p.block_m)) / static_cast<int>(p.block_m) * static_cast<int>(p.block_m);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) attn_bwd_delta_varlen(const BwdVarlenStatsParams p) {
+  const int per_row = static_cast<int>(p.row_threads);
+  const long long idx = (static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x) / per_row;  // h·ld + c
+  const int sub = threadIdx.x % per_row;
+  const bool live = idx < p.num_heads * p.ld;
+  const long long h = idx / p.ld, c = idx % p.ld;
+  long long row = -1;  // the packed row of column c, or -1 (padding)
+  if (live) {
+    int lo = 0, hi = static_cast<int>(p.batch) - 1;  // the last sequence b with stat_col_b <= c
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (varlen_stat_col(p, mid) <= c) lo = mid; else hi = mid - 1;
+    }
+    const int total = static_cast<int>(p.total_q);
+    const int q0 = min(max(p.cu_seqlens_q[lo], 0), total);
+    const int L = min(max(p.cu_seqlens_q[lo + 1] - q0, 0), total - q0);
+    const long long i = c - varlen_stat_col(p, lo);
+    if (p.batch > 0 && i >= 0 && i < L) row = q0 + i;
+  }
+  float acc = 0.f;
+  if (row >= 0) {
+    const long long off = (row * p.num_heads + h) * p.head_dim_v;
+    acc = partial_dot(static_cast<const T*>(p.dout) + off, static_cast<const T*>(p.o) + off, p.head_dim_v, sub,
+                      per_row);
+  }
+  for (int off = per_row / 2; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (live && sub == 0) {
+    const float lse = row >= 0 ? p.lse[h * p.total_q + row] : -inf();
+    p.stats[h * p.ld + c] = lse == -inf() ? inf() : lse * kLog2e;
+    p.stats[(p.num_heads + h) * p.ld + c] = acc;
+  }
+}
+
 }  // namespace cupy_attn

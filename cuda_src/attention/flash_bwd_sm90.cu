@@ -59,7 +59,7 @@ namespace cupy_attn {
 
 // kVariants: the parameters' window_lo, softcap_in and alibi_slopes are read at run time (any may be off); false: the
 // plain kernel, without their code. Grid: (ceil(S / kBlockN), Hkv, B); block: 384 threads.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
@@ -72,29 +72,43 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   const Smem ss(smem_raw);
 
   const int n0 = blockIdx.x * kBlockN, h_kv = blockIdx.y, b = blockIdx.z;
-  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k);
+  const BwdSeq seq = bwd_seq<kVarlen, kBlockM>(p, b);  // packed calls: sequence b's rows and keys
+  if (kVarlen && n0 >= seq.S) return;  // the grid covers the longest sequence's keys
+  const int L = seq.L, S = seq.S;
   // Queries that see a key of this block: i >= n0 - causal_offset when causal, all otherwise; with kVariants also
   // i <= (the block's last key) − window_lo under a window's lower bound (Visibility::first_row, last_row).
   BwdSteps steps;
+  const Visibility vis = [&] {
+    if constexpr (kVarlen) {
+      return Visibility{seq.S, seq.causal_offset, p.is_causal != 0, seq.window_lo != kNoLowerBound, seq.window_lo};
+    } else {
+      return visibility_of(p);
+    }
+  }();
   if constexpr (kVariants) {
-    const Visibility vis = visibility_of(p);
     const long long first = max(0ll, vis.first_row(n0));
     const long long last = min(static_cast<long long>(L) - 1, vis.last_row(min(n0 + kBlockN, S) - 1));
     steps.m_first = static_cast<int>(min(first, static_cast<long long>(L)) / kBlockM);
     steps.m_count = first <= last ? static_cast<int>(last / kBlockM) - steps.m_first + 1 : 0;
   } else {
-    steps.m_first = p.is_causal ? static_cast<int>(max(0ll, visibility_of(p).causal_first_row(n0) / kBlockM)) : 0;
+    steps.m_first = p.is_causal ? static_cast<int>(max(0ll, vis.causal_first_row(n0) / kBlockM)) : 0;
     steps.m_count = (L + kBlockM - 1) / kBlockM - steps.m_first;
   }
   steps.count = steps.m_count > 0 ? static_cast<int>(p.groups) * steps.m_count : 0;
   if (steps.count == 0) {  // no query sees these keys (causal, a window): their dK and dV are 0
-    const long long kv_head = static_cast<long long>(b) * gridDim.y + h_kv;
     const int rows = min(kBlockN, S - n0);
     const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
-    T* dk = static_cast<T*>(p.dk) + (kv_head * S + n0) * E;
-    T* dv = static_cast<T*>(p.dv) + (kv_head * S + n0) * Ev;
-    for (int i = threadIdx.x; i < rows * E; i += blockDim.x) dk[i] = from_float<T>(0.f);
-    for (int i = threadIdx.x; i < rows * Ev; i += blockDim.x) dv[i] = from_float<T>(0.f);
+    const KvRows kv = bwd_kv_rows<kVarlen>(p, b, gridDim.y, h_kv, S);
+    T* dk = static_cast<T*>(p.dk) + (kv.first + n0 * kv.step) * E;
+    T* dv = static_cast<T*>(p.dv) + (kv.first + n0 * kv.step) * Ev;
+    if constexpr (!kVarlen) {  // the block's rows are consecutive
+      for (int i = threadIdx.x; i < rows * E; i += blockDim.x) dk[i] = from_float<T>(0.f);
+      for (int i = threadIdx.x; i < rows * Ev; i += blockDim.x) dv[i] = from_float<T>(0.f);
+    } else {  // rows kv.step rows apart
+      for (int i = threadIdx.x; i < rows * E; i += blockDim.x) dk[(i / E) * kv.step * E + i % E] = from_float<T>(0.f);
+      for (int i = threadIdx.x; i < rows * Ev; i += blockDim.x)
+        dv[(i / Ev) * kv.step * Ev + i % Ev] = from_float<T>(0.f);
+    }
     return;
   }
 
@@ -106,18 +120,21 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
   warp_specialize<RegisterSplit<2>>(
       [&](int tid) {
         if (tid == 0) {
-          bwd_produce(p, ss, n0, h_kv, b, steps);
+          bwd_produce<kVarlen>(p, ss, seq, n0, h_kv, steps);
         } else if (tid / 32 == 1) {  // warp 1: the dQ writer
-          bwd_dq_write(p, ss, h_kv, b, steps, tid % 32);
+          bwd_dq_write<kVarlen>(p, ss, seq, h_kv, steps, tid % 32);
         }
       },
       [&](int tid) {
         if constexpr (!kVariants) {
-          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kPlain>(p, ss, n0, h_kv, b, steps, tid);
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kPlain, kVarlen>(p, ss, seq, n0, h_kv, b, steps,
+                                                                                         tid);
         } else if (p.softcap_in != 0.0 || p.alibi_slopes) {
-          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kScoreMods>(p, ss, n0, h_kv, b, steps, tid);
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kScoreMods, kVarlen>(p, ss, seq, n0, h_kv, b,
+                                                                                            steps, tid);
         } else {
-          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kWindow>(p, ss, n0, h_kv, b, steps, tid);
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kWindow, kVarlen>(p, ss, seq, n0, h_kv, b,
+                                                                                         steps, tid);
         }
       });
 }

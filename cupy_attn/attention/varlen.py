@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .. import reference
-from ..runtime import callcache, interop
+from ..runtime import callcache, env, interop
 from . import checks, variants as _variants
 
 INDEX_DTYPE = np.dtype(np.int32)
@@ -358,6 +358,8 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
     from . import autograd
     torch = sys.modules["torch"]
     seqs = host_sequences(vp)
+    if env.get("CUPY_ATTN_VARLEN_BWD") == "kernel" and kernel_backward_reason(vp) is None:
+        return backward_kernel(vp, seqs, out, lse, grad_out, sinks)
     if bucketable(vp, seqs):
         return backward_buckets(vp, seqs, out, lse, grad_out, sinks)
     if not vp.ctx.on_gpu:
@@ -383,6 +385,56 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
         if sinks is not None:
             dsinks += autograd.sinks_grad(sinks.float(), o_b, lse_b, go_b)
     return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
+
+
+def kernel_backward_reason(vp: VarlenProblem) -> str | None:
+    """None when the packed Hopper backward (flash_bwd_sm90's kVarlen instantiations) can run this call's backward:
+    on the GPU, the Hopper backward's dtypes and head dims, no block table, TMA-readable rows; else why not."""
+    from .dispatch import device_arch
+    from .kernels import flash_bwd_sm90 as bwd
+    from ..runtime.tma import tma_operand_reason
+    if not vp.ctx.on_gpu or vp.block_table is not None or vp.dropout_p > 0:
+        return "CPU inputs, a block table or dropout"
+    why = bwd.unsupported_reason(vp.dtype, vp.head_dim, vp.head_dim_v, False, device_arch(vp))
+    if why is None and vp.head_dim % 4:
+        why = f"head_dim={vp.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
+    if why is None:
+        with vp.ctx.activate():
+            for name, x in (("q", vp.q), ("k", vp.k), ("v", vp.v)):
+                why = why or tma_operand_reason(name, _packed4(vp.ctx.as_cupy(x)))
+    return why
+
+
+def backward_kernel(vp: VarlenProblem, seqs, out, lse, grad_out, sinks):
+    """backward_sequences by the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel): one launch for every sequence
+    (kernels/flash_bwd_sm90.Sm90VarlenBackward), dK and dV zeroed first (rows no sequence covers stay 0); dsinks
+    from the covered rows."""
+    from . import autograd
+    from .kernels import flash_bwd_sm90 as bwd
+    torch = sys.modules["torch"]
+    ctx = vp.ctx
+    q, k, v = (x.contiguous() for x in (vp.q, vp.k, vp.v))
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    idx = [None if x is None else x.contiguous() for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
+    with ctx.activate():
+        views = [ctx.as_cupy(x) for x in (q, k, v)]
+        run = bwd.Sm90VarlenBackward(ctx, *views, bounds=_bounds(vp), batch=vp.batch,
+                                     max_seqlen_k=max((S for _, _, _, S in seqs), default=0),
+                                     cu_seqlens_q=idx[0].data_ptr(), cu_seqlens_k=idx[1].data_ptr(),
+                                     seqused_k=0 if idx[2] is None else idx[2].data_ptr())
+        run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.contiguous().data_ptr(), lse.contiguous().data_ptr(),
+            grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    dsinks = None
+    if sinks is not None:
+        dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
+        for q0, L, _, S in seqs:
+            if L and S:
+                rows = slice(q0, q0 + L)
+                dsinks += autograd.sinks_grad(sinks.float(), _heads_first(out[rows]).float(),
+                                              lse[:, rows].unsqueeze(0), _heads_first(grad_out[rows]).float())
+        dsinks = dsinks.to(sinks.dtype)
+    return dq, dk, dv, dsinks
 
 
 def bucketable(vp: VarlenProblem, seqs) -> bool:

@@ -41,6 +41,9 @@ KNOBS = (
     Knob("CUPY_ATTN_DECODE_WARPS", "flash_decode's warps per block", "`4`, `8`; unset: 8 where the launch has at "
          "most 1.5 blocks per SM (Hopper, head dims up to 128)", True),
     Knob("CUPY_ATTN_BWD", "which backward runs", "`split`, `mma`, `sm90`, `auto`; unset: auto", True),
+    Knob("CUPY_ATTN_VARLEN_BWD", "varlen_attention's backward on Hopper",
+         "`kernel`: the packed Hopper backward (one launch; not yet verified on a GPU); unset or other: the dense "
+         "backward on padded buckets (causal self-attention) or per sequence", True),
     Knob("CUPY_ATTN_SPLIT_FUSED", "the split path's Hopper scores kernel (Q·Kᵀ with the softmax in its epilogue)",
          "`0` off (cuBLAS + softmax pass), `1` one block per 64 rows, `2` clusters of two, `3` persistent; unset or "
          "other: `3`", True),

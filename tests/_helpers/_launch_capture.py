@@ -547,6 +547,26 @@ def _backward(rec, mp, *, kernel, bucket, **shape):
     launch(Q + 4096, K, V, O, LSE, dout, dq, dk, dv, RNG if shape.get("dropout") else 0)
 
 
+def _backward_varlen(rec, mp, *, dtype, Hq, Hkv, total_q, total_k, E, B, max_k, causal=True):
+    """The packed Hopper backward (varlen_attention under CUPY_ATTN_VARLEN_BWD=kernel) on FlashAttention's layout."""
+    import types
+    from cupy_attn.attention import variants
+    from cupy_attn.attention.kernels import flash_bwd_sm90
+    rec.cc = 90
+    dt = _dtype(dtype)
+    q, k, v = (FakeArray((n, h, E), dt, ptr) for n, h, ptr in ((total_q, Hq, Q), (total_k, Hkv, K), (total_k, Hkv, V)))
+    lo, hi = variants.NONE.key_offsets(0, 0, "bottom_right" if causal else None)
+    bounds = types.SimpleNamespace(key_upper=(causal, hi if causal else 0), window_lo=lo, scale=0.09,
+                                   variants=variants.NONE)
+    launch = flash_bwd_sm90.Sm90VarlenBackward(FakeCtx(), q, k, v, bounds=bounds, batch=B, max_seqlen_k=max_k,
+                                               cu_seqlens_q=RNG, cu_seqlens_k=RNG + 4096)
+    dq, dk, dv, dout = 0xA0_0000_0000, 0xB0_0000_0000, 0xC0_0000_0000, 0xD0_0000_0000
+    launch(Q, K, V, O, LSE, dout, dq, dk, dv)
+    launch(Q + 4096, K, V, O, LSE, dout, dq, dk, dv)
+
+
+case("bwd_sm90_varlen_causal_gqa")(lambda r, m: _backward_varlen(r, m, dtype="bf16", Hq=8, Hkv=2, total_q=700,
+                                                                  total_k=700, E=128, B=3, max_k=400))
 case("bwd_mma_causal_gqa")(lambda r, m: _backward(r, m, kernel="mma", bucket=128, B=2, Hq=4, Hkv=2, L=100, S=130,
                                                   E=96, Ev=128, causal="bottom_right"))
 case("bwd_mma_dropout")(lambda r, m: _backward(r, m, kernel="mma", bucket=64, B=1, Hq=2, Hkv=2, L=64, S=64, E=64,

@@ -8,18 +8,19 @@
 namespace cupy_attn {
 namespace sm90 {
 
-// Rows key0, key0 + 8 of one gradient (dK or dV: (B, Hkv, S, cols) contiguous, `head` = its (b, h) slice), columns
-// col_wg + 8j + 2t (+1) for j < kN/8 (col_wg: this warpgroup's first column), = scale · acc rounded to T; keys past
-// S and columns past `cols` are not stored.
+// Rows key0, key0 + 8 of one gradient (dK or dV, rows of `cols` elements; `head` = the row of key 0 of its (b, h)
+// slice, key j's row `row_step` rows after key j − 1's: 1 for (B, Hkv, S, cols), Hkv for a packed (total_k, Hkv,
+// cols)), columns col_wg + 8j + 2t (+1) for j < kN/8 (col_wg: this warpgroup's first column), = scale · acc rounded
+// to T; keys past S and columns past `cols` are not stored.
 template <typename T, int kN>
 __device__ __forceinline__ void store_grad(const float (&acc)[kN / 2], T* head, int key0, int t, int col_wg,
-                                           int seqlen_k, int cols, float scale) {
+                                           int seqlen_k, int cols, float scale, long long row_step = 1) {
   const bool pairs = cols % 2 == 0;  // 4-byte aligned element pairs
   #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key0 + 8 * half;
     if (key >= seqlen_k) continue;
-    T* row = head + static_cast<long long>(key) * cols;
+    T* row = head + static_cast<long long>(key) * row_step * cols;
     #pragma unroll
     for (int d = 0; d < kN / 8; ++d) {
       const int col = d * 8 + 2 * t + col_wg;

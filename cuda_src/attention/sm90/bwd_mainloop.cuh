@@ -141,10 +141,11 @@ struct BwdSteps {
 
 // One thread. K and V once, then per step the Q tile with its lse row and the dO tile with its D row, each stage
 // reused once all 8 consumer warps have released it.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <bool kVarlen, typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
-                                            int n0, int h_kv, int b, BwdSteps steps) {
+                                            const BwdSeq& seq, int n0, int h_kv, BwdSteps steps) {
+  const int b = seq.b_map;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   tma::prefetch_map(&p.tma_q);
   tma::prefetch_map(&p.tma_k);
@@ -154,8 +155,8 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
   tma::mbar_arrive_expect_tx(ss.kv_full, 2 * Smem::kKVBytes);
   #pragma unroll
   for (int c = 0; c < Smem::kColBlocks; ++c) {
-    tma::load_4d(ss.k + c * kBlockN * 64, &p.tma_k, ss.kv_full, c * 64, n0, h_kv, b);
-    tma::load_4d(ss.v + c * kBlockN * 64, &p.tma_v, ss.kv_full, c * 64, n0, h_kv, b);
+    tma::load_4d(ss.k + c * kBlockN * 64, &p.tma_k, ss.kv_full, c * 64, seq.k0 + n0, h_kv, b);
+    tma::load_4d(ss.v + c * kBlockN * 64, &p.tma_v, ss.kv_full, c * 64, seq.k0 + n0, h_kv, b);
   }
   const int groups = static_cast<int>(p.groups);
   #pragma unroll 1  // not unrolled: 24 registers (setmaxnreg.dec), shared with the dQ writer's warp
@@ -165,22 +166,24 @@ __device__ __forceinline__ void bwd_produce(const FlashBwdSm90Params& p,
     const unsigned parity = ss.q_bars.phase(i), parity_do = ss.do_bars.phase(i);
     const int h = h_kv * groups + i / steps.m_count;
     const int m0 = (steps.m_first + i % steps.m_count) * kBlockM;
-    // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B) like
-    // the tiles: compute-sanitizer racecheck flagged the consumers' reads against plain bulk copies into the rows.
-    const int stat_row = b * static_cast<int>(p.num_heads) + h;
+    // The stats rows come by TMA through tma_stats (lse row, then the D row B·Hq rows further; gridDim.z = B; packed:
+    // BwdSeq's rows and first column) like the tiles: compute-sanitizer racecheck flagged the consumers' reads against
+    // plain bulk copies into the rows.
+    const int stat_row = kVarlen ? seq.stat_row0 + h : b * static_cast<int>(p.num_heads) + h;
+    const int delta_row = kVarlen ? seq.delta_row0 + h
+                                  : static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row;
     unsigned long long* q_full = ss.q_bars.acquire(s, parity, Smem::kQBytes + Smem::kStatBytes);
     T* q_dst = ss.q + s * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, q_full, c * 64, m0, h, b);
-    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, q_full, m0, stat_row);
+      tma::load_4d(q_dst + c * kBlockM * 64, &p.tma_q, q_full, c * 64, seq.q0 + m0, h, b);
+    tma::load_2d(ss.lse + s * kBlockM, &p.tma_stats, q_full, seq.stat_col + m0, stat_row);
     unsigned long long* do_full = ss.do_bars.acquire(sd, parity_do, Smem::kQBytes + Smem::kStatBytes);
     T* do_dst = ss.dout + sd * kBlockM * kHeadDim;
     #pragma unroll
     for (int c = 0; c < Smem::kColBlocks; ++c)
-      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, do_full, c * 64, m0, h, b);
-    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, do_full, m0,
-                 static_cast<int>(gridDim.z) * static_cast<int>(p.num_heads) + stat_row);
+      tma::load_4d(do_dst + c * kBlockM * 64, &p.tma_do, do_full, c * 64, seq.q0 + m0, h, b);
+    tma::load_2d(ss.delta + sd * kBlockM, &p.tma_stats, do_full, seq.stat_col + m0, delta_row);
   }
 }
 
@@ -202,10 +205,11 @@ constexpr int kDqBarrierThreads = 160;
 // outstanding global operations; reductions issued by the consumers (red.global.add, or TMA reduces from their
 // threads) put that wait into every step, a large share of the kernel at head dims 64 and 128
 // (bench/notes/kernels_flash_bwd_sm90.md).
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
+template <bool kVarlen, typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages>
 __device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
                                              const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
-                                             int h_kv, int b, BwdSteps steps, int lane) {
+                                             const BwdSeq& seq, int h_kv, BwdSteps steps, int lane) {
+  const int b = seq.b_map;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   using Dq = BwdDq<kHeadDim, kBlockM, kBlockN>;
   // Step i's query head and block (bwd_produce's), by counters: this warp has 24 registers (setmaxnreg.dec).
@@ -214,7 +218,7 @@ __device__ __forceinline__ void bwd_dq_write(const FlashBwdSm90Params& p,
   tma::named_barrier_arrive(kDqEmptyBarrier + 1, kDqBarrierThreads);
   #pragma unroll 1
   for (int i = 0; i < steps.count; ++i) {
-    const int m0 = mb * kBlockM;
+    const int m0 = seq.q0 + mb * kBlockM;  // rows of the accumulator (packed: past L, the next sequence's, + 0)
     #pragma unroll
     for (int round = 0; round < Dq::kRounds; ++round) {
       #pragma unroll
@@ -277,10 +281,10 @@ __device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_ti
 // kMode (sm90/bwd_variants.cuh: BwdMode): kPlain for the plain instantiations; the kVariants ones run kWindow (the
 // mask at a window's lower edge too) or kScoreMods (softcap and/or ALiBi: tanh between the waits, Pᵀ and the
 // softcap's factor in the dS pass), picked per CTA by the kernel.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, BwdMode kMode>
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, BwdMode kMode, bool kVarlen>
 __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
-                                            int n0, int h_kv, int b, BwdSteps steps, int tid) {
+                                            const BwdSeq& seq, int n0, int h_kv, int b, BwdSteps steps, int tid) {
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   using Split = BwdSplit<kHeadDim, kBlockM, kBlockN>;
   constexpr int kSN = Split::kSN, kKvN = Split::kKvN;
@@ -297,9 +301,10 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   const int key0 = key_wg + 16 * warp + g;     // this lane's keys: key0 and key0 + 8
   const int q_col = Split::q_col(wg);          // first query (within the step) of this warpgroup's Sᵀ
   const int kv_col = Split::kv_col(wg);        // first column of this warpgroup's dK, dV
-  const int S = static_cast<int>(p.seqlen_k);
+  // The sequence's lengths and bounds: a packed call's from BwdSeq, a dense call's read here from the parameters.
+  const int S = kVarlen ? seq.S : static_cast<int>(p.seqlen_k);
   const bool causal = p.is_causal != 0;
-  const int causal_offset = static_cast<int>(p.causal_offset);  // |S − L| < 2^31
+  const int causal_offset = static_cast<int>(kVarlen ? seq.causal_offset : p.causal_offset);  // |S − L| < 2^31
   const float sc = static_cast<float>(p.scale_log2);
   const int groups = static_cast<int>(p.groups);
   // The variants (sm90/bwd_variants.cuh; kMode != kPlain). A window's lower bound that binds for some row has −L <
@@ -307,8 +312,9 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   // column limit reaches. kScoreMods: the softcap (softcap_in != 0) and ALiBi (alibi_k != 0 per step) at run time.
   constexpr bool kVariants = kMode != BwdMode::kPlain;
   constexpr bool kScoreMods = kMode == BwdMode::kScoreMods;
-  const int L = static_cast<int>(p.seqlen_q);
-  const int window_lo = kVariants && p.window_lo > -p.seqlen_q ? static_cast<int>(p.window_lo) : -(L + 3 * kBlockM);
+  const int L = kVarlen ? seq.L : static_cast<int>(p.seqlen_q);
+  const long long lo = kVarlen ? seq.window_lo : p.window_lo;
+  const int window_lo = kVariants && lo > (kVarlen ? -L : -p.seqlen_q) ? static_cast<int>(lo) : -(L + 3 * kBlockM);
   const float softcap_in = kScoreMods ? static_cast<float>(p.softcap_in) : 0.f;
   const bool capped = softcap_in != 0.f;
   const int dist_lane = 2 * t + S - L - key0;  // ALiBi's distance i + S − L − j of the lane's first element, − q0
@@ -503,11 +509,11 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
     ss.q_bars.release(i, lane);
   }
 
-  const long long kv_head = static_cast<long long>(b) * (p.num_heads / groups) + h_kv;
-  store_grad<T, kKvN>(acc_dk, static_cast<T*>(p.dk) + kv_head * S * p.head_dim, key0, t, kv_col, S,
-                      static_cast<int>(p.head_dim), static_cast<float>(p.scale));
-  store_grad<T, kKvN>(acc_dv, static_cast<T*>(p.dv) + kv_head * S * p.head_dim_v, key0, t, kv_col, S,
-                      static_cast<int>(p.head_dim_v), 1.f);
+  const KvRows kv = bwd_kv_rows<kVarlen>(p, b, p.num_heads / groups, h_kv, S);
+  store_grad<T, kKvN>(acc_dk, static_cast<T*>(p.dk) + kv.first * p.head_dim, key0, t, kv_col, S,
+                      static_cast<int>(p.head_dim), static_cast<float>(p.scale), kv.step);
+  store_grad<T, kKvN>(acc_dv, static_cast<T*>(p.dv) + kv.first * p.head_dim_v, key0, t, kv_col, S,
+                      static_cast<int>(p.head_dim_v), 1.f, kv.step);
 }
 
 }  // namespace sm90

@@ -3,6 +3,7 @@
 // tests/test_structs.py checks the field order against this declaration.
 #pragma once
 #include "common/tma.cuh"
+#include "common/visibility.cuh"
 
 namespace cupy_attn {
 
@@ -40,6 +41,61 @@ struct FlashBwdSm90Params {
   const float* alibi_slopes;   // fp32 ALiBi slopes (Hq,) or (B, Hq), or nullptr
   long long alibi_stride_b;    // 0 for (Hq,) slopes, Hq for (B, Hq)
   double alibi_scale;          // 1 / scale, or 1 / c with a softcap (the bias in raw-score units)
+  // Packed batches (kVarlen; the forward's FlashFwdSm90Params fields): q, dO, out (total_q, Hq, E|Ev), k, v, dk, dv
+  // (total_k, Hkv, E|Ev), dq_accum (total_q, Hq, E) fp32, the statistics (2·Hq, seqlen_q_padded) with sequence b's
+  // columns from BwdSeq::stat_col on; seqlen_q / seqlen_k hold total_q / total_k, causal_offset and window_lo the
+  // offsets relative to each sequence's diagonal S_b − L_b. Grid (⌈max S_b / kBlockN⌉, Hkv, B).
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  const int* seqused_k;
 };
+
+// The sequence of a key block, and where its rows are. Dense calls: batch b of the maps, rows and keys from 0, the
+// call's L, S and bounds. Packed calls (kVarlen): batch 0, the sequence's offsets q0 / k0 and lengths (clamped to the
+// arrays' rows), its bounds, and its statistics from column stat_col = ⌊(q0 + b·kBlockM) / kBlockM⌋·kBlockM
+// (FlashAttention-3's padded offsets: a kBlockM box of one sequence never reaches the next's columns, whose padding
+// holds lse +inf and D 0, so P = 0 on rows past L). Where dK / dV rows go: bwd_kv_rows.
+struct BwdSeq {
+  int b_map;                   // the batch coordinate of the tensor maps
+  int q0, k0, L, S;
+  long long causal_offset;     // used only when is_causal
+  long long window_lo;         // kNoLowerBound: none
+  int stat_col;                // the statistics' first column of this sequence
+  int stat_row0, delta_row0;   // query head h's lse row: stat_row0 + h; its D row: delta_row0 + h
+};
+
+template <bool kVarlen, int kBlockM>
+__device__ __forceinline__ BwdSeq bwd_seq(const FlashBwdSm90Params& p, int b) {
+  const int Hq = static_cast<int>(p.num_heads);
+  if constexpr (!kVarlen) {
+    return {b, 0, 0, static_cast<int>(p.seqlen_q), static_cast<int>(p.seqlen_k), p.causal_offset, p.window_lo, 0,
+            b * Hq, static_cast<int>(gridDim.z) * Hq + b * Hq};
+  } else {
+    const int total_q = static_cast<int>(p.seqlen_q), total_k = static_cast<int>(p.seqlen_k);
+    const int q0 = min(max(p.cu_seqlens_q[b], 0), total_q), k0 = min(max(p.cu_seqlens_k[b], 0), total_k);
+    const int L = min(max(p.cu_seqlens_q[b + 1] - q0, 0), total_q - q0);
+    const int S = min(max(p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0, 0), total_k - k0);
+    const long long d = S - L;
+    return {0, q0, k0, L, S, p.causal_offset + d, p.window_lo == kNoLowerBound ? kNoLowerBound : p.window_lo + d,
+            (q0 + b * kBlockM) / kBlockM * kBlockM, 0, Hq};
+  }
+}
+
+// dK / dV rows of head h_kv of key block's sequence b: key j at row first + j·step of (rows, cols) — dense (B, Hkv,
+// S, cols): first (b·Hkv + h_kv)·S, step 1; packed (total_k, Hkv, cols): first k0·Hkv + h_kv, step Hkv (hkv = Hkv, in
+// the type the caller has it). Computed where
+// the gradients are stored (k0 read again: nothing held across the mainloop).
+struct KvRows {
+  long long first, step;
+};
+template <bool kVarlen, typename Heads>
+__device__ __forceinline__ KvRows bwd_kv_rows(const FlashBwdSm90Params& p, int b, Heads hkv, int h_kv, int S) {
+  if constexpr (!kVarlen) {
+    return {(static_cast<long long>(b) * hkv + h_kv) * S, 1};
+  } else {
+    const long long k0 = min(max(p.cu_seqlens_k[b], 0), static_cast<int>(p.seqlen_k));
+    return {k0 * hkv + h_kv, static_cast<long long>(hkv)};
+  }
+}
 
 }  // namespace cupy_attn

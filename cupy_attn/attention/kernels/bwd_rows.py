@@ -68,6 +68,17 @@ BACKWARD_DELTA_PADDED = KernelFamily(
     axes={"dtype": ("__half", "__nv_bfloat16")},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
+# BwdVarlenStatsParams in bwd_rows.cu: the packed backward's statistics pre-pass.
+VARLEN_STATS_PARAMS = np.dtype([(n, np.int64) for n in (
+    "dout", "o", "lse", "stats", "cu_seqlens_q", "batch", "num_heads", "total_q", "ld", "head_dim_v", "block_m",
+    "row_threads")])
+BACKWARD_DELTA_VARLEN = KernelFamily(
+    name="attn_bwd_delta_varlen",
+    source="attention/bwd_rows.cu",
+    template="cupy_attn::attn_bwd_delta_varlen<{dtype}>",
+    axes={"dtype": ("__half", "__nv_bfloat16")},
+    structs=(("cupy_attn::BwdVarlenStatsParams", VARLEN_STATS_PARAMS),),
+)
 BACKWARD_DELTA = KernelFamily(
     name="attn_bwd_delta",
     source="attention/bwd_rows.cu",

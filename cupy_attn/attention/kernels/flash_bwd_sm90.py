@@ -104,20 +104,25 @@ _PARAMS = c_struct([(n, MAP, 64) for n in ("tma_q", "tma_k", "tma_v", "tma_do", 
                              "dk", "dv", "dq_accum", "lse_log2", "delta", "seqlen_q", "seqlen_k", "seqlen_q_padded",
                              "head_dim", "head_dim_v", "num_heads", "groups", "is_causal", "causal_offset", "scale",
                              "scale_log2", "window_lo", "softcap_in", "alibi_slopes", "alibi_stride_b",
-                             "alibi_scale")])
+                             "alibi_scale", "cu_seqlens_q", "cu_seqlens_k", "seqused_k")])
 FLASH_BWD_SM90 = KernelFamily(
     name="flash_bwd_sm90",
     source="attention/flash_bwd_sm90.cu",
     template="cupy_attn::flash_bwd_sm90<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
-             "{variants}>",
+             "{variants}, {varlen}>",
     axes={
         "dtype": tuple(C_TYPE_16.values()),
         "head_dim": tuple(TILES),
         "tile": tuple(sorted(set(TILES.values()), key=dataclasses.astuple)),
         # true: window (lower bound), softcap and ALiBi read at run time, for every tile
         "variants": ("false", "true"),
+        # true: packed batches (varlen_attention's backward: BwdSeq in cuda_src/attention/sm90/bwd_params.cuh), in
+        # the variants' instantiations only (the plain one at head dim 64 spilled 100 bytes with the sequence's
+        # lengths in registers; the variants' kWindow mode serves plain calls)
+        "varlen": ("false", "true"),
     },
-    where=lambda row: row["tile"] == TILES[row["head_dim"]],
+    where=lambda row: (row["tile"] == TILES[row["head_dim"]]
+                       and (row["varlen"] == "false" or row["variants"] == "true")),
     archs=("sm_90a",),
     structs=(("cupy_attn::FlashBwdSm90Params", _PARAMS),),
     arch="sm_90a",
@@ -236,7 +241,7 @@ class Sm90Backward(bwd_rows.FusedBackward):
         scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
         self.kernel = PreparedLaunch(
             prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile,
-                                             variants="true" if kernel_variants else "false"),
+                                             variants="true" if kernel_variants else "false", varlen="false"),
                        (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
             args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
             pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
@@ -252,3 +257,68 @@ def build(p, bucket: int) -> Sm90Backward:
     """The prepared backward of a checked problem accepted by :func:`reason` at head-dim bucket ``bucket`` (the
     plan's: dispatch.plan_backward), replayed as ``launch(q, k, v, out, lse, dout, dq, dk, dv, rng)``."""
     return Sm90Backward(p, bucket)
+
+
+class Sm90VarlenBackward(bwd_rows.FusedBackward):
+    """The Hopper backward of a packed batch (varlen_attention), prepared for one call: the statistics pre-pass
+    (attn_bwd_delta_varlen: lse·log2 e and D in each sequence's padded columns, +inf / 0 on the padding), the
+    kVarlen kernel over grid (⌈max S_b / kBlockN⌉, Hkv, B), dQ's rounding from its fp32 (total_q, Hq, E)
+    accumulator (zeroed by a memset). q, k, v, out, dout: the packed (total, H, D) rows, 16-byte aligned with
+    16-byte row strides (TMA); dk, dv (total_k, Hkv, E|Ev) zeroed by the caller (rows no sequence covers stay 0).
+    ``bounds``: as flash_fwd_sm90.build_varlen's (relative to each sequence's diagonal); the index arrays' addresses
+    are baked into the parameters (one launch per call)."""
+
+    def __init__(self, ctx, q, k, v, *, bounds, batch: int, max_seqlen_k: int, cu_seqlens_q: int,
+                 cu_seqlens_k: int, seqused_k: int = 0):
+        self.ctx = ctx
+        total_q, Hq, E = q.shape
+        total_k, Hkv, Ev = v.shape
+        bucket = head_bucket(E, Ev)
+        tile = TILES[bucket]
+        ctype = C_TYPE_16[dtype_name(q.dtype)]
+        ld = -(-(total_q + (batch + 1) * tile.block_m) // 64) * 64  # every sequence's padded columns fit
+        self.dq32_offset = bwd_rows.round_up_256(2 * Hq * ld * 4)
+        self.scratch_bytes = self.dq32_offset + total_q * Hq * E * 4
+        row_threads = bwd_rows.delta_row_threads(E, Ev)
+        pre = np.zeros((), dtype=bwd_rows.VARLEN_STATS_PARAMS)
+        pre["cu_seqlens_q"], pre["batch"], pre["num_heads"], pre["total_q"] = cu_seqlens_q, batch, Hq, total_q
+        pre["ld"], pre["head_dim_v"], pre["block_m"], pre["row_threads"] = ld, Ev, tile.block_m, row_threads
+        self.pre = PreparedLaunch(
+            pre, [Step(bwd_rows.BACKWARD_DELTA_VARLEN.kernel(dtype=ctype), (-(-Hq * ld * row_threads // 256),),
+                       (256,))],
+            args=("dout", "out", "lse", "scratch"), pointers={"dout": "dout", "o": "out", "lse": "lse",
+                                                             "stats": "scratch"})
+        prm = np.zeros((), dtype=_PARAMS)
+        prm["seqlen_q"], prm["seqlen_k"], prm["seqlen_q_padded"] = total_q, total_k, ld
+        prm["head_dim"], prm["head_dim_v"], prm["num_heads"], prm["groups"] = E, Ev, Hq, Hq // Hkv
+        flash_fwd_sm90.set_variant_params(prm, bounds)
+        prm["scale"] = bounds.scale
+        prm["cu_seqlens_q"], prm["cu_seqlens_k"], prm["seqused_k"] = cu_seqlens_q, cu_seqlens_k, seqused_k
+        def four(shape, strides):  # (total, H, D) rows as the (1, H, total, D) layout TMA reads
+            return Layout((1, shape[1], shape[0], shape[2]), (strides[0] * shape[0], strides[1], strides[0],
+                                                               strides[2]), q.dtype, 0)
+        isz = q.dtype.itemsize  # dout as the caller gives it: contiguous (total_q, Hq, Ev) rows
+        do = four((total_q, Hq, Ev), (isz * Hq * Ev, isz * Ev, isz))
+        inputs = Maps(("tma_q", "tma_k", "tma_v", "tma_do"), ("q", "k", "v", "dout"), tuple(
+            MapSpec.of(a, rows).encode for a, rows in ((four(q.shape, q.strides), tile.block_m),
+                                                       (four(k.shape, k.strides), tile.block_n),
+                                                       (four(v.shape, v.strides), tile.block_n), (do, tile.block_m))))
+        stats = functools.partial(encode_tensor_map, "float32", dims=(ld, 2 * Hq), strides=(4 * ld,),
+                                  box=(tile.block_m, 1))
+        dq = functools.partial(encode_tensor_map, "float32", dims=(E, total_q, Hq, 1),
+                               strides=(4 * Hq * E, 4 * E, 4 * Hq * E * max(total_q, 1)), box=(32, 64, 1, 1),
+                               swizzle=128)
+        scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
+        self.kernel = PreparedLaunch(
+            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile, variants="true",
+                                             varlen="true"),
+                       (max(1, math.ceil(max_seqlen_k / tile.block_n)), Hkv, batch), (THREADS,),
+                       tile.smem_bytes(bucket))],
+            args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
+            pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
+                      "delta": ("scratch", 4 * Hq * ld)})
+        self.cast = bwd_rows.GroupSum(ctype, total_q * Hq * E, total_q * Hq * E, 1)
+
+    def _launch(self, stream, scratch, q, k, v, out, lse, dout, dk, dv, rng):
+        self.pre.launch_on(stream, dout, out, lse, scratch)
+        self.kernel.launch_on(stream, q, k, v, dout, scratch, dk, dv)
