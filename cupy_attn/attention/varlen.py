@@ -395,6 +395,8 @@ def kernel_backward_reason(vp: VarlenProblem) -> str | None:
     from ..runtime.tma import tma_operand_reason
     if not vp.ctx.on_gpu or vp.block_table is not None or vp.dropout_p > 0:
         return "CPU inputs, a block table or dropout"
+    if min(vp.batch, vp.total_q, int(vp.k.shape[0])) == 0:
+        return "empty"
     why = bwd.unsupported_reason(vp.dtype, vp.head_dim, vp.head_dim_v, False, device_arch(vp))
     if why is None and vp.head_dim % 4:
         why = f"head_dim={vp.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
