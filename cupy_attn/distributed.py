@@ -18,7 +18,7 @@ lse (FlashAttention-2's backward needs nothing else).
 
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
 forward issues each step's K/V transfer before that step's compute and waits for it after; the backward exchanges
-after each step's compute (and sends K and V on the last step too, where only dK and dV need to go home). Not yet:
+after each step's compute (the last exchange carries dK and dV alone, home to their keys' owner). Not yet:
 windows and softcap in the ring (the Ulysses schedule takes windows and softcap), dropout in Ulysses, sinks and
 ALiBi.
 """
@@ -268,11 +268,14 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p
                 dq.narrow(-2, qs, ql).add_(g[0])
                 dk.narrow(-2, ks, kl).add_(g[1])
                 dv.narrow(-2, ks, kl).add_(g[2])
-        # the accumulators move on with their keys; after n sends they are back with the keys' owner
+        # the accumulators move on with their keys; after n sends they are back with the keys' owner (the last send
+        # carries them alone: nobody computes with those keys again)
         if ring.n > 1:
-            reqs, travel = ring.exchange(travel, (holder - 1) % ring.n)
+            last = step == ring.n - 1
+            reqs, moved = ring.exchange(travel[2:] if last else travel, (holder - 1) % ring.n)
             for req in reqs:
                 req.wait()
+            travel = [None, None, *moved] if last else moved
     return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
 
 
