@@ -17,8 +17,8 @@ belong to and travel with them until they are home, each step's partial gradient
 lse (FlashAttention-2's backward needs nothing else).
 
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
-forward issues each step's K/V transfer before that step's compute and waits for it after; the backward exchanges
-after each step's compute (the last exchange carries dK and dV alone, home to their keys' owner). Not yet:
+forward and the backward issue each step's K/V transfer before that step's compute and wait for it after; the
+backward's dK and dV follow their keys after each step's compute. Not yet:
 windows and softcap in the ring (the Ulysses schedule takes windows and softcap), dropout in Ulysses, sinks and
 ALiBi.
 """
@@ -249,34 +249,38 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=N
 
 
 def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p=0.0, rngs=None):
-    """(dq, dk, dv) of the local shards: the ring again, dK and dV traveling with their keys."""
+    """(dq, dk, dv) of the local shards: the ring again. Each step's K/V transfer (for the next step) is issued
+    before the step's compute, as the forward's; dK and dV (fp32) follow their keys one step behind, sent after the
+    compute that added to them, and after n sends they are back with the keys' owner."""
     torch = sys.modules["torch"]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    travel = [k, v, torch.zeros(k.shape, dtype=torch.float32, device=k.device),
-              torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
+    kv = [k, v]
+    dkv = [torch.zeros(k.shape, dtype=torch.float32, device=k.device),
+           torch.zeros(v.shape, dtype=torch.float32, device=v.device)]
     for step in range(ring.n):
         holder = (ring.rank - step) % ring.n
-        kk, vv, dk, dv = travel
+        pending = ring.exchange(kv, (holder - 1) % ring.n) if step + 1 < ring.n else None
         for cq, qs, ql in ring.chunks(ring.rank):
             for ck, ks, kl in ring.chunks(holder):
                 vis = ring.visibility(cq, ck)
                 if vis is None or ql == 0 or kl == 0:
                     continue
                 rows = (lambda x: x.narrow(-2, qs, ql))
-                g = _grads(rows(q), kk.narrow(-2, ks, kl), vv.narrow(-2, ks, kl), rows(out), lse.narrow(-1, qs, ql),
-                           rows(dout), vis, scale, enable_gqa, dropout_p, (rngs or {}).get((cq, ck)))
+                g = _grads(rows(q), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), rows(out),
+                           lse.narrow(-1, qs, ql), rows(dout), vis, scale, enable_gqa, dropout_p,
+                           (rngs or {}).get((cq, ck)))
                 dq.narrow(-2, qs, ql).add_(g[0])
-                dk.narrow(-2, ks, kl).add_(g[1])
-                dv.narrow(-2, ks, kl).add_(g[2])
-        # the accumulators move on with their keys; after n sends they are back with the keys' owner (the last send
-        # carries them alone: nobody computes with those keys again)
+                dkv[0].narrow(-2, ks, kl).add_(g[1])
+                dkv[1].narrow(-2, ks, kl).add_(g[2])
         if ring.n > 1:
-            last = step == ring.n - 1
-            reqs, moved = ring.exchange(travel[2:] if last else travel, (holder - 1) % ring.n)
+            reqs, dkv = ring.exchange(dkv, (holder - 1) % ring.n)
             for req in reqs:
                 req.wait()
-            travel = [None, None, *moved] if last else moved
-    return dq.to(q.dtype), travel[2].to(k.dtype), travel[3].to(v.dtype)
+        if pending is not None:
+            for req in pending[0]:
+                req.wait()
+            kv = pending[1]
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
 
 
 @functools.cache
