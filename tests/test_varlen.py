@@ -235,7 +235,8 @@ def test_packed_backward_kernel(dtype, E, monkeypatch):
     """CUPY_ATTN_VARLEN_BWD=kernel: the packed Hopper backward (one launch; statistics in padded per-sequence
     columns) against float64 under the error rule: self-attention and cross lengths (L_b != S_b), GQA, sinks."""
     monkeypatch.setenv("CUPY_ATTN_VARLEN_BWD", "kernel")
-    q, k, v, cq, ck = _packed([130, 0, 257, 64, 1], [200, 5, 257, 64, 70], 4, 2, E, dtype, seed=E + 1)
+    q, k, v, cq, ck = _packed([130, 0, 257, 64, 1], [200, 5, 257, 64, 70], 4, 2, E, dtype, seed=E + 1, extra_q=5)
+    q[-5:] = float("nan")  # rows no sequence covers: never read (the maps end at the last sequence's last row)
     sinks = torch.randn(4, device="cuda")
     leaves = [x.detach().requires_grad_() for x in (q, k, v, sinks)]
     out = cupy_attn.varlen_attention(*leaves[:3], cq, ck, 257, 257, causal=True, sinks=leaves[3])

@@ -389,52 +389,56 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
 
 def kernel_backward_reason(vp: VarlenProblem) -> str | None:
     """None when the packed Hopper backward (flash_bwd_sm90's kVarlen instantiations) can run this call's backward:
-    on the GPU, the Hopper backward's dtypes and head dims, no block table, TMA-readable rows; else why not."""
+    on the GPU, the Hopper backward's dtypes and head dims, no block table, no seqused_k (its gaps between sequences
+    are read, masked, by whole key blocks: 0 × a NaN there would reach dQ), head dims whose contiguous rows TMA reads
+    (multiples of 8), B within the grid's 65535; else why not."""
     from .dispatch import device_arch
     from .kernels import flash_bwd_sm90 as bwd
-    from ..runtime.tma import tma_operand_reason
-    if not vp.ctx.on_gpu or vp.block_table is not None or vp.dropout_p > 0:
-        return "CPU inputs, a block table or dropout"
+    if not vp.ctx.on_gpu or vp.block_table is not None or vp.dropout_p > 0 or vp.seqused_k is not None:
+        return "CPU inputs, a block table, seqused_k or dropout"
     if min(vp.batch, vp.total_q, int(vp.k.shape[0])) == 0:
         return "empty"
+    if vp.batch > 65535:
+        return "grid limit: batch must be <= 65535"
     why = bwd.unsupported_reason(vp.dtype, vp.head_dim, vp.head_dim_v, False, device_arch(vp))
-    if why is None and vp.head_dim % 4:
-        why = f"head_dim={vp.head_dim}: the dQ accumulator's TMA rows need E a multiple of 4"
-    if why is None:
-        with vp.ctx.activate():
-            for name, x in (("q", vp.q), ("k", vp.k), ("v", vp.v)):
-                why = why or tma_operand_reason(name, _packed4(vp.ctx.as_cupy(x)))
+    if why is None and (vp.head_dim % 8 or vp.head_dim_v % 8):
+        why = f"head dims E={vp.head_dim}, Ev={vp.head_dim_v}: TMA reads contiguous rows of multiples of 8 elements"
     return why
 
 
 def backward_kernel(vp: VarlenProblem, seqs, out, lse, grad_out, sinks):
     """backward_sequences by the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel): one launch for every sequence
-    (kernels/flash_bwd_sm90.Sm90VarlenBackward), dK and dV zeroed first (rows no sequence covers stay 0); dsinks
-    from the covered rows."""
+    (kernels/flash_bwd_sm90.Sm90VarlenBackward) on contiguous copies where the arrays are not, dK and dV zeroed first
+    (rows no sequence covers stay 0). The tensor maps end at the last sequence's last row and key, so the rows after
+    them (out and dO unwritten there, q and k whatever the caller left) arrive as TMA's zeros. dsinks from the covered
+    rows."""
     from . import autograd
     from .kernels import flash_bwd_sm90 as bwd
     torch = sys.modules["torch"]
     ctx = vp.ctx
-    q, k, v = (x.contiguous() for x in (vp.q, vp.k, vp.v))
-    grad_out = grad_out.contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    idx = [None if x is None else x.contiguous() for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
-    with ctx.activate():
-        views = [ctx.as_cupy(x) for x in (q, k, v)]
-        run = bwd.Sm90VarlenBackward(ctx, *views, bounds=_bounds(vp), batch=vp.batch,
-                                     max_seqlen_k=max((S for _, _, _, S in seqs), default=0),
-                                     cu_seqlens_q=idx[0].data_ptr(), cu_seqlens_k=idx[1].data_ptr(),
-                                     seqused_k=0 if idx[2] is None else idx[2].data_ptr())
-        run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.contiguous().data_ptr(), lse.contiguous().data_ptr(),
-            grad_out.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
+    end_q = max((q0 + L for q0, L, _, _ in seqs), default=0)
+    end_k = max((k0 + S for _, _, k0, S in seqs), default=0)
+    q, k, v, out, lse, grad_out = (x.contiguous() for x in (vp.q, vp.k, vp.v, out, lse, grad_out))
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if end_q and end_k:
+        idx = [x.contiguous() for x in (vp.cu_seqlens_q, vp.cu_seqlens_k)]
+        with ctx.activate():
+            views = [ctx.as_cupy(x) for x in (q[:end_q], k[:end_k], v[:end_k])]
+            run = bwd.Sm90VarlenBackward(ctx, *views, bounds=_bounds(vp), batch=vp.batch,
+                                         max_seqlen_k=max(S for _, _, _, S in seqs),
+                                         cu_seqlens_q=idx[0].data_ptr(), cu_seqlens_k=idx[1].data_ptr())
+            lse_rows = lse[:, :end_q].contiguous()  # (Hq, end_q): the pre-pass's row pitch is end_q
+            run(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lse_rows.data_ptr(), grad_out.data_ptr(),
+                dq.data_ptr(), dk.data_ptr(), dv.data_ptr())
     dsinks = None
     if sinks is not None:
+        rows = [torch.arange(q0, q0 + L) for q0, L, _, S in seqs if L and S]
         dsinks = torch.zeros(sinks.shape, dtype=torch.float32, device=sinks.device)
-        for q0, L, _, S in seqs:
-            if L and S:
-                rows = slice(q0, q0 + L)
-                dsinks += autograd.sinks_grad(sinks.float(), _heads_first(out[rows]).float(),
-                                              lse[:, rows].unsqueeze(0), _heads_first(grad_out[rows]).float())
+        if rows:
+            r = torch.cat(rows).to(q.device)
+            dsinks = autograd.sinks_grad(sinks.float(), _heads_first(out.index_select(0, r)).float(),
+                                         lse.index_select(1, r).unsqueeze(0),
+                                         _heads_first(grad_out.index_select(0, r)).float())
         dsinks = dsinks.to(sinks.dtype)
     return dq, dk, dv, dsinks
 
