@@ -4,7 +4,8 @@
 
 Rows: the issue's packed batch (12 causal sequences of 256-4096 tokens, 25,701 in all; bf16, 32 query heads over 8
 KV heads, head dim 128) forward, forward + backward, the same at head dims 64 and 256, and the forward with the
-sequences in descending length (the order a longest-first schedule would take). TFLOP/s count the visible
+sequences in descending length (the order a longest-first schedule would take), and the forward reading K and V from
+paged caches (pages of 64 and 16 keys in a shuffled order; FA4 through its page_table). TFLOP/s count the visible
 (query, key) pairs: 4·H·Σ_b pairs_b·D. Timings: medians of event timings, ours and the peer alternating in rounds:
 "ms" from an idle GPU per call (host time the GPU waits for included), "device ms" behind a spin kernel (host time
 excluded: the GPU-bound case of a model's layers).
@@ -33,14 +34,37 @@ def visible_pairs(lens, causal: bool) -> int:
     return sum(n * (n + 1) // 2 if causal else n * n for n in lens)
 
 
+def paged_cache(k, v, lens, page: int):
+    """k, v (total, Hkv, D) as paged caches (num_pages, page, Hkv, D) with their pages in a shuffled order, the
+    (B, max_pages) block table and seqused_k (B,)."""
+    import torch
+    pages = [-(-n // page) for n in lens]
+    perm = torch.randperm(sum(pages), generator=torch.Generator().manual_seed(0))
+    table = torch.zeros((len(lens), max(pages)), dtype=torch.int32)
+    caches = [torch.zeros((sum(pages), page) + x.shape[1:], dtype=x.dtype, device=x.device) for x in (k, v)]
+    at = start = 0
+    for b, (n, p) in enumerate(zip(lens, pages)):
+        ids = perm[at:at + p]
+        table[b, :p] = ids
+        for c, x in zip(caches, (k, v)):
+            flat = torch.zeros((p * page,) + x.shape[1:], dtype=x.dtype, device=x.device)
+            flat[:n] = x[start:start + n].detach()
+            c[ids.to(x.device)] = flat.view((p, page) + x.shape[1:])
+        at, start = at + p, start + n
+    used = torch.tensor(lens, dtype=torch.int32, device=k.device)
+    return caches[0], caches[1], table.to(k.device), used
+
+
 def run(rounds: int) -> list[dict]:
     import torch
     import cupy_attn
     peer = fa4("flash_attn_varlen_func")
     rows = []
-    for name, D, backward, lens in (("fwd hd128", 128, False, LENS), ("fwd+bwd hd128", 128, True, LENS),
-                                    ("fwd hd64", 64, False, LENS), ("fwd hd256", 256, False, LENS),
-                                    ("fwd hd128, longest first", 128, False, sorted(LENS, reverse=True))):
+    for name, D, backward, lens, page in (
+            ("fwd hd128", 128, False, LENS, 0), ("fwd+bwd hd128", 128, True, LENS, 0),
+            ("fwd hd64", 64, False, LENS, 0), ("fwd hd256", 256, False, LENS, 0),
+            ("fwd hd128, longest first", 128, False, sorted(LENS, reverse=True), 0),
+            ("fwd hd128, pages of 64", 128, False, LENS, 64), ("fwd hd128, pages of 16", 128, False, LENS, 16)):
         Hq, Hkv = 32, 8
         total = sum(lens)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
@@ -49,14 +73,20 @@ def run(rounds: int) -> list[dict]:
         v = torch.randn((total, Hkv, D), device="cuda", dtype=torch.bfloat16, requires_grad=backward)
         dout = torch.randn((total, Hq, D), device="cuda", dtype=torch.bfloat16)
         mx = max(lens)
+        kv = {"k": k, "v": v, "cu_seqlens_k": cu}
+        if page:
+            kc, vc, table, used = paged_cache(k, v, lens, page)
+            kv = {"k": kc, "v": vc, "cu_seqlens_k": None, "seqused_k": used}
 
         def ours():
-            return cupy_attn.varlen_attention(q, k, v, cu, cu, mx, mx, is_causal=True)
+            return cupy_attn.varlen_attention(q, cu_seqlens_q=cu, max_seqlen_q=mx, max_seqlen_k=mx, is_causal=True,
+                                              **kv, **({"block_table": table} if page else {}))
 
         fns = {"ours": ours}
         if peer is not None:
             def theirs():
-                o = peer(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True)
+                o = peer(q, cu_seqlens_q=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True, **kv,
+                         **({"page_table": table} if page else {}))
                 return o[0] if isinstance(o, tuple) else o
             fns["fa4"] = theirs
         outs = {}

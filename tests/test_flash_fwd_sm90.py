@@ -556,6 +556,52 @@ def test_launch_params(monkeypatch):
     assert len(calls) == 4 and got["o_tma"] == 0 and got["out"] == 4104, "an 8-byte aligned out: 4-byte stores"
 
 
+@pytest.mark.parametrize("page_size,D,box_rows", [(16, 128, 16), (64, 128, 64), (256, 128, 128), (32, 256, 32),
+                                                  (128, 256, 64)])
+def test_paged_varlen_launch(monkeypatch, page_size, D, box_rows):
+    """The packed kernel on a paged cache (faked driver): K and V maps over the caches' num_blocks·page_size rows in
+    boxes of min(page_size, block_n) rows, seqlen_k = max_blocks·page_size (what a table row addresses), the page
+    size and table width in the struct, the block table's pointer passed at the replay; page sizes the producer cannot
+    read (not a multiple of 8, neither a divisor nor a multiple of the key block) are refused before."""
+    import ctypes
+    import types
+
+    import cupy
+    from cupy.cuda import driver
+    from cupy_attn.attention import variants
+    boxes, launched = [], []
+
+    def fake_encode(spec, ptr):
+        boxes.append((ptr, spec.box_rows, spec.dims[1]))
+        return np.zeros(128, np.uint8)
+
+    def fake_launch(fn, gx, gy, gz, bx, by, bz, smem, stream, argv, extra):
+        launched.append(ctypes.string_at(ctypes.c_uint64.from_address(argv).value, _sm90.PARAMS.itemsize))
+
+    monkeypatch.setattr(tma.MapSpec, "encode", fake_encode)
+    monkeypatch.setattr(driver, "launchKernel", fake_launch)
+    monkeypatch.setattr(_sm90, "FLASH_FWD_SM90_TMA", types.SimpleNamespace(kernel=lambda **kw: _FakeKernel()))
+    monkeypatch.setattr(_sm90, "device_sms", lambda device: 132)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: types.SimpleNamespace(id=0))
+    blocks, max_blocks, Hkv, total_q = 40, 6, 2, 300
+    q4 = _FakeArray((1, 8, total_q, D), (0, D * 2, 8 * D * 2, 2))
+    kv4 = _FakeArray((1, Hkv, blocks * page_size, D), (0, D * 2, Hkv * D * 2, 2))
+    out4 = _FakeArray((1, 8, total_q, D), (0, D * 2, 8 * D * 2, 2))
+    lse3 = _FakeArray((1, 8, total_q), (0, total_q * 4, 4), dtype=np.dtype(np.float32))
+    bounds = types.SimpleNamespace(key_upper=(True, 0), window_lo=variants.UNBOUNDED_LO, scale=0.1,
+                                   variants=variants.NONE)
+    assert _sm90.paged_reason(page_size, D, D) is None
+    launch = _sm90.build_varlen(q4, kv4, kv4, out4, lse3, bounds=bounds, batch=5, causal=True, page_size=page_size,
+                                max_blocks=max_blocks)
+    launch.launch_on(7, 1024, 2048, 4096, 8192, 9000, 100, 0, 200, 300)
+    assert [b[1:] for b in boxes[1:3]] == [(box_rows, blocks * page_size)] * 2 and boxes[0][1] == 128
+    got = np.frombuffer(launched[-1], _sm90.PARAMS)[0]
+    assert (got["seqlen_k"], got["max_blocks"], got["page_size"]) == (max_blocks * page_size, max_blocks, page_size)
+    assert (got["cu_seqlens_q"], got["cu_seqlens_k"], got["seqused_k"], got["block_table"]) == (100, 0, 200, 300)
+    for bad in (12, 48 if D == 128 else 40, 4):
+        assert "page size" in _sm90.paged_reason(bad, D, D)
+
+
 def _schedule(grid: int, pairs: bool, B: int, Hq: int, L: int, causal: bool, block_m: int = 128) -> list:
     """The (m_block, h, b) tiles each CTA runs, in order: cuda_src/attention/sm90/tile_scheduler.cuh's
     StaticTileScheduler<block_m>, transcribed (a check of the order it documents; the GPU tests run the real one)."""

@@ -117,33 +117,51 @@ def test_gradients_of_the_packed_call():
 
 
 @pytest.mark.parametrize("block_size", [16, 64, 128, 256])
-def test_paged_cache_matches_the_gathered_dense_call(block_size):
-    g = torch.Generator("cuda").manual_seed(block_size)
-    Hq, Hkv, E, B = 8, 2, 128, 4
-    used = torch.tensor([0, 1, 700, 1500], dtype=torch.int32, device="cuda")
+@pytest.mark.parametrize("E", [128, 256])
+def test_paged_cache_matches_the_gathered_call(block_size, E):
+    """A paged cache read by the packed kernel (pages of 16 ... 256 keys against key blocks of 128 (E = 128) and 64 (E
+    = 256)) gives exactly what the same kernel gives on the gathered keys, and passes the error rule against the
+    float64 reference; the per-sequence path (backend="split", pages gathered on the host) agrees under the rule.
+    Table entries past each sequence's pages hold ids outside the cache, and the slots past its keys, as the pages no
+    table names, hold NaN: none is read."""
+    g = torch.Generator("cuda").manual_seed(block_size + E)
+    Hq, Hkv, B = 8, 2, 5
+    used = torch.tensor([0, 1, 700, 1500, 129], dtype=torch.int32, device="cuda")
+    lens_q = [3, 1, 64, 200, 129]
     pages = [-(-int(s) // block_size) for s in used]
     n = sum(pages) + 3
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(0)).to(torch.int32)
-    table = torch.full((B, max(pages) + 2), n - 1, dtype=torch.int32)  # wider than needed
+    table = torch.full((B, max(pages) + 2), 1 << 30, dtype=torch.int32)  # wider than needed, unset past the pages
+    kc = torch.full((n, block_size, Hkv, E), float("nan"), device="cuda").half()
+    vc = torch.full((n, block_size, Hkv, E), float("nan"), device="cuda").half()
     at = 0
     for b, p in enumerate(pages):
         table[b, :p] = perm[at:at + p]
+        rows = perm[at:at + p].long().cuda()
+        S = int(used[b])
+        for c in (kc, vc):
+            fill = torch.randn((p * block_size, Hkv, E), generator=g, device="cuda").half()
+            fill[S:] = float("nan")
+            c[rows] = fill.view(p, block_size, Hkv, E)
         at += p
     table = table.cuda()
-    kc = torch.randn((n, block_size, Hkv, E), generator=g, device="cuda").half()
-    vc = torch.randn((n, block_size, Hkv, E), generator=g, device="cuda").half()
-    q = torch.randn((B * 3, Hq, E), generator=g, device="cuda").half()
-    cq = torch.arange(0, 3 * B + 1, 3, dtype=torch.int32, device="cuda")
-    out = cupy_attn.varlen_attention(q, kc, vc, cq, None, 3, 1500, seqused_k=used, block_table=table,
+    q = torch.randn((sum(lens_q), Hq, E), generator=g, device="cuda").half()
+    cq = torch.tensor(np.concatenate([[0], np.cumsum(lens_q)]), dtype=torch.int32, device="cuda")
+    args = (cq, None, max(lens_q), 1500)
+    out = cupy_attn.varlen_attention(q, kc, vc, *args, seqused_k=used, block_table=table, is_causal=True,
+                                     backend="fused")
+    host_table = table.cpu().numpy()
+    gathered = [torch.cat([torch.from_numpy(reference.paged_keys(c.cpu().numpy(), host_table[b], int(used[b])))
+                           for b in range(B)]).cuda() for c in (kc, vc)]
+    ck = torch.tensor(np.concatenate([[0], np.cumsum(used.cpu().numpy())]), dtype=torch.int32, device="cuda")
+    same = cupy_attn.varlen_attention(q, *gathered, cq, ck, max(lens_q), 1500, is_causal=True, backend="fused")
+    torch.testing.assert_close(out, same, rtol=0, atol=0)
+    _check(q, *gathered, cq, ck, "float16", causal=True, what=f"paged {block_size}")
+    split = cupy_attn.varlen_attention(q, kc, vc, *args, seqused_k=used, block_table=table, is_causal=True,
+                                       backend="split")
+    ref = reference.varlen_attention(*(as_f64(x) for x in (q, *gathered)), cq.cpu().numpy(), ck.cpu().numpy(),
                                      is_causal=True)
-    for b in range(B):
-        S = int(used[b])
-        keys = torch.from_numpy(reference.paged_keys(kc.cpu().numpy(), table[b].cpu().numpy(), S)).cuda()
-        vals = torch.from_numpy(reference.paged_keys(vc.cpu().numpy(), table[b].cpu().numpy(), S)).cuda()
-        want = cupy_attn.scaled_dot_product_attention(q[3 * b:3 * b + 3].transpose(0, 1)[None],
-                                                      keys.transpose(0, 1)[None], vals.transpose(0, 1)[None],
-                                                      is_causal="bottom_right", enable_gqa=True)
-        torch.testing.assert_close(out[3 * b:3 * b + 3], want[0].transpose(0, 1), rtol=0, atol=0)
+    assert_close(split, ref, "float16", _peer(q, *gathered, cq, ck, causal=True), "per sequence")
 
 
 def test_cuda_graph_capture_of_the_packed_kernel():

@@ -148,8 +148,6 @@ def fused_reason(vp: VarlenProblem, backend: str) -> str | None:
         return f"backend={backend!r}"
     if not vp.ctx.on_gpu:
         return "CPU inputs: the float64 reference"
-    if vp.block_table is not None:
-        return "block_table: paged caches run per sequence (no paged kernel yet)"
     if vp.dropout_p > 0:
         return "dropout: the packed kernel has none"
     if interop.dtype_name(vp.dtype) not in C_TYPE_16:
@@ -160,6 +158,10 @@ def fused_reason(vp: VarlenProblem, backend: str) -> str | None:
     arch = device_arch(vp)
     if arch != 90:
         return f"sm_{arch}: the packed kernel needs sm_90a"
+    if vp.block_table is not None:
+        why = fa3.paged_reason(int(vp.k.shape[1]), vp.head_dim, vp.head_dim_v)
+        if why is not None:
+            return why
     return exp2_tma_reason("the packed kernel", vp.scale)
 
 
@@ -177,6 +179,15 @@ def _packed4(x):
     return x[None].transpose(0, 2, 1, 3)
 
 
+def _page_rows(ctx, cache):
+    """A paged cache (num_blocks, page_size, H, D) as its rows (num_blocks · page_size, H, D): a view when pages and
+    slots are evenly strided, else a contiguous copy."""
+    nb, ps, h, d = cache.shape
+    if cache.strides[0] != ps * cache.strides[1]:
+        cache = ctx.contiguous(cache)
+    return cache.reshape(nb * ps, h, d)
+
+
 def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
     """(out, lse) of the packed kernel as the caller's kind, or None when the arrays' layout does not suit TMA (the
     caller then runs per sequence). out (total_q, Hq, Ev), lse (Hq, total_q) float32. ``call_key``: keep the launch
@@ -186,7 +197,12 @@ def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
     with ctx.activate():
         given = [ctx.as_cupy(x) for x in (vp.q, vp.k, vp.v)]
         q, k, v = (x if x.strides[-1] == x.itemsize else ctx.contiguous(x) for x in given)
-        given_idx = [None if x is None else ctx.as_cupy(x) for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k)]
+        paging = {}
+        if vp.block_table is not None:  # the caches' pages as rows: (num_blocks · page_size, Hkv, D)
+            k, v = (_page_rows(ctx, x) for x in (k, v))
+            paging = {"page_size": int(vp.k.shape[1]), "max_blocks": int(vp.block_table.shape[1])}
+        given_idx = [None if x is None else ctx.as_cupy(x)
+                     for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k, vp.block_table)]
         idx = [x if x is None or x.flags.c_contiguous else ctx.contiguous(x) for x in given_idx]
         out_native, out = ctx.empty((vp.total_q, vp.num_heads, vp.head_dim_v), vp.dtype)
         lse_native, lse = ctx.empty((vp.num_heads, vp.total_q), np.dtype(np.float32))
@@ -194,7 +210,7 @@ def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
         if fa3.layout_reason(q4, k4, v4, out4) is not None:
             return None
         launch = fa3.build_varlen(q4, k4, v4, out4, lse[None], bounds=_bounds(vp), batch=vp.batch,
-                                  causal=vp.causal)
+                                  causal=vp.causal, **paging)
         run = launch.bind(ctx.stream)
         run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, *(0 if x is None else x.data.ptr
                                                                               for x in idx))
@@ -606,10 +622,13 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     to q's and k's rows); the per-sequence path reads them on the host and checks them.
     Sequences with L_b = 0 write nothing; S_b = 0 gives out 0 and lse −inf (the sink with sinks).
 
-    Paths: on Hopper, fp16/bf16 calls at head dims 33-256 without dropout or a block table run one launch of the
+    Paths: on Hopper, fp16/bf16 calls at head dims 33-256 without dropout run one launch of the
     FlashAttention-3-design forward whose tiles read their sequence's offsets on the device (Shah et al. 2024; varlen
-    as FlashAttention's), persistent CTAs walking the sequences' tiles. Every other call runs one dense call per
-    sequence on views (the pages gathered for a block table). torch tensors that require grad are differentiated:
+    as FlashAttention's), persistent CTAs walking the sequences' tiles. With a block table its producer reads each
+    key block from its pages (block_size a multiple of 8 that divides, or is a multiple of, the kernel's 64- or
+    128-key block: 16, 32, 64, 128, 256 all are; page ids are not checked there, and an id outside the cache reads
+    zeros). Every other call runs one dense call per sequence on views (the pages gathered for a block table, and
+    checked). torch tensors that require grad are differentiated:
     the packed forward's backward runs the dense backward from the saved out and lse, on padded buckets of similar
     lengths for causal self-attention (:func:`backward_buckets`), else per sequence; the per-sequence path through
     autograd of its dense calls. Under torch.compile / torch.export the call is one custom op,
@@ -653,7 +672,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                              (is_causal, scale, window_size, softcap, backend, num_splits))
         entry = None if call_key is None else callcache.get(call_key)
         if entry is not None and max_seqlen_q >= 0 and max_seqlen_k >= 0:
-            out, lse = entry(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_k))
+            out, lse = entry(q, k, v, (cu_seqlens_q, cu_seqlens_k, seqused_k, None))
             return (out, lse) if return_lse else out
     vp = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                       block_table=block_table, is_causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
@@ -669,8 +688,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         why = "no keys"
     res = None
     if why is None:
-        if _records_grad(q, k, v, sinks):
-            res = _function().apply(q, k, v, sinks, vp) if _layout_ok(vp) else None
+        if _records_grad(q, k, v, sinks):  # paged caches: per sequence (gathered pages, whose gradients flow back)
+            res = _function().apply(q, k, v, sinks, vp) if vp.block_table is None and _layout_ok(vp) else None
         else:
             res = run_fused(vp, call_key)
     if res is None:

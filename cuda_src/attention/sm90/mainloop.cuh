@@ -148,6 +148,42 @@ struct Producer {
   __device__ __forceinline__ void load_v(int it, int n0, int h_kv, int b) const {
     load_kv(ss.v, &p.tma_v, ss.v_bars, it, n0, h_kv, b);
   }
+  // Paged K/V (params.cuh: block_table): sequence b's keys key0 ... key0 + kBlockN − 1 from their pages, one box of
+  // min(page_size, kBlockN) rows per page part. Keys past the sequence's S (the last block's tail, masked) read its
+  // last page again: table entries past the pages in use are often unset.
+  __device__ __forceinline__ void load_kv_paged(T* tiles, const tma::TensorMap* map,
+                                                const pipeline::Ring<kStages>& bars, int it, int b, int S, int key0,
+                                                int h_kv) const {
+    unsigned long long* full = bars.acquire(it, Smem::kKVBytes);
+    T* dst = tiles + bars.stage(it) * kBlockN * kHeadDim;
+    const int ps = static_cast<int>(p.page_size), last = max(S - 1, 0) / ps;
+    const int* pages = p.block_table + static_cast<long long>(b) * p.max_blocks;
+    const int rows = min(ps, kBlockN);
+    #pragma unroll 1
+    for (int r = 0; r < kBlockN; r += rows) {
+      const int key = key0 + r;
+      const int row = pages[min(key / ps, last)] * ps + key % ps;
+      #pragma unroll
+      for (int c = 0; c < Smem::kColBlocks; ++c)
+        tma::load_4d(dst + (c * kBlockN + r) * Smem::kAtomCols, map, full, c * Smem::kAtomCols, row, h_kv, 0);
+    }
+  }
+  template <typename Seq>
+  __device__ __forceinline__ void load_k(int it, const Seq& seq, int key0, int h_kv) const {
+    if (Seq::kPacked && p.block_table != nullptr) {
+      load_kv_paged(ss.k, &p.tma_k, ss.k_bars, it, seq.b, static_cast<int>(seq.seqlen_k()), key0, h_kv);
+    } else {
+      load_kv(ss.k, &p.tma_k, ss.k_bars, it, seq.k0() + key0, h_kv, seq.b_map());
+    }
+  }
+  template <typename Seq>
+  __device__ __forceinline__ void load_v(int it, const Seq& seq, int key0, int h_kv) const {
+    if (Seq::kPacked && p.block_table != nullptr) {
+      load_kv_paged(ss.v, &p.tma_v, ss.v_bars, it, seq.b, static_cast<int>(seq.seqlen_k()), key0, h_kv);
+    } else {
+      load_kv(ss.v, &p.tma_v, ss.v_bars, it, seq.k0() + key0, h_kv, seq.b_map());
+    }
+  }
 };
 
 // One thread, one tile (query rows m0 ... of head h in the sequence seq). Q once, then the K and V tiles of key blocks
@@ -188,15 +224,14 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
-    const int b = seq.b_map(), k0 = seq.k0();
-    load.load_k(it, k0 + kb.last * kBlockN, h_kv, b);
+    load.load_k(it, seq, kb.last * kBlockN, h_kv);  // keys of the sequence: load_k / load_v place them (or page)
     ss.q_bars.wait_free(tiles);
-    load.load_q(seq.q0() + m0, w.h, b);
-    load.load_v(it, k0 + kb.last * kBlockN, h_kv, b);
+    load.load_q(seq.q0() + m0, w.h, seq.b_map());
+    load.load_v(it, seq, kb.last * kBlockN, h_kv);
     for (int i = 1; i < n_blocks; ++i) {
-      const int n0 = k0 + (kb.last - i) * kBlockN;
-      load.load_k(it + i, n0, h_kv, b);
-      load.load_v(it + i, n0, h_kv, b);
+      const int key0 = (kb.last - i) * kBlockN;
+      load.load_k(it + i, seq, key0, h_kv);
+      load.load_v(it + i, seq, key0, h_kv);
     }
     it += n_blocks;
     ++tiles;

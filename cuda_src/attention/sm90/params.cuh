@@ -43,8 +43,15 @@ struct FlashFwdSm90Params {
   // cu_seqlens_k[b+1] without seqused_k). Bounds are bottom-right aligned per sequence: causal_offset and window_lo
   // hold the offsets relative to S_b − L_b (SeqSpan adds it).
   const int* cu_seqlens_q;     // (B + 1,) int32, or nullptr (not packed)
-  const int* cu_seqlens_k;     // (B + 1,) int32
-  const int* seqused_k;        // (B,) int32, or nullptr
+  const int* cu_seqlens_k;     // (B + 1,) int32, or nullptr with a block table
+  const int* seqused_k;        // (B,) int32, or nullptr (required with a block table)
+  // Paged K/V (kVarlen with block_table): k, v caches (num_blocks, page_size, Hkv, E|Ev), read as num_blocks·page_size
+  // rows (seqlen_k: max_blocks·page_size, the keys a table row can address); sequence b's key j is row
+  // block_table[b·max_blocks + j / page_size]·page_size + j % page_size. page_size a multiple of 8, and a multiple or
+  // a divisor of kBlockN (the maps' boxes are min(page_size, kBlockN) rows).
+  const int* block_table;      // (B, max_blocks) int32, or nullptr
+  long long max_blocks;        // the block table's row length
+  long long page_size;
 };
 
 // The sequence a tile belongs to: where its rows and keys start in the arrays, how many there are, and its bounds.
@@ -67,7 +74,7 @@ struct SeqSpan {
     if constexpr (kVarlen) {
       const int total_q = static_cast<int>(p.seqlen_q), total_k = static_cast<int>(p.seqlen_k);
       q0_ = min(max(p.cu_seqlens_q[b], 0), total_q);
-      k0_ = min(max(p.cu_seqlens_k[b], 0), total_k);
+      k0_ = p.cu_seqlens_k != nullptr ? min(max(p.cu_seqlens_k[b], 0), total_k) : 0;  // paged: keys by page
       L = min(max(p.cu_seqlens_q[b + 1] - q0_, 0), total_q - q0_);
       S = min(max(p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_, 0), total_k - k0_);
     }

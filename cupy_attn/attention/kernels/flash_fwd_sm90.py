@@ -156,7 +156,8 @@ PARAMS = c_struct([("tma_q", MAP, 64), ("tma_k", MAP, 64), ("tma_v", MAP, 64), (
                        "scale_log2", "out_stride_b", "out_stride_h", "out_stride_l",
                        "lse_stride_b", "lse_stride_h", "lse_stride_l", "batch", "num_heads", "tile_pairs",
                        "o_tma", "window_lo", "sinks", "sinks_kind", "softcap_in", "alibi_slopes", "alibi_stride_b",
-                       "alibi_scale", "cu_seqlens_q", "cu_seqlens_k", "seqused_k")])
+                       "alibi_scale", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "max_blocks",
+                       "page_size")])
 # Columns of Q and K the S GEMM reads (qk_dim) besides the bucket itself: E = 65-80 in the 96 bucket skips the zero-
 # filled k step (5 of 6); E = 65-80 and 81-96 with Ev = 97-128 in the 128 bucket skip 3 or 2 of 8 (P·V keeps
 # N = 128). Other E run every k step of their bucket.
@@ -393,18 +394,32 @@ def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tu
                           flags=flags, refuse={"mask": "the FA3 kernel takes no attn_mask"})
 
 
-def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool) -> PreparedLaunch:
+def paged_reason(page_size: int, head_dim: int, head_dim_v: int) -> str | None:
+    """None when the packed kernel reads pages of ``page_size`` keys (load_kv_paged in sm90/mainloop.cuh): a multiple
+    of 8 rows (a swizzle period: boxes land where one whole-tile box would put them) that divides the tile's key block
+    or is a multiple of it (no box crosses a page)."""
+    block_n = VARLEN_TILES[head_bucket(head_dim, head_dim_v)].block_n
+    if page_size % 8 or (page_size % block_n and block_n % page_size):
+        return (f"page size {page_size}: the packed kernel reads pages of a multiple of 8 keys that divides, or is a "
+                f"multiple of, its {block_n}-key block")
+    return None
+
+
+def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool, page_size: int = 0,
+                 max_blocks: int = 0) -> PreparedLaunch:
     """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES; the variants' code when
-    ``bounds.variants`` has any) on the 4-D views
-    of FlashAttention's varlen layout, batch 1 of every sequence's rows: q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k,
-    E), v4 (1, Hkv, total_k, Ev), out4 (1, Hq, total_q, Ev) and lse3 (1, Hq, total_q). ``bounds``: what
-    :func:`set_variant_params` reads (key_upper, window_lo, scale, variants), with the bounds relative to each
-    sequence's diagonal S_b − L_b (the kernel adds it: SeqSpan in cuda_src/attention/sm90/params.cuh). Persistent
-    CTAs, one per SM: the tile count is not known on the host (VarlenTileScheduler walks the sequences on the
-    device; causal calls in m-block pairs); CTAs without a tile exit. Replayed as ``launch_on(stream,
-    q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=0)``. out is stored by TMA where its layout allows
-    (o_tma, as :func:`build`; not at head dim 256), but for a warpgroup whose 64 rows cross its sequence's end (a TMA box would write the
-    next sequence's rows): that one stores from registers."""
+    ``bounds.variants`` has any) on the 4-D views of FlashAttention's varlen layout, batch 1 of every sequence's rows:
+    q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k, E), v4 (1, Hkv, total_k, Ev), out4 (1, Hq, total_q, Ev) and lse3 (1,
+    Hq, total_q). ``bounds``: what :func:`set_variant_params` reads (key_upper, window_lo, scale, variants), with the
+    bounds relative to each sequence's diagonal S_b − L_b (the kernel adds it: SeqSpan in
+    cuda_src/attention/sm90/params.cuh). Persistent CTAs, one per SM: the tile count is not known on the host
+    (VarlenTileScheduler walks the sequences on the device; causal calls in m-block pairs); CTAs without a tile exit.
+    Replayed as ``launch_on(stream, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_k=0, block_table=0)``. Paged
+    caches (``page_size`` > 0, :func:`paged_reason`): k4 / v4 are the caches' rows (1, Hkv, num_blocks·page_size, E|Ev),
+    the (B, max_blocks) block table is passed at the replay, and the maps' boxes are min(page_size, block_n) rows
+    (load_kv_paged in sm90/mainloop.cuh). out is stored by TMA where its layout allows (o_tma, as :func:`build`; not at
+    head dim 256), but for a warpgroup whose 64 rows cross its sequence's end (a TMA box would write the next sequence's
+    rows): that one stores from registers."""
     _, Hq, _, E = q4.shape
     _, Hkv, _, Ev = v4.shape
     D = head_bucket(E, Ev)
@@ -412,15 +427,18 @@ def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool) ->
     kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
                                        variants="false" if bounds.variants.plain else "true", varlen="true")
     prm = np.zeros((), dtype=PARAMS)
-    # seqlen_q / seqlen_k: the arrays' rows, which the kernel clamps each sequence to (SeqSpan)
-    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = q4.shape[2], k4.shape[2], Ev, Hq // Hkv
+    # seqlen_q / seqlen_k: the rows the kernel clamps each sequence to (SeqSpan): the arrays', or with pages the keys
+    # a block-table row addresses
+    keys = max_blocks * page_size if page_size else k4.shape[2]
+    prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = q4.shape[2], keys, Ev, Hq // Hkv
+    prm["max_blocks"], prm["page_size"] = max_blocks, page_size
     set_variant_params(prm, bounds)
     # m-block pairs balance causal tiles only (a window alone makes tiles of one cost)
     prm["batch"], prm["num_heads"], prm["tile_pairs"] = batch, Hq, causal
     set_strides(prm, ("out", out4, "bhl"), ("lse", lse3, "bhl"))
     cols = swizzle_bytes(D) // 2
-    maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q4, tile.block_m), (k4, tile.block_n),
-                                                            (v4, tile.block_n)))
+    kv_rows = min(page_size, tile.block_n) if page_size else tile.block_n
+    maps = tuple(MapSpec.of(a, rows, cols) for a, rows in ((q4, tile.block_m), (k4, kv_rows), (v4, kv_rows)))
     import cupy
     grid = (device_sms(cupy.cuda.Device().id), 1, 1)
     out_maps, flags = (), ()
@@ -428,9 +446,11 @@ def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool) ->
         out_maps = (Maps(("tma_o",), ("out",), (MapSpec.of(out4, 64, cols).encode,), align=16),)
         flags = (AlignFlag("o_tma", "out", 16, 1),)
     return PreparedLaunch(prm, [Step(kernel, grid, (tile.threads,), tile.smem_bytes(D))],
-                          args=("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k"),
+                          args=("q", "k", "v", "out", "lse", "cu_seqlens_q", "cu_seqlens_k", "seqused_k",
+                                "block_table"),
                           pointers={"out": "out", "lse": "lse", "cu_seqlens_q": "cu_seqlens_q",
-                                    "cu_seqlens_k": "cu_seqlens_k", "seqused_k": "seqused_k"},
+                                    "cu_seqlens_k": "cu_seqlens_k", "seqused_k": "seqused_k",
+                                    "block_table": "block_table"},
                           maps=(Maps(("tma_q", "tma_k", "tma_v"), ("q", "k", "v"), tuple(m.encode for m in maps)),
                                 *out_maps),
                           flags=flags, info={"tile": tile, "head_dim": D})
