@@ -18,11 +18,12 @@ Public API:
 from __future__ import annotations
 
 from . import philox, reference
-from .attention import (explain, explain_varlen, merge_attention_states, scaled_dot_product_attention,
-                        varlen_attention)
+from .attention import (AttentionMod, explain, explain_varlen, merge_attention_states,
+                        scaled_dot_product_attention, varlen_attention)
 from .linear_bn_softmax import linear_batchnorm_softmax
 from .runtime.workspace import release_memory
 
 __version__ = "0.1.0"
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states", "linear_batchnorm_softmax",
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states",
+           "AttentionMod", "linear_batchnorm_softmax",
            "release_memory", "reference", "philox", "__version__"]

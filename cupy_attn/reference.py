@@ -73,14 +73,16 @@ def alibi_bias(slopes, seqlen_q: int, seqlen_k: int) -> np.ndarray:
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
                                  return_lse=False, dropout_p=0.0, dropout_mask=None, *, window_size=None,
-                                 softcap=None, sinks=None, alibi_slopes=None):
+                                 softcap=None, sinks=None, alibi_slopes=None, score_mod=None, mask_mod=None):
     """softmax(scale · Q Kᵀ + mask) V in float64, with torch's semantics (dropout included) and FlashAttention's
-    variants (sliding window, softcap, sinks, ALiBi).
+    variants (sliding window, softcap, sinks, ALiBi), and FlexAttention-style mods.
 
     Per row i of a head, with s_j = scale · q_i·k_j:
         s_j <- c · tanh(s_j / c)                   softcap=c (Gemma 2), first
         s_j <- s_j - slope_h · |i + S - L - j|     alibi_slopes (FlashAttention's ALiBi)
-        s_j <- -inf where key j is not visible     is_causal, window_size (see visible_keys), bool attn_mask;
+        s_j <- score_mod(s_j, b, h, i, j)          score_mod (see mod_indices for b, h, i, j)
+        s_j <- -inf where key j is not visible     is_causal, window_size (see visible_keys), bool attn_mask,
+                                                   mask_mod(b, h, i, j) false;
         s_j <- s_j + attn_mask[i, j]               float attn_mask
         out_i = Σ_j e^(s_j) v_j / (Σ_j e^(s_j) + e^(sink_h)),  lse_i = log(Σ_j e^(s_j) + e^(sink_h))
     where the sink term is present only with ``sinks`` (one logit per query head, gpt-oss's learned sinks: it takes
@@ -119,6 +121,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
         s = softcap * np.tanh(s / softcap)
     if alibi_slopes is not None:
         s = s + alibi_bias(alibi_slopes, seqlen_q, seqlen_k)
+    s = apply_mods(s, score_mod, mask_mod, np)
     if is_causal or window_size is not None:
         s = np.where(visible_keys(seqlen_q, seqlen_k, is_causal, window_size), s, -np.inf)
     if attn_mask is not None:
@@ -142,6 +145,37 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, is_causal=Fa
         out = np.where(denom == 0, 0.0, (p @ v) / denom)
         lse = (m_safe + np.log(denom))[..., 0]
     return (out, lse) if return_lse else out
+
+
+def mod_indices(shape: tuple, xp=np):
+    """(b, h, q_idx, kv_idx) index arrays broadcasting against scores of ``shape`` (..., Hq, L, S): b the flat batch
+    index over the leading axes (row-major), h the head, q_idx the query row, kv_idx the key (int64, NumPy or
+    torch as ``xp``).
+
+    >>> [tuple(x.shape) for x in mod_indices((2, 3, 4, 5, 6))]
+    [(2, 3, 1, 1, 1), (1, 1, 4, 1, 1), (1, 1, 1, 5, 1), (1, 1, 1, 1, 6)]
+    """
+    lead, (H, L, S) = shape[:-3], shape[-3:]
+    n = len(lead)
+    arange = xp.arange
+    b = arange(int(np.prod(lead, dtype=np.int64))).reshape(tuple(lead) + (1, 1, 1))
+    h = arange(H).reshape((1,) * n + (H, 1, 1))
+    q = arange(L).reshape((1,) * n + (1, L, 1))
+    kv = arange(S).reshape((1,) * n + (1, 1, S))
+    return b, h, q, kv
+
+
+def apply_mods(s, score_mod, mask_mod, xp=np):
+    """Scores (..., Hq, L, S) through a score_mod(score, b, h, q_idx, kv_idx) and a mask_mod(b, h, q_idx, kv_idx)
+    (either None), Python callables on broadcast arrays (:func:`mod_indices`): masked keys become -inf."""
+    if score_mod is None and mask_mod is None:
+        return s
+    b, h, q, kv = mod_indices(tuple(s.shape), xp)
+    if score_mod is not None:
+        s = score_mod(s, b, h, q, kv)
+    if mask_mod is not None:
+        s = xp.where(mask_mod(b, h, q, kv), s, -xp.inf)
+    return s
 
 
 def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out, is_causal=False, scale=None,

@@ -39,7 +39,7 @@ def _block(marker: str) -> str:
 
 def test_every_python_block_is_covered():
     markers = ("torch.randn(2, 8, 256, 64", "cupy.random.default_rng", "class Model(nn.Module)", "loss.backward()",
-               "window_size=(128, 0)", "merge_attention_states", "varlen_attention")
+               "window_size=(128, 0)", "merge_attention_states", "varlen_attention", "AttentionMod(")
     assert len(_blocks("python")) == len(markers)
     for marker in markers:
         _block(marker)
@@ -116,6 +116,24 @@ def test_varlen_example():
     want = cupy_attn.scaled_dot_product_attention(q[rows].transpose(0, 1), k[rows].transpose(0, 1),
                                                   v[rows].transpose(0, 1), is_causal="bottom_right", enable_gqa=True)
     assert (out[rows].float() - want.transpose(0, 1).float()).abs().max().item() < 1e-2
+
+
+def test_mods_example():
+    """The mods block: the document mask equals the same call with the bool mask it spells, and the bias table's
+    score_mod the call with that bias as a float mask (float64 reference on the CPU)."""
+    torch = pytest.importorskip("torch")
+    import cupy_attn
+    ns = _run(_block("AttentionMod("))
+    q, k, v, doc, table = ns["q"], ns["k"], ns["v"], ns["doc"], ns["table"]
+    mask = (doc[:, None, :, None] == doc[:, None, None, :]) & torch.ones(1024, 1024, dtype=torch.bool).tril()
+    first = cupy_attn.scaled_dot_product_attention(q[:, :2], k[:, :2], v[:, :2], mask, score_mod=None)
+    got = cupy_attn.scaled_dot_product_attention(q[:, :2], k[:, :2], v[:, :2], is_causal=True,
+                                                 score_mod=ns["same_document"], aux={"doc": doc})
+    assert (got.float() - first.float()).abs().max().item() < 1e-3
+    dist = (torch.arange(1024)[:, None] - torch.arange(1024)[None]).abs().clamp(max=63)
+    bias = table[:, dist].to(torch.float16)  # (8, 1024, 1024)
+    want = cupy_attn.scaled_dot_product_attention(q, k, v, bias.float())
+    assert ns["out"].shape == (2, 8, 1024, 128) and (ns["out"].float() - want.float()).abs().max().item() < 1e-2
 
 
 def test_module_example():

@@ -96,7 +96,7 @@ def test_sinks_grad_formula():
     sinks = torch.randn(3, generator=g, dtype=torch.float64, requires_grad=True)
     logits = torch.cat([s, sinks.reshape(1, 3, 1, 1).expand(2, 3, 5, 1)], dim=-1)
     out = torch.softmax(logits, -1)[..., :-1] @ v
-    dout = torch.randn_like(out)
+    dout = torch.randn(out.shape, generator=g, dtype=torch.float64)
     (out * dout).sum().backward()
     lse = torch.logsumexp(logits, -1)
     torch.testing.assert_close(autograd.sinks_grad(sinks.detach(), out.detach(), lse, dout), sinks.grad)

@@ -28,6 +28,8 @@
 // (bh, i, j); m, l and lse are those of the undropped row. bh = bh0 + Σ (batch axis index · its bh stride), decomposed
 // like the mask's batch index. Two Philox blocks per float4 (2×2 tiles: this row's half of each).
 //
+// User mods (masked_softmax_mod, common/user_mod.cuh): score_mod and mask_mod after the variants, before the mask.
+//
 // History and measurements: bench/notes/kernels_softmax.md.
 #include "common/types.cuh"
 #include "common/reduce.cuh"
@@ -35,6 +37,7 @@
 #include "common/visibility.cuh"
 #include "common/philox.cuh"
 #include "common/score_mod.cuh"
+#include "common/user_mod.cuh"
 
 namespace cupy_attn {
 
@@ -132,8 +135,12 @@ struct RowVariants {
 // per-element 64-bit compare and kind switch are compiled out (faster at the seed shape:
 // bench/notes/kernels_softmax.md). kDropout: dropout_p > 0 (declared with kMasked only).
 // kVariants: the window's lower bound, softcap, ALiBi and sinks (RowVariants), in the masked_softmax_variants kernels.
-template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants>
-__device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
+// Mod (common/user_mod.cuh; with kVariants): a user's score_mod / mask_mod after them, at (b, h) = the row's flat
+// (batch, head) index split by num_heads.
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kMasked, bool kDropout, bool kVariants,
+          typename Mod = NoMod>
+__device__ __forceinline__ void softmax_rows(const SoftmaxParams& p, const typename Mod::Aux& aux = {},
+                                             long long num_heads = 1) {
   static_assert(kMasked || !kVariants, "the variants run on the masked instantiations");
   constexpr int kBlockThreads = kThreadsPerRow > 128 ? kThreadsPerRow : 128;
   constexpr int kRowsPerBlock = kBlockThreads / kThreadsPerRow;
@@ -185,6 +192,12 @@ __device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
 
   RowVariants rv{};
   if constexpr (kVariants) rv = RowVariants::of(p, bi, i);
+  [[maybe_unused]] int mod_b = 0, mod_h = 0;
+  if constexpr (Mod::kScore || Mod::kMask) {
+    const long long bh_row = p.bh0 + bi.offset(p.bh_stride_b0, p.bh_stride_b1, p.bh_stride_b2);
+    mod_b = static_cast<int>(bh_row / num_heads);
+    mod_h = static_cast<int>(bh_row % num_heads);
+  }
   // The score of key j after the variants and the mask (kMasked), in base-2 units.
   const long long first_key = rv.first_key;
   const int dist0 = rv.dist0;
@@ -194,6 +207,7 @@ __device__ __forceinline__ void softmax_rows(const SoftmaxParams& p) {
       if (j < first_key) return -inf();
       if (softcap != 0.f) x = softcap * tanh_approx(__fdividef(x, softcap));
       if (slope != 0.f) x = fmaf(slope, fabsf(static_cast<float>(dist0 - static_cast<int>(j))), x);
+      x = apply_mod_log2<Mod>(x, mod_b, mod_h, static_cast<int>(i), static_cast<int>(j), aux);
     }
     return apply_mask(x, j, limit, p, mask_row);
   };
@@ -307,6 +321,14 @@ template <typename OutT, int kThreadsPerRow, int kVecs, bool kDropout>
 __global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128, 1)
 masked_softmax_variants(const SoftmaxParams p) {
   softmax_rows<OutT, kThreadsPerRow, kVecs, true, kDropout, true>(p);
+}
+
+// A user's mods (cupy_attn.AttentionMod) with the variants: instantiated only in a mod's own program, whose source
+// appends the Mod struct (attention/mods.py), one block per SM declared as the variants'.
+template <typename OutT, int kThreadsPerRow, int kVecs, bool kDropout, typename Mod>
+__global__ void __launch_bounds__(kThreadsPerRow > 128 ? kThreadsPerRow : 128, 1)
+masked_softmax_mod(const ModParams<SoftmaxParams, Mod> p) {
+  softmax_rows<OutT, kThreadsPerRow, kVecs, true, kDropout, true, Mod>(p, p.aux, p.mod_num_heads);
 }
 
 }  // namespace cupy_attn

@@ -1,9 +1,12 @@
-"""Attention: sdpa (public entry points), varlen (varlen_attention: packed batches), merge (merge_attention_states), checks (argument checks, the problem),
+"""Attention: sdpa (public entry points), varlen (varlen_attention: packed batches), merge (merge_attention_states),
+mods (AttentionMod: score_mod / mask_mod snippets), checks (argument checks, the problem),
 dispatch (the plan: every choice), autograd, dropout; kernels/ (one launcher per kernel family), paths/ (the split and
 backward schedules)."""
 from .merge import merge_attention_states
+from .mods import AttentionMod
 from .sdpa import explain, scaled_dot_product_attention
 from .varlen import explain as explain_varlen
 from .varlen import varlen_attention
 
-__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states"]
+__all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states",
+           "AttentionMod"]

@@ -49,6 +49,10 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
         if slopes.ndim == 2 and q.ndim != 4:  # (B, Hq) over the folded batch axes
             slopes = slopes.reshape(q.shape[:-3] + slopes.shape[-1:])
         s = s + torch.from_numpy(reference.alibi_bias(slopes, L, S))
+    if variants is not None and variants.mod is not None:  # the mod's Python forms on torch index tensors
+        from . import mods
+        score_mod, mask_mod = mods.reference_forms(variants.mod, torch.from_numpy)
+        s = reference.apply_mods(s, score_mod, mask_mod, torch)
     window = None if variants is None else variants.window_size
     if is_causal or window is not None:
         keep = torch.from_numpy(reference.visible_keys(L, S, is_causal or False, window))

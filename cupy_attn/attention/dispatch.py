@@ -123,6 +123,14 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
                          f"{p.dropout_p}): pass num_splits=None")
     if p.empty:  # whatever the backend: nothing is launched (sdpa's _run_empty gives torch's results)
         return Plan("empty", empty_reason(p), copies=copies, problem=p)
+    if p.variants.mod is not None:  # score_mod / mask_mod: the split path's softmax kernel only, for now
+        if backend == "fused":
+            raise ValueError("backend='fused' cannot run score_mod / mask_mod: no fused kernel takes them yet (the "
+                             "split path's softmax kernel applies them; pass backend='auto' or 'split')")
+        choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+        return Plan("split", f"split path: {' and '.join(p.variants.names()[-1:])} applied by the softmax kernel's "
+                    f"mod instantiation (masked_softmax_mod)", describe=functools.partial(split_details, p, choice),
+                    copies=copies, problem=p, choice=choice)
     if not p.variants.plain and backend in ("auto", "fused"):  # backend "split": the split path serves every variant
         plan = _variants_plan(p, backend, arch, forced, copies)
         if plan is not None:

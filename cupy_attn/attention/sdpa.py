@@ -11,24 +11,25 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import autograd, checks, dispatch, dropout
+from . import autograd, checks, dispatch, dropout, mods
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, window_size=None, softcap=None, sinks=None, alibi_slopes=None,
-                                 backend="auto", return_lse=False, allow_tf32=False, workspace_bytes=None,
-                                 num_splits=None, generator=None):
+                                 score_mod=None, mask_mod=None, aux=None, backend="auto", return_lse=False,
+                                 allow_tf32=False, workspace_bytes=None, num_splits=None, generator=None):
     """Attention with the semantics of torch's scaled_dot_product_attention and FlashAttention's variants:
 
         s_ij = softcap · tanh(scale · q_i·k_j / softcap)  (scale · q_i·k_j without softcap)
                − slope_h · |i + S − L − j|                 (with alibi_slopes)
+        s_ij <- score_mod(s_ij, b, h, i, j, aux)             (with score_mod)
                + mask_ij                                     (float attn_mask; −inf where a key is not visible)
         out_i = Σ_j exp(s_ij) v_j / (Σ_j exp(s_ij) + exp(sink_h))   (the sink term only with sinks)
         lse_i = log(Σ_j exp(s_ij) + exp(sink_h))
 
     Key j is visible to query i when a bool attn_mask is True there, j ≤ i (is_causal=True / "top_left") or
-    j ≤ i + S − L ("bottom_right"), and i + S − L − left ≤ j ≤ i + S − L + right with window_size=(left, right)
-    (all that apply).
+    j ≤ i + S − L ("bottom_right"), i + S − L − left ≤ j ≤ i + S − L + right with window_size=(left, right), and
+    mask_mod(b, h, i, j, aux) is true (all that apply).
 
     Arguments:
     - query (..., Hq, L, E), key (..., Hkv, S, E), value (..., Hkv, S, Ev): at least one axis before L/S (the head
@@ -52,6 +53,14 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     - softcap: None or 0 (off), or a float c > 0 (Gemma 2's 50.0).
     - sinks: None or (Hq,) float32 or the query's dtype, natural-log logits (gpt-oss's); differentiable.
     - alibi_slopes: None or (Hq,) / (B, Hq) float32 (Press et al. 2022, FlashAttention's sign and offset).
+    - score_mod, mask_mod: CUDA C++ snippets (function bodies) compiled by NVRTC into the kernel, FlexAttention's
+      idea (Dong et al. 2024): score_mod returns the new score from ``score, b, h, q_idx, kv_idx, aux``, mask_mod
+      returns whether key kv_idx takes part for ``b, h, q_idx, kv_idx, aux`` (b: the flat batch index over the
+      query's leading axes). Or score_mod=cupy_attn.AttentionMod (both snippets, their Python forms for CPU inputs
+      and the reference, compiled once per aux layout). aux: a dict (or tuple) of arrays of the query's kind and
+      device the snippets read as ``aux.<name>`` pointers with ``aux.<name>_shape``. GPU calls run the split path
+      (the softmax kernel's mod instantiation; any head dim); forward only for now: a mod call that requires grad
+      on the GPU raises NotImplementedError, as one under torch.compile.
     - return_lse: also return lse (..., Hq, L) float32 (natural log); autograd takes it as a constant (no gradient).
     - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
       calls. "fused" and "split" need CUDA inputs.
@@ -98,6 +107,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     if type(window_size) is list:  # hashable for the call cache's key
         window_size = tuple(window_size)
+    if score_mod is not None or mask_mod is not None or aux is not None:
+        return _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
+                        (window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux), num_splits,
+                        workspace_bytes, allow_tf32, return_lse)
     variants = (window_size, softcap, sinks, alibi_slopes)
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
@@ -147,6 +160,29 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 _PLAIN_NUMBERS = (float, int)
+
+
+def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator, variants,
+             num_splits, workspace_bytes, allow_tf32, return_lse):
+    """A call with score_mod / mask_mod (attention/mods.py): checked, then the split path (GPU) or the reference
+    with the mod's Python forms (CPU tensors that require grad: in differentiable torch ops). Never cached (the launch
+    holds the aux arrays)."""
+    if interop.torch_compiling() or interop.is_tracing_tensor(query):
+        raise NotImplementedError("score_mod / mask_mod calls cannot be traced by torch.compile yet: call "
+                                  "cupy_attn.scaled_dot_product_attention outside the compiled region")
+    checks.check_num_splits(num_splits)
+    p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
+                          *variants)
+    if p.dropout_p > 0:
+        rng, p.rng = dropout.draw(p.ctx, generator)
+    if autograd.needs_grad(query, key, value, attn_mask, variants[2]):
+        if p.ctx.on_gpu:
+            raise NotImplementedError("the backward of score_mod / mask_mod calls on the GPU is not implemented yet: "
+                                      "call under torch.no_grad() or with inputs that do not require grad")
+        return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
+                                      enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
+                                      rng=rng if p.dropout_p > 0 else None, variants=p.variants, sinks=variants[2])
+    return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, None, None)
 
 
 def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, inputs):
@@ -219,8 +255,8 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
-            window_size=None, softcap=None, sinks=None, alibi_slopes=None, backend="auto", num_splits=None,
-            generator=None, allow_tf32=False) -> dispatch.Plan:
+            window_size=None, softcap=None, sinks=None, alibi_slopes=None, score_mod=None, mask_mod=None, aux=None,
+            backend="auto", num_splits=None, generator=None, allow_tf32=False) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched (no random
     numbers are drawn).
 
@@ -231,7 +267,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     """
     checks.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
-                          window_size, softcap, sinks, alibi_slopes)
+                          window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux)
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 
@@ -297,11 +333,13 @@ def _run_reference(p, return_lse):
         keep = dropout.keep_mask(p.rng, p.batch_shape + (p.seqlen_q, p.seqlen_k), p.dropout_p)
     var = p.variants
     sinks, slopes = _host_variant_arrays(p)
+    score_mod, mask_mod = mods.reference_forms(var.mod, lambda a: _host(ctx, a))
     out, lse = reference.scaled_dot_product_attention(q, k, v, mask, is_causal=p.causal or False, scale=p.scale,
                                                       enable_gqa=p.num_heads != p.num_kv_heads, return_lse=True,
                                                       dropout_p=p.dropout_p, dropout_mask=keep,
                                                       window_size=var.window_size, softcap=var.softcap,
-                                                      sinks=sinks, alibi_slopes=slopes)
+                                                      sinks=sinks, alibi_slopes=slopes, score_mod=score_mod,
+                                                      mask_mod=mask_mod)
     L, Ev = p.seqlen_q, p.head_dim_v
     out = interop.from_numpy(out.reshape(p.batch_shape + (L, Ev)), ctx.kind, p.dtype, ctx.device_id)
     if not return_lse:

@@ -42,6 +42,7 @@ class Variants:
     softcap: float | None = None
     sinks: Any = None
     alibi_slopes: Any = None
+    mod: Any = None  # attention/mods.BoundMod: a user's score_mod / mask_mod with the call's aux arrays
 
     @property
     def has_window(self) -> bool:
@@ -51,12 +52,13 @@ class Variants:
     def changes_scores(self) -> bool:
         """A window, softcap or ALiBi: what changes the scores the kernels compute (sinks only add lse's term), so
         what needs a kernel's variants instantiation, backward included."""
-        return self.has_window or self.softcap is not None or self.alibi_slopes is not None
+        return self.has_window or self.softcap is not None or self.alibi_slopes is not None or self.mod is not None
 
     @property
     def plain(self) -> bool:
         """No variant at all: the call is plain attention (every kernel serves it as before)."""
-        return not self.has_window and self.softcap is None and self.sinks is None and self.alibi_slopes is None
+        return (not self.has_window and self.softcap is None and self.sinks is None and self.alibi_slopes is None
+                and self.mod is None)
 
     def names(self) -> list[str]:
         """The variants present, for explain(): e.g. ['window (1024, 0)', 'softcap 50.0', 'sinks']."""
@@ -69,6 +71,8 @@ class Variants:
             out.append(f"ALiBi slopes {tuple(self.alibi_slopes.shape)}")
         if self.sinks is not None:
             out.append("sinks")
+        if self.mod is not None:
+            out.append(" and ".join(n for n in ("score_mod", "mask_mod") if getattr(self.mod.mod, n) is not None))
         return out
 
     @property
@@ -108,16 +112,26 @@ def of(p) -> Variants:
     return getattr(p, "variants", NONE)
 
 
-def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int, num_heads: int, dtype) -> Variants:
+def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int, num_heads: int, dtype,
+                   score_mod=None, mask_mod=None, aux=None) -> Variants:
     """Validate the variant arguments of a call whose query is (batch..., num_heads, L, E) of ``dtype``, on the device
     and kind of ``ctx`` (runtime.interop.CallContext); return them as a :class:`Variants` (:data:`NONE` when all are
     off). Raises, naming the argument and axis: ValueError for a malformed window_size (a pair of ints >= 0, or None /
     -1 for an unbounded side), a softcap < 0 or not finite (0 and None mean off, as in FlashAttention), sinks not of
     shape (Hq,), alibi_slopes not of shape (Hq,) or (B, Hq), or an array on another device; TypeError for a softcap
     that is not a number, arrays of another kind than query, sinks not float32 or the query's dtype, alibi_slopes
-    not float32.
+    not float32. score_mod / mask_mod / aux: attention/mods.as_mod and bind (their errors), the snippets compiled
+    once per aux layout (ValueError with NVRTC's log).
     """
     left, right = window_bounds(window_size)
+    mod = None
+    from . import mods
+    user = mods.as_mod(score_mod, mask_mod)
+    if user is None and aux is not None:
+        raise ValueError("aux is given without score_mod or mask_mod")
+    if user is not None:
+        mod = mods.bind(user, aux, ctx)
+        mods.checked(user, mod.spec)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
             raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
@@ -131,9 +145,9 @@ def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int
         alibi_slopes = _check_array("alibi_slopes", alibi_slopes, ctx, ((num_heads,), (batch, num_heads)),
                                     (np.dtype(np.float32),), f"(Hq,) = ({num_heads},) or (B, Hq) = ({batch}, "
                                     f"{num_heads})")
-    if left is None and right is None and softcap is None and sinks is None and alibi_slopes is None:
+    if left is None and right is None and softcap is None and sinks is None and alibi_slopes is None and mod is None:
         return NONE
-    return Variants(left, right, softcap, sinks, alibi_slopes)
+    return Variants(left, right, softcap, sinks, alibi_slopes, mod)
 
 
 def _check_array(name: str, x, ctx, shapes: tuple, dtypes: tuple, shape_text: str):

@@ -19,7 +19,7 @@ from ...runtime.compile import KernelFamily
 from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE, LOG2E, MASK_KIND, MASK_NONE
 from ...runtime.launch import PreparedLaunch, Step
-from .. import variants
+from .. import mods, variants
 
 # (threads per row, float4 vectors per thread): one row = threads·vecs·4 columns held in registers. Picked as the
 # first entry that covers S. 32-thread groups serve short rows (four rows per 128-thread block, so a block still has
@@ -120,22 +120,41 @@ def base_params(p, ld: int, axes, variant_arrays=(None, None)) -> np.ndarray:
     return base
 
 
+def mod_family(bound):
+    """The softmax kernel's instantiations with a user's mods appended (attention/mods.py): masked_softmax_mod on the
+    masked tiles, dropout or not, its parameters ModParams<SoftmaxParams, Mod>."""
+    return mods.mod_family(SOFTMAX_VARIANTS, "cupy_attn::masked_softmax_mod<{out_t}, {tile[0]}, {tile[1]}, {dropout}, "
+                           "{mod}>", "cupy_attn::ModParams<cupy_attn::SoftmaxParams, {mod}>",
+                           mods.mod_params_dtype(PARAMS, bound.spec), bound.mod, bound.spec,
+                           dict(SOFTMAX_VARIANTS.axes), "softmax_mod")
+
+
 def build(p, base: np.ndarray, *, batches: int, rows: int, row0: int, batch0: int, bh0: int,
           seqlen_k: int) -> PreparedLaunch:
     """The pass over one chunk of the scores buffer: ``batches`` GEMM batches of ``rows`` query rows from row ``row0``
     (batch ``batch0`` of the folded axes, flat (batch, head) index ``bh0`` of the chunk's outer loops), each row's
     first ``seqlen_k`` columns (a causal band's visible keys; else S). ``base``: :func:`base_params`. Replayed as
-    ``launch_on(stream, scores, mask, lse, rng)``."""
+    ``launch_on(stream, scores, mask, lse, rng)``. A call with mods (``variants.mod``) runs :func:`mod_family`'s
+    kernel, the aux pointers and shapes after the fields."""
     params = base.copy()
     params["rows"], params["rows_per_batch"], params["row0"], params["batch0"] = batches * rows, rows, row0, batch0
     params["bh0"], params["seqlen_k"] = bh0, seqlen_k
     tile = tile_for(seqlen_k, masked(p))
-    if variants.of(p).plain:
+    var = variants.of(p)
+    dropout = "true" if p.dropout_p > 0 else "false"
+    if var.mod is not None:
+        fam = mod_family(var.mod)
+        kernel = fam.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile, dropout=dropout)
+        with_mod = np.zeros((), fam.structs[0][1])
+        for name in PARAMS.names:
+            with_mod[name] = params[name]
+        mods.fill_aux(with_mod, var.mod, p.num_heads)
+        params = with_mod
+    elif var.plain:
         kernel = SOFTMAX.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile, masked="true" if masked(p) else "false",
-                                dropout="true" if p.dropout_p > 0 else "false")
+                                dropout=dropout)
     else:
-        kernel = SOFTMAX_VARIANTS.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile,
-                                         dropout="true" if p.dropout_p > 0 else "false")
+        kernel = SOFTMAX_VARIANTS.kernel(out_t=C_TYPE[dtype_name(p.dtype)], tile=tile, dropout=dropout)
     rows_per_block = max(1, 128 // tile[0])
     return PreparedLaunch(params, [Step(kernel, (-(-batches * rows // rows_per_block),), (max(tile[0], 128),))],
                           args=("scores", "mask", "lse", "rng"),

@@ -1,0 +1,321 @@
+"""Programmable attention: score_mod and mask_mod as CUDA C++ snippets that NVRTC compiles into a kernel.
+
+    s_ij <- score_mod(s_ij, b, h, i, j, aux)      after scale, softcap and ALiBi (natural units)
+    key j hidden from query i where mask_mod(b, h, i, j, aux) is false
+
+A snippet is the body of a device function (FlexAttention's score_mod / mask_mod, Dong et al. 2024, written in CUDA
+C++ instead of Python). :class:`AttentionMod` holds the snippets (and, optionally, their Python forms for the float64
+reference and CPU inputs); :func:`bind` checks a call's aux arrays against it; :func:`mod_family` gives a kernel
+family's instantiation with the mod appended to its source (cuda_src/common/user_mod.cuh documents the device side).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import types
+from typing import Any, Callable
+
+import numpy as np
+
+from ..runtime import interop
+from ..runtime.compile import KernelCompileError, KernelFamily, base_options, nvrtc_program
+
+# aux element dtypes -> the C++ pointee type the snippet reads.
+AUX_C_TYPES = {"float32": "float", "float64": "double", "float16": "__half", "bfloat16": "__nv_bfloat16",
+               "int32": "int", "int64": "long long", "int16": "short", "int8": "signed char", "uint8": "unsigned char",
+               "bool": "bool"}
+
+_SIGNATURES = {
+    "score_mod": "float score(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux)",
+    "mask_mod": "bool mask(int b, int h, int q_idx, int kv_idx, const Aux& aux)",
+    "score_mod_grad": "float score_grad(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux)",
+}
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class AttentionMod:
+    """A score_mod and/or mask_mod as CUDA C++ snippets, compiled once per aux layout and reused across calls.
+
+    Each snippet is the body of a ``__device__`` function (``return ...;``) with these parameters in scope:
+
+    - score_mod: ``float score`` (the scaled score s = scale·q·k after softcap and ALiBi, natural units), ``int b``
+      (the flat batch index over the query's leading axes), ``int h`` (query head), ``int q_idx`` (query row),
+      ``int kv_idx`` (key), ``const Aux& aux``; returns the new score.
+    - mask_mod: ``b, h, q_idx, kv_idx, aux``; returns true where key kv_idx takes part (combined with attn_mask,
+      is_causal and window_size: a key is visible only where all allow it).
+    - score_mod_grad: as score_mod, returns d score_mod / d score (the backward's chain factor; a mod with
+      score_mod and no score_mod_grad runs forward only).
+    - aux: the call's ``aux=`` arrays (a dict name -> array, or a tuple: names aux0, aux1, ...), each a pointer
+      ``aux.<name>`` to its contiguous elements (float, __half, __nv_bfloat16, int, long long, ...) and, for
+      arrays of n ≥ 1 axes, ``aux.<name>_shape[n]`` (long long).
+
+    reference_score_mod(score, b, h, q_idx, kv_idx, aux) and reference_mask_mod(b, h, q_idx, kv_idx, aux) are the
+    same mods in Python on broadcast NumPy (or torch) arrays, aux a namespace of the host arrays: the float64
+    reference and CPU inputs run them (a CPU call without them raises ValueError).
+
+    Example (ALiBi from a slope table): ``AttentionMod(score_mod="return score - aux.slopes[h] * fabsf(float(q_idx -
+    kv_idx));")`` with ``aux={"slopes": slopes}``.
+
+    Raises ValueError when neither snippet is given, a snippet is not a non-empty string, or score_mod_grad comes
+    without score_mod; NVRTC errors in a snippet are raised by :meth:`validate` and by the first call, as ValueError
+    with the compiler's log (line numbers within the snippet).
+    """
+
+    score_mod: str | None = None
+    mask_mod: str | None = None
+    score_mod_grad: str | None = None
+    reference_score_mod: Callable | None = None
+    reference_mask_mod: Callable | None = None
+
+    def __post_init__(self):
+        for name in ("score_mod", "mask_mod", "score_mod_grad"):
+            text = getattr(self, name)
+            if text is not None and (not isinstance(text, str) or not text.strip()):
+                raise ValueError(f"{name} must be a non-empty string of CUDA C++ (a function body), got {text!r}")
+        if self.score_mod is None and self.mask_mod is None:
+            raise ValueError("AttentionMod needs score_mod, mask_mod or both")
+        if self.score_mod_grad is not None and self.score_mod is None:
+            raise ValueError("score_mod_grad without score_mod")
+        for name in ("reference_score_mod", "reference_mask_mod"):
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise TypeError(f"{name} must be callable")
+
+    @property
+    def key(self) -> str:
+        """A digest of the snippets (what the compiled code depends on besides the aux layout)."""
+        text = "\0".join(x or "" for x in (self.score_mod, self.mask_mod, self.score_mod_grad))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def validate(self, aux: Any = None) -> None:
+        """Compile the snippets (for sm_80, no GPU needed) with the layout of ``aux`` (arrays of any kind, or None);
+        ValueError with NVRTC's log when they do not compile."""
+        _probe(self, _spec_of(_named(aux)))
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundMod:
+    """A mod with one call's aux arrays: ``arrays`` in the call's kind (contiguous CuPy on the GPU, NumPy on the
+    CPU), ``spec`` their (name, dtype name, ndim) layout."""
+
+    mod: AttentionMod
+    names: tuple
+    arrays: tuple
+    spec: tuple
+
+    def host_aux(self, to_host: Callable) -> types.SimpleNamespace:
+        return types.SimpleNamespace(**{n: to_host(a) for n, a in zip(self.names, self.arrays)})
+
+
+def as_mod(score_mod, mask_mod) -> AttentionMod | None:
+    """The call's mods as one AttentionMod: ``score_mod`` may be an AttentionMod (then mask_mod must be None) or a
+    snippet; ``mask_mod`` a snippet. Snippet strings are wrapped once per text (the compiled code is reused)."""
+    if isinstance(score_mod, AttentionMod):
+        if mask_mod is not None:
+            raise ValueError("score_mod is an AttentionMod: put mask_mod into it, not beside it")
+        return score_mod
+    if score_mod is None and mask_mod is None:
+        return None
+    for name, x in (("score_mod", score_mod), ("mask_mod", mask_mod)):
+        if x is not None and not isinstance(x, str):
+            raise TypeError(f"{name} must be a CUDA C++ snippet (str) or cupy_attn.AttentionMod, got "
+                            f"{type(x).__name__}")
+    return _wrap(score_mod, mask_mod)
+
+
+@functools.lru_cache(maxsize=256)
+def _wrap(score_mod, mask_mod) -> AttentionMod:
+    return AttentionMod(score_mod=score_mod, mask_mod=mask_mod)
+
+
+def _named(aux) -> list:
+    if aux is None:
+        return []
+    if isinstance(aux, dict):
+        items = list(aux.items())
+    elif isinstance(aux, (tuple, list)):
+        items = [(f"aux{i}", a) for i, a in enumerate(aux)]
+    else:
+        raise TypeError(f"aux must be a dict of arrays or a tuple of arrays, got {type(aux).__name__}")
+    for name, _ in items:
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ValueError(f"aux names must be C++ identifiers without a leading underscore, got {name!r}")
+    return items
+
+
+def _spec_of(items) -> tuple:
+    spec = []
+    for name, a in items:
+        kind = interop.kind_of(a, f"aux[{name!r}]")
+        dt = interop.dtype_of(a, kind)
+        if dt.name not in AUX_C_TYPES:
+            raise TypeError(f"aux[{name!r}] must be one of {', '.join(AUX_C_TYPES)}, got {dt}")
+        spec.append((name, dt.name, len(a.shape)))
+    return tuple(spec)
+
+
+def bind(mod: AttentionMod, aux, ctx) -> BoundMod:
+    """Check a call's aux arrays (kind and device as the query's) and hold them as the kernels read them."""
+    items = _named(aux)
+    spec = _spec_of(items)
+    arrays = []
+    for name, a in items:
+        interop.check_like_query(f"aux[{name!r}]", a, ctx)
+        if ctx.on_gpu:
+            with ctx.activate():
+                c = ctx.as_cupy(a)
+                arrays.append(c if c.flags.c_contiguous else ctx.contiguous(c))
+        else:
+            arrays.append(interop.to_numpy(a, interop.kind_of(a, name)))
+    return BoundMod(mod, tuple(n for n, _ in items), tuple(arrays), spec)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Code generation
+
+def struct_name(mod: AttentionMod, spec: tuple) -> str:
+    digest = hashlib.sha256(repr((mod.key, spec)).encode()).hexdigest()[:16]
+    return f"Mod_{digest}"
+
+
+def aux_dtype(spec: tuple) -> np.dtype:
+    """The Aux struct's NumPy declaration: per array a pointer and, with axes, its shape (all 8-byte fields)."""
+    fields = []
+    for name, _, ndim in spec:
+        fields.append((name, np.int64))
+        if ndim:
+            fields.append((f"{name}_shape", np.int64, (ndim,)))
+    if not fields:  # an empty C++ struct has size 1; keep one 8-byte placeholder on both sides
+        fields.append(("_unused", np.int64))
+    return np.dtype(fields)
+
+
+def source(mod: AttentionMod, spec: tuple) -> str:
+    """The C++ struct ``cupy_attn::mods::<struct_name>`` appended to a kernel's source (common/user_mod.cuh)."""
+    members = []
+    for name, dt, ndim in spec:
+        members.append(f"    const {AUX_C_TYPES[dt]}* {name};")
+        if ndim:
+            members.append(f"    long long {name}_shape[{ndim}];")
+    if not spec:
+        members.append("    long long _unused;")
+    parts = [f"namespace cupy_attn {{ namespace mods {{\nstruct {struct_name(mod, spec)} {{",
+             f"  static constexpr bool kScore = {str(mod.score_mod is not None).lower()}, "
+             f"kMask = {str(mod.mask_mod is not None).lower()}, "
+             f"kScoreGrad = {str(mod.score_mod_grad is not None).lower()};",
+             "  struct Aux {", *members, "  };"]
+    for field, default in (("score_mod", "return score;"), ("mask_mod", "return true;"),
+                           ("score_mod_grad", "return 1.f;")):
+        body = getattr(mod, field)
+        parts.append(f"  static __device__ __forceinline__ {_SIGNATURES[field]} {{")
+        if body is None:
+            parts.append(f"    {default}")
+        else:
+            parts.append(f'#line 1 "{field}"')
+            parts.append(body)
+        parts.append("  }")
+    parts.append("};\n}}  // namespace cupy_attn::mods\n")
+    return "\n".join(parts)
+
+
+def qualified(mod: AttentionMod, spec: tuple) -> str:
+    return f"cupy_attn::mods::{struct_name(mod, spec)}"
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModKernelFamily(KernelFamily):
+    """A family whose source has one mod's struct appended (its name expressions name the struct)."""
+
+    appendix: str = ""
+
+    def code(self) -> str:
+        from ..runtime.compile import source_dir
+        from ..runtime.structs import layout_asserts
+        asserts = "".join(f"\n{layout_asserts(ctype, dtype)}\n" for ctype, dtype in self.structs)
+        return (source_dir() / self.source).read_text() + "\n" + self.appendix + asserts
+
+
+_FAMILIES: dict = {}
+
+
+def mod_family(base: KernelFamily, template: str, params_ctype: str, params_dtype: np.dtype, mod: AttentionMod,
+               spec: tuple, axes: dict, name: str) -> ModKernelFamily:
+    """The family of ``base``'s source with ``mod`` appended: ``template`` formats the rows of ``axes`` with
+    ``{mod}`` = the struct's qualified name; the parameter struct ``params_ctype`` (ModParams<Base, Mod>) is
+    checked against ``params_dtype``. One object per (base, mod, aux layout): its kernels are loaded once."""
+    key = (base.name, name, mod.key, spec)
+    fam = _FAMILIES.get(key)
+    if fam is None:
+        q = qualified(mod, spec)
+        fam = ModKernelFamily(name=f"{name}[{struct_name(mod, spec)}]", source=base.source,
+                              template=template.replace("{mod}", q), axes=axes, archs=base.archs,
+                              options=base.options, arch=base.arch,
+                              structs=((params_ctype.replace("{mod}", q), params_dtype),),
+                              appendix=source(mod, spec))
+        _FAMILIES[key] = fam
+    return fam
+
+
+def mod_params_dtype(base: np.dtype, spec: tuple) -> np.dtype:
+    """ModParams<Base, Mod>'s declaration: the base's fields, mod_num_heads, then the Aux struct."""
+    return np.dtype(list(base.descr) + [("mod_num_heads", np.int64), ("aux", aux_dtype(spec))])
+
+
+def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int) -> None:
+    """Write the call's aux pointers and shapes (and the head count that splits the flat (batch, head) index)."""
+    params["mod_num_heads"] = num_heads
+    for (name, _, ndim), a in zip(bound.spec, bound.arrays):
+        params["aux"][name] = a.data.ptr
+        if ndim:
+            params["aux"][f"{name}_shape"] = a.shape
+
+
+def _probe(mod: AttentionMod, spec: tuple) -> None:
+    """NVRTC-compile the mod's struct with a kernel that calls each function (sm_80: any NVRTC targets it)."""
+    q = qualified(mod, spec)
+    code = ('#include "common/user_mod.cuh"\n' + source(mod, spec) +
+            f"\nextern \"C\" __global__ void cupy_attn_mod_probe(float* out, {q}::Aux aux) {{\n"
+            f"  const int i = threadIdx.x;\n"
+            f"  out[i] = {q}::score(out[i], 0, 0, i, i, aux) * {q}::score_grad(out[i], 0, 0, i, i, aux)"
+            f" + ({q}::mask(0, 0, i, i, aux) ? 1.f : 0.f);\n}}\n")
+    try:
+        with nvrtc_program(code, "user_mod", [], [*base_options(), "-arch=sm_80"], "the mod's snippets"):
+            pass
+    except KernelCompileError as exc:
+        raise ValueError(f"score_mod / mask_mod do not compile: {exc}") from None
+
+
+@functools.lru_cache(maxsize=256)
+def checked(mod: AttentionMod, spec: tuple) -> bool:
+    """Compile-check a (mod, aux layout) once per process: ValueError with NVRTC's log before any launch."""
+    _probe(mod, spec)
+    return True
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The float64 reference's form
+
+def reference_forms(bound: BoundMod | None, to_host: Callable):
+    """(score_mod, mask_mod) Python callables for cupy_attn.reference with the call's aux bound (host arrays), or
+    (None, None) without a mod. ValueError when the mod has a snippet without its Python form."""
+    if bound is None:
+        return None, None
+    mod = bound.mod
+    missing = [n for n, snip, form in (("reference_score_mod", mod.score_mod, mod.reference_score_mod),
+                                       ("reference_mask_mod", mod.mask_mod, mod.reference_mask_mod))
+               if snip is not None and form is None]
+    if missing:
+        raise ValueError(f"the float64 reference (CPU inputs, backend='reference') runs a mod's Python form: pass an "
+                         f"AttentionMod with {' and '.join(missing)}")
+    aux = bound.host_aux(to_host)
+    score = None if mod.score_mod is None else functools.partial(_call_score, mod.reference_score_mod, aux)
+    mask = None if mod.mask_mod is None else functools.partial(_call_mask, mod.reference_mask_mod, aux)
+    return score, mask
+
+
+def _call_score(fn, aux, score, b, h, q_idx, kv_idx):
+    return fn(score, b, h, q_idx, kv_idx, aux)
+
+
+def _call_mask(fn, aux, b, h, q_idx, kv_idx):
+    return fn(b, h, q_idx, kv_idx, aux)

@@ -1,0 +1,149 @@
+"""score_mod / mask_mod on the GPU (the split path's softmax kernel, masked_softmax_mod) against the float64 reference
+running the mods' Python forms, under the suite's error rule (tests/_helpers/_tolerance.py: the peer is the same
+math in torch ops at the inputs' precision, the mods applied to its scores): ALiBi from a slope table, a document mask,
+prefix-LM, a relative-position bias table; with causal masks, GQA, head dims of every path, torch and CuPy inputs."""
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import reference
+
+from _tolerance import as_f64, assert_close
+
+pytestmark = pytest.mark.gpu
+torch = pytest.importorskip("torch")
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+MODS = {
+    "alibi": cupy_attn.AttentionMod(
+        score_mod="return score - aux.slopes[h] * fabsf(float(q_idx - kv_idx));",
+        reference_score_mod=lambda s, b, h, i, j, aux: s - aux.slopes[h] * abs(i - j)),
+    "document": cupy_attn.AttentionMod(
+        mask_mod="return aux.doc[b * aux.doc_shape[1] + q_idx] == aux.doc[b * aux.doc_shape[1] + kv_idx];",
+        reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j]),
+    "prefix_lm": cupy_attn.AttentionMod(
+        mask_mod="return kv_idx <= q_idx || kv_idx < aux.prefix[b];",
+        reference_mask_mod=lambda b, h, i, j, aux: (j <= i) | (j < aux.prefix[b])),
+    "rel_bias": cupy_attn.AttentionMod(
+        score_mod="const int n = int(aux.table_shape[1]);\n"
+                  "return score + aux.table[h * n + min(abs(q_idx - kv_idx), n - 1)];",
+        reference_score_mod=lambda s, b, h, i, j, aux: s + aux.table[h, np.minimum(abs(i - j), aux.table.shape[1] - 1)]
+        if isinstance(s, np.ndarray) else s + aux.table[h, torch.clamp(abs(i - j), max=aux.table.shape[1] - 1)]),
+}
+
+
+def _aux(name, B, Hq, L, S, gen):
+    if name == "alibi":
+        return {"slopes": torch.rand(Hq, generator=gen, device="cuda") * 0.5}
+    if name == "document":
+        n = max(L, S)
+        cuts = torch.sort(torch.randint(0, n, (B, 3), generator=gen, device="cuda"), dim=1).values
+        doc = (torch.arange(n, device="cuda")[None, :, None] >= cuts[:, None, :]).sum(-1).to(torch.int32)
+        return {"doc": doc.contiguous()}
+    if name == "prefix_lm":
+        return {"prefix": torch.randint(0, S + 1, (B,), generator=gen, device="cuda", dtype=torch.int32)}
+    return {"table": torch.randn((Hq, 64), generator=gen, device="cuda")}
+
+
+def _peer(q, k, v, mod, aux, causal):
+    """The same math in torch ops at the inputs' precision (scores and mods in the input dtype, softmax in fp32)."""
+    Hq, Hkv = q.shape[-3], k.shape[-3]
+    if Hq != Hkv:
+        k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
+    s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    b, h, i, j = (x.to(q.device) for x in reference.mod_indices(tuple(s.shape), torch))
+    ns = type("Aux", (), dict(aux))
+    if mod.score_mod is not None:
+        s = mod.reference_score_mod(s, b, h, i, j, ns).to(q.dtype)
+    keep = torch.ones(s.shape, dtype=torch.bool, device=q.device)
+    if mod.mask_mod is not None:
+        keep = keep & mod.reference_mask_mod(b, h, i, j, ns)
+    if causal:
+        keep = keep & torch.from_numpy(reference.visible_keys(s.shape[-2], s.shape[-1], causal, None)).cuda()
+    p = torch.softmax(s.masked_fill(~keep, float("-inf")).float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    return p @ v
+
+
+def _check(q, k, v, name, aux, dtype, causal=False, what=""):
+    mod = MODS[name]
+    gqa = q.shape[-3] != k.shape[-3]
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, score_mod=mod,
+                                                      aux=aux, return_lse=True)
+    host_aux = {n: a.cpu().numpy() if hasattr(a, "cpu") else a.get() for n, a in aux.items()}
+    ns = type("Aux", (), host_aux)
+    score = None if mod.score_mod is None else (lambda s, b, h, i, j: mod.reference_score_mod(s, b, h, i, j, ns))
+    mask = None if mod.mask_mod is None else (lambda b, h, i, j: mod.reference_mask_mod(b, h, i, j, ns))
+    ref, ref_lse = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), is_causal=causal,
+                                                          enable_gqa=gqa, return_lse=True, score_mod=score,
+                                                          mask_mod=mask)
+    assert_close(out, ref, dtype, _peer(q, k, v, mod, aux, causal), what)
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(as_f64(lse)[finite], ref_lse[finite], rtol=2e-3, atol=2e-3, err_msg=what)
+    assert np.all(as_f64(lse)[~finite] == -np.inf), what
+
+
+# (B, Hq, Hkv, L, S, E): head dims 64 to 1000 (the split path serves them all), L != S both ways, GQA.
+SHAPES = [(2, 4, 2, 300, 300, 64), (1, 8, 2, 1000, 1000, 128), (2, 4, 4, 129, 700, 256), (1, 4, 2, 383, 383, 512),
+          (1, 2, 2, 100, 230, 1000), (1, 2, 1, 17, 20000, 64)]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("name", list(MODS))
+def test_mods_match_the_reference(dtype, shape, name):
+    B, Hq, Hkv, L, S, E = shape
+    gen = torch.Generator("cuda").manual_seed(sum(shape))
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(DTYPES[dtype])
+               for s in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E)))
+    aux = _aux(name, B, Hq, L, S, gen)
+    _check(q, k, v, name, aux, dtype, causal=False, what=f"{name} {shape}")
+    if L <= S:
+        _check(q, k, v, name, aux, dtype, causal="bottom_right", what=f"{name} {shape} causal")
+
+
+def test_mods_with_float32_and_cupy_inputs():
+    cupy = pytest.importorskip("cupy")
+    gen = torch.Generator("cuda").manual_seed(5)
+    q, k, v = (torch.randn((2, 4, 200, 96), generator=gen, device="cuda") for _ in range(3))
+    aux = _aux("document", 2, 4, 200, 200, gen)
+    _check(q, k, v, "document", aux, "float32", causal=True, what="float32")
+    out = cupy_attn.scaled_dot_product_attention(*(cupy.asarray(x.half()) for x in (q, k, v)),
+                                                 score_mod=MODS["document"], aux={"doc": cupy.asarray(aux["doc"])})
+    want = cupy_attn.scaled_dot_product_attention(q.half(), k.half(), v.half(), score_mod=MODS["document"], aux=aux)
+    assert isinstance(out, cupy.ndarray)
+    np.testing.assert_array_equal(cupy.asnumpy(out).astype(np.float32), want.float().cpu().numpy())
+
+
+def test_document_mask_equals_the_bool_mask_call():
+    gen = torch.Generator("cuda").manual_seed(7)
+    q, k, v = (torch.randn((2, 4, 500, 128), generator=gen, device="cuda").half() for _ in range(3))
+    aux = _aux("document", 2, 4, 500, 500, gen)
+    mask = (aux["doc"][:, None, :, None] == aux["doc"][:, None, None, :])
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["document"], aux=aux)
+    want = cupy_attn.scaled_dot_product_attention(q, k, v, mask, backend="split")
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_rows_the_mask_hides_entirely_give_zero_and_minus_inf():
+    gen = torch.Generator("cuda").manual_seed(9)
+    q, k, v = (torch.randn((1, 2, 64, 64), generator=gen, device="cuda").half() for _ in range(3))
+    mod = cupy_attn.AttentionMod(mask_mod="return q_idx >= 32 && kv_idx < q_idx;")
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, mask_mod=mod.mask_mod, return_lse=True)
+    assert torch.all(out[:, :, :32] == 0) and torch.all(lse[:, :, :32] == float("-inf"))  # rows 0-31 see no key
+    assert torch.isfinite(out).all() and torch.isfinite(lse[:, :, 32:]).all()
+
+
+def test_mod_calls_route_and_refuse_clearly():
+    gen = torch.Generator("cuda").manual_seed(1)
+    q, k, v = (torch.randn((1, 2, 128, 128), generator=gen, device="cuda").half() for _ in range(3))
+    aux = {"slopes": torch.rand(2, device="cuda")}
+    plan = cupy_attn.explain(q, k, v, score_mod=MODS["alibi"], aux=aux)
+    assert plan.backend == "split" and "masked_softmax_mod" in plan.reason
+    with pytest.raises(ValueError, match="backend='fused' cannot run score_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, backend="fused")
+    q.requires_grad_(True)
+    with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux)
+    with pytest.raises(TypeError, match="aux\\['slopes'\\]"):  # aux of another kind than the query
+        cupy_attn.scaled_dot_product_attention(q.detach(), k, v, score_mod=MODS["alibi"],
+                                               aux={"slopes": np.zeros(2, np.float32)})

@@ -1,0 +1,218 @@
+"""score_mod / mask_mod (cupy_attn.AttentionMod) without a GPU: the snippets' checks and NVRTC compile (errors with
+the snippet's own line numbers), the float64 reference's mods against the built-in variants they spell (ALiBi,
+softcap, a document mask as a bool attn_mask), the CPU path through the public call and its gradients, the plan's
+routing to the split path, the softmax kernel's mod instantiation (compiled for sm_80 and sm_90 without spills) and
+the bytes its launch gets."""
+import dataclasses
+import types
+
+import numpy as np
+import pytest
+
+import cupy_attn
+from cupy_attn import reference
+from cupy_attn.attention import dispatch as _dispatch
+from cupy_attn.attention import mods as _mods
+from cupy_attn.attention import variants as _variants
+from cupy_attn.runtime import compile as _compile
+
+ALIBI = "return score - aux.slopes[h] * fabsf(float(q_idx - kv_idx));"
+DOC = "return aux.doc[b * aux.doc_shape[1] + q_idx] == aux.doc[b * aux.doc_shape[1] + kv_idx];"
+PREFIX = "return kv_idx <= q_idx || kv_idx < aux.prefix[b];"
+REL_BIAS = "return score + float(aux.table[h * aux.table_shape[1] + min(abs(q_idx - kv_idx), int(aux.table_shape[1]) - 1)]);"
+
+
+def _qkv(B=2, Hq=4, Hkv=2, L=9, S=9, E=8, seed=0):
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((B, Hq, L, E)).astype(np.float32), rng.standard_normal((B, Hkv, S, E)).astype(np.float32),
+            rng.standard_normal((B, Hkv, S, E)).astype(np.float32))
+
+
+def _alibi_mod():
+    return cupy_attn.AttentionMod(
+        score_mod=ALIBI, reference_score_mod=lambda s, b, h, q, kv, aux: s - aux.slopes[h] * abs(q - kv))
+
+
+def _doc_mod():
+    return cupy_attn.AttentionMod(
+        mask_mod=DOC, reference_mask_mod=lambda b, h, q, kv, aux: aux.doc[b, q] == aux.doc[b, kv])
+
+
+def test_mod_arguments_are_checked():
+    with pytest.raises(ValueError, match="needs score_mod, mask_mod or both"):
+        cupy_attn.AttentionMod()
+    with pytest.raises(ValueError, match="score_mod must be a non-empty string"):
+        cupy_attn.AttentionMod(score_mod="  ")
+    with pytest.raises(ValueError, match="score_mod_grad without score_mod"):
+        cupy_attn.AttentionMod(mask_mod="return true;", score_mod_grad="return 1.f;")
+    with pytest.raises(TypeError, match="reference_mask_mod must be callable"):
+        cupy_attn.AttentionMod(mask_mod="return true;", reference_mask_mod="no")
+    q, k, v = _qkv()
+    with pytest.raises(TypeError, match="score_mod must be a CUDA C\\+\\+ snippet"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=lambda s: s)
+    with pytest.raises(ValueError, match="put mask_mod into it"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=_alibi_mod(), mask_mod="x")
+    with pytest.raises(ValueError, match="aux is given without score_mod or mask_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, aux={"a": np.zeros(2, np.float32)})
+    with pytest.raises(ValueError, match="aux names must be C\\+\\+ identifiers"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, mask_mod="return true;",
+                                               aux={"not a name": np.zeros(2, np.float32)})
+    with pytest.raises(TypeError, match="aux\\['z'\\] must be one of"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, mask_mod="return true;",
+                                               aux={"z": np.zeros(2, np.complex64)})
+    torch = pytest.importorskip("torch")
+    with pytest.raises(TypeError, match="aux\\['t'\\]"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, mask_mod="return true;",
+                                               aux={"t": torch.zeros(2)})
+
+
+def test_snippet_errors_carry_the_compiler_log_with_snippet_lines():
+    bad = cupy_attn.AttentionMod(mask_mod="int x = 1;\nreturn kv_idx <= q_idx + undefined_name;")
+    with pytest.raises(ValueError, match=r"do not compile(.|\n)*mask_mod\(2\): error: identifier \"undefined_name\""):
+        bad.validate()
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match="do not compile"):  # before anything runs, CPU inputs too
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, mask_mod=bad.mask_mod)
+    aux = {"slopes": np.zeros(4, np.float32), "doc": np.zeros((2, 9), np.int32), "table": np.zeros((4, 8), np.int64),
+           "flags": np.zeros(3, np.bool_), "scalar": np.zeros((), np.float64), "half": np.zeros(2, np.float16)}
+    cupy_attn.AttentionMod(score_mod=ALIBI + "\n// " + REL_BIAS, mask_mod=DOC).validate(aux)
+    with pytest.raises(ValueError, match="slopes"):  # a name the aux does not have
+        cupy_attn.AttentionMod(score_mod=ALIBI).validate({"other": np.zeros(1, np.float32)})
+
+
+def test_snippet_strings_are_wrapped_once():
+    assert _mods.as_mod("return score;", None) is _mods.as_mod("return score;", None)
+    assert _mods.as_mod(None, None) is None
+
+
+def test_reference_mods_equal_the_builtin_variants():
+    q, k, v = _qkv(L=7, S=11)
+    slopes = np.array([0.1, 0.3, 0.5, 0.7])
+    want = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, alibi_slopes=slopes, is_causal=True)
+    # The mods' ALiBi in the reference's own alignment: |i + S - L - j|.
+    got = reference.scaled_dot_product_attention(
+        q, k, v, enable_gqa=True, is_causal=True,
+        score_mod=lambda s, b, h, i, j: s - slopes[h] * np.abs(i + 4 - j))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    want = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True, softcap=3.0)
+    got = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                                 score_mod=lambda s, b, h, i, j: 3.0 * np.tanh(s / 3.0))
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    doc = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]])
+    mask = doc[:, None, :7, None] == doc[:, None, None, :]
+    want = reference.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+    got = reference.scaled_dot_product_attention(q, k, v, enable_gqa=True,
+                                                 mask_mod=lambda b, h, i, j: doc[b, i] == doc[b, j])
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_mod_indices_flatten_the_leading_axes():
+    b, h, i, j = reference.mod_indices((2, 3, 4, 5, 6))
+    assert b.reshape(-1).tolist() == list(range(6)) and h.reshape(-1).tolist() == [0, 1, 2, 3]
+    assert i.shape == (1, 1, 1, 5, 1) and j.shape == (1, 1, 1, 1, 6)
+
+
+def test_numpy_calls_run_the_mods_python_forms():
+    q, k, v = _qkv()
+    slopes = np.array([0.1, 0.3, 0.5, 0.7], np.float32)
+    doc = np.array([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1]], np.int32)
+    mod = cupy_attn.AttentionMod(score_mod=ALIBI, mask_mod=DOC, reference_score_mod=_alibi_mod().reference_score_mod,
+                                 reference_mask_mod=_doc_mod().reference_mask_mod)
+    out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True, score_mod=mod,
+                                                      aux={"slopes": slopes, "doc": doc}, return_lse=True)
+    mask = (doc[:, None, :, None] == doc[:, None, None, :]) & np.tril(np.ones((9, 9), bool))
+    want, want_lse = reference.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, alibi_slopes=slopes,
+                                                            return_lse=True)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="runs a mod's Python form: pass an AttentionMod with reference_mask_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, mask_mod=DOC, aux={"doc": doc})
+
+
+def test_cpu_torch_gradients_flow_through_the_mods():
+    torch = pytest.importorskip("torch")
+    q, k, v = (torch.tensor(x, dtype=torch.float32, requires_grad=True) for x in _qkv(seed=3))
+    slopes = torch.tensor([0.1, 0.3, 0.5, 0.7])
+    doc = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 2, 2], [0, 1, 1, 1, 1, 1, 1, 1, 1]], dtype=torch.int32)
+    mod = cupy_attn.AttentionMod(score_mod=ALIBI, mask_mod=DOC, reference_score_mod=_alibi_mod().reference_score_mod,
+                                 reference_mask_mod=_doc_mod().reference_mask_mod)
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=mod,
+                                                 aux={"slopes": slopes, "doc": doc})
+    dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    mask = doc[:, None, :, None] == doc[:, None, None, :]
+    want_out = cupy_attn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True, alibi_slopes=slopes)
+    want = torch.autograd.grad(want_out, (q, k, v), dout)
+    torch.testing.assert_close(out, want_out)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def _gpu_problem(mod=None, E=128, dtype="float16", L=1024, S=1024):
+    from cupy_attn.attention import checks as _checks
+    from cupy_attn.runtime import interop as _interop
+    ctx = _interop.CallContext(_interop.CUPY, 0)
+    var = _variants.Variants(mod=mod)
+    return _checks.SDPAProblem(ctx=ctx, query=None, key=None, value=None, batch_shape=(2, 8), batch=2, num_heads=8,
+                               num_kv_heads=8, seqlen_q=L, seqlen_k=S, head_dim=E, head_dim_v=E, dtype=np.dtype(dtype),
+                               scale=E ** -0.5, causal=None, dropout_p=0.0, variants=var)
+
+
+def _bound(mod, aux):
+    spec = _mods._spec_of(_mods._named(aux))
+    return _mods.BoundMod(mod, tuple(aux), tuple(aux.values()), spec)
+
+
+@pytest.mark.parametrize("E,arch", [(128, 90), (512, 90), (64, 80), (1000, 90)])
+def test_plan_sends_mod_calls_to_the_split_path(E, arch):
+    p = _gpu_problem(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), E=E)
+    plan = _dispatch.plan_sdpa(p, "auto", arch=arch, num_sms=132)
+    assert plan.backend == "split" and "score_mod applied by the softmax kernel's mod instantiation" in plan.reason
+    with pytest.raises(ValueError, match="backend='fused' cannot run score_mod / mask_mod"):
+        _dispatch.plan_sdpa(p, "fused", arch=arch, num_sms=132)
+
+
+def test_softmax_mod_instantiation_compiles_without_spills():
+    """The appended struct and ModParams' layout asserts compile for sm_80 and sm_90 (NVRTC, no GPU), no spills, at the
+    narrowest, widest and looping tiles."""
+    from cupy_attn.attention.kernels import softmax
+    aux = {"slopes": np.zeros(8, np.float32), "doc": np.zeros((2, 9), np.int32)}
+    mod = cupy_attn.AttentionMod(score_mod=ALIBI, mask_mod=DOC)
+    fam = softmax.mod_family(_bound(mod, aux))
+    assert fam is softmax.mod_family(_bound(mod, aux)), "one family per (mod, aux layout)"
+    for arch in ("sm_80", "sm_90"):
+        for tile in ((32, 1), (512, 8), (512, 0)):
+            expr = fam.name_expression(out_t="__nv_bfloat16", tile=tile, dropout="true")
+            report = _compile.compile_variant(fam, expr, arch).report
+            assert report.registers and not report.spill_bytes, (arch, tile, report)
+
+
+def test_softmax_mod_launch_bytes(monkeypatch):
+    """The chunk's launch gets SoftmaxParams as the variants' kernel would, then mod_num_heads and the aux pointers
+    and shapes (ModParams<SoftmaxParams, Mod>)."""
+    from cupy_attn.attention.kernels import softmax
+
+    class Arr:
+        def __init__(self, ptr, shape):
+            self.data, self.shape = types.SimpleNamespace(ptr=ptr), shape
+
+    bound = _bound(cupy_attn.AttentionMod(score_mod=ALIBI, mask_mod=DOC),
+                   {"slopes": np.zeros(8, np.float32), "doc": np.zeros((2, 1024), np.int32)})
+    bound = dataclasses.replace(bound, arrays=(Arr(4096, (8,)), Arr(8192, (2, 1024))))
+    fam = softmax.mod_family(bound)
+    asked = []
+
+    def kernel(**row):
+        asked.append(row)
+        return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00), max_dynamic_shared_size_bytes=0)
+
+    monkeypatch.setattr(softmax, "mod_family", lambda b: types.SimpleNamespace(kernel=kernel, structs=fam.structs))
+    p = _gpu_problem(bound)
+    base = softmax.base_params(p, 1024, [(1, 0, 0, 0), (2, 0, 8 * 1024, 8), (8, 0, 1024, 1)])
+    launch = softmax.build(p, base, batches=16, rows=64, row0=128, batch0=0, bh0=0, seqlen_k=1024)
+    prm = launch.params
+    assert prm.dtype == fam.structs[0][1] and prm.dtype.names[:len(softmax.PARAMS.names)] == softmax.PARAMS.names
+    assert (prm["rows"], prm["row0"], prm["seqlen_k"], prm["mod_num_heads"]) == (16 * 64, 128, 1024, 8)
+    assert (prm["aux"]["slopes"], prm["aux"]["doc"]) == (4096, 8192)
+    assert prm["aux"]["slopes_shape"].tolist() == [8] and prm["aux"]["doc_shape"].tolist() == [2, 1024]
+    assert asked == [{"out_t": "__half", "tile": softmax.tile_for(1024, True), "dropout": "false"}]
