@@ -16,8 +16,13 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 MODS = {
     "alibi": cupy_attn.AttentionMod(
-        score_mod="return score - aux.slopes[h] * fabsf(float(q_idx - kv_idx));",
+        score_mod="return score - aux.slopes[h] * fabsf(float(q_idx - kv_idx));", score_mod_grad="return 1.f;",
         reference_score_mod=lambda s, b, h, i, j, aux: s - aux.slopes[h] * abs(i - j)),
+    "tanh_cap": cupy_attn.AttentionMod(
+        score_mod="return 8.f * tanhf(score / 8.f);",
+        score_mod_grad="const float t = tanhf(score / 8.f);\nreturn 1.f - t * t;",
+        reference_score_mod=lambda s, b, h, i, j, aux: 8.0 * (np.tanh(s / 8.0) if isinstance(s, np.ndarray)
+                                                              else torch.tanh(s / 8.0))),
     "document": cupy_attn.AttentionMod(
         mask_mod="return aux.doc[b * aux.doc_shape[1] + q_idx] == aux.doc[b * aux.doc_shape[1] + kv_idx];",
         reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j]),
@@ -26,7 +31,7 @@ MODS = {
         reference_mask_mod=lambda b, h, i, j, aux: (j <= i) | (j < aux.prefix[b])),
     "rel_bias": cupy_attn.AttentionMod(
         score_mod="const int n = int(aux.table_shape[1]);\n"
-                  "return score + aux.table[h * n + min(abs(q_idx - kv_idx), n - 1)];",
+                  "return score + aux.table[h * n + min(abs(q_idx - kv_idx), n - 1)];", score_mod_grad="return 1.f;",
         reference_score_mod=lambda s, b, h, i, j, aux: s + aux.table[h, np.minimum(abs(i - j), aux.table.shape[1] - 1)]
         if isinstance(s, np.ndarray) else s + aux.table[h, torch.clamp(abs(i - j), max=aux.table.shape[1] - 1)]),
 }
@@ -42,17 +47,20 @@ def _aux(name, B, Hq, L, S, gen):
         return {"doc": doc.contiguous()}
     if name == "prefix_lm":
         return {"prefix": torch.randint(0, S + 1, (B,), generator=gen, device="cuda", dtype=torch.int32)}
+    if name == "tanh_cap":
+        return None
     return {"table": torch.randn((Hq, 64), generator=gen, device="cuda")}
 
 
 def _peer(q, k, v, mod, aux, causal):
-    """The same math in torch ops at the inputs' precision (scores and mods in the input dtype, softmax in fp32)."""
+    """The same math in torch ops at the inputs' precision (scores and mods in the input dtype, softmax in fp32;
+    float64 inputs: float64 throughout, the gradients' reference)."""
     Hq, Hkv = q.shape[-3], k.shape[-3]
     if Hq != Hkv:
         k, v = k.repeat_interleave(Hq // Hkv, dim=-3), v.repeat_interleave(Hq // Hkv, dim=-3)
     s = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
     b, h, i, j = (x.to(q.device) for x in reference.mod_indices(tuple(s.shape), torch))
-    ns = type("Aux", (), dict(aux))
+    ns = type("Aux", (), dict(aux or {}))
     if mod.score_mod is not None:
         s = mod.reference_score_mod(s, b, h, i, j, ns).to(q.dtype)
     keep = torch.ones(s.shape, dtype=torch.bool, device=q.device)
@@ -60,7 +68,8 @@ def _peer(q, k, v, mod, aux, causal):
         keep = keep & mod.reference_mask_mod(b, h, i, j, ns)
     if causal:
         keep = keep & torch.from_numpy(reference.visible_keys(s.shape[-2], s.shape[-1], causal, None)).cuda()
-    p = torch.softmax(s.masked_fill(~keep, float("-inf")).float(), dim=-1).nan_to_num(0.0).to(q.dtype)
+    s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s.float() if s.dtype != torch.float64 else s, dim=-1).nan_to_num(0.0).to(q.dtype)
     return p @ v
 
 
@@ -69,7 +78,7 @@ def _check(q, k, v, name, aux, dtype, causal=False, what=""):
     gqa = q.shape[-3] != k.shape[-3]
     out, lse = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa, score_mod=mod,
                                                       aux=aux, return_lse=True)
-    host_aux = {n: a.cpu().numpy() if hasattr(a, "cpu") else a.get() for n, a in aux.items()}
+    host_aux = {n: a.cpu().numpy() if hasattr(a, "cpu") else a.get() for n, a in (aux or {}).items()}
     ns = type("Aux", (), host_aux)
     score = None if mod.score_mod is None else (lambda s, b, h, i, j: mod.reference_score_mod(s, b, h, i, j, ns))
     mask = None if mod.mask_mod is None else (lambda b, h, i, j: mod.reference_mask_mod(b, h, i, j, ns))
@@ -142,8 +151,41 @@ def test_mod_calls_route_and_refuse_clearly():
     with pytest.raises(ValueError, match="backend='fused' cannot run score_mod"):
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, backend="fused")
     q.requires_grad_(True)
-    with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod"):
-        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux)
+    no_grad = cupy_attn.AttentionMod(score_mod=MODS["alibi"].score_mod)
+    with pytest.raises(NotImplementedError, match="needs its derivative"):  # before the forward runs
+        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=no_grad, aux=aux)
+    with pytest.raises(NotImplementedError, match="split backward, which has no softcap"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="aux arrays get no gradient"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"],
+                                               aux={"slopes": aux["slopes"].requires_grad_(True)})
     with pytest.raises(TypeError, match="aux\\['slopes'\\]"):  # aux of another kind than the query
         cupy_attn.scaled_dot_product_attention(q.detach(), k, v, score_mod=MODS["alibi"],
                                                aux={"slopes": np.zeros(2, np.float32)})
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("name", list(MODS))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 64), (1, 2, 2, 129, 700, 256)], ids=lambda s: "x".join(map(str, s)))
+def test_mod_gradients(dtype, name, shape):
+    """dQ, dK, dV of a mod call (the split backward's rows kernels with the mod: P from score_mod's scores, dS times
+    score_mod_grad) against float64 autograd of the same math in torch ops, under the error rule (the peer: that math
+    at the inputs' precision)."""
+    B, Hq, Hkv, L, S, E = shape
+    gen = torch.Generator("cuda").manual_seed(sum(shape) + len(name))
+    q, k, v = (torch.randn(s, generator=gen, device="cuda").to(DTYPES[dtype]).requires_grad_(True)
+               for s in ((B, Hq, L, E), (B, Hkv, S, E), (B, Hkv, S, E)))
+    dout = torch.randn((B, Hq, L, E), generator=gen, device="cuda").to(DTYPES[dtype])
+    aux = _aux(name, B, Hq, L, S, gen)
+    causal = "bottom_right" if L <= S else False
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv,
+                                                 score_mod=MODS[name], aux=aux)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    grads = {}
+    for key, cast in (("ref", torch.float64), ("peer", None)):
+        xs = [x.detach().to(cast or x.dtype).requires_grad_(True) for x in (q, k, v)]
+        aux_c = None if aux is None else {n: a.double() if cast and a.is_floating_point() else a for n, a in aux.items()}
+        o = _peer(*xs, MODS[name], aux_c, causal)
+        grads[key] = torch.autograd.grad(o, xs, dout.to(o.dtype))
+    for i, what in enumerate("qkv"):
+        assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype, grads["peer"][i], f"{name} d{what}")

@@ -216,3 +216,31 @@ def test_softmax_mod_launch_bytes(monkeypatch):
     assert (prm["aux"]["slopes"], prm["aux"]["doc"]) == (4096, 8192)
     assert prm["aux"]["slopes_shape"].tolist() == [8] and prm["aux"]["doc_shape"].tolist() == [2, 1024]
     assert asked == [{"out_t": "__half", "tile": softmax.tile_for(1024, True), "dropout": "false"}]
+
+
+def test_backward_plan_of_mod_calls():
+    """The split backward's rows kernels take the mods; a score_mod without its derivative, or a mod beside a window,
+    softcap or ALiBi (which the split backward lacks), is refused before the forward runs."""
+    with_grad = cupy_attn.AttentionMod(score_mod=ALIBI, score_mod_grad="return 1.f;", mask_mod=DOC)
+    aux = {"slopes": np.zeros(8, np.float32), "doc": np.zeros((2, 9), np.int32)}
+    plan = _dispatch.plan_backward(_gpu_problem(_bound(with_grad, aux)), arch=90)
+    assert plan.kernel == "split" and "rows kernels with the mod" in plan.reason
+    with pytest.raises(NotImplementedError, match="needs its derivative"):
+        _dispatch.plan_backward(_gpu_problem(_bound(_alibi_mod(), aux)), arch=90)
+    p = _gpu_problem(_bound(_doc_mod(), aux))
+    p.variants = dataclasses.replace(p.variants, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="split backward, which has no softcap"):
+        _dispatch.plan_backward(p, arch=90)
+
+
+def test_backward_rows_mod_instantiation_compiles_without_spills():
+    from cupy_attn.attention.kernels import bwd_rows
+    mod = cupy_attn.AttentionMod(score_mod="return 8.f * tanhf(score / 8.f);",
+                                 score_mod_grad="const float t = tanhf(score / 8.f);\nreturn 1.f - t * t;",
+                                 mask_mod=DOC)
+    fam = bwd_rows.mod_family(_bound(mod, {"doc": np.zeros((2, 9), np.int32)}))
+    for arch in ("sm_80", "sm_90"):
+        for grad in ("false", "true"):
+            expr = fam.name_expression(dtype="__half", grad=grad, dropout="true")
+            report = _compile.compile_variant(fam, expr, arch).report
+            assert report.registers and not report.spill_bytes, (arch, grad, report)

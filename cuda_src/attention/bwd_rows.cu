@@ -12,6 +12,7 @@
 //   attn_bwd_rows<T, true, kDropout>:   dS = P ∘ (dP − D) with P recomputed the same way (dP times Z·r with
 //                             dropout), written as T for dQ's and dK's GEMMs (and as fp32 into dmask when the float
 //                             mask needs a gradient).
+//   attn_bwd_rows_mod<T, kGrad, kDropout, Mod>: the same with a user's score_mod / mask_mod (bwd_rows below).
 //   attn_bwd_group_sum<T, kVec>: dK, dV from their fp32 per-query-head accumulators: the sum over each GQA group
 //                             (g = 1 without GQA), rounded once to T; also dQ's rounding for the fused kernels.
 // s arrives in base-2 units: the host folds scale·log2(e) into the first GEMM's alpha, as the forward does.
@@ -31,6 +32,7 @@
 #include "common/mma.cuh"
 #include "common/philox.cuh"
 #include "common/visibility.cuh"
+#include "common/user_mod.cuh"
 
 namespace cupy_attn {
 
@@ -172,8 +174,11 @@ __global__ void __launch_bounds__(256) attn_bwd_group_sum(const BwdParams p) {
   }
 }
 
-template <typename T, bool kGrad, bool kDropout>
-__global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
+// Mod (common/user_mod.cuh; attn_bwd_rows_mod): a user's mask_mod hides keys and score_mod maps the scaled score
+// s (natural units, before a float mask) to s' = score_mod(s); P is recomputed from s', and dS takes the chain
+// factor: dS = P ∘ (dP − D) · score_mod_grad(s) (a float mask's gradient is dS before that factor: it is added to s').
+template <typename T, bool kGrad, bool kDropout, typename Mod = NoMod>
+__device__ __forceinline__ void bwd_rows(const BwdParams& p, const typename Mod::Aux& aux = {}) {
   const long long row = blockIdx.x;
   if (row >= p.rows) return;
   const long long head = p.head0 + row / p.rows_per_head;  // global (batch·head) index
@@ -212,8 +217,18 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
     // One element: P (or dS) of column j from its score s and dP value dpv. A lambda over scalars, not a loop over
     // float[4] copies of the vectors: those arrays went to the stack on sm_80 (8 bytes of spills).
     auto elem = [&](float s, float dpv, long long j, int e) {
-      if (j >= S || j > limit) s = -inf();
-      else if (mrow) s += mask_value(mrow + j * mstride, kind);
+      [[maybe_unused]] float chain = 1.f;  // d score_mod / d s (Mod::kScore)
+      if (j >= S || j > limit) {
+        s = -inf();
+      } else {
+        if constexpr (Mod::kScore || Mod::kMask) {
+          const int b = static_cast<int>(head / p.num_heads), h = static_cast<int>(head % p.num_heads);
+          const int qi = static_cast<int>(i), kj = static_cast<int>(j);
+          if constexpr (Mod::kScore && kGrad) chain = Mod::score_grad(kLn2 * s, b, h, qi, kj, aux);
+          s = apply_mod_log2<Mod>(s, b, h, qi, kj, aux);
+        }
+        if (mrow) s += mask_value(mrow + j * mstride, kind);
+      }
       const float prob = (empty || s == -inf()) ? 0.f : exp2f(s - lse2);
       float r;
       if constexpr (kDropout) {
@@ -223,12 +238,24 @@ __global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
         r = kGrad ? prob * (dpv - d) : prob;
       }
       if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r;
+      if constexpr (Mod::kScore && kGrad) r *= chain;
       return r;
     };
     const float r0 = elem(s4.x, dp4.x, c, 0), r1 = elem(s4.y, dp4.y, c + 1, 1), r2 = elem(s4.z, dp4.z, c + 2, 2),
                 r3 = elem(s4.w, dp4.w, c + 3, 3);
     store4<T>(orow + c, r0, r1, r2, r3);  // columns up to c + 3 < ld: inside the row's pitch
   }
+}
+
+template <typename T, bool kGrad, bool kDropout>
+__global__ void __launch_bounds__(128) attn_bwd_rows(const BwdParams p) {
+  bwd_rows<T, kGrad, kDropout>(p);
+}
+
+// With a user's mods (cupy_attn.AttentionMod): instantiated only in a mod's own program, which appends the Mod struct.
+template <typename T, bool kGrad, bool kDropout, typename Mod>
+__global__ void __launch_bounds__(128) attn_bwd_rows_mod(const ModParams<BwdParams, Mod> p) {
+  bwd_rows<T, kGrad, kDropout, Mod>(p, p.aux);
 }
 
 // The statistics of flash_bwd_sm90.cu for a packed batch (its kVarlen instantiations): per query head h, sequence b's

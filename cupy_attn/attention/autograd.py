@@ -90,16 +90,25 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
     ``cache_key`` (backward_key's): when the call runs a fused backward kernel on the caller's tensors in place, its
     prepared launch is kept under that key for the next call of the same layout (:class:`BackwardEntry`).
     """
-    from . import checks, dispatch, dropout
-    from .paths import backward
+    from . import checks, dropout
 
-    torch = sys.modules["torch"]
     window_size, softcap, sinks, alibi_slopes = variants
     p = checks.check_sdpa(query.detach(), key.detach(), value.detach(),
                           None if attn_mask is None else attn_mask.detach(), dropout_p, is_causal, scale, enable_gqa,
                           "auto", None, window_size, softcap, None if sinks is None else sinks.detach(), alibi_slopes)
     if p.dropout_p > 0:
         p.rng = dropout.as_array(p.ctx, rng)
+    return problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, need_mask_grad=need_mask_grad,
+                         workspace_bytes=workspace_bytes, allow_tf32=allow_tf32, cache_key=cache_key)
+
+
+def problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, *, need_mask_grad: bool, workspace_bytes=None,
+                  allow_tf32=False, cache_key=None):
+    """:func:`grad_inputs` for a problem checked already (checks.SDPAProblem of the forward, its rng pair set)."""
+    from . import dispatch
+    from .paths import backward
+
+    torch = sys.modules["torch"]
     B, Hq, Hkv, L, S = p.batch, p.num_heads, p.num_kv_heads, p.seqlen_q, p.seqlen_k
     E, Ev = p.head_dim, p.head_dim_v
     empty = min(query.numel(), key.numel(), value.numel(), grad_out.numel()) == 0
@@ -234,6 +243,47 @@ def _function():
             return (dq, dk, dv, dmask, dsinks) + none
 
     return ScaledDotProductAttention
+
+
+@functools.cache
+def _mod_function():
+    """The torch.autograd.Function of score_mod / mask_mod calls on the GPU: the problem is checked and its backward
+    planned before the forward runs (sdpa._run_mod), and both run on it (no second check)."""
+    torch = sys.modules["torch"]
+
+    class ModAttention(torch.autograd.Function):
+        @staticmethod
+        def forward(fctx, query, key, value, attn_mask, sinks, run, p, backward_args):
+            out, lse = run()
+            fctx.save_for_backward(query, key, value, attn_mask, out, lse, sinks)
+            fctx.p, fctx.backward_args = p, backward_args
+            fctx.mark_non_differentiable(lse)
+            fctx.set_materialize_grads(False)
+            return out, lse
+
+        @staticmethod
+        def backward(fctx, grad_out, _grad_lse):
+            none = (None,) * 3
+            if grad_out is None:
+                return (None,) * 5 + none
+            query, key, value, attn_mask, out, lse, sinks = fctx.saved_tensors
+            grad_out = grad_out.contiguous()
+            dsinks = sinks_grad(sinks, out, lse, grad_out) if sinks is not None and fctx.needs_input_grad[4] else None
+            need_mask = attn_mask is not None and fctx.needs_input_grad[3]
+            dq, dk, dv, dmask = problem_grads(fctx.p, query, key, value, attn_mask, out, lse, grad_out,
+                                              need_mask_grad=need_mask, **fctx.backward_args)
+            return (dq, dk, dv, dmask, dsinks) + none
+
+    return ModAttention
+
+
+def apply_mod(query, key, value, attn_mask, sinks, run, p, *, workspace_bytes, allow_tf32, return_lse):
+    """A recorded score_mod / mask_mod call: ``run()`` gives (out, lse) of the checked problem ``p``."""
+    if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
+        raise TypeError("attn_mask: a bool mask cannot require grad")
+    out, lse = _mod_function().apply(query, key, value, attn_mask, sinks, run, p,
+                                     {"workspace_bytes": workspace_bytes, "allow_tf32": allow_tf32})
+    return (out, lse) if return_lse else out
 
 
 def apply(query, key, value, attn_mask, *, is_causal, scale, enable_gqa, return_lse, workspace_bytes, allow_tf32,

@@ -542,6 +542,20 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     return plan
 
 
+def _mod_backward(p, var) -> BackwardPlan:
+    """score_mod / mask_mod: the split backward's rows kernels with the mod (attn_bwd_rows_mod), the score's chain
+    factor from score_mod_grad. NotImplementedError when the call also has a window, softcap or ALiBi (the split
+    backward has none of them) or a score_mod without score_mod_grad."""
+    other = [n for n in var.names() if not n.startswith(("score_mod", "mask_mod", "sinks"))]
+    if other:
+        raise NotImplementedError(f"the backward of score_mod / mask_mod runs on the split backward, which has no "
+                                  f"{', '.join(other)}: spell them in the mod, or call under torch.no_grad()")
+    if var.mod.mod.score_mod is not None and var.mod.mod.score_mod_grad is None:
+        raise NotImplementedError("the backward of a score_mod needs its derivative: pass AttentionMod("
+                                  "score_mod_grad=...), the body of d score_mod / d score")
+    return BackwardPlan("split", None, f"{var.names()[-1]}: the split backward's rows kernels with the mod")
+
+
 def _sm90_backward_reason(p, arch: int) -> str | None:
     """None when the Hopper backward kernel can take the call on compute capability ``arch``, else why not."""
     return f"sm_{arch}: the Hopper kernel needs sm_90a" if arch != 90 else flash_bwd_sm90.reason(p, arch)
@@ -552,6 +566,8 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
     if setting not in _ENV_BWD_VALUES:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
     var = variants.of(p)
+    if var.mod is not None:
+        return _mod_backward(p, var)
     if var.changes_scores:
         # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's). The
         # others: the Hopper kernel's variants instantiation, or nothing yet.

@@ -59,8 +59,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       query's leading axes). Or score_mod=cupy_attn.AttentionMod (both snippets, their Python forms for CPU inputs
       and the reference, compiled once per aux layout). aux: a dict (or tuple) of arrays of the query's kind and
       device the snippets read as ``aux.<name>`` pointers with ``aux.<name>_shape``. GPU calls run the split path
-      (the softmax kernel's mod instantiation; any head dim); forward only for now: a mod call that requires grad
-      on the GPU raises NotImplementedError, as one under torch.compile.
+      (the softmax kernel's mod instantiation; any head dim) and its backward (the rows kernels' mod instantiation;
+      a score_mod needs AttentionMod(score_mod_grad=...), its derivative, and aux gets no gradient). Not under
+      torch.compile yet (NotImplementedError).
     - return_lse: also return lse (..., Hq, L) float32 (natural log); autograd takes it as a constant (no gradient).
     - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
       calls. "fused" and "split" need CUDA inputs.
@@ -82,8 +83,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     than query's, a softcap that is not a number, sinks/alibi_slopes of the wrong dtype, and a generator of the
     wrong kind; ValueError naming the argument and axis for shape, device, mask, window and flag errors (dropout_p
     outside [0, 1], num_splits with dropout), a generator of another device, backend="fused" that cannot run the
-    call, and backend="fused" or "split" with CPU inputs. NotImplementedError when a window, softcap or ALiBi call
-    that requires grad cannot take the Hopper backward kernel.
+    call, and backend="fused" or "split" with CPU inputs; ValueError with NVRTC's log for a score_mod / mask_mod that
+    does not compile, TypeError for aux arrays of another kind or an unsupported dtype. NotImplementedError when a
+    window, softcap or ALiBi call that requires grad cannot take the Hopper backward kernel, when a mod call that
+    requires grad has a score_mod without score_mod_grad, a window / softcap / ALiBi beside the mod or aux that
+    requires grad, and for mod calls under torch.compile.
 
     Paths (``explain`` says which one a call takes, and why):
     - fused: FlashAttention-2 (Dao 2023) with mma.sync; on Hopper warpgroup MMAs (CUPY_ATTN_WGMMA=0 keeps mma.sync)
@@ -176,12 +180,20 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
     if p.dropout_p > 0:
         rng, p.rng = dropout.draw(p.ctx, generator)
     if autograd.needs_grad(query, key, value, attn_mask, variants[2]):
-        if p.ctx.on_gpu:
-            raise NotImplementedError("the backward of score_mod / mask_mod calls on the GPU is not implemented yet: "
-                                      "call under torch.no_grad() or with inputs that do not require grad")
-        return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
-                                      enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
-                                      rng=rng if p.dropout_p > 0 else None, variants=p.variants, sinks=variants[2])
+        if not p.ctx.on_gpu:
+            return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
+                                          enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
+                                          rng=rng if p.dropout_p > 0 else None, variants=p.variants,
+                                          sinks=variants[2])
+        aux = variants[6]
+        aux = aux.values() if isinstance(aux, dict) else aux or ()
+        if any(getattr(a, "requires_grad", False) for a in aux):
+            raise NotImplementedError("aux arrays get no gradient yet: pass them detached (aux=...detach())")
+        dispatch.plan_backward(p, allow_tf32=allow_tf32)  # raises before the forward for what it cannot run
+        return autograd.apply_mod(
+            query, key, value, attn_mask, variants[2],
+            lambda: _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, None, None), p,
+            workspace_bytes=workspace_bytes, allow_tf32=allow_tf32, return_lse=return_lse)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, None, None)
 
 

@@ -5,6 +5,7 @@ and fused kernels.
                                               lse·log2 e, the fp32 dQ accumulator zeroed)
     P  = 2^(S + mask − lse·log2 e)            attn_bwd_rows<T, false>, P in the input dtype (P∘Z/(1−p): dropout)
     dS = P ∘ (dP − D)                         attn_bwd_rows<T, true>, dS in the input dtype (and fp32 for a mask grad)
+                                              (attn_bwd_rows_mod: with a user's mods, :func:`mod_family`)
     x  = Σ_group x32                          attn_bwd_group_sum: dK, dV summed over a GQA group; dQ's rounding
 
 All four families take one struct, BwdParams. :class:`GroupSum` is the group sum's launch; :class:`FusedBackward`
@@ -21,6 +22,7 @@ from ...runtime.compile import KernelFamily
 from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE, MASK_KIND, set_strides
 from ...runtime.launch import PreparedLaunch, Step
+from .. import mods
 
 # BwdParams in bwd_rows.cu: every field 8 bytes wide.
 BWD_PARAMS = np.dtype([(n, np.float64 if n == "dropout_scale" else np.int64) for n in (
@@ -54,6 +56,24 @@ BACKWARD_ROWS = KernelFamily(
     axes={"dtype": tuple(C_TYPE.values()), "grad": ("false", "true"), "dropout": ("false", "true")},
     structs=(("cupy_attn::BwdParams", BWD_PARAMS),),
 )
+def mod_family(bound):
+    """attn_bwd_rows with a user's mods appended (attention/mods.py): attn_bwd_rows_mod<T, grad, dropout, Mod> on
+    ModParams<BwdParams, Mod>."""
+    return mods.mod_family(BACKWARD_ROWS, "cupy_attn::attn_bwd_rows_mod<{dtype}, {grad}, {dropout}, {mod}>",
+                           "cupy_attn::ModParams<cupy_attn::BwdParams, {mod}>",
+                           mods.mod_params_dtype(BWD_PARAMS, bound.spec), bound.mod, bound.spec,
+                           dict(BACKWARD_ROWS.axes), "attn_bwd_rows_mod")
+
+
+def with_mod(base: np.ndarray, bound, num_heads: int) -> np.ndarray:
+    """BwdParams ``base`` as ModParams<BwdParams, Mod>: its fields, then the head count and the call's aux."""
+    out = np.zeros((), mods.mod_params_dtype(BWD_PARAMS, bound.spec))
+    for name in BWD_PARAMS.names:
+        out[name] = base[name]
+    mods.fill_aux(out, bound, num_heads)
+    return out
+
+
 BACKWARD_GROUP_SUM = KernelFamily(
     name="attn_bwd_group_sum",
     source="attention/bwd_rows.cu",

@@ -30,6 +30,7 @@ from ...runtime import blas, workspace
 from ...runtime.interop import bits_view, dtype_name
 from ...runtime.kernel_abi import C_TYPE, LOG2E
 from ...runtime.launch import launch_struct
+from .. import variants
 from ..kernels import bwd_rows, flash_bwd, flash_bwd_sm90, gemm_3xtf32
 
 DEFAULT_WORKSPACE_BYTES = 1 << 30
@@ -147,8 +148,12 @@ def sdpa_backward(p, plan, out, lse, dout, dq, dk, dv, dmask=None, *, workspace_
         drop = "true" if p.dropout_p > 0 else "false"
         if p.dropout_p > 0:
             bwd_rows.dropout_params(p, base)
-        rows_kernel = bwd_rows.BACKWARD_ROWS.kernel(dtype=ctype, grad="false", dropout=drop)
-        grad_kernel = bwd_rows.BACKWARD_ROWS.kernel(dtype=ctype, grad="true", dropout=drop)
+        rows_family = bwd_rows.BACKWARD_ROWS
+        if (bound := variants.of(p).mod) is not None:  # a user's mods: their instantiation, the aux after BwdParams
+            rows_family = bwd_rows.mod_family(bound)
+            base = bwd_rows.with_mod(base, bound, p.num_heads)
+        rows_kernel = rows_family.kernel(dtype=ctype, grad="false", dropout=drop)
+        grad_kernel = rows_family.kernel(dtype=ctype, grad="true", dropout=drop)
         alpha = p.scale * LOG2E
         isz = dtype.itemsize
         gemms: dict = {}
