@@ -1,4 +1,5 @@
-"""score_mod / mask_mod on the GPU (the split path's softmax kernel, masked_softmax_mod) against the float64 reference
+"""score_mod / mask_mod on the GPU (the FA3-design kernel's mod instantiation at head dims 33-256, the split path's
+softmax kernel beyond, and the split backward's rows kernels) against the float64 reference
 running the mods' Python forms, under the suite's error rule (tests/_helpers/_tolerance.py: the peer is the same
 math in torch ops at the inputs' precision, the mods applied to its scores): ALiBi from a slope table, a document mask,
 prefix-LM, a relative-position bias table; with causal masks, GQA, head dims of every path, torch and CuPy inputs."""
@@ -110,6 +111,20 @@ def test_mods_match_the_reference(dtype, shape, name):
         _check(q, k, v, name, aux, dtype, causal="bottom_right", what=f"{name} {shape} causal")
 
 
+@pytest.mark.parametrize("name", list(MODS))
+def test_fa3_and_split_paths_agree(name):
+    """The FA3-design kernel's mod instantiation and the split path's, on one call: both within the rule, and close to
+    each other (different summation orders)."""
+    gen = torch.Generator("cuda").manual_seed(11)
+    q, k, v = (torch.randn((2, 4, 700, 128), generator=gen, device="cuda").bfloat16() for _ in range(3))
+    aux = _aux(name, 2, 4, 700, 700, gen)
+    fused = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=MODS[name], aux=aux,
+                                                   backend="fused")
+    split = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=MODS[name], aux=aux,
+                                                   backend="split")
+    torch.testing.assert_close(fused.float(), split.float(), rtol=2e-2, atol=2e-2)
+
+
 def test_mods_with_float32_and_cupy_inputs():
     cupy = pytest.importorskip("cupy")
     gen = torch.Generator("cuda").manual_seed(5)
@@ -128,9 +143,9 @@ def test_document_mask_equals_the_bool_mask_call():
     q, k, v = (torch.randn((2, 4, 500, 128), generator=gen, device="cuda").half() for _ in range(3))
     aux = _aux("document", 2, 4, 500, 500, gen)
     mask = (aux["doc"][:, None, :, None] == aux["doc"][:, None, None, :])
-    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["document"], aux=aux)
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["document"], aux=aux, backend="split")
     want = cupy_attn.scaled_dot_product_attention(q, k, v, mask, backend="split")
-    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same softmax arithmetic, the mask from the mod
 
 
 def test_rows_the_mask_hides_entirely_give_zero_and_minus_inf():
@@ -147,9 +162,11 @@ def test_mod_calls_route_and_refuse_clearly():
     q, k, v = (torch.randn((1, 2, 128, 128), generator=gen, device="cuda").half() for _ in range(3))
     aux = {"slopes": torch.rand(2, device="cuda")}
     plan = cupy_attn.explain(q, k, v, score_mod=MODS["alibi"], aux=aux)
-    assert plan.backend == "split" and "masked_softmax_mod" in plan.reason
+    assert plan.backend == "fused" and "flash_fwd_sm90_mod" in plan.reason
+    q512, k512, v512 = (torch.randn((1, 2, 128, 512), generator=gen, device="cuda").half() for _ in range(3))
+    assert "masked_softmax_mod" in cupy_attn.explain(q512, k512, v512, score_mod=MODS["alibi"], aux=aux).reason
     with pytest.raises(ValueError, match="backend='fused' cannot run score_mod"):
-        cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, backend="fused")
+        cupy_attn.scaled_dot_product_attention(q512, k512, v512, score_mod=MODS["alibi"], aux=aux, backend="fused")
     q.requires_grad_(True)
     no_grad = cupy_attn.AttentionMod(score_mod=MODS["alibi"].score_mod)
     with pytest.raises(NotImplementedError, match="needs its derivative"):  # before the forward runs

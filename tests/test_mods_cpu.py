@@ -163,13 +163,39 @@ def _bound(mod, aux):
     return _mods.BoundMod(mod, tuple(aux), tuple(aux.values()), spec)
 
 
-@pytest.mark.parametrize("E,arch", [(128, 90), (512, 90), (64, 80), (1000, 90)])
-def test_plan_sends_mod_calls_to_the_split_path(E, arch):
-    p = _gpu_problem(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), E=E)
+def test_plan_sends_mod_calls_to_the_fa3_kernel_on_hopper():
+    p = _gpu_problem(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), E=128)
+    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
+    assert plan.backend == "fused" and "flash_fwd_sm90_mod: score_mod" in plan.reason
+    assert plan.choice.variants and plan.choice.tile.persistent and plan.choice.qk_dim == 128
+    assert _dispatch.plan_sdpa(p, "split", arch=90, num_sms=132).backend == "split"
+
+
+@pytest.mark.parametrize("E,arch,dtype", [(512, 90, "float16"), (64, 80, "float16"), (1000, 90, "float16"),
+                                          (128, 90, "float32")])
+def test_plan_sends_other_mod_calls_to_the_split_path(E, arch, dtype):
+    p = _gpu_problem(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), E=E, dtype=dtype)
     plan = _dispatch.plan_sdpa(p, "auto", arch=arch, num_sms=132)
     assert plan.backend == "split" and "score_mod applied by the softmax kernel's mod instantiation" in plan.reason
-    with pytest.raises(ValueError, match="backend='fused' cannot run score_mod / mask_mod"):
+    with pytest.raises(ValueError, match="backend='fused' cannot run score_mod / mask_mod here"):
         _dispatch.plan_sdpa(p, "fused", arch=arch, num_sms=132)
+
+
+@pytest.mark.parametrize("name,kw,aux", [
+    ("alibi", dict(score_mod=ALIBI), {"slopes": np.zeros(8, np.float32)}),
+    ("tanh", dict(score_mod="return 8.f * tanhf(score / 8.f);"), {}),
+    ("prefix_lm", dict(mask_mod=PREFIX), {"prefix": np.zeros(2, np.int32)}),
+    ("rel_bias", dict(score_mod=REL_BIAS), {"table": np.zeros((8, 64), np.float32)})])
+def test_fa3_mod_instantiation_compiles_without_spills(name, kw, aux):
+    """The FA3-design forward's mod instantiation (flash_fwd_sm90_mod, dense, every head-dim bucket) for sm_90a:
+    these mods fit the consumers' registers. (A document mask's two aux loads per score spill 32 bytes at head dim
+    256; the packed instantiations spill 40-130 bytes with several mods: bench/notes/mods.md.)"""
+    from cupy_attn.attention.kernels import flash_fwd_sm90
+    fam = flash_fwd_sm90.mod_family(_bound(cupy_attn.AttentionMod(**kw), aux))
+    for D, tile in flash_fwd_sm90.PERSISTENT_TILES.items():
+        expr = fam.name_expression(dtype="__nv_bfloat16", head_dim=D, tile=tile, varlen="false")
+        report = _compile.compile_variant(fam, expr, "sm_90a").report
+        assert report.registers and not report.spill_bytes and not report.stack_bytes, (name, D, report)
 
 
 def test_softmax_mod_instantiation_compiles_without_spills():
@@ -244,3 +270,42 @@ def test_backward_rows_mod_instantiation_compiles_without_spills():
             expr = fam.name_expression(dtype="__half", grad=grad, dropout="true")
             report = _compile.compile_variant(fam, expr, arch).report
             assert report.registers and not report.spill_bytes, (arch, grad, report)
+
+
+def test_fa3_mod_launch_bytes(monkeypatch):
+    """The FA3-design kernel's mod launch: FlashFwdSm90Params as the variants' launch fills them, then mod_num_heads
+    and the aux (ModParams<FlashFwdSm90Params, Mod>, 64-byte aligned), the kernel asked for at the chosen tile."""
+    from cupy_attn.attention.kernels import flash_fwd_sm90
+    from cupy_attn.runtime import tma
+
+    class Arr:
+        def __init__(self, shape, ptr=1 << 20):
+            self.shape, self.dtype, self.itemsize = shape, np.dtype(np.float16), 2
+            self.strides = tuple(int(np.prod(shape[i + 1:])) * 2 for i in range(len(shape)))
+            self.data = types.SimpleNamespace(ptr=ptr)
+
+    slopes = Arr((8,), ptr=4096)
+    bound = dataclasses.replace(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), arrays=(slopes,))
+    p = _gpu_problem(bound, E=128, L=1000, S=1000)
+    p.query, p.key, p.value = Arr((16, 8, 1000, 128)), Arr((16, 8, 1000, 128)), Arr((16, 8, 1000, 128))
+    choice = flash_fwd_sm90.choose(p, "3")
+    asked = []
+
+    def kernel(**row):
+        asked.append(row)
+        return types.SimpleNamespace(kernel=types.SimpleNamespace(ptr=0xF00), max_dynamic_shared_size_bytes=0)
+
+    fam = flash_fwd_sm90.mod_family(bound)
+    monkeypatch.setattr(flash_fwd_sm90, "mod_family", lambda b: types.SimpleNamespace(kernel=kernel,
+                                                                                      structs=fam.structs))
+    monkeypatch.setattr(flash_fwd_sm90, "device_sms", lambda device: 132)
+    import cupy
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(tma.MapSpec, "encode", lambda spec, ptr: np.zeros(128, np.uint8))
+    launch = flash_fwd_sm90.build(p, choice, Arr((16, 8, 1000, 128)), None)
+    prm = launch.params
+    assert prm.dtype == fam.structs[0][1] and prm.dtype.itemsize % 64 == 0
+    assert prm.dtype.fields["mod_num_heads"][1] == flash_fwd_sm90.PARAMS.itemsize
+    assert (prm["mod_num_heads"], prm["aux"]["slopes"], prm["aux"]["slopes_shape"].tolist()) == (8, 4096, [8])
+    assert (prm["seqlen_q"], prm["seqlen_k"], prm["batch"], prm["num_heads"]) == (1000, 1000, 16, 8)
+    assert asked == [{"dtype": "__half", "head_dim": 128, "tile": choice.tile, "varlen": "false"}]

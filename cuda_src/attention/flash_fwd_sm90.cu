@@ -60,10 +60,11 @@ namespace cupy_attn {
 
 // Grid: (m_blocks, Hq, B) with one tile per CTA, or with kPersistent (min(#SMs, #units), 1, 1) (the launcher's
 // fused_sm90.grid_for). Block: 128 · (kBlockM / 64 + 1) threads (Sm90Tile.threads).
+// Mod: a user's score_mod / mask_mod (flash_fwd_sm90_mod below); aux its arrays, in the kernel's parameters.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK, bool kVariants, bool kVarlen>
-__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
-                                                                              FlashFwdSm90Params p) {
+          int kHeadDimQK, bool kVariants, bool kVarlen, typename Mod = NoMod>
+__device__ __forceinline__ void flash_fwd_sm90_body(const FlashFwdSm90Params& p,
+                                                    const typename Mod::Aux* aux = nullptr) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -121,14 +122,31 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
       },
       [&](int tid) {
         if constexpr (kPersistent) {
-          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants, kVarlen>(p, ss,
-                                                                                                              tid);
+          consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants, kVarlen, Mod>(
+              p, ss, tid, aux);
         } else {
-          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants>(p, ss, seq, m0, h, b,
-                                                                                                  kb, tid, 0, 0u);
+          consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants, Mod>(
+              p, ss, seq, m0, h, b, kb, tid, 0, 0u, aux);
         }
         if (p.o_tma) epilogue_drain(threadIdx.x % 128);  // the thread's index in its warpgroup
       });
+}
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
+          int kHeadDimQK, bool kVariants, bool kVarlen>
+__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(const __grid_constant__
+                                                                              FlashFwdSm90Params p) {
+  flash_fwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kPersistent, kHeadDimQK, kVariants, kVarlen>(p);
+}
+
+// A user's mods (cupy_attn.AttentionMod) with the variants' code: instantiated only in a mod's own program, which
+// appends the Mod struct (attention/mods.py); the parameters are FlashFwdSm90Params, then the mod's.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
+          int kHeadDimQK, bool kVarlen, typename Mod>
+__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90_mod(const __grid_constant__
+                                                                                  ModParams<FlashFwdSm90Params, Mod> p) {
+  flash_fwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kPersistent, kHeadDimQK, true, kVarlen, Mod>(
+      p, &p.aux);
 }
 
 }  // namespace cupy_attn

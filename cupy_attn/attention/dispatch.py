@@ -123,14 +123,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
                          f"{p.dropout_p}): pass num_splits=None")
     if p.empty:  # whatever the backend: nothing is launched (sdpa's _run_empty gives torch's results)
         return Plan("empty", empty_reason(p), copies=copies, problem=p)
-    if p.variants.mod is not None:  # score_mod / mask_mod: the split path's softmax kernel only, for now
-        if backend == "fused":
-            raise ValueError("backend='fused' cannot run score_mod / mask_mod: no fused kernel takes them yet (the "
-                             "split path's softmax kernel applies them; pass backend='auto' or 'split')")
-        choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
-        return Plan("split", f"split path: {' and '.join(p.variants.names()[-1:])} applied by the softmax kernel's "
-                    f"mod instantiation (masked_softmax_mod)", describe=functools.partial(split_details, p, choice),
-                    copies=copies, problem=p, choice=choice)
+    if p.variants.mod is not None:  # score_mod / mask_mod: the FA3-design kernel's mod instantiation, else split
+        return _mod_plan(p, backend, arch, forced, copies, workspace_bytes, allow_tf32)
     if not p.variants.plain and backend in ("auto", "fused"):  # backend "split": the split path serves every variant
         plan = _variants_plan(p, backend, arch, forced, copies)
         if plan is not None:
@@ -158,6 +152,28 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
     choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     return Plan("split", reason, describe=functools.partial(split_details, p, choice), copies=copies, problem=p,
                 choice=choice)
+
+
+def _mod_plan(p, backend: str, arch: int, forced: str, copies, workspace_bytes, allow_tf32) -> Plan:
+    """A score_mod / mask_mod call (attention/mods.py): the FA3-design kernel's mod instantiation (flash_fwd_sm90_mod,
+    the persistent tile with the variants' code) where that kernel runs the call without dropout, else the split
+    path's softmax kernel (masked_softmax_mod: any head dim, dtype, mask, dropout). backend="fused" where the FA3
+    kernel cannot: ValueError."""
+    names = p.variants.names()[-1]
+    fa3_why = "dropout_p > 0: the FA3 kernel has no dropout" if p.dropout_p > 0 else flash_fwd_sm90.reason(p, arch)
+    if backend in ("auto", "fused") and fa3_why is None:
+        choice = flash_fwd_sm90.choose(p, "3")
+        return Plan("fused", f"fused {forced}" if backend == "fused" else f"the FA3-design kernel's mod "
+                    f"instantiation (flash_fwd_sm90_mod: {names})", describe=functools.partial(fa3_details, choice, p),
+                    copies=copies, problem=p, kernel=flash_fwd_sm90, choice=choice)
+    if backend == "fused":
+        raise ValueError(f"backend='fused' cannot run score_mod / mask_mod here: {fa3_why} (the split path's softmax "
+                         f"kernel applies them; pass backend='auto' or 'split')")
+    choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
+    why = "" if backend == "split" else f" (FA3 kernel: {fa3_why})"
+    return Plan("split", f"split path: {names} applied by the softmax kernel's mod instantiation "
+                f"(masked_softmax_mod){why}", describe=functools.partial(split_details, p, choice), copies=copies,
+                problem=p, choice=choice)
 
 
 def _variants_plan(p, backend: str, arch: int, forced: str, copies) -> Plan | None:

@@ -48,7 +48,7 @@ class AttentionMod:
       score_mod and no score_mod_grad runs forward only).
     - aux: the call's ``aux=`` arrays (a dict name -> array, or a tuple: names aux0, aux1, ...), each a pointer
       ``aux.<name>`` to its contiguous elements (float, __half, __nv_bfloat16, int, long long, ...) and, for
-      arrays of n ≥ 1 axes, ``aux.<name>_shape[n]`` (long long).
+      arrays of n ≥ 1 axes, ``aux.<name>_shape[n]`` (int).
 
     reference_score_mod(score, b, h, q_idx, kv_idx, aux) and reference_mask_mod(b, h, q_idx, kv_idx, aux) are the
     same mods in Python on broadcast NumPy (or torch) arrays, aux a namespace of the host arrays: the float64
@@ -161,6 +161,9 @@ def bind(mod: AttentionMod, aux, ctx) -> BoundMod:
     arrays = []
     for name, a in items:
         interop.check_like_query(f"aux[{name!r}]", a, ctx)
+        if any(int(n) >= 1 << 31 for n in a.shape):
+            raise ValueError(f"aux[{name!r}]: every axis must be < 2^31 (its shape reaches the snippet as int), got "
+                             f"{tuple(a.shape)}")
         if ctx.on_gpu:
             with ctx.activate():
                 c = ctx.as_cupy(a)
@@ -179,15 +182,20 @@ def struct_name(mod: AttentionMod, spec: tuple) -> str:
 
 
 def aux_dtype(spec: tuple) -> np.dtype:
-    """The Aux struct's NumPy declaration: per array a pointer and, with axes, its shape (all 8-byte fields)."""
-    fields = []
+    """The Aux struct's NumPy declaration, laid out as the C++ struct: per array a pointer (8 bytes, 8-aligned) and,
+    with axes, its shape as int32s (32-bit index arithmetic in the snippets: 64-bit products per score cost the fused
+    kernels registers); size a multiple of 8."""
+    names, formats, offsets, at = [], [], [], 0
     for name, _, ndim in spec:
-        fields.append((name, np.int64))
+        at = -(-at // 8) * 8
+        names.append(name), formats.append(np.dtype(np.int64)), offsets.append(at)
+        at += 8
         if ndim:
-            fields.append((f"{name}_shape", np.int64, (ndim,)))
-    if not fields:  # an empty C++ struct has size 1; keep one 8-byte placeholder on both sides
-        fields.append(("_unused", np.int64))
-    return np.dtype(fields)
+            names.append(f"{name}_shape"), formats.append(np.dtype((np.int32, (ndim,)))), offsets.append(at)
+            at += 4 * ndim
+    if not names:  # an empty C++ struct has size 1; keep one 8-byte placeholder on both sides
+        names, formats, offsets, at = ["_unused"], [np.dtype(np.int64)], [0], 8
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": -(-at // 8) * 8})
 
 
 def source(mod: AttentionMod, spec: tuple) -> str:
@@ -196,7 +204,7 @@ def source(mod: AttentionMod, spec: tuple) -> str:
     for name, dt, ndim in spec:
         members.append(f"    const {AUX_C_TYPES[dt]}* {name};")
         if ndim:
-            members.append(f"    long long {name}_shape[{ndim}];")
+            members.append(f"    int {name}_shape[{ndim}];")
     if not spec:
         members.append("    long long _unused;")
     parts = [f"namespace cupy_attn {{ namespace mods {{\nstruct {struct_name(mod, spec)} {{",
@@ -239,7 +247,7 @@ _FAMILIES: dict = {}
 
 
 def mod_family(base: KernelFamily, template: str, params_ctype: str, params_dtype: np.dtype, mod: AttentionMod,
-               spec: tuple, axes: dict, name: str) -> ModKernelFamily:
+               spec: tuple, axes: dict, name: str, where=None) -> ModKernelFamily:
     """The family of ``base``'s source with ``mod`` appended: ``template`` formats the rows of ``axes`` with
     ``{mod}`` = the struct's qualified name; the parameter struct ``params_ctype`` (ModParams<Base, Mod>) is
     checked against ``params_dtype``. One object per (base, mod, aux layout): its kernels are loaded once."""
@@ -248,7 +256,7 @@ def mod_family(base: KernelFamily, template: str, params_ctype: str, params_dtyp
     if fam is None:
         q = qualified(mod, spec)
         fam = ModKernelFamily(name=f"{name}[{struct_name(mod, spec)}]", source=base.source,
-                              template=template.replace("{mod}", q), axes=axes, archs=base.archs,
+                              template=template.replace("{mod}", q), axes=axes, where=where, archs=base.archs,
                               options=base.options, arch=base.arch,
                               structs=((params_ctype.replace("{mod}", q), params_dtype),),
                               appendix=source(mod, spec))
@@ -256,9 +264,16 @@ def mod_family(base: KernelFamily, template: str, params_ctype: str, params_dtyp
     return fam
 
 
-def mod_params_dtype(base: np.dtype, spec: tuple) -> np.dtype:
-    """ModParams<Base, Mod>'s declaration: the base's fields, mod_num_heads, then the Aux struct."""
-    return np.dtype(list(base.descr) + [("mod_num_heads", np.int64), ("aux", aux_dtype(spec))])
+def mod_params_dtype(base: np.dtype, spec: tuple, align: int = 8) -> np.dtype:
+    """ModParams<Base, Mod>'s declaration: the base's fields at their offsets, mod_num_heads at sizeof(Base), then the
+    Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one holding tensor
+    maps)."""
+    aux = aux_dtype(spec)
+    names = list(base.names) + ["mod_num_heads", "aux"]
+    formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), aux]
+    offsets = [base.fields[n][1] for n in base.names] + [base.itemsize, base.itemsize + 8]
+    size = -(-(base.itemsize + 8 + aux.itemsize) // align) * align
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size})
 
 
 def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int) -> None:

@@ -58,10 +58,11 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       returns whether key kv_idx takes part for ``b, h, q_idx, kv_idx, aux`` (b: the flat batch index over the
       query's leading axes). Or score_mod=cupy_attn.AttentionMod (both snippets, their Python forms for CPU inputs
       and the reference, compiled once per aux layout). aux: a dict (or tuple) of arrays of the query's kind and
-      device the snippets read as ``aux.<name>`` pointers with ``aux.<name>_shape``. GPU calls run the split path
-      (the softmax kernel's mod instantiation; any head dim) and its backward (the rows kernels' mod instantiation;
-      a score_mod needs AttentionMod(score_mod_grad=...), its derivative, and aux gets no gradient). Not under
-      torch.compile yet (NotImplementedError).
+      device the snippets read as ``aux.<name>`` pointers (``aux.<name>_shape``: int). On Hopper, fp16/bf16 calls
+      at head dims 33-256 without dropout or attn_mask run the FA3-design kernel's mod instantiation; others the
+      split path's softmax kernel (any head dim). The backward is the split backward's (its rows kernels' mod
+      instantiation; a score_mod needs AttentionMod(score_mod_grad=...), its derivative; aux gets no gradient).
+      Not under torch.compile yet (NotImplementedError).
     - return_lse: also return lse (..., Hq, L) float32 (natural log); autograd takes it as a constant (no gradient).
     - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
       calls. "fused" and "split" need CUDA inputs.

@@ -280,11 +280,13 @@ static_assert(kVTailBarrier >= kOStoreBarrier + 3 && kVTailBarrier + 2 <= 15, "n
 // kHeadDimQK (a multiple of 16, ≤ kHeadDim): the columns of Q and K the S GEMM reads; E = 80 in the kHeadDim = 96 tiles
 // runs 5 of its 6 k steps (E = 80 or 96 with Ev > 96 in the 128 tiles: 5 or 6 of 8; the rest are TMA's zeros),
 // while P·V keeps N = kHeadDim.
+// Mod (common/user_mod.cuh; with kVariants): a user's score_mod / mask_mod on each S block after the variants' score
+// mods, before the masks; `aux` its arrays (the kernel's ModParams, in parameter space).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
-          int kHeadDimQK = kHeadDim, bool kVariants = false, typename Seq>
+          int kHeadDimQK = kHeadDim, bool kVariants = false, typename Mod = NoMod, typename Seq>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, const Seq& seq, int m0, int h, int b, KeyBlocks kb, int tid,
-                                        int it0, unsigned q_parity) {
+                                        int it0, unsigned q_parity, const typename Mod::Aux* aux = nullptr) {
   const int n_blocks = kb.count();
   constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
@@ -411,6 +413,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
   auto mask = [&](int i) {
     const int n0 = (kb.last - i) * kBlockN;
     if constexpr (kVariants) apply_score_mods<kBlockN>(acc_s, score_mods, lane_row0(), n0, t);
+    if constexpr (Mod::kScore || Mod::kMask)
+      apply_user_mod<kBlockN, Mod>(acc_s, *aux, b, h, lane_row0(), n0, t, sc, static_cast<int>(seq.seqlen_q()), S);
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
       mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{seq.seqlen_k(), causal_offset, causal});
     if (lower && n0 < wg_row0 + 63 + seq.window_lo())
@@ -529,9 +533,10 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
 // writes out 0 and lse -inf and takes no ping-pong turn and no Q or K/V phase. The ping-pong's first grant and the
 // closing empty turn are here (kPingPongBarrier).
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, int kHeadDimQK,
-          bool kVariants, bool kVarlen>
+          bool kVariants, bool kVarlen, typename Mod = NoMod>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
-                                                   kBlockM, kBlockN, kStages>& ss, int tid) {
+                                                   kBlockM, kBlockN, kStages>& ss, int tid,
+                                                   const typename Mod::Aux* aux = nullptr) {
   constexpr int kWGs = kBlockM / 64;
   const int wg = tid / 128;
   if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
@@ -547,8 +552,8 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
                                      128 * kWGs);
       continue;
     }
-    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants>(
-        p, ss, seq, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1));
+    consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants, Mod>(
+        p, ss, seq, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1), aux);
     it += kb.count();
     ++tiles;
   }

@@ -9,6 +9,7 @@
 #include "common/mask.cuh"
 #include "common/visibility.cuh"
 #include "common/score_mod.cuh"
+#include "common/user_mod.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -66,6 +67,34 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kBlockN / 2], const 
           s[4 * j + 2 * half + e] = fmaf(mods.alibi_k, fabsf(d0 - static_cast<float>(8 * j + e)),
                                          s[4 * j + 2 * half + e]);
     }
+  }
+}
+
+// A user's score_mod / mask_mod (common/user_mod.cuh) on a lane's scores of key tile n0 of batch b (the sequence in
+// a packed call), head h: element s[4j + 2·half + e] is query row + 8·half, key n0 + 8j + 2t + e. s holds raw units
+// (times sc = the exponent's scale·log2 e, or c·log2 e with a softcap, gives base 2), so the mod sees s·sc·ln 2 and
+// its result goes back as s'·log2(e) / sc; mask_mod's false becomes -inf. The mods are called only for rows < L and
+// keys < S (a snippet may index aux by them); the masks that follow hide the others.
+template <int kBlockN, typename Mod>
+__device__ __forceinline__ void apply_user_mod(float (&s)[kBlockN / 2], const typename Mod::Aux& aux, int b, int h,
+                                               long long row, int n0, int t, float sc, int L, int S) {
+  const float to_natural = sc * kLn2, from_natural = kLog2e / sc;
+  const int key_end = min(S - n0, kBlockN);  // the tile's columns < key_end are keys (all but in the last block)
+  #pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int qi = static_cast<int>(row) + 8 * half;
+    if (qi >= L) continue;
+    #pragma unroll
+    for (int j = 0; j < kBlockN / 8; ++j)
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kj = n0 + 8 * j + 2 * t + e;
+        if (8 * j + 2 * t + e >= key_end) continue;
+        float x = s[4 * j + 2 * half + e];
+        if constexpr (Mod::kScore) x = Mod::score(x * to_natural, b, h, qi, kj, aux) * from_natural;
+        if constexpr (Mod::kMask) x = Mod::mask(b, h, qi, kj, aux) ? x : neg_inf();
+        s[4 * j + 2 * half + e] = x;
+      }
   }
 }
 

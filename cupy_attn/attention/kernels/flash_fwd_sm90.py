@@ -41,7 +41,7 @@ from ...runtime.kernel_abi import C_TYPE_16, LOG2E, element_strides, head_dim_bu
 from ...runtime.launch import AlignFlag, Maps, PreparedLaunch, Step
 from ...runtime.tma import F64, I64, MAP, MapSpec, c_struct, exp2_tma_reason, o_tma_reason, \
     tma_operand_reason
-from .. import variants
+from .. import mods, variants
 
 # CUPY_ATTN_FA3_M192: unset, head dim 64 in modes "2" and "3" runs the 192-row tile (three consumer warpgroups,
 # M192_MODE_TILES) for non-causal calls; 1 forces it for causal calls too; 0 keeps the 128-row tile. Part of the call
@@ -343,6 +343,21 @@ def set_variant_params(prm: np.ndarray, p) -> None:
         prm["alibi_stride_b"] = a.strides[0] // a.itemsize if a.ndim == 2 else 0
 
 
+def mod_family(bound):
+    """The FA3-design forward with a user's mods appended (attention/mods.py): flash_fwd_sm90_mod on the persistent
+    tiles at the bucket's own S GEMM width (where the variants are), dense and packed; ModParams<FlashFwdSm90Params,
+    Mod> (64-byte aligned: the tensor maps)."""
+    return mods.mod_family(
+        FLASH_FWD_SM90_TMA,
+        "cupy_attn::flash_fwd_sm90_mod<{dtype}, {head_dim}, {tile.block_m}, {tile.block_n}, {tile.stages}, "
+        "{tile.overlap_flag}, {tile.persistent_flag}, {head_dim}, {varlen}, {mod}>",
+        "cupy_attn::ModParams<cupy_attn::FlashFwdSm90Params, {mod}>",
+        mods.mod_params_dtype(PARAMS, bound.spec, align=64), bound.mod, bound.spec,
+        {"dtype": tuple(C_TYPE_16.values()), "head_dim": tuple(TILES),
+         "tile": tuple(sorted(set(PERSISTENT_TILES.values()), key=dataclasses.astuple)), "varlen": ("false", "true")},
+        "flash_fwd_sm90_mod", where=lambda row: row["tile"] == PERSISTENT_TILES[row["head_dim"]])
+
+
 def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     """The launch of ``choice`` for a checked problem accepted by :func:`reason`, replayed as ``launch_on(stream, q,
     k, v, out, lse=0, mask=0)`` (:func:`build_launch`): out (B, Hq, L, Ev) in q's dtype, lse None or (B, Hq, L)
@@ -351,10 +366,17 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     D, tile = choice.head_dim, choice.tile
-    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
-                                       qk_dim=choice.qk_dim, variants="true" if choice.variants else "false",
-                                       varlen="false")
-    prm = np.zeros((), dtype=PARAMS)
+    bound = variants.of(p).mod
+    if bound is not None:  # a user's mods: their instantiation (choose gave the persistent tile at full width)
+        fam = mod_family(bound)
+        kernel = fam.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile, varlen="false")
+        prm = np.zeros((), dtype=fam.structs[0][1])
+        mods.fill_aux(prm, bound, Hq)
+    else:
+        kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
+                                           qk_dim=choice.qk_dim, variants="true" if choice.variants else "false",
+                                           varlen="false")
+        prm = np.zeros((), dtype=PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
     set_variant_params(prm, p)
     num_sms = 0
