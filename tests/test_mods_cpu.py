@@ -169,6 +169,10 @@ def test_plan_sends_mod_calls_to_the_fa3_kernel_on_hopper():
     assert plan.backend == "fused" and "flash_fwd_sm90_mod: score_mod" in plan.reason
     assert plan.choice.variants and plan.choice.tile.persistent and plan.choice.qk_dim == 128
     assert _dispatch.plan_sdpa(p, "split", arch=90, num_sms=132).backend == "split"
+    from cupy_attn.attention.kernels import flash_fwd_sm90
+    for E in (64, 96, 128, 256):  # non-causal head dim 64 too: the 128-row tile, which the mod family declares
+        choice = _dispatch.plan_sdpa(_gpu_problem(p.variants.mod, E=E), "auto", arch=90, num_sms=132).choice
+        assert choice.tile == flash_fwd_sm90.PERSISTENT_TILES[choice.head_dim], E
 
 
 @pytest.mark.parametrize("E,arch,dtype", [(512, 90, "float16"), (64, 80, "float16"), (1000, 90, "float16"),

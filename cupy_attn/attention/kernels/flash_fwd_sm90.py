@@ -308,11 +308,14 @@ def choose(p, mode: str) -> Choice:
     """The choice for a problem this kernel serves (:func:`reason`) in ``mode``: its bucket (:func:`head_bucket`),
     tile (:func:`tile_for`) and S GEMM columns (:func:`qk_dim`). The plan's, made once (dispatch). A call with
     variants (attention/variants.py) takes their instantiation, which exists in mode "3" at the bucket's full S GEMM
-    width only; windowed calls take the 128-row tiles, as causal ones (a 192-row tile masks more at a window's edges)."""
+    width only; windowed calls take the 128-row tiles, as causal ones (a 192-row tile masks more at a window's edges),
+    and so do calls with a user's mods (their instantiations: :func:`mod_family`; three consumer warpgroups at 160
+    registers would leave a mod less room)."""
     bucket = head_bucket(p.head_dim, p.head_dim_v)
     var = variants.of(p)
     if not var.plain:
-        return Choice("3", bucket, tile_for("3", bucket, p.causal is not None or var.has_window), bucket, True)
+        narrow = p.causal is not None or var.has_window or var.mod is not None
+        return Choice("3", bucket, tile_for("3", bucket, narrow), bucket, True)
     return Choice(mode, bucket, tile_for(mode, bucket, p.causal is not None), qk_dim(p.head_dim, bucket))
 
 
