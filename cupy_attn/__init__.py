@@ -6,6 +6,8 @@ Public API:
     explain                       which path a call takes, and why
     explain_varlen                the same for varlen_attention
     merge_attention_states        two partial attention results (out, lse) over disjoint keys merged into one
+    AttentionMod                  score_mod / mask_mod as CUDA C++ snippets (FlexAttention's idea, compiled by NVRTC)
+    create_block_mask             a mask_mod's visible key range per block of query rows, for the kernels to skip
     linear_batchnorm_softmax      softmax(scale · BatchNorm1d(x Wᵀ + b), dim=1) as one operation
     release_memory                gives back the device memory kept between calls (bounded per-stream workspaces)
     cupy_attn.reference           float64 NumPy references (the ground truth of the tests)
@@ -18,12 +20,12 @@ Public API:
 from __future__ import annotations
 
 from . import philox, reference
-from .attention import (AttentionMod, explain, explain_varlen, merge_attention_states,
-                        scaled_dot_product_attention, varlen_attention)
+from .attention import (AttentionMod, BlockMask, create_block_mask, explain, explain_varlen,
+                        merge_attention_states, scaled_dot_product_attention, varlen_attention)
 from .linear_bn_softmax import linear_batchnorm_softmax
 from .runtime.workspace import release_memory
 
 __version__ = "0.1.0"
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states",
-           "AttentionMod", "linear_batchnorm_softmax",
+           "AttentionMod", "BlockMask", "create_block_mask", "linear_batchnorm_softmax",
            "release_memory", "reference", "philox", "__version__"]

@@ -206,3 +206,24 @@ def test_mod_gradients(dtype, name, shape):
         grads[key] = torch.autograd.grad(o, xs, dout.to(o.dtype))
     for i, what in enumerate("qkv"):
         assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype, grads["peer"][i], f"{name} d{what}")
+
+
+def test_block_mask_kernel_matches_the_host_ranges_and_skips_exactly():
+    """create_block_mask's pre-pass (mod_key_ranges) gives the ranges the mask_mod's Python form gives on the host,
+    and a call with the BlockMask (the FA3 kernel visiting only those key blocks) equals the call without it: the
+    blocks it skips are ones the mask hides entirely."""
+    gen = torch.Generator("cuda").manual_seed(3)
+    B, H, L = 2, 4, 1500
+    q, k, v = (torch.randn((B, H, L, 128), generator=gen, device="cuda").half() for _ in range(3))
+    aux = _aux("document", B, H, L, L, gen)
+    window = cupy_attn.AttentionMod(mask_mod="return q_idx - kv_idx <= 300 && kv_idx <= q_idx;",
+                                    reference_mask_mod=lambda b, h, i, j, a: (i - j <= 300) & (j <= i))
+    for mod, kw, batch in ((MODS["document"], {"aux": aux}, B), (window, {}, None)):
+        bm = cupy_attn.create_block_mask(mod, batch, None, L, L, like=q, **kw)
+        host_aux = {n: a.cpu().numpy() for n, a in kw.get("aux", {}).items()}
+        host = cupy_attn.create_block_mask(mod, batch, None, L, L, like=np.zeros(1), aux=host_aux or None)
+        np.testing.assert_array_equal(bm.ranges.cpu().numpy(), host.ranges)
+        with_mask = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, block_mask=bm, **kw)
+        without = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, **kw)
+        torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
+        _check(q, k, v, "document", aux, "float16", what="block mask") if mod is MODS["document"] else None

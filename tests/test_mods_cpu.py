@@ -313,3 +313,67 @@ def test_fa3_mod_launch_bytes(monkeypatch):
     assert (prm["mod_num_heads"], prm["aux"]["slopes"], prm["aux"]["slopes_shape"].tolist()) == (8, 4096, [8])
     assert (prm["seqlen_q"], prm["seqlen_k"], prm["batch"], prm["num_heads"]) == (1000, 1000, 16, 8)
     assert asked == [{"dtype": "__half", "head_dim": 128, "tile": choice.tile, "varlen": "false"}]
+
+
+WINDOW_MOD = cupy_attn.AttentionMod(mask_mod="return q_idx - kv_idx <= 200 && kv_idx <= q_idx;",
+                                    reference_mask_mod=lambda b, h, i, j, aux: (i - j <= 200) & (j <= i))
+
+
+def test_create_block_mask_ranges_on_the_cpu():
+    """Each block of 128 query rows gets the first and last key some row of it sees; (S, -1) where none; batch and
+    heads None broadcast one entry."""
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    bm = cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300, like=q)
+    assert isinstance(bm, cupy_attn.BlockMask) and bm.ranges.shape == (1, 1, 3, 2) and bm.row_blocks == 3
+    assert bm.ranges[0, 0].tolist() == [[0, 127], [0, 255], [56, 299]]  # rows 256-299 see keys 56 ... 299
+    doc = np.array([[0] * 100 + [1] * 200, [0] * 250 + [1] * 50], np.int32)
+    doc_mod = cupy_attn.AttentionMod(mask_mod=DOC, reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j])
+    bm = cupy_attn.create_block_mask(doc_mod, 2, None, 300, 300, aux={"doc": doc})
+    assert bm.ranges.shape == (2, 1, 3, 2)
+    assert bm.ranges[0, 0].tolist() == [[0, 299], [100, 299], [100, 299]]
+    assert bm.ranges[1, 0].tolist() == [[0, 249], [0, 299], [250, 299]]  # rows 250-255 are in document 1
+    hidden = cupy_attn.AttentionMod(mask_mod="return q_idx >= 200;", reference_mask_mod=lambda b, h, i, j, aux: (i >= 200) & (j >= 0))
+    assert cupy_attn.create_block_mask(hidden, None, 2, 300, 50, like=q).ranges[0, 1].tolist() == [[50, -1], [0, 49],
+                                                                                                 [0, 49]]
+
+
+def test_block_mask_arguments_are_checked():
+    q, k, v = _qkv(L=300, S=300)
+    with pytest.raises(ValueError, match="needs a mask_mod"):
+        cupy_attn.create_block_mask(_alibi_mod(), None, None, 300, 300, like=q)
+    with pytest.raises(ValueError, match="pass like="):
+        cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300)
+    with pytest.raises(ValueError, match="batch and heads must be >= 1"):
+        cupy_attn.create_block_mask(WINDOW_MOD, 0, None, 300, 300, like=q)
+    bm = cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300, like=q)
+    with pytest.raises(ValueError, match="block_mask is given without score_mod or mask_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, block_mask=bm)
+    with pytest.raises(ValueError, match="another mask_mod"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=_doc_mod(), block_mask=bm,
+                                               aux={"doc": np.zeros((2, 300), np.int32)})
+    with pytest.raises(ValueError, match=r"block_mask is for \(L, S\) = \(300, 300\)"):
+        cupy_attn.scaled_dot_product_attention(q[:, :, :200], k, v, enable_gqa=True, score_mod=WINDOW_MOD,
+                                               block_mask=bm)
+    with pytest.raises(TypeError, match="block_mask must be a cupy_attn.BlockMask"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=WINDOW_MOD, block_mask=bm.ranges)
+    two = cupy_attn.create_block_mask(WINDOW_MOD, 3, None, 300, 300, like=q)
+    with pytest.raises(ValueError, match="batch 3 and heads 1; the call needs 1 or 2"):
+        cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=WINDOW_MOD, block_mask=two)
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=WINDOW_MOD, block_mask=bm)
+    want = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True, score_mod=WINDOW_MOD)
+    np.testing.assert_array_equal(out, want)
+
+
+def test_block_mask_reaches_the_fa3_launch(monkeypatch):
+    """A call's BlockMask goes into ModParams' KeyRanges (pointer, strides in entries, rows per block); without one
+    the pointer is null (every key block visited)."""
+    bm = _mods.BlockMask(types.SimpleNamespace(), 1, 8, 1000, 1000, WINDOW_MOD.mask_mod, "cupy", 0)
+    monkeypatch.setattr(_mods.BlockMask, "ranges_cupy", lambda self: types.SimpleNamespace(
+        data=types.SimpleNamespace(ptr=0xABC0)))
+    bound = _bound(WINDOW_MOD, {})
+    prm = np.zeros((), _mods.mod_params_dtype(np.dtype([("x", np.int64)]), bound.spec))
+    _mods.fill_aux(prm, dataclasses.replace(bound, block_mask=bm), 8, key_ranges=True)
+    kr = prm["key_ranges"]
+    assert (kr["ranges"], kr["stride_b"], kr["stride_h"], kr["block_rows"]) == (0xABC0, 0, 8, 128)
+    _mods.fill_aux(prm := np.zeros((), prm.dtype), bound, 8, key_ranges=True)
+    assert prm["key_ranges"]["ranges"] == 0

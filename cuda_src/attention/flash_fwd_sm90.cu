@@ -64,7 +64,8 @@ namespace cupy_attn {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
           int kHeadDimQK, bool kVariants, bool kVarlen, typename Mod = NoMod>
 __device__ __forceinline__ void flash_fwd_sm90_body(const FlashFwdSm90Params& p,
-                                                    const typename Mod::Aux* aux = nullptr) {
+                                                    const typename Mod::Aux* aux = nullptr,
+                                                    const KeyRanges* kr = nullptr) {
   using namespace sm90;
   using Smem = SharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   constexpr int kConsumerWarpgroups = kBlockM / 64;
@@ -115,7 +116,7 @@ __device__ __forceinline__ void flash_fwd_sm90_body(const FlashFwdSm90Params& p,
       [&](int tid) {
         if (tid != 0) return;  // one thread issues every load
         if constexpr (kPersistent) {
-          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants, kVarlen>(p, ss);
+          produce_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants, kVarlen>(p, ss, kr);
         } else {
           produce(p, ss, seq, m0, h, kb);
         }
@@ -123,7 +124,7 @@ __device__ __forceinline__ void flash_fwd_sm90_body(const FlashFwdSm90Params& p,
       [&](int tid) {
         if constexpr (kPersistent) {
           consume_persistent<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kHeadDimQK, kVariants, kVarlen, Mod>(
-              p, ss, tid, aux);
+              p, ss, tid, aux, kr);
         } else {
           consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, false, kHeadDimQK, kVariants, Mod>(
               p, ss, seq, m0, h, b, kb, tid, 0, 0u, aux);
@@ -145,8 +146,9 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool 
           int kHeadDimQK, bool kVarlen, typename Mod>
 __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90_mod(const __grid_constant__
                                                                                   ModParams<FlashFwdSm90Params, Mod> p) {
+  static_assert(kPersistent, "the mods' key ranges are read by the persistent variant's tiles");
   flash_fwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kPersistent, kHeadDimQK, true, kVarlen, Mod>(
-      p, &p.aux);
+      p, &p.aux, &p.key_ranges);
 }
 
 }  // namespace cupy_attn

@@ -29,13 +29,77 @@ struct NoMod {
   static __device__ __forceinline__ float score_grad(float, int, int, int, int, const Aux&) { return 1.f; }
 };
 
-// A kernel's parameter struct with a mod's: the (B, Hq) split of the flat (batch, head) index and the aux struct,
-// after the base's fields (the host's NumPy declaration appends them in this order).
+// Key ranges of a mask_mod (cupy_attn.key_ranges; mod_key_ranges below): for each (batch, head, block of
+// block_rows query rows) the first and last key any of its rows sees under the mask_mod, (S, -1) for none; a batch
+// or head stride of 0 broadcasts one entry. The fused kernels visit only the key blocks between them.
+struct KeyRanges {
+  const int* ranges;  // (.., .., row_blocks, 2) int32, or nullptr (no ranges: every key block is visited)
+  long long stride_b, stride_h;  // in entries of 2 ints
+  long long block_rows;
+
+  // The (first, last) pair of the block of rows holding row m0 of batch b, head h; nullptr without ranges.
+  __device__ __forceinline__ const int* of(int b, int h, int m0) const {
+    if (ranges == nullptr) return nullptr;
+    return ranges + 2 * (b * stride_b + h * stride_h + m0 / block_rows);
+  }
+};
+
+// A kernel's parameter struct with a mod's: the (B, Hq) split of the flat (batch, head) index, the key ranges and the
+// aux struct, after the base's fields (the host's NumPy declaration appends them in this order).
 template <typename Base, typename Mod>
 struct ModParams : Base {
   long long mod_num_heads;
+  KeyRanges key_ranges;
   typename Mod::Aux aux;
 };
+
+// The pre-pass of cupy_attn.key_ranges: one block of 256 threads per (row block, head, batch) of the ranges; the
+// threads test keys in chunks of 256 from the front until some row of the block sees one (the first), then from the
+// back (the last), so that a band-shaped mask costs about its visible keys, not L·S. rows / keys: seqlen_q, seqlen_k.
+struct KeyRangeParams {
+  int* ranges;  // (batch, heads, row_blocks, 2) int32, contiguous
+  long long batch, heads, seqlen_q, seqlen_k, row_blocks, block_rows;
+};
+
+template <typename Mod>
+__global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangeParams, Mod> p) {
+  const int rb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int S = static_cast<int>(p.seqlen_k);
+  const int r0 = rb * static_cast<int>(p.block_rows);
+  const int r1 = min(r0 + static_cast<int>(p.block_rows), static_cast<int>(p.seqlen_q));
+  __shared__ int first, last;
+  if (threadIdx.x == 0) {
+    first = S;
+    last = -1;
+  }
+  __syncthreads();
+  auto seen = [&](int j) {
+    if (j < 0 || j >= S) return false;
+    for (int i = r0; i < r1; ++i)
+      if (Mod::mask(b, h, i, j, p.aux)) return true;
+    return false;
+  };
+  for (int c = 0; c < S; c += blockDim.x) {
+    const int j = c + static_cast<int>(threadIdx.x);
+    const bool any = seen(j);
+    if (any) atomicMin(&first, j);
+    if (__syncthreads_or(any)) break;
+  }
+  if (first < S) {
+    for (int c = S - 1; c >= first; c -= blockDim.x) {
+      const int j = c - static_cast<int>(threadIdx.x);
+      const bool any = j >= first && seen(j);
+      if (any) atomicMax(&last, j);
+      if (__syncthreads_or(any)) break;
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* out = p.ranges + 2 * ((static_cast<long long>(b) * p.heads + h) * p.row_blocks + rb);
+    out[0] = first;
+    out[1] = last;
+  }
+}
 
 // One score in base-2 units (s·log2 e, the kernels' units) through the mods: -inf where mask_mod hides the key.
 template <typename Mod>

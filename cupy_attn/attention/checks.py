@@ -130,7 +130,7 @@ def _is_float(dtype: np.dtype) -> bool:
 
 def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                generator=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None, score_mod=None,
-               mask_mod=None, aux=None) -> SDPAProblem:
+               mask_mod=None, aux=None, block_mask=None) -> SDPAProblem:
     """Validate a scaled_dot_product_attention call; raise TypeError/ValueError naming the argument.
 
     Every array argument must be of query's kind (torch, NumPy, or CuPy / CUDA DLPack) and on query's device: a CPU
@@ -234,10 +234,11 @@ def check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
         dtype=np.dtype(dtypes["query"]), scale=scale, causal=causal, mask=attn_mask, mask_kind=mask_kind,
         dropout_p=float(dropout_p))
     if window_size is not None or softcap is not None or sinks is not None or alibi_slopes is not None or \
-            score_mod is not None or mask_mod is not None or aux is not None:
+            score_mod is not None or mask_mod is not None or aux is not None or block_mask is not None:
         problem.variants = check_variants(window_size, softcap, sinks, alibi_slopes, ctx=ctx, batch=problem.batch,
                                           num_heads=num_heads, dtype=problem.dtype, score_mod=score_mod,
-                                          mask_mod=mask_mod, aux=aux)
+                                          mask_mod=mask_mod, aux=aux, block_mask=block_mask,
+                                          seqlens=(seqlen_q, seqlen_k))
     if ctx.on_gpu and not problem.empty:  # an empty call reads no array (the plan is "empty")
         _to_gpu_views(problem)
     return problem

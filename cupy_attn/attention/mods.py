@@ -102,6 +102,7 @@ class BoundMod:
     names: tuple
     arrays: tuple
     spec: tuple
+    block_mask: Any = None  # a BlockMask of the mod's mask_mod (create_block_mask), or None
 
     def host_aux(self, to_host: Callable) -> types.SimpleNamespace:
         return types.SimpleNamespace(**{n: to_host(a) for n, a in zip(self.names, self.arrays)})
@@ -264,25 +265,42 @@ def mod_family(base: KernelFamily, template: str, params_ctype: str, params_dtyp
     return fam
 
 
+# KeyRanges (common/user_mod.cuh): a BlockMask's ranges as the fused kernels read them.
+KEY_RANGES = np.dtype([("ranges", np.int64), ("stride_b", np.int64), ("stride_h", np.int64), ("block_rows", np.int64)])
+# KeyRangeParams: the pre-pass's own fields.
+KEY_RANGE_PARAMS = np.dtype([(n, np.int64) for n in ("ranges", "batch", "heads", "seqlen_q", "seqlen_k", "row_blocks",
+                                                    "block_rows")])
+
+
 def mod_params_dtype(base: np.dtype, spec: tuple, align: int = 8) -> np.dtype:
-    """ModParams<Base, Mod>'s declaration: the base's fields at their offsets, mod_num_heads at sizeof(Base), then the
-    Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one holding tensor
-    maps)."""
+    """ModParams<Base, Mod>'s declaration: the base's fields at their offsets, then at sizeof(Base) mod_num_heads,
+    the KeyRanges and the Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one
+    holding tensor maps)."""
     aux = aux_dtype(spec)
-    names = list(base.names) + ["mod_num_heads", "aux"]
-    formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), aux]
-    offsets = [base.fields[n][1] for n in base.names] + [base.itemsize, base.itemsize + 8]
-    size = -(-(base.itemsize + 8 + aux.itemsize) // align) * align
+    names = list(base.names) + ["mod_num_heads", "key_ranges", "aux"]
+    formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), KEY_RANGES, aux]
+    at = base.itemsize
+    offsets = [base.fields[n][1] for n in base.names] + [at, at + 8, at + 8 + KEY_RANGES.itemsize]
+    size = -(-(offsets[-1] + aux.itemsize) // align) * align
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size})
 
 
-def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int) -> None:
-    """Write the call's aux pointers and shapes (and the head count that splits the flat (batch, head) index)."""
+def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int, key_ranges: bool = False) -> None:
+    """Write the call's aux pointers and shapes, the head count that splits the flat (batch, head) index and, with
+    ``key_ranges`` (the fused kernels), the BlockMask's ranges when the call has one."""
     params["mod_num_heads"] = num_heads
     for (name, _, ndim), a in zip(bound.spec, bound.arrays):
         params["aux"][name] = a.data.ptr
         if ndim:
             params["aux"][f"{name}_shape"] = a.shape
+    bm = bound.block_mask
+    if key_ranges and bm is not None:
+        kr = params["key_ranges"]
+        nb = bm.row_blocks
+        kr["ranges"] = bm.ranges_cupy().data.ptr
+        kr["stride_b"] = 0 if bm.batch == 1 else bm.heads * nb
+        kr["stride_h"] = 0 if bm.heads == 1 else nb
+        kr["block_rows"] = bm.block_rows
 
 
 def _probe(mod: AttentionMod, spec: tuple) -> None:
@@ -334,3 +352,130 @@ def _call_score(fn, aux, score, b, h, q_idx, kv_idx):
 
 def _call_mask(fn, aux, b, h, q_idx, kv_idx):
     return fn(b, h, q_idx, kv_idx, aux)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Block masks: where a mask_mod lets each block of query rows see keys, for the fused kernels to skip the rest
+
+BLOCK_ROWS = 128  # the FA3-design kernel's mod tiles (flash_fwd_sm90.PERSISTENT_TILES: block_m)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BlockMask:
+    """The keys a mask_mod lets each block of 128 query rows see: ``ranges`` (batch, heads, row_blocks, 2) int32 of the
+    caller's kind, (first, last) visible key per block, (S, -1) for none. batch / heads 1: one entry for all (the mask
+    does not depend on b / h). Made by :func:`create_block_mask`; passed as ``block_mask=`` with the same mask_mod and
+    aux, the FA3-design kernel visits only the key blocks from first to last (FlexAttention's BlockMask idea, kept as
+    one range per row block: blocks inside a range that the mask hides are still computed, and masked)."""
+
+    ranges: Any
+    batch: int
+    heads: int
+    seqlen_q: int
+    seqlen_k: int
+    mask_mod: str
+    kind: str
+    device_id: int | None
+    block_rows: int = BLOCK_ROWS
+
+    @property
+    def row_blocks(self) -> int:
+        return -(-self.seqlen_q // self.block_rows)
+
+    def ranges_cupy(self):
+        return interop.CallContext(self.kind, self.device_id).as_cupy(self.ranges)
+
+    def check(self, mod: AttentionMod, ctx, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> None:
+        """ValueError unless this mask fits a call: its mask_mod, kind, device and sizes (batch and heads equal or
+        broadcast)."""
+        if mod.mask_mod is None or mod.mask_mod != self.mask_mod:
+            raise ValueError("block_mask was made from another mask_mod than the call's (create_block_mask with the "
+                             "call's mask_mod)")
+        if (self.kind, self.device_id) != (ctx.kind, ctx.device_id):
+            raise ValueError(f"block_mask lives on {self.kind} device {self.device_id}, the query on {ctx.kind} "
+                             f"device {ctx.device_id}")
+        if (self.seqlen_q, self.seqlen_k) != (seqlen_q, seqlen_k):
+            raise ValueError(f"block_mask is for (L, S) = ({self.seqlen_q}, {self.seqlen_k}), the call has "
+                             f"({seqlen_q}, {seqlen_k})")
+        if self.batch not in (1, batch) or self.heads not in (1, heads):
+            raise ValueError(f"block_mask has batch {self.batch} and heads {self.heads}; the call needs 1 or {batch} "
+                             f"and 1 or {heads}")
+
+
+def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, aux=None, like=None) -> BlockMask:
+    """The key range each block of 128 query rows sees under ``mask_mod`` (a snippet or an AttentionMod with one):
+
+        first[b, h, r] = min { j : mask_mod(b, h, i, j) for some i in rows 128r ... 128r + 127 }, last = the max
+
+    evaluated for b < batch, h < heads, i < seqlen_q, j < seqlen_k (batch or heads None: 1, the mask must then not
+    depend on b or h). On the GPU a pre-pass kernel (mod_key_ranges, common/user_mod.cuh) tests keys from both ends of
+    each row block until some row sees one, so a band costs about its visible keys; CPU inputs evaluate the mod's
+    Python form (reference_mask_mod). ``aux``: the arrays the mask_mod reads; ``like``: an array of the calls' kind
+    and device (needed when aux is None). Reuse the result across calls with the same mask and aux.
+
+    Returns a :class:`BlockMask`. Raises ValueError for a mod without mask_mod, sizes < 0 (batch, heads < 1), no
+    ``like`` and no aux, and the snippet's compile errors; TypeError as the call's aux checks.
+    """
+    mod = mask_mod if isinstance(mask_mod, AttentionMod) else as_mod(None, mask_mod)
+    if mod is None or mod.mask_mod is None:
+        raise ValueError("create_block_mask needs a mask_mod (a snippet or an AttentionMod with mask_mod)")
+    B, H = 1 if batch is None else int(batch), 1 if heads is None else int(heads)
+    if B < 1 or H < 1 or int(seqlen_q) < 0 or int(seqlen_k) < 0:
+        raise ValueError(f"create_block_mask: batch and heads must be >= 1 (or None), lengths >= 0; got {batch}, "
+                         f"{heads}, {seqlen_q}, {seqlen_k}")
+    items = _named(aux)
+    anchor = like if like is not None else (items[0][1] if items else None)
+    if anchor is None:
+        raise ValueError("create_block_mask: pass like= (an array of the calls' kind and device) when aux is None")
+    ctx = interop.context_for(anchor, "like")
+    bound = bind(mod, aux, ctx)
+    checked(mod, bound.spec)
+    L, S = int(seqlen_q), int(seqlen_k)
+    nb = -(-L // BLOCK_ROWS)
+    if not ctx.on_gpu:
+        ranges = _host_ranges(bound, B, H, L, S, nb)
+        native = interop.from_numpy(ranges, ctx.kind, np.dtype(np.int32))
+    else:
+        native = _device_ranges(bound, ctx, B, H, L, S, nb)
+    return BlockMask(native, B, H, L, S, mod.mask_mod, ctx.kind, ctx.device_id)
+
+
+def _host_ranges(bound: BoundMod, B: int, H: int, L: int, S: int, nb: int) -> np.ndarray:
+    """The ranges from the mask_mod's Python form (CPU inputs; the tests' definition of the kernel's result)."""
+    from .. import reference
+    _, mask = reference_forms(bound, lambda a: a)
+    out = np.empty((B, H, nb, 2), np.int32)
+    out[..., 0], out[..., 1] = S, -1
+    if L == 0 or S == 0:
+        return out
+    b, h, i, j = reference.mod_indices((B, H, L, S))
+    seen = np.broadcast_to(np.asarray(mask(b, h, i, j), dtype=bool), (B, H, L, S))
+    for r in range(nb):
+        cols = seen[:, :, r * BLOCK_ROWS:(r + 1) * BLOCK_ROWS].any(axis=2)  # (B, H, S)
+        has = cols.any(axis=-1)
+        out[..., r, 0] = np.where(has, cols.argmax(axis=-1), S)
+        out[..., r, 1] = np.where(has, S - 1 - cols[..., ::-1].argmax(axis=-1), -1)
+    return out
+
+
+def key_range_family(bound: BoundMod):
+    """mod_key_ranges<Mod> (common/user_mod.cuh) in a mod's own program (softmax.cu's source includes the header)."""
+    from .kernels import softmax
+    return mod_family(softmax.SOFTMAX_VARIANTS, "cupy_attn::mod_key_ranges<{mod}>",
+                      "cupy_attn::ModParams<cupy_attn::KeyRangeParams, {mod}>",
+                      mod_params_dtype(KEY_RANGE_PARAMS, bound.spec), bound.mod, bound.spec, {}, "mod_key_ranges")
+
+
+def _device_ranges(bound: BoundMod, ctx, B: int, H: int, L: int, S: int, nb: int):
+    from ..runtime.launch import launch_struct
+    with ctx.activate():
+        native, ranges = ctx.empty((B, H, nb, 2), np.dtype(np.int32))
+        if nb == 0:
+            return native
+        fam = key_range_family(bound)
+        prm = np.zeros((), fam.structs[0][1])
+        prm["ranges"], prm["batch"], prm["heads"], prm["seqlen_q"], prm["seqlen_k"] = ranges.data.ptr, B, H, L, S
+        prm["row_blocks"], prm["block_rows"] = nb, BLOCK_ROWS
+        fill_aux(prm, bound, H)
+        launch_struct(fam.kernel(), (nb, H, B), (256,), prm, ctx.stream.ptr)
+    return native

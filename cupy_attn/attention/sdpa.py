@@ -16,7 +16,8 @@ from . import autograd, checks, dispatch, dropout, mods
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                                  enable_gqa=False, *, window_size=None, softcap=None, sinks=None, alibi_slopes=None,
-                                 score_mod=None, mask_mod=None, aux=None, backend="auto", return_lse=False,
+                                 score_mod=None, mask_mod=None, aux=None, block_mask=None, backend="auto",
+                                 return_lse=False,
                                  allow_tf32=False, workspace_bytes=None, num_splits=None, generator=None):
     """Attention with the semantics of torch's scaled_dot_product_attention and FlashAttention's variants:
 
@@ -63,6 +64,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       split path's softmax kernel (any head dim). The backward is the split backward's (its rows kernels' mod
       instantiation; a score_mod needs AttentionMod(score_mod_grad=...), its derivative; aux gets no gradient).
       Not under torch.compile yet (NotImplementedError).
+    - block_mask: a cupy_attn.BlockMask of the call's mask_mod and aux (cupy_attn.create_block_mask): the key range
+      each block of 128 query rows sees, so that the FA3-design kernel skips the key blocks outside it.
     - return_lse: also return lse (..., Hq, L) float32 (natural log); autograd takes it as a constant (no gradient).
     - backend: "auto", "fused", "split" or "reference" (paths below); CUPY_ATTN_BACKEND overrides "auto" on GPU
       calls. "fused" and "split" need CUDA inputs.
@@ -112,10 +115,10 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     """
     if type(window_size) is list:  # hashable for the call cache's key
         window_size = tuple(window_size)
-    if score_mod is not None or mask_mod is not None or aux is not None:
+    if score_mod is not None or mask_mod is not None or aux is not None or block_mask is not None:
         return _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
-                        (window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux), num_splits,
-                        workspace_bytes, allow_tf32, return_lse)
+                        (window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux, block_mask),
+                        num_splits, workspace_bytes, allow_tf32, return_lse)
     variants = (window_size, softcap, sinks, alibi_slopes)
     if interop.torch_compiling():  # Dynamo must see one opaque op, never the call cache's key (pointers, stream)
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
@@ -269,7 +272,7 @@ def _replayable(p, query, key, value, attn_mask) -> bool:
 
 def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
             window_size=None, softcap=None, sinks=None, alibi_slopes=None, score_mod=None, mask_mod=None, aux=None,
-            backend="auto", num_splits=None, generator=None, allow_tf32=False) -> dispatch.Plan:
+            block_mask=None, backend="auto", num_splits=None, generator=None, allow_tf32=False) -> dispatch.Plan:
     """The path ``scaled_dot_product_attention`` takes for these arguments, and why; nothing is launched (no random
     numbers are drawn).
 
@@ -280,7 +283,7 @@ def explain(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, s
     """
     checks.check_num_splits(num_splits)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
-                          window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux)
+                          window_size, softcap, sinks, alibi_slopes, score_mod, mask_mod, aux, block_mask)
     return dispatch.plan_sdpa(p, backend, num_splits=num_splits, allow_tf32=allow_tf32)
 
 

@@ -113,7 +113,7 @@ def of(p) -> Variants:
 
 
 def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int, num_heads: int, dtype,
-                   score_mod=None, mask_mod=None, aux=None) -> Variants:
+                   score_mod=None, mask_mod=None, aux=None, block_mask=None, seqlens=(0, 0)) -> Variants:
     """Validate the variant arguments of a call whose query is (batch..., num_heads, L, E) of ``dtype``, on the device
     and kind of ``ctx`` (runtime.interop.CallContext); return them as a :class:`Variants` (:data:`NONE` when all are
     off). Raises, naming the argument and axis: ValueError for a malformed window_size (a pair of ints >= 0, or None /
@@ -121,17 +121,24 @@ def check_variants(window_size, softcap, sinks, alibi_slopes, *, ctx, batch: int
     shape (Hq,), alibi_slopes not of shape (Hq,) or (B, Hq), or an array on another device; TypeError for a softcap
     that is not a number, arrays of another kind than query, sinks not float32 or the query's dtype, alibi_slopes
     not float32. score_mod / mask_mod / aux: attention/mods.as_mod and bind (their errors), the snippets compiled
-    once per aux layout (ValueError with NVRTC's log).
+    once per aux layout (ValueError with NVRTC's log); block_mask: a mods.BlockMask of the mask_mod for the call's
+    (L, S) = ``seqlens`` (BlockMask.check's errors).
     """
     left, right = window_bounds(window_size)
     mod = None
     from . import mods
     user = mods.as_mod(score_mod, mask_mod)
-    if user is None and aux is not None:
-        raise ValueError("aux is given without score_mod or mask_mod")
+    if user is None and (aux is not None or block_mask is not None):
+        raise ValueError(f"{'aux' if aux is not None else 'block_mask'} is given without score_mod or mask_mod")
     if user is not None:
         mod = mods.bind(user, aux, ctx)
         mods.checked(user, mod.spec)
+        if block_mask is not None:
+            if not isinstance(block_mask, mods.BlockMask):
+                raise TypeError(f"block_mask must be a cupy_attn.BlockMask (create_block_mask), got "
+                                f"{type(block_mask).__name__}")
+            block_mask.check(user, ctx, batch, num_heads, *seqlens)
+            mod = dataclasses.replace(mod, block_mask=block_mask)
     if softcap is not None:
         if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating, np.integer)):
             raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")

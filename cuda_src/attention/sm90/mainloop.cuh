@@ -28,6 +28,7 @@
 #include "common/pipeline.cuh"
 #include "attention/sm90/roles.cuh"
 #include "common/visibility.cuh"
+#include "common/user_mod.cuh"
 #include "common/wgmma.cuh"
 #include "attention/sm90/params.cuh"
 #include "common/score_mod.cuh"
@@ -105,11 +106,18 @@ __device__ __forceinline__ Visibility fwd_visibility(const FlashFwdSm90Params& p
 // without a window's lower bound) to the block of the last key its last row sees, visited last to first; count() <= 0
 // for a tile whose rows see no key (bottom-right alignment with L > S, a window past the keys). The same rule as the
 // one-tile kernel's prologue (flash_fwd_sm90.cu).
+// range (a mask_mod's KeyRanges entry for the tile's rows, common/user_mod.cuh; nullptr: none) narrows the keys to
+// range[0] ... range[1].
 template <int kBlockM, int kBlockN, bool kVariants, typename Seq>
-__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, const Seq& seq, int m0) {
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, const Seq& seq, int m0,
+                                                const int* range = nullptr) {
   const int rows_valid = min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0);
   const Visibility vis = fwd_visibility<kVariants>(p, seq);
-  const long long last_key = vis.last_key(m0 + rows_valid - 1), first_key = vis.first_key(m0);
+  long long last_key = vis.last_key(m0 + rows_valid - 1), first_key = vis.first_key(m0);
+  if (range != nullptr) {
+    first_key = max(first_key, static_cast<long long>(range[0]));
+    last_key = min(last_key, static_cast<long long>(range[1]));
+  }
   return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
 
@@ -209,9 +217,11 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 // on across tiles. Per tile: K of its first block (its stage was freed by an S GEMM of the tile before, so this need
 // not wait for that tile to end), then Q once the consumers have released the previous tile's (q_empty), then V and
 // the remaining blocks. Tiles with no key to visit are skipped (the consumers write their rows).
+// kr: a mask_mod's key ranges (common/user_mod.cuh), or nullptr: the producer and the consumers narrow each tile's
+// key blocks alike.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen>
 __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
-                                                   kBlockM, kBlockN, kStages>& ss) {
+                                                   kBlockM, kBlockN, kStages>& ss, const KeyRanges* kr = nullptr) {
   const Producer<T, kHeadDim, kBlockM, kBlockN, kStages> load{p, ss};
   load.prefetch_maps();
   int it = 0;     // K/V iterations issued so far
@@ -220,7 +230,7 @@ __device__ __forceinline__ void produce_persistent(const FlashFwdSm90Params& p, 
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
     const SeqSpan<kVarlen> seq(p, w.b);
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0, kr ? kr->of(w.b, w.h, m0) : nullptr);
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;
     const int h_kv = w.h / static_cast<int>(p.groups);
@@ -536,7 +546,8 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool 
           bool kVariants, bool kVarlen, typename Mod = NoMod>
 __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim,
                                                    kBlockM, kBlockN, kStages>& ss, int tid,
-                                                   const typename Mod::Aux* aux = nullptr) {
+                                                   const typename Mod::Aux* aux = nullptr,
+                                                   const KeyRanges* kr = nullptr) {
   constexpr int kWGs = kBlockM / 64;
   const int wg = tid / 128;
   if (wg == kWGs - 1) tma::named_barrier_arrive(kPingPongBarrier, 256);
@@ -546,7 +557,7 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
     const SeqSpan<kVarlen> seq(p, w.b);
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0);
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0, kr ? kr->of(w.b, w.h, m0) : nullptr);
     if (kb.count() <= 0) {
       store_empty_rows<T, kVariants>(p, seq, m0, w.h, min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0), tid,
                                      128 * kWGs);

@@ -374,7 +374,7 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
         fam = mod_family(bound)
         kernel = fam.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile, varlen="false")
         prm = np.zeros((), dtype=fam.structs[0][1])
-        mods.fill_aux(prm, bound, Hq)
+        mods.fill_aux(prm, bound, Hq, key_ranges=True)
     else:
         kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile,
                                            qk_dim=choice.qk_dim, variants="true" if choice.variants else "false",
