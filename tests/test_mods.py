@@ -227,3 +227,42 @@ def test_block_mask_kernel_matches_the_host_ranges_and_skips_exactly():
         without = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, **kw)
         torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
         _check(q, k, v, "document", aux, "float16", what="block mask") if mod is MODS["document"] else None
+
+
+def _padded_causal_mask(B, L, pads):
+    """Hugging Face's 4-D prefill mask: causal and left padding, (B, 1, L, L) bool (rows inside the padding see no
+    key)."""
+    i, j = torch.arange(L, device="cuda")[:, None], torch.arange(L, device="cuda")[None, :]
+    keep = (j <= i)[None] & (j[None] >= torch.tensor(pads, device="cuda")[:, None, None])
+    return keep[:, None]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("E", [64, 128, 256])
+def test_masked_calls_in_the_fa3_kernel(dtype, E):
+    """attn_mask run as a mod in the FA3-design kernel (bool: Hugging Face's causal + left padding, and key padding;
+    float: an additive bias with -inf entries), key blocks outside each row block's range skipped, against the float64
+    reference under the rule (the peer: torch's math at the inputs' precision)."""
+    from _attention_ref import torch_variant_attention
+    gen = torch.Generator("cuda").manual_seed(E)
+    B, H, L = 4, 8, 1100
+    q, k, v = (torch.randn((B, H, L, E), generator=gen, device="cuda").to(DTYPES[dtype]) for _ in range(3))
+    pads = [0, 5, 300, 1099]
+    key_pad = (torch.arange(L, device="cuda")[None] >= torch.tensor(pads, device="cuda")[:, None])[:, None, None]
+    bias = torch.randn((B, 1, L, L), generator=gen, device="cuda").to(DTYPES[dtype])
+    bias = bias.masked_fill(~_padded_causal_mask(B, L, pads), float("-inf"))
+    for name, mask in (("padded causal", _padded_causal_mask(B, L, pads)), ("key padding", key_pad),
+                       ("float bias", bias)):
+        plan = cupy_attn.explain(q, k, v, attn_mask=mask)
+        assert plan.backend == "fused" and "attn_mask as a mod" in plan.reason, (name, str(plan))
+        out = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        ref = reference.scaled_dot_product_attention(as_f64(q), as_f64(k), as_f64(v), mask.cpu().numpy()
+                                                     if mask.dtype == torch.bool else as_f64(mask))
+        if mask.dtype == torch.bool:
+            peer = torch_variant_attention(q, k, v, mask=mask)
+        else:
+            s = (q @ k.transpose(-1, -2)) * E ** -0.5 + mask
+            peer = torch.softmax(s.float(), -1).nan_to_num(0.0).to(q.dtype) @ v
+        assert_close(out, ref, dtype, peer, f"{name} E={E}")
+        split = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="split")
+        torch.testing.assert_close(out.float(), split.float(), rtol=2e-2, atol=2e-2)

@@ -377,3 +377,41 @@ def test_block_mask_reaches_the_fa3_launch(monkeypatch):
     assert (kr["ranges"], kr["stride_b"], kr["stride_h"], kr["block_rows"]) == (0xABC0, 0, 8, 128)
     _mods.fill_aux(prm := np.zeros((), prm.dtype), bound, 8, key_ranges=True)
     assert prm["key_ranges"]["ranges"] == 0
+
+
+class _MaskView:
+    """A broadcast mask view's layout (shape, byte strides, dtype), as mods.mask_as_mod reads it."""
+
+    def __init__(self, shape, strides, dtype=np.bool_):
+        self.shape, self.strides, self.dtype = shape, strides, np.dtype(dtype)
+
+
+@pytest.mark.parametrize("shape,strides,kept", [
+    ((8, 32, 2048, 2048), (2048 * 2048, 0, 2048, 1), (0, 2, 3)),      # Hugging Face's (B, 1, L, S) causal + padding
+    ((8, 32, 2048, 2048), (2048, 0, 0, 1), (0, 3)),                    # key padding (B, 1, 1, S)
+    ((8, 32, 2048, 2048), (0, 0, 2048, 1), (2, 3)),                    # one (L, S) mask for all
+])
+def test_masked_calls_plan_the_fa3_kernel_with_the_mask_as_a_mod(shape, strides, kept):
+    p = _gpu_problem(E=128, L=2048, S=2048)
+    p.batch, p.num_heads = shape[0], shape[1]
+    p.mask, p.mask_kind = _MaskView(shape, strides), "bool"
+    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
+    assert plan.backend == "fused" and "attn_mask as a mod" in plan.reason
+    q = plan.problem
+    assert q.mask is None and q.mask_kind == "none" and q.variants.mod.mask_source[1] == kept
+    assert q.variants.mod.spec == (("mask", "bool", len(kept)),) and q.variants.mod.mod.mask_mod.endswith(
+        "return aux.mask[i];")
+    p.mask_kind, p.mask = "float", _MaskView(shape, strides, np.float16)
+    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
+    assert plan.problem.variants.mod.mod.score_mod.endswith("return score + float(aux.mask[i]);")
+    assert _dispatch.plan_sdpa(p, "split", arch=90, num_sms=132).backend == "split"
+
+
+@pytest.mark.parametrize("change,why", [(dict(dropout_p=0.1), "dropout"), (dict(seqlen_q=64, seqlen_k=64), "small"),
+                                        (dict(dtype=np.dtype(np.float32)), "fp16 and bf16")])
+def test_other_masked_calls_keep_their_paths(change, why):
+    p = dataclasses.replace(_gpu_problem(E=128, L=2048, S=2048), **change)
+    p.mask = _MaskView((2, 8, p.seqlen_q, p.seqlen_k), (p.seqlen_q * p.seqlen_k, 0, p.seqlen_k, 1))
+    p.mask_kind = "bool"
+    assert why in _dispatch.mask_fa3_reason(p, 90)
+    assert "attn_mask as a mod" not in _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132).reason

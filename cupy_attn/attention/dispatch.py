@@ -21,7 +21,7 @@ import numpy as np
 
 from ..runtime.interop import device_sms, dtype_name
 from ..runtime.kernel_abi import Layout
-from . import checks, variants
+from . import checks, mods, variants
 from .kernels import flash_bwd, flash_bwd_sm90, flash_decode, flash_fwd, flash_fwd_d512_sm90 as d512, \
     flash_fwd_sm90, gemm_3xtf32, pv_sm90, scores_sm90, softmax
 from .paths import split
@@ -125,6 +125,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         return Plan("empty", empty_reason(p), copies=copies, problem=p)
     if p.variants.mod is not None:  # score_mod / mask_mod: the FA3-design kernel's mod instantiation, else split
         return _mod_plan(p, backend, arch, forced, copies, workspace_bytes, allow_tf32)
+    if p.mask is not None and backend in ("auto", "fused") and mask_fa3_reason(p, arch) is None:
+        return _mask_fa3_plan(p, backend, arch, forced, copies)
     if not p.variants.plain and backend in ("auto", "fused"):  # backend "split": the split path serves every variant
         plan = _variants_plan(p, backend, arch, forced, copies)
         if plan is not None:
@@ -151,6 +153,37 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         reason += f"; dropout_p={p.dropout_p} applied by the softmax kernel (P written dropped and scaled)"
     choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
     return Plan("split", reason, describe=functools.partial(split_details, p, choice), copies=copies, problem=p,
+                choice=choice)
+
+
+# Masked calls below this many (batch·head, query, key) triples keep the masked kernels they ran on before the mask
+# could be a mod (the wgmma kernel, the scores kernel): not yet measured against the FA3 mask path at small sizes.
+MASK_FA3_MIN_PAIRS = 1 << 24
+
+
+def mask_fa3_reason(p, arch: int) -> str | None:
+    """None when a masked call runs the FA3-design kernel with its attn_mask as a mod (mods.mask_as_mod): Hopper,
+    fp16/bf16, head dims 33-256, no dropout, no other variant, at least MASK_FA3_MIN_PAIRS triples; else why not."""
+    if p.dropout_p > 0:
+        return "dropout"
+    if not p.variants.plain:
+        return "variants with a mask"
+    if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
+        return "small"
+    return flash_fwd_sm90.reason(dataclasses.replace(p, mask=None, mask_kind="none"), arch)
+
+
+def _mask_fa3_plan(p, backend: str, arch: int, forced: str, copies) -> Plan:
+    """The call with its attn_mask as a mod (mods.mask_as_mod) in the FA3-design kernel's mod instantiation, the key
+    range of each 128-row block found by the mods' pre-pass (mods.create_block_mask's kernel), so the blocks the mask
+    hides whole (a causal mask's upper triangle, left padding) are skipped. The plan's problem is the masked call's
+    without the mask and with the mod."""
+    bound = mods.mask_as_mod(p.mask, p.mask_kind)  # its arrays and key ranges come at launch (mods.materialize)
+    q = dataclasses.replace(p, mask=None, mask_kind="none", variants=dataclasses.replace(p.variants, mod=bound))
+    choice = flash_fwd_sm90.choose(q, "3")
+    return Plan("fused", f"fused {forced}" if backend == "fused" else "attn_mask as a mod in the FA3-design kernel "
+                f"(flash_fwd_sm90_mod; key blocks outside each row block's visible range skipped)",
+                describe=functools.partial(fa3_details, choice, q), copies=copies, problem=q, kernel=flash_fwd_sm90,
                 choice=choice)
 
 

@@ -103,6 +103,7 @@ class BoundMod:
     arrays: tuple
     spec: tuple
     block_mask: Any = None  # a BlockMask of the mod's mask_mod (create_block_mask), or None
+    mask_source: Any = None  # an attn_mask run as this mod (mask_as_mod): (the broadcast view, its kept axes)
 
     def host_aux(self, to_host: Callable) -> types.SimpleNamespace:
         return types.SimpleNamespace(**{n: to_host(a) for n, a in zip(self.names, self.arrays)})
@@ -479,3 +480,55 @@ def _device_ranges(bound: BoundMod, ctx, B: int, H: int, L: int, S: int, nb: int
         fill_aux(prm, bound, H)
         launch_struct(fam.kernel(), (nb, H, B), (256,), prm, ctx.stream.ptr)
     return native
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# attn_mask as a mod: masked calls in the FA3-design kernel
+
+_AXES = ("b", "h", "q_idx", "kv_idx")
+
+
+@functools.lru_cache(maxsize=64)
+def _mask_mod(kept: tuple, kind: str) -> AttentionMod:
+    """The built-in mod reading a mask stored as its kept axes ``kept`` (of b, h, q_idx, kv_idx; the broadcast ones
+    dropped), contiguous: bool -> mask_mod, float -> score_mod adding it."""
+    terms = []
+    for k, axis in enumerate(kept):
+        name = _AXES[axis]
+        terms.append(name if not terms else f"i * aux.mask_shape[{k}] + {name}")
+    lines = ["long long i = 0;"] + [f"i = {t};" for t in terms]
+    if kind == "bool":
+        return AttentionMod(mask_mod="\n".join(lines + ["return aux.mask[i];"]))
+    return AttentionMod(score_mod="\n".join(lines + ["return score + float(aux.mask[i]);"]))
+
+
+def mask_as_mod(mask4, kind: str) -> BoundMod:
+    """A call's attn_mask (a CuPy view broadcast to (B, H, L, S): stride 0 on broadcast axes) as a BoundMod for the
+    fused kernels, without touching its data (the plan's; :func:`materialize` gives the arrays at launch): the
+    built-in snippet indexing the mask's kept axes as one contiguous aux array. Bool masks hide keys (mask_mod),
+    float masks add to the scores (score_mod); rows that see no key give 0, as on the split path."""
+    kept = tuple(a for a in range(4) if mask4.shape[a] > 1 and mask4.strides[a] != 0) or (3,)
+    mod = _mask_mod(kept, kind)
+    spec = (("mask", interop.dtype_name(mask4.dtype), len(kept)),)
+    checked(mod, spec)
+    return BoundMod(mod, ("mask",), (), spec, mask_source=(mask4, kept))
+
+
+def materialize(bound: BoundMod, p) -> BoundMod:
+    """A mask_as_mod BoundMod with its aux array (the mask's kept axes: a view where contiguous, else a copy on the
+    caller's allocator) and, for a bool mask, its BlockMask from the ranges pre-pass (:func:`create_block_mask`'s
+    kernel over the kept batch and head axes), both enqueued on the call's stream ``p.ctx``."""
+    mask4, kept = bound.mask_source
+    compact = mask4[tuple(slice(None) if a in kept else 0 for a in range(4))]
+    ctx = p.ctx
+    if not compact.flags.c_contiguous:
+        with ctx.activate():
+            compact = ctx.contiguous(compact)
+    out = dataclasses.replace(bound, arrays=(compact,), mask_source=None)
+    if bound.mod.mask_mod is None:  # a float mask: its -inf entries are not looked for
+        return out
+    B, H = (p.batch if 0 in kept else 1), (p.num_heads if 1 in kept else 1)
+    L, S = p.seqlen_q, p.seqlen_k
+    native = _device_ranges(out, ctx, B, H, L, S, -(-L // BLOCK_ROWS))
+    return dataclasses.replace(out, block_mask=BlockMask(native, B, H, L, S, bound.mod.mask_mod, ctx.kind,
+                                                         ctx.device_id))

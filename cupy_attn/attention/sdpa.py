@@ -220,9 +220,12 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
             lse_native, lse = ctx.empty(p.batch_shape + (L,), np.dtype(np.float32))
             lse3 = lse.reshape(B, H, L)
         run = plan.prepare(out4, lse3)
+        # The plan's problem: the call's, or for a mask run as a mod (dispatch._mask_fa3_plan) the call without its
+        # mask, which the launch holds (such launches are not cached: the next call's mask is another array).
+        pp = plan.problem if plan.problem is not None else p
         run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
-            0 if lse3 is None else lse3.data.ptr, 0 if p.mask is None else p.mask.data.ptr)
-        if call_key is not None and _replayable(p, *inputs):
+            0 if lse3 is None else lse3.data.ptr, 0 if pp.mask is None else pp.mask.data.ptr)
+        if call_key is not None and pp.variants.mod is None and _replayable(p, *inputs):
             callcache.put(call_key, callcache.Entry(ctx, tuple(out_native.shape),
                                                       None if lse_native is None else tuple(lse_native.shape), run))
     return (out_native, lse_native) if return_lse else out_native

@@ -370,6 +370,8 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     _, Hkv, S, Ev = v.shape
     D, tile = choice.head_dim, choice.tile
     bound = variants.of(p).mod
+    if bound is not None and bound.mask_source is not None:  # an attn_mask as a mod: its array and key ranges now
+        bound = mods.materialize(bound, p)
     if bound is not None:  # a user's mods: their instantiation (choose gave the persistent tile at full width)
         fam = mod_family(bound)
         kernel = fam.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], head_dim=D, tile=tile, varlen="false")
