@@ -175,8 +175,7 @@ def test_plan_sends_mod_calls_to_the_fa3_kernel_on_hopper():
         assert choice.tile == flash_fwd_sm90.PERSISTENT_TILES[choice.head_dim], E
 
 
-@pytest.mark.parametrize("E,arch,dtype", [(512, 90, "float16"), (64, 80, "float16"), (1000, 90, "float16"),
-                                          (128, 90, "float32")])
+@pytest.mark.parametrize("E,arch,dtype", [(64, 80, "float16"), (1000, 90, "float16"), (128, 90, "float32")])
 def test_plan_sends_other_mod_calls_to_the_split_path(E, arch, dtype):
     p = _gpu_problem(_bound(_alibi_mod(), {"slopes": np.zeros(8, np.float32)}), E=E, dtype=dtype)
     plan = _dispatch.plan_sdpa(p, "auto", arch=arch, num_sms=132)
@@ -415,3 +414,19 @@ def test_other_masked_calls_keep_their_paths(change, why):
     p.mask_kind = "bool"
     assert why in _dispatch.mask_fa3_reason(p, 90)
     assert "attn_mask as a mod" not in _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132).reason
+
+
+def test_head_dim_512_calls_take_the_d512_mod_instantiation():
+    """Head dims 257-512: mod calls and masked calls run the head-dim-512 kernel's mod instantiation (one tile per
+    CTA); it compiles for sm_90a."""
+    from cupy_attn.attention.kernels import flash_fwd_d512_sm90 as d512
+    bound = _bound(WINDOW_MOD, {})
+    plan = _dispatch.plan_sdpa(_gpu_problem(bound, E=512, L=4096, S=4096), "auto", arch=90, num_sms=132)
+    assert plan.backend == "fused" and "flash_fwd_d512_sm90_mod" in plan.reason and not plan.choice.persistent
+    p = _gpu_problem(E=384, L=2048, S=2048)
+    p.mask, p.mask_kind = _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1)), "bool"
+    plan = _dispatch.plan_sdpa(p, "auto", arch=90, num_sms=132)
+    assert plan.backend == "fused" and "head-dim-512 kernel" in plan.reason
+    fam = d512.mod_family(bound)
+    report = _compile.compile_variant(fam, fam.name_expressions()[0], "sm_90a").report
+    assert report.registers, report

@@ -121,11 +121,16 @@ __device__ __forceinline__ Visibility d512_visibility(const FlashFwdSm90Params& 
 // Key blocks a 64-row block visits: from the block of the first key its first row sees (0 without a window's lower
 // bound) through the last key any of its rows may see (all S without a causal mask); count() <= 0 when its rows see
 // no key.
+// range: a mask_mod's KeyRanges entry covering the block's rows (common/user_mod.cuh; nullptr: none) narrows the keys.
 template <bool kVariants>
-__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0) {
+__device__ __forceinline__ KeyBlocks key_blocks(const FlashFwdSm90Params& p, int m0, const int* range = nullptr) {
   const Visibility vis = d512_visibility<kVariants>(p);
-  const long long last_key = vis.last_key(min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1);
-  const long long first_key = vis.first_key(m0);
+  long long last_key = vis.last_key(min(static_cast<long long>(m0 + kBlockM), p.seqlen_q) - 1);
+  long long first_key = vis.first_key(m0);
+  if (range != nullptr) {
+    first_key = max(first_key, static_cast<long long>(range[0]));
+    last_key = min(last_key, static_cast<long long>(range[1]));
+  }
   return last_key < first_key ? KeyBlocks{0, -1} : vis.blocks<kBlockN>(first_key, last_key);
 }
 
@@ -164,7 +169,8 @@ struct TileWalk {
 // The producer thread. Per tile with keys to see: Q once its previous contents are released (q_bars), then per key
 // block the 8 K chunks and the 8 V chunks in the order the consumers read them.
 template <int kStages, bool kVariants, typename Tiles>
-__device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<kStages>& ss, Tiles& tiles) {
+__device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const SharedStorage<kStages>& ss, Tiles& tiles,
+                                        const KeyRanges* kr = nullptr) {
   tma::prefetch_map(&p.tma_q);
   tma::prefetch_map(&p.tma_k);
   tma::prefetch_map(&p.tma_v);
@@ -175,7 +181,7 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
   };
   for (int m0, h, b; tiles.next(p, m0, h, b);) {
     const int h_kv = h / static_cast<int>(p.groups);
-    const KeyBlocks kb = key_blocks<kVariants>(p, m0);
+    const KeyBlocks kb = key_blocks<kVariants>(p, m0, kr ? kr->of(b, h, m0) : nullptr);
     const int n_blocks = kb.count();
     if (n_blocks <= 0) continue;  // no key to see (bottom-right, L > S): the consumers write the empty rows
     ss.q_bars.wait_free(q_round);
@@ -202,7 +208,9 @@ __device__ __forceinline__ void produce(const FlashFwdSm90Params& p, const Share
 
 // One consumer thread (tid over both consumer warpgroups, 0 ... 255) and its walk over the ring: the phases of a key
 // block (s_block, mask, rescale, pv_parts) and of a tile's end (store).
-template <typename T, int kStages, bool kVariants>
+// Mod (common/user_mod.cuh; with kVariants): a user's score_mod / mask_mod after ALiBi, before the masks (aux: its
+// arrays in the kernel's parameters); kr: its key ranges (nullptr: none).
+template <typename T, int kStages, bool kVariants, typename Mod = NoMod>
 struct Consumer {
   using P2 = typename sm90::Pair<T>::type;
   using Smem = SharedStorage<kStages>;
@@ -448,8 +456,9 @@ struct Consumer {
   // One tile: its key blocks, then the epilogue. The persistent kernel's next tile writes row_sum only after both
   // warpgroups have read this one's (a tile without key blocks reaches them with no barrier in between).
   template <bool kPersistent>
-  __device__ __forceinline__ void tile(const Params& p, const Smem& ss, int m0, int h, int b) {
-    const KeyBlocks kb = key_blocks<kVariants>(p, m0);
+  __device__ __forceinline__ void tile(const Params& p, const Smem& ss, int m0, int h, int b,
+                                       const typename Mod::Aux* aux = nullptr, const KeyRanges* kr = nullptr) {
+    const KeyBlocks kb = key_blocks<kVariants>(p, m0, kr ? kr->of(b, h, m0) : nullptr);
     const int n_blocks = kb.count();
     float o[128];
     #pragma unroll
@@ -463,6 +472,10 @@ struct Consumer {
       s_block(ss, s);
       if (i == n_blocks - 1) ss.q_bars.release(lane);  // the tile's last S: Q may be reloaded for the next tile
       if constexpr (kVariants) score_mods(p, s, j, m0, h, b);
+      if constexpr (Mod::kScore || Mod::kMask)
+        sm90::apply_user_mod<128, Mod>(s, *aux, b, h, m0 + r0, j * kBlockN + wg * 128, t,
+                                       static_cast<float>(p.scale_log2), static_cast<int>(p.seqlen_q),
+                                       static_cast<int>(p.seqlen_k));
       mask(p, s, j, m0);
       float alpha[2], ref[2] = {0.f, 0.f};
       rescale(ss, s, m_run, l_part, alpha, ref);
@@ -480,8 +493,10 @@ struct Consumer {
 // fastest; causal calls with more tiles than SMs in m-block pairs (M−1−k, k)); the producer loads the next tile's Q
 // once both consumers are done with the current one's (q_bars) and its K stages while they finish the tile's last
 // P·V and store O. Otherwise one tile per CTA.
-template <typename T, int kStages, bool kPersistent, bool kVariants>
-__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+template <typename T, int kStages, bool kPersistent, bool kVariants, typename Mod = NoMod>
+__device__ __forceinline__ void flash_fwd_d512_body(const FlashFwdSm90Params& p,
+                                                    const typename Mod::Aux* aux = nullptr,
+                                                    const KeyRanges* kr = nullptr) {
   using namespace d512;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const SharedStorage<kStages> ss(smem_raw);
@@ -492,12 +507,25 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
   });
   sm90::warp_specialize<sm90::RegisterSplit<2>>(
       [&](int tid) {
-        if (tid == 0) produce<kStages, kVariants>(p, ss, tiles);  // one thread issues the loads
+        if (tid == 0) produce<kStages, kVariants>(p, ss, tiles, kr);  // one thread issues the loads
       },
       [&](int tid) {
-        Consumer<T, kStages, kVariants> consumer(p, ss, tid);
-        for (int m0, h, b; tiles.next(p, m0, h, b);) consumer.template tile<kPersistent>(p, ss, m0, h, b);
+        Consumer<T, kStages, kVariants, Mod> consumer(p, ss, tid);
+        for (int m0, h, b; tiles.next(p, m0, h, b);) consumer.template tile<kPersistent>(p, ss, m0, h, b, aux, kr);
       });
+}
+
+template <typename T, int kStages, bool kPersistent, bool kVariants>
+__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_constant__ FlashFwdSm90Params p) {
+  flash_fwd_d512_body<T, kStages, kPersistent, kVariants>(p);
+}
+
+// A user's mods (cupy_attn.AttentionMod) with the variants' code, one tile per CTA as the variants: instantiated only
+// in a mod's own program, which appends the Mod struct (attention/mods.py).
+template <typename T, int kStages, typename Mod>
+__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90_mod(const __grid_constant__
+                                                                  ModParams<FlashFwdSm90Params, Mod> p) {
+  flash_fwd_d512_body<T, kStages, false, true, Mod>(p, &p.aux, &p.key_ranges);
 }
 
 }  // namespace cupy_attn

@@ -162,15 +162,20 @@ MASK_FA3_MIN_PAIRS = 1 << 24
 
 
 def mask_fa3_reason(p, arch: int) -> str | None:
-    """None when a masked call runs the FA3-design kernel with its attn_mask as a mod (mods.mask_as_mod): Hopper,
-    fp16/bf16, head dims 33-256, no dropout, no other variant, at least MASK_FA3_MIN_PAIRS triples; else why not."""
+    """None when a masked call runs a fused Hopper kernel with its attn_mask as a mod (mods.mask_as_mod): the
+    FA3-design kernel (head dims 33-256) or the head-dim-512 kernel (257-512), fp16/bf16, no dropout, no other
+    variant, at least MASK_FA3_MIN_PAIRS triples; else why not."""
     if p.dropout_p > 0:
         return "dropout"
     if not p.variants.plain:
         return "variants with a mask"
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
         return "small"
-    return flash_fwd_sm90.reason(dataclasses.replace(p, mask=None, mask_kind="none"), arch)
+    unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
+    why = flash_fwd_sm90.reason(unmasked, arch)
+    if why is not None and d512.reason(unmasked, arch) is None and d512.enabled() != "0":
+        return None
+    return why
 
 
 def _mask_fa3_plan(p, backend: str, arch: int, forced: str, copies) -> Plan:
@@ -180,18 +185,24 @@ def _mask_fa3_plan(p, backend: str, arch: int, forced: str, copies) -> Plan:
     without the mask and with the mod."""
     bound = mods.mask_as_mod(p.mask, p.mask_kind)  # its arrays and key ranges come at launch (mods.materialize)
     q = dataclasses.replace(p, mask=None, mask_kind="none", variants=dataclasses.replace(p.variants, mod=bound))
-    choice = flash_fwd_sm90.choose(q, "3")
-    return Plan("fused", f"fused {forced}" if backend == "fused" else "attn_mask as a mod in the FA3-design kernel "
-                f"(flash_fwd_sm90_mod; key blocks outside each row block's visible range skipped)",
-                describe=functools.partial(fa3_details, choice, q), copies=copies, problem=q, kernel=flash_fwd_sm90,
-                choice=choice)
+    skipped = "key blocks outside each row block's visible range skipped"
+    if flash_fwd_sm90.reason(q, arch) is None:
+        choice = flash_fwd_sm90.choose(q, "3")
+        return Plan("fused", f"fused {forced}" if backend == "fused" else f"attn_mask as a mod in the FA3-design "
+                    f"kernel (flash_fwd_sm90_mod; {skipped})", describe=functools.partial(fa3_details, choice, q),
+                    copies=copies, problem=q, kernel=flash_fwd_sm90, choice=choice)
+    choice = d512.choose(q)
+    return Plan("fused", f"fused {forced}" if backend == "fused" else f"attn_mask as a mod in the head-dim-512 kernel "
+                f"(flash_fwd_d512_sm90_mod; {skipped})", describe=functools.partial(_d512_details, choice, q),
+                copies=copies, problem=q, kernel=d512, choice=choice)
 
 
 def _mod_plan(p, backend: str, arch: int, forced: str, copies, workspace_bytes, allow_tf32) -> Plan:
     """A score_mod / mask_mod call (attention/mods.py): the FA3-design kernel's mod instantiation (flash_fwd_sm90_mod,
-    the persistent tile with the variants' code) where that kernel runs the call without dropout, else the split
-    path's softmax kernel (masked_softmax_mod: any head dim, dtype, mask, dropout). backend="fused" where the FA3
-    kernel cannot: ValueError."""
+    the persistent tile with the variants' code) where that kernel runs the call without dropout, the head-dim-512
+    kernel's (flash_fwd_d512_sm90_mod, one tile per CTA) at head dims 257-512, else the split path's softmax kernel
+    (masked_softmax_mod: any head dim, dtype, mask, dropout). backend="fused" where neither fused kernel can:
+    ValueError."""
     names = p.variants.names()[-1]
     fa3_why = "dropout_p > 0: the FA3 kernel has no dropout" if p.dropout_p > 0 else flash_fwd_sm90.reason(p, arch)
     if backend in ("auto", "fused") and fa3_why is None:
@@ -199,11 +210,19 @@ def _mod_plan(p, backend: str, arch: int, forced: str, copies, workspace_bytes, 
         return Plan("fused", f"fused {forced}" if backend == "fused" else f"the FA3-design kernel's mod "
                     f"instantiation (flash_fwd_sm90_mod: {names})", describe=functools.partial(fa3_details, choice, p),
                     copies=copies, problem=p, kernel=flash_fwd_sm90, choice=choice)
+    d512_why = "dropout_p > 0" if p.dropout_p > 0 else d512.reason(p, arch)
+    if backend in ("auto", "fused") and d512_why is None and d512.enabled() != "0":
+        choice = d512.choose(p)
+        return Plan("fused", f"fused {forced}" if backend == "fused" else f"the head-dim-512 kernel's mod "
+                    f"instantiation (flash_fwd_d512_sm90_mod: {names})",
+                    describe=functools.partial(_d512_details, choice, p), copies=copies, problem=p, kernel=d512,
+                    choice=choice)
     if backend == "fused":
-        raise ValueError(f"backend='fused' cannot run score_mod / mask_mod here: {fa3_why} (the split path's softmax "
-                         f"kernel applies them; pass backend='auto' or 'split')")
+        raise ValueError(f"backend='fused' cannot run score_mod / mask_mod here: FA3 kernel: {fa3_why}; head-dim-512 "
+                         f"kernel: {d512_why} (the split path's softmax kernel applies them; pass backend='auto' or "
+                         f"'split')")
     choice = split_choice(p, arch, workspace_bytes=workspace_bytes, allow_tf32=allow_tf32)
-    why = "" if backend == "split" else f" (FA3 kernel: {fa3_why})"
+    why = "" if backend == "split" else f" (FA3 kernel: {fa3_why}; head-dim-512 kernel: {d512_why})"
     return Plan("split", f"split path: {names} applied by the softmax kernel's mod instantiation "
                 f"(masked_softmax_mod){why}", describe=functools.partial(split_details, p, choice), copies=copies,
                 problem=p, choice=choice)

@@ -23,7 +23,7 @@ from ...runtime.interop import device_sms, dtype_name
 from ...runtime.kernel_abi import C_TYPE_16, set_strides
 from ...runtime.launch import PreparedLaunch
 from ...runtime.tma import MapSpec, exp2_tma_reason, out_16b_reason
-from .. import variants
+from .. import mods, variants
 from . import flash_fwd_sm90 as _sm90
 
 ENV = "CUPY_ATTN_D512"
@@ -147,6 +147,15 @@ class Choice(NamedTuple):
     variants: bool = False
 
 
+def mod_family(bound):
+    """This kernel with a user's mods appended (attention/mods.py): flash_fwd_d512_sm90_mod, one tile per CTA with
+    the variants' code; ModParams<FlashFwdSm90Params, Mod> (64-byte aligned)."""
+    return mods.mod_family(FLASH_FWD_D512_SM90, "cupy_attn::flash_fwd_d512_sm90_mod<{dtype}, {stages}, {mod}>",
+                           "cupy_attn::ModParams<cupy_attn::FlashFwdSm90Params, {mod}>",
+                           mods.mod_params_dtype(_sm90.PARAMS, bound.spec, align=64), bound.mod, bound.spec,
+                           {"dtype": tuple(C_TYPE_16.values()), "stages": (STAGES,)}, "flash_fwd_d512_sm90_mod")
+
+
 def choose(p) -> Choice:
     """The plan's choice: persistent CTAs, or for a call with variants their one-tile-per-CTA instantiation."""
     return Choice() if variants.of(p).plain else Choice(persistent=False, variants=True)
@@ -161,10 +170,19 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     B, Hq, L, E = q.shape
     _, Hkv, S, Ev = v.shape
     import cupy
-    kernel = choice.family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
-                                  persistent="true" if choice.persistent else "false",
-                                  variants="true" if choice.variants else "false")
-    prm = np.zeros((), dtype=_sm90.PARAMS)
+    bound = variants.of(p).mod
+    if bound is not None:  # a user's mods: their one-tile-per-CTA instantiation, the aux after the fields
+        if bound.mask_source is not None:
+            bound = mods.materialize(bound, p)
+        fam = mod_family(bound)
+        kernel = fam.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES)
+        prm = np.zeros((), dtype=fam.structs[0][1])
+        mods.fill_aux(prm, bound, Hq, key_ranges=True)
+    else:
+        kernel = choice.family.kernel(dtype=C_TYPE_16[dtype_name(q.dtype)], stages=STAGES,
+                                      persistent="true" if choice.persistent else "false",
+                                      variants="true" if choice.variants else "false")
+        prm = np.zeros((), dtype=_sm90.PARAMS)
     prm["seqlen_q"], prm["seqlen_k"], prm["head_dim_v"], prm["groups"] = L, S, Ev, Hq // Hkv
     _sm90.set_variant_params(prm, p)
     prm["batch"], prm["num_heads"] = B, Hq
