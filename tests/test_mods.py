@@ -171,7 +171,7 @@ def test_mod_calls_route_and_refuse_clearly():
     no_grad = cupy_attn.AttentionMod(score_mod=MODS["alibi"].score_mod)
     with pytest.raises(NotImplementedError, match="needs its derivative"):  # before the forward runs
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=no_grad, aux=aux)
-    with pytest.raises(NotImplementedError, match="split backward, which has no softcap"):
+    with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod has no softcap"):
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, softcap=30.0)
     with pytest.raises(NotImplementedError, match="aux arrays get no gradient"):
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"],
@@ -184,10 +184,13 @@ def test_mod_calls_route_and_refuse_clearly():
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(MODS))
 @pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 64), (1, 2, 2, 129, 700, 256)], ids=lambda s: "x".join(map(str, s)))
-def test_mod_gradients(dtype, name, shape):
-    """dQ, dK, dV of a mod call (the split backward's rows kernels with the mod: P from score_mod's scores, dS times
-    score_mod_grad) against float64 autograd of the same math in torch ops, under the error rule (the peer: that math
-    at the inputs' precision)."""
+@pytest.mark.parametrize("bwd", ["auto", "split"])
+def test_mod_gradients(dtype, name, shape, bwd, monkeypatch):
+    """dQ, dK, dV of a mod call, on the Hopper backward kernel's mod instantiation (auto) and on the split backward's
+    rows kernels (CUPY_ATTN_BWD=split) — P from score_mod's scores, dS times score_mod_grad — against float64 autograd
+    of the same math in torch ops, under the error rule (the peer: that math at the inputs' precision)."""
+    if bwd == "split":
+        monkeypatch.setenv("CUPY_ATTN_BWD", "split")
     B, Hq, Hkv, L, S, E = shape
     gen = torch.Generator("cuda").manual_seed(sum(shape) + len(name))
     q, k, v = (torch.randn(s, generator=gen, device="cuda").to(DTYPES[dtype]).requires_grad_(True)

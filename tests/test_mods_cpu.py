@@ -247,18 +247,39 @@ def test_softmax_mod_launch_bytes(monkeypatch):
     assert asked == [{"out_t": "__half", "tile": softmax.tile_for(1024, True), "dropout": "false"}]
 
 
+class _Arr:
+    """A contiguous array's layout and a 16-byte aligned address (what the launchers' layout checks read)."""
+
+    def __init__(self, shape, dtype=np.float16, ptr=1 << 20):
+        self.shape, self.dtype = shape, np.dtype(dtype)
+        self.itemsize = self.dtype.itemsize
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * self.itemsize for i in range(len(shape)))
+        self.data = types.SimpleNamespace(ptr=ptr)
+
+
+def _with_arrays(p):
+    """The stand-in problem with stand-in arrays of its shapes (B, H, L|S, E)."""
+    p.query = _Arr((p.batch, p.num_heads, p.seqlen_q, p.head_dim), p.dtype)
+    p.key = _Arr((p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim), p.dtype)
+    p.value = _Arr((p.batch, p.num_kv_heads, p.seqlen_k, p.head_dim_v), p.dtype)
+    return p
+
+
 def test_backward_plan_of_mod_calls():
     """The split backward's rows kernels take the mods; a score_mod without its derivative, or a mod beside a window,
     softcap or ALiBi (which the split backward lacks), is refused before the forward runs."""
     with_grad = cupy_attn.AttentionMod(score_mod=ALIBI, score_mod_grad="return 1.f;", mask_mod=DOC)
     aux = {"slopes": np.zeros(8, np.float32), "doc": np.zeros((2, 9), np.int32)}
-    plan = _dispatch.plan_backward(_gpu_problem(_bound(with_grad, aux)), arch=90)
-    assert plan.kernel == "split" and "rows kernels with the mod" in plan.reason
+    plan = _dispatch.plan_backward(_with_arrays(_gpu_problem(_bound(with_grad, aux))), arch=90)
+    assert plan.kernel == "sm90" and "flash_bwd_sm90_mod" in plan.reason and plan.bucket == 128
+    for kw, arch in ((dict(E=512), 90), (dict(E=128), 80), (dict(E=128, dtype="float32"), 90)):
+        plan = _dispatch.plan_backward(_with_arrays(_gpu_problem(_bound(with_grad, aux), **kw)), arch=arch)
+        assert plan.kernel == "split" and "rows kernels with the mod" in plan.reason, (kw, arch)
     with pytest.raises(NotImplementedError, match="needs its derivative"):
         _dispatch.plan_backward(_gpu_problem(_bound(_alibi_mod(), aux)), arch=90)
     p = _gpu_problem(_bound(_doc_mod(), aux))
     p.variants = dataclasses.replace(p.variants, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="split backward, which has no softcap"):
+    with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod has no softcap"):
         _dispatch.plan_backward(p, arch=90)
 
 
@@ -430,3 +451,44 @@ def test_head_dim_512_calls_take_the_d512_mod_instantiation():
     fam = d512.mod_family(bound)
     report = _compile.compile_variant(fam, fam.name_expressions()[0], "sm_90a").report
     assert report.registers, report
+
+
+@pytest.mark.parametrize("name,kw,aux", [
+    ("tanh", dict(score_mod="return 8.f * tanhf(score / 8.f);",
+                  score_mod_grad="const float t = tanhf(score / 8.f);\nreturn 1.f - t * t;"), {}),
+    ("doc", dict(mask_mod=DOC), {"doc": np.zeros((2, 9), np.int32)}),
+    ("alibi", dict(score_mod=ALIBI, score_mod_grad="return 1.f;"), {"slopes": np.zeros(8, np.float32)})])
+def test_hopper_backward_mod_instantiation_compiles(name, kw, aux):
+    """flash_bwd_sm90_mod (the Hopper backward's kUserMod consumers) compiles for sm_90a at every bucket; its spills
+    are recorded in bench/notes/mods.md (the consumers run at 227-230 of 240 registers without a mod)."""
+    from cupy_attn.attention.kernels import flash_bwd_sm90
+    fam = flash_bwd_sm90.mod_family(_bound(cupy_attn.AttentionMod(**kw), aux))
+    for expr in fam.name_expressions():
+        if "__half" in expr:
+            assert _compile.compile_variant(fam, expr, "sm_90a").report.registers, expr
+
+
+def test_mask_route_leaves_decode_calls_and_honours_the_fa3_switch(monkeypatch):
+    """Few query rows per KV head keep the decode kernel (it takes masks), as does num_splits; CUPY_ATTN_FA3=0 keeps
+    masked calls and mod calls off the FA3 kernel; CUPY_ATTN_FA3_M192=1 does not give a mod call the 192-row tile."""
+    p = _gpu_problem(E=128, L=1, S=1 << 20)
+    p.mask, p.mask_kind = _MaskView((2, 8, 1, 1 << 20), (1 << 20, 0, 0, 1)), "bool"
+    assert _dispatch.mask_fa3_reason(p, 90) == "decode-sized"
+    big = _gpu_problem(E=128, L=2048, S=2048)
+    big.mask, big.mask_kind = _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1)), "bool"
+    assert "attn_mask as a mod" not in _dispatch.plan_sdpa(big, "auto", arch=90, num_sms=132, num_splits=4).reason
+    monkeypatch.setenv("CUPY_ATTN_FA3", "0")
+    assert _dispatch.mask_fa3_reason(big, 90) == "CUPY_ATTN_FA3=0"
+    mod = _gpu_problem(_bound(WINDOW_MOD, {}), E=64)
+    assert "flash_fwd_sm90_mod" not in _dispatch.plan_sdpa(mod, "auto", arch=90, num_sms=132).reason
+    monkeypatch.setenv("CUPY_ATTN_FA3", "3")
+    monkeypatch.setenv("CUPY_ATTN_FA3_M192", "1")
+    from cupy_attn.attention.kernels import flash_fwd_sm90
+    plan = _dispatch.plan_sdpa(mod, "auto", arch=90, num_sms=132)
+    assert plan.choice.tile == flash_fwd_sm90.PERSISTENT_TILES[64]
+
+
+def test_aux_names_cannot_collide_with_shape_fields():
+    with pytest.raises(ValueError, match="collides with aux\\['x'\\]'s shape field"):
+        cupy_attn.AttentionMod(mask_mod="return true;").validate({"x": np.zeros(2, np.int32),
+                                                                  "x_shape": np.zeros(2, np.int32)})

@@ -238,7 +238,7 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p, const typename Mod:
         r = kGrad ? prob * (dpv - d) : prob;
       }
       if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r;
-      if constexpr (Mod::kScore && kGrad) r *= chain;
+      if constexpr (Mod::kScore && kGrad) r = prob == 0.f ? 0.f : r * chain;  // hidden keys: 0, not 0·chain
       return r;
     };
     const float r0 = elem(s4.x, dp4.x, c, 0), r1 = elem(s4.y, dp4.y, c + 1, 1), r2 = elem(s4.z, dp4.z, c + 2, 2),

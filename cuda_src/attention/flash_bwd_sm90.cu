@@ -59,8 +59,11 @@ namespace cupy_attn {
 
 // kVariants: the parameters' window_lo, softcap_in and alibi_slopes are read at run time (any may be off); false: the
 // plain kernel, without their code. Grid: (ceil(S / kBlockN), Hkv, B); block: 384 threads.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen>
-__global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
+// Mod: a user's score_mod / mask_mod (flash_bwd_sm90_mod below; with kVariants), its consumers in kUserMod.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen,
+          typename Mod = NoMod>
+__device__ __forceinline__ void flash_bwd_sm90_body(const FlashBwdSm90Params& p,
+                                                    const typename Mod::Aux* aux = nullptr) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
@@ -126,7 +129,10 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
         }
       },
       [&](int tid) {
-        if constexpr (!kVariants) {
+        if constexpr (Mod::kScore || Mod::kMask) {
+          bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kUserMod, kVarlen, Mod>(p, ss, seq, n0, h_kv,
+                                                                                               b, steps, tid, aux);
+        } else if constexpr (!kVariants) {
           bwd_consume<T, kHeadDim, kBlockM, kBlockN, kStages, BwdMode::kPlain, kVarlen>(p, ss, seq, n0, h_kv, b, steps,
                                                                                          tid);
         } else if (p.softcap_in != 0.0 || p.alibi_slopes) {
@@ -137,6 +143,19 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
                                                                                          steps, tid);
         }
       });
+}
+
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen>
+__global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__ FlashBwdSm90Params p) {
+  flash_bwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, kVariants, kVarlen>(p);
+}
+
+// A user's mods (cupy_attn.AttentionMod), dense calls: instantiated only in a mod's own program, which appends the Mod
+// struct (attention/mods.py); the parameters are FlashBwdSm90Params, then the mod's.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, typename Mod>
+__global__ void __launch_bounds__(384, 1) flash_bwd_sm90_mod(const __grid_constant__
+                                                             ModParams<FlashBwdSm90Params, Mod> p) {
+  flash_bwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, true, false, Mod>(p, &p.aux);
 }
 
 }  // namespace cupy_attn

@@ -73,22 +73,24 @@ __global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangePa
     last = -1;
   }
   __syncthreads();
-  auto seen = [&](int j) {
+  // Whether some row of the block sees key j: rows top-down for the first key, bottom-up for the last (under a causal
+  // mask the last rows see the most keys, so the backward scan stops at its first row).
+  auto seen = [&](int j, bool bottom_up) {
     if (j < 0 || j >= S) return false;
-    for (int i = r0; i < r1; ++i)
-      if (Mod::mask(b, h, i, j, p.aux)) return true;
+    for (int n = 0; n < r1 - r0; ++n)
+      if (Mod::mask(b, h, bottom_up ? r1 - 1 - n : r0 + n, j, p.aux)) return true;
     return false;
   };
   for (int c = 0; c < S; c += blockDim.x) {
     const int j = c + static_cast<int>(threadIdx.x);
-    const bool any = seen(j);
+    const bool any = seen(j, false);
     if (any) atomicMin(&first, j);
     if (__syncthreads_or(any)) break;
   }
   if (first < S) {
     for (int c = S - 1; c >= first; c -= blockDim.x) {
       const int j = c - static_cast<int>(threadIdx.x);
-      const bool any = j >= first && seen(j);
+      const bool any = j >= first && seen(j, true);
       if (any) atomicMax(&last, j);
       if (__syncthreads_or(any)) break;
     }

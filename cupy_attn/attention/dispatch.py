@@ -125,7 +125,8 @@ def plan_sdpa(p, backend: str, arch: int | None = None, num_splits: int | None =
         return Plan("empty", empty_reason(p), copies=copies, problem=p)
     if p.variants.mod is not None:  # score_mod / mask_mod: the FA3-design kernel's mod instantiation, else split
         return _mod_plan(p, backend, arch, forced, copies, workspace_bytes, allow_tf32)
-    if p.mask is not None and backend in ("auto", "fused") and mask_fa3_reason(p, arch) is None:
+    if p.mask is not None and backend in ("auto", "fused") and num_splits is None \
+            and mask_fa3_reason(p, arch) is None:
         return _mask_fa3_plan(p, backend, arch, forced, copies)
     if not p.variants.plain and backend in ("auto", "fused"):  # backend "split": the split path serves every variant
         plan = _variants_plan(p, backend, arch, forced, copies)
@@ -171,6 +172,10 @@ def mask_fa3_reason(p, arch: int) -> str | None:
         return "variants with a mask"
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
         return "small"
+    if p.seqlen_q * p.groups <= 64:  # a few query rows per KV head: the decode kernel's (split-KV, it takes masks)
+        return "decode-sized"
+    if env.get(ENV_FA3) == "0":
+        return f"{ENV_FA3}=0"
     unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
     why = flash_fwd_sm90.reason(unmasked, arch)
     if why is not None and d512.reason(unmasked, arch) is None and d512.enabled() != "0":
@@ -205,6 +210,8 @@ def _mod_plan(p, backend: str, arch: int, forced: str, copies, workspace_bytes, 
     ValueError."""
     names = p.variants.names()[-1]
     fa3_why = "dropout_p > 0: the FA3 kernel has no dropout" if p.dropout_p > 0 else flash_fwd_sm90.reason(p, arch)
+    if fa3_why is None and env.get(ENV_FA3) == "0":
+        fa3_why = f"{ENV_FA3}=0"
     if backend in ("auto", "fused") and fa3_why is None:
         choice = flash_fwd_sm90.choose(p, "3")
         return Plan("fused", f"fused {forced}" if backend == "fused" else f"the FA3-design kernel's mod "
@@ -610,18 +617,25 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     return plan
 
 
-def _mod_backward(p, var) -> BackwardPlan:
-    """score_mod / mask_mod: the split backward's rows kernels with the mod (attn_bwd_rows_mod), the score's chain
-    factor from score_mod_grad. NotImplementedError when the call also has a window, softcap or ALiBi (the split
-    backward has none of them) or a score_mod without score_mod_grad."""
+def _mod_backward(p, var, arch: int | None) -> BackwardPlan:
+    """score_mod / mask_mod: the Hopper backward kernel's mod instantiation (flash_bwd_sm90_mod: P and dS per element
+    with the mod) where it takes the call, else the split backward's rows kernels with the mod (attn_bwd_rows_mod),
+    the score's chain factor from score_mod_grad either way. NotImplementedError when the call also has a window,
+    softcap or ALiBi (beside a mod, neither backward has them) or a score_mod without score_mod_grad."""
     other = [n for n in var.names() if not n.startswith(("score_mod", "mask_mod", "sinks"))]
     if other:
-        raise NotImplementedError(f"the backward of score_mod / mask_mod runs on the split backward, which has no "
+        raise NotImplementedError(f"the backward of score_mod / mask_mod has no "
                                   f"{', '.join(other)}: spell them in the mod, or call under torch.no_grad()")
     if var.mod.mod.score_mod is not None and var.mod.mod.score_mod_grad is None:
         raise NotImplementedError("the backward of a score_mod needs its derivative: pass AttentionMod("
                                   "score_mod_grad=...), the body of d score_mod / d score")
-    return BackwardPlan("split", None, f"{var.names()[-1]}: the split backward's rows kernels with the mod")
+    arch = device_arch(p) if arch is None else arch
+    why_not = "dropout" if p.dropout_p > 0 else _sm90_backward_reason(p, arch)
+    if why_not is None and env.get(ENV_BWD, "") not in ("split", "mma"):
+        return BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                            f"Hopper wgmma kernel, mod instantiation ({var.names()[-1]}: flash_bwd_sm90_mod)")
+    return BackwardPlan("split", None, f"{var.names()[-1]}: the split backward's rows kernels with the mod "
+                                       f"(Hopper kernel: {why_not or ENV_BWD})")
 
 
 def _sm90_backward_reason(p, arch: int) -> str | None:
@@ -635,7 +649,7 @@ def _backward_kernel(p, arch: int | None) -> BackwardPlan:
         raise ValueError(f"{ENV_BWD} must be one of split, mma, sm90 or auto, got {setting!r}")
     var = variants.of(p)
     if var.mod is not None:
-        return _mod_backward(p, var)
+        return _mod_backward(p, var, arch)
     if var.changes_scores:
         # Sinks alone need nothing of the kernels (lse holds the sink's term; its own gradient is autograd's). The
         # others: the Hopper kernel's variants instantiation, or nothing yet.

@@ -142,6 +142,10 @@ def _named(aux) -> list:
     for name, _ in items:
         if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
             raise ValueError(f"aux names must be C++ identifiers without a leading underscore, got {name!r}")
+    names = {n for n, _ in items}
+    for name in names:
+        if name.endswith("_shape") and name[:-len("_shape")] in names:
+            raise ValueError(f"aux name {name!r} collides with aux[{name[:-len('_shape')]!r}]'s shape field")
     return items
 
 
@@ -412,7 +416,10 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, a
     depend on b or h). On the GPU a pre-pass kernel (mod_key_ranges, common/user_mod.cuh) tests keys from both ends of
     each row block until some row sees one, so a band costs about its visible keys; CPU inputs evaluate the mod's
     Python form (reference_mask_mod). ``aux``: the arrays the mask_mod reads; ``like``: an array of the calls' kind
-    and device (needed when aux is None). Reuse the result across calls with the same mask and aux.
+    and device (needed when aux is None). Reuse the result across calls with the same mask and the same aux
+    *contents* (only the mask_mod's text is checked: ranges from other aux values skip keys they should not). The
+    pre-pass runs on the current stream of ``like`` (torch's current stream, or CuPy's); calls on another stream
+    must wait for it (the kernels' producer and consumers each read the ranges: unfinished ranges could hang them).
 
     Returns a :class:`BlockMask`. Raises ValueError for a mod without mask_mod, sizes < 0 (batch, heads < 1), no
     ``like`` and no aux, and the snippet's compile errors; TypeError as the call's aux checks.

@@ -201,8 +201,9 @@ def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
         if vp.block_table is not None:  # the caches' pages as rows: (num_blocks · page_size, Hkv, D)
             k, v = (_page_rows(ctx, x) for x in (k, v))
             paging = {"page_size": int(vp.k.shape[1]), "max_blocks": int(vp.block_table.shape[1])}
+        cu_k = None if paging else vp.cu_seqlens_k  # paged: keys by page (the kernel ignores cu_seqlens_k there too)
         given_idx = [None if x is None else ctx.as_cupy(x)
-                     for x in (vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k, vp.block_table)]
+                     for x in (vp.cu_seqlens_q, cu_k, vp.seqused_k, vp.block_table)]
         idx = [x if x is None or x.flags.c_contiguous else ctx.contiguous(x) for x in given_idx]
         out_native, out = ctx.empty((vp.total_q, vp.num_heads, vp.head_dim_v), vp.dtype)
         lse_native, lse = ctx.empty((vp.num_heads, vp.total_q), np.dtype(np.float32))

@@ -281,10 +281,13 @@ __device__ __forceinline__ void issue_dkv_ss(float (&acc)[kN / 2], unsigned a_ti
 // kMode (sm90/bwd_variants.cuh: BwdMode): kPlain for the plain instantiations; the kVariants ones run kWindow (the
 // mask at a window's lower edge too) or kScoreMods (softcap and/or ALiBi: tanh between the waits, Pᵀ and the
 // softcap's factor in the dS pass), picked per CTA by the kernel.
-template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, BwdMode kMode, bool kVarlen>
+// kUserMod: Mod's score_mod / mask_mod (aux: its arrays in the kernel's parameters), per element in the dS pass.
+template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, BwdMode kMode, bool kVarlen,
+          typename Mod = NoMod>
 __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
                                             const BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>& ss,
-                                            const BwdSeq& seq, int n0, int h_kv, int b, BwdSteps steps, int tid) {
+                                            const BwdSeq& seq, int n0, int h_kv, int b, BwdSteps steps, int tid,
+                                            const typename Mod::Aux* aux = nullptr) {
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   using Split = BwdSplit<kHeadDim, kBlockM, kBlockN>;
   constexpr int kSN = Split::kSN, kKvN = Split::kKvN;
@@ -311,11 +314,12 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
   // window_lo < S; one that binds for none (or none at all) becomes −(L + 3·kBlockM), which no tile's edge test or
   // column limit reaches. kScoreMods: the softcap (softcap_in != 0) and ALiBi (alibi_k != 0 per step) at run time.
   constexpr bool kVariants = kMode != BwdMode::kPlain;
-  constexpr bool kScoreMods = kMode == BwdMode::kScoreMods;
+  constexpr bool kUserMod = kMode == BwdMode::kUserMod;
+  constexpr bool kScoreMods = kMode == BwdMode::kScoreMods || kUserMod;  // Pᵀ per element in the dS pass
   const int L = kVarlen ? seq.L : static_cast<int>(p.seqlen_q);
   const long long lo = kVarlen ? seq.window_lo : p.window_lo;
   const int window_lo = kVariants && lo > (kVarlen ? -L : -p.seqlen_q) ? static_cast<int>(lo) : -(L + 3 * kBlockM);
-  const float softcap_in = kScoreMods ? static_cast<float>(p.softcap_in) : 0.f;
+  const float softcap_in = kMode == BwdMode::kScoreMods ? static_cast<float>(p.softcap_in) : 0.f;
   const bool capped = softcap_in != 0.f;
   const int dist_lane = 2 * t + S - L - key0;  // ALiBi's distance i + S − L − j of the lane's first element, − q0
 
@@ -428,7 +432,13 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
       for (int half = 0; half < 2; ++half) {
         const int a = 4 * j + 2 * half;
         float ds0, ds1;
-        if constexpr (kScoreMods) {
+        if constexpr (kUserMod) {
+          const int qi = q0 + 8 * j + 2 * t, kj = key0 + 8 * half, hq = h_kv * groups + i / steps.m_count;
+          ds0 = bwd_user_mod_ds<Mod>(acc_s[a], acc_dp[a], l.x, d.x, sc, 8 * j < lo[half] || 8 * j > hi[half], b, hq,
+                                     qi, kj, L, *aux);
+          ds1 = bwd_user_mod_ds<Mod>(acc_s[a + 1], acc_dp[a + 1], l.y, d.y, sc,
+                                     8 * j + 1 < lo[half] || 8 * j + 1 > hi[half], b, hq, qi + 1, kj, L, *aux);
+        } else if constexpr (kScoreMods) {
           const float dist0 = dist + static_cast<float>(8 * j - 8 * half);  // element a's (a + 1's: one more)
           ds0 = bwd_score_mod_ds(acc_s[a], acc_dp[a], l.x, d.x, sc, capped, alibi_k, dist0,
                                  8 * j < lo[half] || 8 * j > hi[half]);

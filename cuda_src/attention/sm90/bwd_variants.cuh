@@ -20,6 +20,7 @@
 #pragma once
 #include "common/mma.cuh"
 #include "common/score_mod.cuh"
+#include "common/user_mod.cuh"
 
 namespace cupy_attn {
 namespace sm90 {
@@ -32,7 +33,9 @@ namespace sm90 {
 //   kWindow     the same with both edges of a window (the lower one too): windowed calls without softcap or ALiBi;
 //   kScoreMods  the window, with softcap and/or ALiBi: tanh between the waits (with a softcap), Pᵀ with the bias,
 //               the mask and dSᵀ's (1 − t²) in the dS pass (bwd_score_mod_ds).
-enum class BwdMode { kPlain, kWindow, kScoreMods };
+//   kUserMod    a user's score_mod / mask_mod (common/user_mod.cuh), as kScoreMods without softcap or ALiBi: the
+//               mod's score, mask and score_grad per element in the dS pass (bwd_user_mod_ds).
+enum class BwdMode { kPlain, kWindow, kScoreMods, kUserMod };
 
 // Sᵀ -> Pᵀ = 2^(r · sc − lse·log2 e) in place, lse·log2 e of query 8j + 2t (+1) at lse[8j + 2t]: kPlain's and
 // kWindow's pass, between the waits (it overlaps dPᵀ = V dOᵀ).
@@ -98,6 +101,34 @@ __device__ __forceinline__ float bwd_score_mod_ds(float& s, float dp, float l, f
   const float pv = hidden ? 0.f : exp2_approx(fmaf(fmaf(alibi_k, fabsf(dist), tt), sc, -l));
   s = pv;
   return pv * ((dp - d) * (capped ? fmaf(-tt, tt, 1.f) : 1.f));
+}
+
+// kUserMod, one element of the dS pass: s holds the raw score r (q·k) of query qi, key kj; the mod sees the natural
+// scaled score x = r · sc · ln 2 and gives s' = score_mod(x) (its mask_mod's false, `hidden`, or a query past L: Pᵀ =
+// 0, dSᵀ = 0; the mod is not called there, so a snippet may index aux by qi and kj); Pᵀ = 2^(s' · log2 e − l) and
+// dSᵀ = Pᵀ · (dPᵀ − D) · score_grad(x) (the kernel applies scale afterwards: d x / d r = scale).
+template <typename Mod>
+__device__ __forceinline__ float bwd_user_mod_ds(float& s, float dp, float l, float d, float sc, bool hidden, int b,
+                                                 int h, int qi, int kj, int L, const typename Mod::Aux& aux) {
+  if (hidden || qi >= L) {
+    s = 0.f;
+    return 0.f;
+  }
+  const float x = s * sc * kLn2;
+  if constexpr (Mod::kMask) {
+    if (!Mod::mask(b, h, qi, kj, aux)) {
+      s = 0.f;
+      return 0.f;
+    }
+  }
+  float y = x, g = 1.f;
+  if constexpr (Mod::kScore) {
+    y = Mod::score(x, b, h, qi, kj, aux);
+    g = Mod::score_grad(x, b, h, qi, kj, aux);
+  }
+  const float pv = exp2_approx(fmaf(y, kLog2e, -l));
+  s = pv;
+  return pv * (dp - d) * g;
 }
 
 }  // namespace sm90

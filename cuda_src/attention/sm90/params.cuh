@@ -74,7 +74,8 @@ struct SeqSpan {
     if constexpr (kVarlen) {
       const int total_q = static_cast<int>(p.seqlen_q), total_k = static_cast<int>(p.seqlen_k);
       q0_ = min(max(p.cu_seqlens_q[b], 0), total_q);
-      k0_ = p.cu_seqlens_k != nullptr ? min(max(p.cu_seqlens_k[b], 0), total_k) : 0;  // paged: keys by page
+      // paged (block_table): keys by page from 0, whatever cu_seqlens_k says
+      k0_ = p.cu_seqlens_k != nullptr && p.block_table == nullptr ? min(max(p.cu_seqlens_k[b], 0), total_k) : 0;
       L = min(max(p.cu_seqlens_q[b + 1] - q0_, 0), total_q - q0_);
       S = min(max(p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - k0_, 0), total_k - k0_);
     }

@@ -31,7 +31,7 @@ from ...runtime.interop import dtype_name
 from ...runtime.kernel_abi import C_TYPE_16, LOG2E, Layout, head_dim_bucket
 from ...runtime.tma import F64, I64, MAP, MapSpec, bindings_reason, c_struct, encode_tensor_map, \
     tma_operand_reason
-from .. import variants
+from .. import mods, variants
 from . import bwd_rows, flash_fwd_sm90
 THREADS = 384  # a producer warpgroup and two consumer warpgroups
 # lse·log2(e) and D are stored in rows padded to a multiple of this (every tile's block_m divides it).
@@ -127,6 +127,18 @@ FLASH_BWD_SM90 = KernelFamily(
     structs=(("cupy_attn::FlashBwdSm90Params", _PARAMS),),
     arch="sm_90a",
 )
+
+
+def mod_family(bound):
+    """The Hopper backward with a user's mods appended (attention/mods.py): flash_bwd_sm90_mod, dense calls, the
+    bucket's tile; ModParams<FlashBwdSm90Params, Mod> (64-byte aligned)."""
+    return mods.mod_family(FLASH_BWD_SM90, "cupy_attn::flash_bwd_sm90_mod<{dtype}, {head_dim}, {tile.block_m}, "
+                           "{tile.block_n}, {tile.stages}, {mod}>",
+                           "cupy_attn::ModParams<cupy_attn::FlashBwdSm90Params, {mod}>",
+                           mods.mod_params_dtype(_PARAMS, bound.spec, align=64), bound.mod, bound.spec,
+                           {"dtype": tuple(C_TYPE_16.values()), "head_dim": tuple(TILES),
+                            "tile": tuple(sorted(set(TILES.values()), key=dataclasses.astuple))},
+                           "flash_bwd_sm90_mod", where=lambda row: row["tile"] == TILES[row["head_dim"]])
 
 
 def head_bucket(head_dim: int, head_dim_v: int) -> int | None:
@@ -225,6 +237,18 @@ class Sm90Backward(bwd_rows.FusedBackward):
         flash_fwd_sm90.set_variant_params(prm, p)
         prm["scale"] = p.scale
         kernel_variants = variants.of(p).changes_scores
+        bound = variants.of(p).mod
+        if bound is not None:  # a user's mods: their instantiation (kUserMod consumers), the aux after the fields
+            fam = mod_family(bound)
+            with_mod = np.zeros((), fam.structs[0][1])
+            for name in _PARAMS.names:
+                with_mod[name] = prm[name]
+            mods.fill_aux(with_mod, bound, Hq)
+            prm = self.params = with_mod
+            kernel = fam.kernel(dtype=ctype, head_dim=bucket, tile=tile)
+        else:
+            kernel = FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile,
+                                           variants="true" if kernel_variants else "false", varlen="false")
         do = Layout.contiguous((B, Hq, L, Ev), p.dtype)  # dout as the kernel reads it
         # Q, K, V, dO; then lse·log2(e) and D as one fp32 (l_pad, 2·B·Hq) matrix, rows of tile.block_m per box (see
         # bwd_params.cuh).
@@ -240,9 +264,7 @@ class Sm90Backward(bwd_rows.FusedBackward):
                                strides=(4 * E, 4 * E * L, 4 * E * L * Hq), box=(32, 64, 1, 1), swizzle=128)
         scratch_maps = Maps(("tma_stats", "tma_dq"), ("scratch", ("scratch", self.dq32_offset)), (stats, dq))
         self.kernel = PreparedLaunch(
-            prm, [Step(FLASH_BWD_SM90.kernel(dtype=ctype, head_dim=bucket, tile=tile,
-                                             variants="true" if kernel_variants else "false", varlen="false"),
-                       (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
+            prm, [Step(kernel, (math.ceil(S / tile.block_n), Hkv, B), (THREADS,), tile.smem_bytes(bucket))],
             args=("q", "k", "v", "dout", "scratch", "dk", "dv"), maps=(inputs, scratch_maps),
             pointers={"dk": "dk", "dv": "dv", "dq_accum": ("scratch", self.dq32_offset), "lse_log2": "scratch",
                       "delta": ("scratch", self.delta_offset)})

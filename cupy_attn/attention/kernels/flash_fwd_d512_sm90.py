@@ -190,7 +190,9 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     maps = (MapSpec.of(q, BLOCK_M), MapSpec.of(k, BLOCK_N), MapSpec.of(v, V_KEYS))
     grid, prm["tile_pairs"] = grid_for(B, Hq, L, bool(prm["is_causal"]), choice.persistent,
                                        device_sms(cupy.cuda.Device().id))
-    return _sm90.build_launch(kernel, prm, maps, grid, (THREADS,), smem_bytes())
+    launch = _sm90.build_launch(kernel, prm, maps, grid, (THREADS,), smem_bytes())
+    launch.info["mod"] = bound  # the aux arrays and key ranges it reads, alive as long as the launch
+    return launch
 
 
 def describe(choice: Choice, p) -> dict:

@@ -309,13 +309,14 @@ def choose(p, mode: str) -> Choice:
     tile (:func:`tile_for`) and S GEMM columns (:func:`qk_dim`). The plan's, made once (dispatch). A call with
     variants (attention/variants.py) takes their instantiation, which exists in mode "3" at the bucket's full S GEMM
     width only; windowed calls take the 128-row tiles, as causal ones (a 192-row tile masks more at a window's edges),
-    and so do calls with a user's mods (their instantiations: :func:`mod_family`; three consumer warpgroups at 160
-    registers would leave a mod less room)."""
+    and calls with a user's mods always do, whatever CUPY_ATTN_FA3_M192 says (their instantiations: :func:`mod_family`;
+    three consumer warpgroups at 160 registers would leave a mod less room; KeyRanges count 128-row blocks)."""
     bucket = head_bucket(p.head_dim, p.head_dim_v)
     var = variants.of(p)
+    if var.mod is not None:  # the mod family declares these tiles only (and KeyRanges count 128-row blocks)
+        return Choice("3", bucket, PERSISTENT_TILES[bucket], bucket, True)
     if not var.plain:
-        narrow = p.causal is not None or var.has_window or var.mod is not None
-        return Choice("3", bucket, tile_for("3", bucket, narrow), bucket, True)
+        return Choice("3", bucket, tile_for("3", bucket, p.causal is not None or var.has_window), bucket, True)
     return Choice(mode, bucket, tile_for(mode, bucket, p.causal is not None), qk_dim(p.head_dim, bucket))
 
 
@@ -399,7 +400,9 @@ def build(p, choice: Choice, out, lse) -> PreparedLaunch:
     o_map = None
     if o_tma_reason(out) is None:
         o_map = MapSpec.of(out, 64, cols)
-    return build_launch(kernel, prm, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
+    launch = build_launch(kernel, prm, maps, grid, (tile.threads,), tile.smem_bytes(D), o_map)
+    launch.info["mod"] = bound  # the aux arrays and key ranges it reads, alive as long as the launch
+    return launch
 
 
 def build_launch(kernel, params: np.ndarray, maps: tuple, grid: tuple, block: tuple, smem: int,
