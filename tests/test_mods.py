@@ -269,3 +269,27 @@ def test_masked_calls_in_the_fa3_kernel(dtype, E):
         assert_close(out, ref, dtype, peer, f"{name} E={E}")
         split = cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask, backend="split")
         torch.testing.assert_close(out.float(), split.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_masked_gradients_in_the_hopper_kernel(dtype):
+    """A Hugging Face padded causal mask's gradients: the forward in the FA3 kernel and the backward in the Hopper
+    kernel, both with the mask as a mod, against float64 autograd under the rule; rows the mask hides entirely get
+    zero gradients."""
+    from _attention_ref import torch_variant_attention
+    gen = torch.Generator("cuda").manual_seed(21)
+    B, H, L, E = 4, 8, 1100, 128
+    q, k, v = (torch.randn((B, H, L, E), generator=gen, device="cuda").to(DTYPES[dtype]).requires_grad_(True)
+               for _ in range(3))
+    dout = torch.randn((B, H, L, E), generator=gen, device="cuda").to(DTYPES[dtype])
+    mask = _padded_causal_mask(B, L, [0, 5, 300, 1099])
+    got = torch.autograd.grad(cupy_attn.scaled_dot_product_attention(q, k, v, attn_mask=mask), (q, k, v), dout)
+    grads = {}
+    for key, cast in (("ref", torch.float64), ("peer", None)):
+        xs = [x.detach().to(cast or x.dtype).requires_grad_(True) for x in (q, k, v)]
+        o = torch_variant_attention(*xs, mask=mask)
+        # rows that see no key give out 0 whatever q, k, v: gradient 0 (torch's softmax backward gives NaN there)
+        grads[key] = [g.nan_to_num(0.0) for g in torch.autograd.grad(o, xs, dout.to(o.dtype))]
+    for i, what in enumerate("qkv"):
+        assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype, grads["peer"][i], f"padded causal d{what}")
+    assert torch.all(got[0][3, :, :1099] == 0)  # batch 3's rows 0-1098 see no key

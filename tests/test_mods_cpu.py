@@ -492,3 +492,18 @@ def test_aux_names_cannot_collide_with_shape_fields():
     with pytest.raises(ValueError, match="collides with aux\\['x'\\]'s shape field"):
         cupy_attn.AttentionMod(mask_mod="return true;").validate({"x": np.zeros(2, np.int32),
                                                                   "x_shape": np.zeros(2, np.int32)})
+
+
+def test_masked_backward_runs_the_hopper_kernel_with_the_mask_as_a_mod(monkeypatch):
+    monkeypatch.setattr(_mods, "materialize", lambda bound, p, ranges=True: bound)  # no device arrays here
+    p = _with_arrays(_gpu_problem(E=128, L=2048, S=2048))
+    p.mask, p.mask_kind = _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1)), "bool"
+    q, plan = _dispatch.masked_backward(p, arch=90)
+    assert plan.kernel == "sm90" and plan.bucket == 128 and q.mask is None and q.variants.mod.mask_source[1] == (0, 2, 3)
+    p.mask_kind, p.mask = "float", _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1), np.float16)
+    q, _ = _dispatch.masked_backward(p, arch=90)
+    assert q.variants.mod.mod.score_mod_grad == "return 1.f;"  # an additive mask's derivative
+    assert _dispatch.masked_backward(p, arch=80) is None
+    assert _dispatch.masked_backward(dataclasses.replace(p, dropout_p=0.1), arch=90) is None
+    monkeypatch.setenv("CUPY_ATTN_BWD", "split")
+    assert _dispatch.masked_backward(p, arch=90) is None

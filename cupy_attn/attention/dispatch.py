@@ -617,6 +617,27 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     return plan
 
 
+def masked_backward(p, arch: int | None = None):
+    """(problem, plan) running a masked call's backward in the Hopper kernel with its attn_mask as a mod
+    (flash_bwd_sm90_mod; mods.mask_as_mod, materialized now: the mask's compact copy is enqueued on the call's
+    stream), or None to keep the split backward: only without dropout or variants, without a mask gradient (the
+    caller's to know), for at least MASK_FA3_MIN_PAIRS triples, and where the kernel takes the unmasked call.
+    Every query block of each key block is visited (no key ranges in the backward): a causal mask's upper triangle
+    is computed and masked."""
+    if p.mask is None or p.dropout_p > 0 or not p.variants.plain or env.get(ENV_BWD, "") in ("split", "mma"):
+        return None
+    if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
+        return None
+    unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
+    arch = device_arch(p) if arch is None else arch
+    if _sm90_backward_reason(unmasked, arch) is not None:
+        return None
+    bound = mods.materialize(mods.mask_as_mod(p.mask, p.mask_kind), p, ranges=False)
+    q = dataclasses.replace(unmasked, variants=dataclasses.replace(p.variants, mod=bound))
+    return q, BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                           "attn_mask as a mod in the Hopper kernel (flash_bwd_sm90_mod)")
+
+
 def _mod_backward(p, var, arch: int | None) -> BackwardPlan:
     """score_mod / mask_mod: the Hopper backward kernel's mod instantiation (flash_bwd_sm90_mod: P and dS per element
     with the mod) where it takes the call, else the split backward's rows kernels with the mod (attn_bwd_rows_mod),

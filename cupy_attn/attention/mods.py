@@ -506,7 +506,7 @@ def _mask_mod(kept: tuple, kind: str) -> AttentionMod:
     lines = ["long long i = 0;"] + [f"i = {t};" for t in terms]
     if kind == "bool":
         return AttentionMod(mask_mod="\n".join(lines + ["return aux.mask[i];"]))
-    return AttentionMod(score_mod="\n".join(lines + ["return score + float(aux.mask[i]);"]))
+    return AttentionMod(score_mod="\n".join(lines + ["return score + float(aux.mask[i]);"]), score_mod_grad="return 1.f;")
 
 
 def mask_as_mod(mask4, kind: str) -> BoundMod:
@@ -521,7 +521,7 @@ def mask_as_mod(mask4, kind: str) -> BoundMod:
     return BoundMod(mod, ("mask",), (), spec, mask_source=(mask4, kept))
 
 
-def materialize(bound: BoundMod, p) -> BoundMod:
+def materialize(bound: BoundMod, p, ranges: bool = True) -> BoundMod:
     """A mask_as_mod BoundMod with its aux array (the mask's kept axes: a view where contiguous, else a copy on the
     caller's allocator) and, for a bool mask, its BlockMask from the ranges pre-pass (:func:`create_block_mask`'s
     kernel over the kept batch and head axes), both enqueued on the call's stream ``p.ctx``."""
@@ -532,7 +532,7 @@ def materialize(bound: BoundMod, p) -> BoundMod:
         with ctx.activate():
             compact = ctx.contiguous(compact)
     out = dataclasses.replace(bound, arrays=(compact,), mask_source=None)
-    if bound.mod.mask_mod is None:  # a float mask: its -inf entries are not looked for
+    if bound.mod.mask_mod is None or not ranges:  # a float mask: its -inf entries are not looked for
         return out
     B, H = (p.batch if 0 in kept else 1), (p.num_heads if 1 in kept else 1)
     L, S = p.seqlen_q, p.seqlen_k
