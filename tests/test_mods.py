@@ -226,6 +226,7 @@ def test_block_mask_kernel_matches_the_host_ranges_and_skips_exactly():
         host_aux = {n: a.cpu().numpy() for n, a in kw.get("aux", {}).items()}
         host = cupy_attn.create_block_mask(mod, batch, None, L, L, like=np.zeros(1), aux=host_aux or None)
         np.testing.assert_array_equal(bm.ranges.cpu().numpy(), host.ranges)
+        np.testing.assert_array_equal(bm.query_ranges.cpu().numpy(), host.query_ranges)
         with_mask = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, block_mask=bm, **kw)
         without = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, **kw)
         torch.testing.assert_close(with_mask, without, rtol=0, atol=0)
@@ -293,3 +294,20 @@ def test_masked_gradients_in_the_hopper_kernel(dtype):
     for i, what in enumerate("qkv"):
         assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype, grads["peer"][i], f"padded causal d{what}")
     assert torch.all(got[0][3, :, :1099] == 0)  # batch 3's rows 0-1098 see no key
+
+
+def test_block_mask_gradients_equal_the_unskipped_ones():
+    """A window mask_mod's gradients with its BlockMask (the Hopper backward visiting only the query blocks the
+    backward's table names) equal those without it: the skipped blocks are hidden whole."""
+    gen = torch.Generator("cuda").manual_seed(8)
+    q, k, v = (torch.randn((2, 4, 1500, 128), generator=gen, device="cuda").half().requires_grad_(True)
+               for _ in range(3))
+    dout = torch.randn((2, 4, 1500, 128), generator=gen, device="cuda").half()
+    window = cupy_attn.AttentionMod(mask_mod="return q_idx - kv_idx <= 300 && kv_idx <= q_idx;")
+    bm = cupy_attn.create_block_mask(window, None, None, 1500, 1500, like=q)
+    with_mask = torch.autograd.grad(cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=window, block_mask=bm),
+                                    (q, k, v), dout)
+    without = torch.autograd.grad(cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=window), (q, k, v), dout)
+    torch.testing.assert_close(with_mask[0], without[0])  # dQ: fp32 reductions across key blocks, in any order
+    for a, b in zip(with_mask[1:], without[1:]):  # dK, dV: each key block's own sums, the skipped terms exact zeros
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -346,6 +346,8 @@ def test_create_block_mask_ranges_on_the_cpu():
     bm = cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300, like=q)
     assert isinstance(bm, cupy_attn.BlockMask) and bm.ranges.shape == (1, 1, 3, 2) and bm.row_blocks == 3
     assert bm.ranges[0, 0].tolist() == [[0, 127], [0, 255], [56, 299]]  # rows 256-299 see keys 56 ... 299
+    # the backward's table: keys 0-63 are seen by rows 0 ... 263 (63 + 200), ..., keys 256-299 by rows 256 ... 299
+    assert bm.query_ranges[0, 0].tolist() == [[0, 263], [64, 299], [128, 299], [192, 299], [256, 299]]
     doc = np.array([[0] * 100 + [1] * 200, [0] * 250 + [1] * 50], np.int32)
     doc_mod = cupy_attn.AttentionMod(mask_mod=DOC, reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j])
     bm = cupy_attn.create_block_mask(doc_mod, 2, None, 300, 300, aux={"doc": doc})
@@ -387,14 +389,18 @@ def test_block_mask_arguments_are_checked():
 def test_block_mask_reaches_the_fa3_launch(monkeypatch):
     """A call's BlockMask goes into ModParams' KeyRanges (pointer, strides in entries, rows per block); without one
     the pointer is null (every key block visited)."""
-    bm = _mods.BlockMask(types.SimpleNamespace(), 1, 8, 1000, 1000, WINDOW_MOD.mask_mod, "cupy", 0)
-    monkeypatch.setattr(_mods.BlockMask, "ranges_cupy", lambda self: types.SimpleNamespace(
-        data=types.SimpleNamespace(ptr=0xABC0)))
+    bm = _mods.BlockMask("fwd", 1, 8, 1000, 1000, WINDOW_MOD.mask_mod, "cupy", 0, query_ranges="bwd")
+    monkeypatch.setattr(_mods.BlockMask, "as_cupy", lambda self, table: types.SimpleNamespace(
+        data=types.SimpleNamespace(ptr={"fwd": 0xABC0, "bwd": 0xDEF0}[table])))
     bound = _bound(WINDOW_MOD, {})
     prm = np.zeros((), _mods.mod_params_dtype(np.dtype([("x", np.int64)]), bound.spec))
     _mods.fill_aux(prm, dataclasses.replace(bound, block_mask=bm), 8, key_ranges=True)
-    kr = prm["key_ranges"]
+    kr, qr = prm["key_ranges"], prm["query_ranges"]
     assert (kr["ranges"], kr["stride_b"], kr["stride_h"], kr["block_rows"]) == (0xABC0, 0, 8, 128)
+    assert qr["ranges"] == 0, "the forward's launch leaves the backward's table out"
+    _mods.fill_aux(prm := np.zeros((), prm.dtype), dataclasses.replace(bound, block_mask=bm), 8, query_ranges=True)
+    assert (prm["query_ranges"]["ranges"], prm["query_ranges"]["stride_h"], prm["query_ranges"]["block_rows"]) == (
+        0xDEF0, 16, 64) and prm["key_ranges"]["ranges"] == 0
     _mods.fill_aux(prm := np.zeros((), prm.dtype), bound, 8, key_ranges=True)
     assert prm["key_ranges"]["ranges"] == 0
 

@@ -63,7 +63,8 @@ namespace cupy_attn {
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kVariants, bool kVarlen,
           typename Mod = NoMod>
 __device__ __forceinline__ void flash_bwd_sm90_body(const FlashBwdSm90Params& p,
-                                                    const typename Mod::Aux* aux = nullptr) {
+                                                    const typename Mod::Aux* aux = nullptr,
+                                                    const KeyRanges* qr = nullptr) {
   using namespace sm90;
   using Smem = BwdSharedStorage<T, kHeadDim, kBlockM, kBlockN, kStages>;
   static_assert(kBlockN == 128 || kBlockN == 64, "two consumer warpgroups of 64 keys each, or sharing 64 keys");
@@ -89,8 +90,20 @@ __device__ __forceinline__ void flash_bwd_sm90_body(const FlashBwdSm90Params& p,
     }
   }();
   if constexpr (kVariants) {
-    const long long first = max(0ll, vis.first_row(n0));
-    const long long last = min(static_cast<long long>(L) - 1, vis.last_row(min(n0 + kBlockN, S) - 1));
+    long long first = max(0ll, vis.first_row(n0));
+    long long last = min(static_cast<long long>(L) - 1, vis.last_row(min(n0 + kBlockN, S) - 1));
+    if (qr != nullptr && qr->ranges != nullptr) {  // a mask_mod's query rows per key block, over the group's heads
+      long long q_first = L, q_last = -1;
+      const int groups = static_cast<int>(p.groups);
+      for (int g = 0; g < groups; ++g)
+        for (int key = n0; key < min(n0 + kBlockN, S); key += static_cast<int>(qr->block_rows)) {
+          const int* r = qr->of(b, h_kv * groups + g, key);
+          q_first = min(q_first, static_cast<long long>(r[0]));
+          q_last = max(q_last, static_cast<long long>(r[1]));
+        }
+      first = max(first, q_first);
+      last = min(last, q_last);
+    }
     steps.m_first = static_cast<int>(min(first, static_cast<long long>(L)) / kBlockM);
     steps.m_count = first <= last ? static_cast<int>(last / kBlockM) - steps.m_first + 1 : 0;
   } else {
@@ -155,7 +168,7 @@ __global__ void __launch_bounds__(384, 1) flash_bwd_sm90(const __grid_constant__
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, typename Mod>
 __global__ void __launch_bounds__(384, 1) flash_bwd_sm90_mod(const __grid_constant__
                                                              ModParams<FlashBwdSm90Params, Mod> p) {
-  flash_bwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, true, false, Mod>(p, &p.aux);
+  flash_bwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, true, false, Mod>(p, &p.aux, &p.query_ranges);
 }
 
 }  // namespace cupy_attn

@@ -49,24 +49,26 @@ struct KeyRanges {
 template <typename Base, typename Mod>
 struct ModParams : Base {
   long long mod_num_heads;
-  KeyRanges key_ranges;
+  KeyRanges key_ranges;    // the forward's: keys per block of query rows
+  KeyRanges query_ranges;  // the backward's: query rows per block of keys (the same layout, roles swapped)
   typename Mod::Aux aux;
 };
 
-// The pre-pass of cupy_attn.key_ranges: one block of 256 threads per (row block, head, batch) of the ranges; the
-// threads test keys in chunks of 256 from the front until some row of the block sees one (the first), then from the
-// back (the last), so that a band-shaped mask costs about its visible keys, not L·S. rows / keys: seqlen_q, seqlen_k.
+// The pre-pass of cupy_attn.create_block_mask: one block of 256 threads per (row block, head, batch) of the ranges;
+// the threads test keys in chunks of 256 from the front until some row of the block sees one (the first), then from
+// the back (the last), so that a band-shaped mask costs about its visible keys, not L·S. kTransposed: the backward's
+// table, the roles swapped (blocks of keys, the query rows that see any of them).
 struct KeyRangeParams {
   int* ranges;  // (batch, heads, row_blocks, 2) int32, contiguous
   long long batch, heads, seqlen_q, seqlen_k, row_blocks, block_rows;
 };
 
-template <typename Mod>
+template <typename Mod, bool kTransposed>
 __global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangeParams, Mod> p) {
   const int rb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int S = static_cast<int>(p.seqlen_k);
+  const int S = static_cast<int>(kTransposed ? p.seqlen_q : p.seqlen_k);  // the scanned axis
   const int r0 = rb * static_cast<int>(p.block_rows);
-  const int r1 = min(r0 + static_cast<int>(p.block_rows), static_cast<int>(p.seqlen_q));
+  const int r1 = min(r0 + static_cast<int>(p.block_rows), static_cast<int>(kTransposed ? p.seqlen_k : p.seqlen_q));
   __shared__ int first, last;
   if (threadIdx.x == 0) {
     first = S;
@@ -77,8 +79,10 @@ __global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangePa
   // mask the last rows see the most keys, so the backward scan stops at its first row).
   auto seen = [&](int j, bool bottom_up) {
     if (j < 0 || j >= S) return false;
-    for (int n = 0; n < r1 - r0; ++n)
-      if (Mod::mask(b, h, bottom_up ? r1 - 1 - n : r0 + n, j, p.aux)) return true;
+    for (int n = 0; n < r1 - r0; ++n) {
+      const int row = bottom_up ? r1 - 1 - n : r0 + n;
+      if (Mod::mask(b, h, kTransposed ? j : row, kTransposed ? row : j, p.aux)) return true;
+    }
     return false;
   };
   for (int c = 0; c < S; c += blockDim.x) {

@@ -622,8 +622,8 @@ def masked_backward(p, arch: int | None = None):
     (flash_bwd_sm90_mod; mods.mask_as_mod, materialized now: the mask's compact copy is enqueued on the call's
     stream), or None to keep the split backward: only without dropout or variants, without a mask gradient (the
     caller's to know), for at least MASK_FA3_MIN_PAIRS triples, and where the kernel takes the unmasked call.
-    Every query block of each key block is visited (no key ranges in the backward): a causal mask's upper triangle
-    is computed and masked."""
+    A bool mask's query rows per 64-key block (the mods' pre-pass, transposed) limit each key block's query blocks,
+    so a causal mask's upper triangle and left padding are skipped."""
     if p.mask is None or p.dropout_p > 0 or not p.variants.plain or env.get(ENV_BWD, "") in ("split", "mma"):
         return None
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
@@ -632,7 +632,7 @@ def masked_backward(p, arch: int | None = None):
     arch = device_arch(p) if arch is None else arch
     if _sm90_backward_reason(unmasked, arch) is not None:
         return None
-    bound = mods.materialize(mods.mask_as_mod(p.mask, p.mask_kind), p, ranges=False)
+    bound = mods.materialize(mods.mask_as_mod(p.mask, p.mask_kind), p, ranges="backward")
     q = dataclasses.replace(unmasked, variants=dataclasses.replace(p.variants, mod=bound))
     return q, BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
                            "attn_mask as a mod in the Hopper kernel (flash_bwd_sm90_mod)")

@@ -279,33 +279,37 @@ KEY_RANGE_PARAMS = np.dtype([(n, np.int64) for n in ("ranges", "batch", "heads",
 
 def mod_params_dtype(base: np.dtype, spec: tuple, align: int = 8) -> np.dtype:
     """ModParams<Base, Mod>'s declaration: the base's fields at their offsets, then at sizeof(Base) mod_num_heads,
-    the KeyRanges and the Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one
+    the two KeyRanges (the forward's, the backward's) and the Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one
     holding tensor maps)."""
     aux = aux_dtype(spec)
-    names = list(base.names) + ["mod_num_heads", "key_ranges", "aux"]
-    formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), KEY_RANGES, aux]
-    at = base.itemsize
-    offsets = [base.fields[n][1] for n in base.names] + [at, at + 8, at + 8 + KEY_RANGES.itemsize]
+    names = list(base.names) + ["mod_num_heads", "key_ranges", "query_ranges", "aux"]
+    formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), KEY_RANGES, KEY_RANGES, aux]
+    at, kr = base.itemsize, KEY_RANGES.itemsize
+    offsets = [base.fields[n][1] for n in base.names] + [at, at + 8, at + 8 + kr, at + 8 + 2 * kr]
     size = -(-(offsets[-1] + aux.itemsize) // align) * align
     return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size})
 
 
-def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int, key_ranges: bool = False) -> None:
+def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int, key_ranges: bool = False,
+             query_ranges: bool = False) -> None:
     """Write the call's aux pointers and shapes, the head count that splits the flat (batch, head) index and, with
-    ``key_ranges`` (the fused kernels), the BlockMask's ranges when the call has one."""
+    ``key_ranges`` (the fused forward kernels) / ``query_ranges`` (the Hopper backward), the BlockMask's tables when
+    the call has one."""
     params["mod_num_heads"] = num_heads
     for (name, _, ndim), a in zip(bound.spec, bound.arrays):
         params["aux"][name] = a.data.ptr
         if ndim:
             params["aux"][f"{name}_shape"] = a.shape
     bm = bound.block_mask
-    if key_ranges and bm is not None:
-        kr = params["key_ranges"]
-        nb = bm.row_blocks
-        kr["ranges"] = bm.ranges_cupy().data.ptr
-        kr["stride_b"] = 0 if bm.batch == 1 else bm.heads * nb
-        kr["stride_h"] = 0 if bm.heads == 1 else nb
-        kr["block_rows"] = bm.block_rows
+    for wanted, field, table, blocks, rows in (
+            (key_ranges, "key_ranges", bm and bm.ranges, bm and bm.row_blocks, bm and bm.block_rows),
+            (query_ranges, "query_ranges", bm and bm.query_ranges, bm and bm.key_blocks, bm and bm.key_block)):
+        if wanted and bm is not None and table is not None:
+            kr = params[field]
+            kr["ranges"] = bm.as_cupy(table).data.ptr
+            kr["stride_b"] = 0 if bm.batch == 1 else bm.heads * blocks
+            kr["stride_h"] = 0 if bm.heads == 1 else blocks
+            kr["block_rows"] = rows
 
 
 def _probe(mod: AttentionMod, spec: tuple) -> None:
@@ -363,6 +367,7 @@ def _call_mask(fn, aux, b, h, q_idx, kv_idx):
 # Block masks: where a mask_mod lets each block of query rows see keys, for the fused kernels to skip the rest
 
 BLOCK_ROWS = 128  # the FA3-design kernel's mod tiles (flash_fwd_sm90.PERSISTENT_TILES: block_m)
+KEY_BLOCK = 64    # the backward's table: query rows per 64 keys (the Hopper backward's key blocks are 64 or 128)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -381,14 +386,20 @@ class BlockMask:
     mask_mod: str
     kind: str
     device_id: int | None
+    query_ranges: Any = None  # (batch, heads, key_blocks, 2): the query rows some key of each 64-key block is seen by
     block_rows: int = BLOCK_ROWS
+    key_block: int = KEY_BLOCK
 
     @property
     def row_blocks(self) -> int:
         return -(-self.seqlen_q // self.block_rows)
 
-    def ranges_cupy(self):
-        return interop.CallContext(self.kind, self.device_id).as_cupy(self.ranges)
+    @property
+    def key_blocks(self) -> int:
+        return -(-self.seqlen_k // self.key_block)
+
+    def as_cupy(self, table):
+        return interop.CallContext(self.kind, self.device_id).as_cupy(table)
 
     def check(self, mod: AttentionMod, ctx, batch: int, heads: int, seqlen_q: int, seqlen_k: int) -> None:
         """ValueError unless this mask fits a call: its mask_mod, kind, device and sizes (batch and heads equal or
@@ -439,43 +450,54 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, a
     bound = bind(mod, aux, ctx)
     checked(mod, bound.spec)
     L, S = int(seqlen_q), int(seqlen_k)
-    nb = -(-L // BLOCK_ROWS)
-    if not ctx.on_gpu:
-        ranges = _host_ranges(bound, B, H, L, S, nb)
-        native = interop.from_numpy(ranges, ctx.kind, np.dtype(np.int32))
-    else:
-        native = _device_ranges(bound, ctx, B, H, L, S, nb)
-    return BlockMask(native, B, H, L, S, mod.mask_mod, ctx.kind, ctx.device_id)
+    tables = []
+    for transposed in (False, True):
+        if not ctx.on_gpu:
+            tables.append(interop.from_numpy(_host_ranges(bound, B, H, L, S, transposed), ctx.kind,
+                                             np.dtype(np.int32)))
+        else:
+            tables.append(_device_ranges(bound, ctx, B, H, L, S, transposed))
+    return BlockMask(tables[0], B, H, L, S, mod.mask_mod, ctx.kind, ctx.device_id, query_ranges=tables[1])
 
 
-def _host_ranges(bound: BoundMod, B: int, H: int, L: int, S: int, nb: int) -> np.ndarray:
-    """The ranges from the mask_mod's Python form (CPU inputs; the tests' definition of the kernel's result)."""
+def _host_ranges(bound: BoundMod, B: int, H: int, L: int, S: int, transposed: bool = False) -> np.ndarray:
+    """The ranges from the mask_mod's Python form (CPU inputs; the tests' definition of the kernel's result):
+    keys per 128 query rows, or ``transposed`` query rows per 64 keys."""
     from .. import reference
     _, mask = reference_forms(bound, lambda a: a)
+    block, rows, cols_n = (KEY_BLOCK, S, L) if transposed else (BLOCK_ROWS, L, S)
+    nb = -(-rows // block)
     out = np.empty((B, H, nb, 2), np.int32)
-    out[..., 0], out[..., 1] = S, -1
+    out[..., 0], out[..., 1] = cols_n, -1
     if L == 0 or S == 0:
         return out
     b, h, i, j = reference.mod_indices((B, H, L, S))
     seen = np.broadcast_to(np.asarray(mask(b, h, i, j), dtype=bool), (B, H, L, S))
+    if transposed:
+        seen = np.swapaxes(seen, 2, 3)
     for r in range(nb):
-        cols = seen[:, :, r * BLOCK_ROWS:(r + 1) * BLOCK_ROWS].any(axis=2)  # (B, H, S)
+        cols = seen[:, :, r * block:(r + 1) * block].any(axis=2)  # (B, H, cols_n)
         has = cols.any(axis=-1)
-        out[..., r, 0] = np.where(has, cols.argmax(axis=-1), S)
-        out[..., r, 1] = np.where(has, S - 1 - cols[..., ::-1].argmax(axis=-1), -1)
+        out[..., r, 0] = np.where(has, cols.argmax(axis=-1), cols_n)
+        out[..., r, 1] = np.where(has, cols_n - 1 - cols[..., ::-1].argmax(axis=-1), -1)
     return out
 
 
 def key_range_family(bound: BoundMod):
     """mod_key_ranges<Mod> (common/user_mod.cuh) in a mod's own program (softmax.cu's source includes the header)."""
     from .kernels import softmax
-    return mod_family(softmax.SOFTMAX_VARIANTS, "cupy_attn::mod_key_ranges<{mod}>",
+    return mod_family(softmax.SOFTMAX_VARIANTS, "cupy_attn::mod_key_ranges<{mod}, {transposed}>",
                       "cupy_attn::ModParams<cupy_attn::KeyRangeParams, {mod}>",
-                      mod_params_dtype(KEY_RANGE_PARAMS, bound.spec), bound.mod, bound.spec, {}, "mod_key_ranges")
+                      mod_params_dtype(KEY_RANGE_PARAMS, bound.spec), bound.mod, bound.spec,
+                      {"transposed": ("false", "true")}, "mod_key_ranges")
 
 
-def _device_ranges(bound: BoundMod, ctx, B: int, H: int, L: int, S: int, nb: int):
+def _device_ranges(bound: BoundMod, ctx, B: int, H: int, L: int, S: int, transposed: bool = False):
+    """The pre-pass's table on the call's stream: keys per 128 query rows, or ``transposed`` query rows per 64
+    keys."""
     from ..runtime.launch import launch_struct
+    block = KEY_BLOCK if transposed else BLOCK_ROWS
+    nb = -(-(S if transposed else L) // block)
     with ctx.activate():
         native, ranges = ctx.empty((B, H, nb, 2), np.dtype(np.int32))
         if nb == 0:
@@ -483,9 +505,10 @@ def _device_ranges(bound: BoundMod, ctx, B: int, H: int, L: int, S: int, nb: int
         fam = key_range_family(bound)
         prm = np.zeros((), fam.structs[0][1])
         prm["ranges"], prm["batch"], prm["heads"], prm["seqlen_q"], prm["seqlen_k"] = ranges.data.ptr, B, H, L, S
-        prm["row_blocks"], prm["block_rows"] = nb, BLOCK_ROWS
+        prm["row_blocks"], prm["block_rows"] = nb, block
         fill_aux(prm, bound, H)
-        launch_struct(fam.kernel(), (nb, H, B), (256,), prm, ctx.stream.ptr)
+        launch_struct(fam.kernel(transposed="true" if transposed else "false"), (nb, H, B), (256,), prm,
+                      ctx.stream.ptr)
     return native
 
 
@@ -521,10 +544,11 @@ def mask_as_mod(mask4, kind: str) -> BoundMod:
     return BoundMod(mod, ("mask",), (), spec, mask_source=(mask4, kept))
 
 
-def materialize(bound: BoundMod, p, ranges: bool = True) -> BoundMod:
+def materialize(bound: BoundMod, p, ranges: str = "forward") -> BoundMod:
     """A mask_as_mod BoundMod with its aux array (the mask's kept axes: a view where contiguous, else a copy on the
     caller's allocator) and, for a bool mask, its BlockMask from the ranges pre-pass (:func:`create_block_mask`'s
-    kernel over the kept batch and head axes), both enqueued on the call's stream ``p.ctx``."""
+    kernel over the kept batch and head axes): the forward's table (``ranges`` "forward") or the backward's
+    ("backward"), all enqueued on the call's stream ``p.ctx``."""
     mask4, kept = bound.mask_source
     compact = mask4[tuple(slice(None) if a in kept else 0 for a in range(4))]
     ctx = p.ctx
@@ -532,10 +556,12 @@ def materialize(bound: BoundMod, p, ranges: bool = True) -> BoundMod:
         with ctx.activate():
             compact = ctx.contiguous(compact)
     out = dataclasses.replace(bound, arrays=(compact,), mask_source=None)
-    if bound.mod.mask_mod is None or not ranges:  # a float mask: its -inf entries are not looked for
+    if bound.mod.mask_mod is None:  # a float mask: its -inf entries are not looked for
         return out
     B, H = (p.batch if 0 in kept else 1), (p.num_heads if 1 in kept else 1)
     L, S = p.seqlen_q, p.seqlen_k
-    native = _device_ranges(out, ctx, B, H, L, S, -(-L // BLOCK_ROWS))
-    return dataclasses.replace(out, block_mask=BlockMask(native, B, H, L, S, bound.mod.mask_mod, ctx.kind,
-                                                         ctx.device_id))
+    backward = ranges == "backward"
+    table = _device_ranges(out, ctx, B, H, L, S, transposed=backward)
+    bm = BlockMask(None if backward else table, B, H, L, S, bound.mod.mask_mod, ctx.kind, ctx.device_id,
+                   query_ranges=table if backward else None)
+    return dataclasses.replace(out, block_mask=bm)

@@ -243,7 +243,7 @@ class Sm90Backward(bwd_rows.FusedBackward):
             with_mod = np.zeros((), fam.structs[0][1])
             for name in _PARAMS.names:
                 with_mod[name] = prm[name]
-            mods.fill_aux(with_mod, bound, Hq)
+            mods.fill_aux(with_mod, bound, Hq, query_ranges=True)
             prm = self.params = with_mod
             kernel = fam.kernel(dtype=ctype, head_dim=bucket, tile=tile)
         else:
