@@ -270,7 +270,8 @@ def paged_keys(cache, block_table_row, seqlen: int) -> np.ndarray:
 
 
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None, block_table=None, is_causal=False,
-                     scale=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None, return_lse=False):
+                     scale=None, window_size=None, softcap=None, sinks=None, alibi_slopes=None, return_lse=False,
+                     score_mod=None, mask_mod=None):
     """Attention over a packed batch of sequences (FlashAttention's varlen layout) in float64: each sequence b attends
     to its own keys only, as :func:`scaled_dot_product_attention` of that sequence with causal masks and windows
     bottom-right aligned (FlashAttention's ``causal=True``).
@@ -278,7 +279,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
     Shapes: q (total_q, Hq, E); k, v (total_k, Hkv, E | Ev), or with ``block_table`` paged caches (num_blocks,
     block_size, Hkv, E | Ev); cu_seqlens_q (B + 1,) and cu_seqlens_k (B + 1,) (None with a block table) as
     :func:`varlen_sequences` reads them; seqused_k (B,) or None; block_table (B, max_blocks) (:func:`paged_keys`).
-    alibi_slopes (Hq,) or (B, Hq); sinks (Hq,). Hq a multiple of Hkv (GQA).
+    alibi_slopes (Hq,) or (B, Hq); sinks (Hq,). Hq a multiple of Hkv (GQA). score_mod / mask_mod: as
+    :func:`scaled_dot_product_attention`'s, with b the sequence index and q_idx, kv_idx counted within the sequence.
 
     Returns out (total_q, Hq, Ev) float64, rows no sequence covers 0; and lse (Hq, total_q) (natural log; −inf on
     those rows) when return_lse.
@@ -298,10 +300,12 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k=None, *, seqused_k=None
             row = np.asarray(block_table)[b]
             kb, vb = paged_keys(k, row, S), paged_keys(v, row, S)
         sl = None if slopes is None else (slopes[b] if slopes.ndim == 2 else slopes)
+        sm = None if score_mod is None else (lambda s_, b_, h, i, j, b=b: score_mod(s_, b_ + b, h, i, j))
+        mm = None if mask_mod is None else (lambda b_, h, i, j, b=b: mask_mod(b_ + b, h, i, j))
         o, l = scaled_dot_product_attention(
             np.swapaxes(q[q0:q0 + L], 0, 1), np.swapaxes(kb, 0, 1), np.swapaxes(vb, 0, 1),
             is_causal="bottom_right" if is_causal else False, scale=scale, enable_gqa=Hq != Hkv, return_lse=True,
-            window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=sl)
+            window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=sl, score_mod=sm, mask_mod=mm)
         out[q0:q0 + L] = np.swapaxes(o, 0, 1)
         lse[:, q0:q0 + L] = l
     return (out, lse) if return_lse else out

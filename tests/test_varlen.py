@@ -268,3 +268,29 @@ def test_packed_backward_kernel(dtype, E, monkeypatch):
     for i, name in enumerate(("dq", "dk", "dv", "dsinks")):
         assert_close(got[i], grads["ref"][i].cpu().numpy(), dtype if i < 3 else "float32", grads["peer"][i],
                      f"{dtype} E={E} {name}")
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_packed_kernel_with_mods(dtype):
+    """score_mod / mask_mod in the packed kernel's mod instantiation (b: the sequence, indices within it) against the
+    float64 reference with the mods' Python forms; refused (NotImplementedError) where the packed kernel cannot run
+    and for calls that record grad."""
+    q, k, v, cq, ck = _packed(LENS_Q, LENS_K, 8, 2, 128, dtype, seed=5)
+    bias = torch.linspace(-1, 1, len(LENS_Q), device="cuda")
+    mod = cupy_attn.AttentionMod(
+        score_mod="return score + aux.bias[b] * fminf(float(q_idx - kv_idx), 8.f) * 0.1f;",
+        mask_mod="return kv_idx % 7 != 3;",
+        reference_score_mod=lambda s, b, h, i, j, aux: s + aux.bias[b] * np.minimum(i - j, 8.0) * 0.1,
+        reference_mask_mod=lambda b, h, i, j, aux: j % 7 != 3)
+    lq, lk = np.diff(cq.cpu().numpy()), np.diff(ck.cpu().numpy())
+    out = cupy_attn.varlen_attention(q, k, v, cq, ck, int(lq.max()), int(lk.max()), is_causal=True, score_mod=mod,
+                                     aux={"bias": bias})
+    hb = bias.cpu().numpy()
+    ref = reference.varlen_attention(as_f64(q), as_f64(k), as_f64(v), cq.cpu().numpy(), ck.cpu().numpy(),
+                                     is_causal=True, score_mod=lambda s, b, h, i, j: s + hb[b] * np.minimum(i - j, 8.0)
+                                     * 0.1, mask_mod=lambda b, h, i, j: j % 7 != 3)
+    covered = int(cq[-1])
+    assert_close(out[:covered], ref[:covered], dtype, None, "varlen mods")  # no peer: the rule's dtype bound
+    with pytest.raises(NotImplementedError, match="no backward yet"):
+        cupy_attn.varlen_attention(q.requires_grad_(True), k, v, cq, ck, int(lq.max()), int(lk.max()), score_mod=mod,
+                                   aux={"bias": bias})

@@ -254,3 +254,27 @@ def test_explain_varlen(monkeypatch):
     assert plan.backend == "packed" and "head-dim bucket: 64" in text and "window (8, 0)" in text, text
     with pytest.raises(ValueError, match="cu_seqlens_k must have shape"):
         cupy_attn.explain_varlen(q, k, v, cq, ck[:2], 3, 3)
+
+
+def test_mods_on_the_cpu_index_sequences():
+    """score_mod / mask_mod in varlen_attention: b is the sequence, q_idx and kv_idx count within it (the reference
+    with the mods' Python forms); a document-style mask by sequence index and a bias by position."""
+    import cupy_attn
+    rng = np.random.default_rng(4)
+    lens = [5, 9, 3]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((sum(lens), 4, 8)).astype(np.float32) for _ in range(3))
+    bias = np.array([0.5, -1.0, 2.0], np.float32)
+    mod = cupy_attn.AttentionMod(
+        score_mod="return score + aux.bias[b] * float(q_idx - kv_idx);", mask_mod="return kv_idx != 1;",
+        reference_score_mod=lambda s, b, h, i, j, aux: s + aux.bias[b] * (i - j),
+        reference_mask_mod=lambda b, h, i, j, aux: j != 1)
+    out = cupy_attn.varlen_attention(q, k, v, cu, cu, 9, 9, is_causal=True, score_mod=mod, aux={"bias": bias})
+    for b, (q0, n) in enumerate(zip(cu[:-1], lens)):
+        s = slice(q0, q0 + n)
+        want = reference.scaled_dot_product_attention(
+            q[s].swapaxes(0, 1), k[s].swapaxes(0, 1), v[s].swapaxes(0, 1), is_causal=True,
+            score_mod=lambda x, bb, h, i, j, b=b: x + bias[b] * (i - j), mask_mod=lambda bb, h, i, j: j != 1)
+        np.testing.assert_allclose(out[s], want.swapaxes(0, 1), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="Python form"):
+        cupy_attn.varlen_attention(q, k, v, cu, cu, 9, 9, mask_mod="return true;")

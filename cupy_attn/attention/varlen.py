@@ -76,7 +76,8 @@ def _int_arg(name: str, x) -> int:
 
 
 def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k, block_table,
-                 is_causal, scale, dropout_p, backend, window_size, softcap, sinks, alibi_slopes) -> VarlenProblem:
+                 is_causal, scale, dropout_p, backend, window_size, softcap, sinks, alibi_slopes, score_mod=None,
+                 mask_mod=None, aux=None) -> VarlenProblem:
     """Validate a varlen_attention call before anything is launched; raise TypeError/ValueError naming the argument
     and axis. The index arrays' values are not read (that would wait for the device): see varlen_attention."""
     if backend not in checks.BACKENDS:
@@ -132,7 +133,7 @@ def check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k
     max_seqlen_q = _int_arg("max_seqlen_q", max_seqlen_q)
     max_seqlen_k = _int_arg("max_seqlen_k", max_seqlen_k)
     var = _variants.check_variants(window_size, softcap, sinks, alibi_slopes, ctx=ctx, batch=B, num_heads=Hq,
-                                   dtype=dtype)
+                                   dtype=dtype, score_mod=score_mod, mask_mod=mask_mod, aux=aux)
     return VarlenProblem(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, block_table, B, total_q, Hq, Hkv, E, Ev,
                          max_seqlen_q, max_seqlen_k, np.dtype(dtype), 1.0 / math.sqrt(E) if scale is None else
                          float(scale), bool(is_causal), float(dropout_p), var, window_size, softcap, sinks,
@@ -211,7 +212,7 @@ def run_fused(vp: VarlenProblem, call_key: tuple | None = None):
         if fa3.layout_reason(q4, k4, v4, out4) is not None:
             return None
         launch = fa3.build_varlen(q4, k4, v4, out4, lse[None], bounds=_bounds(vp), batch=vp.batch,
-                                  causal=vp.causal, **paging)
+                                  causal=vp.causal, mod=vp.variants.mod, **paging)
         run = launch.bind(ctx.stream)
         run(q.data.ptr, k.data.ptr, v.data.ptr, out.data.ptr, lse.data.ptr, *(0 if x is None else x.data.ptr
                                                                               for x in idx))
@@ -591,7 +592,7 @@ def _function():
 def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, seqused_k=None,
                      block_table=None, is_causal=False, scale=None, window_size=None, softcap=None, sinks=None,
                      alibi_slopes=None, dropout_p=0.0, return_lse=False, num_splits=None, backend="auto",
-                     generator=None, causal=None, softmax_scale=None):
+                     generator=None, causal=None, softmax_scale=None, score_mod=None, mask_mod=None, aux=None):
     """Attention over a packed batch of B sequences (FlashAttention's ``flash_attn_varlen_func``): sequence b's
     queries attend to its own keys only,
 
@@ -616,6 +617,9 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     - backend: "auto" (the packed kernel where it runs the call, else per sequence), "fused" (the packed kernel or a
       ValueError saying why not), "split" / "reference" (per sequence on that dense path).
     - return_lse: also return lse (Hq, total_q) float32 (natural log).
+    - score_mod, mask_mod, aux: as the dense call's (cupy_attn.AttentionMod), with b the sequence index and q_idx,
+      kv_idx counted within the sequence. GPU calls need the packed kernel (NotImplementedError otherwise, and for
+      calls that record grad); CPU calls run the mod's Python forms in the float64 reference.
 
     Returns out (total_q, Hq, Ev) in q's dtype and kind (or (out, lse)). Rows no sequence covers (before
     cu_seqlens_q[0], past cu_seqlens_q[B]) are not attended: the packed kernel leaves them unwritten, the per-sequence
@@ -651,8 +655,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         if scale is not None:
             raise ValueError("pass scale or its alias softmax_scale, not both")
         scale = softmax_scale
+    mods_given = score_mod is not None or mask_mod is not None or aux is not None
     if interop.torch_compiling() or interop.is_tracing_tensor(q):  # one opaque op for Dynamo / AOTAutograd
         from .. import torch_ops
+        if mods_given:
+            raise NotImplementedError("score_mod / mask_mod calls cannot be traced by torch.compile yet")
         if num_splits is not None or generator is not None:
             raise ValueError("num_splits and generator are not taken under torch.compile / torch.export")
         return torch_ops.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -668,7 +675,7 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # calls that autograd records.
     call_key = None
     if type(dropout_p) in (int, float) and dropout_p == 0 and block_table is None and sinks is None \
-            and alibi_slopes is None and generator is None and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
+            and not mods_given and alibi_slopes is None and generator is None and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
         call_key = cache_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                              (is_causal, scale, window_size, softcap, backend, num_splits))
         entry = None if call_key is None else callcache.get(call_key)
@@ -677,7 +684,11 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             return (out, lse) if return_lse else out
     vp = check_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k=seqused_k,
                       block_table=block_table, is_causal=is_causal, scale=scale, dropout_p=dropout_p, backend=backend,
-                      window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes)
+                      window_size=window_size, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes,
+                      score_mod=score_mod, mask_mod=mask_mod, aux=aux)
+    if vp.variants.mod is not None:
+        out, lse = _run_mod(vp, backend, q, k, v, sinks)
+        return (out, lse) if return_lse else out
     if vp.ctx.kind == interop.DLPACK:  # other CUDA objects: CuPy views from here on (results come back as CuPy)
         vp = dataclasses.replace(vp, **{f: vp.ctx.as_cupy(getattr(vp, f)) for f in (
             "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "seqused_k", "block_table", "sinks", "alibi_slopes")
@@ -699,6 +710,44 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         res = run_sequences(vp, backend=backend, num_splits=num_splits, generator=generator)
     out, lse = res
     return (out, lse) if return_lse else out
+
+
+def _run_mod(vp: VarlenProblem, backend: str, q, k, v, sinks):
+    """(out, lse) of a call with score_mod / mask_mod: the packed kernel's mod instantiation on the GPU (flash_fwd_sm90
+    mod_family, varlen; b = the sequence), the float64 reference with the mod's Python forms on the CPU (b likewise).
+    NotImplementedError for GPU calls the packed kernel cannot run and for calls that record grad (no varlen mod
+    backward yet)."""
+    if _records_grad(q, k, v, sinks):
+        raise NotImplementedError("varlen_attention with score_mod / mask_mod has no backward yet: call under "
+                                  "torch.no_grad(), or use scaled_dot_product_attention per sequence")
+    if not vp.ctx.on_gpu:
+        return _reference_with_mods(vp)
+    why = fused_reason(vp, backend)
+    if why is None and min(vp.total_q, vp.num_heads, vp.head_dim_v, vp.batch) > 0 and int(vp.k.shape[0]) > 0:
+        res = run_fused(vp)
+        if res is not None:
+            return res
+        why = "the arrays' layout does not suit TMA"
+    raise NotImplementedError(f"varlen_attention with score_mod / mask_mod runs on the packed kernel only, which "
+                              f"cannot run this call ({why or 'an empty call'}); scaled_dot_product_attention per "
+                              f"sequence takes the mod")
+
+
+def _reference_with_mods(vp: VarlenProblem):
+    """The CPU path of a mod call: reference.varlen_attention with the mod's Python forms, in the caller's kind."""
+    from .. import reference
+    from . import mods
+    score, mask = mods.reference_forms(vp.variants.mod, lambda a: a)
+    host = [interop.to_numpy(x, vp.ctx.kind) if x is not None else None
+            for x in (vp.q, vp.k, vp.v, vp.cu_seqlens_q, vp.cu_seqlens_k, vp.seqused_k, vp.block_table)]
+    out, lse = reference.varlen_attention(*host[:5], seqused_k=host[5], block_table=host[6], is_causal=vp.causal,
+                                          scale=vp.scale, window_size=vp.window_size, softcap=vp.softcap,
+                                          sinks=None if vp.sinks is None else interop.to_numpy(vp.sinks, vp.ctx.kind),
+                                          alibi_slopes=None if vp.alibi_slopes is None else
+                                          interop.to_numpy(vp.alibi_slopes, vp.ctx.kind), return_lse=True,
+                                          score_mod=score, mask_mod=mask)
+    return (interop.from_numpy(out, vp.ctx.kind, vp.dtype), interop.from_numpy(lse, vp.ctx.kind,
+                                                                                np.dtype(np.float32)))
 
 
 def _records_grad(*xs) -> bool:

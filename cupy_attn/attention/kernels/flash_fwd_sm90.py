@@ -436,7 +436,7 @@ def paged_reason(page_size: int, head_dim: int, head_dim_v: int) -> str | None:
 
 
 def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool, page_size: int = 0,
-                 max_blocks: int = 0) -> PreparedLaunch:
+                 max_blocks: int = 0, mod=None) -> PreparedLaunch:
     """The launch of the packed-batch instantiation (varlen = true: VARLEN_TILES; the variants' code when
     ``bounds.variants`` has any) on the 4-D views of FlashAttention's varlen layout, batch 1 of every sequence's rows:
     q4 (1, Hq, total_q, E), k4 (1, Hkv, total_k, E), v4 (1, Hkv, total_k, Ev), out4 (1, Hq, total_q, Ev) and lse3 (1,
@@ -454,9 +454,15 @@ def build_varlen(q4, k4, v4, out4, lse3, *, bounds, batch: int, causal: bool, pa
     _, Hkv, _, Ev = v4.shape
     D = head_bucket(E, Ev)
     tile = VARLEN_TILES[D]
-    kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
-                                       variants="false" if bounds.variants.plain else "true", varlen="true")
-    prm = np.zeros((), dtype=PARAMS)
+    if mod is not None:  # a user's mods (b: the sequence): the mod family's packed instantiation
+        fam = mod_family(mod)
+        kernel = fam.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, varlen="true")
+        prm = np.zeros((), dtype=fam.structs[0][1])
+        mods.fill_aux(prm, mod, Hq)
+    else:
+        kernel = FLASH_FWD_SM90_TMA.kernel(dtype=C_TYPE_16[dtype_name(q4.dtype)], head_dim=D, tile=tile, qk_dim=D,
+                                           variants="false" if bounds.variants.plain else "true", varlen="true")
+        prm = np.zeros((), dtype=PARAMS)
     # seqlen_q / seqlen_k: the rows the kernel clamps each sequence to (SeqSpan): the arrays', or with pages the keys
     # a block-table row addresses
     keys = max_blocks * page_size if page_size else k4.shape[2]
