@@ -176,21 +176,25 @@ struct Producer {
         tma::load_4d(dst + (c * kBlockN + r) * Smem::kAtomCols, map, full, c * Smem::kAtomCols, row, h_kv, 0);
     }
   }
+  // Keys key0 ... of sequence `seq` into K's or V's ring: from their pages with a block table, else from the rows at
+  // the sequence's offset.
   template <typename Seq>
-  __device__ __forceinline__ void load_k(int it, const Seq& seq, int key0, int h_kv) const {
+  __device__ __forceinline__ void load_seq_kv(T* tiles, const tma::TensorMap* map,
+                                              const pipeline::Ring<kStages>& bars, int it, const Seq& seq, int key0,
+                                              int h_kv) const {
     if (Seq::kPacked && p.block_table != nullptr) {
-      load_kv_paged(ss.k, &p.tma_k, ss.k_bars, it, seq.b, static_cast<int>(seq.seqlen_k()), key0, h_kv);
+      load_kv_paged(tiles, map, bars, it, seq.b, static_cast<int>(seq.seqlen_k()), key0, h_kv);
     } else {
-      load_kv(ss.k, &p.tma_k, ss.k_bars, it, seq.k0() + key0, h_kv, seq.b_map());
+      load_kv(tiles, map, bars, it, seq.k0() + key0, h_kv, seq.b_map());
     }
   }
   template <typename Seq>
+  __device__ __forceinline__ void load_k(int it, const Seq& seq, int key0, int h_kv) const {
+    load_seq_kv(ss.k, &p.tma_k, ss.k_bars, it, seq, key0, h_kv);
+  }
+  template <typename Seq>
   __device__ __forceinline__ void load_v(int it, const Seq& seq, int key0, int h_kv) const {
-    if (Seq::kPacked && p.block_table != nullptr) {
-      load_kv_paged(ss.v, &p.tma_v, ss.v_bars, it, seq.b, static_cast<int>(seq.seqlen_k()), key0, h_kv);
-    } else {
-      load_kv(ss.v, &p.tma_v, ss.v_bars, it, seq.k0() + key0, h_kv, seq.b_map());
-    }
+    load_seq_kv(ss.v, &p.tma_v, ss.v_bars, it, seq, key0, h_kv);
   }
 };
 
