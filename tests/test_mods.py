@@ -183,7 +183,8 @@ def test_mod_calls_route_and_refuse_clearly():
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("name", list(MODS))
-@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 64), (1, 2, 2, 129, 700, 256)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(2, 4, 2, 300, 300, 64), (1, 2, 2, 129, 700, 256)],
+                         ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("bwd", ["auto", "split"])
 def test_mod_gradients(dtype, name, shape, bwd, monkeypatch):
     """dQ, dK, dV of a mod call, on the Hopper backward kernel's mod instantiation (auto) and on the split backward's
@@ -204,7 +205,8 @@ def test_mod_gradients(dtype, name, shape, bwd, monkeypatch):
     grads = {}
     for key, cast in (("ref", torch.float64), ("peer", None)):
         xs = [x.detach().to(cast or x.dtype).requires_grad_(True) for x in (q, k, v)]
-        aux_c = None if aux is None else {n: a.double() if cast and a.is_floating_point() else a for n, a in aux.items()}
+        aux_c = None if aux is None else {n: a.double() if cast and a.is_floating_point() else a
+                                          for n, a in aux.items()}
         o = _peer(*xs, MODS[name], aux_c, causal)
         grads[key] = torch.autograd.grad(o, xs, dout.to(o.dtype))
     for i, what in enumerate("qkv"):

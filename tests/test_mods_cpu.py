@@ -19,13 +19,14 @@ from cupy_attn.runtime import compile as _compile
 ALIBI = "return score - aux.slopes[h] * fabsf(float(q_idx - kv_idx));"
 DOC = "return aux.doc[b * aux.doc_shape[1] + q_idx] == aux.doc[b * aux.doc_shape[1] + kv_idx];"
 PREFIX = "return kv_idx <= q_idx || kv_idx < aux.prefix[b];"
-REL_BIAS = "return score + float(aux.table[h * aux.table_shape[1] + min(abs(q_idx - kv_idx), int(aux.table_shape[1]) - 1)]);"
+REL_BIAS = ("return score + float(aux.table[h * aux.table_shape[1] + min(abs(q_idx - kv_idx), "
+            "int(aux.table_shape[1]) - 1)]);")
 
 
 def _qkv(B=2, Hq=4, Hkv=2, L=9, S=9, E=8, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, Hq, L, E)).astype(np.float32), rng.standard_normal((B, Hkv, S, E)).astype(np.float32),
-            rng.standard_normal((B, Hkv, S, E)).astype(np.float32))
+    return tuple(rng.standard_normal(shape).astype(np.float32) for shape in ((B, Hq, L, E), (B, Hkv, S, E),
+                                                                             (B, Hkv, S, E)))
 
 
 def _alibi_mod():
@@ -349,12 +350,14 @@ def test_create_block_mask_ranges_on_the_cpu():
     # the backward's table: keys 0-63 are seen by rows 0 ... 263 (63 + 200), ..., keys 256-299 by rows 256 ... 299
     assert bm.query_ranges[0, 0].tolist() == [[0, 263], [64, 299], [128, 299], [192, 299], [256, 299]]
     doc = np.array([[0] * 100 + [1] * 200, [0] * 250 + [1] * 50], np.int32)
-    doc_mod = cupy_attn.AttentionMod(mask_mod=DOC, reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j])
+    doc_mod = cupy_attn.AttentionMod(mask_mod=DOC,
+                                     reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j])
     bm = cupy_attn.create_block_mask(doc_mod, 2, None, 300, 300, aux={"doc": doc})
     assert bm.ranges.shape == (2, 1, 3, 2)
     assert bm.ranges[0, 0].tolist() == [[0, 299], [100, 299], [100, 299]]
     assert bm.ranges[1, 0].tolist() == [[0, 249], [0, 299], [250, 299]]  # rows 250-255 are in document 1
-    hidden = cupy_attn.AttentionMod(mask_mod="return q_idx >= 200;", reference_mask_mod=lambda b, h, i, j, aux: (i >= 200) & (j >= 0))
+    hidden = cupy_attn.AttentionMod(mask_mod="return q_idx >= 200;",
+                                    reference_mask_mod=lambda b, h, i, j, aux: (i >= 200) & (j >= 0))
     assert cupy_attn.create_block_mask(hidden, None, 2, 300, 50, like=q).ranges[0, 1].tolist() == [[50, -1], [0, 49],
                                                                                                  [0, 49]]
 
@@ -501,15 +504,18 @@ def test_aux_names_cannot_collide_with_shape_fields():
 
 
 def test_masked_backward_runs_the_hopper_kernel_with_the_mask_as_a_mod(monkeypatch):
-    monkeypatch.setattr(_mods, "materialize", lambda bound, p, ranges=True: bound)  # no device arrays here
+    """The backward plan of a large masked call says so (mask_as_mod); dispatch.masked_backward gives the problem
+    with the mask as a mod (the materialized arrays faked here)."""
+    monkeypatch.setattr(_mods, "materialize", lambda bound, p, ranges="forward": bound)  # no device arrays here
     p = _with_arrays(_gpu_problem(E=128, L=2048, S=2048))
     p.mask, p.mask_kind = _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1)), "bool"
-    q, plan = _dispatch.masked_backward(p, arch=90)
-    assert plan.kernel == "sm90" and plan.bucket == 128 and q.mask is None and q.variants.mod.mask_source[1] == (0, 2, 3)
+    plan = _dispatch.plan_backward(p, arch=90)
+    assert plan.kernel == "sm90" and plan.mask_as_mod and plan.bucket == 128 and "attn_mask as a mod" in plan.reason
+    q = _dispatch.masked_backward(p)
+    assert q.mask is None and q.variants.mod.mask_source[1] == (0, 2, 3)
     p.mask_kind, p.mask = "float", _MaskView((2, 8, 2048, 2048), (2048 * 2048, 0, 2048, 1), np.float16)
-    q, _ = _dispatch.masked_backward(p, arch=90)
-    assert q.variants.mod.mod.score_mod_grad == "return 1.f;"  # an additive mask's derivative
-    assert _dispatch.masked_backward(p, arch=80) is None
-    assert _dispatch.masked_backward(dataclasses.replace(p, dropout_p=0.1), arch=90) is None
+    assert _dispatch.masked_backward(p).variants.mod.mod.score_mod_grad == "return 1.f;"  # an additive mask's
+    assert not _dispatch.plan_backward(p, arch=80).mask_as_mod
+    assert not _dispatch.plan_backward(dataclasses.replace(p, dropout_p=0.1), arch=90).mask_as_mod
     monkeypatch.setenv("CUPY_ATTN_BWD", "split")
-    assert _dispatch.masked_backward(p, arch=90) is None
+    assert _dispatch.plan_backward(p, arch=90).kernel == "split"

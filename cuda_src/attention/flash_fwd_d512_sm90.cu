@@ -23,9 +23,11 @@
 // kVariants (one tile per CTA only: the persistent kernel spilled with them): a sliding window's lower bound (key
 // blocks from the window's first, masks at its edge), ALiBi and sinks (common/visibility.cuh, common/score_mod.cuh);
 // no softcap (its two SFU operations per score spilled here too).
+// Mods (flash_fwd_d512_sm90_mod): a user's score_mod / mask_mod, and attn_mask read as one (cupy_attn/attention/
+// mods.py), after ALiBi, with the key blocks narrowed by the mask's key ranges (common/user_mod.cuh).
 // Not (yet) here: overlap of the row max and the first part's exponentials with wgmma (the rest of the softmax runs
-// under P·V; deeper overlap measured slower), attn_mask. Accumulation fp32 (S, O, the row statistics); P is rounded
-// to T as the P·V operand.
+// under P·V; deeper overlap measured slower). Accumulation fp32 (S, O, the row statistics); P is rounded to T as the
+// P·V operand.
 //
 // Thread mapping: 384 threads. Warpgroup 0 produces; consumer warpgroup w = 0, 1 (warpgroups 1, 2): warp v, lane
 // 4g + t holds rows 16v + g and 16v + g + 8 of the wgmma accumulators (columns 8j + 2t, + 1).
@@ -523,8 +525,8 @@ __global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90(const __grid_const
 // A user's mods (cupy_attn.AttentionMod) with the variants' code, one tile per CTA as the variants: instantiated only
 // in a mod's own program, which appends the Mod struct (attention/mods.py).
 template <typename T, int kStages, typename Mod>
-__global__ void __launch_bounds__(384, 1) flash_fwd_d512_sm90_mod(const __grid_constant__
-                                                                  ModParams<FlashFwdSm90Params, Mod> p) {
+__global__ void __launch_bounds__(384, 1)
+    flash_fwd_d512_sm90_mod(const __grid_constant__ ModParams<FlashFwdSm90Params, Mod> p) {
   flash_fwd_d512_body<T, kStages, false, true, Mod>(p, &p.aux, &p.key_ranges);
 }
 

@@ -144,8 +144,8 @@ __global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90(co
 // appends the Mod struct (attention/mods.py); the parameters are FlashFwdSm90Params, then the mod's.
 template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool kOverlap, bool kPersistent,
           int kHeadDimQK, bool kVarlen, typename Mod>
-__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1) flash_fwd_sm90_mod(const __grid_constant__
-                                                                                  ModParams<FlashFwdSm90Params, Mod> p) {
+__global__ void __launch_bounds__(128 * (kBlockM / 64 + 1), 1)
+    flash_fwd_sm90_mod(const __grid_constant__ ModParams<FlashFwdSm90Params, Mod> p) {
   static_assert(kPersistent, "the mods' key ranges are read by the persistent variant's tiles");
   flash_fwd_sm90_body<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, kPersistent, kHeadDimQK, true, kVarlen, Mod>(
       p, &p.aux, &p.key_ranges);

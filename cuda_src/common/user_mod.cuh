@@ -29,9 +29,11 @@ struct NoMod {
   static __device__ __forceinline__ float score_grad(float, int, int, int, int, const Aux&) { return 1.f; }
 };
 
-// Key ranges of a mask_mod (cupy_attn.key_ranges; mod_key_ranges below): for each (batch, head, block of
+// Ranges of a mask_mod (cupy_attn.create_block_mask; mod_key_ranges below): for each (batch, head, block of
 // block_rows query rows) the first and last key any of its rows sees under the mask_mod, (S, -1) for none; a batch
-// or head stride of 0 broadcasts one entry. The fused kernels visit only the key blocks between them.
+// or head stride of 0 broadcasts one entry. The fused forward kernels visit only the key blocks between them. The
+// backward's table has the same layout with the roles swapped: per block of block_rows keys, the first and last
+// query row that sees one of them (the Hopper backward visits only those query blocks).
 struct KeyRanges {
   const int* ranges;  // (.., .., row_blocks, 2) int32, or nullptr (no ranges: every key block is visited)
   long long stride_b, stride_h;  // in entries of 2 ints

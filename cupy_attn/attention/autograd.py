@@ -113,10 +113,11 @@ def problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, *, need_m
     E, Ev = p.head_dim, p.head_dim_v
     empty = min(query.numel(), key.numel(), value.numel(), grad_out.numel()) == 0
     plan = None if empty else dispatch.plan_backward(p, allow_tf32=allow_tf32)
-    if plan is not None and plan.kernel == "split" and not need_mask_grad:  # a mask as a mod in the Hopper kernel
-        swapped = dispatch.masked_backward(p)
-        if swapped is not None:
-            p, plan = swapped
+    if plan is not None and plan.mask_as_mod:  # the mask as a mod in the Hopper kernel, unless it needs a gradient
+        if need_mask_grad:
+            plan = dispatch.BackwardPlan("split", None, "attn_mask needs a gradient: the split backward")
+        else:
+            p = dispatch.masked_backward(p)
     if cache_key is not None and not empty and not need_mask_grad and not p.copies and out.is_contiguous() \
             and lse.is_contiguous() and grad_out.is_contiguous():
         launch = backward.prepare(p, plan)

@@ -174,12 +174,10 @@ def mask_fa3_reason(p, arch: int) -> str | None:
         return "small"
     if p.seqlen_q * p.groups <= 64:  # a few query rows per KV head: the decode kernel's (split-KV, it takes masks)
         return "decode-sized"
-    if env.get(ENV_FA3) == "0":
-        return f"{ENV_FA3}=0"
     unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
-    why = flash_fwd_sm90.reason(unmasked, arch)
+    why = f"{ENV_FA3}=0" if env.get(ENV_FA3) == "0" else flash_fwd_sm90.reason(unmasked, arch)
     if why is not None and d512.reason(unmasked, arch) is None and d512.enabled() != "0":
-        return None
+        return None  # the head-dim-512 kernel (its own switch: CUPY_ATTN_D512)
     return why
 
 
@@ -191,7 +189,7 @@ def _mask_fa3_plan(p, backend: str, arch: int, forced: str, copies) -> Plan:
     bound = mods.mask_as_mod(p.mask, p.mask_kind)  # its arrays and key ranges come at launch (mods.materialize)
     q = dataclasses.replace(p, mask=None, mask_kind="none", variants=dataclasses.replace(p.variants, mod=bound))
     skipped = "key blocks outside each row block's visible range skipped"
-    if flash_fwd_sm90.reason(q, arch) is None:
+    if env.get(ENV_FA3) != "0" and flash_fwd_sm90.reason(q, arch) is None:
         choice = flash_fwd_sm90.choose(q, "3")
         return Plan("fused", f"fused {forced}" if backend == "fused" else f"attn_mask as a mod in the FA3-design "
                     f"kernel (flash_fwd_sm90_mod; {skipped})", describe=functools.partial(fa3_details, choice, q),
@@ -590,6 +588,7 @@ class BackwardPlan:
     bucket: int | None
     reason: str
     gemm: str | None = None
+    mask_as_mod: bool = False  # an attn_mask run as a mod in the Hopper kernel (masked_backward makes the problem)
 
     def __str__(self) -> str:
         bucket = f", head-dim bucket {self.bucket}" if self.bucket else ""
@@ -611,31 +610,38 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     E = 160 plans sm90 with bucket 256 (TMA zero-fills columns 160-255).
     """
     plan = _backward_kernel(p, arch)
+    if plan.kernel == "split" and p.mask is not None and \
+            masked_backward_reason(p, device_arch(p) if arch is None else arch) is None:
+        plan = BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
+                            "attn_mask as a mod in the Hopper kernel (flash_bwd_sm90_mod; the split backward where "
+                            "the mask needs a gradient)", mask_as_mod=True)
     if plan.kernel == "split" and p.dtype == np.float32:  # the scores GEMM's kind (None for fp16/bf16: cuBLAS)
         arch = device_arch(p) if arch is None else arch
         plan = dataclasses.replace(plan, gemm=gemm_3xtf32.fp32_gemm(p.dtype, allow_tf32, arch))
     return plan
 
 
-def masked_backward(p, arch: int | None = None):
-    """(problem, plan) running a masked call's backward in the Hopper kernel with its attn_mask as a mod
-    (flash_bwd_sm90_mod; mods.mask_as_mod, materialized now: the mask's compact copy is enqueued on the call's
-    stream), or None to keep the split backward: only without dropout or variants, without a mask gradient (the
-    caller's to know), for at least MASK_FA3_MIN_PAIRS triples, and where the kernel takes the unmasked call.
-    A bool mask's query rows per 64-key block (the mods' pre-pass, transposed) limit each key block's query blocks,
-    so a causal mask's upper triangle and left padding are skipped."""
-    if p.mask is None or p.dropout_p > 0 or not p.variants.plain or env.get(ENV_BWD, "") in ("split", "mma"):
-        return None
+def masked_backward_reason(p, arch: int) -> str | None:
+    """None when a masked call's backward runs the Hopper kernel with its attn_mask as a mod (flash_bwd_sm90_mod):
+    no dropout or variants, at least MASK_FA3_MIN_PAIRS triples, CUPY_ATTN_BWD not split / mma, and the kernel takes
+    the unmasked call; else why not. (A mask that needs a gradient keeps the split backward: the caller's to know.)"""
+    if p.dropout_p > 0 or not p.variants.plain:
+        return "dropout or variants with a mask"
+    if env.get(ENV_BWD, "") in ("split", "mma"):
+        return f"{ENV_BWD}={env.get(ENV_BWD)}"
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
-        return None
-    unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
-    arch = device_arch(p) if arch is None else arch
-    if _sm90_backward_reason(unmasked, arch) is not None:
-        return None
+        return "small"
+    return _sm90_backward_reason(dataclasses.replace(p, mask=None, mask_kind="none"), arch)
+
+
+def masked_backward(p):
+    """The problem of a mask_as_mod backward plan (plan_backward's, ``mask_as_mod``): ``p`` without its mask and with
+    it as a mod (mods.mask_as_mod), materialized now: the mask's compact copy (where it is not one already) and, for a
+    bool mask, its query rows per 64-key block (the mods' pre-pass, transposed), which limit each key block's query
+    blocks so that a causal mask's upper triangle and left padding are skipped; enqueued on the call's stream. (The
+    forward's compact copy is not reused: the backward runs later, from the saved tensors.)"""
     bound = mods.materialize(mods.mask_as_mod(p.mask, p.mask_kind), p, ranges="backward")
-    q = dataclasses.replace(unmasked, variants=dataclasses.replace(p.variants, mod=bound))
-    return q, BackwardPlan("sm90", flash_bwd_sm90.head_bucket(p.head_dim, p.head_dim_v),
-                           "attn_mask as a mod in the Hopper kernel (flash_bwd_sm90_mod)")
+    return dataclasses.replace(p, mask=None, mask_kind="none", variants=dataclasses.replace(p.variants, mod=bound))
 
 
 def _mod_backward(p, var, arch: int | None) -> BackwardPlan:

@@ -279,8 +279,8 @@ KEY_RANGE_PARAMS = np.dtype([(n, np.int64) for n in ("ranges", "batch", "heads",
 
 def mod_params_dtype(base: np.dtype, spec: tuple, align: int = 8) -> np.dtype:
     """ModParams<Base, Mod>'s declaration: the base's fields at their offsets, then at sizeof(Base) mod_num_heads,
-    the two KeyRanges (the forward's, the backward's) and the Aux struct; the size rounded up to the struct's alignment ``align`` (the base's: 64 for one
-    holding tensor maps)."""
+    the two KeyRanges (the forward's, the backward's) and the Aux struct; the size rounded up to the struct's
+    alignment ``align`` (the base's: 64 for one holding tensor maps)."""
     aux = aux_dtype(spec)
     names = list(base.names) + ["mod_num_heads", "key_ranges", "query_ranges", "aux"]
     formats = [base.fields[n][0] for n in base.names] + [np.dtype(np.int64), KEY_RANGES, KEY_RANGES, aux]
@@ -373,7 +373,9 @@ KEY_BLOCK = 64    # the backward's table: query rows per 64 keys (the Hopper bac
 @dataclasses.dataclass(frozen=True, eq=False)
 class BlockMask:
     """The keys a mask_mod lets each block of 128 query rows see: ``ranges`` (batch, heads, row_blocks, 2) int32 of the
-    caller's kind, (first, last) visible key per block, (S, -1) for none. batch / heads 1: one entry for all (the mask
+    caller's kind, (first, last) visible key per block, (S, -1) for none; ``query_ranges`` (batch, heads,
+    key_blocks, 2), the query rows that see some key of each 64-key block, (L, -1) for none (the backward's; None when
+    made with backward=False). batch / heads 1: one entry for all (the mask
     does not depend on b / h). Made by :func:`create_block_mask`; passed as ``block_mask=`` with the same mask_mod and
     aux, the FA3-design kernel visits only the key blocks from first to last (FlexAttention's BlockMask idea, kept as
     one range per row block: blocks inside a range that the mask hides are still computed, and masked)."""
@@ -418,10 +420,14 @@ class BlockMask:
                              f"and 1 or {heads}")
 
 
-def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, aux=None, like=None) -> BlockMask:
+def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, aux=None, like=None,
+                      backward: bool = True) -> BlockMask:
     """The key range each block of 128 query rows sees under ``mask_mod`` (a snippet or an AttentionMod with one):
 
         first[b, h, r] = min { j : mask_mod(b, h, i, j) for some i in rows 128r ... 128r + 127 }, last = the max
+
+    and, with ``backward`` (for calls that train: the Hopper backward's table, ``query_ranges``), the query rows that
+    see some key of each block of 64 keys, the same way transposed. backward=False skips that second pre-pass.
 
     evaluated for b < batch, h < heads, i < seqlen_q, j < seqlen_k (batch or heads None: 1, the mask must then not
     depend on b or h). On the GPU a pre-pass kernel (mod_key_ranges, common/user_mod.cuh) tests keys from both ends of
@@ -450,13 +456,13 @@ def create_block_mask(mask_mod, batch, heads, seqlen_q: int, seqlen_k: int, *, a
     bound = bind(mod, aux, ctx)
     checked(mod, bound.spec)
     L, S = int(seqlen_q), int(seqlen_k)
-    tables = []
-    for transposed in (False, True):
+    tables = [None, None]
+    for transposed in (False, True) if backward else (False,):
         if not ctx.on_gpu:
-            tables.append(interop.from_numpy(_host_ranges(bound, B, H, L, S, transposed), ctx.kind,
-                                             np.dtype(np.int32)))
+            tables[transposed] = interop.from_numpy(_host_ranges(bound, B, H, L, S, transposed), ctx.kind,
+                                                    np.dtype(np.int32))
         else:
-            tables.append(_device_ranges(bound, ctx, B, H, L, S, transposed))
+            tables[transposed] = _device_ranges(bound, ctx, B, H, L, S, transposed)
     return BlockMask(tables[0], B, H, L, S, mod.mask_mod, ctx.kind, ctx.device_id, query_ranges=tables[1])
 
 
@@ -484,7 +490,8 @@ def _host_ranges(bound: BoundMod, B: int, H: int, L: int, S: int, transposed: bo
 
 
 def key_range_family(bound: BoundMod):
-    """mod_key_ranges<Mod> (common/user_mod.cuh) in a mod's own program (softmax.cu's source includes the header)."""
+    """mod_key_ranges<Mod, transposed> (common/user_mod.cuh) in a mod's own program (softmax.cu's source includes the
+    header)."""
     from .kernels import softmax
     return mod_family(softmax.SOFTMAX_VARIANTS, "cupy_attn::mod_key_ranges<{mod}, {transposed}>",
                       "cupy_attn::ModParams<cupy_attn::KeyRangeParams, {mod}>",
@@ -529,7 +536,8 @@ def _mask_mod(kept: tuple, kind: str) -> AttentionMod:
     lines = ["long long i = 0;"] + [f"i = {t};" for t in terms]
     if kind == "bool":
         return AttentionMod(mask_mod="\n".join(lines + ["return aux.mask[i];"]))
-    return AttentionMod(score_mod="\n".join(lines + ["return score + float(aux.mask[i]);"]), score_mod_grad="return 1.f;")
+    return AttentionMod(score_mod="\n".join(lines + ["return score + float(aux.mask[i]);"]),
+                        score_mod_grad="return 1.f;")
 
 
 def mask_as_mod(mask4, kind: str) -> BoundMod:

@@ -675,7 +675,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     # calls that autograd records.
     call_key = None
     if type(dropout_p) in (int, float) and dropout_p == 0 and block_table is None and sinks is None \
-            and not mods_given and alibi_slopes is None and generator is None and type(max_seqlen_q) is int and type(max_seqlen_k) is int and not _records_grad(q, k, v):
+            and not mods_given and alibi_slopes is None and generator is None and type(max_seqlen_q) is int \
+            and type(max_seqlen_k) is int and not _records_grad(q, k, v):
         call_key = cache_key(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k,
                              (is_causal, scale, window_size, softcap, backend, num_splits))
         entry = None if call_key is None else callcache.get(call_key)
