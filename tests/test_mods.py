@@ -313,3 +313,38 @@ def test_block_mask_gradients_equal_the_unskipped_ones():
     torch.testing.assert_close(with_mask[0], without[0])  # dQ: fp32 reductions across key blocks, in any order
     for a, b in zip(with_mask[1:], without[1:]):  # dK, dV: each key block's own sums, the skipped terms exact zeros
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+TRAINABLE_BIAS = cupy_attn.AttentionMod(
+    score_mod="const int n = aux.table_shape[1];\nreturn score + aux.table[h * n + min(abs(q_idx - kv_idx), n - 1)];",
+    score_mod_grad="return 1.f;",
+    score_mod_aux_grad="const int n = aux.table_shape[1];\n"
+                       "atomicAdd(&aux.table_grad[h * n + min(abs(q_idx - kv_idx), n - 1)], grad);",
+    reference_score_mod=lambda s, b, h, i, j, aux: s + aux.table[h, torch.clamp(abs(i - j), max=aux.table.shape[1] - 1)])
+
+
+@pytest.mark.parametrize("bwd", ["auto", "split"])
+@pytest.mark.parametrize("E", [64, 128])
+def test_trainable_bias_table(bwd, E, monkeypatch):
+    """A relative-position bias table that requires grad: its gradient (score_mod_aux_grad's atomics into an fp32
+    accumulator, in the Hopper backward (auto) and the split rows kernels) and dQ, dK, dV against float64 autograd
+    of the same math, under the rule (the table's peer: that math at the inputs' precision)."""
+    if bwd == "split":
+        monkeypatch.setenv("CUPY_ATTN_BWD", "split")
+    gen = torch.Generator("cuda").manual_seed(E)
+    q, k, v = (torch.randn((2, 4, 300, E), generator=gen, device="cuda").half().requires_grad_(True)
+               for _ in range(3))
+    table = (torch.randn((4, 32), generator=gen, device="cuda") * 0.5).requires_grad_(True)
+    dout = torch.randn((2, 4, 300, E), generator=gen, device="cuda").half()
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=TRAINABLE_BIAS,
+                                                 aux={"table": table})
+    got = torch.autograd.grad(out, (q, k, v, table), dout)
+    grads = {}
+    for key, cast in (("ref", torch.float64), ("peer", None)):
+        xs = [x.detach().to(cast or x.dtype).requires_grad_(True) for x in (q, k, v)]
+        t = table.detach().to(cast or torch.float32).requires_grad_(True)
+        o = _peer(*xs, TRAINABLE_BIAS, {"table": t}, "bottom_right")
+        grads[key] = torch.autograd.grad(o, xs + [t], dout.to(o.dtype))
+    for i, what in enumerate(("dq", "dk", "dv", "dtable")):
+        assert_close(got[i], grads["ref"][i].cpu().numpy(), "float16" if i < 3 else "float32", grads["peer"][i],
+                     what)

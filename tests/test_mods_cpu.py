@@ -519,3 +519,36 @@ def test_masked_backward_runs_the_hopper_kernel_with_the_mask_as_a_mod(monkeypat
     assert not _dispatch.plan_backward(dataclasses.replace(p, dropout_p=0.1), arch=90).mask_as_mod
     monkeypatch.setenv("CUPY_ATTN_BWD", "split")
     assert _dispatch.plan_backward(p, arch=90).kernel == "split"
+
+
+def test_trainable_bias_table_gets_its_gradient_on_the_cpu():
+    """A bias table that requires grad (CPU torch): its gradient flows through the mod's Python form, equal to the
+    gradient of the same bias built explicitly; the GPU backward's snippet (score_mod_aux_grad) compiles."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn((2, 4, 9, 8), generator=g, requires_grad=True) for _ in range(3))
+    table = torch.randn((4, 16), generator=g, requires_grad=True)
+    mod = cupy_attn.AttentionMod(
+        score_mod=REL_BIAS, score_mod_grad="return 1.f;",
+        score_mod_aux_grad="const int n = aux.table_shape[1];\n"
+                           "atomicAdd(&aux.table_grad[h * n + min(abs(q_idx - kv_idx), n - 1)], grad);",
+        reference_score_mod=lambda s, b, h, i, j, aux: s + aux.table[h, abs(i - j).clamp(max=15)])
+    mod.validate({"table": np.zeros((4, 16), np.float32)})
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=mod, aux={"table": table})
+    dout = torch.randn(out.shape, generator=g)
+    got = torch.autograd.grad(out, (q, table), dout)
+    dist = (torch.arange(9)[:, None] - torch.arange(9)[None]).abs().clamp(max=15)
+    want_out = cupy_attn.scaled_dot_product_attention(q, k, v, table[:, dist][None])
+    want = torch.autograd.grad(want_out, (q, table), dout)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_aux_gradients_need_their_snippet():
+    torch = pytest.importorskip("torch")
+    with pytest.raises(ValueError, match="score_mod_aux_grad without score_mod"):
+        cupy_attn.AttentionMod(mask_mod="return true;", score_mod_aux_grad="return;")
+    with pytest.raises(ValueError, match="collides with aux\\['t'\\]'s grad field"):
+        cupy_attn.AttentionMod(mask_mod="return true;").validate({"t": np.zeros(2, np.float32),
+                                                                  "t_grad": np.zeros(2, np.float32)})
+    assert torch is not None

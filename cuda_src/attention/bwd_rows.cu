@@ -218,13 +218,15 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p, const typename Mod:
     // float[4] copies of the vectors: those arrays went to the stack on sm_80 (8 bytes of spills).
     auto elem = [&](float s, float dpv, long long j, int e) {
       [[maybe_unused]] float chain = 1.f;  // d score_mod / d s (Mod::kScore)
+      [[maybe_unused]] float x = 0.f;      // the natural score score_mod saw (Mod::kScoreAuxGrad)
       if (j >= S || j > limit) {
         s = -inf();
       } else {
         if constexpr (Mod::kScore || Mod::kMask) {
           const int b = static_cast<int>(head / p.num_heads), h = static_cast<int>(head % p.num_heads);
           const int qi = static_cast<int>(i), kj = static_cast<int>(j);
-          if constexpr (Mod::kScore && kGrad) chain = Mod::score_grad(kLn2 * s, b, h, qi, kj, aux);
+          x = kLn2 * s;
+          if constexpr (Mod::kScore && kGrad) chain = Mod::score_grad(x, b, h, qi, kj, aux);
           s = apply_mod_log2<Mod>(s, b, h, qi, kj, aux);
         }
         if (mrow) s += mask_value(mrow + j * mstride, kind);
@@ -238,6 +240,11 @@ __device__ __forceinline__ void bwd_rows(const BwdParams& p, const typename Mod:
         r = kGrad ? prob * (dpv - d) : prob;
       }
       if (kGrad && p.dmask != nullptr && j < S) p.dmask[row * S + j] = r;
+      if constexpr (Mod::kScoreAuxGrad && kGrad) {  // d loss / d score_mod(x) = r, for the aux arrays' gradients
+        if (prob != 0.f)
+          Mod::score_aux_grad(r, x, static_cast<int>(head / p.num_heads), static_cast<int>(head % p.num_heads),
+                              static_cast<int>(i), static_cast<int>(j), aux);
+      }
       if constexpr (Mod::kScore && kGrad) r = prob == 0.f ? 0.f : r * chain;  // hidden keys: 0, not 0·chain
       return r;
     };

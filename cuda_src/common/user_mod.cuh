@@ -12,6 +12,8 @@
 //     static __device__ float score(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux);
 //     static __device__ bool mask(int b, int h, int q_idx, int kv_idx, const Aux& aux);
 //     static __device__ float score_grad(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux);
+//     static __device__ void score_aux_grad(float grad, float score, int b, int h, int q_idx, int kv_idx,
+//                                           const Aux& aux);  // adds into aux.<name>_grad (float*, or nullptr)
 //   };
 //
 // and appends it to the kernel's source after this header; the kernels name it as a template argument. NoMod is the
@@ -22,11 +24,12 @@
 namespace cupy_attn {
 
 struct NoMod {
-  static constexpr bool kScore = false, kMask = false, kScoreGrad = false;
+  static constexpr bool kScore = false, kMask = false, kScoreGrad = false, kScoreAuxGrad = false;
   struct Aux {};
   static __device__ __forceinline__ float score(float s, int, int, int, int, const Aux&) { return s; }
   static __device__ __forceinline__ bool mask(int, int, int, int, const Aux&) { return true; }
   static __device__ __forceinline__ float score_grad(float, int, int, int, int, const Aux&) { return 1.f; }
+  static __device__ __forceinline__ void score_aux_grad(float, float, int, int, int, int, const Aux&) {}
 };
 
 // Ranges of a mask_mod (cupy_attn.create_block_mask; mod_key_ranges below): for each (batch, head, block of

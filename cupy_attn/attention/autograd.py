@@ -8,20 +8,22 @@ forward-only path and its speed. ``grad_inputs`` is the backward itself, shared 
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
-
 import sys
+
+import numpy as np
 
 from ..runtime import callcache
 
 
-def needs_grad(query, key, value, attn_mask, sinks=None) -> bool:
+def needs_grad(query, key, value, attn_mask, sinks=None, *others) -> bool:
     """True when autograd would record this call: torch CUDA tensors, grad mode on, an input requiring grad (sinks
-    included). (CPU tensors run the float64 reference, which records nothing.)"""
+    and ``others``, a mod's aux arrays, included). (CPU tensors run the float64 reference, which records nothing.)"""
     # requires_grad first: it is False on the hot path (inference), and CuPy arrays have no such attribute.
     if not (getattr(query, "requires_grad", False) or getattr(key, "requires_grad", False)
             or getattr(value, "requires_grad", False) or getattr(attn_mask, "requires_grad", False)
-            or getattr(sinks, "requires_grad", False)):
+            or getattr(sinks, "requires_grad", False) or any(getattr(x, "requires_grad", False) for x in others)):
         return False
     torch = sys.modules.get("torch")
     return torch is not None and isinstance(query, torch.Tensor) and torch.is_grad_enabled()
@@ -51,7 +53,9 @@ def cpu_reference(query, key, value, attn_mask, *, is_causal, scale, enable_gqa,
         s = s + torch.from_numpy(reference.alibi_bias(slopes, L, S))
     if variants is not None and variants.mod is not None:  # the mod's Python forms on torch index tensors
         from . import mods
-        score_mod, mask_mod = mods.reference_forms(variants.mod, torch.from_numpy)
+        score_mod, mask_mod = mods.reference_forms(  # the caller's aux tensors: their gradients flow
+            variants.mod, lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a)),
+            originals=True)
         s = reference.apply_mods(s, score_mod, mask_mod, torch)
     window = None if variants is None else variants.window_size
     if is_causal or window is not None:
@@ -258,10 +262,10 @@ def _mod_function():
 
     class ModAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, query, key, value, attn_mask, sinks, run, p, backward_args):
+        def forward(fctx, query, key, value, attn_mask, sinks, run, p, backward_args, *aux):
             out, lse = run()
             fctx.save_for_backward(query, key, value, attn_mask, out, lse, sinks)
-            fctx.p, fctx.backward_args = p, backward_args
+            fctx.p, fctx.backward_args, fctx.n_aux = p, backward_args, len(aux)
             fctx.mark_non_differentiable(lse)
             fctx.set_materialize_grads(False)
             return out, lse
@@ -270,14 +274,23 @@ def _mod_function():
         def backward(fctx, grad_out, _grad_lse):
             none = (None,) * 3
             if grad_out is None:
-                return (None,) * 5 + none
+                return (None,) * (8 + fctx.n_aux)
             query, key, value, attn_mask, out, lse, sinks = fctx.saved_tensors
             grad_out = grad_out.contiguous()
             dsinks = sinks_grad(sinks, out, lse, grad_out) if sinks is not None and fctx.needs_input_grad[4] else None
             need_mask = attn_mask is not None and fctx.needs_input_grad[3]
-            dq, dk, dv, dmask = problem_grads(fctx.p, query, key, value, attn_mask, out, lse, grad_out,
+            p, aux_grads = fctx.p, [None] * fctx.n_aux
+            bound = p.variants.mod
+            if any(fctx.needs_input_grad[8:]):  # fp32 accumulators the backward's score_mod_aux_grad adds into
+                accs = [torch.zeros(a.shape, dtype=torch.float32, device=query.device) if fctx.needs_input_grad[8 + i]
+                        else None for i, a in enumerate(bound.originals)]
+                grads = tuple(0 if acc is None else acc.data_ptr() for acc in accs)
+                p = dataclasses.replace(p, variants=dataclasses.replace(
+                    p.variants, mod=dataclasses.replace(bound, grads=grads)))
+                aux_grads = [None if acc is None else acc.to(a.dtype) for acc, a in zip(accs, bound.originals)]
+            dq, dk, dv, dmask = problem_grads(p, query, key, value, attn_mask, out, lse, grad_out,
                                               need_mask_grad=need_mask, **fctx.backward_args)
-            return (dq, dk, dv, dmask, dsinks) + none
+            return (dq, dk, dv, dmask, dsinks) + none + tuple(aux_grads)
 
     return ModAttention
 
@@ -287,7 +300,8 @@ def apply_mod(query, key, value, attn_mask, sinks, run, p, *, workspace_bytes, a
     if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
         raise TypeError("attn_mask: a bool mask cannot require grad")
     out, lse = _mod_function().apply(query, key, value, attn_mask, sinks, run, p,
-                                     {"workspace_bytes": workspace_bytes, "allow_tf32": allow_tf32})
+                                     {"workspace_bytes": workspace_bytes, "allow_tf32": allow_tf32},
+                                     *p.variants.mod.originals)
     return (out, lse) if return_lse else out
 
 

@@ -30,7 +30,11 @@ _SIGNATURES = {
     "score_mod": "float score(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux)",
     "mask_mod": "bool mask(int b, int h, int q_idx, int kv_idx, const Aux& aux)",
     "score_mod_grad": "float score_grad(float score, int b, int h, int q_idx, int kv_idx, const Aux& aux)",
+    "score_mod_aux_grad": "void score_aux_grad(float grad, float score, int b, int h, int q_idx, int kv_idx, "
+                          "const Aux& aux)",
 }
+# aux dtypes that can get a gradient (aux.<name>_grad: an fp32 accumulator of the array's shape)
+GRAD_DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -46,6 +50,11 @@ class AttentionMod:
       is_causal and window_size: a key is visible only where all allow it).
     - score_mod_grad: as score_mod, returns d score_mod / d score (the backward's chain factor; a mod with
       score_mod and no score_mod_grad runs forward only).
+    - score_mod_aux_grad: the gradients of aux arrays that require grad (a trainable bias table): the body of
+      ``void score_aux_grad(float grad, float score, b, h, q_idx, kv_idx, const Aux& aux)``, called in the backward
+      for every visible score with ``grad`` = d loss / d score_mod(score); it adds grad · d score_mod / d aux into
+      ``aux.<name>_grad`` (float*, an fp32 array of aux.<name>'s shape, zeroed; nullptr for arrays that need no
+      gradient), e.g. ``atomicAdd(&aux.table_grad[i], grad);``.
     - aux: the call's ``aux=`` arrays (a dict name -> array, or a tuple: names aux0, aux1, ...), each a pointer
       ``aux.<name>`` to its contiguous elements (float, __half, __nv_bfloat16, int, long long, ...) and, for
       arrays of n ≥ 1 axes, ``aux.<name>_shape[n]`` (int).
@@ -65,18 +74,20 @@ class AttentionMod:
     score_mod: str | None = None
     mask_mod: str | None = None
     score_mod_grad: str | None = None
+    score_mod_aux_grad: str | None = None
     reference_score_mod: Callable | None = None
     reference_mask_mod: Callable | None = None
 
     def __post_init__(self):
-        for name in ("score_mod", "mask_mod", "score_mod_grad"):
+        for name in ("score_mod", "mask_mod", "score_mod_grad", "score_mod_aux_grad"):
             text = getattr(self, name)
             if text is not None and (not isinstance(text, str) or not text.strip()):
                 raise ValueError(f"{name} must be a non-empty string of CUDA C++ (a function body), got {text!r}")
         if self.score_mod is None and self.mask_mod is None:
             raise ValueError("AttentionMod needs score_mod, mask_mod or both")
-        if self.score_mod_grad is not None and self.score_mod is None:
-            raise ValueError("score_mod_grad without score_mod")
+        for name in ("score_mod_grad", "score_mod_aux_grad"):
+            if getattr(self, name) is not None and self.score_mod is None:
+                raise ValueError(f"{name} without score_mod")
         for name in ("reference_score_mod", "reference_mask_mod"):
             if getattr(self, name) is not None and not callable(getattr(self, name)):
                 raise TypeError(f"{name} must be callable")
@@ -84,7 +95,8 @@ class AttentionMod:
     @property
     def key(self) -> str:
         """A digest of the snippets (what the compiled code depends on besides the aux layout)."""
-        text = "\0".join(x or "" for x in (self.score_mod, self.mask_mod, self.score_mod_grad))
+        text = "\0".join(x or "" for x in (self.score_mod, self.mask_mod, self.score_mod_grad,
+                                          self.score_mod_aux_grad))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def validate(self, aux: Any = None) -> None:
@@ -103,10 +115,13 @@ class BoundMod:
     arrays: tuple
     spec: tuple
     block_mask: Any = None  # a BlockMask of the mod's mask_mod (create_block_mask), or None
+    grads: tuple = ()  # the backward's: per aux array its fp32 gradient accumulator's address, or 0 (none)
+    originals: tuple = ()  # the caller's aux objects (CPU torch tensors keep their autograd graph through them)
     mask_source: Any = None  # an attn_mask run as this mod (mask_as_mod): (the broadcast view, its kept axes)
 
-    def host_aux(self, to_host: Callable) -> types.SimpleNamespace:
-        return types.SimpleNamespace(**{n: to_host(a) for n, a in zip(self.names, self.arrays)})
+    def host_aux(self, to_host: Callable, originals: bool = False) -> types.SimpleNamespace:
+        arrays = self.originals if originals else self.arrays
+        return types.SimpleNamespace(**{n: to_host(a) for n, a in zip(self.names, arrays)})
 
 
 def as_mod(score_mod, mask_mod) -> AttentionMod | None:
@@ -144,8 +159,10 @@ def _named(aux) -> list:
             raise ValueError(f"aux names must be C++ identifiers without a leading underscore, got {name!r}")
     names = {n for n, _ in items}
     for name in names:
-        if name.endswith("_shape") and name[:-len("_shape")] in names:
-            raise ValueError(f"aux name {name!r} collides with aux[{name[:-len('_shape')]!r}]'s shape field")
+        for suffix in ("_shape", "_grad"):
+            if name.endswith(suffix) and name[:-len(suffix)] in names:
+                raise ValueError(f"aux name {name!r} collides with aux[{name[:-len(suffix)]!r}]'s {suffix[1:]} "
+                                 f"field")
     return items
 
 
@@ -176,7 +193,7 @@ def bind(mod: AttentionMod, aux, ctx) -> BoundMod:
                 arrays.append(c if c.flags.c_contiguous else ctx.contiguous(c))
         else:
             arrays.append(interop.to_numpy(a, interop.kind_of(a, name)))
-    return BoundMod(mod, tuple(n for n, _ in items), tuple(arrays), spec)
+    return BoundMod(mod, tuple(n for n, _ in items), tuple(arrays), spec, originals=tuple(a for _, a in items))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -188,14 +205,18 @@ def struct_name(mod: AttentionMod, spec: tuple) -> str:
 
 
 def aux_dtype(spec: tuple) -> np.dtype:
-    """The Aux struct's NumPy declaration, laid out as the C++ struct: per array a pointer (8 bytes, 8-aligned) and,
-    with axes, its shape as int32s (32-bit index arithmetic in the snippets: 64-bit products per score cost the fused
-    kernels registers); size a multiple of 8."""
+    """The Aux struct's NumPy declaration, laid out as the C++ struct: per array a pointer (8 bytes, 8-aligned), for a
+    floating array its gradient's pointer (``<name>_grad``, float*), and, with axes, its shape as int32s (32-bit
+    index arithmetic in the snippets: 64-bit products per score cost the fused kernels registers); size a multiple
+    of 8."""
     names, formats, offsets, at = [], [], [], 0
-    for name, _, ndim in spec:
+    for name, dt, ndim in spec:
         at = -(-at // 8) * 8
         names.append(name), formats.append(np.dtype(np.int64)), offsets.append(at)
         at += 8
+        if dt in GRAD_DTYPES:
+            names.append(f"{name}_grad"), formats.append(np.dtype(np.int64)), offsets.append(at)
+            at += 8
         if ndim:
             names.append(f"{name}_shape"), formats.append(np.dtype((np.int32, (ndim,)))), offsets.append(at)
             at += 4 * ndim
@@ -209,6 +230,8 @@ def source(mod: AttentionMod, spec: tuple) -> str:
     members = []
     for name, dt, ndim in spec:
         members.append(f"    const {AUX_C_TYPES[dt]}* {name};")
+        if dt in GRAD_DTYPES:
+            members.append(f"    float* {name}_grad;")
         if ndim:
             members.append(f"    int {name}_shape[{ndim}];")
     if not spec:
@@ -216,10 +239,11 @@ def source(mod: AttentionMod, spec: tuple) -> str:
     parts = [f"namespace cupy_attn {{ namespace mods {{\nstruct {struct_name(mod, spec)} {{",
              f"  static constexpr bool kScore = {str(mod.score_mod is not None).lower()}, "
              f"kMask = {str(mod.mask_mod is not None).lower()}, "
-             f"kScoreGrad = {str(mod.score_mod_grad is not None).lower()};",
+             f"kScoreGrad = {str(mod.score_mod_grad is not None).lower()}, "
+             f"kScoreAuxGrad = {str(mod.score_mod_aux_grad is not None).lower()};",
              "  struct Aux {", *members, "  };"]
     for field, default in (("score_mod", "return score;"), ("mask_mod", "return true;"),
-                           ("score_mod_grad", "return 1.f;")):
+                           ("score_mod_grad", "return 1.f;"), ("score_mod_aux_grad", "")):
         body = getattr(mod, field)
         parts.append(f"  static __device__ __forceinline__ {_SIGNATURES[field]} {{")
         if body is None:
@@ -296,10 +320,12 @@ def fill_aux(params: np.ndarray, bound: BoundMod, num_heads: int, key_ranges: bo
     ``key_ranges`` (the fused forward kernels) / ``query_ranges`` (the Hopper backward), the BlockMask's tables when
     the call has one."""
     params["mod_num_heads"] = num_heads
-    for (name, _, ndim), a in zip(bound.spec, bound.arrays):
+    for i, ((name, dt, ndim), a) in enumerate(zip(bound.spec, bound.arrays)):
         params["aux"][name] = a.data.ptr
         if ndim:
             params["aux"][f"{name}_shape"] = a.shape
+        if dt in GRAD_DTYPES and i < len(bound.grads):
+            params["aux"][f"{name}_grad"] = bound.grads[i]
     bm = bound.block_mask
     for wanted, field, table, blocks, rows in (
             (key_ranges, "key_ranges", bm and bm.ranges, bm and bm.row_blocks, bm and bm.block_rows),
@@ -319,7 +345,8 @@ def _probe(mod: AttentionMod, spec: tuple) -> None:
             f"\nextern \"C\" __global__ void cupy_attn_mod_probe(float* out, {q}::Aux aux) {{\n"
             f"  const int i = threadIdx.x;\n"
             f"  out[i] = {q}::score(out[i], 0, 0, i, i, aux) * {q}::score_grad(out[i], 0, 0, i, i, aux)"
-            f" + ({q}::mask(0, 0, i, i, aux) ? 1.f : 0.f);\n}}\n")
+            f" + ({q}::mask(0, 0, i, i, aux) ? 1.f : 0.f);\n"
+            f"  {q}::score_aux_grad(out[i], out[i], 0, 0, i, i, aux);\n}}\n")
     try:
         with nvrtc_program(code, "user_mod", [], [*base_options(), "-arch=sm_80"], "the mod's snippets"):
             pass
@@ -337,9 +364,10 @@ def checked(mod: AttentionMod, spec: tuple) -> bool:
 # ---------------------------------------------------------------------------------------------------------------------
 # The float64 reference's form
 
-def reference_forms(bound: BoundMod | None, to_host: Callable):
-    """(score_mod, mask_mod) Python callables for cupy_attn.reference with the call's aux bound (host arrays), or
-    (None, None) without a mod. ValueError when the mod has a snippet without its Python form."""
+def reference_forms(bound: BoundMod | None, to_host: Callable, originals: bool = False):
+    """(score_mod, mask_mod) Python callables for cupy_attn.reference with the call's aux bound (host arrays; with
+    ``originals`` the caller's own objects, to_host applied), or (None, None) without a mod. ValueError when the mod
+    has a snippet without its Python form."""
     if bound is None:
         return None, None
     mod = bound.mod
@@ -349,7 +377,7 @@ def reference_forms(bound: BoundMod | None, to_host: Callable):
     if missing:
         raise ValueError(f"the float64 reference (CPU inputs, backend='reference') runs a mod's Python form: pass an "
                          f"AttentionMod with {' and '.join(missing)}")
-    aux = bound.host_aux(to_host)
+    aux = bound.host_aux(to_host, originals)
     score = None if mod.score_mod is None else functools.partial(_call_score, mod.reference_score_mod, aux)
     mask = None if mod.mask_mod is None else functools.partial(_call_mask, mod.reference_mask_mod, aux)
     return score, mask

@@ -62,7 +62,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       device the snippets read as ``aux.<name>`` pointers (``aux.<name>_shape``: int). On Hopper, fp16/bf16 calls
       at head dims 33-256 without dropout or attn_mask run the FA3-design kernel's mod instantiation; others the
       split path's softmax kernel (any head dim). The backward is the split backward's (its rows kernels' mod
-      instantiation; a score_mod needs AttentionMod(score_mod_grad=...), its derivative; aux gets no gradient).
+      instantiation; a score_mod needs AttentionMod(score_mod_grad=...), its derivative; aux arrays that require
+      grad need score_mod_aux_grad, which adds into aux.<name>_grad).
       Not under torch.compile yet (NotImplementedError).
     - block_mask: a cupy_attn.BlockMask of the call's mask_mod and aux (cupy_attn.create_block_mask): the key range
       each block of 128 query rows sees, so that the FA3-design kernel skips the key blocks outside it.
@@ -90,8 +91,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     call, and backend="fused" or "split" with CPU inputs; ValueError with NVRTC's log for a score_mod / mask_mod that
     does not compile, TypeError for aux arrays of another kind or an unsupported dtype. NotImplementedError when a
     window, softcap or ALiBi call that requires grad cannot take the Hopper backward kernel, when a mod call that
-    requires grad has a score_mod without score_mod_grad, a window / softcap / ALiBi beside the mod or aux that
-    requires grad, and for mod calls under torch.compile.
+    requires grad has a score_mod without score_mod_grad, a window / softcap / ALiBi beside the mod, or aux that
+    requires grad without score_mod_aux_grad, and for mod calls under torch.compile.
 
     Paths (``explain`` says which one a call takes, and why):
     - fused: FlashAttention-2 (Dao 2023) with mma.sync; on Hopper warpgroup MMAs (CUPY_ATTN_WGMMA=0 keeps mma.sync)
@@ -183,7 +184,8 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                           *variants)
     if p.dropout_p > 0:
         rng, p.rng = dropout.draw(p.ctx, generator)
-    if autograd.needs_grad(query, key, value, attn_mask, variants[2]):
+    aux_all = variants[6].values() if isinstance(variants[6], dict) else variants[6] or ()
+    if autograd.needs_grad(query, key, value, attn_mask, variants[2], *aux_all):
         if not p.ctx.on_gpu:
             return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
                                           enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
@@ -191,8 +193,9 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                                           sinks=variants[2])
         aux = variants[6]
         aux = aux.values() if isinstance(aux, dict) else aux or ()
-        if any(getattr(a, "requires_grad", False) for a in aux):
-            raise NotImplementedError("aux arrays get no gradient yet: pass them detached (aux=...detach())")
+        if any(getattr(a, "requires_grad", False) for a in aux) and p.variants.mod.mod.score_mod_aux_grad is None:
+            raise NotImplementedError("an aux array requires grad: its gradient needs AttentionMod(score_mod_aux_grad="
+                                      "...), which adds d loss / d aux into aux.<name>_grad; or pass it detached")
         dispatch.plan_backward(p, allow_tf32=allow_tf32)  # raises before the forward for what it cannot run
         return autograd.apply_mod(
             query, key, value, attn_mask, variants[2],

@@ -128,7 +128,11 @@ __device__ __forceinline__ float bwd_user_mod_ds(float& s, float dp, float l, fl
   }
   const float pv = exp2_approx(fmaf(y, kLog2e, -l));
   s = pv;
-  return pv * (dp - d) * g;
+  const float ds = pv * (dp - d);  // d loss / d score_mod(x)
+  if constexpr (Mod::kScoreAuxGrad) {
+    if (pv != 0.f) Mod::score_aux_grad(ds, x, b, h, qi, kj, aux);
+  }
+  return ds * g;
 }
 
 }  // namespace sm90
