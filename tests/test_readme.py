@@ -127,8 +127,9 @@ def test_varlen_example():
 
 
 def test_mods_example():
-    """The mods block: the document mask equals the same call with the bool mask it spells, and the bias table's
-    score_mod the call with that bias as a float mask (float64 reference on the CPU)."""
+    """The mods block (float64 reference on the CPU): the document mask equals the same call with the bool mask it
+    spells (with and without its block mask), the bias table's score_mod the call with that bias as a float mask,
+    the ALiBi mod the built-in alibi_slopes, and the prefix-LM mask_mod its bool mask."""
     torch = pytest.importorskip("torch")
     import cupy_attn
     ns = _run(_block("AttentionMod("))
@@ -142,9 +143,17 @@ def test_mods_example():
     bias = table[:, dist].to(torch.float16)  # (8, 1024, 1024)
     want = cupy_attn.scaled_dot_product_attention(q, k, v, bias.float())
     assert ns["block_mask"].ranges.shape == (2, 1, 8, 2)
-    assert (ns["out"].float() - got_full(cupy_attn, ns).float()).abs().max().item() < 1e-3
+    assert (ns["block_mask_out"].float() - got_full(cupy_attn, ns).float()).abs().max().item() < 1e-3
     bias_out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=ns["relative_bias"], aux={"table": table})
     assert bias_out.shape == (2, 8, 1024, 128) and (bias_out.float() - want.float()).abs().max().item() < 1e-2
+    alibi = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=ns["alibi"],
+                                                   aux={"slopes": ns["slopes"]})
+    builtin = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, alibi_slopes=ns["slopes"])
+    assert (alibi.float() - builtin.float()).abs().max().item() < 1e-3  # L = S: |i - j| is ALiBi's distance
+    i, j = torch.arange(1024)[:, None], torch.arange(1024)[None]
+    prefix_mask = (j <= i)[None, None] | (j[None, None] < ns["prefix"].long()[:, None, None, None])
+    want = cupy_attn.scaled_dot_product_attention(q, k, v, prefix_mask)
+    assert (ns["out"].float() - want.float()).abs().max().item() < 1e-3
 
 
 def got_full(cupy_attn, ns):

@@ -68,7 +68,9 @@ class AttentionMod:
 
     Raises ValueError when neither snippet is given, a snippet is not a non-empty string, or score_mod_grad comes
     without score_mod; NVRTC errors in a snippet are raised by :meth:`validate` and by the first call, as ValueError
-    with the compiler's log (line numbers within the snippet).
+    with the compiler's log (line numbers within the snippet). Reading aux out of its bounds is the snippet's bug,
+    not checked at run time: ``compute-sanitizer --tool memcheck python your_script.py`` names the kernel and the
+    address.
     """
 
     score_mod: str | None = None
