@@ -1,6 +1,6 @@
 """score_mod / mask_mod snippets against the built-in variants they spell and against FlexAttention, same process.
 
-    PYTHONPATH=. python bench/bench_mods.py [--rounds 5] [--no-backward] [--no-flex]
+    PYTHONPATH=. python bench/bench_mods.py [--rounds 5] [--no-backward] [--no-flex] [--quick]
 
 Rows follow issue 36's targets (bf16, causal, (B, H, L, D) tensors): softcap 50 and a sliding window of 1024 at head
 dims 128 and 256, ALiBi, a document mask over 8 packed documents, and a window at head dim 512. Each row times the
@@ -127,11 +127,16 @@ def _flex_factory():
     return make
 
 
-def run(rounds: int, backward: bool, use_flex: bool) -> list[dict]:
+QUICK = ("softcap 50 hd128", "window 1024 hd128", "document mask (8 docs) hd128", "window 1024 hd512")
+
+
+def run(rounds: int, backward: bool, use_flex: bool, quick: bool = False) -> list[dict]:
     import torch
     flex = _flex_factory() if use_flex else None
     rows = []
     for name, B, Hq, Hkv, L, D, kind in CASES:
+        if quick and name not in QUICK:
+            continue
         gen = torch.Generator("cuda").manual_seed(L + D)
         q = torch.randn((B, Hq, L, D), generator=gen, device="cuda").bfloat16()
         k = torch.randn((B, Hkv, L, D), generator=gen, device="cuda").bfloat16()
@@ -188,9 +193,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--no-backward", action="store_true")
     ap.add_argument("--no-flex", action="store_true")
+    ap.add_argument("--quick", action="store_true", help=f"only {', '.join(QUICK)}")
     args = ap.parse_args(argv)
     compile_rows = cold_compile()
-    rows = run(args.rounds, not args.no_backward, not args.no_flex)
+    rows = run(args.rounds, not args.no_backward, not args.no_flex, args.quick)
     print_table(rows, COLUMNS, "score_mod / mask_mod snippets against the built-in variants and FlexAttention (bf16)")
     print_table(compile_rows, [("what", "cold compile", ""), ("s", "seconds", ".1f")], "a new mod's first call")
     return 0
