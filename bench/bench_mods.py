@@ -4,7 +4,7 @@
 
 Rows follow issue 36's targets (bf16, causal, (B, H, L, D) tensors): softcap 50 and a sliding window of 1024 at head
 dims 128 and 256, ALiBi, a document mask over 8 packed documents, and a window at head dim 512. Each row times the
-snippet (``ours``), the built-in variant where one exists (``builtin``: softcap=, window_size=, alibi_slopes=; a bool
+snippet (``ours``; a mask_mod with its BlockMask, made once outside the timing as FlexAttention's), the built-in variant where one exists (``builtin``: softcap=, window_size=, alibi_slopes=; a bool
 attn_mask for the document mask) and FlexAttention (torch.compile'd flex_attention with its BlockMask, when torch has
 it), alternating in rotated rounds on the same fresh random inputs (bench/common.rotated_ms); forward, and forward +
 backward unless --no-backward. TFLOP/s count the visible (query, key) pairs: 4·B·H·visible·D (3.5× that for forward
@@ -71,8 +71,12 @@ def _fns(kind, q, k, v, aux, backward, flex):
            "window": cupy_attn.AttentionMod(mask_mod=WINDOW),
            "alibi": cupy_attn.AttentionMod(score_mod=ALIBI[0], score_mod_grad=ALIBI[1]),
            "doc": cupy_attn.AttentionMod(mask_mod=DOC)}[kind]
+    block_mask = None
+    if mod.mask_mod is not None:  # made once, outside the timing (as Flex's BlockMask)
+        block_mask = cupy_attn.create_block_mask(mod, q.shape[0] if kind == "doc" else None, None, q.shape[2],
+                                                 k.shape[2], aux=aux, like=q, backward=backward)
     fns = {"ours": lambda: cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa,
-                                                                   score_mod=mod, aux=aux)}
+                                                                   score_mod=mod, aux=aux, block_mask=block_mask)}
     builtin = {"softcap": dict(softcap=50.0), "window": dict(window_size=(1024, 0)),
                "alibi": dict(alibi_slopes=aux and aux.get("slopes"))}.get(kind)
     if builtin is not None:
