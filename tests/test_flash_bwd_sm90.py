@@ -200,7 +200,9 @@ def _cuda_bindings():
     ("", 90, {"E": 256, "dropout_p": 0.1}, "split", "dropout"),
     ("sm90", 90, {"E": 196}, "split", "stride along s is 392 bytes"),     # no TMA, no mma.sync above 128
     ("sm90", 90, {"dtype": "float32"}, "split", "fp16 and bf16"),
-    ("sm90", 90, {"mask": object()}, "split", "attn_mask"),
+    ("sm90", 90, {"mask": object()}, "sm90", "attn_mask as a mod"),          # the mask read as a mod
+    ("", 90, {"mask": object(), "L": 256, "S": 256}, "split", "attn_mask"),  # small: the split backward
+    ("split", 90, {"mask": object()}, "split", "forced"),
     ("", 75, {}, "split", "sm_80"),
     ("", 90, {"dropout_p": 0.1}, "mma", "dropout"),                           # no dropout variant on Hopper
     # E = 66 sliced from rows 72 wide: strides pass TMA's checks, but the fp32 dQ accumulator's rows (264 bytes) do not

@@ -12,6 +12,7 @@ apply the same rules.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any, Callable
@@ -168,13 +169,13 @@ def mask_fa3_reason(p, arch: int) -> str | None:
     variant, at least MASK_FA3_MIN_PAIRS triples; else why not."""
     if p.dropout_p > 0:
         return "dropout"
-    if not p.variants.plain:
+    if not variants.of(p).plain:
         return "variants with a mask"
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
         return "small"
     if p.seqlen_q * p.groups <= 64:  # a few query rows per KV head: the decode kernel's (split-KV, it takes masks)
         return "decode-sized"
-    unmasked = dataclasses.replace(p, mask=None, mask_kind="none")
+    unmasked = _without_mask(p)
     why = f"{ENV_FA3}=0" if env.get(ENV_FA3) == "0" else flash_fwd_sm90.reason(unmasked, arch)
     if why is not None and d512.reason(unmasked, arch) is None and d512.enabled() != "0":
         return None  # the head-dim-512 kernel (its own switch: CUPY_ATTN_D512)
@@ -621,17 +622,24 @@ def plan_backward(p, arch: int | None = None, allow_tf32: bool = False) -> Backw
     return plan
 
 
+def _without_mask(p):
+    """A shallow copy of the problem ``p`` without its attn_mask (checks.SDPAProblem, or a test's stand-in)."""
+    q = copy.copy(p)
+    q.mask, q.mask_kind = None, "none"
+    return q
+
+
 def masked_backward_reason(p, arch: int) -> str | None:
     """None when a masked call's backward runs the Hopper kernel with its attn_mask as a mod (flash_bwd_sm90_mod):
     no dropout or variants, at least MASK_FA3_MIN_PAIRS triples, CUPY_ATTN_BWD not split / mma, and the kernel takes
     the unmasked call; else why not. (A mask that needs a gradient keeps the split backward: the caller's to know.)"""
-    if p.dropout_p > 0 or not p.variants.plain:
+    if p.dropout_p > 0 or not variants.of(p).plain:
         return "dropout or variants with a mask"
     if env.get(ENV_BWD, "") in ("split", "mma"):
         return f"{ENV_BWD}={env.get(ENV_BWD)}"
     if p.batch * p.num_heads * p.seqlen_q * p.seqlen_k < MASK_FA3_MIN_PAIRS:
         return "small"
-    return _sm90_backward_reason(dataclasses.replace(p, mask=None, mask_kind="none"), arch)
+    return _sm90_backward_reason(_without_mask(p), arch)
 
 
 def masked_backward(p):
