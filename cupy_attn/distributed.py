@@ -2,6 +2,7 @@
 
     shard_sequence / gather_sequence   a sequence split into (zig-zag) chunks per rank, and back
     ring_attention                     attention of every rank's query shard against the whole sequence's keys
+                                       (softcap and dropout too)
     ulysses_attention                  the same by two all-to-alls: each rank attends the whole sequence for H / N
                                        heads (DeepSpeed-Ulysses), with windows and softcap
     context_parallel_attention         either, by choose_schedule's rule (which says why)
@@ -18,9 +19,8 @@ lse (FlashAttention-2's backward needs nothing else).
 
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
 forward and the backward issue each step's K/V transfer before that step's compute and wait for it after; the
-backward's dK and dV follow their keys after each step's compute. Not yet:
-windows and softcap in the ring (the Ulysses schedule takes windows and softcap), dropout in Ulysses, sinks and
-ALiBi.
+backward's dK and dV follow their keys after each step's compute. Not yet: windows in the ring (the Ulysses schedule
+takes them), softcap with dropout, dropout in Ulysses, sinks and ALiBi.
 """
 from __future__ import annotations
 
@@ -158,21 +158,22 @@ class _Ring:
         return dist.batch_isend_irecv(ops), bufs
 
 
-def _attend(q, k, v, causal, scale, enable_gqa, dropout_p=0.0, rng=None):
+def _attend(q, k, v, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None):
     """(out fp32, lse fp32) of one (query chunk, key chunk) pair: our kernels on CUDA, the float64 reference on CPU.
-    dropout_p > 0: the pair's keep mask comes from ``rng`` (the call's int64 (seed, offset), attention/dropout.py)."""
+    dropout_p > 0: the pair's keep mask comes from ``rng`` (the call's int64 (seed, offset), attention/dropout.py).
+    softcap: as the dense call's (per score, so the same on every pair)."""
     torch = sys.modules["torch"]
     if q.is_cuda:
         from .attention.sdpa import forward
         out, lse = forward(q, k, v, None, is_causal=causal, scale=scale, enable_gqa=enable_gqa, workspace_bytes=None,
-                           allow_tf32=False, dropout_p=dropout_p, rng=rng)
+                           allow_tf32=False, dropout_p=dropout_p, rng=rng, variants=(None, softcap, None, None))
         return out.float(), lse.float()
     from .attention import dropout
     mask = None if not dropout_p else dropout.keep_mask(rng, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
                                                         dropout_p)
     out, lse = reference.scaled_dot_product_attention(
         *(x.detach().double().numpy() for x in (q, k, v)), is_causal=causal, scale=scale, enable_gqa=enable_gqa,
-        return_lse=True, dropout_p=dropout_p, dropout_mask=mask)
+        return_lse=True, dropout_p=dropout_p, dropout_mask=mask, softcap=softcap)
     return torch.from_numpy(out).float(), torch.from_numpy(lse).float()
 
 
@@ -191,26 +192,26 @@ def _merge(acc, part):
     return (oa * (wa * inv)[..., None] + ob * (wb * inv)[..., None]), lse
 
 
-def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rng=None):
+def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None):
     """(dq, dk, dv) fp32 of one (query chunk, key chunk) pair from the whole call's out and lse (dropout: the pair's
-    forward rng, so the same keep mask)."""
+    forward rng, so the same keep mask; softcap: its factor (1 − t²) in dS, as the dense backward's)."""
     torch = sys.modules["torch"]
     if q.is_cuda:
         from .attention import autograd
         dq, dk, dv, _ = autograd.grad_inputs(q, k, v, None, out, lse.contiguous(), dout, is_causal=causal,
                                              scale=scale, enable_gqa=enable_gqa, need_mask_grad=False,
-                                             dropout_p=dropout_p, rng=rng)
+                                             dropout_p=dropout_p, rng=rng, variants=(None, softcap, None, None))
         return dq.float(), dk.float(), dv.float()
     from .attention import dropout
     mask = None if not dropout_p else dropout.keep_mask(rng, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
                                                         dropout_p)
     g = reference.scaled_dot_product_attention_backward(
         *(x.detach().double().numpy() for x in (q, k, v, out, lse, dout)), causal, scale, enable_gqa,
-        dropout_p=dropout_p, dropout_mask=mask)
+        dropout_p=dropout_p, dropout_mask=mask, softcap=softcap)
     return tuple(torch.from_numpy(x).float() for x in g[:3])
 
 
-def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=None):
+def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=None, softcap=None):
     """(out in q's dtype, lse fp32, rngs) of the local queries against every rank's keys; rngs: {(query chunk, key
     chunk): the pair's rng} with dropout (each pair draws its own from ``generator``), else empty."""
     from .attention import dropout
@@ -231,7 +232,7 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=N
                 if dropout_p:
                     rngs[cq, ck] = dropout.torch_draw(q.device, generator)
                 part = _attend(q.narrow(-2, qs, ql), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), vis, scale,
-                               enable_gqa, dropout_p, rngs.get((cq, ck)))
+                               enable_gqa, dropout_p, rngs.get((cq, ck)), softcap)
                 acc[cq] = _merge(acc[cq], part)
         if pending is not None:
             for req in pending[0]:
@@ -248,7 +249,7 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=N
     return torch.cat(outs, -2).to(q.dtype), torch.cat(lses, -1), rngs
 
 
-def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p=0.0, rngs=None):
+def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p=0.0, rngs=None, softcap=None):
     """(dq, dk, dv) of the local shards: the ring again. Each step's K/V transfer (for the next step) is issued
     before the step's compute, as the forward's; dK and dV (fp32) follow their keys one step behind, sent after the
     compute that added to them, and after n sends they are back with the keys' owner."""
@@ -268,7 +269,7 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p
                 rows = (lambda x: x.narrow(-2, qs, ql))
                 g = _grads(rows(q), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), rows(out),
                            lse.narrow(-1, qs, ql), rows(dout), vis, scale, enable_gqa, dropout_p,
-                           (rngs or {}).get((cq, ck)))
+                           (rngs or {}).get((cq, ck)), softcap)
                 dq.narrow(-2, qs, ql).add_(g[0])
                 dkv[0].narrow(-2, ks, kl).add_(g[1])
                 dkv[1].narrow(-2, ks, kl).add_(g[2])
@@ -289,11 +290,12 @@ def _function():
 
     class RingAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, q, k, v, ring, scale, enable_gqa, dropout_p, generator):
+        def forward(fctx, q, k, v, ring, scale, enable_gqa, dropout_p, generator, softcap):
             out, lse, rngs = _forward(ring, q.detach(), k.detach(), v.detach(), scale, enable_gqa, dropout_p,
-                                      generator)
+                                      generator, softcap)
             fctx.save_for_backward(q, k, v, out, lse)
             fctx.ring, fctx.scale, fctx.enable_gqa, fctx.dropout = ring, scale, enable_gqa, (dropout_p, rngs)
+            fctx.softcap = softcap
             fctx.mark_non_differentiable(lse)
             return out, lse
 
@@ -301,18 +303,18 @@ def _function():
         def backward(fctx, dout, _dlse):
             q, k, v, out, lse = fctx.saved_tensors
             dq, dk, dv = _backward(fctx.ring, q, k, v, out, lse, dout.contiguous(), fctx.scale, fctx.enable_gqa,
-                                   *fctx.dropout)
-            return dq, dk, dv, None, None, None, None, None
+                                   *fctx.dropout, softcap=fctx.softcap)
+            return dq, dk, dv, None, None, None, None, None, None
 
     return RingAttention
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
-                   zigzag=True, dropout_p=0.0, generator=None):
+                   zigzag=True, dropout_p=0.0, generator=None, softcap=None):
     """Attention of this rank's query shard against the keys of every rank's shard, as if on the whole sequence:
 
-        out_i = Σ_j softmax_j(scale · q_i·k_j) v_j over all keys j of the sequence (j ≤ i with is_causal),
-        lse_i = log Σ_j exp(scale · q_i·k_j),
+        out_i = Σ_j softmax_j(s_ij) v_j over all keys j of the sequence (j ≤ i with is_causal),
+        lse_i = log Σ_j exp(s_ij),   s_ij = scale · q_i·k_j, or softcap · tanh(scale · q_i·k_j / softcap),
 
     for the rows i this rank holds; the same result, row for row, as :func:`cupy_attn.scaled_dot_product_attention`
     on the gathered sequence (torch's top-left causal mask; the sequence is one: L = S).
@@ -329,8 +331,9 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     Returns out (B, Hq, L_local, Ev) in q's dtype, or (out, lse (B, Hq, L_local) float32).
 
     Raises ValueError when a rank's shard length is not what shard_sequence gives for the gathered length, or shapes
-    disagree; ValueError for dropout_p outside [0, 1]. (No window or softcap yet: :func:`ulysses_attention` takes
-    them.)
+    disagree; ValueError for dropout_p outside [0, 1] and for softcap with dropout_p > 0 (no backward kernel has
+    both). softcap: as the dense call's (a float > 0, or None / 0). (No window yet: :func:`ulysses_attention` takes
+    one.)
     Algorithm: ring attention (Liu et al. 2023) with zig-zag load balancing; partial results merged by lse.
     """
     torch = sys.modules["torch"]
@@ -345,12 +348,19 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
                          f"with enable_gqa=True")
     if not 0.0 <= float(dropout_p) <= 1.0:
         raise ValueError(f"dropout_p must be in [0, 1], got {dropout_p}")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap >= 0 \
+                or not math.isfinite(softcap):
+            raise ValueError(f"softcap must be a finite number >= 0 (0 or None: off), got {softcap!r}")
+        softcap = float(softcap) or None
+    if softcap is not None and float(dropout_p) > 0:
+        raise ValueError("softcap with dropout_p > 0: no backward kernel has both")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal))
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
-        out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa), float(dropout_p), generator)
+        out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa), float(dropout_p), generator, softcap)
     else:
-        out, lse, _ = _forward(ring, q, k, v, scale, bool(enable_gqa), float(dropout_p), generator)
+        out, lse, _ = _forward(ring, q, k, v, scale, bool(enable_gqa), float(dropout_p), generator, softcap)
     return (out, lse) if return_lse else out
 
 
@@ -451,8 +461,8 @@ def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v
         ring:    (N − 1) · Hkv · (E + Ev)          K and V pass every other rank (overlapped with compute)
         ulysses: (N − 1) / N · (Hq · (E + Ev) + Hkv · (E + Ev))   q, k, v out and out back, once each
 
-    Ulysses needs Hq and Hkv to be multiples of N; windows and softcap exist only there (ring_attention takes
-    neither yet). Ties go to the ring, whose transfers hide behind compute.
+    Ulysses needs Hq and Hkv to be multiples of N; windows exist only there (ring_attention takes none yet), softcap
+    on both. Ties go to the ring, whose transfers hide behind compute.
 
     >>> choose_schedule(32, 8, 128, 128, 2)[0], choose_schedule(32, 32, 128, 128, 8)[0]
     ('ring', 'ulysses')
@@ -461,15 +471,15 @@ def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v
     """
     n = world_size
     if num_heads % n or num_kv_heads % n:
-        if window or softcap:
-            raise ValueError(f"window_size and softcap need the Ulysses schedule, whose heads ({num_heads} query, "
+        if window:
+            raise ValueError(f"window_size needs the Ulysses schedule, whose heads ({num_heads} query, "
                              f"{num_kv_heads} key/value) must be multiples of the {n} ranks")
         return "ring", (f"ring: the heads ({num_heads} query, {num_kv_heads} key/value) are not multiples of the "
                         f"{n} ranks (Ulysses splits them)")
     ring = (n - 1) * num_kv_heads * (head_dim + head_dim_v)
     ulysses = (n - 1) / n * (num_heads + num_kv_heads) * (head_dim + head_dim_v)
-    if window or softcap:
-        return "ulysses", "ulysses: window_size / softcap are served by the dense call it runs on whole sequences"
+    if window:
+        return "ulysses", "ulysses: window_size is served by the dense call it runs on whole sequences"
     if ulysses < ring:
         return "ulysses", f"ulysses: {ulysses:.0f} elements moved per shard row against the ring's {ring}"
     return "ring", f"ring: {ring} elements moved per shard row (overlapped) against Ulysses' {ulysses:.0f}"
@@ -480,11 +490,12 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=No
                                generator=None, schedule="auto"):
     """:func:`ring_attention` or :func:`ulysses_attention` (same shards, same result), ``schedule`` "ring",
     "ulysses" or "auto" (:func:`choose_schedule`; dropout takes the ring). ValueError for another schedule name;
-    NotImplementedError for dropout with windows or softcap (no schedule has both yet)."""
+    NotImplementedError for dropout with a window (no schedule has both yet); softcap with dropout: ring_attention's
+    ValueError."""
     if schedule not in ("auto", "ring", "ulysses"):
         raise ValueError(f"schedule must be 'auto', 'ring' or 'ulysses', got {schedule!r}")
-    if dropout_p and (window_size is not None or softcap is not None or schedule == "ulysses"):
-        raise NotImplementedError("dropout runs on the ring schedule, which takes no window_size or softcap yet")
+    if dropout_p and (window_size is not None or schedule == "ulysses"):
+        raise NotImplementedError("dropout runs on the ring schedule, which takes no window_size yet")
     if schedule == "auto":
         schedule = "ring" if dropout_p else choose_schedule(
             q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1], window=window_size is not None,
@@ -492,7 +503,8 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=No
     if schedule == "ulysses":
         return ulysses_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                  return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap)
-    if window_size is not None or softcap is not None:
-        raise NotImplementedError("ring_attention takes no window_size or softcap yet: schedule='ulysses' does")
+    if window_size is not None:
+        raise NotImplementedError("ring_attention takes no window_size yet: schedule='ulysses' does")
     return ring_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                          return_lse=return_lse, zigzag=zigzag, dropout_p=dropout_p, generator=generator)
+                          return_lse=return_lse, zigzag=zigzag, dropout_p=dropout_p, generator=generator,
+                          softcap=softcap)

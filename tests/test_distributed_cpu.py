@@ -74,7 +74,8 @@ def test_schedule_rule():
     assert cp_dist.choose_schedule(12, 4, 64, 64, 8)[0] == "ring"         # heads not divisible
     assert cp_dist.choose_schedule(8, 8, 64, 64, 2, window=True)[0] == "ulysses"
     with pytest.raises(ValueError, match="multiples of the 3 ranks"):
-        cp_dist.choose_schedule(8, 8, 64, 64, 3, softcap=True)
+        cp_dist.choose_schedule(8, 8, 64, 64, 3, window=True)
+    assert cp_dist.choose_schedule(12, 4, 64, 64, 8, softcap=True)[0] == "ring"  # the ring takes softcap
 
 
 def test_shard_length_mismatch_is_a_value_error(tmp_path):
@@ -135,3 +136,29 @@ def test_ring_dropout_applies_each_pairs_mask_forward_and_backward(tmp_path):
     """Dropout on the ring: each (query chunk, key chunk) pair's keep mask, assembled into the whole sequence's, gives
     the same output and gradients as one float64 computation with that mask (world size 2, causal, GQA)."""
     spawn(_dropout_worker, 2, tmp_path)
+
+
+def _softcap_worker(rank, world, init, failures):
+    with rank_errors(rank, failures):
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        g = torch.Generator().manual_seed(11)
+        q, k, v = (torch.randn(1, H, 19, 8, generator=g) * 3 for H in (4, 2, 2))
+        dout = torch.randn(1, 4, 19, 8, generator=g)
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        want = cupy_attn.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True, softcap=2.0)
+        want_grads = torch.autograd.grad(want, full, dout)
+        shard = (lambda x: cp_dist.shard_sequence(x, rank, world))
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
+        out = cp_dist.context_parallel_attention(*local, is_causal=True, enable_gqa=True, softcap=2.0,
+                                                 schedule="ring")
+        np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6)
+        for got, ref in zip(torch.autograd.grad(out, local, shard(dout)), want_grads):
+            np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5)
+        with pytest.raises(ValueError, match="softcap with dropout_p"):
+            cp_dist.ring_attention(*local, enable_gqa=True, softcap=2.0, dropout_p=0.1)
+
+
+def test_ring_attention_with_softcap(tmp_path):
+    """softcap on the ring (every chunk pair's scores capped, the backward's (1 − t²) per pair) equals the dense call
+    on the gathered sequence, forward and gradients, on 3 ranks."""
+    spawn(_softcap_worker, 3, tmp_path)
