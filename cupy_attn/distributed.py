@@ -2,7 +2,7 @@
 
     shard_sequence / gather_sequence   a sequence split into (zig-zag) chunks per rank, and back
     ring_attention                     attention of every rank's query shard against the whole sequence's keys
-                                       (softcap and dropout too)
+                                       (softcap, windows and dropout too)
     ulysses_attention                  the same by two all-to-alls: each rank attends the whole sequence for H / N
                                        heads (DeepSpeed-Ulysses), with windows and softcap
     context_parallel_attention         either, by choose_schedule's rule (which says why)
@@ -19,8 +19,9 @@ lse (FlashAttention-2's backward needs nothing else).
 
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
 forward and the backward issue each step's K/V transfer before that step's compute and wait for it after; the
-backward's dK and dV follow their keys after each step's compute. Not yet: windows in the ring (the Ulysses schedule
-takes them), softcap with dropout, dropout in Ulysses, sinks and ALiBi.
+backward's dK and dV follow their keys after each step's compute. Windows in the ring run as a mask_mod on the chunk
+pairs they touch (pairs wholly outside are skipped). Not yet: a window or softcap with dropout, dropout in Ulysses,
+sinks and ALiBi.
 """
 from __future__ import annotations
 
@@ -109,9 +110,10 @@ def _all_lengths(length: int, group, device) -> list[int]:
 class _Ring:
     """One call's ring: who sends to whom, the chunk layout of every rank's shard, the causal rule between chunks."""
 
-    def __init__(self, group, seqlen_local: int, device, zigzag: bool, causal: bool):
+    def __init__(self, group, seqlen_local: int, device, zigzag: bool, causal: bool, window=(None, None)):
         rank, n = _group_info(group)
         self.group, self.rank, self.n, self.zigzag, self.causal = group, rank, n, zigzag, causal
+        self.window = window  # (left, right) in global positions, None: unbounded on that side
         lengths = _all_lengths(seqlen_local, group, device)
         self.bounds = chunk_bounds(sum(lengths), n, zigzag)
         for r in range(n):
@@ -134,12 +136,26 @@ class _Ring:
 
     def visibility(self, cq: int, ck: int):
         """How query chunk cq sees key chunk ck: None (not at all), False (every key), or "top_left" (the same
-        chunk under a causal mask: its own causal triangle)."""
+        chunk under a causal mask: its own causal triangle); with a window, None also when every key of ck lies
+        outside every row's window."""
+        if self.causal and ck > cq:
+            return None
+        left, right = self.window
+        (q0, q1), (k0, k1) = self.bounds[cq], self.bounds[ck]
+        if (left is not None and k1 - 1 < q0 - left) or (right is not None and k0 > q1 - 1 + right):
+            return None
         if not self.causal:
             return False
-        if ck > cq:
-            return None
         return "top_left" if ck == cq else False
+
+    def window_of(self, cq: int, ck: int):
+        """The window mod's aux for the pair (cq, ck), or None without a window: [global query start − global key
+        start, left, right] (int32; 2^30 for an unbounded side)."""
+        left, right = self.window
+        if left is None and right is None:
+            return None
+        big = 1 << 30
+        return [self.bounds[cq][0] - self.bounds[ck][0], big if left is None else left, big if right is None else right]
 
     def exchange(self, tensors: list, sender: int):
         """Send ``tensors`` to rank + 1 and receive the same-shaped ones (but for the sequence axis, rank
@@ -158,11 +174,35 @@ class _Ring:
         return dist.batch_isend_irecv(ops), bufs
 
 
-def _attend(q, k, v, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None):
+@functools.cache
+def _window_mod():
+    """The ring's window as a mask_mod: key j of the pair's key chunk is visible to query i of its query chunk when
+    −right ≤ (i + d) − j ≤ left, d = the chunks' global start difference (aux.win = [d, left, right])."""
+    from .attention.mods import AttentionMod
+    return AttentionMod(
+        mask_mod="const long long rel = static_cast<long long>(q_idx) + aux.win[0] - kv_idx;\n"
+                 "return rel <= aux.win[1] && rel >= -static_cast<long long>(aux.win[2]);",
+        reference_mask_mod=lambda b, h, i, j, aux: ((i + int(aux.win[0]) - j) <= int(aux.win[1]))
+        & ((i + int(aux.win[0]) - j) >= -int(aux.win[2])))
+
+
+def _window_aux(win, device):
+    torch = sys.modules["torch"]
+    return {"win": torch.tensor(win, dtype=torch.int32, device=device)}
+
+
+def _attend(q, k, v, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None, win=None):
     """(out fp32, lse fp32) of one (query chunk, key chunk) pair: our kernels on CUDA, the float64 reference on CPU.
     dropout_p > 0: the pair's keep mask comes from ``rng`` (the call's int64 (seed, offset), attention/dropout.py).
-    softcap: as the dense call's (per score, so the same on every pair)."""
+    softcap: as the dense call's (per score, so the same on every pair). win: the pair's window (_Ring.window_of),
+    applied as a mask_mod (_window_mod), or None."""
     torch = sys.modules["torch"]
+    if win is not None:  # the window as a mod (no dropout with a window: ring_attention refuses it)
+        from .attention.sdpa import scaled_dot_product_attention
+        out, lse = scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), is_causal=causal, scale=scale,
+                                                enable_gqa=enable_gqa, softcap=softcap, score_mod=_window_mod(),
+                                                aux=_window_aux(win, q.device), return_lse=True)
+        return out.float(), lse.float()
     if q.is_cuda:
         from .attention.sdpa import forward
         out, lse = forward(q, k, v, None, is_causal=causal, scale=scale, enable_gqa=enable_gqa, workspace_bytes=None,
@@ -192,10 +232,17 @@ def _merge(acc, part):
     return (oa * (wa * inv)[..., None] + ob * (wb * inv)[..., None]), lse
 
 
-def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None):
+def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rng=None, softcap=None, win=None):
     """(dq, dk, dv) fp32 of one (query chunk, key chunk) pair from the whole call's out and lse (dropout: the pair's
-    forward rng, so the same keep mask; softcap: its factor (1 − t²) in dS, as the dense backward's)."""
+    forward rng, so the same keep mask; softcap: its factor (1 − t²) in dS, as the dense backward's; win: the
+    pair's window as the forward's mask_mod)."""
     torch = sys.modules["torch"]
+    if win is not None and q.is_cuda:
+        from .attention import autograd, checks
+        p = checks.check_sdpa(q.detach(), k.detach(), v.detach(), None, 0.0, causal, scale, enable_gqa, "auto", None,
+                              None, softcap, None, None, score_mod=_window_mod(), aux=_window_aux(win, q.device))
+        dq, dk, dv, _ = autograd.problem_grads(p, q, k, v, None, out, lse.contiguous(), dout, need_mask_grad=False)
+        return dq.float(), dk.float(), dv.float()
     if q.is_cuda:
         from .attention import autograd
         dq, dk, dv, _ = autograd.grad_inputs(q, k, v, None, out, lse.contiguous(), dout, is_causal=causal,
@@ -205,9 +252,14 @@ def _grads(q, k, v, out, lse, dout, causal, scale, enable_gqa, dropout_p=0.0, rn
     from .attention import dropout
     mask = None if not dropout_p else dropout.keep_mask(rng, (q.shape[0], q.shape[1], q.shape[2], k.shape[2]),
                                                         dropout_p)
+    mask_mod = None
+    if win is not None:
+        form = _window_mod().reference_mask_mod
+        aux = type("Aux", (), {"win": np.asarray(win)})
+        mask_mod = (lambda b, h, i, j: form(b, h, i, j, aux))
     g = reference.scaled_dot_product_attention_backward(
         *(x.detach().double().numpy() for x in (q, k, v, out, lse, dout)), causal, scale, enable_gqa,
-        dropout_p=dropout_p, dropout_mask=mask, softcap=softcap)
+        dropout_p=dropout_p, dropout_mask=mask, softcap=softcap, mask_mod=mask_mod)
     return tuple(torch.from_numpy(x).float() for x in g[:3])
 
 
@@ -232,7 +284,7 @@ def _forward(ring: _Ring, q, k, v, scale, enable_gqa, dropout_p=0.0, generator=N
                 if dropout_p:
                     rngs[cq, ck] = dropout.torch_draw(q.device, generator)
                 part = _attend(q.narrow(-2, qs, ql), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), vis, scale,
-                               enable_gqa, dropout_p, rngs.get((cq, ck)), softcap)
+                               enable_gqa, dropout_p, rngs.get((cq, ck)), softcap, ring.window_of(cq, ck))
                 acc[cq] = _merge(acc[cq], part)
         if pending is not None:
             for req in pending[0]:
@@ -269,7 +321,7 @@ def _backward(ring: _Ring, q, k, v, out, lse, dout, scale, enable_gqa, dropout_p
                 rows = (lambda x: x.narrow(-2, qs, ql))
                 g = _grads(rows(q), kv[0].narrow(-2, ks, kl), kv[1].narrow(-2, ks, kl), rows(out),
                            lse.narrow(-1, qs, ql), rows(dout), vis, scale, enable_gqa, dropout_p,
-                           (rngs or {}).get((cq, ck)), softcap)
+                           (rngs or {}).get((cq, ck)), softcap, ring.window_of(cq, ck))
                 dq.narrow(-2, qs, ql).add_(g[0])
                 dkv[0].narrow(-2, ks, kl).add_(g[1])
                 dkv[1].narrow(-2, ks, kl).add_(g[2])
@@ -310,7 +362,7 @@ def _function():
 
 
 def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
-                   zigzag=True, dropout_p=0.0, generator=None, softcap=None):
+                   zigzag=True, dropout_p=0.0, generator=None, softcap=None, window_size=None):
     """Attention of this rank's query shard against the keys of every rank's shard, as if on the whole sequence:
 
         out_i = Σ_j softmax_j(s_ij) v_j over all keys j of the sequence (j ≤ i with is_causal),
@@ -331,9 +383,11 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
     Returns out (B, Hq, L_local, Ev) in q's dtype, or (out, lse (B, Hq, L_local) float32).
 
     Raises ValueError when a rank's shard length is not what shard_sequence gives for the gathered length, or shapes
-    disagree; ValueError for dropout_p outside [0, 1] and for softcap with dropout_p > 0 (no backward kernel has
-    both). softcap: as the dense call's (a float > 0, or None / 0). (No window yet: :func:`ulysses_attention` takes
-    one.)
+    disagree; ValueError for dropout_p outside [0, 1], for softcap with dropout_p > 0 (no backward kernel has
+    both) and for a window with dropout_p > 0. softcap: as the dense call's (a float > 0, or None / 0). window_size:
+    (left, right) in positions of the whole sequence, as the dense call's with L = S: key j visible to query i when
+    i − left ≤ j ≤ i + right; chunk pairs wholly outside every row's window are skipped, the others run the window
+    as a mask_mod (cupy_attn.AttentionMod, the pair's global offset in its aux), forward and backward.
     Algorithm: ring attention (Liu et al. 2023) with zig-zag load balancing; partial results merged by lse.
     """
     torch = sys.modules["torch"]
@@ -355,8 +409,11 @@ def ring_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_g
         softcap = float(softcap) or None
     if softcap is not None and float(dropout_p) > 0:
         raise ValueError("softcap with dropout_p > 0: no backward kernel has both")
+    window = reference.window_bounds(window_size)
+    if window != (None, None) and float(dropout_p) > 0:
+        raise ValueError("window_size with dropout_p > 0: the ring runs windows as a mask_mod, which has no dropout")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal))
+    ring = _Ring(group, q.shape[-2], q.device, zigzag, bool(is_causal), window)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         out, lse = _function().apply(q, k, v, ring, scale, bool(enable_gqa), float(dropout_p), generator, softcap)
     else:
@@ -461,8 +518,8 @@ def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v
         ring:    (N − 1) · Hkv · (E + Ev)          K and V pass every other rank (overlapped with compute)
         ulysses: (N − 1) / N · (Hq · (E + Ev) + Hkv · (E + Ev))   q, k, v out and out back, once each
 
-    Ulysses needs Hq and Hkv to be multiples of N; windows exist only there (ring_attention takes none yet), softcap
-    on both. Ties go to the ring, whose transfers hide behind compute.
+    Ulysses needs Hq and Hkv to be multiples of N; windows prefer it where the heads divide (the dense kernels skip
+    the blocks outside a window), softcap runs on both. Ties go to the ring, whose transfers hide behind compute.
 
     >>> choose_schedule(32, 8, 128, 128, 2)[0], choose_schedule(32, 32, 128, 128, 8)[0]
     ('ring', 'ulysses')
@@ -471,15 +528,13 @@ def choose_schedule(num_heads: int, num_kv_heads: int, head_dim: int, head_dim_v
     """
     n = world_size
     if num_heads % n or num_kv_heads % n:
-        if window:
-            raise ValueError(f"window_size needs the Ulysses schedule, whose heads ({num_heads} query, "
-                             f"{num_kv_heads} key/value) must be multiples of the {n} ranks")
         return "ring", (f"ring: the heads ({num_heads} query, {num_kv_heads} key/value) are not multiples of the "
                         f"{n} ranks (Ulysses splits them)")
     ring = (n - 1) * num_kv_heads * (head_dim + head_dim_v)
     ulysses = (n - 1) / n * (num_heads + num_kv_heads) * (head_dim + head_dim_v)
     if window:
-        return "ulysses", "ulysses: window_size is served by the dense call it runs on whole sequences"
+        return "ulysses", ("ulysses: window_size is served by the dense call it runs on whole sequences (its kernels "
+                           "skip the blocks outside the window; the ring computes a mask_mod on the pairs it keeps)")
     if ulysses < ring:
         return "ulysses", f"ulysses: {ulysses:.0f} elements moved per shard row against the ring's {ring}"
     return "ring", f"ring: {ring} elements moved per shard row (overlapped) against Ulysses' {ulysses:.0f}"
@@ -490,12 +545,11 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=No
                                generator=None, schedule="auto"):
     """:func:`ring_attention` or :func:`ulysses_attention` (same shards, same result), ``schedule`` "ring",
     "ulysses" or "auto" (:func:`choose_schedule`; dropout takes the ring). ValueError for another schedule name;
-    NotImplementedError for dropout with a window (no schedule has both yet); softcap with dropout: ring_attention's
-    ValueError."""
+    NotImplementedError for dropout on Ulysses; a window or softcap with dropout: ring_attention's ValueError."""
     if schedule not in ("auto", "ring", "ulysses"):
         raise ValueError(f"schedule must be 'auto', 'ring' or 'ulysses', got {schedule!r}")
-    if dropout_p and (window_size is not None or schedule == "ulysses"):
-        raise NotImplementedError("dropout runs on the ring schedule, which takes no window_size yet")
+    if dropout_p and schedule == "ulysses":
+        raise NotImplementedError("dropout runs on the ring schedule only")
     if schedule == "auto":
         schedule = "ring" if dropout_p else choose_schedule(
             q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1], window=window_size is not None,
@@ -503,8 +557,6 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=No
     if schedule == "ulysses":
         return ulysses_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                                  return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap)
-    if window_size is not None:
-        raise NotImplementedError("ring_attention takes no window_size yet: schedule='ulysses' does")
     return ring_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                           return_lse=return_lse, zigzag=zigzag, dropout_p=dropout_p, generator=generator,
-                          softcap=softcap)
+                          softcap=softcap, window_size=window_size)

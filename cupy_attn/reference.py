@@ -180,7 +180,7 @@ def apply_mods(s, score_mod, mask_mod, xp=np):
 
 def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out, is_causal=False, scale=None,
                                           enable_gqa=False, *, window_size=None, softcap=None, sinks=None,
-                                          alibi_slopes=None, dropout_p=0.0, dropout_mask=None):
+                                          alibi_slopes=None, dropout_p=0.0, dropout_mask=None, mask_mod=None):
     """The gradients of :func:`scaled_dot_product_attention` (no mask, no dropout) in float64, from the forward's
     out and lse (FlashAttention-2's backward, Dao 2023, §3.2, in exact arithmetic):
 
@@ -192,6 +192,7 @@ def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out,
 
     Shapes as the forward's (out (..., Hq, L, Ev), lse (..., Hq, L), grad_out like out); GQA gradients of K and V
     are summed over each group's query heads. Rows with lse = −inf (no visible key, no sink) contribute nothing.
+    mask_mod: a Python mask_mod(b, h, i, j) as the forward's (keys it hides take no part).
     Returns (dq, dk, dv, dsinks) float64, dsinks None without sinks.
     """
     q, k, v, o, do = (np.asarray(x, dtype=np.float64) for x in (query, key, value, out, grad_out))
@@ -208,6 +209,8 @@ def scaled_dot_product_attention_backward(query, key, value, out, lse, grad_out,
     if alibi_slopes is not None:
         s = s + alibi_bias(alibi_slopes, L, S)
     keep = visible_keys(L, S, is_causal, window_size) if (is_causal or window_size is not None) else True
+    if mask_mod is not None:  # as the forward's (apply_mods): keys it hides take no part
+        keep = keep & np.broadcast_to(np.asarray(mask_mod(*mod_indices(raw.shape)), dtype=bool), raw.shape)
     finite = np.isfinite(lse)[..., None]
     with np.errstate(invalid="ignore", over="ignore"):
         p = np.where(keep & finite, np.exp(s - np.where(finite, lse[..., None], 0.0)), 0.0)

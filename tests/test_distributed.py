@@ -52,29 +52,33 @@ def test_two_gpus_equal_one(dtype_name, E, causal, tmp_path):
     spawn(_worker, 2, tmp_path, dtype_name, E, causal)
 
 
-def _softcap_worker(rank, world, init, failures):
+def _softcap_worker(rank, world, init, failures, window=None):
     import os
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
     with rank_errors(rank, failures):
         torch.cuda.set_device(rank)
         dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world)
         g = torch.Generator("cuda").manual_seed(12)
-        q, k, v, dout = (torch.randn(1, H, 2048, 128, generator=g, device="cuda").bfloat16() * 2 for H in (8, 2, 2, 8))
+        q, k, v, dout = (torch.randn(1, H, 2048, 128, generator=g, device="cuda").bfloat16() * 2
+                         for H in (8, 2, 2, 8))
         full = [x.clone().requires_grad_() for x in (q, k, v)]
-        want = cupy_attn.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True, softcap=20.0)
+        want = cupy_attn.scaled_dot_product_attention(*full, is_causal=True, enable_gqa=True, softcap=20.0,
+                                                      window_size=window)
         want_grads = torch.autograd.grad(want, full, dout)
         shard = (lambda x: cp_dist.shard_sequence(x, rank, world))
         local = [shard(x).requires_grad_() for x in (q, k, v)]
-        out = cp_dist.ring_attention(*local, is_causal=True, enable_gqa=True, softcap=20.0)
+        out = cp_dist.ring_attention(*local, is_causal=True, enable_gqa=True, softcap=20.0, window_size=window)
         grads = torch.autograd.grad(out, local, shard(dout))
         for got, single, name in zip((out,) + grads, (want,) + want_grads, ("out", "dq", "dk", "dv")):
             torch.testing.assert_close(got.float(), shard(single).float(), rtol=3e-2, atol=3e-2,
                                        msg=f"rank {rank} {name}")
 
 
-def test_two_gpus_ring_with_softcap(tmp_path):
-    """softcap on the ring over NCCL (the pairs' forward and Hopper backward with softcap) against the single-GPU
-    call on the gathered sequence (bf16: the chunked merge rounds differently, so a tolerance of bf16's order)."""
+@pytest.mark.parametrize("window", [None, (300, 0)])
+def test_two_gpus_ring_with_softcap_and_window(window, tmp_path):
+    """softcap (and a window: the pairs it touches run it as a mask_mod) on the ring over NCCL, forward and the
+    Hopper backward, against the single-GPU call on the gathered sequence (bf16: the chunked merge rounds
+    differently, so a tolerance of bf16's order)."""
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machines)")
-    spawn(_softcap_worker, 2, tmp_path)
+    spawn(_softcap_worker, 2, tmp_path, window)

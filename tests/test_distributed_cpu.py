@@ -73,8 +73,7 @@ def test_schedule_rule():
     assert cp_dist.choose_schedule(16, 16, 128, 128, 4)[0] == "ulysses"   # MHA on 4 ranks: the all-to-alls move less
     assert cp_dist.choose_schedule(12, 4, 64, 64, 8)[0] == "ring"         # heads not divisible
     assert cp_dist.choose_schedule(8, 8, 64, 64, 2, window=True)[0] == "ulysses"
-    with pytest.raises(ValueError, match="multiples of the 3 ranks"):
-        cp_dist.choose_schedule(8, 8, 64, 64, 3, window=True)
+    assert cp_dist.choose_schedule(8, 8, 64, 64, 3, window=True)[0] == "ring"  # heads not divisible: the ring
     assert cp_dist.choose_schedule(12, 4, 64, 64, 8, softcap=True)[0] == "ring"  # the ring takes softcap
 
 
@@ -162,3 +161,33 @@ def test_ring_attention_with_softcap(tmp_path):
     """softcap on the ring (every chunk pair's scores capped, the backward's (1 − t²) per pair) equals the dense call
     on the gathered sequence, forward and gradients, on 3 ranks."""
     spawn(_softcap_worker, 3, tmp_path)
+
+
+def _window_worker(rank, world, init, failures):
+    with rank_errors(rank, failures):
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        g = torch.Generator().manual_seed(13)
+        q, k, v = (torch.randn(1, H, 23, 8, generator=g) for H in (2, 2, 2))
+        dout = torch.randn(1, 2, 23, 8, generator=g)
+        assert cp_dist.choose_schedule(2, 2, 8, 8, world, window=True)[0] == "ring"
+        for causal, window in ((True, (4, 0)), (False, (3, 2)), (False, (None, 1))):
+            full = [x.clone().requires_grad_() for x in (q, k, v)]
+            want = cupy_attn.scaled_dot_product_attention(*full, is_causal=causal, window_size=window, softcap=5.0)
+            want_grads = torch.autograd.grad(want, full, dout)
+            shard = (lambda x: cp_dist.shard_sequence(x, rank, world))
+            local = [shard(x).requires_grad_() for x in (q, k, v)]
+            out = cp_dist.ring_attention(*local, is_causal=causal, window_size=window, softcap=5.0)
+            np.testing.assert_allclose(out.detach().numpy(), shard(want).detach().numpy(), atol=2e-6,
+                                       err_msg=f"rank {rank} {causal} {window}")
+            for got, ref in zip(torch.autograd.grad(out, local, shard(dout)), want_grads):
+                np.testing.assert_allclose(got.numpy(), shard(ref).numpy(), atol=2e-5,
+                                           err_msg=f"rank {rank} {causal} {window}")
+        with pytest.raises(ValueError, match="window_size with dropout_p"):
+            cp_dist.ring_attention(*local, window_size=(4, 0), dropout_p=0.1)
+
+
+def test_ring_attention_with_a_window(tmp_path):
+    """A window on the ring (3 ranks, heads not divisible: the ring; pairs wholly outside skipped, the others a
+    mask_mod with the pair's global offset), with softcap, causal or not, equals the gathered call, forward and
+    gradients."""
+    spawn(_window_worker, 3, tmp_path)
