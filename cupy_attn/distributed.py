@@ -20,8 +20,8 @@ lse (FlashAttention-2's backward needs nothing else).
 torch tensors only (torch.distributed), CUDA (our kernels) or CPU (the float64 reference, for checking). The ring
 forward and the backward issue each step's K/V transfer before that step's compute and wait for it after; the
 backward's dK and dV follow their keys after each step's compute. Windows in the ring run as a mask_mod on the chunk
-pairs they touch (pairs wholly outside are skipped). Not yet: a window or softcap with dropout, dropout in Ulysses,
-sinks and ALiBi.
+pairs they touch (pairs wholly outside are skipped). Not yet: a window or softcap with dropout on the ring (Ulysses
+has them), sinks and ALiBi.
 """
 from __future__ import annotations
 
@@ -469,7 +469,7 @@ def _heads_to_seq(x, lengths, group):
 
 
 def ulysses_attention(q, k, v, *, group=None, is_causal=False, scale=None, enable_gqa=False, return_lse=False,
-                      zigzag=True, window_size=None, softcap=None):
+                      zigzag=True, window_size=None, softcap=None, dropout_p=0.0, generator=None):
     """The result of :func:`ring_attention` (same shards, same math) by DeepSpeed-Ulysses' head-parallel schedule
     (Jacobs et al. 2023): an all-to-all gives each rank every row of the sequence for H / N of the heads, the rank runs
     :func:`cupy_attn.scaled_dot_product_attention` on them (so windows and softcap are available, in its kernels),
@@ -477,9 +477,11 @@ def ulysses_attention(q, k, v, *, group=None, is_causal=False, scale=None, enabl
     out; out back): fewer, larger messages than the ring's N − 1 steps, but N may not exceed the heads.
 
     Shapes and dtypes as ring_attention's; Hq and Hkv must both be multiples of the world size. window_size and
-    softcap as the dense call's (relative to the whole sequence). Differentiable in q, k and v (the all-to-alls'
-    backward is the reverse exchange; the attention's is the dense call's). Returns out, or (out, lse) with lse
-    (B, Hq, L_local) float32 (no gradient).
+    softcap as the dense call's (relative to the whole sequence). dropout_p, generator: the dense call's dropout on
+    this rank's heads (its keep mask drawn from ``generator`` on each rank: the masks differ from one call's on the
+    gathered sequence, the distribution is the same; the backward applies the same masks). Differentiable in q, k
+    and v (the all-to-alls' backward is the reverse exchange; the attention's is the dense call's). Returns out, or
+    (out, lse) with lse (B, Hq, L_local) float32 (no gradient).
 
     Raises ValueError for heads that do not divide among the ranks and for shards of the wrong length.
     """
@@ -502,7 +504,7 @@ def ulysses_attention(q, k, v, *, group=None, is_causal=False, scale=None, enabl
     qh, kh, vh = (_seq_to_heads(x, lengths, group).index_select(2, to_seq) for x in (q, k, v))
     out, lse = scaled_dot_product_attention(qh, kh, vh, is_causal=bool(is_causal), scale=scale,
                                             enable_gqa=enable_gqa, window_size=window_size, softcap=softcap,
-                                            return_lse=True)
+                                            dropout_p=dropout_p, generator=generator, return_lse=True)
     out = _heads_to_seq(out.index_select(2, to_ranks), lengths, group)
     if not return_lse:
         return out
@@ -544,19 +546,22 @@ def context_parallel_attention(q, k, v, *, group=None, is_causal=False, scale=No
                                return_lse=False, zigzag=True, window_size=None, softcap=None, dropout_p=0.0,
                                generator=None, schedule="auto"):
     """:func:`ring_attention` or :func:`ulysses_attention` (same shards, same result), ``schedule`` "ring",
-    "ulysses" or "auto" (:func:`choose_schedule`; dropout takes the ring). ValueError for another schedule name;
-    NotImplementedError for dropout on Ulysses; a window or softcap with dropout: ring_attention's ValueError."""
+    "ulysses" or "auto" (:func:`choose_schedule`; dropout takes the ring under "auto", unless a window or softcap
+    comes with it: then Ulysses, whose dense call has both). ValueError for another schedule name; a window or
+    softcap with dropout on the ring: ring_attention's ValueError."""
     if schedule not in ("auto", "ring", "ulysses"):
         raise ValueError(f"schedule must be 'auto', 'ring' or 'ulysses', got {schedule!r}")
-    if dropout_p and schedule == "ulysses":
-        raise NotImplementedError("dropout runs on the ring schedule only")
     if schedule == "auto":
-        schedule = "ring" if dropout_p else choose_schedule(
-            q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1], window=window_size is not None,
-            softcap=softcap is not None)[0]
+        rule = choose_schedule(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], _group_info(group)[1],
+                               window=window_size is not None, softcap=softcap is not None)[0]
+        heads_divide = q.shape[1] % _group_info(group)[1] == 0 and k.shape[1] % _group_info(group)[1] == 0
+        if dropout_p:  # the ring, but for a window or softcap beside it, which only Ulysses' dense call has with it
+            rule = "ulysses" if heads_divide and (window_size is not None or softcap is not None) else "ring"
+        schedule = rule
     if schedule == "ulysses":
         return ulysses_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
-                                 return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap)
+                                 return_lse=return_lse, zigzag=zigzag, window_size=window_size, softcap=softcap,
+                                 dropout_p=dropout_p, generator=generator)
     return ring_attention(q, k, v, group=group, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
                           return_lse=return_lse, zigzag=zigzag, dropout_p=dropout_p, generator=generator,
                           softcap=softcap, window_size=window_size)

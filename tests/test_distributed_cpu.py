@@ -191,3 +191,34 @@ def test_ring_attention_with_a_window(tmp_path):
     mask_mod with the pair's global offset), with softcap, causal or not, equals the gathered call, forward and
     gradients."""
     spawn(_window_worker, 3, tmp_path)
+
+
+def _ulysses_dropout_worker(rank, world, init, failures):
+    with rank_errors(rank, failures):
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
+        g = torch.Generator().manual_seed(17)
+        q, k, v = (torch.randn(1, 4, 10, 8, generator=g) for _ in range(3))
+        shard = (lambda x: cp_dist.shard_sequence(x, rank, world))
+        local = [shard(x).requires_grad_() for x in (q, k, v)]
+        runs = []
+        for _ in range(2):  # the same generator state: the same masks, the same result
+            gen = torch.Generator().manual_seed(100 + rank)
+            out = cp_dist.ulysses_attention(*local, is_causal=True, dropout_p=0.3, generator=gen, window_size=(3, 0))
+            runs.append((out, torch.autograd.grad(out.sum(), local)))
+        np.testing.assert_array_equal(runs[0][0].detach().numpy(), runs[1][0].detach().numpy())
+        for a, b in zip(runs[0][1], runs[1][1]):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        zero = cp_dist.ulysses_attention(*local, is_causal=True, dropout_p=1.0)
+        assert torch.all(zero == 0)
+        plain = cp_dist.ulysses_attention(*local, is_causal=True, window_size=(3, 0))
+        assert not torch.allclose(runs[0][0], plain)  # the masks took effect
+        auto = cp_dist.context_parallel_attention(*local, is_causal=True, dropout_p=0.3, window_size=(3, 0),
+                                                  generator=torch.Generator().manual_seed(100 + rank))
+        np.testing.assert_array_equal(auto.detach().numpy(), runs[0][0].detach().numpy())  # auto: Ulysses
+
+
+def test_ulysses_dropout(tmp_path):
+    """Dropout on the Ulysses schedule (the dense call's, each rank's heads with its generator; with a window, which
+    the ring cannot take with dropout): reproducible from the generator's state, forward and gradients; p = 1 gives
+    0; context_parallel_attention takes Ulysses for dropout with a window."""
+    spawn(_ulysses_dropout_worker, 2, tmp_path)
