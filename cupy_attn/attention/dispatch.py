@@ -272,9 +272,21 @@ def variant_details(p, block_m: int, block_n: int) -> dict:
     if p.variants.plain:
         return {}
     total, seen = tile_visibility(p, block_m, block_n)
-    return {"variants": ", ".join(p.variants.names()),
-            "skipped tiles": f"{total - seen} of {total} ({100 * (total - seen) / max(total, 1):.0f}%) have no visible "
-                             "key: neither loaded nor computed"}
+    lines = {"variants": ", ".join(p.variants.names()),
+             "skipped tiles": f"{total - seen} of {total} ({100 * (total - seen) / max(total, 1):.0f}%) have no "
+                              "visible key: neither loaded nor computed"}
+    bound = p.variants.mod
+    if bound is not None:
+        ranges = bound.block_mask is not None or bound.mask_source is not None
+        lines["skipped tiles"] += (" by the causal and window bounds; more by the mask's key ranges (found on the "
+                                   "device)" if ranges else " by the causal and window bounds (no BlockMask: the mod's "
+                                   "own holes are computed and masked)")
+        parts = [n for n in ("score_mod", "mask_mod", "score_mod_grad", "score_mod_aux_grad")
+                 if getattr(bound.mod, n) is not None]
+        aux = [f"{n} ({dt}, {nd}-d)" for n, (_, dt, nd) in zip(bound.names, bound.spec)]
+        lines["mod"] = ", ".join(parts) + (f"; aux {', '.join(aux)}" if aux else "") + (
+            "; the call's attn_mask" if bound.mask_source is not None else "")
+    return lines
 
 
 def tile_visibility(p, block_m: int, block_n: int) -> tuple[int, int]:
@@ -414,7 +426,8 @@ def fa3_details(choice: flash_fwd_sm90.Choice, p=None) -> dict:
     """The FA3-design kernel's configuration (flash_fwd_sm90.choose's choice), with a call's variants."""
     tile = choice.tile
     return {"head-dim bucket": choice.head_dim,
-            "kernel": f"flash_fwd_sm90_tma ({choice.variant}" + (", variants)" if choice.variants else ")"),
+            "kernel": ("flash_fwd_sm90_mod (" if p is not None and p.variants.mod is not None else "flash_fwd_sm90_tma (")
+                      + choice.variant + (", variants)" if choice.variants else ")"),
             "tile": f"{tile.block_m}x{tile.block_n}, producer + {tile.block_m // 64} consumer warpgroups, "
                     f"{tile.stages} K/V stages, TMA + wgmma" + (", intra-warpgroup overlap" if tile.overlap else "")
                     + (", persistent (one CTA per SM)" if tile.persistent else ""),
