@@ -5,6 +5,7 @@ Public API:
     varlen_attention              packed batches of sequences of different lengths (FlashAttention's varlen API)
     explain                       which path a call takes, and why
     explain_varlen                the same for varlen_attention
+    attention_with_kvcache        decode against a KV cache, dense or paged (FlashAttention's flash_attn_with_kvcache)
     merge_attention_states        two partial attention results (out, lse) over disjoint keys merged into one
     AttentionMod                  score_mod / mask_mod as CUDA C++ snippets (FlexAttention's idea, compiled by NVRTC)
     create_block_mask             a mask_mod's visible key range per block of query rows, for the kernels to skip
@@ -20,12 +21,12 @@ Public API:
 from __future__ import annotations
 
 from . import philox, reference
-from .attention import (AttentionMod, BlockMask, create_block_mask, explain, explain_varlen,
+from .attention import (AttentionMod, BlockMask, attention_with_kvcache, create_block_mask, explain, explain_varlen,
                         merge_attention_states, scaled_dot_product_attention, varlen_attention)
 from .linear_bn_softmax import linear_batchnorm_softmax
 from .runtime.workspace import release_memory
 
 __version__ = "0.1.0"
 __all__ = ["scaled_dot_product_attention", "varlen_attention", "explain", "explain_varlen", "merge_attention_states",
-           "AttentionMod", "BlockMask", "create_block_mask", "linear_batchnorm_softmax",
+           "AttentionMod", "BlockMask", "create_block_mask", "attention_with_kvcache", "linear_batchnorm_softmax",
            "release_memory", "reference", "philox", "__version__"]

@@ -88,6 +88,13 @@ struct FlashDecodeParams {
   long long out_stride_b, out_stride_h, out_stride_l;
   long long lse_stride_b, lse_stride_h, lse_stride_l;
   long long mask_stride_b, mask_stride_h, mask_stride_l, mask_stride_s;
+  // Paged caches (flash_decode_paged): k and v are the caches' rows (num_blocks · page_size rows of k_stride_s
+  // elements, heads k_stride_h apart, k_stride_b unused); sequence b has seqused_k[b] keys (seqlen_k bounds them),
+  // key j in row block_table[b · max_blocks + j / page_size] · page_size + j % page_size; causal masks bottom-right
+  // per sequence (query i sees keys j <= i + seqused_k[b] − L).
+  const int* seqused_k;
+  const int* block_table;
+  long long max_blocks, page_size;
 };
 
 
@@ -174,6 +181,12 @@ struct TileCopy {
     dst = smem_k;
     stage = 0;
   }
+  // The next tile from rows starting at k0 and v0 (a paged cache: each tile's page, flash_decode_paged).
+  __device__ __forceinline__ void rebase(const void* k0, const void* v0) {
+    const int r0 = threadIdx.x / kChunks, col = (threadIdx.x % kChunks) * 8;
+    k_src = static_cast<const char*>(k0) + r0 * k_row_bytes + (k_bytes > 0 ? col * 2 : 0);
+    v_src = static_cast<const char*>(v0) + r0 * v_row_bytes + (v_bytes > 0 ? col * 2 : 0);
+  }
   // The next tile, whole. kFullCols: E = Ev = kHeadDim, every chunk 16 bytes.
   template <bool kFullCols>
   __device__ __forceinline__ void copy() const {
@@ -210,15 +223,19 @@ struct TileCopy {
 // j <= i + offset, and the largest i among the packed rows is at most L - 1): a split past it loads nothing and
 // writes empty rows. Keys [n_start, n_vis) are visible to every packed row (causal: up to the smallest i's limit), so
 // the first n_fast = (n_vis - n_start) / kBlockN tiles are whole and need no per-key limit (the fast softmax).
+// kPaged: the sequence's own key count (seqused_k) and bottom-right causal offset (causal_offset: paged only).
 struct Item {
   int b, hkv, h0, r0, rows_valid, n_start, n_end, n_tiles, n_fast;
+  int causal_offset;  // kPaged: S_b − L (|S − L| < 2^31)
 };
 
-template <int kBlockN>
+template <int kBlockN, bool kPaged = false>
 __device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split, int y, int b) {
   Item w;
   const int rb = y % static_cast<int>(p.row_blocks);
-  const int L = static_cast<int>(p.seqlen_q), S = static_cast<int>(p.seqlen_k), G = static_cast<int>(p.groups);
+  const int L = static_cast<int>(p.seqlen_q), G = static_cast<int>(p.groups);
+  const int S = kPaged ? min(max(p.seqused_k[b], 0), static_cast<int>(p.seqlen_k)) : static_cast<int>(p.seqlen_k);
+  w.causal_offset = kPaged ? S - L : 0;  // read by the paged kernel only
   w.b = b;
   w.hkv = y / static_cast<int>(p.row_blocks);
   w.h0 = w.hkv * G;
@@ -235,9 +252,10 @@ __device__ __forceinline__ Item make_item(const FlashDecodeParams& p, int split,
     }
     // The split's keys [n_start, n_end) as a Visibility with S = n_end: the last row sees up to end_key(max_i), the
     // first only up to end_key(min_i).
-    w.n_end = static_cast<int>(BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(max_i));
+    const long long causal_offset = kPaged ? static_cast<long long>(w.causal_offset) : p.causal_offset;
+    w.n_end = static_cast<int>(BasicVisibility<int>{w.n_end, causal_offset, true}.end_key(max_i));
     n_vis = static_cast<int>(max(static_cast<long long>(w.n_start),
-                                 BasicVisibility<int>{w.n_end, p.causal_offset, true}.end_key(min_i)));
+                                 BasicVisibility<int>{w.n_end, causal_offset, true}.end_key(min_i)));
   }
   w.n_tiles = w.n_end > w.n_start ? (w.n_end - w.n_start + kBlockN - 1) / kBlockN : 0;
   w.n_fast = max(0, n_vis - w.n_start) / kBlockN;
@@ -284,7 +302,7 @@ struct RowLimits {
   long long mask_stride_s;  // bytes
 };
 
-template <bool HasMask>
+template <bool HasMask, bool kPaged = false>
 __device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, const Item& w, int g) {
   RowLimits rl;
   const int L = static_cast<int>(p.seqlen_q);
@@ -295,7 +313,8 @@ __device__ __forceinline__ RowLimits row_limits(const FlashDecodeParams& p, cons
   for (int half = 0; half < 2; ++half) {
     const int r = g + 8 * half, pr = w.r0 + r;
     const int i = pr % L;
-    const long long lim = BasicVisibility<int>{w.n_end, p.causal_offset, p.is_causal != 0}.last_key(i);
+    const long long lim = BasicVisibility<int>{w.n_end, kPaged ? static_cast<long long>(w.causal_offset)
+                                                                : p.causal_offset, p.is_causal != 0}.last_key(i);
     rl.limit[half] = r < w.rows_valid ? static_cast<int>(max(-1ll, lim)) : -1;
     rl.mrow[half] = nullptr;
     if constexpr (HasMask) {
@@ -589,7 +608,9 @@ __device__ __forceinline__ void zero_state(float (&acc_o)[kDTiles][4], float (&m
 
 // One CTA: 16 packed rows of one (batch, kv head) over one split's keys, every thread loading K/V by cp.async into a
 // kStages ring of padded rows. See the header for the mapping.
-template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask>
+// kPaged (flash_decode_paged's instantiations, no mask): each tile's rows from its page (FlashDecodeParams'
+// block_table), each sequence's own key count (seqused_k) and bottom-right causal offset.
+template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, bool HasMask, bool kPaged = false>
 __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodeParams p) {
   using namespace decode;
   constexpr int kThreads = kNWarps * 32;
@@ -615,7 +636,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int split = blockIdx.x;
-  const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
+  const Item w = make_item<kBlockN, kPaged>(p, split, blockIdx.y, blockIdx.z);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
 
   constexpr unsigned kTileBytes = kTileElems * 2;
@@ -629,7 +650,21 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
   const bool vec_kv = vec_k && vec_v, full_cols = E == kHeadDim && Ev == kHeadDim;
   int n_load = w.n_start;  // first key of the next tile to load
   auto load_next = [&] {
-    if (vec_kv && n_load + kBlockN <= w.n_end) {
+    if constexpr (kPaged) {  // the tile's page (a tile never crosses one: page_size is a multiple of kBlockN)
+      const int ps = static_cast<int>(p.page_size);
+      const long long row = static_cast<long long>(p.block_table[w.b * p.max_blocks + n_load / ps]) * ps + n_load % ps;
+      const T* kt = static_cast<const T*>(p.k) + row * p.k_stride_s + w.hkv * p.k_stride_h;
+      const T* vt = static_cast<const T*>(p.v) + row * p.v_stride_s + w.hkv * p.v_stride_h;
+      if (vec_kv && n_load + kBlockN <= w.n_end) {
+        copy.rebase(kt, vt);
+        if (full_cols) copy.template copy<true>();
+        else copy.template copy<false>();
+      } else {
+        const int off = copy.stage * kTileElems;
+        load_kv<kBlockN, kHeadDim, kThreads>(sK + off, kt, p.k_stride_s, w.n_end - n_load, E, vec_k);
+        load_kv<kBlockN, kHeadDim, kThreads>(sV + off, vt, p.v_stride_s, w.n_end - n_load, Ev, vec_v);
+      }
+    } else if (vec_kv && n_load + kBlockN <= w.n_end) {
       if (full_cols) copy.template copy<true>();
       else copy.template copy<false>();
     } else {
@@ -652,7 +687,7 @@ __global__ void __launch_bounds__(kNWarps * 32) flash_decode(const FlashDecodePa
     cp_async_commit();
   }
 
-  const RowLimits rl = row_limits<HasMask>(p, w, g);
+  const RowLimits rl = row_limits<HasMask, kPaged>(p, w, g);
 
   // ldmatrix lane addresses (common/mma.cuh); K and V at this warp's key slice of the tile. A lane's K/V row is
   // ≡ lane % 8 (mod 8) at every k step, so its swizzled chunk (kv_offset) at logical chunk 2·step + c is at byte

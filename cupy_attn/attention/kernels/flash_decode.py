@@ -132,7 +132,7 @@ def _params_dtype(source: str, struct: str = "FlashDecodeParams") -> np.dtype:
     body = re.sub(r"//[^\n]*", "", body)
     fields = []
     for decl in filter(None, (d.strip() for d in body.split(";"))):
-        m = re.fullmatch(r"((?:const\s+)?(?:void|float)\s*\*|long long|double)\s*(.+)", decl, re.S)
+        m = re.fullmatch(r"((?:const\s+)?(?:void|float|int)\s*\*|long long|double)\s*(.+)", decl, re.S)
         if m is None:
             raise ValueError(f"{struct}: cannot parse field declaration {decl!r}")
         kind = np.float64 if m.group(1).strip() == "double" else np.int64  # pointers and long long: 8-byte ints
@@ -155,6 +155,17 @@ FLASH_DECODE = KernelFamily(
         "tile": tuple(sorted(set(TILES.values()) | set(WIDE_TILES.values()), key=dataclasses.astuple)),
         "has_mask": ("false", "true"),
     },
+    where=lambda row: any(t == row["tile"] for (d, _), t in (*TILES.items(), *WIDE_TILES.items())
+                          if d == row["head_dim"]),
+    structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
+)
+
+# flash_decode over paged caches (its kPaged instantiations: block_table, seqused_k): every tile, no attn_mask.
+FLASH_DECODE_PAGED = KernelFamily(
+    name="flash_decode_paged",
+    source=_SOURCE,
+    template="cupy_attn::flash_decode<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, false, true>",
+    axes={"dtype": FLASH_DECODE.axes["dtype"], "head_dim": HEAD_DIMS, "tile": FLASH_DECODE.axes["tile"]},
     where=lambda row: any(t == row["tile"] for (d, _), t in (*TILES.items(), *WIDE_TILES.items())
                           if d == row["head_dim"]),
     structs=(("cupy_attn::FlashDecodeParams", _PARAMS),),
@@ -446,7 +457,7 @@ def choose(p, arch: int, num_sms: int, num_splits: int | None = None, *, variant
     return dataclasses.replace(choice, num_splits=n, split_keys=chunk)
 
 
-def build(p, choice: DecodeChoice, out, lse) -> PreparedLaunch:
+def build(p, choice: DecodeChoice, out, lse, fields: dict | None = None) -> PreparedLaunch:
     """The launch of ``choice`` (:func:`choose`'s) for a checked problem ``p`` (checks.SDPAProblem) on its device and
     stream, partials from the caller's allocator (p.ctx).
 
@@ -488,6 +499,8 @@ def build(p, choice: DecodeChoice, out, lse) -> PreparedLaunch:
     prm["scale_log2"] = float(p.scale) * LOG2E
     set_strides(prm, ("q", q, "bhl"), ("k", k, "bhs"), ("v", v, "bhs"), ("out", out, "bhl"), ("lse", lse, "bhl"),
                 ("mask", mask, "bhls"))
+    for name, value in (fields or {}).items():  # a paged call's: seqused_k, block_table, max_blocks, page_size
+        prm[name] = value
     rows = B * Hq * L
     o_part_bytes = splits * rows * Ev * 4  # lse_part's offset in the partials
     part_bytes = 0 if splits == 1 else o_part_bytes + splits * rows * 4
