@@ -28,7 +28,7 @@ COLUMNS = [("row", "row", ""), ("ms", "ms", ".3f"), ("tbs", "TB/s", ".2f"), ("fa
            ("max_err", "max |ours − FA4|", ".2e")]
 
 
-def run(rounds: int) -> list[dict]:
+def run(rounds: int, splits: tuple = ()) -> list[dict]:
     import torch
     import cupy_attn
     peer = fa4("flash_attn_varlen_func")
@@ -59,6 +59,9 @@ def run(rounds: int) -> list[dict]:
             return cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table)
 
         fns = {"ours": ours}
+        for n in splits:  # forced split counts beside the automatic one (--splits)
+            fns[f"n{n}"] = (lambda n=n: cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table,
+                                                                        num_splits=n))
         if peer is not None and page:
             def theirs():
                 o = peer(q, k_cache, v_cache, seqused_k=used, page_table=table, max_seqlen_q=1, max_seqlen_k=S_max)
@@ -73,6 +76,7 @@ def run(rounds: int) -> list[dict]:
             outs = {n: fn() for n, fn in fns.items()}
             ms = rotated_ms(fns, rounds=rounds)
         row = {"row": name, "ms": ms["ours"], "tbs": nbytes / ms["ours"] / 1e9}
+        row.update({f"ms_{n}": ms[n] for n in ms if n.startswith("n")})
         if "fa4" in ms:
             row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"],
                        max_err=float((outs["ours"].float() - outs["fa4"].float()).abs().max()))
@@ -86,8 +90,9 @@ def run(rounds: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the automatic choice")
     args = ap.parse_args(argv)
-    rows = run(args.rounds)
+    rows = run(args.rounds, tuple(int(n) for n in args.splits.split(",") if n))
     print_table(rows, COLUMNS, "attention_with_kvcache: 64 sequences of 512-8192 cached tokens, 32/8 heads, hd128, bf16")
     return 0
 

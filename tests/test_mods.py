@@ -164,9 +164,11 @@ def test_mod_calls_route_and_refuse_clearly():
     plan = cupy_attn.explain(q, k, v, score_mod=MODS["alibi"], aux=aux)
     assert plan.backend == "fused" and "flash_fwd_sm90_mod" in plan.reason
     q512, k512, v512 = (torch.randn((1, 2, 128, 512), generator=gen, device="cuda").half() for _ in range(3))
-    assert "masked_softmax_mod" in cupy_attn.explain(q512, k512, v512, score_mod=MODS["alibi"], aux=aux).reason
+    assert "flash_fwd_d512_sm90_mod" in cupy_attn.explain(q512, k512, v512, score_mod=MODS["alibi"], aux=aux).reason
+    wide = [torch.randn((1, 2, 128, 640), generator=gen, device="cuda").half() for _ in range(3)]
+    assert "masked_softmax_mod" in cupy_attn.explain(*wide, score_mod=MODS["alibi"], aux=aux).reason
     with pytest.raises(ValueError, match="backend='fused' cannot run score_mod"):
-        cupy_attn.scaled_dot_product_attention(q512, k512, v512, score_mod=MODS["alibi"], aux=aux, backend="fused")
+        cupy_attn.scaled_dot_product_attention(*wide, score_mod=MODS["alibi"], aux=aux, backend="fused")
     q.requires_grad_(True)
     no_grad = cupy_attn.AttentionMod(score_mod=MODS["alibi"].score_mod)
     with pytest.raises(NotImplementedError, match="needs its derivative"):  # before the forward runs

@@ -552,3 +552,20 @@ def test_aux_gradients_need_their_snippet():
         cupy_attn.AttentionMod(mask_mod="return true;").validate({"t": np.zeros(2, np.float32),
                                                                   "t_grad": np.zeros(2, np.float32)})
     assert torch is not None
+
+
+def test_split_schedules_of_mod_calls_are_not_kept(monkeypatch):
+    """A mod call's split schedule holds its mods' kernel and aux pointers: never kept under the layout's key, where
+    the next mod (or the plain call) of that layout would replay it (seen on the GPU: the second mod of a process ran
+    the first's softmax kernel)."""
+    from cupy_attn.attention.paths import split
+    monkeypatch.setattr(split, "_SCHEDULES", {})
+    monkeypatch.setattr(split, "_build_schedule", lambda p, choice, out, lse: object())
+    out = types.SimpleNamespace(size=1, shape=(2, 8, 1024, 128), strides=(1, 1, 1, 1))
+    for mod in (_alibi_mod(), cupy_attn.AttentionMod(score_mod="return score;")):
+        p = _gpu_problem(_bound(mod, {"slopes": np.zeros(8, np.float32)}))
+        assert split.schedule(p, None, out) is not split.schedule(p, None, out)
+    assert split._SCHEDULES == {}
+    plain = dataclasses.replace(p, variants=_variants.Variants())
+    monkeypatch.setattr(split, "_schedule_key", lambda p, choice, out, lse: "layout")
+    assert split.schedule(plain, None, out) is split.schedule(plain, None, out)

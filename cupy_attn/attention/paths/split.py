@@ -210,8 +210,10 @@ def schedule(p, choice: SplitChoice, out, lse=None) -> "_Schedule":
     pointers: run() replays it on any arrays of the same layout."""
     if out.size == 0 or p.seqlen_k == 0:
         raise ValueError("split path: empty outputs and S = 0 are handled by the caller")
-    if p.variants.sinks is not None or p.variants.alibi_slopes is not None:
-        return _build_schedule(p, choice, out, lse)  # it holds the call's expanded slopes and sinks: not kept
+    if p.variants.sinks is not None or p.variants.alibi_slopes is not None or p.variants.mod is not None:
+        # It holds the call's expanded slopes and sinks, or its mods' kernel and aux pointers: not kept (a mod's
+        # schedule kept under the layout's key was replayed for the next mod, or the plain call, of that layout).
+        return _build_schedule(p, choice, out, lse)
     key = _schedule_key(p, choice, out, lse)
     sched = _SCHEDULES.get(key)
     if sched is None:
