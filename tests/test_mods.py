@@ -3,6 +3,8 @@ softmax kernel beyond, and the split backward's rows kernels) against the float6
 running the mods' Python forms, under the suite's error rule (tests/_helpers/_tolerance.py: the peer is the same
 math in torch ops at the inputs' precision, the mods applied to its scores): ALiBi from a slope table, a document mask,
 prefix-LM, a relative-position bias table; with causal masks, GQA, head dims of every path, torch and CuPy inputs."""
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -143,7 +145,8 @@ def test_document_mask_equals_the_bool_mask_call():
     q, k, v = (torch.randn((2, 4, 500, 128), generator=gen, device="cuda").half() for _ in range(3))
     aux = _aux("document", 2, 4, 500, 500, gen)
     mask = (aux["doc"][:, None, :, None] == aux["doc"][:, None, None, :])
-    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["document"], aux=aux, backend="split")
+    accurate = dataclasses.replace(MODS["document"], fast_math=False)  # the plain kernels' IEEE arithmetic
+    out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=accurate, aux=aux, backend="split")
     want = cupy_attn.scaled_dot_product_attention(q, k, v, mask, backend="split")
     torch.testing.assert_close(out, want, rtol=0, atol=0)  # the same softmax arithmetic, the mask from the mod
 
@@ -175,10 +178,10 @@ def test_mod_calls_route_and_refuse_clearly():
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=no_grad, aux=aux)
     with pytest.raises(NotImplementedError, match="backward of score_mod / mask_mod has no softcap"):
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"], aux=aux, softcap=30.0)
-    with pytest.raises(NotImplementedError, match="aux arrays get no gradient"):
+    with pytest.raises(NotImplementedError, match="an aux array requires grad"):
         cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=MODS["alibi"],
                                                aux={"slopes": aux["slopes"].requires_grad_(True)})
-    with pytest.raises(TypeError, match="aux\\['slopes'\\]"):  # aux of another kind than the query
+    with pytest.raises(ValueError, match="aux\\['slopes'\\] is on CPU"):  # aux on another device than the query
         cupy_attn.scaled_dot_product_attention(q.detach(), k, v, score_mod=MODS["alibi"],
                                                aux={"slopes": np.zeros(2, np.float32)})
 
@@ -350,3 +353,25 @@ def test_trainable_bias_table(bwd, E, monkeypatch):
     for i, what in enumerate(("dq", "dk", "dv", "dtable")):
         assert_close(got[i], grads["ref"][i].cpu().numpy(), "float16" if i < 3 else "float32", grads["peer"][i],
                      what)
+
+
+def test_mod_calls_replay_from_the_call_cache_with_their_aux():
+    """A mod call that needs no gradient is cached like a plain one: a repeat replays its launch (no new entry);
+    other aux arrays are another key; the replay reads the aux arrays' current contents."""
+    from cupy_attn.runtime import callcache
+    gen = torch.Generator("cuda").manual_seed(13)
+    q, k, v = (torch.randn((1, 4, 256, 128), generator=gen, device="cuda").half() for _ in range(3))
+    one, two = (torch.rand(4, generator=gen, device="cuda") * 0.5 for _ in range(2))
+
+    def call(slopes):
+        return cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=MODS["alibi"],
+                                                      aux={"slopes": slopes})
+    first = call(one)
+    entries = len(callcache._CACHE)
+    assert torch.equal(call(one), first) and len(callcache._CACHE) == entries  # a hit
+    other = call(two)
+    assert not torch.equal(other, first) and len(callcache._CACHE) == entries + 1
+    want = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, alibi_slopes=two)
+    torch.testing.assert_close(other, want, rtol=2e-3, atol=2e-3)
+    one.copy_(two)  # the cached launch of `one` reads its new contents
+    assert torch.equal(call(one), other)

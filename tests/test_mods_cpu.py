@@ -341,25 +341,34 @@ WINDOW_MOD = cupy_attn.AttentionMod(mask_mod="return q_idx - kv_idx <= 200 && kv
 
 
 def test_create_block_mask_ranges_on_the_cpu():
-    """Each block of 128 query rows gets the first and last key some row of it sees; (S, -1) where none; batch and
-    heads None broadcast one entry."""
+    """Each block of 128 query rows gets the first and last key some row of it sees, then the full run (the first key
+    every row sees, the last of the unbroken run from it); (S, -1) where none; batch and heads None broadcast one
+    entry."""
     q = np.zeros((1, 1, 1, 8), np.float32)
     bm = cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300, like=q)
-    assert isinstance(bm, cupy_attn.BlockMask) and bm.ranges.shape == (1, 1, 3, 2) and bm.row_blocks == 3
-    assert bm.ranges[0, 0].tolist() == [[0, 127], [0, 255], [56, 299]]  # rows 256-299 see keys 56 ... 299
-    # the backward's table: keys 0-63 are seen by rows 0 ... 263 (63 + 200), ..., keys 256-299 by rows 256 ... 299
-    assert bm.query_ranges[0, 0].tolist() == [[0, 263], [64, 299], [128, 299], [192, 299], [256, 299]]
+    assert isinstance(bm, cupy_attn.BlockMask) and bm.ranges.shape == (1, 1, 3, 4) and bm.row_blocks == 3
+    # rows 0-127 see keys 0 ... 127, all of them key 0; rows 128-255: 0 ... 255, all 55 ... 128 (row 255's window
+    # starts at 55, row 128 ends at 128); rows 256-299: 56 ... 299, all 99 ... 256
+    assert bm.ranges[0, 0].tolist() == [[0, 127, 0, 0], [0, 255, 55, 128], [56, 299, 99, 256]]
+    # the backward's table: keys 0-63 are seen by rows 0 ... 263 (63 + 200), all of them by rows 63 ... 200; ...;
+    # keys 256-299 by rows 256 ... 299, all of them by row 299 only
+    assert bm.query_ranges[0, 0].tolist() == [[0, 263, 63, 200], [64, 299, 127, 264], [128, 299, 191, 299],
+                                              [192, 299, 255, 299], [256, 299, 299, 299]]
     doc = np.array([[0] * 100 + [1] * 200, [0] * 250 + [1] * 50], np.int32)
     doc_mod = cupy_attn.AttentionMod(mask_mod=DOC,
                                      reference_mask_mod=lambda b, h, i, j, aux: aux.doc[b, i] == aux.doc[b, j])
     bm = cupy_attn.create_block_mask(doc_mod, 2, None, 300, 300, aux={"doc": doc})
-    assert bm.ranges.shape == (2, 1, 3, 2)
-    assert bm.ranges[0, 0].tolist() == [[0, 299], [100, 299], [100, 299]]
-    assert bm.ranges[1, 0].tolist() == [[0, 249], [0, 299], [250, 299]]  # rows 250-255 are in document 1
+    assert bm.ranges.shape == (2, 1, 3, 4)
+    # rows 0-127 of sequence 0 span both documents: no key all of them see
+    assert bm.ranges[0, 0].tolist() == [[0, 299, 300, -1], [100, 299, 100, 299], [100, 299, 100, 299]]
+    assert bm.ranges[1, 0].tolist() == [[0, 249, 0, 249], [0, 299, 300, -1], [250, 299, 250, 299]]
     hidden = cupy_attn.AttentionMod(mask_mod="return q_idx >= 200;",
                                     reference_mask_mod=lambda b, h, i, j, aux: (i >= 200) & (j >= 0))
-    assert cupy_attn.create_block_mask(hidden, None, 2, 300, 50, like=q).ranges[0, 1].tolist() == [[50, -1], [0, 49],
-                                                                                                 [0, 49]]
+    assert cupy_attn.create_block_mask(hidden, None, 2, 300, 50, like=q).ranges[0, 1].tolist() == [
+        [50, -1, 50, -1], [0, 49, 50, -1], [0, 49, 0, 49]]
+    gap = cupy_attn.AttentionMod(mask_mod="return kv_idx != 7;",
+                                 reference_mask_mod=lambda b, h, i, j, aux: (j != 7) & (i >= 0))
+    assert cupy_attn.create_block_mask(gap, None, None, 10, 20, like=q).ranges[0, 0].tolist() == [[0, 19, 0, 6]]
 
 
 def test_block_mask_arguments_are_checked():

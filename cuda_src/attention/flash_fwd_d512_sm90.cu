@@ -460,8 +460,17 @@ struct Consumer {
   template <bool kPersistent>
   __device__ __forceinline__ void tile(const Params& p, const Smem& ss, int m0, int h, int b,
                                        const typename Mod::Aux* aux = nullptr, const KeyRanges* kr = nullptr) {
-    const KeyBlocks kb = key_blocks<kVariants>(p, m0, kr ? kr->of(b, h, m0) : nullptr);
+    const int* range = kr ? kr->of(b, h, m0) : nullptr;
+    const KeyBlocks kb = key_blocks<kVariants>(p, m0, range);
     const int n_blocks = kb.count();
+    // The tile's full run of keys (KeyRanges), read once: its key blocks skip the mask_mod.
+    [[maybe_unused]] int full_lo = 0, full_hi = -1;
+    if constexpr (Mod::kMask) {
+      if (range != nullptr) {
+        full_lo = range[2];
+        full_hi = range[3];
+      }
+    }
     float o[128];
     #pragma unroll
     for (int i = 0; i < 128; ++i) o[i] = 0.f;
@@ -477,7 +486,8 @@ struct Consumer {
       if constexpr (Mod::kScore || Mod::kMask)
         sm90::apply_user_mod<128, Mod>(s, *aux, b, h, m0 + r0, j * kBlockN + wg * 128, t,
                                        static_cast<float>(p.scale_log2), static_cast<int>(p.seqlen_q),
-                                       static_cast<int>(p.seqlen_k));
+                                       static_cast<int>(p.seqlen_k),
+                                       !(j * kBlockN + wg * 128 >= full_lo && j * kBlockN + wg * 128 + 127 <= full_hi));
       mask(p, s, j, m0);
       float alpha[2], ref[2] = {0.f, 0.f};
       rescale(ss, s, m_run, l_part, alpha, ref);

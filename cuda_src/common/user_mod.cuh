@@ -33,21 +33,31 @@ struct NoMod {
 };
 
 // Ranges of a mask_mod (cupy_attn.create_block_mask; mod_key_ranges below): for each (batch, head, block of
-// block_rows query rows) the first and last key any of its rows sees under the mask_mod, (S, -1) for none; a batch
-// or head stride of 0 broadcasts one entry. The fused forward kernels visit only the key blocks between them. The
-// backward's table has the same layout with the roles swapped: per block of block_rows keys, the first and last
-// query row that sees one of them (the Hopper backward visits only those query blocks).
+// block_rows query rows) four ints: the first and last key any of its rows sees under the mask_mod, (S, -1) for none,
+// then the full run: the first key every row of the block sees and the last key of the run of such keys from it
+// (S, -1 for none), whose key blocks need no mask_mod call. A batch or head stride of 0 broadcasts one entry. The
+// fused forward kernels visit only the key blocks between first and last and evaluate the mask_mod only on those not
+// inside the full run (FlexAttention's partial and full blocks, as two intervals). The backward's table has the same
+// layout with the roles swapped: per block of block_rows keys, the query rows that see one of them (the Hopper
+// backward visits only those query blocks) and the run of rows that see all of them.
 struct KeyRanges {
-  const int* ranges;  // (.., .., row_blocks, 2) int32, or nullptr (no ranges: every key block is visited)
-  long long stride_b, stride_h;  // in entries of 2 ints
+  const int* ranges;  // (.., .., row_blocks, 4) int32, or nullptr (no ranges: every key block is visited)
+  long long stride_b, stride_h;  // in entries of 4 ints
   long long block_rows;
 
-  // The (first, last) pair of the block of rows holding row m0 of batch b, head h; nullptr without ranges.
+  // The (first, last, full first, full last) entry of the block of rows holding row m0 of batch b, head h; nullptr
+  // without ranges.
   __device__ __forceinline__ const int* of(int b, int h, int m0) const {
     if (ranges == nullptr) return nullptr;
-    return ranges + 2 * (b * stride_b + h * stride_h + m0 / block_rows);
+    return ranges + 4 * (b * stride_b + h * stride_h + m0 / block_rows);
   }
 };
+
+// Whether the `width` keys from n0 lie in an entry's full run (range: KeyRanges::of's, or nullptr: none do). Read
+// per key block: kept in registers across the FA3 consumer's mainloop, the two ints spilled at head dim 128.
+__device__ __forceinline__ bool full_run(const int* range, int n0, int width) {
+  return range != nullptr && n0 >= range[2] && n0 + width - 1 <= range[3];
+}
 
 // A kernel's parameter struct with a mod's: the (B, Hq) split of the flat (batch, head) index, the key ranges and the
 // aux struct, after the base's fields (the host's NumPy declaration appends them in this order).
@@ -61,10 +71,12 @@ struct ModParams : Base {
 
 // The pre-pass of cupy_attn.create_block_mask: one block of 256 threads per (row block, head, batch) of the ranges;
 // the threads test keys in chunks of 256 from the front until some row of the block sees one (the first), then from
-// the back (the last), so that a band-shaped mask costs about its visible keys, not L·S. kTransposed: the backward's
-// table, the roles swapped (blocks of keys, the query rows that see any of them).
+// the back (the last), so that a band-shaped mask costs about its visible keys, not L·S. Then the full run: from the
+// first, the first key every row sees, and from there the first key some row does not (the run's end), each test
+// stopping at the first row that fails; its cost is about the run's visible pairs, a pass over that part of the mask.
+// kTransposed: the backward's table, the roles swapped (blocks of keys, the query rows that see any or all of them).
 struct KeyRangeParams {
-  int* ranges;  // (batch, heads, row_blocks, 2) int32, contiguous
+  int* ranges;  // (batch, heads, row_blocks, 4) int32, contiguous
   long long batch, heads, seqlen_q, seqlen_k, row_blocks, block_rows;
 };
 
@@ -74,21 +86,40 @@ __global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangePa
   const int S = static_cast<int>(kTransposed ? p.seqlen_q : p.seqlen_k);  // the scanned axis
   const int r0 = rb * static_cast<int>(p.block_rows);
   const int r1 = min(r0 + static_cast<int>(p.block_rows), static_cast<int>(kTransposed ? p.seqlen_k : p.seqlen_q));
-  __shared__ int first, last;
+  __shared__ int first, last, full_first, full_end;
   if (threadIdx.x == 0) {
     first = S;
     last = -1;
+    full_first = S;
+    full_end = S;
   }
   __syncthreads();
+  auto visible = [&](int row, int j) {
+    return Mod::mask(b, h, kTransposed ? j : row, kTransposed ? row : j, p.aux);
+  };
   // Whether some row of the block sees key j: rows top-down for the first key, bottom-up for the last (under a causal
   // mask the last rows see the most keys, so the backward scan stops at its first row).
   auto seen = [&](int j, bool bottom_up) {
     if (j < 0 || j >= S) return false;
     for (int n = 0; n < r1 - r0; ++n) {
-      const int row = bottom_up ? r1 - 1 - n : r0 + n;
-      if (Mod::mask(b, h, kTransposed ? j : row, kTransposed ? row : j, p.aux)) return true;
+      if (visible(bottom_up ? r1 - 1 - n : r0 + n, j)) return true;
     }
     return false;
+  };
+  // Whether every row sees key j: four rows a step (their mask reads in flight together), stopping at a step with a
+  // row that does not.
+  auto seen_by_all = [&](int j) {
+    if (j < 0 || j >= S) return false;
+    int n = 0;
+    for (; n + 4 <= r1 - r0; n += 4) {
+      const bool a = visible(r0 + n, j), c = visible(r0 + n + 1, j), d = visible(r0 + n + 2, j),
+                 e = visible(r0 + n + 3, j);
+      if (!(a && c && d && e)) return false;
+    }
+    for (; n < r1 - r0; ++n) {
+      if (!visible(r0 + n, j)) return false;
+    }
+    return true;
   };
   for (int c = 0; c < S; c += blockDim.x) {
     const int j = c + static_cast<int>(threadIdx.x);
@@ -105,10 +136,30 @@ __global__ void __launch_bounds__(256) mod_key_ranges(const ModParams<KeyRangePa
     }
   }
   __syncthreads();
+  const int lo = first, hi = last;  // the full run lies inside [lo, hi]
+  for (int c = lo; c <= hi; c += blockDim.x) {
+    const int j = c + static_cast<int>(threadIdx.x);
+    const bool all = j <= hi && seen_by_all(j);
+    if (all) atomicMin(&full_first, j);
+    if (__syncthreads_or(all)) break;
+  }
+  __syncthreads();
+  const int ff = full_first;
+  if (ff <= hi) {
+    for (int c = ff + 1; c <= hi; c += blockDim.x) {
+      const int j = c + static_cast<int>(threadIdx.x);
+      const bool gap = j <= hi && !seen_by_all(j);
+      if (gap) atomicMin(&full_end, j);
+      if (__syncthreads_or(gap)) break;
+    }
+  }
+  __syncthreads();
   if (threadIdx.x == 0) {
-    int* out = p.ranges + 2 * ((static_cast<long long>(b) * p.heads + h) * p.row_blocks + rb);
+    int* out = p.ranges + 4 * ((static_cast<long long>(b) * p.heads + h) * p.row_blocks + rb);
     out[0] = first;
     out[1] = last;
+    out[2] = ff <= hi ? ff : S;
+    out[3] = ff <= hi ? min(full_end, hi + 1) - 1 : -1;
   }
 }
 

@@ -300,7 +300,8 @@ template <typename T, int kHeadDim, int kBlockM, int kBlockN, int kStages, bool 
           int kHeadDimQK = kHeadDim, bool kVariants = false, typename Mod = NoMod, typename Seq>
 __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const SharedStorage<T, kHeadDim, kBlockM, kBlockN,
                                         kStages>& ss, const Seq& seq, int m0, int h, int b, KeyBlocks kb, int tid,
-                                        int it0, unsigned q_parity, const typename Mod::Aux* aux = nullptr) {
+                                        int it0, unsigned q_parity, const typename Mod::Aux* aux = nullptr,
+                                        const int* range = nullptr) {
   const int n_blocks = kb.count();
   constexpr int kWGs = kBlockM / 64;  // consumer warpgroups
   const int wg = tid / 128, warp = (tid / 32) % 4, lane = tid % 32;
@@ -428,7 +429,8 @@ __device__ __forceinline__ void consume(const FlashFwdSm90Params& p, const Share
     const int n0 = (kb.last - i) * kBlockN;
     if constexpr (kVariants) apply_score_mods<kBlockN>(acc_s, score_mods, lane_row0(), n0, t);
     if constexpr (Mod::kScore || Mod::kMask)
-      apply_user_mod<kBlockN, Mod>(acc_s, *aux, b, h, lane_row0(), n0, t, sc, static_cast<int>(seq.seqlen_q()), S);
+      apply_user_mod<kBlockN, Mod>(acc_s, *aux, b, h, lane_row0(), n0, t, sc, static_cast<int>(seq.seqlen_q()), S,
+                                   !full_run(range, n0, kBlockN));
     if (n0 + kBlockN > S || (causal && n0 + kBlockN - 1 > wg_row0 + causal_offset))
       mask_tile<kBlockN>(acc_s, lane_row0(), n0, t, Visibility{seq.seqlen_k(), causal_offset, causal});
     if (lower && n0 < wg_row0 + 63 + seq.window_lo())
@@ -561,14 +563,15 @@ __device__ __forceinline__ void consume_persistent(const FlashFwdSm90Params& p, 
     const WorkTile w = sched.tile();
     const int m0 = w.m_block * kBlockM;
     const SeqSpan<kVarlen> seq(p, w.b);
-    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0, kr ? kr->of(w.b, w.h, m0) : nullptr);
+    const int* range = kr ? kr->of(w.b, w.h, m0) : nullptr;
+    const KeyBlocks kb = key_blocks<kBlockM, kBlockN, kVariants>(p, seq, m0, range);
     if (kb.count() <= 0) {
       store_empty_rows<T, kVariants>(p, seq, m0, w.h, min(kBlockM, static_cast<int>(seq.seqlen_q()) - m0), tid,
                                      128 * kWGs);
       continue;
     }
     consume<T, kHeadDim, kBlockM, kBlockN, kStages, kOverlap, true, kHeadDimQK, kVariants, Mod>(
-        p, ss, seq, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1), aux);
+        p, ss, seq, m0, w.h, w.b, kb, tid, it, static_cast<unsigned>(tiles & 1), aux, range);
     it += kb.count();
     ++tiles;
   }

@@ -74,10 +74,15 @@ __device__ __forceinline__ void apply_score_mods(float (&s)[kBlockN / 2], const 
 // a packed call), head h: element s[4j + 2·half + e] is query row + 8·half, key n0 + 8j + 2t + e. s holds raw units
 // (times sc = the exponent's scale·log2 e, or c·log2 e with a softcap, gives base 2), so the mod sees s·sc·ln 2 and
 // its result goes back as s'·log2(e) / sc; mask_mod's false becomes -inf. The mods are called only for rows < L and
-// keys < S (a snippet may index aux by them); the masks that follow hide the others.
+// keys < S (a snippet may index aux by them); the masks that follow hide the others. with_mask = false: the tile
+// lies in its rows' full run (KeyRanges), so mask_mod is not called (a mask-only mod then does nothing).
 template <int kBlockN, typename Mod>
 __device__ __forceinline__ void apply_user_mod(float (&s)[kBlockN / 2], const typename Mod::Aux& aux, int b, int h,
-                                               long long row, int n0, int t, float sc, int L, int S) {
+                                               long long row, int n0, int t, float sc, int L, int S,
+                                               bool with_mask = true) {
+  if constexpr (!Mod::kScore) {
+    if (!with_mask) return;
+  }
   const float to_natural = sc * kLn2, from_natural = kLog2e / sc;
   const int key_end = min(S - n0, kBlockN);  // the tile's columns < key_end are keys (all but in the last block)
   #pragma unroll
@@ -92,7 +97,9 @@ __device__ __forceinline__ void apply_user_mod(float (&s)[kBlockN / 2], const ty
         if (8 * j + 2 * t + e >= key_end) continue;
         float x = s[4 * j + 2 * half + e];
         if constexpr (Mod::kScore) x = Mod::score(x * to_natural, b, h, qi, kj, aux) * from_natural;
-        if constexpr (Mod::kMask) x = Mod::mask(b, h, qi, kj, aux) ? x : neg_inf();
+        if constexpr (Mod::kMask) {
+          if (with_mask) x = Mod::mask(b, h, qi, kj, aux) ? x : neg_inf();
+        }
         s[4 * j + 2 * half + e] = x;
       }
   }
