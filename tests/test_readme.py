@@ -142,7 +142,7 @@ def test_mods_example():
     dist = (torch.arange(1024)[:, None] - torch.arange(1024)[None]).abs().clamp(max=63)
     bias = table[:, dist].to(torch.float16)  # (8, 1024, 1024)
     want = cupy_attn.scaled_dot_product_attention(q, k, v, bias.float())
-    assert ns["block_mask"].ranges.shape == (2, 1, 8, 2)
+    assert ns["block_mask"].ranges.shape == (2, 1, 8, 4)
     assert (ns["block_mask_out"].float() - got_full(cupy_attn, ns).float()).abs().max().item() < 1e-3
     bias_out = cupy_attn.scaled_dot_product_attention(q, k, v, score_mod=ns["relative_bias"], aux={"table": table})
     assert bias_out.shape == (2, 8, 1024, 128) and (bias_out.float() - want.float()).abs().max().item() < 1e-2
