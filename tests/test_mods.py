@@ -375,3 +375,29 @@ def test_mod_calls_replay_from_the_call_cache_with_their_aux():
     torch.testing.assert_close(other, want, rtol=2e-3, atol=2e-3)
     one.copy_(two)  # the cached launch of `one` reads its new contents
     assert torch.equal(call(one), other)
+
+
+def test_recorded_mod_calls_replay_forward_and_backward():
+    """A recorded mod call (no aux gradient) keeps its forward in the call cache and its backward's prepared launch
+    under the forward's key: a repeat gives the same gradients without a new entry; a trainable aux array is not
+    cached (its accumulators are new each call) and still gets its gradient."""
+    from cupy_attn.attention import autograd as _autograd
+    gen = torch.Generator("cuda").manual_seed(17)
+    q, k, v = (torch.randn((1, 4, 256, 128), generator=gen, device="cuda").bfloat16().requires_grad_(True)
+               for _ in range(3))
+    dout = torch.randn((1, 4, 256, 128), generator=gen, device="cuda").bfloat16()
+    cap = MODS["tanh_cap"]
+
+    def step():
+        out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=cap)
+        return (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    first = step()
+    entries = len(_autograd._BACKWARD_CACHE)
+    again = step()
+    assert len(_autograd._BACKWARD_CACHE) == entries
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    want = [torch.autograd.grad(_peer(q.double(), k.double(), v.double(), cap, None, True), x, dout.double())[0]
+            for x in (q, k, v)]
+    for g, w in zip(first[1:], want):
+        assert (g.double() - w).norm() / w.norm() < 2e-2

@@ -94,15 +94,20 @@ __device__ __forceinline__ void flash_bwd_sm90_body(const FlashBwdSm90Params& p,
     long long last = min(static_cast<long long>(L) - 1, vis.last_row(min(n0 + kBlockN, S) - 1));
     if (qr != nullptr && qr->ranges != nullptr) {  // a mask_mod's query rows per key block, over the group's heads
       long long q_first = L, q_last = -1;
+      int f_first = 0, f_last = L - 1;  // the rows every (head, key) of the block is seen by: the full runs' meet
       const int groups = static_cast<int>(p.groups);
       for (int g = 0; g < groups; ++g)
         for (int key = n0; key < min(n0 + kBlockN, S); key += static_cast<int>(qr->block_rows)) {
           const int* r = qr->of(b, h_kv * groups + g, key);
           q_first = min(q_first, static_cast<long long>(r[0]));
           q_last = max(q_last, static_cast<long long>(r[1]));
+          f_first = max(f_first, r[2]);
+          f_last = min(f_last, r[3]);
         }
       first = max(first, q_first);
       last = min(last, q_last);
+      steps.full_first = f_first;
+      steps.full_last = f_last;
     }
     steps.m_first = static_cast<int>(min(first, static_cast<long long>(L)) / kBlockM);
     steps.m_count = first <= last ? static_cast<int>(last / kBlockM) - steps.m_first + 1 : 0;

@@ -262,45 +262,58 @@ def _mod_function():
 
     class ModAttention(torch.autograd.Function):
         @staticmethod
-        def forward(fctx, query, key, value, attn_mask, sinks, run, p, backward_args, *aux):
+        def forward(fctx, query, key, value, attn_mask, sinks, run, p, backward_args, cache_key, *aux):
             out, lse = run()
             fctx.save_for_backward(query, key, value, attn_mask, out, lse, sinks)
-            fctx.p, fctx.backward_args, fctx.n_aux = p, backward_args, len(aux)
+            fctx.p, fctx.backward_args, fctx.n_aux, fctx.cache_key = p, backward_args, len(aux), cache_key
             fctx.mark_non_differentiable(lse)
             fctx.set_materialize_grads(False)
             return out, lse
 
         @staticmethod
         def backward(fctx, grad_out, _grad_lse):
-            none = (None,) * 3
+            none = (None,) * 4
             if grad_out is None:
-                return (None,) * (8 + fctx.n_aux)
+                return (None,) * (9 + fctx.n_aux)
             query, key, value, attn_mask, out, lse, sinks = fctx.saved_tensors
             grad_out = grad_out.contiguous()
             dsinks = sinks_grad(sinks, out, lse, grad_out) if sinks is not None and fctx.needs_input_grad[4] else None
             need_mask = attn_mask is not None and fctx.needs_input_grad[3]
             p, aux_grads = fctx.p, [None] * fctx.n_aux
             bound = p.variants.mod
-            if any(fctx.needs_input_grad[8:]):  # fp32 accumulators the backward's score_mod_aux_grad adds into
-                accs = [torch.zeros(a.shape, dtype=torch.float32, device=query.device) if fctx.needs_input_grad[8 + i]
+            # The backward's cache: the forward's key (mods, aux and BlockMask addresses, flags) with the backward's
+            # tensors; not with an attn_mask or aux gradients (their accumulators are new each call).
+            cache_key = None
+            if fctx.cache_key is not None and attn_mask is None and not any(fctx.needs_input_grad[9:]):
+                bk = backward_key(query, key, value, None, out, lse, grad_out, (None,) * 5 + (0.0, None))
+                cache_key = None if bk is None else (fctx.cache_key, bk)
+                entry = None if cache_key is None else _BACKWARD_CACHE.get(cache_key)
+                if entry is not None:
+                    return (*entry(query, key, value, out, lse, grad_out), None, dsinks) + none + tuple(aux_grads)
+                if len(_BACKWARD_CACHE) >= callcache.MAX_ENTRIES:
+                    _BACKWARD_CACHE.clear()
+            if any(fctx.needs_input_grad[9:]):  # fp32 accumulators the backward's score_mod_aux_grad adds into
+                accs = [torch.zeros(a.shape, dtype=torch.float32, device=query.device) if fctx.needs_input_grad[9 + i]
                         else None for i, a in enumerate(bound.originals)]
                 grads = tuple(0 if acc is None else acc.data_ptr() for acc in accs)
                 p = dataclasses.replace(p, variants=dataclasses.replace(
                     p.variants, mod=dataclasses.replace(bound, grads=grads)))
                 aux_grads = [None if acc is None else acc.to(a.dtype) for acc, a in zip(accs, bound.originals)]
             dq, dk, dv, dmask = problem_grads(p, query, key, value, attn_mask, out, lse, grad_out,
-                                              need_mask_grad=need_mask, **fctx.backward_args)
+                                              need_mask_grad=need_mask, cache_key=cache_key, **fctx.backward_args)
             return (dq, dk, dv, dmask, dsinks) + none + tuple(aux_grads)
 
     return ModAttention
 
 
-def apply_mod(query, key, value, attn_mask, sinks, run, p, *, workspace_bytes, allow_tf32, return_lse):
-    """A recorded score_mod / mask_mod call: ``run()`` gives (out, lse) of the checked problem ``p``."""
+def apply_mod(query, key, value, attn_mask, sinks, run, p, *, workspace_bytes, allow_tf32, return_lse,
+              cache_key=None):
+    """A recorded score_mod / mask_mod call: ``run()`` gives (out, lse) of the checked problem ``p``. ``cache_key``
+    (the forward's call-cache key, sdpa._mod_call_key; None: not cached) keys the backward's prepared launch too."""
     if attn_mask is not None and attn_mask.dtype == sys.modules["torch"].bool and attn_mask.requires_grad:
         raise TypeError("attn_mask: a bool mask cannot require grad")
     out, lse = _mod_function().apply(query, key, value, attn_mask, sinks, run, p,
-                                     {"workspace_bytes": workspace_bytes, "allow_tf32": allow_tf32},
+                                     {"workspace_bytes": workspace_bytes, "allow_tf32": allow_tf32}, cache_key,
                                      *p.variants.mod.originals)
     return (out, lse) if return_lse else out
 

@@ -210,18 +210,23 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                                   "cupy_attn.scaled_dot_product_attention outside the compiled region")
     checks.check_num_splits(num_splits)
     aux_all = variants[6].values() if isinstance(variants[6], dict) else variants[6] or ()
-    call_key = None
-    if not autograd.needs_grad(query, key, value, attn_mask, variants[2], *aux_all):
-        call_key = _mod_call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
-                                 generator, variants, num_splits, workspace_bytes, allow_tf32, return_lse)
+    grad = autograd.needs_grad(query, key, value, attn_mask, variants[2], *aux_all)
+    # Recorded calls key their forward with lse (the Function saves it) and, when no aux array needs a gradient, their
+    # backward under the same key (autograd.apply_mod); unrecorded ones replay here without any check.
+    call_key = _mod_call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
+                             generator, variants, num_splits, workspace_bytes, allow_tf32, return_lse or grad)
+    if not grad:
         entry = None if call_key is None else callcache.get(call_key)
         if entry is not None:  # the same layout, mods, aux and stream ran before: replay its launch
             return entry(query, key, value, attn_mask)
     p = checks.check_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
                           *variants)
+    if call_key is not None and p.variants.mod is not None and \
+            tuple(a.data.ptr for a in p.variants.mod.arrays) != call_key[-2]:
+        call_key = None  # an aux array was copied (not contiguous, another dtype): the launch holds the copy
     if p.dropout_p > 0:
         rng, p.rng = dropout.draw(p.ctx, generator)
-    if autograd.needs_grad(query, key, value, attn_mask, variants[2], *aux_all):
+    if grad:
         if not p.ctx.on_gpu:
             return autograd.cpu_reference(query, key, value, attn_mask, is_causal=p.causal, scale=p.scale,
                                           enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
@@ -233,13 +238,15 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
             raise NotImplementedError("an aux array requires grad: its gradient needs AttentionMod(score_mod_aux_grad="
                                       "...), which adds d loss / d aux into aux.<name>_grad; or pass it detached")
         dispatch.plan_backward(p, allow_tf32=allow_tf32)  # raises before the forward for what it cannot run
-        return autograd.apply_mod(
-            query, key, value, attn_mask, variants[2],
-            lambda: _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, None, None), p,
-            workspace_bytes=workspace_bytes, allow_tf32=allow_tf32, return_lse=return_lse)
-    if call_key is not None and p.variants.mod is not None and \
-            tuple(a.data.ptr for a in p.variants.mod.arrays) != call_key[-2]:
-        call_key = None  # an aux array was copied (not contiguous, another dtype): the launch holds the copy
+        inputs = (query, key, value, attn_mask)
+
+        def run():
+            entry = None if call_key is None else callcache.get(call_key)
+            if entry is not None:
+                return entry(*inputs)
+            return _run(p, backend, num_splits, workspace_bytes, allow_tf32, True, call_key, inputs)
+        return autograd.apply_mod(query, key, value, attn_mask, variants[2], run, p, workspace_bytes=workspace_bytes,
+                                  allow_tf32=allow_tf32, return_lse=return_lse, cache_key=call_key)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key,
                 (query, key, value, attn_mask))
 

@@ -137,6 +137,9 @@ struct BwdSteps {
   int m_first;  // first query block with a visible key
   int m_count;  // query blocks per head from m_first on
   int count;    // steps: groups · m_count (0 when no query sees the block)
+  // kUserMod with a BlockMask: the query rows that see every key of the block under the mask_mod, for every head of
+  // the group (KeyRanges' full runs, intersected); their tiles skip the mask_mod. Empty (0, -1) otherwise.
+  int full_first = 0, full_last = -1;
 };
 
 // One thread. K and V once, then per step the Q tile with its lse row and the dO tile with its D row, each stage
@@ -434,10 +437,12 @@ __device__ __forceinline__ void bwd_consume(const FlashBwdSm90Params& p,
         float ds0, ds1;
         if constexpr (kUserMod) {
           const int qi = q0 + 8 * j + 2 * t, kj = key0 + 8 * half, hq = h_kv * groups + i / steps.m_count;
+          const bool with_mask = !(q0 >= steps.full_first && q0 + kSN - 1 <= steps.full_last);
           ds0 = bwd_user_mod_ds<Mod>(acc_s[a], acc_dp[a], l.x, d.x, sc, 8 * j < lo[half] || 8 * j > hi[half], b, hq,
-                                     qi, kj, L, *aux);
+                                     qi, kj, L, *aux, with_mask);
           ds1 = bwd_user_mod_ds<Mod>(acc_s[a + 1], acc_dp[a + 1], l.y, d.y, sc,
-                                     8 * j + 1 < lo[half] || 8 * j + 1 > hi[half], b, hq, qi + 1, kj, L, *aux);
+                                     8 * j + 1 < lo[half] || 8 * j + 1 > hi[half], b, hq, qi + 1, kj, L, *aux,
+                                     with_mask);
         } else if constexpr (kScoreMods) {
           const float dist0 = dist + static_cast<float>(8 * j - 8 * half);  // element a's (a + 1's: one more)
           ds0 = bwd_score_mod_ds(acc_s[a], acc_dp[a], l.x, d.x, sc, capped, alibi_k, dist0,

@@ -106,17 +106,19 @@ __device__ __forceinline__ float bwd_score_mod_ds(float& s, float dp, float l, f
 // kUserMod, one element of the dS pass: s holds the raw score r (q·k) of query qi, key kj; the mod sees the natural
 // scaled score x = r · sc · ln 2 and gives s' = score_mod(x) (its mask_mod's false, `hidden`, or a query past L: Pᵀ =
 // 0, dSᵀ = 0; the mod is not called there, so a snippet may index aux by qi and kj); Pᵀ = 2^(s' · log2 e − l) and
-// dSᵀ = Pᵀ · (dPᵀ − D) · score_grad(x) (the kernel applies scale afterwards: d x / d r = scale).
+// dSᵀ = Pᵀ · (dPᵀ − D) · score_grad(x) (the kernel applies scale afterwards: d x / d r = scale). with_mask = false:
+// the tile lies in its keys' full run (BwdSteps), so mask_mod is not called.
 template <typename Mod>
 __device__ __forceinline__ float bwd_user_mod_ds(float& s, float dp, float l, float d, float sc, bool hidden, int b,
-                                                 int h, int qi, int kj, int L, const typename Mod::Aux& aux) {
+                                                 int h, int qi, int kj, int L, const typename Mod::Aux& aux,
+                                                 bool with_mask = true) {
   if (hidden || qi >= L) {
     s = 0.f;
     return 0.f;
   }
   const float x = s * sc * kLn2;
   if constexpr (Mod::kMask) {
-    if (!Mod::mask(b, h, qi, kj, aux)) {
+    if (with_mask && !Mod::mask(b, h, qi, kj, aux)) {
       s = 0.f;
       return 0.f;
     }
