@@ -195,7 +195,8 @@ def test_warps_rule(B, Hq, Hkv, S, splits, ctas, warps, monkeypatch):
 def test_params_dtype_is_parsed_from_the_kernel_source():
     names = _decode._PARAMS.names
     assert names[:8] == ("out", "lse", "q", "k", "v", "mask", "o_part", "lse_part")
-    assert names[-1] == "mask_stride_s" and _decode._PARAMS.itemsize == 8 * len(names)
+    assert names[-5:] == ("mask_stride_s", "seqused_k", "block_table", "max_blocks", "page_size")  # paged: last
+    assert _decode._PARAMS.itemsize == 8 * len(names)
     assert _decode._PARAMS["scale_log2"] == np.float64
     assert _decode.FLASH_DECODE.structs == (("cupy_attn::FlashDecodeParams", _decode._PARAMS),)
 

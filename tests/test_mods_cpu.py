@@ -160,7 +160,7 @@ def _gpu_problem(mod=None, E=128, dtype="float16", L=1024, S=1024):
 
 
 def _bound(mod, aux):
-    spec = _mods._spec_of(_mods._named(aux))
+    spec = _mods._spec_of(_mods.named_aux(aux))
     return _mods.BoundMod(mod, tuple(aux), tuple(aux.values()), spec)
 
 

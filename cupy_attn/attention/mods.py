@@ -113,7 +113,7 @@ class AttentionMod:
     def validate(self, aux: Any = None) -> None:
         """Compile the snippets (for sm_80, no GPU needed) with the layout of ``aux`` (arrays of any kind, or None);
         ValueError with NVRTC's log when they do not compile."""
-        _probe(self, _spec_of(_named(aux)))
+        _probe(self, _spec_of(named_aux(aux)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +156,9 @@ def _wrap(score_mod, mask_mod) -> AttentionMod:
     return AttentionMod(score_mod=score_mod, mask_mod=mask_mod)
 
 
-def _named(aux) -> list:
+def named_aux(aux) -> list:
+    """The call's aux arrays as (name, array) pairs: a dict's items, a tuple's as aux0, aux1, ...; ValueError for
+    names that are not C++ identifiers or that collide with another's _shape / _grad; TypeError for other kinds."""
     if aux is None:
         return []
     if isinstance(aux, dict):
@@ -190,7 +192,7 @@ def _spec_of(items) -> tuple:
 
 def bind(mod: AttentionMod, aux, ctx) -> BoundMod:
     """Check a call's aux arrays (kind and device as the query's) and hold them as the kernels read them."""
-    items = _named(aux)
+    items = named_aux(aux)
     spec = _spec_of(items)
     arrays = []
     for name, a in items:
@@ -493,7 +495,7 @@ does not see it), so a band costs about its visible keys; CPU inputs evaluate th
     if B < 1 or H < 1 or int(seqlen_q) < 0 or int(seqlen_k) < 0:
         raise ValueError(f"create_block_mask: batch and heads must be >= 1 (or None), lengths >= 0; got {batch}, "
                          f"{heads}, {seqlen_q}, {seqlen_k}")
-    items = _named(aux)
+    items = named_aux(aux)
     anchor = like if like is not None else (items[0][1] if items else None)
     if anchor is None:
         raise ValueError("create_block_mask: pass like= (an array of the calls' kind and device) when aux is None")

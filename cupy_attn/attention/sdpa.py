@@ -183,7 +183,7 @@ def _mod_call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, ena
         return None
     try:
         mod = mods.as_mod(score_mod, mask_mod)
-        items = mods._named(aux)
+        items = mods.named_aux(aux)
     except (TypeError, ValueError):
         return None  # the checks raise it
     if mod is None and not items:
