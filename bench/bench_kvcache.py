@@ -21,14 +21,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import fa4, print_table, rotated_ms  # noqa: E402
+from common import device_ms, fa4, print_table, rotated_ms  # noqa: E402
 
 COLUMNS = [("row", "row", ""), ("ms", "ms", ".3f"), ("tbs", "TB/s", ".2f"), ("fa4_ms", "FA4 ms", ".3f"),
            ("x_fa4", "× FA4", ".2f"), ("torch_ms", "torch ms", ".3f"), ("x_torch", "× torch", ".2f"),
-           ("max_err", "max |ours − FA4|", ".2e")]
+           ("dev_ms", "device ms", ".3f"), ("dev_tbs", "device TB/s", ".2f"), ("dev_fa4", "FA4 device ms", ".3f"),
+           ("dev_torch", "torch device ms", ".3f"), ("max_err", "max |ours − FA4|", ".2e")]
 
 
-def run(rounds: int, splits: tuple = ()) -> list[dict]:
+def run(rounds: int, splits: tuple = (), stream: bool = False) -> list[dict]:
     import torch
     import cupy_attn
     peer = fa4("flash_attn_varlen_func")
@@ -59,6 +60,15 @@ def run(rounds: int, splits: tuple = ()) -> list[dict]:
             return cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table)
 
         fns = {"ours": ours}
+        if stream:  # the TMA streaming kernel's paged instantiation beside flash_decode's (--stream)
+            def ours_stream():
+                import os
+                os.environ["CUPY_ATTN_DECODE"] = "2"
+                try:
+                    return cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table)
+                finally:
+                    del os.environ["CUPY_ATTN_DECODE"]
+            fns["stream"] = ours_stream
         for n in splits:  # forced split counts beside the automatic one (--splits)
             fns[f"n{n}"] = (lambda n=n: cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table,
                                                                         num_splits=n))
@@ -75,8 +85,14 @@ def run(rounds: int, splits: tuple = ()) -> list[dict]:
         with torch.no_grad():
             outs = {n: fn() for n, fn in fns.items()}
             ms = rotated_ms(fns, rounds=rounds)
-        row = {"row": name, "ms": ms["ours"], "tbs": nbytes / ms["ours"] / 1e9}
+            dev = {n: float(np.median([device_ms(fn, reps=5) for _ in range(rounds)])) for n, fn in fns.items()}
+        row = {"row": name, "ms": ms["ours"], "tbs": nbytes / ms["ours"] / 1e9, "dev_ms": dev["ours"],
+               "dev_tbs": nbytes / dev["ours"] / 1e9}
+        row.update({f"dev_{n}": dev[n] for n in dev if n != "ours"})
         row.update({f"ms_{n}": ms[n] for n in ms if n.startswith("n")})
+        if "stream" in ms:
+            row.update(stream_ms=ms["stream"], stream_tbs=nbytes / ms["stream"] / 1e9,
+                       stream_err=float((outs["stream"].float() - outs["ours"].float()).abs().max()))
         if "fa4" in ms:
             row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"],
                        max_err=float((outs["ours"].float() - outs["fa4"].float()).abs().max()))
@@ -91,8 +107,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--splits", default="", help="comma-separated num_splits to time beside the automatic choice")
+    ap.add_argument("--stream", action="store_true", help="time the TMA streaming kernel's paged instantiation too")
     args = ap.parse_args(argv)
-    rows = run(args.rounds, tuple(int(n) for n in args.splits.split(",") if n))
+    rows = run(args.rounds, tuple(int(n) for n in args.splits.split(",") if n), args.stream)
     print_table(rows, COLUMNS, "attention_with_kvcache: 64 sequences of 512-8192 cached tokens, 32/8 heads, hd128, bf16")
     return 0
 

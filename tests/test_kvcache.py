@@ -56,13 +56,16 @@ def _check(q, kc, vc, used, table, dtype, causal, what):
         np.testing.assert_allclose(as_f64(lse[b]), ref_lse, rtol=2e-3, atol=2e-3, err_msg=what)
 
 
+@pytest.mark.parametrize("variant", ["1", "2"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 @pytest.mark.parametrize("E", [64, 128, 256])
 @pytest.mark.parametrize("ps", [64, 128, 256])
 @pytest.mark.parametrize("L,causal", [(1, False), (4, True)])
-def test_paged_decode_kernel(dtype, E, ps, L, causal):
+def test_paged_decode_kernel(dtype, E, ps, L, causal, variant, monkeypatch):
     """The decode kernel reads each tile from its page (pages in shuffled order, unset table entries, NaN outside
-    the sequences' keys), each sequence its own key count and bottom-right causal offset; GQA 8/2."""
+    the sequences' keys), each sequence its own key count and bottom-right causal offset; GQA 8/2. CUPY_ATTN_DECODE
+    1: flash_decode's paged instantiation; 2: the TMA streaming kernel's where its key tile divides the pages."""
+    monkeypatch.setenv("CUPY_ATTN_DECODE", variant)
     q, kc, vc, used, table = _paged(5, L, 8, 2, E, ps, [0, 1, 700, 3000, 64], dtype, seed=E + ps)
     _check(q, kc, vc, used, table, dtype, causal, f"paged {ps} E={E} L={L}")
 
@@ -82,3 +85,18 @@ def test_dense_cache_and_the_varlen_fallback():
     got = cupy_attn.attention_with_kvcache(q, dense_k, dense_v, used, causal=True)
     want = cupy_attn.attention_with_kvcache(q, kc, vc, used, table, causal=True)
     torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("variant", ["1", "2"])
+def test_decode_loop_replays_with_lengths_updated_in_place(variant, monkeypatch):
+    """A second call with the same caches, lengths array (updated in place) and table replays the first's prepared
+    launch on the new q: one cache entry, the reference's result for the new lengths."""
+    from cupy_attn.attention import kvcache
+    monkeypatch.setenv("CUPY_ATTN_DECODE", variant)
+    q, kc, vc, used, table = _paged(4, 1, 8, 2, 128, 64, [100, 700, 3000, 64], "bfloat16", seed=5)
+    _check(q, kc, vc, used, table, "bfloat16", False, "first step")
+    entries = len(kvcache._CALLS)
+    used -= 7  # in place: the next step's lengths
+    q2 = torch.randn_like(q)
+    _check(q2, kc, vc, used, table, "bfloat16", False, "second step")
+    assert len(kvcache._CALLS) == entries

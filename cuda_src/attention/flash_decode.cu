@@ -791,7 +791,12 @@ struct StreamSmem {
 // zeros (and count toward the barrier's bytes); column blocks wholly past E (Ev) are not loaded and stay at the
 // zeros written at the start. Keys in [n_end, tile end) below S arrive as real data: masked by the row limits, and
 // their V rows zeroed by the consumers (only in a split's last tile).
-template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMinBlocks, bool HasMask>
+// kPaged (flash_decode_sm90_paged, no mask): the maps span the whole cache as one sequence of num_pages·page_size
+// rows (B = 1); a tile's rows come from its page (block_table; page_size a multiple of kBlockN, so no tile crosses
+// one) and each sequence has its own key count (seqused_k). Rows of a page past the sequence's keys are other data:
+// masked and zeroed like the keys past n_end above.
+template <typename T, int kHeadDim, int kBlockN, int kNWarps, int kStages, int kMinBlocks, bool HasMask,
+          bool kPaged = false>
 __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
     flash_decode_sm90(const __grid_constant__ FlashDecodeSm90Params P) {
   using namespace decode;
@@ -814,7 +819,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   const Smem ss(smem_raw);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int split = blockIdx.x;
-  const Item w = make_item<kBlockN>(p, split, blockIdx.y, blockIdx.z);
+  const Item w = make_item<kBlockN, kPaged>(p, split, blockIdx.y, blockIdx.z);
   const int E = static_cast<int>(p.head_dim), Ev = static_cast<int>(p.head_dim_v);
   const int kb_k = (E + 63) / 64, kb_v = (Ev + 63) / 64;  // column blocks TMA loads; the rest stay zero
 
@@ -828,13 +833,19 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
       #pragma unroll 1
       for (int it = 0; it < w.n_tiles; ++it) {
         const int s = ss.bars.stage(it), n0 = w.n_start + it * kBlockN;
+        int row = n0, b = w.b;  // the tile's first row and batch coordinate in the maps
+        if constexpr (kPaged) {
+          const int ps = static_cast<int>(p.page_size);
+          row = p.block_table[w.b * p.max_blocks + n0 / ps] * ps + n0 % ps;
+          b = 0;
+        }
         unsigned long long* full = ss.bars.acquire(it, (kb_k + kb_v) * kBlockN * 128);
         #pragma unroll 1
         for (int c = 0; c < kb_k; ++c)
-          tma::load_4d(ss.k + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_k, full, c * 64, n0, w.hkv, w.b);
+          tma::load_4d(ss.k + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_k, full, c * 64, row, w.hkv, b);
         #pragma unroll 1
         for (int c = 0; c < kb_v; ++c)
-          tma::load_4d(ss.v + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_v, full, c * 64, n0, w.hkv, w.b);
+          tma::load_4d(ss.v + s * Smem::kTileBytes + c * kBlockN * 128, &P.tma_v, full, c * 64, row, w.hkv, b);
       }
     }
     return;
@@ -858,7 +869,7 @@ __global__ void __launch_bounds__((kNWarps + 1) * 32, kMinBlocks)
   cp_async_wait<0>();
   tma::named_barrier_sync(kConsumerBarrier, kThreads);
 
-  const RowLimits rl = row_limits<HasMask>(p, w, g);
+  const RowLimits rl = row_limits<HasMask, kPaged>(p, w, g);
   // ldmatrix lane addresses. Q: padded rows, as flash_decode. K and V: the 16-byte chunk c of row n (n % 8 = lane % 8
   // for every address below, all row offsets being multiples of 8) sits at chunk (c % 8) ^ (n % 8) of its 128-byte
   // row segment, in column block c / 8 (kBlockN · 128 bytes apart). K's chunk is 2·(kk % 4) + (lane / 8) % 2, V's

@@ -15,7 +15,7 @@ import types
 
 import numpy as np
 
-from ..runtime import interop
+from ..runtime import callcache, interop
 from . import checks
 from .kernels import flash_decode
 
@@ -44,8 +44,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
 
     Paths: the decode kernel with paged reads (flash_decode_paged) for fp16/bf16 at head dims ≤ 256 with L·Hq/Hkv
     ≤ 64 on compute capability ≥ 8.0, when pages hold a multiple of 64 keys (a dense cache: S_max a multiple of 64,
-    read as one page per sequence); varlen_attention otherwise (q as B sequences of L rows). Rows of a sequence with
-    S_b = 0 give 0 (lse −inf).
+    read as one page per sequence); with CUPY_ATTN_DECODE=2 on Hopper the TMA streaming kernel's paged instantiation
+    (flash_decode_sm90_paged; the same device time measured); varlen_attention otherwise (q as B sequences of L rows).
+    Rows of a sequence with S_b = 0 give 0 (lse −inf). A decode loop's calls (the same caches, cache_seqlens array,
+    updated in place, and block_table; a new q) replay the first call's prepared launch: no checks, no plan. H200,
+    64 sequences of 512-8192 keys, 32/8 heads, hd128, pages of 64: 0.296 ms of device time, 3.9 TB/s of K and V.
 
     Raises before anything is launched: TypeError for dtypes (int32 index arrays) and arrays of another kind than q;
     ValueError naming the argument and axis for shapes, a cache_seqlens or block_table of the wrong length, and both
@@ -61,6 +64,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
         cache_seqlens = seqused_k
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required: the keys cached per sequence")
+    key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits)
+    entry = None if key is None else _CALLS.get(key)
+    if entry is not None:  # the same layout, caches, lengths array and table ran before: replay (a decode loop)
+        out = entry(q)
+        return out if return_lse else out[0]
     ctx = interop.context_for(q, "q")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         interop.check_like_query(name, x, ctx, "q")
@@ -97,9 +105,50 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     out = None
     if ctx.on_gpu:
         out = _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits)
+    if out is not None:
+        out, entry = out
+        if key is not None and entry is not None:
+            if len(_CALLS) >= callcache.MAX_ENTRIES:
+                _CALLS.clear()
+            _CALLS[key] = entry
     if out is None:
         out = _varlen(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     return out if return_lse else out[0]
+
+
+# Prepared decode calls: _call_key -> _Replay. A decode loop calls with the same caches, lengths array and table (the
+# lengths updated in place) and a new q each step: a hit skips the checks, the plan and the launch's construction.
+_CALLS: dict = {}
+
+
+def _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits) -> tuple | None:
+    """The call cache's key: the five arrays' signatures (shape, strides, dtype, device, address mod 16; the stream),
+    the addresses of the caches, lengths and table (the launch holds them), the flags with their types and the
+    environment overrides; None when not cacheable (not all torch CUDA tensors or all CuPy arrays)."""
+    sig = callcache.signatures((q, k_cache, v_cache, cache_seqlens, block_table))
+    if sig is None:
+        return None
+    ptr = (lambda a: a.data_ptr()) if sig[0] == "torch" else (lambda a: a.data.ptr)  # noqa: E731
+    return (sig, ptr(k_cache), ptr(v_cache), ptr(cache_seqlens), None if block_table is None else ptr(block_table),
+            type(causal), causal, type(scale), scale, type(num_splits), num_splits, callcache.env_values())
+
+
+class _Replay:
+    """A prepared decode launch replayed on a new q: allocates out and lse (the caller's allocator) and launches."""
+
+    __slots__ = ("ctx", "run", "shape", "dtype")
+
+    def __init__(self, ctx, run, shape, dtype):
+        self.ctx, self.run, self.shape, self.dtype = ctx, run, shape, dtype
+
+    def __call__(self, q):
+        ctx = self.ctx
+        B, L, Hq, Ev = self.shape
+        with ctx.activate():
+            out_native, out = ctx.empty(self.shape, self.dtype)
+            lse_native, lse = ctx.empty((B, Hq, L), np.dtype(np.float32))
+            self.run(q.data_ptr() if ctx.kind == interop.TORCH else q.data.ptr, out.data.ptr, lse.data.ptr)
+        return out_native, lse_native
 
 
 def decode_reason(ctx, q, k_cache, v_cache, block_table) -> str | None:
@@ -120,7 +169,8 @@ def decode_reason(ctx, q, k_cache, v_cache, block_table) -> str | None:
 
 
 def _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits):
-    """(out (B, L, Hq, Ev), lse (B, Hq, L)) by flash_decode_paged, or None when it does not run the call."""
+    """((out (B, L, Hq, Ev), lse (B, Hq, L)), replay) by flash_decode_paged, or None when it does not run the call;
+    replay (a _Replay, or None when the launch holds a copy of the lengths or the table) runs it again on a new q."""
     if decode_reason(ctx, q, k_cache, v_cache, block_table) is not None:
         return None
     import cupy
@@ -157,15 +207,37 @@ def _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
                                   seqlen_q=L, seqlen_k=S_max, causal="bottom_right" if causal else None,
                                   causal_offset=S_max - L, scale=scale, ctx=ctx)
         num_sms = interop.device_sms(ctx.device_id)
-        choice = flash_decode.choose(p, arch, num_sms, num_splits, variant="v1")
-        if ps % choice.tile.block_n:  # the 8-warp tile's 128 keys: the 4-warp tile's 64 divide every page here
-            choice = flash_decode.choose(p, arch, num_sms, num_splits, variant="v1", warps=4)
-        choice = dataclasses.replace(choice, family=flash_decode.FLASH_DECODE_PAGED)
+        # The streaming variant (TMA from each tile's page) where CUPY_ATTN_DECODE asks for it, sm_90 and the
+        # bindings allow it and its key tile divides the pages; else flash_decode's paged instantiation.
+        p.key = p.value = None  # the maps are the cache rows' (below), not these views'
+        choice = flash_decode.choose(p, arch, num_sms, num_splits)
+        p.key, p.value = k4, v4
+        map_views = None
+        if choice.family is flash_decode.FLASH_DECODE_SM90 and ps % choice.tile.block_n == 0:
+            rows = kc.shape[0] * ps  # the whole cache as one sequence of rows: (1, Hkv, pages · page_size, D)
+            map_views = tuple(cupy.lib.stride_tricks.as_strided(c, (1, Hkv, rows, c.shape[3]), (
+                c.strides[0] * kc.shape[0], c.strides[2], c.strides[1], c.itemsize)) for c in (kc, vc))
+            if flash_decode.stream_layout_reason(*map_views) is not None:
+                map_views = None
+        if map_views is not None:
+            choice = dataclasses.replace(choice, family=flash_decode.FLASH_DECODE_SM90_PAGED)
+        else:
+            choice = flash_decode.choose(p, arch, num_sms, num_splits, variant="v1")
+            if ps % choice.tile.block_n:  # the 8-warp tile's 128 keys: the 4-warp tile's 64 divide every page here
+                choice = flash_decode.choose(p, arch, num_sms, num_splits, variant="v1", warps=4)
+            choice = dataclasses.replace(choice, family=flash_decode.FLASH_DECODE_PAGED)
         launch = flash_decode.build(p, choice, out4, lse, fields={
-            "seqused_k": used.data.ptr, "block_table": table.data.ptr, "max_blocks": max_blocks, "page_size": ps})
+            "seqused_k": used.data.ptr, "block_table": table.data.ptr, "max_blocks": max_blocks, "page_size": ps},
+            map_views=map_views)
         launch.info["keep"] = (table, used)  # the launch reads them
-        launch.bind(ctx.stream)(q4.data.ptr, k4.data.ptr, v4.data.ptr, out4.data.ptr, lse.data.ptr, 0)
-    return out_native, lse_native
+        run = launch.bind(ctx.stream)
+        run(q4.data.ptr, k4.data.ptr, v4.data.ptr, out4.data.ptr, lse.data.ptr, 0)
+    in_place = used.data.ptr == ctx.as_cupy(cache_seqlens).data.ptr and (
+        block_table is None or table.data.ptr == ctx.as_cupy(block_table).data.ptr)
+    k_ptr, v_ptr = k4.data.ptr, v4.data.ptr
+    replay = _Replay(ctx, lambda q_ptr, o_ptr, l_ptr: run(q_ptr, k_ptr, v_ptr, o_ptr, l_ptr, 0), (B, L, Hq, Ev),
+                     np.dtype(qc.dtype)) if in_place else None
+    return (out_native, lse_native), replay
 
 
 def _varlen(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale):

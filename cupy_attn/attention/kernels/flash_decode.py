@@ -192,6 +192,19 @@ FLASH_DECODE_SM90 = KernelFamily(
     structs=(("cupy_attn::FlashDecodeSm90Params", _SM90_PARAMS),),
 )
 
+# flash_decode_sm90 over paged caches (its kPaged instantiations): the maps span the cache's rows, no attn_mask.
+FLASH_DECODE_SM90_PAGED = KernelFamily(
+    name="flash_decode_sm90_paged",
+    source=_SOURCE,
+    template=("cupy_attn::flash_decode_sm90<{dtype}, {head_dim}, {tile.block_n}, {tile.warps}, {tile.stages}, "
+              "{tile.ctas_per_sm}, false, true>"),
+    axes={"dtype": FLASH_DECODE_SM90.axes["dtype"], "head_dim": HEAD_DIMS, "tile": FLASH_DECODE_SM90.axes["tile"]},
+    where=FLASH_DECODE_SM90.where,
+    archs=("sm_90a",),
+    arch="sm_90a",
+    structs=(("cupy_attn::FlashDecodeSm90Params", _SM90_PARAMS),),
+)
+
 FLASH_DECODE_COMBINE = KernelFamily(
     name="flash_decode_combine",
     source=_SOURCE,
@@ -457,7 +470,8 @@ def choose(p, arch: int, num_sms: int, num_splits: int | None = None, *, variant
     return dataclasses.replace(choice, num_splits=n, split_keys=chunk)
 
 
-def build(p, choice: DecodeChoice, out, lse, fields: dict | None = None) -> PreparedLaunch:
+def build(p, choice: DecodeChoice, out, lse, fields: dict | None = None, map_views: tuple | None = None
+          ) -> PreparedLaunch:
     """The launch of ``choice`` (:func:`choose`'s) for a checked problem ``p`` (checks.SDPAProblem) on its device and
     stream, partials from the caller's allocator (p.ctx).
 
@@ -483,8 +497,11 @@ def build(p, choice: DecodeChoice, out, lse, fields: dict | None = None) -> Prep
         raise ValueError(f"decode attention: grid limit: kv heads × row blocks {Hkv * row_blocks} and batch {B} "
                          "must each be <= 65535")
     c_type = C_TYPE_16[dtype_name(q.dtype)]
-    kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
-                                  has_mask="false" if mask is None else "true")
+    if choice.family in (FLASH_DECODE_PAGED, FLASH_DECODE_SM90_PAGED):
+        kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile)
+    else:
+        kernel = choice.family.kernel(dtype=c_type, head_dim=head_dim, tile=tile,
+                                      has_mask="false" if mask is None else "true")
     combine = FLASH_DECODE_COMBINE.kernel(dtype=c_type) if splits > 1 else None
     smem = tile.smem_bytes(head_dim)
 
@@ -505,13 +522,15 @@ def build(p, choice: DecodeChoice, out, lse, fields: dict | None = None) -> Prep
     o_part_bytes = splits * rows * Ev * 4  # lse_part's offset in the partials
     part_bytes = 0 if splits == 1 else o_part_bytes + splits * rows * 4
     grid = (splits, Hkv * row_blocks, B)
-    if choice.family is FLASH_DECODE_SM90:
+    if choice.family in (FLASH_DECODE_SM90, FLASH_DECODE_SM90_PAGED):
         # FlashDecodeSm90Params: the maps of k and v (encoded again only when k or v moved: a decode loop over one KV
         # cache encodes once; ~10 µs of host time otherwise), then FlashDecodeParams, which the combine kernel reads.
+        # map_views: the arrays the maps describe when not k and v (a paged cache: all its rows, (1, Hkv, rows, D)).
         params, nested, block = np.zeros((), dtype=_SM90_PARAMS), "p.", (tile.threads,)
         params["p"] = prm
-        maps = (Maps(("tma_k", "tma_v"), ("k", "v"), (MapSpec.of(k, tile.block_n).encode,
-                                                      MapSpec.of(v, tile.block_n).encode)),)
+        mk, mv = map_views if map_views is not None else (k, v)
+        maps = (Maps(("tma_k", "tma_v"), ("k", "v"), (MapSpec.of(mk, tile.block_n).encode,
+                                                      MapSpec.of(mv, tile.block_n).encode)),)
     else:
         params, nested, block, maps = prm, "", (tile.warps * 32,), ()
     steps = [Step(kernel, grid, block, smem)]
