@@ -55,7 +55,7 @@ def paged_cache(k, v, lens, page: int):
     return caches[0], caches[1], table.to(k.device), used
 
 
-def run(rounds: int) -> list[dict]:
+def run(rounds: int, only: str = "", bwd_kernel: bool = False) -> list[dict]:
     import torch
     import cupy_attn
     peer = fa4("flash_attn_varlen_func")
@@ -65,6 +65,8 @@ def run(rounds: int) -> list[dict]:
             ("fwd hd64", 64, False, LENS, 0), ("fwd hd256", 256, False, LENS, 0),
             ("fwd hd128, longest first", 128, False, sorted(LENS, reverse=True), 0),
             ("fwd hd128, pages of 64", 128, False, LENS, 64), ("fwd hd128, pages of 16", 128, False, LENS, 16)):
+        if only and only not in name:
+            continue
         Hq, Hkv = 32, 8
         total = sum(lens)
         cu = torch.tensor(np.concatenate([[0], np.cumsum(lens)]), dtype=torch.int32, device="cuda")
@@ -83,6 +85,15 @@ def run(rounds: int) -> list[dict]:
                                               **kv, **({"block_table": table} if page else {}))
 
         fns = {"ours": ours}
+        if backward and bwd_kernel:  # the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel) beside the default
+            def ours_kernel():
+                import os
+                os.environ["CUPY_ATTN_VARLEN_BWD"] = "kernel"
+                try:
+                    return ours()
+                finally:
+                    del os.environ["CUPY_ATTN_VARLEN_BWD"]
+            fns["kernel"] = ours_kernel
         if peer is not None:
             def theirs():
                 o = peer(q, cu_seqlens_q=cu, max_seqlen_q=mx, max_seqlen_k=mx, causal=True, **kv,
@@ -92,7 +103,14 @@ def run(rounds: int) -> list[dict]:
         outs = {}
         for key, fn in list(fns.items()):
             if backward:
-                def step(fn=fn):
+                def step(fn=fn, key=key):
+                    if key == "kernel":  # the env var must hold through the backward, which reads it
+                        import os
+                        os.environ["CUPY_ATTN_VARLEN_BWD"] = "kernel"
+                        try:
+                            return torch.autograd.grad(ours(), (q, k, v), dout)
+                        finally:
+                            del os.environ["CUPY_ATTN_VARLEN_BWD"]
                     torch.autograd.grad(fn(), (q, k, v), dout)
                 outs[key] = fn().detach()
                 fns[key] = step
@@ -112,6 +130,9 @@ def run(rounds: int) -> list[dict]:
             row.update(fa4_ms=ms["fa4"], x_fa4=ms["fa4"] / ms["ours"], fa4_dev_ms=dev["fa4"],
                        x_fa4_dev=dev["fa4"] / dev["ours"],
                        max_err=float((outs["ours"].float() - outs["fa4"].float()).abs().max()))
+        if "kernel" in ms:
+            row.update(kernel_ms=ms["kernel"], kernel_dev_ms=dev["kernel"],
+                       kernel_err=float((outs["kernel"].float() - outs["ours"].float()).abs().max()))
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -120,8 +141,11 @@ def run(rounds: int) -> list[dict]:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--only", default="", help="the rows whose name contains this text")
+    ap.add_argument("--bwd-kernel", action="store_true",
+                    help="time the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel) beside the default backward")
     args = ap.parse_args(argv)
-    rows = run(args.rounds)
+    rows = run(args.rounds, args.only, args.bwd_kernel)
     print_table(rows, COLUMNS, "varlen_attention: 12 packed causal sequences, 25,701 tokens, bf16, 32/8 heads")
     return 0
 

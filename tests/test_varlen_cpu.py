@@ -278,3 +278,21 @@ def test_mods_on_the_cpu_index_sequences():
         np.testing.assert_allclose(out[s], want.swapaxes(0, 1), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="Python form"):
         cupy_attn.varlen_attention(q, k, v, cu, cu, 9, 9, mask_mod="return true;")
+
+
+def test_packed_backward_kernel_is_the_default_without_window_softcap_or_alibi(monkeypatch):
+    """CUPY_ATTN_VARLEN_BWD unset: the packed Hopper backward for calls without a window, softcap or ALiBi (sinks and
+    GQA allowed); =kernel always; =dense never."""
+    import types
+    from cupy_attn.attention import variants as _v
+    from cupy_attn.attention import varlen as vl
+    monkeypatch.delenv("CUPY_ATTN_VARLEN_BWD", raising=False)
+    plain, sinks = (types.SimpleNamespace(variants=_v.Variants(sinks=s)) for s in (None, np.zeros(4, np.float32)))
+    window = types.SimpleNamespace(variants=_v.Variants(window_left=8, window_right=0))
+    capped = types.SimpleNamespace(variants=_v.Variants(softcap=5.0))
+    assert vl.kernel_backward_default(plain) and vl.kernel_backward_default(sinks)
+    assert not vl.kernel_backward_default(window) and not vl.kernel_backward_default(capped)
+    monkeypatch.setenv("CUPY_ATTN_VARLEN_BWD", "kernel")
+    assert vl.kernel_backward_default(window)
+    monkeypatch.setenv("CUPY_ATTN_VARLEN_BWD", "dense")
+    assert not vl.kernel_backward_default(plain)

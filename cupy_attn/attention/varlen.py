@@ -376,7 +376,7 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
     from . import autograd
     torch = sys.modules["torch"]
     seqs = host_sequences(vp)
-    if env.get("CUPY_ATTN_VARLEN_BWD") == "kernel" and kernel_backward_reason(vp) is None:
+    if kernel_backward_default(vp) and kernel_backward_reason(vp) is None:
         return backward_kernel(vp, seqs, out, lse, grad_out, sinks)
     if bucketable(vp, seqs):
         return backward_buckets(vp, seqs, out, lse, grad_out, sinks)
@@ -403,6 +403,18 @@ def backward_sequences(vp: VarlenProblem, out, lse, grad_out, sinks):
         if sinks is not None:
             dsinks += autograd.sinks_grad(sinks.float(), o_b, lse_b, go_b)
     return dq, dk, dv, None if dsinks is None else dsinks.to(sinks.dtype)
+
+
+def kernel_backward_default(vp: VarlenProblem) -> bool:
+    """Whether the packed Hopper backward is asked for: CUPY_ATTN_VARLEN_BWD=kernel always, =dense never; unset for
+    calls without a window, softcap or ALiBi (causal or not, GQA, sinks, cross lengths: what its GPU tests cover).
+    H200, the issue's 12 causal sequences (25,701 tokens, 32/8 heads, hd128, bf16): forward + backward 5.95 ms
+    against 9.33 ms on the dense backward's padded buckets (bench/RESULTS.md)."""
+    choice = env.get("CUPY_ATTN_VARLEN_BWD")
+    if choice in ("kernel", "dense"):
+        return choice == "kernel"
+    var = vp.variants
+    return not (var.has_window or var.softcap is not None or var.alibi_slopes is not None)
 
 
 def kernel_backward_reason(vp: VarlenProblem) -> str | None:

@@ -42,8 +42,9 @@ KNOBS = (
          "most 1.5 blocks per SM (Hopper, head dims up to 128)", True),
     Knob("CUPY_ATTN_BWD", "which backward runs", "`split`, `mma`, `sm90`, `auto`; unset: auto", True),
     Knob("CUPY_ATTN_VARLEN_BWD", "varlen_attention's backward on Hopper",
-         "`kernel`: the packed Hopper backward (one launch; not yet verified on a GPU); unset or other: the dense "
-         "backward on padded buckets (causal self-attention) or per sequence", True),
+         "`kernel`: the packed Hopper backward (one launch) for every call it can run; `dense`: the dense backward "
+         "on padded buckets (causal self-attention) or per sequence; unset or other: the packed kernel for calls "
+         "without a window, softcap or ALiBi (the cases its GPU tests cover), the dense backward otherwise", True),
     Knob("CUPY_ATTN_SPLIT_FUSED", "the split path's Hopper scores kernel (Q·Kᵀ with the softmax in its epilogue)",
          "`0` off (cuBLAS + softmax pass), `1` one block per 64 rows, `2` clusters of two, `3` persistent; unset or "
          "other: `3`", True),
