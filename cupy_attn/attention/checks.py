@@ -116,6 +116,17 @@ def causal_offset(causal: str | None, seqlen_q: int, seqlen_k: int) -> int:
     return seqlen_k - seqlen_q if causal == "bottom_right" else 0
 
 
+def alias(value, alias_value, name: str, alias_name: str):
+    """``value``, or ``alias_value`` when that is given (FlashAttention's names beside ours: softmax_scale for scale,
+    causal for is_causal, seqused_k for cache_seqlens); ValueError when both are. Not given: None, or False for a
+    flag (identity tests: a scale of 0.0 counts as given)."""
+    if alias_value is None:
+        return value
+    if value is not None and value is not False:
+        raise ValueError(f"pass {name} or its alias {alias_name}, not both")
+    return alias_value
+
+
 def check_num_splits(num_splits) -> None:
     """num_splits must be None (auto) or a positive int (not a bool); ValueError naming it otherwise."""
     if num_splits is None:

@@ -54,14 +54,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     ValueError naming the argument and axis for shapes, a cache_seqlens or block_table of the wrong length, and both
     scale and softmax_scale (or cache_seqlens and seqused_k).
     """
-    if softmax_scale is not None:
-        if scale is not None:
-            raise ValueError("pass scale or its alias softmax_scale, not both")
-        scale = softmax_scale
-    if seqused_k is not None:
-        if cache_seqlens is not None:
-            raise ValueError("pass cache_seqlens or its alias seqused_k, not both")
-        cache_seqlens = seqused_k
+    scale = checks.alias(scale, softmax_scale, "scale", "softmax_scale")
+    cache_seqlens = checks.alias(cache_seqlens, seqused_k, "cache_seqlens", "seqused_k")
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required: the keys cached per sequence")
     key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits)

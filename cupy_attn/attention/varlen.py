@@ -659,14 +659,8 @@ def varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     backend="fused" for a call the packed kernel cannot run. The per-sequence path reads the index arrays on the host
     and raises ValueError for sequences that overlap or overrun q, k, max_seqlen_q or max_seqlen_k.
     """
-    if causal is not None:
-        if is_causal:
-            raise ValueError("pass is_causal or its alias causal, not both")
-        is_causal = causal
-    if softmax_scale is not None:
-        if scale is not None:
-            raise ValueError("pass scale or its alias softmax_scale, not both")
-        scale = softmax_scale
+    is_causal = checks.alias(is_causal, causal, "is_causal", "causal")
+    scale = checks.alias(scale, softmax_scale, "scale", "softmax_scale")
     mods_given = score_mod is not None or mask_mod is not None or aux is not None
     if interop.torch_compiling() or interop.is_tracing_tensor(q):  # one opaque op for Dynamo / AOTAutograd
         from .. import torch_ops
