@@ -91,12 +91,13 @@ def test_dense_cache_and_the_varlen_fallback():
 def test_decode_loop_replays_with_lengths_updated_in_place(variant, monkeypatch):
     """A second call with the same caches, lengths array (updated in place) and table replays the first's prepared
     launch on the new q: one cache entry, the reference's result for the new lengths."""
-    from cupy_attn.attention import kvcache
+    from cupy_attn.runtime import callcache
     monkeypatch.setenv("CUPY_ATTN_DECODE", variant)
     q, kc, vc, used, table = _paged(4, 1, 8, 2, 128, 64, [100, 700, 3000, 64], "bfloat16", seed=5)
+    callcache.clear()  # a fresh table: the count below is this test's entry
     _check(q, kc, vc, used, table, "bfloat16", False, "first step")
-    entries = len(kvcache._CALLS)
+    entries = len(callcache._HOLDING)
     used -= 7  # in place: the next step's lengths
     q2 = torch.randn_like(q)
     _check(q2, kc, vc, used, table, "bfloat16", False, "second step")
-    assert len(kvcache._CALLS) == entries
+    assert len(callcache._HOLDING) == entries

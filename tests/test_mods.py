@@ -366,11 +366,12 @@ def test_mod_calls_replay_from_the_call_cache_with_their_aux():
     def call(slopes):
         return cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=MODS["alibi"],
                                                       aux={"slopes": slopes})
+    callcache.clear()  # a fresh table: the counts below are this test's entries
     first = call(one)
-    entries = len(callcache._CACHE)
-    assert torch.equal(call(one), first) and len(callcache._CACHE) == entries  # a hit
+    entries = len(callcache._HOLDING)
+    assert torch.equal(call(one), first) and len(callcache._HOLDING) == entries  # a hit
     other = call(two)
-    assert not torch.equal(other, first) and len(callcache._CACHE) == entries + 1
+    assert not torch.equal(other, first) and len(callcache._HOLDING) == entries + 1
     want = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, alibi_slopes=two)
     torch.testing.assert_close(other, want, rtol=2e-3, atol=2e-3)
     one.copy_(two)  # the cached launch of `one` reads its new contents
@@ -391,10 +392,11 @@ def test_recorded_mod_calls_replay_forward_and_backward():
     def step():
         out = cupy_attn.scaled_dot_product_attention(q, k, v, is_causal=True, score_mod=cap)
         return (out,) + torch.autograd.grad(out, (q, k, v), dout)
+    _autograd._MOD_BACKWARD_CACHE.clear()  # a fresh table: the count below is this test's entry
     first = step()
-    entries = len(_autograd._BACKWARD_CACHE)
+    entries = len(_autograd._MOD_BACKWARD_CACHE)
     again = step()
-    assert len(_autograd._BACKWARD_CACHE) == entries
+    assert len(_autograd._MOD_BACKWARD_CACHE) == entries
     for a, b in zip(first, again):
         assert torch.equal(a, b)
     want = [torch.autograd.grad(_peer(q.double(), k.double(), v.double(), cap, None, True), x, dout.double())[0]

@@ -578,3 +578,15 @@ def test_split_schedules_of_mod_calls_are_not_kept(monkeypatch):
     plain = dataclasses.replace(p, variants=_variants.Variants())
     monkeypatch.setattr(split, "_schedule_key", lambda p, choice, out, lse: "layout")
     assert split.schedule(plain, None, out) is split.schedule(plain, None, out)
+
+
+def test_block_mask_tables_must_hold_four_ints_an_entry():
+    """The kernels read entries 4 ints apart (key range, full run): a 2-int table is refused before any launch."""
+    from cupy_attn.runtime import interop
+    q = np.zeros((1, 1, 1, 8), np.float32)
+    bm = cupy_attn.create_block_mask(WINDOW_MOD, None, None, 300, 300, like=q)
+    ctx = interop.CallContext(bm.kind, bm.device_id)
+    bm.check(WINDOW_MOD, ctx, 1, 1, 300, 300)
+    old = dataclasses.replace(bm, ranges=bm.ranges[..., :2])
+    with pytest.raises(ValueError, match=r"block_mask.ranges must be \(batch, heads, blocks, 4\)"):
+        old.check(WINDOW_MOD, ctx, 1, 1, 300, 300)

@@ -107,8 +107,9 @@ def grad_inputs(query, key, value, attn_mask, out, lse, grad_out, *, is_causal, 
 
 
 def problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, *, need_mask_grad: bool, workspace_bytes=None,
-                  allow_tf32=False, cache_key=None):
-    """:func:`grad_inputs` for a problem checked already (checks.SDPAProblem of the forward, its rng pair set)."""
+                  allow_tf32=False, cache_key=None, cache=None):
+    """:func:`grad_inputs` for a problem checked already (checks.SDPAProblem of the forward, its rng pair set).
+    ``cache``: the table a prepared launch is kept in under ``cache_key`` (None: _BACKWARD_CACHE)."""
     from . import dispatch
     from .paths import backward
 
@@ -126,7 +127,7 @@ def problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, *, need_m
             and lse.is_contiguous() and grad_out.is_contiguous():
         launch = backward.prepare(p, plan)
         if launch is not None:
-            entry = _BACKWARD_CACHE[cache_key] = BackwardEntry(p.ctx, launch)
+            entry = (_BACKWARD_CACHE if cache is None else cache)[cache_key] = BackwardEntry(p.ctx, launch)
             return (*entry(query, key, value, out, lse, grad_out), None)
     dq = torch.empty_like(query, memory_format=torch.contiguous_format)
     dk = torch.empty_like(key, memory_format=torch.contiguous_format)
@@ -153,6 +154,8 @@ def problem_grads(p, query, key, value, attn_mask, out, lse, grad_out, *, need_m
 
 # The autograd backward's call cache: backward_key -> BackwardEntry. Cleared when full, like runtime.callcache's.
 _BACKWARD_CACHE: dict = {}
+# Mod calls' backward entries hold their aux arrays and BlockMask: a small table of their own (callcache.MAX_HOLDING).
+_MOD_BACKWARD_CACHE: dict = {}
 
 
 def sinks_grad(sinks, out, lse, grad_out):
@@ -287,11 +290,11 @@ def _mod_function():
             if fctx.cache_key is not None and attn_mask is None and not any(fctx.needs_input_grad[9:]):
                 bk = backward_key(query, key, value, None, out, lse, grad_out, (None,) * 5 + (0.0, None))
                 cache_key = None if bk is None else (fctx.cache_key, bk)
-                entry = None if cache_key is None else _BACKWARD_CACHE.get(cache_key)
+                entry = None if cache_key is None else _MOD_BACKWARD_CACHE.get(cache_key)
                 if entry is not None:
                     return (*entry(query, key, value, out, lse, grad_out), None, dsinks) + none + tuple(aux_grads)
-                if len(_BACKWARD_CACHE) >= callcache.MAX_ENTRIES:
-                    _BACKWARD_CACHE.clear()
+                if len(_MOD_BACKWARD_CACHE) >= callcache.MAX_HOLDING:
+                    _MOD_BACKWARD_CACHE.clear()
             if any(fctx.needs_input_grad[9:]):  # fp32 accumulators the backward's score_mod_aux_grad adds into
                 accs = [torch.zeros(a.shape, dtype=torch.float32, device=query.device) if fctx.needs_input_grad[9 + i]
                         else None for i, a in enumerate(bound.originals)]
@@ -300,7 +303,8 @@ def _mod_function():
                     p.variants, mod=dataclasses.replace(bound, grads=grads)))
                 aux_grads = [None if acc is None else acc.to(a.dtype) for acc, a in zip(accs, bound.originals)]
             dq, dk, dv, dmask = problem_grads(p, query, key, value, attn_mask, out, lse, grad_out,
-                                              need_mask_grad=need_mask, cache_key=cache_key, **fctx.backward_args)
+                                              need_mask_grad=need_mask, cache_key=cache_key,
+                                              cache=_MOD_BACKWARD_CACHE, **fctx.backward_args)
             return (dq, dk, dv, dmask, dsinks) + none + tuple(aux_grads)
 
     return ModAttention

@@ -59,7 +59,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if cache_seqlens is None:
         raise ValueError("cache_seqlens is required: the keys cached per sequence")
     key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits)
-    entry = None if key is None else _CALLS.get(key)
+    entry = None if key is None else callcache.get_holding(key)
     if entry is not None:  # the same layout, caches, lengths array and table ran before: replay (a decode loop)
         out = entry(q)
         return out if return_lse else out[0]
@@ -102,17 +102,15 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     if out is not None:
         out, entry = out
         if key is not None and entry is not None:
-            if len(_CALLS) >= callcache.MAX_ENTRIES:
-                _CALLS.clear()
-            _CALLS[key] = entry
+            callcache.put_holding(key, entry)
     if out is None:
         out = _varlen(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale)
     return out if return_lse else out[0]
 
 
-# Prepared decode calls: _call_key -> _Replay. A decode loop calls with the same caches, lengths array and table (the
-# lengths updated in place) and a new q each step: a hit skips the checks, the plan and the launch's construction.
-_CALLS: dict = {}
+# Prepared decode calls (_call_key -> _Replay) live in runtime.callcache's holding table (the launch keeps the
+# lengths and table arrays). A decode loop calls with the same caches, lengths array and table (the lengths updated in
+# place) and a new q each step: a hit skips the checks, the plan and the launch's construction.
 
 
 def _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits) -> tuple | None:
@@ -122,6 +120,10 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, nu
     sig = callcache.signatures((q, k_cache, v_cache, cache_seqlens, block_table))
     if sig is None:
         return None
+    try:
+        scale = None if scale is None else float(scale)
+    except (TypeError, ValueError):
+        return None  # the checks raise
     ptr = (lambda a: a.data_ptr()) if sig[0] == "torch" else (lambda a: a.data.ptr)  # noqa: E731
     return (sig, ptr(k_cache), ptr(v_cache), ptr(cache_seqlens), None if block_table is None else ptr(block_table),
             type(causal), causal, type(scale), scale, type(num_splits), num_splits, callcache.env_values())

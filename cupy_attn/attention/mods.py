@@ -459,6 +459,10 @@ class BlockMask:
         if (self.seqlen_q, self.seqlen_k) != (seqlen_q, seqlen_k):
             raise ValueError(f"block_mask is for (L, S) = ({self.seqlen_q}, {self.seqlen_k}), the call has "
                              f"({seqlen_q}, {seqlen_k})")
+        for name, table in (("ranges", self.ranges), ("query_ranges", self.query_ranges)):
+            if table is not None and (len(table.shape) != 4 or int(table.shape[-1]) != 4):
+                raise ValueError(f"block_mask.{name} must be (batch, heads, blocks, 4) int32 (create_block_mask's), "
+                                 f"got shape {tuple(table.shape)}")
         if self.batch not in (1, batch) or self.heads not in (1, heads):
             raise ValueError(f"block_mask has batch {self.batch} and heads {self.heads}; the call needs 1 or {batch} "
                              f"and 1 or {heads}")

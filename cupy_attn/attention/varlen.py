@@ -437,7 +437,8 @@ def kernel_backward_reason(vp: VarlenProblem) -> str | None:
 
 
 def backward_kernel(vp: VarlenProblem, seqs, out, lse, grad_out, sinks):
-    """backward_sequences by the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel): one launch for every sequence
+    """backward_sequences by the packed Hopper backward (kernel_backward_default: the default without a window,
+    softcap or ALiBi; CUPY_ATTN_VARLEN_BWD=kernel always): one launch for every sequence
     (kernels/flash_bwd_sm90.Sm90VarlenBackward) on contiguous copies where the arrays are not, dK and dV zeroed first
     (rows no sequence covers stay 0). The tensor maps end at the last sequence's last row and key, so the rows after
     them (out and dO unwritten there, q and k whatever the caller left) arrive as TMA's zeros. dsinks from the covered

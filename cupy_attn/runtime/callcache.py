@@ -135,6 +135,13 @@ def _torch_float32():
     return sys.modules["torch"].float32
 
 
+# Calls whose launches hold the caller's extra arrays (score_mod / mask_mod aux arrays, a BlockMask; a decode loop's
+# lengths and table) keep them alive while cached: such entries live in a small table of their own (MAX_HOLDING), so a
+# loop that passes new arrays each call holds at most that many, and never evicts the plain calls.
+_HOLDING: dict = {}
+MAX_HOLDING = 32
+
+
 def get(call_key: tuple) -> Entry | None:
     return _CACHE.get(call_key)
 
@@ -145,8 +152,20 @@ def put(call_key: tuple, entry: Entry) -> None:
     _CACHE[call_key] = entry
 
 
+def get_holding(call_key: tuple):
+    """The entry of a call whose launch holds extra arrays (see _HOLDING), or None."""
+    return _HOLDING.get(call_key)
+
+
+def put_holding(call_key: tuple, entry) -> None:
+    if len(_HOLDING) >= MAX_HOLDING:
+        _HOLDING.clear()
+    _HOLDING[call_key] = entry
+
+
 def clear() -> None:
     _CACHE.clear()
+    _HOLDING.clear()
 
 
 # Entries hold prepared calls whose bound GEMMs keep a stream's cuBLASLt workspace (Linear-BN-softmax's):
