@@ -498,6 +498,45 @@ def _decode(rec, mp, *, cc=90, env=None, shape=(4, 8, 2, 1, 4096, 128, 128), num
     run(*_ptrs(q, k, v, o, l, m, move=512))
 
 
+def _decode_paged(rec, mp, *, stream=False, num_splits=None):
+    """attention_with_kvcache's paged launches as kvcache._decode builds them: the caches (num_blocks, page, Hkv, D)
+    read through (B, Hkv, S_max, D) views with no batch stride, the table and lengths fields; the streaming kernel's
+    maps over all the cache's rows, (1, Hkv, num_blocks · page, D)."""
+    import dataclasses
+    import types
+    from cupy_attn.attention.kernels import flash_decode
+    from cupy_attn.runtime.interop import device_sms
+    rec.cc = 90
+    B, Hq, Hkv, L, E, nb, ps, max_blocks = 4, 8, 2, 1, 128, 40, 64, 12
+    S = max_blocks * ps
+    q = FakeArray((B, Hq, L, E), F16, Q, (Hq * E * 2, E * 2, Hq * E * 2, 2))  # (B, L, Hq, E) transposed
+    k, v = (FakeArray((B, Hkv, S, E), F16, ptr, (0, E * 2, Hkv * E * 2, 2)) for ptr in (K, V))
+    o = FakeArray((B, Hq, L, E), F16, O, (Hq * E * 2, E * 2, Hq * E * 2, 2))
+    lse = FakeArray((B, Hq, L), F32, LSE)
+    p = types.SimpleNamespace(query=q, key=k, value=v, mask=None, dtype=F16, head_dim=E, head_dim_v=E, batch=B,
+                              num_heads=Hq, num_kv_heads=Hkv, groups=Hq // Hkv, seqlen_q=L, seqlen_k=S, causal=None,
+                              causal_offset=S - L, scale=0.088, ctx=FakeCtx())
+    fields = {"seqused_k": RNG, "block_table": P_BUF, "max_blocks": max_blocks, "page_size": ps}
+    if stream:
+        mp.setenv("CUPY_ATTN_DECODE", "2")
+        p.key = p.value = None  # as kvcache._decode: the maps are the cache rows', not these views'
+        choice = flash_decode.choose(p, 90, device_sms(0), num_splits)
+        p.key, p.value = k, v
+        assert choice.family is flash_decode.FLASH_DECODE_SM90, choice
+        choice = dataclasses.replace(choice, family=flash_decode.FLASH_DECODE_SM90_PAGED)
+        views = tuple(FakeArray((1, Hkv, nb * ps, E), F16, ptr, (nb * ps * Hkv * E * 2, E * 2, Hkv * E * 2, 2))
+                      for ptr in (K, V))
+        run = flash_decode.build(p, choice, o, lse, fields=fields, map_views=views).bind(p.ctx.stream)
+    else:
+        choice = flash_decode.choose(p, 90, device_sms(0), num_splits, variant="v1", warps=4)
+        choice = dataclasses.replace(choice, family=flash_decode.FLASH_DECODE_PAGED)
+        run = flash_decode.build(p, choice, o, lse, fields=fields).bind(p.ctx.stream)
+    run(Q, K, V, O, LSE, 0)
+    run(Q + 4096, K, V, O + 256, LSE, 0)
+
+
+case("decode_paged_v1")(lambda r, m: _decode_paged(r, m, num_splits=3))
+case("decode_paged_stream")(lambda r, m: _decode_paged(r, m, stream=True))
 case("decode_v1_one_split")(lambda r, m: _decode(r, m, env={"CUPY_ATTN_DECODE": "1"},
                                                  shape=(64, 32, 32, 1, 4096, 128, 128)))
 case("decode_v1_splits_mask_pdl")(lambda r, m: _decode(r, m, env={"CUPY_ATTN_DECODE": "1"}, mask=True,
