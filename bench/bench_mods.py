@@ -104,6 +104,12 @@ def _flex_factory():
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     except ImportError:
         return None
+    # One compiled flex_attention serves every case (shapes, head dims, mods): past dynamo's default recompile limit
+    # (8) it fell back to eager flex_attention, tens of ms a call (seen on the H200, session 23's full run).
+    import torch._dynamo
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 256)
     compiled = torch.compile(flex_attention)
 
     def make(kind, q, k, v, aux, gqa):
