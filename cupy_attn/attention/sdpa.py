@@ -155,6 +155,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
         call_key = None
     if call_key is not None:
         entry = callcache.get(call_key)
+        if entry is None and attn_mask is not None and call_key[0] == "torch":
+            entry = callcache.get_holding(_mask_key(call_key, attn_mask))
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
     elif interop.is_tracing_tensor(query):  # FakeTensor / FunctionalTensor (make_fx, AOTAutograd): no data to read
@@ -169,6 +171,28 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 
 
 _PLAIN_NUMBERS = (float, int)
+
+
+def _mask_key(call_key: tuple, attn_mask) -> tuple:
+    """The key of a masked call whose launch holds its mask's contents (the mask run as a mod: its array, and the
+    visible and full key ranges the pre-pass found in it): the layout's key, the mask's address and its torch version
+    counter, which every in-place write through torch bumps (views share it). Hugging Face passes one mask to every
+    layer of a forward: layers after the first replay, without the pre-pass. Writes that bypass torch (a CuPy view of
+    the mask written in place) are not seen: pass a new mask instead."""
+    return call_key + ("mask", attn_mask.data_ptr(), attn_mask._version)
+
+
+class _MaskModEntry:
+    """A cached masked call run with its mask as a mod: the launch reads the mask through its own arrays, so the
+    replay passes no mask pointer (the fused launch refuses one)."""
+
+    __slots__ = ("entry",)
+
+    def __init__(self, entry):
+        self.entry = entry
+
+    def __call__(self, query, key, value, attn_mask):
+        return self.entry(query, key, value, None)
 
 
 def _mod_call_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, generator,
@@ -278,11 +302,15 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
         run(p.query.data.ptr, p.key.data.ptr, p.value.data.ptr, out4.data.ptr,
             0 if lse3 is None else lse3.data.ptr, 0 if pp.mask is None else pp.mask.data.ptr)
         # A user's mods: the call's own problem's (its aux addresses are in the key); an attn_mask run as a mod: the
-        # plan's, whose mask copy and ranges are this call's, so not cached.
-        if call_key is not None and pp.variants.mod is p.variants.mod and _replayable(p, *inputs):
+        # plan's, whose mask array and ranges hold this mask's contents: kept under the mask's address and torch
+        # version (_mask_key) in the holding table.
+        if call_key is not None and _replayable(p, *inputs):
             entry = callcache.Entry(ctx, tuple(out_native.shape),
                                     None if lse_native is None else tuple(lse_native.shape), run)
-            (callcache.put if p.variants.mod is None else callcache.put_holding)(call_key, entry)
+            if pp.variants.mod is p.variants.mod:
+                (callcache.put if p.variants.mod is None else callcache.put_holding)(call_key, entry)
+            elif p.variants.mod is None and call_key[0] == "torch" and inputs[3] is not None:
+                callcache.put_holding(_mask_key(call_key, inputs[3]), _MaskModEntry(entry))
     return (out_native, lse_native) if return_lse else out_native
 
 
