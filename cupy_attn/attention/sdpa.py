@@ -183,13 +183,15 @@ def _mask_key(call_key: tuple, attn_mask) -> tuple:
 
 
 class _MaskModEntry:
-    """A cached masked call run with its mask as a mod: the launch reads the mask through its own arrays, so the
-    replay passes no mask pointer (the fused launch refuses one)."""
+    """A cached masked call run with its mask as a mod: the launch reads the mask through its own arrays (a view of
+    the mask, or a contiguous copy of it), so the replay passes no mask pointer (the fused launch refuses one). It
+    keeps the caller's mask alive, so that no other mask can take its address (and version 0) while the entry holds
+    the ranges found in this one."""
 
-    __slots__ = ("entry",)
+    __slots__ = ("entry", "mask")
 
-    def __init__(self, entry):
-        self.entry = entry
+    def __init__(self, entry, mask):
+        self.entry, self.mask = entry, mask
 
     def __call__(self, query, key, value, attn_mask):
         return self.entry(query, key, value, None)
@@ -310,7 +312,7 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
             if pp.variants.mod is p.variants.mod:
                 (callcache.put if p.variants.mod is None else callcache.put_holding)(call_key, entry)
             elif p.variants.mod is None and call_key[0] == "torch" and inputs[3] is not None:
-                callcache.put_holding(_mask_key(call_key, inputs[3]), _MaskModEntry(entry))
+                callcache.put_holding(_mask_key(call_key, inputs[3]), _MaskModEntry(entry, inputs[3]))
     return (out_native, lse_native) if return_lse else out_native
 
 
