@@ -116,19 +116,22 @@ __device__ __forceinline__ float bwd_user_mod_ds(float& s, float dp, float l, fl
     s = 0.f;
     return 0.f;
   }
-  const float x = s * sc * kLn2;
   if constexpr (Mod::kMask) {
     if (with_mask && !Mod::mask(b, h, qi, kj, aux)) {
       s = 0.f;
       return 0.f;
     }
   }
-  float y = x, g = 1.f;
+  // A mask-only mod leaves the score as it is: Pᵀ = 2^(r·sc − l) in one FFMA, as the plain modes form it.
+  [[maybe_unused]] const float x = s * sc * kLn2;
+  float g = 1.f, pv;
   if constexpr (Mod::kScore) {
-    y = Mod::score(x, b, h, qi, kj, aux);
+    const float y = Mod::score(x, b, h, qi, kj, aux);
     g = Mod::score_grad(x, b, h, qi, kj, aux);
+    pv = exp2_approx(fmaf(y, kLog2e, -l));
+  } else {
+    pv = exp2_approx(fmaf(s, sc, -l));
   }
-  const float pv = exp2_approx(fmaf(y, kLog2e, -l));
   s = pv;
   const float ds = pv * (dp - d);  // d loss / d score_mod(x)
   if constexpr (Mod::kScoreAuxGrad) {
