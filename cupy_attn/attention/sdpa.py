@@ -11,7 +11,7 @@ import numpy as np
 
 from .. import reference
 from ..runtime import callcache, interop
-from . import autograd, checks, dispatch, dropout, mods
+from . import autograd, checks, decode_loop, dispatch, dropout, mods
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -110,7 +110,9 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
       wgmma GEMM where faster (CUPY_ATTN_SPLIT_PV=0 keeps cuBLAS).
     - reference: the float64 NumPy reference on host copies.
     Repeated calls with the same layout, flags and stream replay the first call's prepared launch (~14-16 µs of
-    host time for a small fused call with torch tensors; torch's SDPA took 16-18 µs on the same hosts). Under
+    host time for a small fused call with torch tensors; torch's SDPA took 16-18 µs on the same hosts). Decode
+    calls on the split-KV kernel whose key length changes each step (a growing KV cache: contiguous key and value,
+    no mask) replay a launch of their family rewritten for the new length (attention/decode_loop.py). Under
     torch.compile / torch.export the call is one custom op, ``torch.ops.cupy_attn.scaled_dot_product_attention``
     (no graph break); eager calls skip its dispatch (~10 µs).
     """
@@ -153,12 +155,20 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
                                  return_lse, allow_tf32, workspace_bytes, num_splits, window_size, softcap)
     else:
         call_key = None
+    family = None
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is None and attn_mask is not None and call_key[0] == "torch":
             entry = callcache.get_holding(_mask_key(call_key, attn_mask))
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
+        if attn_mask is None and call_key[0] == "torch":  # a decode loop's growing S (attention/decode_loop.py)
+            family = decode_loop.family_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                            backend, return_lse, allow_tf32, workspace_bytes, num_splits, variants,
+                                            generator)
+            out = None if family is None else decode_loop.replay(family, query, key, value, return_lse, num_splits)
+            if out is not None:
+                return out
     elif interop.is_tracing_tensor(query):  # FakeTensor / FunctionalTensor (make_fx, AOTAutograd): no data to read
         return _via_torch_op(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend,
                              return_lse, allow_tf32, workspace_bytes, generator, variants)
@@ -167,7 +177,7 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if p.dropout_p > 0:
         _, p.rng = dropout.draw(p.ctx, generator)
     return _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, (query, key, value,
-                                                                                            attn_mask))
+                                                                                            attn_mask), family)
 
 
 _PLAIN_NUMBERS = (float, int)
@@ -279,9 +289,10 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                 (query, key, value, attn_mask))
 
 
-def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, inputs):
+def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_key, inputs, family=None):
     """Plan and launch a checked problem (its rng pair drawn when dropout_p > 0); cache the launch under
-    ``call_key`` (None: not cached) when it read the caller's ``inputs`` in place."""
+    ``call_key`` (None: not cached) when it read the caller's ``inputs`` in place, and a decode launch under its
+    ``family`` (decode_loop.family_key) for calls of other S."""
     plan = dispatch.plan_sdpa(p, backend, num_splits=num_splits, workspace_bytes=workspace_bytes,
                               allow_tf32=allow_tf32)
     if plan.backend == "reference":
@@ -311,6 +322,9 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
                                     None if lse_native is None else tuple(lse_native.shape), run)
             if pp.variants.mod is p.variants.mod:
                 (callcache.put if p.variants.mod is None else callcache.put_holding)(call_key, entry)
+            if family is not None and plan.backend == "decode":
+                decode_loop.remember(family, plan, out4, lse3, dispatch.device_arch(p),
+                                     interop.device_sms(ctx.device_id))
             elif p.variants.mod is None and call_key[0] == "torch" and inputs[3] is not None:
                 callcache.put_holding(_mask_key(call_key, inputs[3]), _MaskModEntry(entry, inputs[3]))
     return (out_native, lse_native) if return_lse else out_native

@@ -256,6 +256,22 @@ class PreparedLaunch:
         # (and so its ParamBuffer) alive, since the call cache keeps only ``bind``'s partial of it.
         self.launch_on.launch = self
 
+    def write_fields(self, values: Mapping[str, int]) -> None:
+        """Write 8-byte integer fields of the struct (names as in the NumPy declaration, ``"p.x"`` for nested ones)
+        under the launch's lock: a launch retargeted to new sizes (attention/decode_loop.py) keeps its layout, its
+        kernels and its replay function."""
+        dtype = self.params.dtype
+        with self._own.lock:
+            for name, value in values.items():
+                off, size = field_offset(dtype, name)
+                if size != 8 or off % 8:
+                    raise ValueError(f"field {name!r} ({size} bytes at offset {off}) is not one aligned 8-byte word")
+                self._own.words[off // 8] = np.int64(value).view(np.uint64)
+
+    def struct_bytes(self) -> bytes:
+        """The struct as the next replay will send it (before its pointer words are written)."""
+        return self._own.bytes.tobytes()
+
     # A single-kernel launch's shape, as the launchers' tests and explain() read it.
     @property
     def kernel(self):
