@@ -120,6 +120,15 @@ class ParamBuffer:
         return int(a.ctypes.data)
 
 
+@functools.lru_cache(maxsize=1024)
+def _word_index(dtype: np.dtype, name: str) -> int:
+    """The index of an 8-byte integer field among the struct's 64-bit words; ValueError for other fields."""
+    off, size = field_offset(dtype, name)
+    if size != 8 or off % 8:
+        raise ValueError(f"field {name!r} ({size} bytes at offset {off}) is not one aligned 8-byte word")
+    return off // 8
+
+
 def field_offset(dtype: np.dtype, name: str) -> tuple[int, int]:
     """(byte offset, size) of a field of a structured dtype; ``"p.out"`` names field ``out`` of nested struct ``p``.
 
@@ -261,12 +270,10 @@ class PreparedLaunch:
         under the launch's lock: a launch retargeted to new sizes (attention/decode_loop.py) keeps its layout, its
         kernels and its replay function."""
         dtype = self.params.dtype
+        words = self._own.words
         with self._own.lock:
             for name, value in values.items():
-                off, size = field_offset(dtype, name)
-                if size != 8 or off % 8:
-                    raise ValueError(f"field {name!r} ({size} bytes at offset {off}) is not one aligned 8-byte word")
-                self._own.words[off // 8] = np.int64(value).view(np.uint64)
+                words[_word_index(dtype, name)] = int(value) & 0xFFFF_FFFF_FFFF_FFFF  # two's complement for < 0
 
     def struct_bytes(self) -> bytes:
         """The struct as the next replay will send it (before its pointer words are written)."""

@@ -410,7 +410,13 @@ def num_splits_for(ctas: int, seqlen_k: int, num_sms: int, ctas_per_sm: int = 2,
     slots = max(1, num_sms * ctas_per_sm)
     if ctas >= fill * slots:
         return 1
-    max_splits = max(1, min(MAX_SPLITS, seqlen_k // min_keys))
+    return _best_splits(ctas, slots, max(1, min(MAX_SPLITS, seqlen_k // min_keys)))
+
+
+@functools.lru_cache(maxsize=1024)
+def _best_splits(ctas: int, slots: int, max_splits: int) -> int:
+    """num_splits_for's search, which S enters only through max_splits (so a decode loop whose S grows each step
+    repeats it rarely)."""
     eff = []
     for n in range(1, max_splits + 1):
         waves = n * ctas / slots
