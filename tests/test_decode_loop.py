@@ -11,8 +11,9 @@ pytestmark = pytest.mark.gpu
 torch = pytest.importorskip("torch")
 
 
+@pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_growing_cache_replays_retargeted_launches(dtype):
+def test_growing_cache_replays_retargeted_launches(dtype, masked):
     gen = torch.Generator("cuda").manual_seed(23)
     B, Hq, Hkv, E = 4, 32, 8, 128
     k = torch.randn((B, Hkv, 300, E), generator=gen, device="cuda").to(dtype)
@@ -29,8 +30,14 @@ def test_growing_cache_replays_retargeted_launches(dtype):
     try:
         for step in range(40):
             q = torch.randn((B, Hq, 1, E), generator=gen, device="cuda").to(dtype)
-            out = cupy_attn.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+            S = k.shape[2]
+            mask = None
+            if masked:  # Hugging Face's left padding: sequence b's first 7·b keys hidden, a new (B, 1, 1, S) mask
+                mask = (torch.arange(S, device="cuda")[None, :] >= 7 * torch.arange(B, device="cuda")[:, None])
+                mask = mask[:, None, None, :].contiguous()
+            out = cupy_attn.scaled_dot_product_attention(q, k, v, mask, enable_gqa=True)
+            want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), mask,
+                                                                    enable_gqa=True)
             torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
             grow = [torch.randn((B, Hkv, 1, E), generator=gen, device="cuda").to(dtype) for _ in range(2)]
             k, v = torch.cat([k, grow[0]], dim=2), torch.cat([v, grow[1]], dim=2)

@@ -45,19 +45,24 @@ class _Template:
 def family_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, backend, return_lse, allow_tf32,
                workspace_bytes, num_splits, variants, generator) -> tuple | None:
     """The family key of a torch call that may run the decode kernel with a growing S, or None: torch CUDA tensors,
-    contiguous key and value, no mask, dropout, generator or variant, backend "auto"."""
-    if attn_mask is not None or generator is not None or backend != "auto" or any(x is not None for x in variants):
+    contiguous key and value (and mask, whose last axis is S: Hugging Face's (B, 1, L, S) padding mask), no dropout,
+    generator or variant, backend "auto"."""
+    if generator is not None or backend != "auto" or any(x is not None for x in variants):
         return None
     if type(dropout_p) not in (float, int) or dropout_p != 0:
         return None
-    sig = callcache.signatures((query, key, value))
+    sig = callcache.signatures((query, key, value, attn_mask))
     if sig is None or sig[0] != "torch" or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4:
         return None
     if not (key.is_contiguous() and value.is_contiguous()):
         return None
-    qs, ks, vs = sig[1]
+    qs, ks, vs, ms = sig[1]
     drop_s = (lambda s: (s[0][:2] + s[0][3:],) + s[2:])  # noqa: E731  (shape without S; dtype, device, address mod 16)
-    return ("decode-family", qs, drop_s(ks), drop_s(vs), sig[2], type(is_causal), is_causal, type(scale), scale,
+    if attn_mask is not None:
+        if not attn_mask.is_contiguous() or attn_mask.dim() == 0 or attn_mask.shape[-1] != key.shape[2]:
+            return None  # its strides must follow from its shape, S its last axis
+        ms = (ms[0][:-1],) + ms[2:]
+    return ("decode-family", qs, drop_s(ks), drop_s(vs), ms, sig[2], type(is_causal), is_causal, type(scale), scale,
             type(enable_gqa), enable_gqa, type(return_lse), return_lse, type(allow_tf32), allow_tf32,
             type(workspace_bytes), workspace_bytes, type(num_splits), num_splits, callcache.env_values())
 
@@ -73,7 +78,7 @@ def remember(fkey, plan, out4, lse3, arch: int, num_sms: int) -> None:
     """After a decode plan ran a family's call: keep a launch of its own for that split count and tile (the call
     cache's entry, if any, keeps its own launch, whose struct this one must not share)."""
     choice = plan.choice
-    if choice.family is not flash_decode.FLASH_DECODE or plan.problem is None or plan.problem.mask is not None:
+    if choice.family is not flash_decode.FLASH_DECODE or plan.problem is None:
         return
     tkey = (fkey, choice.tile, choice.num_splits)
     if tkey in _TEMPLATES:
@@ -92,16 +97,20 @@ def _current_device() -> int:
     return runtime.getDevice()
 
 
-def fields(p, choice) -> dict:
+def fields(p, choice, mask_strides=None) -> dict:
     """The struct words of a decode launch that follow from S for contiguous key and value: seqlen_k, split_keys and
-    the key and value batch and head strides (in elements); num_splits and the tile are the template's."""
+    the key and value batch and head strides (in elements); with a mask, its strides (elements) as broadcast to (B,
+    Hq, L, S) (0 on broadcast axes: the checks' view). num_splits and the tile are the template's."""
     S, Hkv = p.seqlen_k, p.num_kv_heads
-    return {"seqlen_k": S, "split_keys": choice.split_keys,
-            "k_stride_b": Hkv * S * p.head_dim, "k_stride_h": S * p.head_dim,
-            "v_stride_b": Hkv * S * p.head_dim_v, "v_stride_h": S * p.head_dim_v}
+    out = {"seqlen_k": S, "split_keys": choice.split_keys,
+           "k_stride_b": Hkv * S * p.head_dim, "k_stride_h": S * p.head_dim,
+           "v_stride_b": Hkv * S * p.head_dim_v, "v_stride_h": S * p.head_dim_v}
+    if mask_strides is not None:
+        out.update(zip(("mask_stride_b", "mask_stride_h", "mask_stride_l", "mask_stride_s"), mask_strides))
+    return out
 
 
-def replay(fkey, query, key, value, return_lse: bool, num_splits):
+def replay(fkey, query, key, value, attn_mask, return_lse: bool, num_splits):
     """Run a family's call on its template for this S, or None when none fits (the caller takes the full path)."""
     device = _DEVICES.get(fkey)
     if device is None or _current_device() != device[2]:
@@ -116,8 +125,10 @@ def replay(fkey, query, key, value, return_lse: bool, num_splits):
     import torch
     out = query.new_empty(query.shape[:-1] + (p.head_dim_v,))
     lse = query.new_empty(query.shape[:-1], dtype=torch.float32) if t.lse_shape is not None else None
+    mask_strides = None if attn_mask is None else attn_mask.expand(p.batch, p.num_heads, p.seqlen_q,
+                                                                      p.seqlen_k).stride()
     with t.lock:
-        t.launch.write_fields(fields(p, choice))
+        t.launch.write_fields(fields(p, choice, mask_strides))
         t.run(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
-              0)
+              0 if attn_mask is None else attn_mask.data_ptr())
     return (out, lse) if return_lse else out

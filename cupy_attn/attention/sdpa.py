@@ -111,8 +111,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     - reference: the float64 NumPy reference on host copies.
     Repeated calls with the same layout, flags and stream replay the first call's prepared launch (~14-16 µs of
     host time for a small fused call with torch tensors; torch's SDPA took 16-18 µs on the same hosts). Decode
-    calls on the split-KV kernel whose key length changes each step (a growing KV cache: contiguous key and value,
-    no mask) replay a launch of their family rewritten for the new length (attention/decode_loop.py). Under
+    calls on the split-KV kernel whose key length changes each step (a growing KV cache: contiguous key, value and
+    mask) replay a launch of their family rewritten for the new length (attention/decode_loop.py). Under
     torch.compile / torch.export the call is one custom op, ``torch.ops.cupy_attn.scaled_dot_product_attention``
     (no graph break); eager calls skip its dispatch (~10 µs).
     """
@@ -162,11 +162,12 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
             entry = callcache.get_holding(_mask_key(call_key, attn_mask))
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
-        if attn_mask is None and call_key[0] == "torch":  # a decode loop's growing S (attention/decode_loop.py)
+        if call_key[0] == "torch":  # a decode loop's growing S (attention/decode_loop.py)
             family = decode_loop.family_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                             backend, return_lse, allow_tf32, workspace_bytes, num_splits, variants,
                                             generator)
-            out = None if family is None else decode_loop.replay(family, query, key, value, return_lse, num_splits)
+            out = None if family is None else decode_loop.replay(family, query, key, value, attn_mask, return_lse,
+                                                                 num_splits)
             if out is not None:
                 return out
     elif interop.is_tracing_tensor(query):  # FakeTensor / FunctionalTensor (make_fx, AOTAutograd): no data to read
