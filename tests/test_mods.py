@@ -407,20 +407,25 @@ def test_recorded_mod_calls_replay_forward_and_backward():
 
 def test_masked_calls_replay_until_the_mask_changes():
     """A bool attn_mask run as a mod in the fused kernel: a repeat with the same mask replays (no pre-pass, one
-    holding entry); an in-place edit of the mask (torch bumps its version) runs afresh and sees the edit."""
-    from cupy_attn.runtime import callcache
+    entry); an in-place edit of the mask (torch bumps its version) runs afresh and sees the edit; an inference
+    tensor's mask is never kept."""
     gen = torch.Generator("cuda").manual_seed(19)
     q, k, v = (torch.randn((2, 8, 1024, 128), generator=gen, device="cuda").half() for _ in range(3))
     mask = torch.ones((1024, 1024), dtype=torch.bool, device="cuda").tril().expand(2, 1, 1024, 1024).clone()
     mask[1, :, :, :37] = False  # left padding of sequence 1
     assert "attn_mask as a mod" in cupy_attn.explain(q, k, v, mask).reason
-    callcache.clear()
+    from cupy_attn.attention import sdpa as _sdpa
+    _sdpa._MASK_ENTRIES.clear()
     first = cupy_attn.scaled_dot_product_attention(q, k, v, mask)
-    entries = len(callcache._HOLDING)
+    entries = len(_sdpa._MASK_ENTRIES)
     assert entries == 1 and torch.equal(cupy_attn.scaled_dot_product_attention(q, k, v, mask), first)
-    assert len(callcache._HOLDING) == entries
+    assert len(_sdpa._MASK_ENTRIES) == entries
     mask[0, :, :, :200] = False  # in place: the cached ranges no longer hold
     edited = cupy_attn.scaled_dot_product_attention(q, k, v, mask)
     want = cupy_attn.scaled_dot_product_attention(q, k, v, mask, backend="split")
     torch.testing.assert_close(edited, want, rtol=2e-3, atol=2e-3)
-    assert not torch.equal(edited, first) and len(callcache._HOLDING) == entries + 1
+    assert not torch.equal(edited, first) and len(_sdpa._MASK_ENTRIES) == entries + 1
+    with torch.inference_mode():  # inference tensors keep no version counter: run, never kept
+        frozen = mask.clone()
+        torch.testing.assert_close(cupy_attn.scaled_dot_product_attention(q, k, v, frozen), edited, rtol=0, atol=0)
+    assert len(_sdpa._MASK_ENTRIES) == entries + 1

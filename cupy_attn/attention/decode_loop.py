@@ -23,6 +23,7 @@ import threading
 import types
 
 from ..runtime import callcache
+from . import checks
 from .kernels import flash_decode
 
 # (family key, tile, split count) -> _Template; family key -> (arch, SMs) of its device. Bounded like the call cache.
@@ -35,10 +36,10 @@ class _Template:
     """A decode launch kept for retargeting: ``run`` (bound to the family's stream), its PreparedLaunch, the output
     shapes, and a lock that makes a retarget and its launch one step for concurrent threads."""
 
-    __slots__ = ("run", "launch", "out_shape", "lse_shape", "lock")
+    __slots__ = ("run", "launch", "out_shape", "lse_shape", "causal", "lock")
 
-    def __init__(self, run, launch, out_shape, lse_shape):
-        self.run, self.launch, self.out_shape, self.lse_shape = run, launch, out_shape, lse_shape
+    def __init__(self, run, launch, out_shape, lse_shape, causal):
+        self.run, self.launch, self.out_shape, self.lse_shape, self.causal = run, launch, out_shape, lse_shape, causal
         self.lock = threading.Lock()
 
 
@@ -54,8 +55,8 @@ def family_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable
     sig = callcache.signatures((query, key, value, attn_mask))
     if sig is None or sig[0] != "torch" or len(query.shape) != 4 or len(key.shape) != 4 or len(value.shape) != 4:
         return None
-    if not (key.is_contiguous() and value.is_contiguous()):
-        return None
+    if not (key.is_contiguous() and value.is_contiguous()) or key.shape[2] != value.shape[2]:
+        return None  # (a key and value of different lengths: the checks raise it)
     qs, ks, vs, ms = sig[1]
     drop_s = (lambda s: (s[0][:2] + s[0][3:],) + s[2:])  # noqa: E731  (shape without S; dtype, device, address mod 16)
     if attn_mask is not None:
@@ -89,7 +90,7 @@ def remember(fkey, plan, out4, lse3, arch: int, num_sms: int) -> None:
         _DEVICES.clear()
     _DEVICES[fkey] = (arch, num_sms, plan.problem.ctx.device_id)
     _TEMPLATES[tkey] = _Template(launch.bind(plan.problem.ctx.stream), launch, tuple(out4.shape),
-                                 None if lse3 is None else tuple(lse3.shape))
+                                 None if lse3 is None else tuple(lse3.shape), plan.problem.causal)
 
 
 def _current_device() -> int:
@@ -97,12 +98,13 @@ def _current_device() -> int:
     return runtime.getDevice()
 
 
-def fields(p, choice, mask_strides=None) -> dict:
-    """The struct words of a decode launch that follow from S for contiguous key and value: seqlen_k, split_keys and
-    the key and value batch and head strides (in elements); with a mask, its strides (elements) as broadcast to (B,
-    Hq, L, S) (0 on broadcast axes: the checks' view). num_splits and the tile are the template's."""
+def fields(p, choice, mask_strides=None, causal=None) -> dict:
+    """The struct words of a decode launch that follow from S for contiguous key and value: seqlen_k, split_keys, the
+    causal offset (S − L bottom-right, 0 top-left: checks.causal_offset) and the key and value batch and head strides
+    (in elements); with a mask, its strides (elements) as broadcast to (B, Hq, L, S) (0 on broadcast axes: the
+    checks' view). num_splits and the tile are the template's."""
     S, Hkv = p.seqlen_k, p.num_kv_heads
-    out = {"seqlen_k": S, "split_keys": choice.split_keys,
+    out = {"seqlen_k": S, "split_keys": choice.split_keys, "causal_offset": checks.causal_offset(causal, p.seqlen_q, S),
            "k_stride_b": Hkv * S * p.head_dim, "k_stride_h": S * p.head_dim,
            "v_stride_b": Hkv * S * p.head_dim_v, "v_stride_h": S * p.head_dim_v}
     if mask_strides is not None:
@@ -116,8 +118,8 @@ def replay(fkey, query, key, value, attn_mask, return_lse: bool, num_splits):
     if device is None or _current_device() != device[2]:
         return None  # no template yet, or another device is current (its launch would go to that one's context)
     p = _problem(query, key, value)
-    if num_splits is None and not flash_decode.prefer_decode(p.seqlen_q, p.seqlen_k, p.groups)[0]:
-        return None
+    if p.seqlen_k == 0 or (num_splits is None and not flash_decode.prefer_decode(p.seqlen_q, p.seqlen_k, p.groups)[0]):
+        return None  # S = 0 is the empty call's (the full path's); short S are not the decode plan's
     choice = flash_decode.choose(p, device[0], device[1], num_splits)
     t = _TEMPLATES.get((fkey, choice.tile, choice.num_splits))
     if t is None:
@@ -128,7 +130,7 @@ def replay(fkey, query, key, value, attn_mask, return_lse: bool, num_splits):
     mask_strides = None if attn_mask is None else attn_mask.expand(p.batch, p.num_heads, p.seqlen_q,
                                                                       p.seqlen_k).stride()
     with t.lock:
-        t.launch.write_fields(fields(p, choice, mask_strides))
+        t.launch.write_fields(fields(p, choice, mask_strides, t.causal))
         t.run(query.data_ptr(), key.data_ptr(), value.data_ptr(), out.data_ptr(), 0 if lse is None else lse.data_ptr(),
               0 if attn_mask is None else attn_mask.data_ptr())
     return (out, lse) if return_lse else out

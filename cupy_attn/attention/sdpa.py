@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import reference
-from ..runtime import callcache, interop
+from ..runtime import callcache, interop, workspace
 from . import autograd, checks, decode_loop, dispatch, dropout, mods
 
 
@@ -159,7 +159,8 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
     if call_key is not None:
         entry = callcache.get(call_key)
         if entry is None and attn_mask is not None and call_key[0] == "torch":
-            entry = callcache.get_holding(_mask_key(call_key, attn_mask))
+            held = _mask_key(call_key, attn_mask)
+            entry = None if held is None else _MASK_ENTRIES.get(held)
         if entry is not None:  # the same layout, flags and stream ran before: replay its launch (see _callcache)
             return entry(query, key, value, attn_mask)
         if call_key[0] == "torch":  # a decode loop's growing S (attention/decode_loop.py)
@@ -184,13 +185,23 @@ def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.
 _PLAIN_NUMBERS = (float, int)
 
 
-def _mask_key(call_key: tuple, attn_mask) -> tuple:
+def _mask_key(call_key: tuple, attn_mask) -> tuple | None:
     """The key of a masked call whose launch holds its mask's contents (the mask run as a mod: its array, and the
     visible and full key ranges the pre-pass found in it): the layout's key, the mask's address and its torch version
     counter, which every in-place write through torch bumps (views share it). Hugging Face passes one mask to every
     layer of a forward: layers after the first replay, without the pre-pass. Writes that bypass torch (a CuPy view of
-    the mask written in place) are not seen: pass a new mask instead."""
+    the mask written in place, ``.data``) are not seen: pass a new mask instead. None for inference tensors, which
+    keep no version counter (torch.inference_mode): such calls are not kept."""
+    if attn_mask.is_inference():
+        return None
     return call_key + ("mask", attn_mask.data_ptr(), attn_mask._version)
+
+
+# Masked calls run with the mask as a mod (_mask_key -> _MaskModEntry). Each keeps its mask (at least 2^24 pairs: tens
+# of MB) and the launch's copy alive, so few are kept: a model's forward passes one mask to all its layers.
+_MASK_ENTRIES: dict = {}
+MAX_MASK_ENTRIES = 4
+workspace.on_release(_MASK_ENTRIES.clear)  # cupy_attn.release_memory() lets their masks go
 
 
 class _MaskModEntry:
@@ -323,11 +334,15 @@ def _run(p, backend, num_splits, workspace_bytes, allow_tf32, return_lse, call_k
                                     None if lse_native is None else tuple(lse_native.shape), run)
             if pp.variants.mod is p.variants.mod:
                 (callcache.put if p.variants.mod is None else callcache.put_holding)(call_key, entry)
+            elif p.variants.mod is None and call_key[0] == "torch" and inputs[3] is not None:
+                held = _mask_key(call_key, inputs[3])  # the mask run as a mod: only this call's plan holds it
+                if held is not None:
+                    if len(_MASK_ENTRIES) >= MAX_MASK_ENTRIES:
+                        _MASK_ENTRIES.clear()
+                    _MASK_ENTRIES[held] = _MaskModEntry(entry, inputs[3])
             if family is not None and plan.backend == "decode":
                 decode_loop.remember(family, plan, out4, lse3, dispatch.device_arch(p),
                                      interop.device_sms(ctx.device_id))
-            elif p.variants.mod is None and call_key[0] == "torch" and inputs[3] is not None:
-                callcache.put_holding(_mask_key(call_key, inputs[3]), _MaskModEntry(entry, inputs[3]))
     return (out_native, lse_native) if return_lse else out_native
 
 

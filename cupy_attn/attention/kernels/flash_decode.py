@@ -425,7 +425,7 @@ def _best_splits(ctas: int, slots: int, max_splits: int) -> int:
     return next(n for n, e in enumerate(eff, 1) if e >= 0.85 * best)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=4096)  # bounded: a decode loop asks for a new S every step
 def split_plan(B: int, Hkv: int, L: int, groups: int, S: int, head_dim: int, arch: int, num_sms: int,
                num_splits: int | None = None, block_n: int | None = None) -> tuple[int, int]:
     """(splits actually launched, keys per split). A requested count is honoured up to one key tile per split: the
