@@ -21,7 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import device_ms, fa4, print_table, rotated_ms  # noqa: E402
+from common import device_ms, environ, fa4, print_table, rotated_ms  # noqa: E402
 
 COLUMNS = [("row", "row", ""), ("ms", "ms", ".3f"), ("tbs", "TB/s", ".2f"), ("fa4_ms", "FA4 ms", ".3f"),
            ("x_fa4", "× FA4", ".2f"), ("torch_ms", "torch ms", ".3f"), ("x_torch", "× torch", ".2f"),
@@ -62,12 +62,8 @@ def run(rounds: int, splits: tuple = (), stream: bool = False) -> list[dict]:
         fns = {"ours": ours}
         if stream:  # the TMA streaming kernel's paged instantiation beside flash_decode's (--stream)
             def ours_stream():
-                import os
-                os.environ["CUPY_ATTN_DECODE"] = "2"
-                try:
+                with environ(CUPY_ATTN_DECODE="2"):
                     return cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table)
-                finally:
-                    del os.environ["CUPY_ATTN_DECODE"]
             fns["stream"] = ours_stream
         for n in splits:  # forced split counts beside the automatic one (--splits)
             fns[f"n{n}"] = (lambda n=n: cupy_attn.attention_with_kvcache(q, k_cache, v_cache, used, table,

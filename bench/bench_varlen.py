@@ -13,6 +13,7 @@ excluded: the GPU-bound case of a model's layers).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -22,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
-from common import device_ms, fa4, print_table, rotated_ms  # noqa: E402
+from common import device_ms, environ, fa4, print_table, rotated_ms  # noqa: E402
 
 LENS = [256, 4096, 1024, 3000, 512, 2048, 3500, 777, 1999, 4001, 1488, 3000]  # 25,701 tokens
 COLUMNS = [("row", "row", "s"), ("ms", "ms", ".3f"), ("tflops", "TFLOP/s", ".0f"), ("fa4_ms", "FA4 ms", ".3f"),
@@ -87,12 +88,8 @@ def run(rounds: int, only: str = "", bwd_kernel: bool = False) -> list[dict]:
         fns = {"ours": ours}
         if backward and bwd_kernel:  # the packed Hopper backward (CUPY_ATTN_VARLEN_BWD=kernel) beside the default
             def ours_kernel():
-                import os
-                os.environ["CUPY_ATTN_VARLEN_BWD"] = "kernel"
-                try:
+                with environ(CUPY_ATTN_VARLEN_BWD="kernel"):
                     return ours()
-                finally:
-                    del os.environ["CUPY_ATTN_VARLEN_BWD"]
             fns["kernel"] = ours_kernel
         if peer is not None:
             def theirs():
@@ -104,14 +101,9 @@ def run(rounds: int, only: str = "", bwd_kernel: bool = False) -> list[dict]:
         for key, fn in list(fns.items()):
             if backward:
                 def step(fn=fn, key=key):
-                    if key == "kernel":  # the env var must hold through the backward, which reads it
-                        import os
-                        os.environ["CUPY_ATTN_VARLEN_BWD"] = "kernel"
-                        try:
-                            return torch.autograd.grad(ours(), (q, k, v), dout)
-                        finally:
-                            del os.environ["CUPY_ATTN_VARLEN_BWD"]
-                    torch.autograd.grad(fn(), (q, k, v), dout)
+                    # the knob must hold through the backward, which reads it
+                    with environ(CUPY_ATTN_VARLEN_BWD="kernel") if key == "kernel" else contextlib.nullcontext():
+                        torch.autograd.grad(fn(), (q, k, v), dout)
                 outs[key] = fn().detach()
                 fns[key] = step
             else:

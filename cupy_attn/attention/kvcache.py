@@ -61,7 +61,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     key = _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits)
     entry = None if key is None else callcache.get_holding(key)
     if entry is not None:  # the same layout, caches, lengths array and table ran before: replay (a decode loop)
-        out = entry(q)
+        out = entry(q, k_cache, v_cache, None)
         return out if return_lse else out[0]
     ctx = interop.context_for(q, "q")
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -108,7 +108,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, block_table=None,
     return out if return_lse else out[0]
 
 
-# Prepared decode calls (_call_key -> _Replay) live in runtime.callcache's holding table (the launch keeps the
+# Prepared decode calls (_call_key -> callcache.Entry) live in runtime.callcache's holding table (the launch keeps the
 # lengths and table arrays). A decode loop calls with the same caches, lengths array and table (the lengths updated in
 # place) and a new q each step: a hit skips the checks, the plan and the launch's construction.
 
@@ -127,24 +127,6 @@ def _call_key(q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, nu
     ptr = (lambda a: a.data_ptr()) if sig[0] == "torch" else (lambda a: a.data.ptr)  # noqa: E731
     return (sig, ptr(k_cache), ptr(v_cache), ptr(cache_seqlens), None if block_table is None else ptr(block_table),
             type(causal), causal, type(scale), scale, type(num_splits), num_splits, callcache.env_values())
-
-
-class _Replay:
-    """A prepared decode launch replayed on a new q: allocates out and lse (the caller's allocator) and launches."""
-
-    __slots__ = ("ctx", "run", "shape", "dtype")
-
-    def __init__(self, ctx, run, shape, dtype):
-        self.ctx, self.run, self.shape, self.dtype = ctx, run, shape, dtype
-
-    def __call__(self, q):
-        ctx = self.ctx
-        B, L, Hq, Ev = self.shape
-        with ctx.activate():
-            out_native, out = ctx.empty(self.shape, self.dtype)
-            lse_native, lse = ctx.empty((B, Hq, L), np.dtype(np.float32))
-            self.run(q.data_ptr() if ctx.kind == interop.TORCH else q.data.ptr, out.data.ptr, lse.data.ptr)
-        return out_native, lse_native
 
 
 def decode_reason(ctx, q, k_cache, v_cache, block_table) -> str | None:
@@ -166,7 +148,8 @@ def decode_reason(ctx, q, k_cache, v_cache, block_table) -> str | None:
 
 def _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale, num_splits):
     """((out (B, L, Hq, Ev), lse (B, Hq, L)), replay) by flash_decode_paged, or None when it does not run the call;
-    replay (a _Replay, or None when the launch holds a copy of the lengths or the table) runs it again on a new q."""
+    replay (a callcache.Entry, or None when the launch holds a copy of the lengths or the table) runs it again on a
+    new q."""
     if decode_reason(ctx, q, k_cache, v_cache, block_table) is not None:
         return None
     import cupy
@@ -182,6 +165,8 @@ def _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
             table = cupy.arange(B, dtype=cupy.int32).reshape(B, 1)
         else:
             table = ctx.as_cupy(block_table)
+        # The launch reads the caller's lengths and table in place unless they had to be copied (then not replayed).
+        in_place = used.flags.c_contiguous and (block_table is None or table.flags.c_contiguous)
         table = table if table.flags.c_contiguous else cupy.ascontiguousarray(table)
         used = used if used.flags.c_contiguous else cupy.ascontiguousarray(used)
         max_blocks = int(table.shape[1])
@@ -228,11 +213,9 @@ def _decode(ctx, q, k_cache, v_cache, cache_seqlens, block_table, causal, scale,
         launch.info["keep"] = (table, used)  # the launch reads them
         run = launch.bind(ctx.stream)
         run(q4.data.ptr, k4.data.ptr, v4.data.ptr, out4.data.ptr, lse.data.ptr, 0)
-    in_place = used.data.ptr == ctx.as_cupy(cache_seqlens).data.ptr and (
-        block_table is None or table.data.ptr == ctx.as_cupy(block_table).data.ptr)
-    k_ptr, v_ptr = k4.data.ptr, v4.data.ptr
-    replay = _Replay(ctx, lambda q_ptr, o_ptr, l_ptr: run(q_ptr, k_ptr, v_ptr, o_ptr, l_ptr, 0), (B, L, Hq, Ev),
-                     np.dtype(qc.dtype)) if in_place else None
+    # callcache's Entry replays it: out and lse from the caller's allocator, q, k and v (the caches' bases) by
+    # address; the lengths and table stay the launch's.
+    replay = callcache.Entry(ctx, (B, L, Hq, Ev), (B, Hq, L), run) if in_place else None
     return (out_native, lse_native), replay
 
 

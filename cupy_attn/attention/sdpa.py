@@ -282,9 +282,7 @@ def _run_mod(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_g
                                           enable_gqa=enable_gqa, return_lse=return_lse, dropout_p=p.dropout_p,
                                           rng=rng if p.dropout_p > 0 else None, variants=p.variants,
                                           sinks=variants[2])
-        aux = variants[6]
-        aux = aux.values() if isinstance(aux, dict) else aux or ()
-        if any(getattr(a, "requires_grad", False) for a in aux) and p.variants.mod.mod.score_mod_aux_grad is None:
+        if any(getattr(a, "requires_grad", False) for a in aux_all) and p.variants.mod.mod.score_mod_aux_grad is None:
             raise NotImplementedError("an aux array requires grad: its gradient needs AttentionMod(score_mod_aux_grad="
                                       "...), which adds d loss / d aux into aux.<name>_grad; or pass it detached")
         dispatch.plan_backward(p, allow_tf32=allow_tf32)  # raises before the forward for what it cannot run
